@@ -1,0 +1,130 @@
+"""ForwardBatch: what one engine step asks of the model (the hyla.models <-> hyla.engine contract).
+
+N sequences each bring some new tokens, packed along one axis of T_total tokens. The model reads
+and writes the engine's pools through two indirections only:
+- `block_tables[n]`: the KV pages of sequence n (attention layers; page_size tokens per page);
+- `state_slots[n]`: the slot of sequence n in every linear layer's state pool.
+Pools are allocated by `model.allocate_cache`; who owns which page / slot is the engine's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One engine step: N sequences, their new tokens packed along one axis (T_total).
+
+    cu_seqlens: [N+1] int64, new tokens of sequence n are [cu[n], cu[n+1]).
+    context_lens: [N] int64, tokens of sequence n already cached (KV + state) before this step.
+    positions: [T_total] int64, absolute position of every new token (context_lens[n] + i).
+    block_tables: [N, max_pages] int64, page ids covering positions 0..context_len+new-1 (unused = -1).
+    state_slots: [N] int64, slot of sequence n in every linear layer's pool: read as the initial
+        state when context_lens[n] > 0 (zeros otherwise), overwritten with the state after this
+        step's tokens.
+    checkpoints: per sequence, (p, dest_slot) pairs with 0 < p <= new tokens: after the step, pool
+        slot dest_slot holds every linear layer's recurrent state AND conv windows after the first
+        p new tokens of this step. dest_slot must not be any sequence's state_slot in this step.
+    seq_lens / context_lens_list: the same counts as python lists; pass them to avoid device
+        syncs (they are read from the tensors when omitted).
+    """
+
+    cu_seqlens: torch.Tensor
+    context_lens: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    state_slots: torch.Tensor
+    checkpoints: list[list[tuple[int, int]]] | None = None
+    seq_lens: list[int] | None = None
+    context_lens_list: list[int] | None = None
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        n = self.context_lens.shape[0] if self.context_lens.ndim == 1 else -1
+        if self.cu_seqlens.ndim != 1 or self.cu_seqlens.shape[0] != n + 1:
+            raise ValueError(
+                f"cu_seqlens must be [N+1] for N={n} sequences, got {tuple(self.cu_seqlens.shape)}"
+            )
+        if self.seq_lens is None:
+            self.seq_lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        if self.context_lens_list is None:
+            self.context_lens_list = self.context_lens.tolist()
+        if len(self.seq_lens) != n or len(self.context_lens_list) != n:
+            raise ValueError(f"seq_lens / context_lens_list must have N={n} entries")
+        if any(s < 0 for s in self.seq_lens) or any(c < 0 for c in self.context_lens_list):
+            raise ValueError("new-token counts and context lengths must be >= 0")
+        t = sum(self.seq_lens)
+        if self.positions.shape != (t,):
+            raise ValueError(f"positions must be [T_total={t}], got {tuple(self.positions.shape)}")
+        if self.block_tables.ndim != 2 or self.block_tables.shape[0] != n:
+            raise ValueError(f"block_tables must be [N={n}, max_pages], got {tuple(self.block_tables.shape)}")
+        if self.state_slots.shape != (n,):
+            raise ValueError(f"state_slots must be [N={n}], got {tuple(self.state_slots.shape)}")
+        if self.checkpoints is not None:
+            if len(self.checkpoints) != n:
+                raise ValueError(f"checkpoints must have one list per sequence (N={n}), got {len(self.checkpoints)}")
+            for i, (pairs, new) in enumerate(zip(self.checkpoints, self.seq_lens)):
+                for p, _ in pairs:
+                    if not 0 < p <= new:
+                        raise ValueError(f"checkpoint position {p} of sequence {i} is outside 1..{new}")
+
+    @classmethod
+    def build(cls, seq_lens: list[int], context_lens: list[int], block_tables, state_slots,
+              checkpoints=None, device=None) -> ForwardBatch:
+        """Build from python lists: new tokens and cached tokens per sequence; block_tables as a
+        list of page-id lists (ragged, padded with -1) or a tensor; state_slots as a list or tensor."""
+        cu = [0]
+        for s in seq_lens:
+            cu.append(cu[-1] + s)
+        positions = [c + i for s, c in zip(seq_lens, context_lens) for i in range(s)]
+        if not isinstance(block_tables, torch.Tensor):
+            width = max((len(b) for b in block_tables), default=0)
+            block_tables = [list(b) + [-1] * (width - len(b)) for b in block_tables]
+            block_tables = torch.tensor(block_tables, dtype=torch.long).reshape(len(seq_lens), width)
+        as_long = lambda x: torch.as_tensor(x, dtype=torch.long, device=device)  # noqa: E731
+        return cls(
+            cu_seqlens=as_long(cu), context_lens=as_long(list(context_lens)), positions=as_long(positions),
+            block_tables=block_tables.to(device=device, dtype=torch.long), state_slots=as_long(state_slots),
+            checkpoints=checkpoints, seq_lens=list(seq_lens), context_lens_list=list(context_lens),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one new token (the pool-indexed recurrent path applies)."""
+        return bool(self.seq_lens) and all(s == 1 for s in self.seq_lens)
+
+    def token_seq_ids(self) -> torch.Tensor:
+        """[T_total] index of the sequence each new token belongs to."""
+        if "seq_ids" not in self._memo:
+            counts = torch.as_tensor(self.seq_lens, device=self.positions.device)
+            self._memo["seq_ids"] = torch.repeat_interleave(torch.arange(self.num_seqs, device=counts.device), counts)
+        return self._memo["seq_ids"]
+
+    def kv_slot_mapping(self, page_size: int) -> torch.Tensor:
+        """[T_total] flat row (page * page_size + offset) of every new token in a paged KV pool."""
+        key = ("slots", page_size)
+        if key not in self._memo:
+            pos = self.positions
+            col = pos // page_size
+            if self.num_tokens and int(col.max()) >= self.block_tables.shape[1]:
+                raise ValueError("block_tables has too few columns for the positions of this step")
+            pages = self.block_tables[self.token_seq_ids(), col]
+            if self.num_tokens and bool((pages < 0).any()):
+                raise ValueError("block_tables has no page (-1) for a position written in this step")
+            self._memo[key] = pages * page_size + pos % page_size
+        return self._memo[key]
+
+    def has_context(self) -> torch.Tensor:
+        """[N] bool: sequence n resumes from cached state (context_lens[n] > 0)."""
+        return self.context_lens > 0

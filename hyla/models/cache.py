@@ -1,0 +1,83 @@
+"""The pools a hybrid model reads and writes during `forward_batch`.
+
+- Linear (KDA) layer: a recurrent state slot pool `[num_slots, H, K, V]` (fp32 by default, the
+  delta rule accumulates into it every token) and one conv window pool per short conv (q, k, v),
+  `[num_slots, D, W-1]`: the last W-1 pre-conv inputs, oldest first (model dtype).
+- Attention (MLA) layer: a paged latent pool `[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`
+  (model dtype): one compressed latent per token, shared by all heads.
+
+The model owns these shapes; the engine owns which request holds which slot / page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KDALayerCache:
+    """state: [num_slots, H, K, V]; conv: (q, k, v) windows, each [num_slots, D, W-1]."""
+
+    state: torch.Tensor
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.state, *self.conv]
+
+
+@dataclass
+class MLALayerCache:
+    """kv: [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] latents (normed c_kv ++ k_pe)."""
+
+    kv: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.kv]
+
+
+class HybridCache:
+    """Per-layer pools, indexed by the model's layer index (`layers[i]` is a KDALayerCache for a
+    KDA layer, an MLALayerCache for an MLA layer)."""
+
+    def __init__(self, layers: list[KDALayerCache | MLALayerCache], num_slots: int, num_pages: int, page_size: int):
+        self.layers = layers
+        self.num_slots = num_slots
+        self.num_pages = num_pages
+        self.page_size = page_size
+
+    def __getitem__(self, i: int) -> KDALayerCache | MLALayerCache:
+        return self.layers[i]
+
+    @property
+    def linear_layers(self) -> list[KDALayerCache]:
+        return [c for c in self.layers if isinstance(c, KDALayerCache)]
+
+    @property
+    def attention_layers(self) -> list[MLALayerCache]:
+        return [c for c in self.layers if isinstance(c, MLALayerCache)]
+
+    def _check_slot(self, name: str, slot: int) -> None:
+        if not 0 <= int(slot) < self.num_slots:
+            raise ValueError(f"{name} slot {slot} is outside 0..{self.num_slots - 1}")
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy every linear layer's recurrent state and conv windows from slot src to slot dst
+        (e.g. restore a prefix checkpoint into a running request's slot, or fork a request)."""
+        self._check_slot("src", src)
+        self._check_slot("dst", dst)
+        for layer in self.linear_layers:
+            for t in layer.tensors():
+                t[dst].copy_(t[src])
+
+    def zero_slot(self, slot: int) -> None:
+        """Reset slot `slot` of every linear layer (forward_batch does not need this: a sequence
+        with context_len 0 never reads its slot)."""
+        self._check_slot("slot", slot)
+        for layer in self.linear_layers:
+            for t in layer.tensors():
+                t[slot].zero_()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())

@@ -1,0 +1,190 @@
+"""Short causal depthwise convolution (the q/k/v "short conv" of KDA / GDN layers).
+
+y[t, d] = act(bias[d] + sum_{j=0}^{W-1} weight[d, j] * x[t - (W-1) + j, d])
+
+where positions before a sequence's start come from its conv state: the last W-1 PRE-conv
+inputs seen so far, oldest first (``state[n, d, W-2]`` is the most recent). A fresh sequence
+starts from zeros. This is the layout of the vLLM / SGLang conv-state pool
+``[num_slots, D, W-1]``.
+
+Prefill (:func:`causal_conv1d_fn`) packs every sequence into one "extended" stream in which each
+sequence is preceded by its W-1 state columns; a single ``F.conv1d(groups=D)`` over that stream
+then never mixes sequences, with no Python loop over tokens or sequences. Decode / verify
+(:func:`causal_conv1d_update`) does the same per slot for 1..L new tokens and writes the new
+window back into the pool in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_conv1d_fn", "causal_conv1d_update"]
+
+_ACTIVATIONS = (None, "silu", "swish")
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _check_weight_bias(weight, bias, D: int) -> torch.Tensor:
+    """Return weight as [D, W]; accepts nn.Conv1d's [D, 1, W] too."""
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError("weight must be a tensor [D, W]")
+    if weight.dim() == 3 and weight.shape[1] == 1:
+        weight = weight[:, 0]
+    if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"weight must be [D={D}, W], got shape {tuple(weight.shape)}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (D,)):
+        got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias must be [D={D}] or None, got {got}")
+    return weight
+
+
+def _check_activation(activation) -> None:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+
+
+def _conv(ext: torch.Tensor, weight: torch.Tensor, bias, activation) -> torch.Tensor:
+    """Valid depthwise conv. ext: [N, D, L + W - 1] (work dtype) -> [N, D, L]."""
+    dt = ext.dtype
+    b = None if bias is None else bias.to(dt)
+    y = F.conv1d(ext, weight.to(dt).unsqueeze(1), b, groups=ext.shape[1])
+    return F.silu(y) if activation is not None else y
+
+
+def _check_cu_seqlens(cu_seqlens, B: int, T: int) -> torch.Tensor:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D integer tensor [N+1]")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+        raise ValueError(f"cu_seqlens must be integer, got {cu_seqlens.dtype}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens, x must have batch size 1 (packed), got B={B}")
+    cu = cu_seqlens.long()
+    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {cu.tolist()}")
+    return cu
+
+
+def causal_conv1d_fn(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal depthwise conv over whole sequences (prefill).
+
+    x: [B, T, D]; weight: [D, W] (or [D, 1, W]); bias: [D] | None; activation: None | "silu";
+    initial_state: [N, D, W-1] | None (None = zeros); cu_seqlens: [N+1] | None (then B == 1 and
+    sequences are packed along T; otherwise N = B).
+    Returns y: [B, T, D] in x.dtype, and final_state: [N, D, W-1] (the last W-1 pre-conv inputs
+    of each sequence, left-filled from its initial state or zeros when it is shorter than W-1;
+    dtype of initial_state if given, else x.dtype) or None.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
+        raise ValueError("x must be a floating-point tensor [B, T, D]")
+    B, T, D = x.shape
+    weight = _check_weight_bias(weight, bias, D)
+    _check_activation(activation)
+    P = weight.shape[1] - 1  # state width
+    if cu_seqlens is None:
+        N = B
+        cu = torch.arange(B + 1, device=x.device) * T
+    else:
+        cu = _check_cu_seqlens(cu_seqlens, B, T).to(x.device)
+        N = cu.numel() - 1
+    if initial_state is not None and (
+        not isinstance(initial_state, torch.Tensor) or initial_state.shape != (N, D, P)
+    ):
+        got = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else initial_state
+        raise ValueError(f"initial_state must be [N={N}, D={D}, W-1={P}], got {got}")
+
+    dt = _work_dtype(x)
+    xs = x.reshape(B * T, D).to(dt)
+    # Extended stream: sequence n occupies [cu[n] + n*P, cu[n+1] + (n+1)*P), its first P rows
+    # being its state. Token t of sequence n sits at t + (n+1)*P.
+    seq = torch.searchsorted(cu[1:], torch.arange(B * T, device=x.device), right=True)  # [B*T]
+    tok_pos = torch.arange(B * T, device=x.device) + (seq + 1) * P
+    state_pos = (cu[:-1] + torch.arange(N, device=x.device) * P)[:, None] + torch.arange(
+        P, device=x.device
+    )  # [N, P]
+    ext = xs.new_zeros(B * T + N * P, D)
+    ext[tok_pos] = xs
+    if initial_state is not None:
+        ext[state_pos.reshape(-1)] = initial_state.transpose(1, 2).reshape(N * P, D).to(dt)
+
+    if B * T > 0:
+        y_ext = _conv(ext.t().unsqueeze(0), weight, bias, activation)[0]  # [D, B*T + (N-1)*P]
+        # The output at extended position p is stored at index p - P.
+        y = y_ext[:, tok_pos - P].t().reshape(B, T, D).to(x.dtype)
+    else:
+        y = x.new_zeros(B, T, D)
+
+    final = None
+    if output_final_state:
+        end = cu[1:] + (torch.arange(N, device=x.device) + 1) * P  # [N], one past the last row
+        rows = end[:, None] - P + torch.arange(P, device=x.device)  # [N, P]
+        out_dtype = x.dtype if initial_state is None else initial_state.dtype
+        final = ext[rows.reshape(-1)].reshape(N, P, D).transpose(1, 2).to(out_dtype).contiguous()
+    return y, final
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    conv_state_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv for 1..L new tokens per sequence (decode / verify), state in place.
+
+    x: [N, L, D] (or [N, D] for one token); conv_state: [num_slots, D, W-1], read and written IN
+    PLACE; weight: [D, W]; bias: [D] | None; conv_state_indices: [N] | None (None = rows 0..N-1).
+    A negative index marks a padding row: its state is untouched and its output is zeros.
+    Two live rows must not share a slot. Returns y with the shape and dtype of x.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or not x.is_floating_point():
+        raise ValueError("x must be a floating-point tensor [N, L, D] or [N, D]")
+    squeeze = x.dim() == 2
+    x3 = x.unsqueeze(1) if squeeze else x
+    N, L, D = x3.shape
+    weight = _check_weight_bias(weight, bias, D)
+    _check_activation(activation)
+    P = weight.shape[1] - 1
+    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3 or conv_state.shape[1:] != (D, P):
+        got = tuple(conv_state.shape) if isinstance(conv_state, torch.Tensor) else conv_state
+        raise ValueError(f"conv_state must be [num_slots, D={D}, W-1={P}], got {got}")
+    if conv_state_indices is None:
+        if conv_state.shape[0] < N:
+            raise ValueError(f"conv_state has {conv_state.shape[0]} slots, fewer than N={N} rows")
+        idx = torch.arange(N, device=x.device)
+    else:
+        if (
+            not isinstance(conv_state_indices, torch.Tensor)
+            or conv_state_indices.shape != (N,)
+            or conv_state_indices.is_floating_point()
+        ):
+            got = getattr(conv_state_indices, "shape", conv_state_indices)
+            raise ValueError(f"conv_state_indices must be an integer tensor [N={N}], got {got}")
+        idx = conv_state_indices.long().to(x.device)
+        if bool((idx >= conv_state.shape[0]).any()):
+            raise ValueError(f"conv_state_indices out of range for {conv_state.shape[0]} slots")
+
+    live = idx >= 0  # [N]
+    dt = _work_dtype(x)
+    old = conv_state[idx.clamp(min=0)].to(dt)  # [N, D, P]
+    ext = torch.cat([old, x3.transpose(1, 2).to(dt)], dim=2)  # [N, D, P + L]
+    y = _conv(ext, weight, bias, activation)  # [N, D, L]
+    y = torch.where(live[:, None, None], y, torch.zeros((), dtype=dt, device=y.device))
+    if P > 0:
+        # Boolean selection keeps padding rows from writing anything (a clamped index would race
+        # with a live row that owns slot 0).
+        conv_state[idx[live]] = ext[live][:, :, -P:].to(conv_state.dtype)
+    y = y.transpose(1, 2).to(x.dtype)
+    return y.squeeze(1) if squeeze else y
