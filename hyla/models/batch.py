@@ -118,7 +118,7 @@ class ForwardBatch:
             pos = self.positions
             col = pos // page_size
             if self.num_tokens and int(col.max()) >= self.block_tables.shape[1]:
-                raise ValueError("block_tables has too few columns for the positions of this step")
+                raise ValueError("block_tables has too few page columns for the positions of this step")
             pages = self.block_tables[self.token_seq_ids(), col]
             if self.num_tokens and bool((pages < 0).any()):
                 raise ValueError("block_tables has no page (-1) for a position written in this step")

@@ -36,39 +36,92 @@ from hyla.ops.utils import check_checkpoints, check_inputs, expand_heads, work_d
 SUB_BLOCK = 16
 
 
-def _kda_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decayed Gram matrices of one chunk, per channel gate.
+# Decay span up to which a block is computed in factorised form, e^{G_i - G_j} = e^{G_i - G_r} *
+# e^{G_r - G_j} around a reference token r inside it: every factor then lies in [e^-span, e^span],
+# far from overflow and underflow in the working dtype (fp32 max ~e^88), and each product carries
+# the same relative rounding as the direct exponential. Blocks that decay further (unbounded v1
+# gates) take the sub-block / masked forms, which never evaluate a positive exponent.
+FACTORED_SPAN = {torch.float32: 60.0, torch.float64: 500.0}
 
-    q, k: [..., C, K]; G: [..., C, K] in fp64 (see `_chunk_forward`). Returns A_qk [..., C, C] (j <= i) and A_kk [..., C, C] (j < i) with
+
+def _factored(x, y, G, ref, limit, dt):
+    """Factors of sum_d x_id y_jd e^{G_id - G_jd} around `ref`: returns (x * e^{G - ref},
+    (y * e^{ref - G})^T). x, y, G: [..., R, K]. The clamp only bites in blocks over the span
+    limit, whose values are recomputed: they stay finite, so no inf * 0 reaches autograd."""
+    rel = (G - ref).to(dt).clamp(-limit, limit)  # the fp64 subtraction keeps small gaps exact
+    return x * rel.exp(), (y * (-rel).exp()).transpose(-1, -2)
+
+
+def _masked_blocks(qb, kb, Gb, tri, strict):
+    """Diagonal sub-blocks by masked pairwise differences: exponents only where j <= i (all <= 0).
+    qb, kb: [M, S, K]; Gb: [M, S, K] fp64. Returns two [M, S, S]."""
+    diff = (Gb[..., :, None, :] - Gb[..., None, :, :]).masked_fill(~tri[..., None], 0.0)
+    kE = kb[..., None, :, :] * diff.to(kb.dtype).exp()  # [M, S(i), S(j), K]
+    return (torch.einsum("...ik,...ijk->...ij", qb, kE) * tri,
+            torch.einsum("...ik,...ijk->...ij", kb, kE) * strict)
+
+
+def _replace(full, unsafe, fn):
+    """Recompute the entries selected by the boolean mask `unsafe` with fn(index) (out of place)."""
+    if not bool(unsafe.any()):
+        return full
+    idx = unsafe.nonzero(as_tuple=True)
+    return tuple(f.index_put(idx, r) for f, r in zip(full, fn(idx)))
+
+
+def _masks(n, device):
+    tri = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return tri, tri & ~torch.eye(n, dtype=torch.bool, device=device)
+
+
+def _kda_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decayed Gram matrices of one chunk, per-channel gate.
+
+    q, k: [..., C, K] (work dtype); G: [..., C, K] cumulative log-decay in fp64.
+    Returns A_qk [..., C, C] (j <= i) and A_kk [..., C, C] (j < i) with
     A_xk[i, j] = sum_d x_id k_jd exp(G_id - G_jd); entries above the diagonal are 0.
+
+    Chunks whose whole span is within FACTORED_SPAN are two matmuls (reference: the chunk start).
+    The others go to `_kda_intra_blocked`.
     """
-    C, K = q.shape[-2:]
-    dt = q.dtype
+    dt, limit = q.dtype, FACTORED_SPAN[q.dtype]
+    tri, strict = _masks(q.shape[-2], q.device)
+    xq, k_inv = _factored(q, k, G, 0.0, limit, dt)
+    xk, _ = _factored(k, k, G, 0.0, limit, dt)
+    full = ((xq @ k_inv) * tri, (xk @ k_inv) * strict)
+    unsafe = (-G[..., -1, :]).amax(-1) > limit  # G is non-increasing: its last row is the span
+    return _replace(full, unsafe, lambda idx: _kda_intra_blocked(q[idx], k[idx], G[idx]))
+
+
+def _kda_intra_blocked(q, k, G):
+    """`_kda_intra` for chunks with a large decay span. q, k: [M, C, K]; G: [M, C, K] fp64.
+
+    16-token sub-blocks: an off-diagonal block uses the first token r of its row block as the
+    reference (i >= r > j, so both factors are <= 1) and is a matmul; a diagonal block is factored
+    around its own first token when its span allows, and uses masked differences otherwise.
+    """
+    C = q.shape[-2]
+    dt, limit, dev = q.dtype, FACTORED_SPAN[q.dtype], q.device
     S = SUB_BLOCK if C % SUB_BLOCK == 0 else C
     nb = C // S
-    dev = q.device
-    qb, kb, Gb = (x.unflatten(-2, (nb, S)) for x in (q, k, G))  # [..., nb, S, K]
+    qb, kb, Gb = (x.unflatten(-2, (nb, S)) for x in (q, k, G))  # [M, nb, S, K]
+    tri, strict = _masks(S, dev)
 
-    # Diagonal sub-blocks: exponents G_i - G_j are only evaluated where j <= i.
-    tri = torch.ones(S, S, dtype=torch.bool, device=dev).tril()
-    strict = tri & ~torch.eye(S, dtype=torch.bool, device=dev)
-    diff = (Gb[..., :, None, :] - Gb[..., None, :, :]).masked_fill(~tri[..., None], 0.0)
-    kE = kb[..., None, :, :] * diff.exp().to(dt)  # [..., nb, S(i), S(j), K]
-    d_qk = torch.einsum("...ik,...ijk->...ij", qb, kE) * tri
-    d_kk = torch.einsum("...ik,...ijk->...ij", kb, kE) * strict
-
+    xq, k_inv = _factored(qb, kb, Gb, Gb[..., :1, :], limit, dt)
+    xk, _ = _factored(kb, kb, Gb, Gb[..., :1, :], limit, dt)
+    diag = ((xq @ k_inv) * tri, (xk @ k_inv) * strict)  # [M, nb, S, S]
+    unsafe = (Gb[..., 0, :] - Gb[..., -1, :]).amax(-1) > limit  # [M, nb]
+    d_qk, d_kk = _replace(diag, unsafe, lambda idx: _masked_blocks(qb[idx], kb[idx], Gb[idx], tri, strict))
     if nb == 1:
         return d_qk.squeeze(-3), d_kk.squeeze(-3)
 
-    # Off-diagonal sub-blocks: reference token n = first token of row sub-block a (a >= 1).
-    G_ref = Gb[..., 1:, 0, :]  # [..., nb-1, K]
-    row_scale = (Gb[..., 1:, :, :] - G_ref[..., None, :]).exp().to(dt)  # [..., nb-1, S, K], <= 1
-    col = torch.arange(C, device=dev)
-    col_ok = col[None, :] < (torch.arange(1, nb, device=dev) * S)[:, None]  # [nb-1, C]: j < n
+    G_ref = Gb[..., 1:, 0, :]  # [M, nb-1, K]: reference token of row blocks 1..nb-1
+    row_scale = (Gb[..., 1:, :, :] - G_ref[..., None, :]).to(dt).exp()  # [M, nb-1, S, K], <= 1
+    col_ok = torch.arange(C, device=dev)[None, :] < (torch.arange(1, nb, device=dev) * S)[:, None]  # j < r
     col_exp = (G_ref[..., :, None, :] - G[..., None, :, :]).masked_fill(~col_ok[..., None], 0.0)
-    k_col = k[..., None, :, :] * col_exp.exp().to(dt) * col_ok[..., None]  # [..., nb-1, C, K]
-    off_qk = (qb[..., 1:, :, :] * row_scale) @ k_col.transpose(-1, -2)  # [..., nb-1, S, C]
-    off_kk = (kb[..., 1:, :, :] * row_scale) @ k_col.transpose(-1, -2)
+    k_col = (k[..., None, :, :] * col_exp.to(dt).exp() * col_ok[..., None]).transpose(-1, -2)  # [M, nb-1, K, C]
+    off_qk = (qb[..., 1:, :, :] * row_scale) @ k_col  # [M, nb-1, S, C]
+    off_kk = (kb[..., 1:, :, :] * row_scale) @ k_col
 
     def assemble(diag, off):
         rows = []

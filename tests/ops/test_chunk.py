@@ -269,3 +269,15 @@ class TestValidation:
     def test_chunk_size(self):
         with pytest.raises(ValueError, match="chunk_size"):
             self.run(chunk_size=24)
+
+
+@pytest.mark.parametrize("g_scale", [0.5, 2.5, 50.0])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, EXACT), (torch.float32, 2e-6)])
+def test_every_intra_chunk_path(g_scale, dtype, tol):
+    # 0.5: whole chunks factorised; 2.5: chunks over the span limit but 16-token sub-blocks under
+    # it (blocked path, factorised diagonal); 50: sub-blocks over it too (masked differences).
+    q, k, v, g, beta, h0 = make_inputs(1, 130, 2, 16, 8, seed=int(g_scale * 10), g_scale=g_scale)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    cast = lambda x: x.to(dtype)  # noqa: E731
+    o, s = chunk_kda(cast(q), cast(k), cast(v), cast(g), cast(beta), initial_state=cast(h0), output_final_state=True)
+    assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol

@@ -1,0 +1,140 @@
+"""Multi-head latent attention (DeepSeek-V2 MLA) without RoPE, as Kimi-Linear's `mla_use_nope`.
+
+Per token, one latent is cached for all heads:
+    c   = kv_a_layernorm(x W_kva[:r])        [r = kv_lora_rank]
+    kpe = x W_kva[r:]                        [qk_rope_head_dim]; named "rope" but never rotated
+    latent = c ++ kpe                        [r + rope]  (what the paged KV pool stores)
+Expanded form (prefill): kv_b_proj(c) -> per-head k_nope [nope], v [v_dim]; k = k_nope ++ kpe.
+Absorbed / MQA form (decode): fold kv_b_proj's K part into the query and its V part into the
+output, so attention runs directly over the cached latents:
+    score_h(t) = (q_nope_h W_UK_h) . c_t + q_pe_h . kpe_t,   o_h = W_UV_h (sum_t p_h(t) c_t)
+Both equal softmax(q k^T * (nope + rope)^-1/2) v exactly (up to rounding).
+
+Tensor names: q_proj (or q_a_proj, q_a_layernorm, q_b_proj when q_lora_rank is set),
+kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyla.layers.norm import RMSNorm
+
+# transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
+# config.rms_norm_eps; the checkpoints were trained that way.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAAttention(nn.Module):
+    """x: [B, T, hidden] -> [B, T, hidden] (full causal sequences), or packed [T_total, hidden]
+    with a ForwardBatch and an MLALayerCache (forward_batch)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, bias: bool = False):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.scaling = qk_head_dim ** -0.5
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
+        self.q_lora_rank = q_lora_rank
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.rope
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] -> q: [..., H, nope + rope]."""
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.unflatten(-1, (self.num_heads, -1))
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] -> latent: [..., r + rope] (normalised c_kv ++ k_pe), what the cache holds."""
+        c, kpe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), kpe], dim=-1)
+
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent: [..., L, r + rope] -> k: [..., H, L, nope + rope], v: [..., H, L, v_dim]."""
+        c, kpe = latent.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(c).unflatten(-1, (self.num_heads, -1)).transpose(-2, -3)  # [..., H, L, nope+v]
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        kpe = kpe.unsqueeze(-3).expand(*k_nope.shape[:-1], self.rope)
+        return torch.cat([k_nope, kpe], dim=-1), v
+
+    def _attend(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """Expanded form. q: [B, T, H, D]; latent: [B, L, r + rope]; mask: [T, L] bool (True = attend)
+        or None -> [B, T, H * v_dim]."""
+        k, v = self.expand(latent)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=causal,
+                                           scale=self.scaling)
+        return o.transpose(1, 2).flatten(-2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden] whole sequences from position 0 -> [B, T, hidden]."""
+        return self.o_proj(self._attend(self.query(x), self.latent(x), None, causal=True))
+
+    # -- engine step --------------------------------------------------------------------------
+
+    def forward_batch(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+        """x: [T_total, hidden]; batch: ForwardBatch; cache: MLALayerCache. Writes each new token's
+        latent into its page, then attends over positions 0..context+new-1 of its sequence:
+        sequences with one new token in the absorbed form (batched), others in the expanded form."""
+        page_size = cache.kv.shape[1]
+        flat = cache.kv.view(-1, self.latent_dim)
+        flat[batch.kv_slot_mapping(page_size)] = self.latent(x).to(flat.dtype)
+        q = self.query(x)  # [T_total, H, D]
+        out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
+        single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
+        if single:
+            rows = batch.cu_seqlens[torch.tensor(single, device=x.device)]
+            out[rows] = self._decode(q[rows], cache.kv, batch, single).to(out.dtype)
+        cu = batch.cu_seqlens.tolist()
+        for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
+            if new <= 1:
+                continue
+            total = ctx + new
+            lat = _gather(cache.kv, batch.block_tables[n], total)  # [L, r + rope]
+            allowed = torch.arange(total, device=x.device)[None, :] <= ctx + torch.arange(new, device=x.device)[:, None]
+            out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], lat[None], allowed, causal=False)[0]
+        return self.o_proj(out)
+
+    def _decode(self, q: torch.Tensor, kv: torch.Tensor, batch, seqs: list[int]) -> torch.Tensor:
+        """Absorbed form for sequences `seqs`, one query token each. q: [S, H, nope + rope];
+        kv: [num_pages, page_size, r + rope] -> [S, H * v_dim]."""
+        lens = [batch.context_lens_list[n] + 1 for n in seqs]
+        page_size = kv.shape[1]
+        n_pages = -(-max(lens) // page_size)
+        idx = torch.tensor(seqs, device=q.device)
+        pages = batch.block_tables[idx, :n_pages].clamp(min=0)  # padding pages are masked below
+        lat = kv[pages].flatten(1, 2)  # [S, L, r + rope]
+        valid = torch.arange(lat.shape[1], device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
+        w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope + self.v_dim))  # [H, nope+v, r]
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_lat = torch.cat([torch.einsum("shn,hnr->shr", q_nope, w_uk), q_pe], dim=-1)  # [S, H, r + rope]
+        work = torch.float64 if lat.dtype == torch.float64 else torch.float32  # softmax in >= fp32
+        scores = torch.einsum("shc,slc->shl", q_lat, lat).to(work) * self.scaling
+        probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1).to(lat.dtype)
+        o_lat = torch.einsum("shl,slr->shr", probs, lat[..., :self.kv_lora_rank])  # [S, H, r]
+        return torch.einsum("shr,hvr->shv", o_lat, w_uv).flatten(-2)
+
+
+def _gather(kv: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """Latents of positions 0..length-1 of one sequence. kv: [num_pages, page_size, C];
+    table: [max_pages] page ids -> [length, C]."""
+    n_pages = -(-length // kv.shape[1])
+    pages = table[:n_pages]
+    if bool((pages < 0).any()):
+        raise ValueError(f"block table lacks a page for a position below {length}")
+    return kv[pages].flatten(0, 1)[:length]

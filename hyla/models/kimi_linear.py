@@ -1,0 +1,154 @@
+"""Kimi-Linear: KDA and NoPE-MLA layers (3:1 in the released model), dense / MoE MLPs.
+
+Module names mirror the HF checkpoint, so `state_dict()` keys are the official tensor names:
+model.embed_tokens, model.layers.{i}.{input_layernorm, self_attn, post_attention_layernorm,
+mlp (dense) | block_sparse_moe (MoE)}, model.norm, lm_head.
+
+Two ways to run it:
+- `model(input_ids [B, T]) -> logits [B, T, V]`: whole sequences, no cache;
+- `model.forward_batch(input_ids [T_total], batch, cache) -> hidden [T_total, hidden]`, then
+  `model.compute_logits(hidden[rows])`: one engine step over the pools of `allocate_cache`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyla.layers.kda import KimiDeltaAttention
+from hyla.layers.mla import MLAAttention
+from hyla.layers.mlp import MLP
+from hyla.layers.moe import MoE
+from hyla.layers.norm import RMSNorm
+from hyla.models import memory
+from hyla.models.batch import ForwardBatch
+from hyla.models.cache import HybridCache, KDALayerCache, MLALayerCache
+from hyla.models.config import LINEAR, SPARSE, KimiLinearConfig
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h += attn(norm(h)); h += ffn(norm(h)). h: [..., hidden]."""
+
+    def __init__(self, config: KimiLinearConfig, idx: int):
+        super().__init__()
+        c = config
+        self.is_linear = c.layer_types[idx] == LINEAR
+        if self.is_linear:
+            self.self_attn = KimiDeltaAttention(
+                c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.conv_kernel_size,
+                lower_bound=c.gate_lower_bound, full_rank_gate=c.use_full_rank_gate, norm_eps=c.rms_norm_eps,
+            )
+        else:
+            self.self_attn = MLAAttention(
+                c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                c.v_head_dim, q_lora_rank=c.q_lora_rank, bias=c.attention_bias,
+            )
+        if c.mlp_layer_types[idx] == SPARSE:
+            self.block_sparse_moe = MoE(
+                c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_token,
+                num_shared_experts=c.num_shared_experts, num_group=c.num_expert_group, topk_group=c.topk_group,
+                renormalize=c.moe_renormalize, routed_scaling_factor=c.routed_scaling_factor,
+            )
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch | None = None, cache=None) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        h = h + (self.self_attn(x) if batch is None else self.self_attn.forward_batch(x, batch, cache))
+        return h + self.ffn(self.post_attention_layernorm(h))
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, config: KimiLinearConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    def __init__(self, config: KimiLinearConfig):
+        super().__init__()
+        self.config = config
+        self.model = KimiLinearModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [B, T] int64, whole sequences from position 0 -> logits [B, T, V] fp32."""
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h)
+        return self.compute_logits(self.model.norm(h))
+
+    def forward_batch(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+        """input_ids: [T_total] new tokens of batch's sequences, packed -> final-norm hidden
+        states [T_total, hidden]. Reads and writes `cache` at batch.state_slots / block_tables."""
+        if input_ids.ndim != 1 or input_ids.shape[0] != batch.num_tokens:
+            raise ValueError(f"input_ids must be [T_total={batch.num_tokens}], got {tuple(input_ids.shape)}")
+        if len(cache.layers) != len(self.model.layers):
+            raise ValueError(f"cache has {len(cache.layers)} layers, the model {len(self.model.layers)}")
+        h = self.model.embed_tokens(input_ids)
+        for layer, layer_cache in zip(self.model.layers, cache.layers):
+            h = layer(h, batch, layer_cache)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., hidden] final-norm states -> [..., V] fp32 (lm_head in the model dtype)."""
+        return self.lm_head(hidden).float()
+
+    def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
+                       state_dtype: torch.dtype = torch.float32, device=None, dtype=None) -> HybridCache:
+        """Zeroed pools: per KDA layer a state [num_slots, H, K, K] (state_dtype) and three conv
+        windows [num_slots, H*K, W-1] (dtype); per MLA layer latents [num_pages, page_size,
+        kv_lora_rank + qk_rope_head_dim] (dtype). dtype / device default to the model's."""
+        for name, value in (("num_slots", num_slots), ("num_pages", num_pages), ("page_size", page_size)):
+            if not isinstance(value, int) or value < (0 if name != "page_size" else 1):
+                raise ValueError(f"{name} must be a non-negative integer (page_size >= 1), got {value!r}")
+        c = self.config
+        device = self.device if device is None else device
+        dtype = self.dtype if dtype is None else dtype
+        d, kk, w = c.linear_num_heads * c.linear_head_dim, c.linear_head_dim, c.conv_kernel_size - 1
+        layers = []
+        for kind in c.layer_types:
+            if kind == LINEAR:
+                state = torch.zeros(num_slots, c.linear_num_heads, kk, kk, dtype=state_dtype, device=device)
+                conv = tuple(torch.zeros(num_slots, d, w, dtype=dtype, device=device) for _ in range(3))
+                layers.append(KDALayerCache(state, conv))
+            else:
+                kv = torch.zeros(num_pages, page_size, c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype, device=device)
+                layers.append(MLALayerCache(kv))
+        return HybridCache(layers, num_slots, num_pages, page_size)
+
+    def state_bytes_per_slot(self, state_dtype: torch.dtype = torch.float32) -> int:
+        """Bytes one state slot takes across all KDA layers: recurrent state + conv windows."""
+        return memory.state_bytes_per_slot(self.config, state_dtype, self.dtype)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of cached latent per token across all MLA layers."""
+        return memory.kv_bytes_per_token(self.config, self.dtype)
+
+    def weight_bytes(self) -> int:
+        seen = {}
+        for t in (*self.parameters(), *self.buffers()):
+            seen[id(t)] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+    def memory_report(self, state_dtype: torch.dtype = torch.float32) -> memory.MemoryReport:
+        return memory.memory_report(self.config, self.dtype, state_dtype, weight_bytes=self.weight_bytes())

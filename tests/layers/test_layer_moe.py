@@ -1,0 +1,60 @@
+"""MoE and router against transformers' KimiLinearMoE with the same weights."""
+
+import pytest
+import torch
+
+from hyla.layers import MoE
+
+
+def _pair(n_group, topk_group, top_k, shared, renorm):
+    from transformers import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearMoE
+
+    torch.manual_seed(0)
+    cfg = KimiLinearConfig(hidden_size=24, moe_intermediate_size=8, num_local_experts=16, num_experts_per_tok=top_k,
+                           n_shared_experts=shared, n_group=n_group, topk_group=topk_group, norm_topk_prob=renorm,
+                           routed_scaling_factor=2.5, vocab_size=32, num_hidden_layers=1)
+    ours = MoE(24, 8, 16, top_k, num_shared_experts=shared, num_group=n_group, topk_group=topk_group,
+               renormalize=renorm, routed_scaling_factor=2.5)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        ours.gate.e_score_correction_bias.copy_(torch.randn(16) * 0.2)
+    ref = KimiLinearMoE(cfg)
+    with torch.no_grad():
+        ref.gate.weight.copy_(ours.gate.weight)
+        ref.gate.e_score_correction_bias.copy_(ours.gate.e_score_correction_bias)
+        for e, ex in enumerate(ours.experts):
+            ref.experts.gate_up_proj[e].copy_(torch.cat([ex.w1.weight, ex.w3.weight]))
+            ref.experts.down_proj[e].copy_(ex.w2.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(ref.shared_experts, name).weight.copy_(getattr(ours.shared_experts, name).weight)
+    return ours, ref
+
+
+@pytest.mark.parametrize("n_group,topk_group,top_k,renorm", [(1, 1, 2, True), (4, 2, 3, True), (4, 1, 2, False)])
+def test_moe_equals_transformers(n_group, topk_group, top_k, renorm):
+    ours, ref = _pair(n_group, topk_group, top_k, 1, renorm)
+    x = torch.randn(3, 11, 24)
+    with torch.no_grad():
+        assert torch.allclose(ours(x), ref(x), atol=1e-5, rtol=0)
+        w, ids = ours.gate(x.view(-1, 24))
+        _, w_ref, ids_ref = ref.gate(x)
+    order, order_ref = ids.sort(-1), ids_ref.sort(-1)
+    assert torch.equal(order.values, order_ref.values)
+    assert torch.allclose(w.gather(1, order.indices), w_ref.gather(1, order_ref.indices), atol=1e-6)
+
+
+def test_experts_come_from_selected_groups():
+    ours, _ = _pair(4, 2, 3, 1, True)
+    x = torch.randn(50, 24)
+    with torch.no_grad():
+        _, ids = ours.gate(x)
+    groups = ids // 4
+    assert all(len(set(row)) <= 2 for row in groups.tolist())
+
+
+def test_no_shared_experts():
+    moe = MoE(24, 8, 4, 2, num_shared_experts=0)
+    assert moe.shared_experts is None
+    assert moe(torch.randn(5, 24)).shape == (5, 24)
