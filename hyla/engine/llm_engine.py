@@ -1,0 +1,165 @@
+"""LLMEngine: the incremental engine (add_request / step / abort_request), one step at a time.
+
+    step() = schedule -> run the model -> sample -> postprocess (stop checks, freeing)
+
+Outputs are cumulative RequestOutputs for every request that made progress in the step; a
+streaming front-end diffs consecutive outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from hyla.engine.config import EngineConfig
+from hyla.engine.memory import MemoryManager, plan_memory
+from hyla.engine.model_runner import ModelRunner
+from hyla.engine.outputs import RequestOutput
+from hyla.engine.sampler import sample
+from hyla.engine.sampling_params import SamplingParams
+from hyla.engine.scheduler import Scheduler
+from hyla.engine.sequence import Sequence, Status
+
+log = logging.getLogger("hyla.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None):
+        from hyla.models import load_model, load_tokenizer
+
+        self.config = config
+        self.model = model if model is not None else load_model(config.model, dtype=config.dtype, device=config.device)
+        if tokenizer is None:
+            try:
+                tokenizer = load_tokenizer(config.model)
+            except (FileNotFoundError, ValueError, OSError):
+                tokenizer = None  # token-id prompts still work; text needs a tokenizer
+        self.tokenizer = tokenizer
+        self.vocab_size = self.model.config.vocab_size
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 1 << 20
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        num_slots, num_pages = plan_memory(
+            self.model, budget=config.memory_budget, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
+            device=self.model.device)
+        self.memory = MemoryManager(num_pages, num_slots, config.page_size)
+        self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype)
+        self.scheduler = Scheduler(min(config.max_num_seqs, num_slots), config.max_num_batched_tokens, self.memory)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.eos_token_id = self._eos_token_id()
+        self.requests: dict[str, Sequence] = {}
+        self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "prompt_tokens": 0,
+                        "generation_tokens": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
+                        "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0, "num_preemptions": 0,
+                        "num_steps": 0}
+
+    def _eos_token_id(self):
+        eos = getattr(self.model.config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        return eos
+
+    # ---- requests ------------------------------------------------------------------------
+    def encode(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt is a string (needs a tokenizer) or a list of token ids; returns (text, ids)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (tokenizer.json next to the checkpoint)")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("a prompt must be a string or a list of integer token ids")
+
+    def validate(self, ids: list[int], params: SamplingParams) -> int:
+        """Check a request before any work; returns its effective max_tokens."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                             "room for output")
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len={self.max_model_len}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        return params.max_tokens if params.max_tokens is not None else room
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request; raises ValueError (and queues nothing) if it is invalid."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.encode(prompt)
+        max_tokens = self.validate(ids, params)
+        seq = Sequence(request_id, text, ids, params, max_tokens, self.eos_token_id)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its slot and pages; returns False if it is unknown."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        seq.finish("abort")
+        self.metrics["num_requests_aborted"] += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        self.metrics["num_preemptions"] = self.scheduler.num_preemptions
+        if batch.is_empty:
+            return []
+        self.metrics["num_steps"] += 1
+        sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        rows = [[n - 1] if s else [] for n, s in zip(batch.num_new_tokens, sampling)]
+        logits = self.runner.run(batch.seqs, batch.num_new_tokens, rows)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        to_sample = [seq for seq, s in zip(batch.seqs, sampling) if s]
+        tokens, logprobs = sample(logits, to_sample, self.generator) if to_sample else ([], [])
+        now = time.monotonic()
+        outputs = []
+        for seq, token, lp in zip(to_sample, tokens, logprobs):
+            if not seq.output_token_ids and seq.num_preemptions == 0:
+                self.metrics["prompt_tokens"] += len(seq.prompt_token_ids)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.append_token(token, lp)
+            self.metrics["generation_tokens"] += 1
+            seq.check_stop(self.tokenizer)
+            if seq.is_finished:
+                self._on_finish(seq)
+            outputs.append(seq.to_output())
+        return outputs
+
+    def _on_finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        self.metrics["num_requests_finished"] += 1
+
+    def get_metrics(self) -> dict:
+        m = dict(self.metrics)
+        m.update(num_requests_running=len(self.scheduler.running), num_requests_waiting=len(self.scheduler.waiting),
+                 kv_pages_total=self.memory.pages.num_pages, kv_pages_free=self.memory.pages.num_free,
+                 state_slots_total=self.memory.slots.num_slots, state_slots_free=self.memory.slots.num_free)
+        drafted = m["spec_num_draft_tokens"]
+        m["spec_acceptance_rate"] = m["spec_num_accepted_tokens"] / drafted if drafted else 0.0
+        return m
+
+
+__all__ = ["LLMEngine", "Status"]

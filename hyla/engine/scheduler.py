@@ -1,0 +1,117 @@
+"""Scheduler: decides which sequences run this step and how many tokens each feeds.
+
+It holds no tensors. Each step fills a token budget (`max_num_batched_tokens`): running sequences
+first, in admission order (decodes take 1 token, unfinished prompts take a chunk), then waiting
+sequences in arrival order while a state slot, pages and budget remain. Prefill chunks and
+decodes share one step (continuous batching with chunked prefill).
+
+When pages run out, the newest running sequence is preempted: it gives back its slot and pages
+and is recomputed later from its prompt + output so far (exact, since recomputation replays the
+same tokens). No waiting sequence is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hyla.engine.memory import MemoryManager
+from hyla.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, memory: MemoryManager, prefix_cache=None):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.memory = memory
+        self.prefix_cache = prefix_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self.memory.can_allocate(seq, n):
+                victim = self.running[-1]
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break
+            self.memory.allocate(seq, n)
+            batch.add(seq, n)
+            budget -= n
+            i += 1
+        if preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self.memory.slots.num_free == 0:
+                break
+            if self.prefix_cache is not None and seq.num_computed_tokens == 0:
+                self.prefix_cache.match(seq)
+            n = min(seq.num_uncomputed, budget)
+            if not self.memory.can_allocate(seq, n):
+                if self.prefix_cache is not None and self.prefix_cache.evict_for(self.memory.pages_needed(seq, n)):
+                    continue
+                self._undo_match(seq)
+                break
+            self.waiting.popleft()
+            seq.slot = self.memory.slots.allocate()
+            if self.prefix_cache is not None:
+                self.prefix_cache.restore(seq)
+            self.memory.allocate(seq, n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.add(seq, n)
+            budget -= n
+        return batch
+
+    def _undo_match(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None and seq.num_computed_tokens:
+            self.prefix_cache.unmatch(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give back seq's slot and pages; it is recomputed from scratch when re-admitted."""
+        self.running.remove(seq)
+        self.memory.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished (or aborted) sequence's resources and drop it from the queues."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.memory.free(seq)

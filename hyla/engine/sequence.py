@@ -1,0 +1,130 @@
+"""Sequence: one request's tokens, its place in the pools, and its output so far.
+
+Ownership: a running sequence owns exactly one state slot (`slot`) and the KV pages listed in
+`block_table`; both come from and go back to the MemoryManager. `num_computed_tokens` counts the
+tokens whose KV and recurrent state are in those pools (a prefix-cache hit starts it above 0).
+A preempted sequence gives everything back and recomputes prompt + output so far later.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from hyla.engine.outputs import CompletionOutput, RequestOutput
+from hyla.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrival = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, eos_token_id: int | None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.max_tokens = max_tokens
+        self.eos_token_id = eos_token_id
+        self.arrival = next(_arrival)
+        self.status = Status.WAITING
+        self.slot: int | None = None
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_prompt_tokens = 0  # prefix-cache hit of the first admission (metrics)
+        self.generator = (torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.first_token_time: float | None = None
+
+    # ---- token bookkeeping -------------------------------------------------------------------
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens to feed the model before the next sample (the last token is always fed)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append_token(self, token: int, logprobs: dict[int, float] | None) -> None:
+        self.output_token_ids.append(token)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    # ---- stopping ----------------------------------------------------------------------------
+    def check_stop(self, tokenizer) -> None:
+        """After a token was appended: update the text and decide whether the request is done.
+        Stop strings are matched on the decoded text and cut out; stop / EOS tokens are checked
+        on ids. The text is held back while it ends in an incomplete UTF-8 sequence."""
+        token = self.output_token_ids[-1]
+        p = self.params
+        n_out = len(self.output_token_ids)
+        if tokenizer is not None:
+            text = tokenizer.decode(self.output_token_ids, skip_special_tokens=p.skip_special_tokens)
+            if not text.endswith("\ufffd"):
+                self.text = text
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token == self.eos_token_id:
+                return self.finish("stop", token, drop_text_of_last=True, tokenizer=tokenizer)
+            if token in p.stop_token_ids:
+                return self.finish("stop", token)
+            for s in p.stop_strings:
+                # Only the newly decoded tail can complete a stop string: search from there.
+                start = max(0, len(self.text) - len(s) - 16)
+                at = self.text.find(s, start)
+                if at >= 0:
+                    self.text = self.text[:at]
+                    return self.finish("stop", s)
+        if n_out >= self.max_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str, stop_reason=None, drop_text_of_last: bool = False, tokenizer=None) -> None:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.status = Status.FINISHED
+        if drop_text_of_last and tokenizer is not None and not self.params.skip_special_tokens:
+            self.text = tokenizer.decode(self.output_token_ids[:-1], skip_special_tokens=False)
+
+    def visible_text(self) -> str:
+        """Text safe to stream now: a tail that could still grow into a stop string is held back."""
+        if self.is_finished or not self.params.stop_strings:
+            return self.text
+        hold = 0
+        for s in self.params.stop_strings:
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return self.text[: len(self.text) - hold]
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=self.visible_text(), token_ids=list(self.output_token_ids),
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+        )
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
+                             finished=self.is_finished, error=self.error)
