@@ -122,6 +122,12 @@ class KimiDeltaAttention(nn.Module):
         o, _ = fused_recurrent_kda(q, k, v, self.forget_gate(xs), self.write_strength(xs),
                                    initial_state=cache.state, ssm_state_indices=slots,
                                    use_qk_l2norm_in_kernel=True)
+        if _checkpoint_positions(batch) is not None:  # p can only be 1: the state after the step
+            src = batch.state_slots.tolist()
+            for n, pairs in enumerate(batch.checkpoints):
+                for _, dest in pairs:
+                    for t in (cache.state, *cache.conv):
+                        t[dest] = t[src[n]]
         return self.output(o, xs)[:, 0]
 
     def _prefill(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
@@ -165,7 +171,7 @@ def _write_conv_checkpoints(pool: torch.Tensor, init: torch.Tensor, t: torch.Ten
 
     pool: [num_slots, D, W-1]; init: [N, D, W-1]; t: [T_total, D] this step's pre-conv inputs."""
     width = pool.shape[-1]
-    cu = batch.cu_seqlens.tolist()
+    cu = batch.cu_seqlens_list
     for n, pairs in enumerate(batch.checkpoints):
         if not pairs:
             continue

@@ -97,9 +97,9 @@ class MLAAttention(nn.Module):
         out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
         single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
         if single:
-            rows = batch.cu_seqlens[torch.tensor(single, device=x.device)]
+            rows = torch.tensor([batch.cu_seqlens_list[n] for n in single], device=x.device)
             out[rows] = self._decode(q[rows], cache.kv, batch, single).to(out.dtype)
-        cu = batch.cu_seqlens.tolist()
+        cu = batch.cu_seqlens_list
         for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
             if new <= 1:
                 continue

@@ -100,6 +100,16 @@ class ForwardBatch:
         return int(self.positions.shape[0])
 
     @property
+    def cu_seqlens_list(self) -> list[int]:
+        """cu_seqlens as a python list (from seq_lens: no device sync)."""
+        if "cu" not in self._memo:
+            cu = [0]
+            for s in self.seq_lens:
+                cu.append(cu[-1] + s)
+            self._memo["cu"] = cu
+        return self._memo["cu"]
+
+    @property
     def is_decode(self) -> bool:
         """Every sequence brings exactly one new token (the pool-indexed recurrent path applies)."""
         return bool(self.seq_lens) and all(s == 1 for s in self.seq_lens)

@@ -226,6 +226,8 @@ def _reject_unsupported(d: dict) -> None:
     """Fields whose other values would change the math in ways hyla does not implement."""
     if d.get("mla_use_nope", True) is not True:
         raise ValueError("config field `mla_use_nope` is false: MLA with RoPE is not supported (Kimi-Linear is NoPE)")
+    if d.get("mla_use_output_gate", False):
+        raise ValueError("config field `mla_use_output_gate` is true: an output gate on MLA layers is not supported")
     act = d.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise ValueError(f"config field `hidden_act` must be 'silu', got {act!r}")

@@ -126,3 +126,4 @@ def memory_report(config: KimiLinearConfig, dtype: torch.dtype = torch.bfloat16,
         conv_state_bytes_per_request=_conv_bytes(config, dtype),
         kv_bytes_per_token=kv_bytes_per_token(config, dtype),
     )
+

@@ -3,14 +3,21 @@
 - `naive_recurrent_*`: token loops, the oracle (hyla.ops.naive)
 - `chunk_*`: stable chunkwise prefill with in-pass state checkpoints (hyla.ops.chunk)
 - `fused_recurrent_*`: decode / speculative verify over a state pool (hyla.ops.recurrent)
+  Both dispatch to the Triton kernels (hyla.ops.triton) for CUDA inputs; see hyla.ops.dispatch.
 - short causal conv, gates, norms, the affine view, numerics helpers
 
 Layout follows fla 0.6: q, k [B, T, H, K], v [B, T, HV, V], state [N, HV, K, V].
 """
 
 from hyla.ops.affine import apply, compose, identity, prefix_scan, segment_affine
-from hyla.ops.chunk import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda
 from hyla.ops.conv import causal_conv1d_fn, causal_conv1d_update
+from hyla.ops.dispatch import (
+    chunk_delta_rule,
+    chunk_gated_delta_rule,
+    chunk_kda,
+    fused_recurrent_gated_delta_rule,
+    fused_recurrent_kda,
+)
 from hyla.ops.gate import gdn_gate, kda_gate
 from hyla.ops.naive import (
     naive_recurrent_delta_rule,
@@ -20,7 +27,6 @@ from hyla.ops.naive import (
 )
 from hyla.ops.norm import gated_rms_norm, l2norm, rms_norm
 from hyla.ops.numerics import max_reciprocal_decay, safe_chunk_size
-from hyla.ops.recurrent import fused_recurrent_gated_delta_rule, fused_recurrent_kda
 
 __all__ = [
     "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",

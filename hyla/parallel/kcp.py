@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hyla.ops.affine import segment_affine
-from hyla.ops.chunk import chunk_gated_delta_rule, chunk_kda
+from hyla.ops.chunk import SUB_BLOCK, chunk_gated_delta_rule, chunk_kda
 from hyla.ops.utils import check_inputs
 
 __all__ = [
@@ -165,7 +165,9 @@ def scan_summaries(
     if M_all.dim() != 5 or M_all.shape[-1] != M_all.shape[-2]:
         raise ValueError(f"M_all must be [W, B, HV, K, K], got {tuple(M_all.shape)}")
     if S_all.dim() != 5 or S_all.shape[:-1] != M_all.shape[:-1]:
-        raise ValueError(f"S_all must be [W, B, HV, K, V] matching M_all {tuple(M_all.shape)}, got {tuple(S_all.shape)}")
+        raise ValueError(
+            f"S_all must be [W, B, HV, K, V] matching M_all {tuple(M_all.shape)}, got {tuple(S_all.shape)}"
+        )
     if initial_state is None:
         state = torch.zeros_like(S_all[0])
     elif not isinstance(initial_state, torch.Tensor) or initial_state.shape != S_all.shape[1:]:
@@ -204,8 +206,10 @@ def _validate(q, k, v, g, beta, gate, initial_state, chunk_size):
             )
         if initial_state.device != q.device:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    # The same rule as chunk_kda, checked here so that it cannot fail after the collective.
+    if (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+            or (chunk_size > SUB_BLOCK and chunk_size % SUB_BLOCK)):
+        raise ValueError(f"chunk_size must be <= {SUB_BLOCK} or a multiple of {SUB_BLOCK}, got {chunk_size!r}")
 
 
 def _group_info(group) -> tuple[int, int]:
@@ -251,7 +255,8 @@ _CP_DOC = """
 
     Sends B * HV * (K^2 + K*V) * itemsize bytes per rank (one all-gather of (M, S~)), independent
     of T_local; see ``kcp_comm_bytes`` and ``count_comm_bytes``. Forward only. Works with any
-    backend that supports all_gather_single (all_gather_into_tensor) on the inputs' device (gloo on CPU, NCCL on GPU).
+    backend that supports all_gather_single (all_gather_into_tensor) on the inputs' device:
+    gloo on CPU, NCCL on GPU.
 """
 
 

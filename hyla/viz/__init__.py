@@ -4,6 +4,13 @@
 has a `*_data()` function returning the numbers behind its panels. See hyla.viz.plots.
 """
 
-from hyla.viz.plots import decay_stability_data, kcp_data, kda_principle_data, render_all
-
 __all__ = ["render_all", "kda_principle_data", "kcp_data", "decay_stability_data"]
+
+
+def __getattr__(name):
+    # Lazy, so `python -m hyla.viz.plots` does not import the module twice.
+    if name in __all__:
+        from hyla.viz import plots
+
+        return getattr(plots, name)
+    raise AttributeError(f"module 'hyla.viz' has no attribute {name!r}")

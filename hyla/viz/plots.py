@@ -42,6 +42,7 @@ __all__ = [
     "render_kcp",
     "render_decay_stability",
     "direct_sum_vs_scan",
+    "demo_inputs",
     "textbook_chunk_kda",
 ]
 
@@ -55,9 +56,13 @@ def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
-def _kda_inputs(B, T, H, K, V, *, seed, gate_bias=0.0, dtype=F64):
-    """Random KDA inputs [B, T, H, *]: q, v ~ N(0, 1); k = l2norm(N(0, 1)); beta ~ U(0, 1);
-    g = kda_gate(z, A_log=0, dt_bias=gate_bias) = -softplus(z + gate_bias), z ~ N(0, 1) (gate v1)."""
+def demo_inputs(B, T, H, K, V, *, seed, gate_bias=0.0, dtype=F64):
+    """The random KDA inputs every figure (and scripts/kcp_demo.py) uses, from a seeded generator.
+
+    Returns q, k: [B, T, H, K], v: [B, T, H, V], g: [B, T, H, K], beta: [B, T, H] in ``dtype``:
+    q, v ~ N(0, 1); k = l2norm(N(0, 1)); beta ~ U(0, 1); g = kda_gate(z, A_log=0, dt_bias=gate_bias)
+    = -softplus(z + gate_bias) with z ~ N(0, 1) (gate v1), drawn in that order, in fp64.
+    """
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
     q, k, v, z = r(B, T, H, K), F.normalize(r(B, T, H, K), dim=-1), r(B, T, H, V), r(B, T, H, K)
@@ -85,7 +90,7 @@ def kda_principle_data(*, T: int = 64, K: int = 16, V: int = 16, seed: int = 0) 
     gates:  log-decay g versus the raw gate input f (A_log = 0, no bias): gate v1
             -softplus(f) (unbounded below) and gate v2 lower_bound * sigmoid(f).
     """
-    q, k, v, g, beta = _kda_inputs(1, T, 1, K, V, seed=seed, gate_bias=-4.0)
+    q, k, v, g, beta = demo_inputs(1, T, 1, K, V, seed=seed, gate_bias=-4.0)
     _, S_prev = chunk_kda(q[:, :-1], k[:, :-1], v[:, :-1], g[:, :-1], beta[:, :-1], output_final_state=True)
     _, S_T = chunk_kda(q, k, v, g, beta, output_final_state=True)
     S_prev, S_T = S_prev[0, 0], S_T[0, 0]  # [K, V]
@@ -150,13 +155,18 @@ def render_kda_principle(data: dict, path) -> Path:
     ax_step.bar(x, st["v_hat"].numpy(), w, label="prediction (decayed S)^T k")
     ax_step.bar(x + w, st["written"].numpy(), w, label=f"written: b (v - prediction), b={st['beta']:.2f}")
     n0, n1, n2 = st["norms"]
-    ax_step.set_title(f"One step: decay (|S| {n0:.2f} -> {n1:.2f}), predict, write error (-> {n2:.2f})")
+    ax_step.set_title("One token: decay -> predict -> write the error")
+    ax_step.text(0.02, 0.03, f"|S|: {n0:.2f} -> decay -> {n1:.2f} -> write -> {n2:.2f}",
+                 transform=ax_step.transAxes, fontsize=8)
     ax_step.set_xlabel("value channel")
     ax_step.legend(fontsize=8)
 
     d = data["delta"]
     ax_d.semilogy(d["step"], d["err_delta"], "o-", label=f"delta rule (b={d['beta']})")
-    ax_d.semilogy(d["step"], d["err_linear"], "s-", label="plain linear attention (S += k v^T)")
+    # Linear attention reads the first value back exactly (error ~1e-16); leave that point out
+    # rather than stretch the log axis down to it.
+    ax_d.semilogy(d["step"], [e if e > 1e-12 else math.nan for e in d["err_linear"]], "s-",
+                  label="plain linear attention (S += k v^T): returns the sum")
     ax_d.axvline(d["switch_at"] + 0.5, color="gray", ls="--", lw=1)
     ax_d.text(d["switch_at"] + 0.7, max(d["err_linear"]) / 3, "value changes", fontsize=8, color="gray")
     ax_d.set_title("Delta rule corrects: reading a key converges to its latest value")
@@ -184,7 +194,7 @@ def direct_sum_vs_scan(*, T: int = 64, n_segments: int = 4, B: int = 1, H: int =
                        chunk_size: int = 16, seed: int = 0) -> dict:
     """Compare two ways of recombining per-segment states with the true ones (fp64).
 
-    Inputs from ``_kda_inputs(seed=seed)`` (gate v1 with A_log = dt_bias = 0); T tokens cut into
+    Inputs from ``demo_inputs(seed=seed)`` (gate v1 with A_log = dt_bias = 0); T tokens cut into
     n_segments equal segments. The truth is chunk_kda on the whole sequence, with checkpoints at
     the segment boundaries.
     direct: sum_r S~_r, the states each segment reaches from zero, just added;
@@ -194,7 +204,7 @@ def direct_sum_vs_scan(*, T: int = 64, n_segments: int = 4, B: int = 1, H: int =
     """
     if T % n_segments:
         raise ValueError(f"T={T} must be a multiple of n_segments={n_segments}")
-    q, k, v, g, beta = _kda_inputs(B, T, H, K, V, seed=seed)
+    q, k, v, g, beta = demo_inputs(B, T, H, K, V, seed=seed)
     L = T // n_segments
     bounds = [L * (r + 1) for r in range(n_segments - 1)]
     o_ref, S_ref, ck = chunk_kda(q, k, v, g, beta, output_final_state=True, chunk_size=chunk_size,
@@ -223,10 +233,10 @@ def kcp_data(*, seed: int = 0) -> dict:
     segs = [2, 4, 8, 16]
     runs = [direct_sum_vs_scan(T=256, n_segments=n, seed=seed) for n in segs]
     world, B, H, K, V = 8, 1, 8, 128, 128
-    T_total = [2 ** p for p in range(10, 21)]
+    T_total = [2 ** p for p in range(7, 21)]
     measured_T, measured = [128, 512, 2048], []
     for T in measured_T:
-        q, k, v, g, beta = _kda_inputs(B, T // world, H, K, V, seed=seed, dtype=torch.float32)
+        q, k, v, g, beta = demo_inputs(B, T // world, H, K, V, seed=seed, dtype=torch.float32)
         M, S = segment_affine(k, v, g, beta)
         measured.append(M.nbytes + S.nbytes)
     return {
@@ -328,7 +338,8 @@ def decay_stability_data(*, seed: int = 0) -> dict:
     """
     tiles = list(range(1, 65))
     bounds = [-1.0, -5.0, -8.0]
-    ceilings = {str(d).replace("torch.", ""): torch.finfo(d).max for d in (torch.float16, torch.bfloat16, torch.float32)}
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    ceilings = {str(d).replace("torch.", ""): torch.finfo(d).max for d in dtypes}
     lbs = [-0.5 * i for i in range(1, 41)]
 
     def safe(lb, dtype):
@@ -360,8 +371,9 @@ def _error_panel(ax, x, textbook, hyla, xlabel):
     finite = [e for e in textbook + hyla if math.isfinite(e) and e > 0]
     top = max(finite + [1.0]) * 1e3
     floor = 1e-18
-    ax.semilogy(x, [e if math.isfinite(e) else math.nan for e in textbook], "o-", label="textbook K / Gamma form")
-    ax.semilogy(x, [max(e, floor) for e in hyla], "s-", label="hyla chunk_kda")
+    ax.semilogy(x, [e if math.isfinite(e) else math.nan for e in textbook], "o-", ms=11, mfc="none", mew=2,
+                label="textbook K / Gamma form")
+    ax.semilogy(x, [max(e, floor) for e in hyla], "s-", ms=5, label="hyla chunk_kda")
     bad = [xi for xi, e in zip(x, textbook) if not math.isfinite(e)]
     if bad:
         ax.plot(bad, [top] * len(bad), "rx", ms=12, mew=3, label="overflow: inf / NaN output")
@@ -377,18 +389,21 @@ def render_decay_stability(data: dict, path) -> Path:
     b = data["bound"]
     for lb, ys in b["curves"].items():
         ax_b.semilogy(b["tiles"], [y if math.isfinite(y) else math.nan for y in ys], label=f"lower bound {lb:g}")
-    for name, ceil in b["ceilings"].items():
+    for i, (name, ceil) in enumerate(b["ceilings"].items()):
         ax_b.axhline(ceil, ls="--", lw=1, color="gray")
-        ax_b.text(b["tiles"][-1], ceil, f" {name} max", fontsize=7, va="bottom", ha="right", color="gray")
+        # bf16 and fp32 share an exponent range: put their labels at opposite ends of the line.
+        left = i % 2 == 1
+        ax_b.text(b["tiles"][0 if left else -1], ceil, f"{name} max", fontsize=7, va="bottom",
+                  ha="left" if left else "right", color="gray")
     ax_b.set_title("Largest 1/gamma in a tile: exp(-lower_bound * tile)")
     ax_b.set_xlabel("tile size (tokens)")
     ax_b.legend(fontsize=8)
 
     s = data["safe"]
-    for name, ys in s["sizes"].items():
-        ax_s.plot(s["lower_bounds"], ys, drawstyle="steps-mid", label=name)
+    for (name, ys), style in zip(s["sizes"].items(), [dict(lw=4, alpha=0.5), dict(lw=1.5), dict(lw=1.5, ls="--")]):
+        ax_s.plot(s["lower_bounds"], ys, drawstyle="steps-mid", label=name, **style)
     ax_s.set_yscale("symlog", linthresh=1)
-    ax_s.set_title("safe_chunk_size(lower_bound, dtype)")
+    ax_s.set_title("safe_chunk_size(lower_bound, dtype)  (bf16 = fp32 range)")
     ax_s.set_xlabel("gate lower bound")
     ax_s.set_ylabel("largest safe tile (0 = none)")
     ax_s.legend(fontsize=8)

@@ -131,3 +131,16 @@ def test_checkpoints_equal_a_run_stopped_there():
             assert torch.allclose(cache.state[dest], state, atol=1e-10, rtol=0)
             for pool, w in zip(cache.conv, windows):
                 assert torch.allclose(pool[dest], w, atol=1e-12, rtol=0)
+
+
+def test_decode_step_checkpoint():
+    layer = _layer()
+    cache = _cache(layer, 4)
+    x = torch.randn(4, 24, dtype=torch.float64)
+    with torch.no_grad():
+        layer.forward_batch(x[:3], ForwardBatch.build([3], [0], [[0]], [0]), cache)
+        layer.forward_batch(x[3:], ForwardBatch.build([1], [3], [[0]], [0], checkpoints=[[(1, 2)]]), cache)
+        _, state, windows = loop_reference(layer, x)
+    assert torch.allclose(cache.state[2], state, atol=1e-10, rtol=0)
+    for pool, w in zip(cache.conv, windows):
+        assert torch.allclose(pool[2], w, atol=1e-12, rtol=0)

@@ -95,6 +95,8 @@ def _edit(**changes):
     (dict(vocab_size=None), "vocab_size"),
     (dict(mla_use_nope=False), "mla_use_nope"),
     (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(mla_use_output_gate=True), "mla_use_output_gate"),
+    (dict(moe_router_activation_func="softmax"), "moe_router_activation_func"),
     (dict(layer_types=["linear_attention"] * 27), "disagrees"),
     (dict(mlp_layer_types=["dense"] * 3), "mlp_layer_types"),
     (dict(linear_attn_config={"kda_layers": [1, 2], "full_attn_layers": [28]}), "1-based"),

@@ -33,7 +33,10 @@ def test_greedy_tokens_match_transformers_generate(kimi_checkpoint, variant):
     prompts = [_ids(1, (5,)).tolist(), _ids(2, (37,)).tolist(), _ids(3, (70,)).tolist()]
     ours = greedy_generate(model, prompts, max_new_tokens=32, prefill_chunk=16)
     for prompt, got in zip(prompts, ours):
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None)
+        ids = torch.tensor([prompt])
+        # An explicit all-ones mask: otherwise generate() masks prompt tokens equal to pad_token_id.
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                           eos_token_id=None)
         assert got == out[0, len(prompt):].tolist()
 
 

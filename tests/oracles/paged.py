@@ -19,6 +19,7 @@ from hyla.models import ForwardBatch
 class ToyPool:
     def __init__(self, model, num_slots: int = 8, num_pages: int = 64, page_size: int = 4):
         self.cache = model.allocate_cache(num_slots, num_pages, page_size)
+        self.device = model.device
         self.page_size = page_size
         self.free_pages = list(range(num_pages))[::-1]
         self.free_slots = list(range(num_slots))[::-1]
@@ -47,14 +48,14 @@ class ToyPool:
                 self.tables[rid].append(self.free_pages.pop())
         return ForwardBatch.build(
             [len(t) for _, t in chunks], [self.lens[r] for r, _ in chunks], [self.tables[r] for r, _ in chunks],
-            [self.slots[r] for r, _ in chunks], checkpoints=checkpoints,
+            [self.slots[r] for r, _ in chunks], checkpoints=checkpoints, device=self.device,
         )
 
     def step(self, model, chunks: list[tuple[int, list[int]]], checkpoints=None) -> torch.Tensor:
         """Run one forward_batch over `chunks` ((request id, new token ids) pairs) -> logits
         [T_total, V] fp32 for every new token, in the packed order."""
         batch = self.batch(chunks, checkpoints)
-        ids = torch.tensor([t for _, toks in chunks for t in toks], dtype=torch.long)
+        ids = torch.tensor([t for _, toks in chunks for t in toks], dtype=torch.long, device=self.device)
         with torch.no_grad():
             hidden = model.forward_batch(ids, batch, self.cache)
             logits = model.compute_logits(hidden)

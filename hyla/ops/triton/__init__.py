@@ -1,0 +1,35 @@
+"""Triton kernels for hyla.ops (forward only): chunk prefill with in-kernel checkpoints, and
+decode / speculative verify over a state pool. Same contracts as the torch modules
+hyla.ops.chunk and hyla.ops.recurrent; hyla.ops dispatches here for CUDA tensors.
+
+On a machine without a GPU the kernels still run under Triton's interpreter
+(TRITON_INTERPRET=1 set before triton is imported), which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+__all__ = ["is_available", "interpreting", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
+           "fused_recurrent_kda", "fused_recurrent_gated_delta_rule"]
+
+
+def is_available() -> bool:
+    """True when triton can be imported (it does not say whether a GPU is present)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def __getattr__(name):
+    # Lazy: importing hyla.ops must not import triton (it is an optional dependency).
+    modules = {"chunk_kda": "chunk", "chunk_gated_delta_rule": "chunk", "chunk_delta_rule": "chunk",
+               "fused_recurrent_kda": "recurrent", "fused_recurrent_gated_delta_rule": "recurrent"}
+    if name in modules:
+        return getattr(importlib.import_module(f"hyla.ops.triton.{modules[name]}"), name)
+    raise AttributeError(f"module 'hyla.ops.triton' has no attribute {name!r}")

@@ -1,0 +1,237 @@
+"""Chunkwise prefill on the GPU (Triton, forward only): same contract as hyla.ops.chunk.
+
+Two launches per call:
+  1. chunk_intra.chunk_prepare_kernel, grid (chunks, HV): per-chunk factors w, u, qg, kg, aqk,
+     gam (and checkpoint factors), with gate, beta sigmoid and q/k L2 norm fused.
+  2. chunk_scan.chunk_scan_kernel, grid (V / BV, N * HV): the sequential state scan, writing
+     o, the final state and every requested checkpoint state in the same pass.
+
+Sequences (fixed-length rows or packed varlen) are cut into 64-token chunks that never straddle
+two sequences; the tail chunk of a sequence is zero-padded inside the kernels.
+
+Differences from the torch path: `chunk_size` is validated but the kernels always use 64 (the
+result is the same function of the inputs); fp64 inputs are not supported (use the torch path);
+g is not scanned for positive entries (that check is a full extra read of g).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from hyla.ops.triton import _interpreter
+from hyla.ops.triton.chunk_intra import chunk_prepare_kernel
+from hyla.ops.triton.chunk_scan import chunk_scan_kernel
+from hyla.ops.utils import check_checkpoints, check_inputs
+
+_interpreter.apply()  # no-op unless TRITON_INTERPRET=1
+
+CHUNK = 64
+_GATES = {None: 0, "gdn": 1, "kda": 2}
+_TABLES: dict = {}
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _chunk_tables(cu_seqlens, B, T, device):
+    """cu (int64 [N+1]), per-sequence lengths, chunk_off [N+1], chunk_seq / chunk_pos [NCH] (int32)."""
+    key = None
+    if cu_seqlens is None:
+        key = (B, T, str(device))
+        if key in _TABLES:
+            return _TABLES[key]
+        lengths = [T] * B
+        cu = torch.arange(B + 1, device=device, dtype=torch.int64) * T
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        lengths = (cu[1:] - cu[:-1]).tolist()
+    nch = torch.tensor([-(-n // CHUNK) for n in lengths], dtype=torch.int64)
+    chunk_off = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    chunk_off[1:] = nch.cumsum(0)
+    total = int(chunk_off[-1])
+    chunk_seq = torch.repeat_interleave(torch.arange(len(lengths)), nch)
+    chunk_pos = torch.arange(total) - chunk_off[:-1][chunk_seq]
+    out = (cu, lengths, chunk_off.tolist(), chunk_off.to(device=device, dtype=torch.int32),
+           chunk_seq.to(device=device, dtype=torch.int32), chunk_pos.to(device=device, dtype=torch.int32))
+    if key is not None:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        _TABLES[key] = out
+    return out
+
+
+def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
+    """Checkpoints sorted by chunk: CSR pointer per chunk, in-chunk offsets r, and for each
+    sequence the rows of the sorted output that hold its checkpoints in the caller's order."""
+    entries = []  # (global chunk, r, sequence, index in its list)
+    for n, ps in enumerate(ckpts):
+        for i, p in enumerate(ps):
+            c = (p - 1) // CHUNK
+            entries.append((chunk_off_list[n] + c, p - c * CHUNK, n, i))
+    order = sorted(range(len(entries)), key=lambda e: entries[e][0])
+    counts = torch.zeros(n_chunks + 1, dtype=torch.int64)
+    rows = [[None] * len(ps) for ps in ckpts]
+    pos = []
+    for slot, e in enumerate(order):
+        gc, r, n, i = entries[e]
+        counts[gc + 1] += 1
+        pos.append(r)
+        rows[n][i] = slot
+    ck_ptr = counts.cumsum(0).to(device=device, dtype=torch.int32)
+    ck_pos = torch.tensor(pos, dtype=torch.int32, device=device)
+    return ck_ptr, ck_pos, rows
+
+
+def _param(name, t, n, device):
+    if not isinstance(t, torch.Tensor) or t.numel() != n:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must have {n} elements, got {got}")
+    return t.reshape(n).to(device=device, dtype=torch.float32).contiguous()
+
+
+def _scan_block(n_programs_per_block: int, bvf: int, device) -> int:
+    """Value-block width of the scan: 64 unless that leaves the GPU under two programs per SM."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    bv = min(64, bvf)
+    while bv > 32 and n_programs_per_block * (bvf // bv) < 2 * sms:
+        bv //= 2
+    return bv
+
+
+def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
+              use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
+              use_beta_sigmoid_in_kernel=False, scan_block_v=None, num_warps=None):
+    if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
+        raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
+    check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                 check_gate_sign=False)
+    if beta is None:
+        raise ValueError("`beta` is required")
+    if q.dtype == torch.float64 or v.dtype == torch.float64:
+        raise ValueError("the Triton path computes in fp32; use the torch path for fp64")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if K > 256 or V > 256:
+        raise ValueError(f"the Triton path supports K, V <= 256, got K={K}, V={V}")
+    dev = q.device
+    scale = K ** -0.5 if scale is None else float(scale)
+    BK, BVF = _pow2(K), _pow2(V)
+
+    gate_fn = 0
+    a_log = dtb = None
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("`use_gate_in_kernel=True` needs `A_log`")
+        a_log = _param("A_log", A_log, HV, dev)
+        if dt_bias is not None:
+            dtb = _param("dt_bias", dt_bias, HV * K if gate == "kda" else HV, dev)
+        if gate == "kda" and lower_bound is not None:
+            lb = float(lower_bound)
+            if not lb < 0 or lb != lb or lb == float("-inf"):
+                raise ValueError(f"lower_bound must be a finite negative float, got {lower_bound!r}")
+            gate_fn = 2
+        else:
+            gate_fn = 1
+
+    cu, lengths, off_list, chunk_off, chunk_seq, chunk_pos = _chunk_tables(cu_seqlens, B, T, dev)
+    N = len(lengths)
+    NCH = off_list[-1]
+    ckpts = None if checkpoint_positions is None else check_checkpoints(checkpoint_positions, lengths)
+
+    # Matmul operands of pass 2 are stored in the input precision (bf16 / fp16), fp32 otherwise.
+    low = {q.dtype, k.dtype, v.dtype}
+    st = q.dtype if len(low) == 1 and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    prec = "ieee" if st == torch.float32 else "tf32"
+    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+    gc = qc if g is None else g.contiguous()
+    bc = beta.contiguous()
+
+    w = torch.empty(NCH, HV, CHUNK, BK, device=dev, dtype=st)
+    qg = torch.empty_like(w)
+    kg = torch.empty_like(w)
+    u = torch.empty(NCH, HV, CHUNK, BVF, device=dev, dtype=st)
+    aqk = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=st)
+    gam = torch.empty(NCH, HV, BK, device=dev, dtype=torch.float32)
+
+    has_ck = bool(ckpts) and any(len(ps) for ps in ckpts)
+    if has_ck:
+        ck_ptr, ck_pos, ck_rows = _checkpoint_tables(ckpts, off_list, NCH, dev)
+        NCK = ck_pos.numel()
+        kr = torch.empty(NCK, HV, CHUNK, BK, device=dev, dtype=torch.float32)
+        dr = torch.empty(NCK, HV, BK, device=dev, dtype=torch.float32)
+        ck_out = torch.empty(NCK, HV, K, V, device=dev, dtype=torch.float32)
+    else:
+        ck_ptr = ck_pos = kr = dr = ck_out = chunk_off  # unused placeholders
+
+    if NCH:
+        chunk_prepare_kernel[(NCH, HV)](
+            qc, kc, vc, gc, bc,
+            a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
+            float(lower_bound) if gate_fn == 2 else 0.0, scale,
+            cu, chunk_seq, chunk_pos,
+            w, u, qg, kg, aqk, gam,
+            ck_ptr, ck_pos, kr, dr,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF,
+            GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
+            USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+            HAS_CKPT=has_ck, PREC=prec,
+            num_warps=num_warps or (8 if BK >= 128 else 4),
+        )
+
+    o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
+    final = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    BV = scan_block_v or _scan_block(N * HV, BVF, dev)
+    if N:
+        chunk_scan_kernel[(triton.cdiv(V, BV), N * HV)](
+            w, u, qg, kg, aqk, gam,
+            h0 if h0 is not None else gam, final if final is not None else gam, o,
+            cu, chunk_off,
+            ck_ptr, kr, dr, ck_out,
+            HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
+            HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
+            num_warps=4,
+        )
+    if ckpts is None:
+        return o, final
+    empty = torch.zeros(0, HV, K, V, device=dev, dtype=torch.float32)
+    ck = [ck_out[torch.tensor(rows, device=dev)] if rows else empty for rows in (ck_rows if has_ck else
+                                                                                  [[] for _ in ckpts])]
+    return o, final, ck
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
+              use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
+              use_beta_sigmoid_in_kernel=False):
+    """Triton chunk_kda (forward only); arguments and returns as hyla.ops.chunk.chunk_kda."""
+    return chunk_fwd(q, k, v, g, beta, gate="kda", scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, checkpoint_positions=checkpoint_positions,
+                     use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                     lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64,
+                           checkpoint_positions=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                           use_beta_sigmoid_in_kernel=False):
+    """Triton chunk_gated_delta_rule (forward only); as hyla.ops.chunk.chunk_gated_delta_rule."""
+    return chunk_fwd(q, k, v, g, beta, gate="gdn", scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, checkpoint_positions=checkpoint_positions,
+                     use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+
+
+def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
+                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
+                     use_beta_sigmoid_in_kernel=False):
+    """Triton chunk_delta_rule (no decay, forward only); as hyla.ops.chunk.chunk_delta_rule."""
+    return chunk_fwd(q, k, v, None, beta, gate=None, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, checkpoint_positions=checkpoint_positions,
+                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)

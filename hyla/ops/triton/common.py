@@ -1,0 +1,48 @@
+"""Element-wise pieces shared by the Triton kernels: gates, beta, q/k L2 norm.
+
+Everything here runs in fp32 on register tiles and mirrors hyla.ops.gate / hyla.ops.norm:
+
+    gate v1 (GATE_FN = 1):  g = -exp(A_log) * softplus(x + dt_bias)
+    gate v2 (GATE_FN = 2):  g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias))
+    precomputed (GATE_FN = 0): g = x
+"""
+
+import triton
+import triton.language as tl
+
+# Gate kinds of the chunk and recurrent kernels (the GATE constexpr).
+NO_GATE, SCALAR_GATE, CHANNEL_GATE = 0, 1, 2
+# Gate activations (the GATE_FN constexpr).
+PRECOMPUTED, SOFTPLUS, SAFE_SIGMOID = 0, 1, 2
+
+
+@triton.jit
+def softplus(x):
+    # softplus(x) = max(x, 0) + log1p(exp(-|x|)); log1p(y) by Kahan's trick, because log(1 + y)
+    # alone loses the low bits of small y (softplus of a very negative input is ~exp(x), not 0).
+    y = tl.exp(-tl.abs(x))
+    u = 1.0 + y
+    lp = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))
+    return tl.maximum(x, 0.0) + lp
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def apply_gate(x, a_log, bias, lower_bound, GATE_FN: tl.constexpr):
+    """x: raw gate tile (fp32), a_log: scalar A_log of the head, bias: dt_bias broadcastable to x."""
+    if GATE_FN == 1:
+        return -tl.exp(a_log) * softplus(x + bias)
+    elif GATE_FN == 2:
+        return lower_bound * sigmoid(tl.exp(a_log) * (x + bias))
+    else:
+        return x
+
+
+@triton.jit
+def l2norm_rows(x):
+    """x: [R, BK] fp32 -> each row divided by sqrt(sum x^2 + 1e-6) (fla's eps); padded columns are 0."""
+    return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6))[:, None]

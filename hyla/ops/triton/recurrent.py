@@ -1,0 +1,241 @@
+"""Decode and speculative verify over a state pool (Triton, forward only).
+
+Same contract as hyla.ops.recurrent (read its docstring for the pool addressing): sequence n
+reads its state from slot idx[n] (decode) or idx[n, num_accepted_tokens[n] - 1] (verify), steps
+the recurrence over its few tokens, and writes back in place: to idx[n] after its last token
+(decode), or after its j-th token to idx[n, j] (verify). A negative slot is a padding row:
+nothing is read or written and its outputs are 0.
+
+One program per (value block of BV columns, sequence, value head) holds S [K, BV] in fp32
+registers. Decode is bound by the pool traffic (read and write K * V * 4 bytes per head), so the
+program loads its whole state tile at once and everything else is a few hundred bytes per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hyla.ops.recurrent import _check_pool_args
+from hyla.ops.triton import _interpreter
+from hyla.ops.triton.common import apply_gate, sigmoid
+from hyla.ops.utils import check_inputs
+
+_interpreter.apply()  # no-op unless TRITON_INTERPRET=1
+
+_GATES = {None: 0, "gdn": 1, "kda": 2}
+
+
+@triton.jit(do_not_specialize=["lower_bound", "scale", "T"])
+def recurrent_kernel(
+    q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+    o, h0, ht, cu_seqlens, idx, n_acc, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, IDX_W: tl.constexpr,
+    GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    POOL: tl.constexpr, SPEC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    tile = i_hv * K * V + o_k[:, None] * V + o_v[None, :]  # offsets inside one [HV, K, V] state
+
+    # Which state to start from; a negative pool slot marks a padding row.
+    if POOL:
+        if SPEC:
+            slot0 = tl.load(idx + i_n * IDX_W + tl.load(n_acc + i_n) - 1).to(tl.int64)
+        else:
+            slot0 = tl.load(idx + i_n).to(tl.int64)
+        live = slot0 >= 0
+    else:
+        slot0 = i_n.to(tl.int64)
+        live = slot0 >= 0
+    if not live:
+        for t in range(bos, eos):
+            tl.store(o + (t * HV + i_hv) * V + o_v, tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty),
+                     mask=m_v)
+        return
+
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
+    if HAS_H0:
+        b_s += tl.load(h0 + slot0 * HV * K * V + tile, mask=m_kv, other=0.0).to(tl.float32)
+
+    a_log = 0.0
+    bias = 0.0
+    if GATE_FN > 0:
+        a_log = tl.load(A_log + i_hv).to(tl.float32)
+        if HAS_BIAS:
+            if GATE == 2:
+                bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            else:
+                bias = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    for t in range(bos, eos):
+        b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+        b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+        b_b = tl.load(beta + t * HV + i_hv).to(tl.float32)
+        if BETA_SIGMOID:
+            b_b = sigmoid(b_b)
+        if USE_L2NORM:
+            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        # decay first, then predict with the decayed state, then write the error, then read.
+        if GATE == 2:
+            b_g = tl.load(g + (t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_g = tl.where(m_k, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)
+            b_s = b_s * tl.exp(b_g)[:, None]
+        elif GATE == 1:
+            b_g = apply_gate(tl.load(g + t * HV + i_hv).to(tl.float32), a_log, bias, lower_bound, GATE_FN)
+            b_s = b_s * tl.exp(b_g)
+        b_err = b_b * (b_v - tl.sum(b_s * b_k[:, None], axis=0))  # [BV]
+        b_s = b_s + b_k[:, None] * b_err[None, :]
+        b_o = tl.sum(b_s * b_q[:, None], axis=0) * scale  # [BV]
+        tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if SPEC:
+            # the state after token j goes to idx[n, j]; a rejected draft only reaches slots the
+            # next step does not start from.
+            dst = tl.load(idx + i_n * IDX_W + (t - bos)).to(tl.int64)
+            if dst >= 0:
+                tl.store(ht + dst * HV * K * V + tile, b_s.to(ht.dtype.element_ty), mask=m_kv)
+
+    if STORE_HT:
+        if not SPEC:
+            tl.store(ht + slot0 * HV * K * V + tile, b_s.to(ht.dtype.element_ty), mask=m_kv)
+
+
+def _param(name, t, n, device):
+    if not isinstance(t, torch.Tensor) or t.numel() != n:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must have {n} elements, got {got}")
+    return t.reshape(n).to(device=device, dtype=torch.float32).contiguous()
+
+
+def _block_v(n_heads_total: int, V: int, device) -> int:
+    """32-column value blocks (128 B rows of an fp32 state); 16 when that leaves SMs idle."""
+    bvf = max(16, triton.next_power_of_2(V))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    bv = min(32, bvf)
+    if n_heads_total * (bvf // bv) < 4 * sms:
+        bv = 16
+    return bv
+
+
+def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, ssm_state_indices=None,
+                  num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                  lower_bound=None, use_beta_sigmoid_in_kernel=False, block_v=None, num_warps=None):
+    pooled = ssm_state_indices is not None
+    n = check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                     check_gate_sign=False, state_is_pool=pooled)
+    if beta is None:
+        raise ValueError("`beta` is required")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if q.dtype == torch.float64 or v.dtype == torch.float64:
+        raise ValueError("the Triton path computes in fp32; use the torch path for fp64")
+    if K > 256 or V > 256:
+        raise ValueError(f"the Triton path supports K, V <= 256, got K={K}, V={V}")
+    dev = q.device
+    if cu_seqlens is None:
+        lengths = [T] * n
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    if pooled:
+        _check_pool_args(ssm_state_indices, num_accepted_tokens, initial_state, n, lengths)
+    scale = K ** -0.5 if scale is None else float(scale)
+
+    gate_fn = 0
+    a_log = dtb = None
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("`use_gate_in_kernel=True` needs `A_log`")
+        a_log = _param("A_log", A_log, HV, dev)
+        if dt_bias is not None:
+            dtb = _param("dt_bias", dt_bias, HV * K if gate == "kda" else HV, dev)
+        if gate == "kda" and lower_bound is not None:
+            lb = float(lower_bound)
+            if not lb < 0 or lb != lb or lb == float("-inf"):
+                raise ValueError(f"lower_bound must be a finite negative float, got {lower_bound!r}")
+            gate_fn = 2
+        else:
+            gate_fn = 1
+
+    qc, kc, vc, bc = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
+    gc = qc if g is None else g.contiguous()
+    o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
+    spec = pooled and ssm_state_indices.ndim == 2
+    if pooled:
+        if not initial_state.is_contiguous():
+            raise ValueError("the state pool `initial_state` must be contiguous (it is updated in place)")
+        h0 = ht = initial_state
+        idx = ssm_state_indices.contiguous()
+        n_acc = num_accepted_tokens.contiguous() if spec else idx
+        idx_w = idx.shape[1] if spec else 1
+        store_ht = True
+    else:
+        h0 = initial_state.contiguous() if initial_state is not None else None
+        ht = torch.empty(n, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+        idx = n_acc = o
+        idx_w = 1
+        store_ht = ht is not None
+    BK = max(16, triton.next_power_of_2(K))
+    BV = block_v or _block_v(n * HV, V, dev)
+    if n:
+        recurrent_kernel[(triton.cdiv(V, BV), n * HV)](
+            qc, kc, vc, gc, bc,
+            a_log if a_log is not None else o, dtb if dtb is not None else o,
+            float(lower_bound) if gate_fn == 2 else 0.0, scale,
+            o, h0 if h0 is not None else o, ht if ht is not None else o,
+            cu_seqlens if cu_seqlens is not None else o, idx, n_acc, T,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IDX_W=idx_w,
+            GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
+            USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+            IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=store_ht,
+            POOL=pooled, SPEC=spec,
+            num_warps=num_warps or 4,
+        )
+    if pooled:
+        return o, initial_state
+    return o, ht
+
+
+def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, cu_seqlens=None, ssm_state_indices=None,
+                        num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                        lower_bound=None, use_beta_sigmoid_in_kernel=False):
+    """Triton KDA decode / verify; arguments and returns as hyla.ops.recurrent.fused_recurrent_kda."""
+    return recurrent_fwd(q, k, v, g, beta, gate="kda", scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
+                         num_accepted_tokens=num_accepted_tokens, use_gate_in_kernel=use_gate_in_kernel,
+                         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                                     ssm_state_indices=None, num_accepted_tokens=None, use_gate_in_kernel=False,
+                                     A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False):
+    """Triton Gated DeltaNet decode / verify; as hyla.ops.recurrent.fused_recurrent_gated_delta_rule."""
+    return recurrent_fwd(q, k, v, g, beta, gate="gdn", scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
+                         num_accepted_tokens=num_accepted_tokens, use_gate_in_kernel=use_gate_in_kernel,
+                         A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)

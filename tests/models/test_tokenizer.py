@@ -1,0 +1,34 @@
+"""load_tokenizer: tokenizer.json + tokenizer_config.json, special tokens, chat template."""
+
+import pytest
+
+from hyla.models import load_tokenizer
+
+
+def test_encode_decode_matches_transformers(kimi_checkpoint):
+    from transformers import PreTrainedTokenizerFast
+
+    path = kimi_checkpoint("dense", with_tokenizer=True)
+    tok = load_tokenizer(path)
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    text = "the cat sat on the mat and the dog ran"
+    assert tok.encode(text) == ref(text)["input_ids"]
+    assert tok.encode(text)[0] == tok.bos_token_id == 1
+    assert tok.eos_token_id == 2 and tok.pad_token_id == 0
+    assert tok.decode(tok.encode(text)) == text
+    assert max(tok.encode(text)) < 256  # fits the tiny model's vocab
+
+
+def test_chat_template(kimi_checkpoint):
+    tok = load_tokenizer(kimi_checkpoint("dense", with_tokenizer=True))
+    messages = [{"role": "user", "content": "the cat"}]
+    text = tok.apply_chat_template(messages)
+    assert text == "<s><|user|> the cat </s> <|assistant|>"
+    ids = tok.apply_chat_template(messages, tokenize=True)
+    assert ids.count(tok.bos_token_id) == 1 and ids[-1] == tok.tokenizer.token_to_id("<|assistant|>")
+
+
+def test_missing_tokenizer_json(tmp_path):
+    (tmp_path / "tiktoken.model").write_text("")
+    with pytest.raises(ValueError, match="no tokenizer.json.*tiktoken.model"):
+        load_tokenizer(tmp_path)
