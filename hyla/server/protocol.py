@@ -1,0 +1,122 @@
+"""OpenAI-compatible request bodies (pydantic) and their translation to SamplingParams.
+
+Unknown fields are accepted and ignored (clients send many), except those whose value would
+change the result in a way hyla does not implement: those are rejected with a 400 that names them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hyla.engine.sampling_params import SamplingParams
+
+MAX_STOP = 16
+
+
+class UnsupportedParameter(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise UnsupportedParameter("n", f"n={self.n} is not supported: hyla returns one choice per request")
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stop) > MAX_STOP:
+            raise UnsupportedParameter("stop", f"at most {MAX_STOP} stop sequences are allowed")
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
+                max_tokens=max_tokens, stop=stop or None, stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos, logprobs=logprobs, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            )
+        except ValueError as e:
+            param = str(e).split(" ", 1)[0]
+            raise UnsupportedParameter(param, str(e)) from None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] = Field(...)
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompt_value(self):
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                raise UnsupportedParameter("prompt", "a batch of prompts is not supported: send one request each")
+            return self.prompt[0]
+        return self.prompt
+
+    def to_params(self) -> SamplingParams:
+        if self.echo:
+            raise UnsupportedParameter("echo", "echo=true is not supported")
+        if self.suffix:
+            raise UnsupportedParameter("suffix", "suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise UnsupportedParameter("best_of", "best_of > 1 is not supported")
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            parts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise UnsupportedParameter("messages", "only text content parts are supported")
+                parts.append(part["text"])
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def to_params(self) -> SamplingParams:
+        if self.tools:
+            raise UnsupportedParameter("tools", "tool calling is not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise UnsupportedParameter("response_format", "only response_format type 'text' is supported")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs)

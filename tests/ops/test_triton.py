@@ -1,0 +1,265 @@
+"""Triton kernels vs the torch reference, on small awkward shapes.
+
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set here before
+triton is first imported); with one they run on it. Inputs are fp32, the reference is the torch
+path in fp64, and every output must match to 1e-4 relative: the kernels compute the same
+function in fp32, nothing is approximated. Outputs the kernels fail to write would surface as
+garbage from torch.empty, never as a lucky zero (inputs are random, never zeros).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`
+pytest.importorskip("triton", reason="triton is not installed (pip install 'hyla[triton]')")
+
+from hyla.ops import chunk as torch_chunk  # noqa: E402
+from hyla.ops import recurrent as torch_rec  # noqa: E402
+from hyla.ops import triton as hyla_triton  # noqa: E402
+from tests.ops.helpers import make_inputs, rel_err  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-4
+if DEV == "cpu" and not hyla_triton.interpreting():
+    pytest.skip("CPU tensors need TRITON_INTERPRET=1 set before triton is imported", allow_module_level=True)
+
+CHUNK = {"kda": ("chunk_kda", torch_chunk.chunk_kda), "gdn": ("chunk_gated_delta_rule", torch_chunk.chunk_gated_delta_rule),
+         "none": ("chunk_delta_rule", torch_chunk.chunk_delta_rule)}
+REC = {"kda": ("fused_recurrent_kda", torch_rec.fused_recurrent_kda),
+       "gdn": ("fused_recurrent_gated_delta_rule", torch_rec.fused_recurrent_gated_delta_rule)}
+
+
+def _dev(*xs):
+    return [None if x is None else x.to(DEV) for x in xs]
+
+
+def _chunk_pair(gate):
+    name, ref = CHUNK[gate]
+    fast = getattr(hyla_triton, name)
+    if gate == "none":
+        return (lambda q, k, v, g, b, **kw: fast(q, k, v, b, **kw)), (lambda q, k, v, g, b, **kw: ref(q, k, v, b, **kw))
+    return fast, ref
+
+
+def _f32(*xs):
+    return [None if x is None else x.float().to(DEV) for x in xs]
+
+
+def _check(actual, expected, what):
+    err = rel_err(actual.cpu(), expected.cpu())
+    assert err <= TOL, f"{what}: relative error {err:.2e} > {TOL:.0e}"
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn", "none"])
+@pytest.mark.parametrize("T", [1, 63, 65, 130])
+def test_chunk_matches_torch(gate, T):
+    fast, ref = _chunk_pair(gate)
+    q, k, v, g, beta, h0 = make_inputs(1, T, 2, 32, 32, gate=gate, seed=T)
+    o_ref, s_ref = ref(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = fast(*_f32(q, k, v, g, beta), initial_state=h0.float().to(DEV), output_final_state=True)
+    assert o.shape == o_ref.shape and o.dtype == torch.float32 and s.dtype == torch.float32
+    _check(o, o_ref, "o")
+    _check(s, s_ref, "final state")
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_chunk_wider_heads_grouped_values_no_initial_state(gate):
+    fast, ref = _chunk_pair(gate)
+    q, k, v, g, beta, _ = make_inputs(2, 100, 2, 64, 64, gate=gate, hv=4, seed=5)
+    o_ref, s_ref = ref(q, k, v, g, beta, output_final_state=True)
+    o, s = fast(*_f32(q, k, v, g, beta), output_final_state=True)
+    _check(o, o_ref, "o")
+    _check(s, s_ref, "final state")
+    o2, s2 = fast(*_f32(q, k, v, g, beta))
+    assert s2 is None and torch.equal(o2, o)
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_chunk_varlen_with_checkpoints_at_odd_positions(gate):
+    fast, ref = _chunk_pair(gate)
+    lens = [65, 1, 130]
+    cu = torch.tensor([0, 65, 66, 196])
+    q, k, v, g, beta, _ = make_inputs(1, sum(lens), 2, 32, 32, gate=gate, seed=17)
+    h0 = torch.randn(3, 2, 32, 32, dtype=torch.float64)
+    ckpts = [[33, 1, 64, 65, 17], [1], [129, 63, 64, 130, 3, 100]]
+    o_ref, s_ref, c_ref = ref(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                              checkpoint_positions=ckpts)
+    o, s, c = fast(*_f32(q, k, v, g, beta), initial_state=h0.float().to(DEV), output_final_state=True,
+                   cu_seqlens=cu.to(DEV), checkpoint_positions=ckpts)
+    _check(o, o_ref, "o")
+    _check(s, s_ref, "final state")
+    assert [x.shape[0] for x in c] == [len(p) for p in ckpts]
+    for n in range(3):
+        _check(c[n], c_ref[n], f"checkpoints of sequence {n}")
+    # the checkpoint at a sequence's end is its final state
+    _check(c[2][3], s[2], "checkpoint at the end")
+
+
+def test_chunk_no_checkpoints_requested_returns_empty_lists():
+    fast, _ = _chunk_pair("kda")
+    q, k, v, g, beta, _ = make_inputs(1, 20, 2, 32, 32, seed=3)
+    cu = torch.tensor([0, 5, 20])
+    o, s, c = fast(*_f32(q, k, v, g, beta), cu_seqlens=cu.to(DEV), checkpoint_positions=[[], []])
+    assert [x.shape for x in c] == [(0, 2, 32, 32)] * 2
+
+
+@pytest.mark.parametrize("variant", ["kda_v1", "kda_v2", "gdn"])
+def test_chunk_fused_gate_beta_sigmoid_and_l2norm(variant):
+    gate = "kda" if variant.startswith("kda") else "gdn"
+    fast, ref = _chunk_pair(gate)
+    T, H, K = 130, 2, 32
+    gen = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(1, T, H, K) * 3, r(1, T, H, K) * 3, r(1, T, H, K)
+    raw = r(1, T, H, K) if gate == "kda" else r(1, T, H)
+    beta_logit = r(1, T, H)
+    A_log = (torch.rand(H, generator=gen, dtype=torch.float64) * 2.7)  # exp(A_log) in [1, 15]
+    dt_bias = r(H * K) if gate == "kda" else r(H)
+    kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
+              use_qk_l2norm_in_kernel=True, output_final_state=True)
+    if variant == "kda_v2":
+        kw["lower_bound"] = -5.0
+    o_ref, s_ref = ref(q, k, v, raw, beta_logit, **kw)
+    kw.update(A_log=A_log.float().to(DEV), dt_bias=dt_bias.float().to(DEV))
+    o, s = fast(*_f32(q, k, v, raw, beta_logit), **kw)
+    _check(o, o_ref, "o")
+    _check(s, s_ref, "final state")
+
+
+def test_chunk_steep_decays_take_the_exact_diagonal_path():
+    """Per-token decays near -30 in some channels push 16-token sub-blocks far past e^-80, where
+    the factored diagonal would overflow; the kernel must switch to pairwise exponents."""
+    fast, ref = _chunk_pair("kda")
+    q, k, v, g, beta, h0 = make_inputs(1, 130, 2, 32, 32, seed=9)
+    steep = torch.rand(1, 130, 2, 32, dtype=torch.float64) < 0.3
+    g = torch.where(steep, g * 60.0, g)
+    g[:, 70:80] *= 200.0  # one sub-block with channels decaying by ~1e4
+    o_ref, s_ref, c_ref = ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                              checkpoint_positions=[[75, 130]])
+    o, s, c = fast(*_f32(q, k, v, g, beta), initial_state=h0.float().to(DEV), output_final_state=True,
+                   checkpoint_positions=[[75, 130]])
+    _check(o, o_ref, "o")
+    _check(s, s_ref, "final state")
+    _check(c[0], c_ref[0], "checkpoints")
+
+
+# ---- decode / verify ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_decode_over_a_pool_with_padding_rows(gate):
+    name, ref = REC[gate]
+    fast = getattr(hyla_triton, name)
+    N, H, K = 5, 2, 32
+    q, k, v, g, beta, _ = make_inputs(N, 1, H, K, K, gate=gate, seed=31)
+    pool = torch.randn(9, H, K, K, dtype=torch.float64)
+    idx = torch.tensor([7, 2, -1, 0, 5])
+    pool_ref = pool.clone()
+    o_ref, _ = ref(q, k, v, g, beta, initial_state=pool_ref, ssm_state_indices=idx)
+    pool_fast = pool.float().to(DEV)
+    o, out_pool = fast(*_f32(q, k, v, g, beta), initial_state=pool_fast, ssm_state_indices=idx.to(DEV))
+    assert out_pool is pool_fast  # in place
+    _check(o, o_ref, "o")
+    assert torch.all(o[2] == 0), "a padding row's output is 0"
+    _check(pool_fast, pool_ref, "pool")
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_verify_with_rejected_drafts(gate):
+    """[N, 1 + num_spec] slots, varlen drafts, num_accepted_tokens from the previous step: the
+    state after token j lands in slot j only; untouched slots keep their contents."""
+    name, ref = REC[gate]
+    fast = getattr(hyla_triton, name)
+    H, K, V, width = 2, 32, 32, 4
+    lens = [4, 2, 3, 1]
+    cu = torch.tensor([0, 4, 6, 9, 10])
+    q, k, v, g, beta, _ = make_inputs(1, sum(lens), H, K, V, gate=gate, seed=41)
+    pool = torch.randn(20, H, K, V, dtype=torch.float64)
+    idx = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, -1, 10, 11], [-1, -1, -1, -1]])
+    n_acc = torch.tensor([3, 1, 1, 2])
+    pool_ref = pool.clone()
+    o_ref, _ = ref(q, k, v, g, beta, initial_state=pool_ref, cu_seqlens=cu, ssm_state_indices=idx,
+                   num_accepted_tokens=n_acc)
+    pool_fast = pool.float().to(DEV)
+    o, _ = fast(*_f32(q, k, v, g, beta), initial_state=pool_fast, cu_seqlens=cu.to(DEV),
+                ssm_state_indices=idx.to(DEV), num_accepted_tokens=n_acc.to(DEV))
+    _check(o, o_ref, "o")
+    _check(pool_fast, pool_ref, "pool")
+    assert torch.equal(pool_fast[12:].cpu(), pool[12:].float()), "unaddressed slots must stay untouched"
+
+
+@pytest.mark.parametrize("variant", ["kda_v1", "kda_v2", "gdn"])
+def test_recurrent_plain_states_with_fused_gate(variant):
+    gate = "kda" if variant.startswith("kda") else "gdn"
+    name, ref = REC[gate]
+    fast = getattr(hyla_triton, name)
+    B, T, H, K = 3, 3, 2, 32
+    gen = torch.Generator().manual_seed(51)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, K)
+    raw = r(B, T, H, K) if gate == "kda" else r(B, T, H)
+    beta_logit = r(B, T, H)
+    h0 = r(B, H, K, K)
+    A_log = torch.rand(H, generator=gen, dtype=torch.float64)
+    dt_bias = r(H * K) if gate == "kda" else r(H)
+    kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
+              use_qk_l2norm_in_kernel=True, output_final_state=True)
+    if variant == "kda_v2":
+        kw["lower_bound"] = -5.0
+    o_ref, s_ref = ref(q, k, v, raw, beta_logit, initial_state=h0, **kw)
+    kw.update(A_log=A_log.float().to(DEV), dt_bias=dt_bias.float().to(DEV))
+    o, s = fast(*_f32(q, k, v, raw, beta_logit), initial_state=h0.float().to(DEV), **kw)
+    _check(o, o_ref, "o")
+    _check(s, s_ref, "final state")
+
+
+def test_decode_after_prefill_continues_the_same_recurrence():
+    """Split-resume across the two kernels: prefill [:s] (chunk), then decode the rest token by
+    token from a pool (recurrent) == one torch pass over everything."""
+    q, k, v, g, beta, h0 = make_inputs(1, 70, 2, 32, 32, seed=61)
+    o_ref, s_ref = torch_chunk.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    q, k, v, g, beta, h0 = _f32(q, k, v, g, beta, h0)
+    o1, s = hyla_triton.chunk_kda(q[:, :67], k[:, :67], v[:, :67], g[:, :67], beta[:, :67], initial_state=h0,
+                                  output_final_state=True)
+    pool = torch.zeros(3, 2, 32, 32, device=DEV)
+    pool[1] = s[0]
+    outs = [o1]
+    for t in range(67, 70):
+        sl = slice(t, t + 1)
+        o_t, _ = hyla_triton.fused_recurrent_kda(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl],
+                                                 initial_state=pool, ssm_state_indices=torch.tensor([1], device=DEV))
+        outs.append(o_t)
+    _check(torch.cat(outs, 1), o_ref, "o")
+    _check(pool[1:2], s_ref, "state")
+
+
+# ---- dispatch -----------------------------------------------------------------------------------
+
+
+def test_dispatch_routes_by_backend_and_keeps_autograd_on_torch(monkeypatch):
+    import hyla.ops as ops
+    from hyla.ops.dispatch import backend_for
+
+    q, k, v, g, beta, _ = _f32(*make_inputs(1, 20, 2, 32, 32, seed=71))
+    monkeypatch.setenv("HYLA_BACKEND", "triton")
+    assert backend_for(q, v, [q, k, v]) == "triton"
+    o_fast, _ = ops.chunk_kda(q, k, v, g, beta)
+    monkeypatch.setenv("HYLA_BACKEND", "torch")
+    assert backend_for(q, v, [q, k, v]) == "torch"
+    o_torch, _ = ops.chunk_kda(q, k, v, g, beta)
+    _check(o_fast, o_torch, "dispatched o")
+    monkeypatch.setenv("HYLA_BACKEND", "triton")
+    qg = q.clone().requires_grad_()
+    assert backend_for(qg, v, [qg, k, v]) == "torch"
+    o, _ = ops.chunk_kda(qg, k, v, g, beta)
+    o.sum().backward()  # the torch path, with autograd
+    assert qg.grad is not None
+    assert backend_for(q.double(), v.double(), [q]) == "torch"
+    monkeypatch.setenv("HYLA_BACKEND", "auto")
+    assert backend_for(q, v, [q]) == ("triton" if q.is_cuda else "torch")
+    monkeypatch.setenv("HYLA_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="HYLA_BACKEND"):
+        backend_for(q, v, [q])
