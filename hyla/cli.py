@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -35,10 +36,98 @@ def _demo(args) -> None:
     print(f"  one decode step over a state pool (slot 2, in place): |o| = {o_dec.norm():.3f}")
 
 
+def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--memory-budget", type=int, default=None, help="bytes for KV pages + state slots")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=prefix_cache_default)
+    p.add_argument("--speculative-config", type=json.loads, default=None, help='JSON, e.g. \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4}\'')
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine_config(args):
+    from hyla.engine import EngineConfig
+
+    if args.model is None:
+        from hyla.models import default_model_path
+
+        args.model = default_model_path()
+    return EngineConfig(
+        model=str(args.model), dtype=args.dtype, device=args.device,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, memory_budget=args.memory_budget,
+        enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
+        enforce_eager=args.enforce_eager, seed=args.seed)
+
+
+def _serve(args) -> None:
+    import logging
+    import os
+
+    import uvicorn
+
+    from hyla.engine import LLMEngine
+    from hyla.server import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = _engine_config(args)
+    engine = LLMEngine(config)
+    name = args.served_model_name or os.path.basename(os.path.normpath(config.model))
+    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    logging.getLogger("hyla").info("serving %s on http://%s:%d", name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+def _generate(args) -> None:
+    import time
+
+    from hyla.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(_engine_config(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.sampling_seed)
+    engine.add_request("cli", args.prompt, params)
+    start, first, out = time.perf_counter(), None, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first = first or time.perf_counter()
+    elapsed = time.perf_counter() - start
+    completion = out.outputs[0]
+    print(args.prompt + completion.text)
+    n = len(completion.token_ids)
+    decode = (n - 1) / (elapsed - (first - start)) if n > 1 and elapsed > first - start else float("nan")
+    print(f"\n[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s overall, {decode:.1f} tokens/s decode, "
+          f"first token after {(first - start) * 1e3:.0f} ms; finish: {completion.finish_reason}]", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="hyla", description="hybrid linear-attention LLM stack")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_engine_args(serve, prefix_cache_default=True)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print tokens/s")
+    _add_engine_args(gen, prefix_cache_default=False)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.set_defaults(func=_generate)
 
     demo = sub.add_parser("demo", help="a short demonstration of the ops")
     demo.add_argument("--tokens", type=int, default=300)

@@ -39,7 +39,7 @@ BT = tl.constexpr(64)  # chunk
 BC = tl.constexpr(16)  # sub-block
 # Bounded-diagonal fast path: a sub-block whose per-channel decay stays within e^-80 is
 # factored at its midpoint (factors <= e^40; products of masked entries <= e^80 stay finite).
-DIAG_FAST_MAX_DECAY = tl.constexpr(-1.0)
+DIAG_FAST_MAX_DECAY = tl.constexpr(80.0)
 
 
 @triton.jit

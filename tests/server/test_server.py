@@ -1,0 +1,213 @@
+"""A live `hyla serve` subprocess driven by the official openai client and raw HTTP."""
+
+import concurrent.futures
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
+
+MAX_MODEL_LEN = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model, *extra):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "hyla.cli", "serve", "--model", str(model), "--port", str(port),
+           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--max-body-bytes", "20000", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + proc.stdout.read())
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_kimi_checkpoint(tmp_path_factory.mktemp("serve"), "moe", with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc, base = _start(model_dir)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+NAME = "kimi-moe-0"
+PROMPT = "the cat sat on the mat and the dog"
+
+
+def _metric(base, name):
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_models_and_health(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert httpx.get(server + "/health").json() == {"status": "ok"}
+
+
+def test_completion_greedy_usage_and_stream_concat(client):
+    full = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+    choice = full.choices[0]
+    assert choice.finish_reason == "length"
+    assert full.usage.completion_tokens == 20 and full.usage.prompt_tokens > 5
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 20
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPT, max_tokens=20, temperature=0.0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_completion_and_stream(client):
+    messages = [{"role": "system", "content": "the sun"}, {"role": "user", "content": "a red house"}]
+    full = client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0.0,
+                                          extra_body={"ignore_eos": True})
+    text = full.choices[0].message.content
+    assert full.choices[0].message.role == "assistant" and full.usage.completion_tokens == 16
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=16, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+    assert "".join(parts) == text and usage.completion_tokens == 16
+
+
+def test_stop_sequences_and_max_tokens(client):
+    full = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=40, temperature=0.0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    words = full.split()
+    assert len(words) >= 3
+    stop = " " + words[2]
+    cut = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=40, temperature=0.0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.text == full[: full.find(stop)] and cut.finish_reason == "stop"
+    short = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=3, temperature=0.0)
+    assert short.usage.completion_tokens <= 3
+
+
+def test_metrics_exposed(client, server):
+    client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0.0)
+    text = httpx.get(server + "/metrics").text
+    for name in ("hyla_num_requests_running", "hyla_num_requests_waiting", "hyla_prompt_tokens_total",
+                 "hyla_generation_tokens_total", "hyla_time_to_first_token_seconds_bucket",
+                 "hyla_inter_token_latency_seconds_bucket", "hyla_prefix_cache_query_tokens_total",
+                 "hyla_prefix_cache_hit_tokens_total", "hyla_spec_num_draft_tokens_total",
+                 "hyla_spec_num_accepted_tokens_total", "hyla_kv_pages_used", "hyla_state_slots_used"):
+        assert name in text, name
+    assert _metric(server, "hyla_generation_tokens_total") >= 4
+
+
+BAD = [
+    ("malformed json", "/v1/completions", b"{not json", 400),
+    ("body not an object", "/v1/completions", b"[1, 2]", 400),
+    ("wrong type", "/v1/completions", {"prompt": "a", "max_tokens": "many"}, 400),
+    ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "a"}, 404),
+    ("max_tokens < 1", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400),
+    ("max_tokens too big", "/v1/completions", {"prompt": "a", "max_tokens": MAX_MODEL_LEN + 1}, 400),
+    ("prompt too long", "/v1/completions", {"prompt": " the" * (MAX_MODEL_LEN + 10), "max_tokens": 1}, 400),
+    ("bad token id", "/v1/completions", {"prompt": [5, 99999], "max_tokens": 2}, 400),
+    ("n > 1", "/v1/completions", {"prompt": "a", "n": 2}, 400),
+    ("echo", "/v1/completions", {"prompt": "a", "echo": True}, 400),
+    ("negative temperature", "/v1/completions", {"prompt": "a", "temperature": -0.5}, 400),
+    ("top_p > 1", "/v1/completions", {"prompt": "a", "top_p": 1.5}, 400),
+    ("logprobs too many", "/v1/completions", {"prompt": "a", "logprobs": 50}, 400),
+    ("too many stops", "/v1/completions", {"prompt": "a", "stop": [str(i) for i in range(20)]}, 400),
+    ("body too large", "/v1/completions", {"prompt": "a" * 30000}, 413),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("tools", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"x": 1}]}, 400),
+    ("unknown route", "/v1/nothing", {}, 404),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_4xx_with_error_json(server, name, path, body, status):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"]
+
+
+def test_concurrent_streaming_clients(client, server):
+    prompts = [f"the {w} sat on the mat" for w in ("cat", "dog", "sun", "moon")] * 8
+    want = {p: client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0.0,
+                                         extra_body={"ignore_eos": True}).choices[0].text for p in set(prompts)}
+
+    def stream(p):
+        chunks = client.completions.create(model=NAME, prompt=p, max_tokens=12, temperature=0.0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in chunks)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(stream, prompts))
+    assert got == [want[p] for p in prompts]
+
+
+def test_dropped_client_frees_resources(client, server):
+    with httpx.stream("POST", server + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 200, "stream": True,
+                                                                  "ignore_eos": True, "temperature": 0.0}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        assert _metric(server, "hyla_num_requests_running") >= 1
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        if _metric(server, "hyla_num_requests_running") == 0 and _metric(server, "hyla_state_slots_used") == 0:
+            break
+        time.sleep(0.1)
+    assert _metric(server, "hyla_state_slots_used") == 0 and _metric(server, "hyla_kv_pages_used") == 0
+    assert _metric(server, "hyla_num_requests_aborted_total") >= 1
+    assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2).usage.completion_tokens <= 2
+
+
+def test_api_key_enforced(model_dir):
+    proc, base = _start(model_dir, "--api-key", "sekret")
+    try:
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(base + "/v1/completions", json={"prompt": "a"}).status_code == 401
+        ok = openai.OpenAI(base_url=base + "/v1", api_key="sekret", max_retries=0)
+        assert ok.models.list().data[0].id == NAME
+        assert httpx.get(base + "/health").status_code == 200  # health stays open for probes
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
