@@ -27,7 +27,9 @@ class EngineConfig:
     (clamped to the state slots the budget holds). max_num_batched_tokens: tokens per step
     (prefill chunks + decodes). max_model_len: prompt + output tokens per request (None = the
     model's limit). memory_budget: bytes for KV pages + state slots (None = derived, see
-    memory.plan_memory). state_dtype: recurrent state precision (fp32 default, bf16 option)."""
+    memory.plan_memory). state_dtype: recurrent state precision (fp32 default, bf16 option).
+    enable_prefix_caching: reuse KV pages + state checkpoints across requests (prefix_cache.py);
+    checkpoint_interval: also export a state every that many prompt tokens (default off)."""
 
     model: str
     dtype: torch.dtype | str | None = None
@@ -42,6 +44,7 @@ class EngineConfig:
     seed: int = 0
     state_dtype: torch.dtype | str = torch.float32
     page_size: int = 16
+    checkpoint_interval: int | None = None
 
     def __post_init__(self):
         self.dtype = parse_dtype(self.dtype, "dtype")
@@ -56,6 +59,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.memory_budget is not None and (not isinstance(self.memory_budget, int) or self.memory_budget <= 0):
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
+        if self.checkpoint_interval is not None and (not isinstance(self.checkpoint_interval, int)
+                                                     or self.checkpoint_interval < 1):
+            raise ValueError(f"checkpoint_interval must be a positive integer, got {self.checkpoint_interval!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device is None:

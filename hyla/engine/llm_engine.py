@@ -17,6 +17,7 @@ from hyla.engine.config import EngineConfig
 from hyla.engine.memory import MemoryManager, plan_memory
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.outputs import RequestOutput
+from hyla.engine.prefix_cache import PrefixCache
 from hyla.engine.sampler import sample
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler
@@ -40,13 +41,18 @@ class LLMEngine:
         self.vocab_size = self.model.config.vocab_size
         limit = getattr(self.model.config, "max_position_embeddings", None) or 1 << 20
         self.max_model_len = min(config.max_model_len or limit, limit)
+        # With prefix caching, checkpoints live in state slots too: reserve as many again.
+        extra = config.max_num_seqs if config.enable_prefix_caching else 0
         num_slots, num_pages = plan_memory(
             self.model, budget=config.memory_budget, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
-            device=self.model.device)
+            device=self.model.device, extra_slots=extra)
         self.memory = MemoryManager(num_pages, num_slots, config.page_size)
         self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype)
-        self.scheduler = Scheduler(min(config.max_num_seqs, num_slots), config.max_num_batched_tokens, self.memory)
+        self.prefix_cache = (PrefixCache(self.memory, self.runner, config.checkpoint_interval)
+                             if config.enable_prefix_caching else None)
+        self.scheduler = Scheduler(min(config.max_num_seqs, num_slots), config.max_num_batched_tokens, self.memory,
+                                   self.prefix_cache)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_id = self._eos_token_id()
         self.requests: dict[str, Sequence] = {}
@@ -127,9 +133,14 @@ class LLMEngine:
         self.metrics["num_steps"] += 1
         sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         rows = [[n - 1] if s else [] for n, s in zip(batch.num_new_tokens, sampling)]
-        logits = self.runner.run(batch.seqs, batch.num_new_tokens, rows)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        exports = self._plan_exports(batch)
+        checkpoints = [[(pos - seq.num_computed_tokens, slot) for pos, slot in e]
+                       for seq, e in zip(batch.seqs, exports)] if any(exports) else None
+        logits = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints)
+        for seq, n, e in zip(batch.seqs, batch.num_new_tokens, exports):
             seq.num_computed_tokens += n
+            for pos, slot in e:
+                self.prefix_cache.insert(seq, pos, slot)
         to_sample = [seq for seq, s in zip(batch.seqs, sampling) if s]
         tokens, logprobs = sample(logits, to_sample, self.generator) if to_sample else ([], [])
         now = time.monotonic()
@@ -147,13 +158,40 @@ class LLMEngine:
             outputs.append(seq.to_output())
         return outputs
 
+    def _plan_exports(self, batch) -> list[list[tuple[int, int]]]:
+        """Checkpoints (absolute position, fresh slot) each sequence exports in this step: the
+        prefix cache's planned positions that fall inside the step's new tokens. Best effort: a
+        checkpoint is skipped when no slot can be freed for it."""
+        exports = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            mine = []
+            lo, hi = seq.num_computed_tokens, seq.num_computed_tokens + n
+            for pos in [p for p in seq.pending_checkpoints if lo < p <= hi]:
+                seq.pending_checkpoints.remove(pos)
+                if self.scheduler.free_slot_available():
+                    mine.append((pos, self.memory.slots.allocate()))
+            exports.append(mine)
+        return exports
+
     def _on_finish(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None and seq.num_computed_tokens > 0:
+            # The running slot holds the state after every fed token: file it, no copy.
+            self.prefix_cache.insert(seq, seq.num_computed_tokens, seq.slot)
+            seq.slot = None
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
         self.metrics["num_requests_finished"] += 1
 
     def get_metrics(self) -> dict:
         m = dict(self.metrics)
+        m["prefix_cache_query_tokens"] = self.scheduler.cache_query_tokens
+        m["prefix_cache_hit_tokens"] = self.scheduler.cache_hit_tokens
+        if self.prefix_cache is not None:
+            usage = self.prefix_cache.usage()
+            m.update(usage)
+            m["prefix_cache_bytes"] = (usage["cached_pages"] * self.model.kv_bytes_per_token() * self.config.page_size
+                                       + usage["cached_checkpoints"] * self.model.state_bytes_per_slot(
+                                           self.config.state_dtype))
         m.update(num_requests_running=len(self.scheduler.running), num_requests_waiting=len(self.scheduler.waiting),
                  kv_pages_total=self.memory.pages.num_pages, kv_pages_free=self.memory.pages.num_free,
                  state_slots_total=self.memory.slots.num_slots, state_slots_free=self.memory.slots.num_free)

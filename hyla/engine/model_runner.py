@@ -50,3 +50,6 @@ class ModelRunner:
 
     def copy_slot(self, src: int, dst: int) -> None:
         self.cache.copy_slot(src, dst)
+
+    def copy_page_rows(self, src: int, dst: int, rows: int) -> None:
+        self.cache.copy_page_rows(src, dst, rows)

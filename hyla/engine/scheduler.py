@@ -42,6 +42,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.cache_query_tokens = 0
+        self.cache_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -57,7 +59,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
-            while not self.memory.can_allocate(seq, n):
+            while not self._make_room(seq, n):
                 victim = self.running[-1]
                 self.preempt(victim)
                 preempted = True
@@ -71,32 +73,42 @@ class Scheduler:
             i += 1
         if preempted:
             return batch
+        cache = self.prefix_cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if self.memory.slots.num_free == 0:
-                break
-            if self.prefix_cache is not None and seq.num_computed_tokens == 0:
-                self.prefix_cache.match(seq)
+            if cache is not None and seq.num_computed_tokens == 0:
+                cache.match(seq)
             n = min(seq.num_uncomputed, budget)
-            if not self.memory.can_allocate(seq, n):
-                if self.prefix_cache is not None and self.prefix_cache.evict_for(self.memory.pages_needed(seq, n)):
-                    continue
-                self._undo_match(seq)
+            if not (self.free_slot_available() and self._make_room(seq, n)):
+                if cache is not None:
+                    cache.unmatch(seq)
                 break
             self.waiting.popleft()
             seq.slot = self.memory.slots.allocate()
-            if self.prefix_cache is not None:
-                self.prefix_cache.restore(seq)
             self.memory.allocate(seq, n)
+            if cache is not None:
+                self.cache_query_tokens += seq.num_tokens
+                self.cache_hit_tokens += cache.restore(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
         return batch
 
-    def _undo_match(self, seq: Sequence) -> None:
-        if self.prefix_cache is not None and seq.num_computed_tokens:
-            self.prefix_cache.unmatch(seq)
+    def _make_room(self, seq: Sequence, n: int) -> bool:
+        """Pages for seq's next n tokens, evicting unused prefix-cache pages if that is needed."""
+        need = self.memory.pages_needed(seq, n)
+        while need > self.memory.pages.num_free:
+            if self.prefix_cache is None or not self.prefix_cache.evict_pages(need - self.memory.pages.num_free):
+                return False
+        return True
+
+    def free_slot_available(self) -> bool:
+        """A state slot can be handed out now, evicting a prefix-cache checkpoint if needed."""
+        while self.memory.slots.num_free == 0:
+            if self.prefix_cache is None or not self.prefix_cache.evict_slot():
+                return False
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Give back seq's slot and pages; it is recomputed from scratch when re-admitted."""

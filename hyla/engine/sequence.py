@@ -41,7 +41,8 @@ class Sequence:
         self.slot: int | None = None
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
-        self.num_cached_prompt_tokens = 0  # prefix-cache hit of the first admission (metrics)
+        self.cache_hit = None  # (node, r) between PrefixCache.match and restore
+        self.pending_checkpoints: list[int] = []  # positions whose state the prefill exports
         self.generator = (torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.text = ""

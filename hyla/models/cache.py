@@ -71,6 +71,18 @@ class HybridCache:
             for t in layer.tensors():
                 t[dst].copy_(t[src])
 
+    def copy_page_rows(self, src: int, dst: int, rows: int) -> None:
+        """Copy the first `rows` token rows of KV page src into page dst in every attention layer
+        (copy-on-write of a partially shared page)."""
+        for name, page in (("src", src), ("dst", dst)):
+            if not 0 <= int(page) < self.num_pages:
+                raise ValueError(f"{name} page {page} is outside 0..{self.num_pages - 1}")
+        if not 0 <= rows <= self.page_size:
+            raise ValueError(f"rows must lie in 0..{self.page_size}, got {rows}")
+        for layer in self.attention_layers:
+            for t in layer.tensors():
+                t[dst, :rows].copy_(t[src, :rows])
+
     def zero_slot(self, slot: int) -> None:
         """Reset slot `slot` of every linear layer (forward_batch does not need this: a sequence
         with context_len 0 never reads its slot)."""

@@ -103,7 +103,7 @@ def _scan_block(n_programs_per_block: int, bvf: int, device) -> int:
 def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
-              use_beta_sigmoid_in_kernel=False, scan_block_v=None, num_warps=None):
+              use_beta_sigmoid_in_kernel=False, scan_block_v=None, num_warps=None, slice_k=32):
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -174,11 +174,11 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             cu, chunk_seq, chunk_pos,
             w, u, qg, kg, aqk, gam,
             ck_ptr, ck_pos, kr, dr,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=min(BK, slice_k), BVS=min(BVF, slice_k),
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
             HAS_CKPT=has_ck, PREC=prec,
-            num_warps=num_warps or (8 if BK >= 128 else 4),
+            num_warps=num_warps or 4,
         )
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)

@@ -1,6 +1,6 @@
 """Chunk prefill, pass 1 of 2: everything that depends on one 64-token chunk only (Triton).
 
-One program per (chunk, value head). It loads q, k, v, the gate and beta of its 64 tokens as four
+One program per (chunk, value head). It reads q, k, v, the gate and beta of its 64 tokens as four
 16-token sub-blocks, applies the fused pieces (gate activation, beta sigmoid, q/k L2 norm), and
 writes what the sequential pass (chunk_scan.py) needs, so that pass is four matmuls per chunk:
 
@@ -28,12 +28,21 @@ positive exponent is evaluated except in the bounded diagonal fast path below:
     e^(+-40), a matmul; the masked upper triangle may hold large (finite) values and is dropped.
   - diagonal sub-blocks with a steeper decay (unbounded gates): exact pairwise exponents
     e^(min(Gl_i - Gl_j, 0)), one row at a time.
+
+Registers. Four sub-blocks of q, k and the decays at K = 128 are far more than a thread's 255
+registers, so the channel axis is walked in slices of BKS columns, three times:
+  1. accumulate the 20 [16, 16] Gram blocks (and the q/k row norms; the L2 norm is applied to
+     the finished Gram blocks, which are bilinear in q and k), then invert L;
+  2. recompute the slice's decays and write qg, kg, w = L^-1 x (and checkpoint factors);
+  3. walk V in slices and write u = L^-1 Diag(b) V.
+Re-reading a slice hits L1/L2 (one chunk is ~80 KB); recomputing its decays costs a few exp per
+element, far cheaper than spilling.
 """
 
 import triton
 import triton.language as tl
 
-from hyla.ops.triton.common import apply_gate, l2norm_rows, sigmoid
+from hyla.ops.triton.common import apply_gate, sigmoid
 
 BT = tl.constexpr(64)  # chunk
 BC = tl.constexpr(16)  # sub-block
@@ -43,37 +52,33 @@ DIAG_FAST_MAX_DECAY = tl.constexpr(80.0)
 
 
 @triton.jit
-def _load_sub_block(q, k, v, g, beta, t_start, eos, i_h, i_hv, a_log, bias, lower_bound,
-                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr,
-                    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
-    """Sixteen tokens from t_start. Rows at or past eos come back as zeros in every output
-    (k = v = g = beta = 0 leaves the state untouched, so padding needs no special case later).
-    Returns q, k [16, BK], v [16, BV], g [16, BK] (per channel) or [16, 1], beta [16]; fp32."""
+def _load_qkg(q, k, g, t_start, eos, i_h, i_hv, o_k, a_log, bias, lower_bound,
+              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr):
+    """Raw q, k [16, BKS] of one sub-block and channel slice o_k, and its log-decay: [16, BKS]
+    per channel (GATE 2) or [16] per head. Rows at or past eos are 0 (g = 0: no decay)."""
     o_t = t_start + tl.arange(0, BC)  # [16] int64 token rows
     m_t = o_t < eos
-    o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_v = tl.load(v + (o_t[:, None] * HV + i_hv) * V + o_v[None, :],
-                  mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
-    if USE_L2NORM:
-        b_q = l2norm_rows(b_q)
-        b_k = l2norm_rows(b_k)
     if GATE == 2:
         b_g = tl.load(g + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_g = tl.where(m_tk, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)  # [16, BK]
+        b_g = tl.where(m_tk, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)
     elif GATE == 1:
         b_g = tl.load(g + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-        b_g = tl.where(m_t, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)[:, None]  # [16, 1]
+        b_g = tl.where(m_t, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)
     else:
-        b_g = tl.zeros([BC, 1], dtype=tl.float32)
-    b_b = tl.load(beta + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        b_g = tl.zeros([BC], dtype=tl.float32)
+    return b_q, b_k, b_g
+
+
+@triton.jit
+def _load_beta(beta, t_start, eos, i_hv, HV: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    o_t = t_start + tl.arange(0, BC)
+    b = tl.load(beta + o_t * HV + i_hv, mask=o_t < eos, other=0.0).to(tl.float32)
     if BETA_SIGMOID:
-        b_b = tl.where(m_t, sigmoid(b_b), 0.0)
-    return b_q, b_k, b_v, b_g, b_b
+        b = tl.where(o_t < eos, sigmoid(b), 0.0)
+    return b  # [16]
 
 
 @triton.jit
@@ -84,18 +89,28 @@ def _last_row(x):
 
 
 @triton.jit
+def _decays(b_g, GATE: tl.constexpr):
+    """gl: inclusive cumsum inside the sub-block [16, GK] (GK = BKS or 1), tot = gl[15] [GK],
+    eg = e^gl (start -> token), er = e^(tot - gl) (token -> end); all exponents <= 0."""
+    gl = tl.cumsum(b_g, axis=0)
+    if GATE != 2:
+        gl = gl[:, None]
+    tot = _last_row(gl)
+    return gl, tot, tl.exp(gl), tl.exp(tot[None, :] - gl)
+
+
+@triton.jit
 def _diag_block(b_q, b_k, b_gl, b_egl, b_erem, b_tot, PREC: tl.constexpr):
-    """Decayed Gram matrices inside one sub-block: A_qk (j <= i) and A_kk (j < i), [16, 16] each.
-    b_gl: inclusive cumsum [16, GK]; b_egl = e^Gl; b_erem = e^(Tot - Gl); b_tot: Tot [GK]."""
+    """Decayed Gram matrices inside one sub-block over one channel slice: A_qk (j <= i) and
+    A_kk (j < i), [16, 16] each. b_gl: inclusive cumsum [16, GK]; b_egl = e^Gl;
+    b_erem = e^(Tot - Gl); b_tot: Tot [GK]."""
     rows = tl.arange(0, BC)
     if tl.min(b_tot, axis=0) >= -DIAG_FAST_MAX_DECAY:
         # e^(Gl_i - Gl_j) = [e^Gl_i e^(-Tot/2)] * [e^(Tot - Gl_j) e^(-Tot/2)], both <= e^40.
         half = tl.exp(-0.5 * b_tot)[None, :]  # [1, GK]
-        rq = b_q * (b_egl * half)
-        rk = b_k * (b_egl * half)
         ck = b_k * (b_erem * half)
-        a_qk = tl.dot(rq, tl.trans(ck), input_precision=PREC)
-        a_kk = tl.dot(rk, tl.trans(ck), input_precision=PREC)
+        a_qk = tl.dot(b_q * (b_egl * half), tl.trans(ck), input_precision=PREC)
+        a_kk = tl.dot(b_k * (b_egl * half), tl.trans(ck), input_precision=PREC)
     else:
         # Exact: row i sees e^(Gl_i - Gl_j) for j <= i only; min(., 0) keeps the masked part finite.
         a_qk = tl.zeros([BC, BC], dtype=tl.float32)
@@ -103,10 +118,10 @@ def _diag_block(b_q, b_k, b_gl, b_egl, b_erem, b_tot, PREC: tl.constexpr):
         for i in range(BC):
             sel = (rows == i)[:, None]
             gl_i = tl.sum(tl.where(sel, b_gl, 0.0), axis=0)  # [GK]
-            q_i = tl.sum(tl.where(sel, b_q, 0.0), axis=0)  # [BK]
+            q_i = tl.sum(tl.where(sel, b_q, 0.0), axis=0)  # [BKS]
             k_i = tl.sum(tl.where(sel, b_k, 0.0), axis=0)
             dec = tl.where((rows <= i)[:, None], tl.exp(tl.minimum(gl_i[None, :] - b_gl, 0.0)), 0.0)
-            kd = b_k * dec  # [16(j), BK]
+            kd = b_k * dec  # [16(j), BKS]
             a_qk = tl.where(sel, tl.sum(kd * q_i[None, :], axis=1)[None, :], a_qk)
             a_kk = tl.where(sel, tl.sum(kd * k_i[None, :], axis=1)[None, :], a_kk)
     a_qk = tl.where(rows[:, None] >= rows[None, :], a_qk, 0.0)
@@ -134,13 +149,29 @@ def _store_tile(ptr, x, ROWS: tl.constexpr, COLS: tl.constexpr, STRIDE: tl.const
 
 
 @triton.jit
-def _checkpoint_factors(kr, dr, ci, r, b_k0, b_k1, b_k2, b_k3, gl0, gl1, gl2, gl3,
-                        er0, er1, er2, er3, tot0, tot1, tot2, tot3, i_hv,
-                        HV: tl.constexpr, BK: tl.constexpr):
-    """kr[ci] = K * e^(G_r - G) with rows >= r zero, dr[ci] = e^(G_r): the state after r tokens
-    of this chunk is dr * S_start + kr^T u (r in 1..64, all runtime)."""
+def _tril_apply(li00, li10, li11, li20, li21, li22, li30, li31, li32, li33, x0, x1, x2, x3,
+                base, STRIDE: tl.constexpr, PREC: tl.constexpr):
+    """Store L^-1 [x0; x1; x2; x3] (four [16, N] row blocks) at base (row stride STRIDE)."""
+    N: tl.constexpr = x0.shape[1]
+    _store_tile(base, tl.dot(li00, x0, input_precision=PREC), BC, N, STRIDE)
+    y = tl.dot(li10, x0, input_precision=PREC)
+    _store_tile(base + BC * STRIDE, tl.dot(li11, x1, y, input_precision=PREC), BC, N, STRIDE)
+    y = tl.dot(li20, x0, input_precision=PREC)
+    y = tl.dot(li21, x1, y, input_precision=PREC)
+    _store_tile(base + 2 * BC * STRIDE, tl.dot(li22, x2, y, input_precision=PREC), BC, N, STRIDE)
+    y = tl.dot(li30, x0, input_precision=PREC)
+    y = tl.dot(li31, x1, y, input_precision=PREC)
+    y = tl.dot(li32, x2, y, input_precision=PREC)
+    _store_tile(base + 3 * BC * STRIDE, tl.dot(li33, x3, y, input_precision=PREC), BC, N, STRIDE)
+
+
+@triton.jit
+def _checkpoint_factors(kr_base, dr_base, r, k0, k1, k2, k3, gl0, gl1, gl2, gl3,
+                        er0, er1, er2, er3, tot0, tot1, tot2, tot3, BK: tl.constexpr):
+    """One channel slice of kr = K * e^(G_r - G) (rows >= r zero) and dr = e^(G_r): the state
+    after r tokens of this chunk is Diag(dr) S_start + kr^T u (r in 1..64, a runtime value).
+    k*: normalised keys of the slice; kr_base / dr_base already point at the slice."""
     rows = tl.arange(0, BC)
-    o_k = tl.arange(0, BK)
     t = r - 1  # last token included
     a_r = t // BC
     sel = (rows == t % BC)[:, None]
@@ -150,16 +181,15 @@ def _checkpoint_factors(kr, dr, ci, r, b_k0, b_k1, b_k2, b_k3, gl0, gl1, gl2, gl
             + tl.where(a_r == 2, tl.sum(tl.where(sel, gl2, 0.0), axis=0), 0.0)
             + tl.where(a_r == 3, tl.sum(tl.where(sel, gl3, 0.0), axis=0), 0.0))  # [GK]
     p_r = tl.where(a_r > 0, tot0, 0.0) + tl.where(a_r > 1, tot1, 0.0) + tl.where(a_r > 2, tot2, 0.0)
-    base = kr + (ci * HV + i_hv) * BT * BK
     for b in tl.static_range(4):
         if b == 0:
-            b_k, gl, er = b_k0, gl0, er0
+            b_k, gl, er = k0, gl0, er0
         elif b == 1:
-            b_k, gl, er = b_k1, gl1, er1
+            b_k, gl, er = k1, gl1, er1
         elif b == 2:
-            b_k, gl, er = b_k2, gl2, er2
+            b_k, gl, er = k2, gl2, er2
         else:
-            b_k, gl, er = b_k3, gl3, er3
+            b_k, gl, er = k3, gl3, er3
         # Earlier sub-block: (Tot_b - Gl_j) + totals strictly between b and a_r + Gl_t, all <= 0.
         btw = tl.zeros_like(tot0)
         if b < 1:
@@ -170,9 +200,10 @@ def _checkpoint_factors(kr, dr, ci, r, b_k0, b_k1, b_k2, b_k3, gl0, gl1, gl2, gl
         # Same sub-block: exact pairwise exponent for j <= t.
         f_same = tl.where((rows <= t % BC)[:, None], tl.exp(tl.minimum(gl_t[None, :] - gl, 0.0)), 0.0)
         f = tl.where(b < a_r, f_before, tl.where(b == a_r, f_same, 0.0))
-        _store_tile(base + b * BC * BK, b_k * f, BC, BK, BK)
+        _store_tile(kr_base + b * BC * BK, b_k * f, BC, b_k.shape[1], BK)
     d = tl.exp(p_r + gl_t)  # [GK]
-    tl.store(dr + (ci * HV + i_hv) * BK + o_k, tl.zeros([BK], dtype=tl.float32) + d)
+    o_c = tl.arange(0, k0.shape[1])
+    tl.store(dr_base + o_c, tl.zeros([k0.shape[1]], dtype=tl.float32) + d)
 
 
 @triton.jit(do_not_specialize=["lower_bound", "scale"])
@@ -182,7 +213,7 @@ def chunk_prepare_kernel(
     w, u, qg, kg, aqk, gam,
     ck_ptr, ck_pos, kr, dr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, HAS_CKPT: tl.constexpr,
     PREC: tl.constexpr,
@@ -195,87 +226,142 @@ def chunk_prepare_kernel(
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
     t0 = bos + c.to(tl.int64) * BT
-    o_k = tl.arange(0, BK)
+    t1 = t0 + BC
+    t2 = t0 + 2 * BC
+    t3 = t0 + 3 * BC
+    rows = tl.arange(0, BC)
 
     a_log = 0.0
     bias = 0.0
     if GATE_FN > 0:
         a_log = tl.load(A_log + i_hv).to(tl.float32)
         if HAS_BIAS:
-            if GATE == 2:
-                bias = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-            else:
+            if GATE == 1:
                 bias = tl.load(dt_bias + i_hv).to(tl.float32)
 
-    # ---- load the four sub-blocks, fused gate / beta / L2 norm -------------------------------
-    q0, k0, v0, g0, b0 = _load_sub_block(q, k, v, g, beta, t0, eos, i_h, i_hv, a_log, bias, lower_bound,
-                                         H, HV, K, V, BK, BV, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
-    q1, k1, v1, g1, b1 = _load_sub_block(q, k, v, g, beta, t0 + BC, eos, i_h, i_hv, a_log, bias, lower_bound,
-                                         H, HV, K, V, BK, BV, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
-    q2, k2, v2, g2, b2 = _load_sub_block(q, k, v, g, beta, t0 + 2 * BC, eos, i_h, i_hv, a_log, bias,
-                                         lower_bound, H, HV, K, V, BK, BV, GATE, GATE_FN, USE_L2NORM,
-                                         BETA_SIGMOID)
-    q3, k3, v3, g3, b3 = _load_sub_block(q, k, v, g, beta, t0 + 3 * BC, eos, i_h, i_hv, a_log, bias,
-                                         lower_bound, H, HV, K, V, BK, BV, GATE, GATE_FN, USE_L2NORM,
-                                         BETA_SIGMOID)
+    # ---- pass 1: decayed Gram blocks [row block][column block], summed over channel slices ----
+    qk00 = tl.zeros([BC, BC], dtype=tl.float32)
+    qk10, qk11 = tl.zeros_like(qk00), tl.zeros_like(qk00)
+    qk20, qk21, qk22 = tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00)
+    qk30, qk31, qk32, qk33 = tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00)
+    kk00 = tl.zeros_like(qk00)
+    kk10, kk11 = tl.zeros_like(qk00), tl.zeros_like(qk00)
+    kk20, kk21, kk22 = tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00)
+    kk30, kk31, kk32, kk33 = tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00)
+    sq0 = tl.zeros([BC], dtype=tl.float32)  # sums of squares of q rows (for the L2 norm)
+    sq1, sq2, sq3 = tl.zeros_like(sq0), tl.zeros_like(sq0), tl.zeros_like(sq0)
+    sk0, sk1, sk2, sk3 = tl.zeros_like(sq0), tl.zeros_like(sq0), tl.zeros_like(sq0), tl.zeros_like(sq0)
+    for ks in range(0, BK, BKS):
+        o_k = ks + tl.arange(0, BKS)
+        if GATE == 2 and GATE_FN > 0 and HAS_BIAS:
+            bias_s = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+        else:
+            bias_s = bias
+        q0, k0, g0 = _load_qkg(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
+        q1, k1, g1 = _load_qkg(q, k, g, t1, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
+        q2, k2, g2 = _load_qkg(q, k, g, t2, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
+        q3, k3, g3 = _load_qkg(q, k, g, t3, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
+        if USE_L2NORM:
+            sq0 += tl.sum(q0 * q0, axis=1)
+            sq1 += tl.sum(q1 * q1, axis=1)
+            sq2 += tl.sum(q2 * q2, axis=1)
+            sq3 += tl.sum(q3 * q3, axis=1)
+            sk0 += tl.sum(k0 * k0, axis=1)
+            sk1 += tl.sum(k1 * k1, axis=1)
+            sk2 += tl.sum(k2 * k2, axis=1)
+            sk3 += tl.sum(k3 * k3, axis=1)
+        gl0, tot0, eg0, er0 = _decays(g0, GATE)
+        gl1, tot1, eg1, er1 = _decays(g1, GATE)
+        gl2, tot2, eg2, er2 = _decays(g2, GATE)
+        gl3, tot3, eg3, er3 = _decays(g3, GATE)
 
-    # ---- per-sub-block cumulative decays --------------------------------------------------------
-    gl0 = tl.cumsum(g0, axis=0)  # [16, GK], inclusive, relative to the sub-block start
-    gl1 = tl.cumsum(g1, axis=0)
-    gl2 = tl.cumsum(g2, axis=0)
-    gl3 = tl.cumsum(g3, axis=0)
-    tot0 = _last_row(gl0)  # [GK], <= 0
-    tot1 = _last_row(gl1)
-    tot2 = _last_row(gl2)
-    tot3 = _last_row(gl3)
-    eg0 = tl.exp(gl0)  # decay from the sub-block start to token i (<= 1)
-    eg1 = tl.exp(gl1)
-    eg2 = tl.exp(gl2)
-    eg3 = tl.exp(gl3)
-    er0 = tl.exp(tot0[None, :] - gl0)  # decay from token j to the sub-block end (<= 1)
-    er1 = tl.exp(tot1[None, :] - gl1)
-    er2 = tl.exp(tot2[None, :] - gl2)
-    er3 = tl.exp(tot3[None, :] - gl3)
+        d_qk, d_kk = _diag_block(q0, k0, gl0, eg0, er0, tot0, PREC)
+        qk00 += d_qk
+        kk00 += d_kk
+        d_qk, d_kk = _diag_block(q1, k1, gl1, eg1, er1, tot1, PREC)
+        qk11 += d_qk
+        kk11 += d_kk
+        d_qk, d_kk = _diag_block(q2, k2, gl2, eg2, er2, tot2, PREC)
+        qk22 += d_qk
+        kk22 += d_kk
+        d_qk, d_kk = _diag_block(q3, k3, gl3, eg3, er3, tot3, PREC)
+        qk33 += d_qk
+        kk33 += d_kk
 
-    # ---- decayed Gram matrices, 16x16 blocks [row block][column block] ---------------------------
-    qk00, kk00 = _diag_block(q0, k0, gl0, eg0, er0, tot0, PREC)
-    qk11, kk11 = _diag_block(q1, k1, gl1, eg1, er1, tot1, PREC)
-    qk22, kk22 = _diag_block(q2, k2, gl2, eg2, er2, tot2, PREC)
-    qk33, kk33 = _diag_block(q3, k3, gl3, eg3, er3, tot3, PREC)
-    # Column factors e^(G_ref(a) - G_j), reference = start of row block a: all <= 1.
-    c0 = k0 * er0  # [16, BK], decay to the end of sub-block 0
-    c1 = k1 * er1
-    c2 = k2 * er2
-    c20 = c0 * tl.exp(tot1)[None, :]
-    c30 = c0 * tl.exp(tot1 + tot2)[None, :]
-    c31 = c1 * tl.exp(tot2)[None, :]
-    rq1, rk1 = q1 * eg1, k1 * eg1
-    rq2, rk2 = q2 * eg2, k2 * eg2
-    rq3, rk3 = q3 * eg3, k3 * eg3
-    qk10 = tl.dot(rq1, tl.trans(c0), input_precision=PREC)
-    kk10 = tl.dot(rk1, tl.trans(c0), input_precision=PREC)
-    qk20 = tl.dot(rq2, tl.trans(c20), input_precision=PREC)
-    kk20 = tl.dot(rk2, tl.trans(c20), input_precision=PREC)
-    qk21 = tl.dot(rq2, tl.trans(c1), input_precision=PREC)
-    kk21 = tl.dot(rk2, tl.trans(c1), input_precision=PREC)
-    qk30 = tl.dot(rq3, tl.trans(c30), input_precision=PREC)
-    kk30 = tl.dot(rk3, tl.trans(c30), input_precision=PREC)
-    qk31 = tl.dot(rq3, tl.trans(c31), input_precision=PREC)
-    kk31 = tl.dot(rk3, tl.trans(c31), input_precision=PREC)
-    qk32 = tl.dot(rq3, tl.trans(c2), input_precision=PREC)
-    kk32 = tl.dot(rk3, tl.trans(c2), input_precision=PREC)
+        # Off-diagonal: reference = start of row block a, so both factors are <= 1.
+        c0 = k0 * er0  # [16, BKS] key decayed to the end of sub-block 0
+        c1 = k1 * er1
+        c2 = k2 * er2
+        rq1, rk1 = q1 * eg1, k1 * eg1  # row decayed from the start of its sub-block
+        rq2, rk2 = q2 * eg2, k2 * eg2
+        rq3, rk3 = q3 * eg3, k3 * eg3
+        qk10 = tl.dot(rq1, tl.trans(c0), qk10, input_precision=PREC)
+        kk10 = tl.dot(rk1, tl.trans(c0), kk10, input_precision=PREC)
+        qk21 = tl.dot(rq2, tl.trans(c1), qk21, input_precision=PREC)
+        kk21 = tl.dot(rk2, tl.trans(c1), kk21, input_precision=PREC)
+        qk32 = tl.dot(rq3, tl.trans(c2), qk32, input_precision=PREC)
+        kk32 = tl.dot(rk3, tl.trans(c2), kk32, input_precision=PREC)
+        c0 = c0 * tl.exp(tot1)[None, :]  # now decayed to the end of sub-block 1
+        qk20 = tl.dot(rq2, tl.trans(c0), qk20, input_precision=PREC)
+        kk20 = tl.dot(rk2, tl.trans(c0), kk20, input_precision=PREC)
+        c0 = c0 * tl.exp(tot2)[None, :]  # ... of sub-block 2
+        c1 = c1 * tl.exp(tot2)[None, :]
+        qk30 = tl.dot(rq3, tl.trans(c0), qk30, input_precision=PREC)
+        kk30 = tl.dot(rk3, tl.trans(c0), kk30, input_precision=PREC)
+        qk31 = tl.dot(rq3, tl.trans(c1), qk31, input_precision=PREC)
+        kk31 = tl.dot(rk3, tl.trans(c1), kk31, input_precision=PREC)
+
+    # q/k L2 norm: the Gram blocks are bilinear, so scale rows by 1/|q_i| or 1/|k_i|, columns by 1/|k_j|.
+    if USE_L2NORM:
+        nq0, nq1, nq2, nq3 = (1.0 / tl.sqrt(sq0 + 1e-6), 1.0 / tl.sqrt(sq1 + 1e-6),
+                              1.0 / tl.sqrt(sq2 + 1e-6), 1.0 / tl.sqrt(sq3 + 1e-6))
+        nk0, nk1, nk2, nk3 = (1.0 / tl.sqrt(sk0 + 1e-6), 1.0 / tl.sqrt(sk1 + 1e-6),
+                              1.0 / tl.sqrt(sk2 + 1e-6), 1.0 / tl.sqrt(sk3 + 1e-6))
+    else:
+        nq0 = tl.full([BC], 1.0, dtype=tl.float32)
+        nq1, nq2, nq3, nk0, nk1, nk2, nk3 = nq0, nq0, nq0, nq0, nq0, nq0, nq0
+
+    # beta (fused sigmoid; 0 on padding rows so they write nothing)
+    b0 = _load_beta(beta, t0, eos, i_hv, HV, BETA_SIGMOID)
+    b1 = _load_beta(beta, t1, eos, i_hv, HV, BETA_SIGMOID)
+    b2 = _load_beta(beta, t2, eos, i_hv, HV, BETA_SIGMOID)
+    b3 = _load_beta(beta, t3, eos, i_hv, HV, BETA_SIGMOID)
+
+    # ---- A_qk (scaled, lower triangle) -> memory ---------------------------------------------
+    head = i_c.to(tl.int64) * HV + i_hv
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    a_base = aqk + head * BT * BT
+    _store_tile(a_base, qk00 * (scale * nq0[:, None] * nk0[None, :]), BC, BC, BT)
+    _store_tile(a_base + BC, zero, BC, BC, BT)
+    _store_tile(a_base + 2 * BC, zero, BC, BC, BT)
+    _store_tile(a_base + 3 * BC, zero, BC, BC, BT)
+    a_base += BC * BT
+    _store_tile(a_base, qk10 * (scale * nq1[:, None] * nk0[None, :]), BC, BC, BT)
+    _store_tile(a_base + BC, qk11 * (scale * nq1[:, None] * nk1[None, :]), BC, BC, BT)
+    _store_tile(a_base + 2 * BC, zero, BC, BC, BT)
+    _store_tile(a_base + 3 * BC, zero, BC, BC, BT)
+    a_base += BC * BT
+    _store_tile(a_base, qk20 * (scale * nq2[:, None] * nk0[None, :]), BC, BC, BT)
+    _store_tile(a_base + BC, qk21 * (scale * nq2[:, None] * nk1[None, :]), BC, BC, BT)
+    _store_tile(a_base + 2 * BC, qk22 * (scale * nq2[:, None] * nk2[None, :]), BC, BC, BT)
+    _store_tile(a_base + 3 * BC, zero, BC, BC, BT)
+    a_base += BC * BT
+    _store_tile(a_base, qk30 * (scale * nq3[:, None] * nk0[None, :]), BC, BC, BT)
+    _store_tile(a_base + BC, qk31 * (scale * nq3[:, None] * nk1[None, :]), BC, BC, BT)
+    _store_tile(a_base + 2 * BC, qk32 * (scale * nq3[:, None] * nk2[None, :]), BC, BC, BT)
+    _store_tile(a_base + 3 * BC, qk33 * (scale * nq3[:, None] * nk3[None, :]), BC, BC, BT)
 
     # ---- L^-1 for L = I + Diag(b) strict_tril(A_kk), block forward substitution (fp32) ---------
-    n10 = b1[:, None] * kk10
-    n20 = b2[:, None] * kk20
-    n21 = b2[:, None] * kk21
-    n30 = b3[:, None] * kk30
-    n31 = b3[:, None] * kk31
-    n32 = b3[:, None] * kk32
-    li00 = _inv_unit_lower(b0[:, None] * kk00)
-    li11 = _inv_unit_lower(b1[:, None] * kk11)
-    li22 = _inv_unit_lower(b2[:, None] * kk22)
-    li33 = _inv_unit_lower(b3[:, None] * kk33)
+    li00 = _inv_unit_lower((b0 * nk0)[:, None] * kk00 * nk0[None, :])
+    li11 = _inv_unit_lower((b1 * nk1)[:, None] * kk11 * nk1[None, :])
+    li22 = _inv_unit_lower((b2 * nk2)[:, None] * kk22 * nk2[None, :])
+    li33 = _inv_unit_lower((b3 * nk3)[:, None] * kk33 * nk3[None, :])
+    n10 = (b1 * nk1)[:, None] * kk10 * nk0[None, :]
+    n20 = (b2 * nk2)[:, None] * kk20 * nk0[None, :]
+    n21 = (b2 * nk2)[:, None] * kk21 * nk1[None, :]
+    n30 = (b3 * nk3)[:, None] * kk30 * nk0[None, :]
+    n31 = (b3 * nk3)[:, None] * kk31 * nk1[None, :]
+    n32 = (b3 * nk3)[:, None] * kk32 * nk2[None, :]
     # (L^-1)_ab = -(L_aa)^-1 sum_{b <= c < a} N_ac (L^-1)_cb
     li10 = -tl.dot(tl.dot(li11, n10, input_precision="ieee"), li00, input_precision="ieee")
     li21 = -tl.dot(tl.dot(li22, n21, input_precision="ieee"), li11, input_precision="ieee")
@@ -287,90 +373,72 @@ def chunk_prepare_kernel(
     li30 = -tl.dot(li33, tl.dot(n30, li00, input_precision="ieee") + tl.dot(n31, li10, input_precision="ieee")
                    + tl.dot(n32, li20, input_precision="ieee"), input_precision="ieee")
 
-    # ---- chunk-level decays: prefix P_a (start -> block a), suffix (block b end -> chunk end) ----
-    p1 = tot0
-    p2 = tot0 + tot1
-    p3 = p2 + tot2
-    ep1 = tl.exp(p1)[None, :]
-    ep2 = tl.exp(p2)[None, :]
-    ep3 = tl.exp(p3)[None, :]
-
-    # w = L^-1 Diag(b) (K * e^G), u = L^-1 Diag(b) V
-    x0 = b0[:, None] * k0 * eg0
-    x1 = b1[:, None] * k1 * eg1 * ep1
-    x2 = b2[:, None] * k2 * eg2 * ep2
-    x3 = b3[:, None] * k3 * eg3 * ep3
-    y0 = b0[:, None] * v0
-    y1 = b1[:, None] * v1
-    y2 = b2[:, None] * v2
-    y3 = b3[:, None] * v3
-    w0 = tl.dot(li00, x0, input_precision=PREC)
-    w1 = tl.dot(li10, x0, input_precision=PREC) + tl.dot(li11, x1, input_precision=PREC)
-    w2 = (tl.dot(li20, x0, input_precision=PREC) + tl.dot(li21, x1, input_precision=PREC)
-          + tl.dot(li22, x2, input_precision=PREC))
-    w3 = (tl.dot(li30, x0, input_precision=PREC) + tl.dot(li31, x1, input_precision=PREC)
-          + tl.dot(li32, x2, input_precision=PREC) + tl.dot(li33, x3, input_precision=PREC))
-    u0 = tl.dot(li00, y0, input_precision=PREC)
-    u1 = tl.dot(li10, y0, input_precision=PREC) + tl.dot(li11, y1, input_precision=PREC)
-    u2 = (tl.dot(li20, y0, input_precision=PREC) + tl.dot(li21, y1, input_precision=PREC)
-          + tl.dot(li22, y2, input_precision=PREC))
-    u3 = (tl.dot(li30, y0, input_precision=PREC) + tl.dot(li31, y1, input_precision=PREC)
-          + tl.dot(li32, y2, input_precision=PREC) + tl.dot(li33, y3, input_precision=PREC))
-
-    # ---- stores (intermediates are [chunk, head, 64, BK|BV] so the scan loads whole tiles) ----
-    head = i_c.to(tl.int64) * HV + i_hv
-    w_base = w + head * BT * BK
-    u_base = u + head * BT * BV
-    _store_tile(w_base, w0, BC, BK, BK)
-    _store_tile(w_base + BC * BK, w1, BC, BK, BK)
-    _store_tile(w_base + 2 * BC * BK, w2, BC, BK, BK)
-    _store_tile(w_base + 3 * BC * BK, w3, BC, BK, BK)
-    _store_tile(u_base, u0, BC, BV, BV)
-    _store_tile(u_base + BC * BV, u1, BC, BV, BV)
-    _store_tile(u_base + 2 * BC * BV, u2, BC, BV, BV)
-    _store_tile(u_base + 3 * BC * BV, u3, BC, BV, BV)
-
-    q_base = qg + head * BT * BK
-    _store_tile(q_base, q0 * eg0 * scale, BC, BK, BK)
-    _store_tile(q_base + BC * BK, q1 * eg1 * ep1 * scale, BC, BK, BK)
-    _store_tile(q_base + 2 * BC * BK, q2 * eg2 * ep2 * scale, BC, BK, BK)
-    _store_tile(q_base + 3 * BC * BK, q3 * eg3 * ep3 * scale, BC, BK, BK)
-
-    k_base = kg + head * BT * BK
-    _store_tile(k_base, c0 * tl.exp(tot1 + tot2 + tot3)[None, :], BC, BK, BK)
-    _store_tile(k_base + BC * BK, c1 * tl.exp(tot2 + tot3)[None, :], BC, BK, BK)
-    _store_tile(k_base + 2 * BC * BK, c2 * tl.exp(tot3)[None, :], BC, BK, BK)
-    _store_tile(k_base + 3 * BC * BK, k3 * er3, BC, BK, BK)
-
-    gc = tl.exp(p3 + tot3)  # [GK]
-    tl.store(gam + head * BK + o_k, tl.zeros([BK], dtype=tl.float32) + gc)
-
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
-    a_base = aqk + head * BT * BT
-    _store_tile(a_base, qk00 * scale, BC, BC, BT)
-    _store_tile(a_base + BC, zero, BC, BC, BT)
-    _store_tile(a_base + 2 * BC, zero, BC, BC, BT)
-    _store_tile(a_base + 3 * BC, zero, BC, BC, BT)
-    a_base += BC * BT
-    _store_tile(a_base, qk10 * scale, BC, BC, BT)
-    _store_tile(a_base + BC, qk11 * scale, BC, BC, BT)
-    _store_tile(a_base + 2 * BC, zero, BC, BC, BT)
-    _store_tile(a_base + 3 * BC, zero, BC, BC, BT)
-    a_base += BC * BT
-    _store_tile(a_base, qk20 * scale, BC, BC, BT)
-    _store_tile(a_base + BC, qk21 * scale, BC, BC, BT)
-    _store_tile(a_base + 2 * BC, qk22 * scale, BC, BC, BT)
-    _store_tile(a_base + 3 * BC, zero, BC, BC, BT)
-    a_base += BC * BT
-    _store_tile(a_base, qk30 * scale, BC, BC, BT)
-    _store_tile(a_base + BC, qk31 * scale, BC, BC, BT)
-    _store_tile(a_base + 2 * BC, qk32 * scale, BC, BC, BT)
-    _store_tile(a_base + 3 * BC, qk33 * scale, BC, BC, BT)
-
+    # ---- pass 2: qg, kg, w = L^-1 Diag(b) (K * e^G), gam, checkpoint factors, per channel slice --
     if HAS_CKPT:
-        lo = tl.load(ck_ptr + i_c)
-        hi = tl.load(ck_ptr + i_c + 1)
-        for ci in range(lo, hi):
-            r = tl.load(ck_pos + ci)
-            _checkpoint_factors(kr, dr, ci, r, k0, k1, k2, k3, gl0, gl1, gl2, gl3,
-                                er0, er1, er2, er3, tot0, tot1, tot2, tot3, i_hv, HV, BK)
+        ck_lo = tl.load(ck_ptr + i_c)
+        ck_hi = tl.load(ck_ptr + i_c + 1)
+    for ks in range(0, BK, BKS):
+        o_k = ks + tl.arange(0, BKS)
+        if GATE == 2 and GATE_FN > 0 and HAS_BIAS:
+            bias_s = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+        else:
+            bias_s = bias
+        q0, k0, g0 = _load_qkg(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
+        q1, k1, g1 = _load_qkg(q, k, g, t1, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
+        q2, k2, g2 = _load_qkg(q, k, g, t2, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
+        q3, k3, g3 = _load_qkg(q, k, g, t3, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
+        k0 = k0 * nk0[:, None]
+        k1 = k1 * nk1[:, None]
+        k2 = k2 * nk2[:, None]
+        k3 = k3 * nk3[:, None]
+        gl0, tot0, eg0, er0 = _decays(g0, GATE)
+        gl1, tot1, eg1, er1 = _decays(g1, GATE)
+        gl2, tot2, eg2, er2 = _decays(g2, GATE)
+        gl3, tot3, eg3, er3 = _decays(g3, GATE)
+        ep1 = tl.exp(tot0)[None, :]  # chunk start -> start of sub-block a
+        ep2 = tl.exp(tot0 + tot1)[None, :]
+        ep3 = tl.exp(tot0 + tot1 + tot2)[None, :]
+
+        q_base = qg + head * BT * BK + ks
+        _store_tile(q_base, q0 * (scale * nq0)[:, None] * eg0, BC, BKS, BK)
+        _store_tile(q_base + BC * BK, q1 * (scale * nq1)[:, None] * (eg1 * ep1), BC, BKS, BK)
+        _store_tile(q_base + 2 * BC * BK, q2 * (scale * nq2)[:, None] * (eg2 * ep2), BC, BKS, BK)
+        _store_tile(q_base + 3 * BC * BK, q3 * (scale * nq3)[:, None] * (eg3 * ep3), BC, BKS, BK)
+
+        k_base = kg + head * BT * BK + ks
+        _store_tile(k_base, k0 * (er0 * tl.exp(tot1 + tot2 + tot3)[None, :]), BC, BKS, BK)
+        _store_tile(k_base + BC * BK, k1 * (er1 * tl.exp(tot2 + tot3)[None, :]), BC, BKS, BK)
+        _store_tile(k_base + 2 * BC * BK, k2 * (er2 * tl.exp(tot3)[None, :]), BC, BKS, BK)
+        _store_tile(k_base + 3 * BC * BK, k3 * er3, BC, BKS, BK)
+
+        gc = tl.exp(tot0 + tot1 + tot2 + tot3)  # [GK] whole-chunk decay
+        tl.store(gam + head * BK + o_k, tl.zeros([BKS], dtype=tl.float32) + gc)
+
+        _tril_apply(li00, li10, li11, li20, li21, li22, li30, li31, li32, li33,
+                    b0[:, None] * k0 * eg0, b1[:, None] * k1 * (eg1 * ep1),
+                    b2[:, None] * k2 * (eg2 * ep2), b3[:, None] * k3 * (eg3 * ep3),
+                    w + head * BT * BK + ks, BK, PREC)
+
+        if HAS_CKPT:
+            for ci in range(ck_lo, ck_hi):
+                r = tl.load(ck_pos + ci)
+                ck_head = tl.cast(ci, tl.int64) * HV + i_hv
+                _checkpoint_factors(kr + ck_head * BT * BK + ks, dr + ck_head * BK + ks, r,
+                                    k0, k1, k2, k3, gl0, gl1, gl2, gl3, er0, er1, er2, er3,
+                                    tot0, tot1, tot2, tot3, BK)
+
+    # ---- pass 3: u = L^-1 Diag(b) V, per value slice ---------------------------------------------
+    for vs in range(0, BV, BVS):
+        o_v = vs + tl.arange(0, BVS)
+        m_v = (o_v < V)[None, :]
+        v0 = tl.load(v + ((t0 + rows)[:, None] * HV + i_hv) * V + o_v[None, :],
+                     mask=((t0 + rows) < eos)[:, None] & m_v, other=0.0).to(tl.float32)
+        v1 = tl.load(v + ((t1 + rows)[:, None] * HV + i_hv) * V + o_v[None, :],
+                     mask=((t1 + rows) < eos)[:, None] & m_v, other=0.0).to(tl.float32)
+        v2 = tl.load(v + ((t2 + rows)[:, None] * HV + i_hv) * V + o_v[None, :],
+                     mask=((t2 + rows) < eos)[:, None] & m_v, other=0.0).to(tl.float32)
+        v3 = tl.load(v + ((t3 + rows)[:, None] * HV + i_hv) * V + o_v[None, :],
+                     mask=((t3 + rows) < eos)[:, None] & m_v, other=0.0).to(tl.float32)
+        _tril_apply(li00, li10, li11, li20, li21, li22, li30, li31, li32, li33,
+                    b0[:, None] * v0, b1[:, None] * v1, b2[:, None] * v2, b3[:, None] * v3,
+                    u + head * BT * BV + vs, BV, PREC)

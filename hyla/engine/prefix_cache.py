@@ -1,0 +1,223 @@
+"""Hybrid prefix cache: a radix tree of KV pages plus exact recurrent-state checkpoints.
+
+Tree: every node covers up to one page (page_size tokens) of a token sequence; its children
+continue it. A node owns one reference to the physical KV page holding its tokens' KV, and a
+map {r: slot} of state checkpoints: slot holds every linear layer's recurrent state + conv window
+after the node's first r tokens (r in 1..len(tokens)).
+
+A hit of length L = page_size * a + r needs both: the KV of positions < L (the pages of the
+path) and a checkpoint exactly at L, because a recurrent state cannot be cut back to a shorter
+prefix. The longest such L wins, capped at num_tokens - 1 (the last token must run for logits).
+
+Contracts:
+- match(seq) shares the full pages of the hit (+1 ref each, the request owns those refs from then
+  on) and locks the node holding the checkpoint until restore(seq) / unmatch(seq).
+- restore(seq) runs after the request has its own slot and pages: it copies the checkpoint into
+  the request's slot and the first r KV rows of a partially used page into the request's own
+  page (copy-on-write: a request never writes into a page someone else reads).
+- insert(seq, pos, slot) files the request's pages for positions < pos and the checkpoint slot;
+  the tree takes over the slot (the caller must not release it) and adds one page reference.
+- Eviction frees only what nobody else uses: a leaf whose page has no reference besides the tree,
+  or a checkpoint on any unlocked node (an inner node keeps its KV). Least recently used first.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hyla.engine.memory import MemoryManager
+
+_clock = itertools.count()
+
+
+class Node:
+    __slots__ = ("tokens", "page", "parent", "children", "checkpoints", "last_access", "locks")
+
+    def __init__(self, tokens: tuple[int, ...], page: int | None, parent: Node | None):
+        self.tokens = tokens
+        self.page = page
+        self.parent = parent
+        self.children: list[Node] = []
+        self.checkpoints: dict[int, int] = {}
+        self.last_access = next(_clock)
+        self.locks = 0
+
+    def touch(self) -> None:
+        self.last_access = next(_clock)
+
+
+def _common(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class PrefixCache:
+    def __init__(self, memory: MemoryManager, runner, checkpoint_interval: int | None = None):
+        self.memory = memory
+        self.runner = runner
+        self.page_size = memory.page_size
+        self.checkpoint_interval = checkpoint_interval
+        self.root = Node((), None, None)
+        self.stats = {"checkpoints_stored": 0, "checkpoints_evicted": 0, "pages_evicted": 0}
+
+    # ---- lookup --------------------------------------------------------------------------
+    def _walk(self, tokens):
+        """Yield (depth, node, m): m = tokens of `node` that match `tokens` at that depth."""
+        node, depth = self.root, 0
+        while True:
+            chunk = tokens[depth * self.page_size : (depth + 1) * self.page_size]
+            if not chunk:
+                return
+            best, best_m = None, 0
+            for child in node.children:
+                m = _common(child.tokens, chunk)
+                if m > best_m:
+                    best, best_m = child, m
+            if best is None:
+                return
+            yield depth, best, best_m
+            if best_m < self.page_size or len(best.tokens) < self.page_size:
+                return
+            node, depth = best, depth + 1
+
+    def match(self, seq) -> None:
+        """Find the longest hit for a waiting request and plan the checkpoints its prefill exports."""
+        tokens = seq.token_ids
+        limit = len(tokens) - 1
+        path, hit, kv_match = [], None, 0
+        for depth, node, m in self._walk(tokens):
+            path.append(node)
+            kv_match = depth * self.page_size + m
+            for r in node.checkpoints:
+                pos = depth * self.page_size + r
+                if r <= m and pos <= limit and (hit is None or pos > hit[0]):
+                    hit = (pos, node, r, depth)
+        for node in path:
+            node.touch()
+        seq.cache_query_tokens = len(tokens)
+        seq.pending_checkpoints = self._plan(seq, kv_match, hit[0] if hit else 0)
+        if hit is None:
+            return
+        pos, node, r, depth = hit
+        full = [n.page for n in path[:depth]] + ([node.page] if r == self.page_size else [])
+        self.memory.pages.share(full)
+        seq.block_table = full
+        seq.num_computed_tokens = pos
+        seq.cache_hit = (node, r)
+        node.locks += 1
+
+    def _plan(self, seq, kv_match: int, hit: int) -> list[int]:
+        """Positions whose state this request's prefill exports: the junction with what the tree
+        already holds (page-aligned end of the shared KV, when it is past the state hit), the
+        prompt end (and the token before it), and optional periodic checkpoints."""
+        limit = len(seq.token_ids) - 1
+        plan = set()
+        junction = min(kv_match, limit) // self.page_size * self.page_size
+        if junction > hit:
+            plan.add(junction)
+        prompt_end = len(seq.prompt_token_ids)
+        if prompt_end <= limit + 1:
+            # The prompt end, and one token before it: an identical retry can hit at most
+            # prompt_len - 1 tokens (its last token must run to produce logits).
+            plan.update((prompt_end, prompt_end - 1))
+        if self.checkpoint_interval:
+            plan.update(range(self.checkpoint_interval, limit + 1, self.checkpoint_interval))
+        return sorted(p for p in plan if p > hit)
+
+    def unmatch(self, seq) -> None:
+        """Undo match() for a request that could not be admitted after all."""
+        hit = getattr(seq, "cache_hit", None)
+        if hit is not None:
+            hit[0].locks -= 1
+            seq.cache_hit = None
+        self.memory.pages.release(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def restore(self, seq) -> int:
+        """Copy the hit's checkpoint into seq.slot and the partial page's rows into seq's own page.
+        Returns the number of tokens served from the cache."""
+        hit = getattr(seq, "cache_hit", None)
+        if hit is None:
+            return 0
+        node, r = hit
+        node.locks -= 1
+        seq.cache_hit = None
+        self.runner.copy_slot(node.checkpoints[r], seq.slot)
+        if r < self.page_size:
+            self.runner.copy_page_rows(node.page, seq.block_table[seq.num_computed_tokens // self.page_size], r)
+        return seq.num_computed_tokens
+
+    # ---- admission -----------------------------------------------------------------------
+    def insert(self, seq, pos: int, slot: int | None) -> None:
+        """File seq's KV for positions < pos (its pages) and, if given, the checkpoint slot at pos."""
+        tokens = seq.token_ids
+        node = self.root
+        n_pages = -(-pos // self.page_size)
+        for i in range(n_pages):
+            chunk = tuple(tokens[i * self.page_size : min((i + 1) * self.page_size, pos)])
+            page = seq.block_table[i]
+            child = next((c for c in node.children if c.tokens[: len(chunk)] == chunk), None)
+            if child is None:
+                child = next((c for c in node.children if chunk[: len(c.tokens)] == c.tokens and c.page == page), None)
+                if child is not None:
+                    child.tokens = chunk  # the same physical page, now holding more tokens
+                else:
+                    child = Node(chunk, page, node)
+                    self.memory.pages.share([page])
+                    node.children.append(child)
+            child.touch()
+            node = child
+        if slot is None:
+            return
+        r = pos - (n_pages - 1) * self.page_size
+        if r in node.checkpoints:
+            self.memory.slots.release(slot)  # an identical state is already filed
+        else:
+            node.checkpoints[r] = slot
+            self.stats["checkpoints_stored"] += 1
+
+    # ---- eviction ------------------------------------------------------------------------
+    def _nodes(self):
+        stack = list(self.root.children)
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            yield node
+
+    def evict_slot(self) -> bool:
+        """Drop the least recently used checkpoint of an unlocked node; False if there is none."""
+        candidates = [n for n in self._nodes() if n.checkpoints and n.locks == 0]
+        if not candidates:
+            return False
+        node = min(candidates, key=lambda n: n.last_access)
+        r = min(node.checkpoints)
+        self.memory.slots.release(node.checkpoints.pop(r))
+        self.stats["checkpoints_evicted"] += 1
+        return True
+
+    def evict_pages(self, n: int) -> bool:
+        """Free up to n pages by dropping least recently used leaves nobody else references."""
+        freed = 0
+        while freed < n:
+            leaves = [x for x in self._nodes() if not x.children and x.locks == 0
+                      and self.memory.pages.refs[x.page] == 1]
+            if not leaves:
+                break
+            leaf = min(leaves, key=lambda x: x.last_access)
+            for slot in leaf.checkpoints.values():
+                self.memory.slots.release(slot)
+                self.stats["checkpoints_evicted"] += 1
+            leaf.parent.children.remove(leaf)
+            self.memory.pages.release([leaf.page])
+            self.stats["pages_evicted"] += 1
+            freed += 1
+        return freed > 0
+
+    def usage(self) -> dict:
+        nodes = list(self._nodes())
+        return {"cached_pages": len(nodes), "cached_checkpoints": sum(len(n.checkpoints) for n in nodes), **self.stats}

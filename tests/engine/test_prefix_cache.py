@@ -1,0 +1,114 @@
+"""Prefix caching must never change a token: every greedy output equals the cache-off output,
+and hits are as long as the design promises."""
+
+import pytest
+import torch
+
+from hyla import LLM, SamplingParams
+from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
+
+SP = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_kimi_checkpoint(tmp_path_factory.mktemp("prefix"), "dense", with_tokenizer=True)
+
+
+def rand(n, seed):
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    llm = LLM(str(ckpt), dtype="float64", max_model_len=1200)
+    cache = {}
+
+    def run(prompt):
+        key = tuple(prompt)
+        if key not in cache:
+            cache[key] = llm.generate([prompt], SP, use_tqdm=False)[0].outputs[0].token_ids
+        return cache[key]
+
+    return run
+
+
+def hits(llm, prompts, one_by_one=True):
+    """Run prompts (one request at a time, or all in one batch); returns outputs and hit lengths."""
+    outs, got = [], []
+    batches = [[p] for p in prompts] if one_by_one else [prompts]
+    for batch in batches:
+        before = llm.get_metrics()["prefix_cache_hit_tokens"]
+        outs += [o.outputs[0].token_ids for o in llm.generate(batch, SP, use_tqdm=False)]
+        got.append(llm.get_metrics()["prefix_cache_hit_tokens"] - before)
+    return outs, got
+
+
+def test_shared_system_prompt_third_request_hits_the_junction(ckpt, reference):
+    system = rand(900, 1)
+    prompts = [system + rand(n, 10 + n) for n in (5, 11, 7, 3)]
+    llm = LLM(str(ckpt), dtype="float64", enable_prefix_caching=True, max_model_len=1200)
+    outs, got = hits(llm, prompts)
+    assert outs == [reference(p) for p in prompts]
+    assert got[0] == 0 and got[1] == 0  # nothing shared yet / only KV shared: the junction is exported
+    assert got[2] >= 896 and got[3] >= 896
+
+
+def test_multi_turn_session_hits_previous_prompt_and_output(ckpt, reference):
+    llm = LLM(str(ckpt), dtype="float64", enable_prefix_caching=True, max_model_len=1200)
+    context = rand(100, 2)
+    for turn in range(4):
+        out, (hit,) = hits(llm, [context])
+        assert out[0] == reference(context)
+        if turn:
+            assert hit >= previous - 16, (turn, hit, previous)
+        previous = len(context) + len(out[0])
+        context = context + out[0] + rand(9 + turn, 30 + turn)
+
+
+@pytest.mark.parametrize("length", [1, 5, 15, 16, 17, 40])
+def test_identical_retries_and_short_prompts(ckpt, reference, length):
+    prompt = rand(length, 100 + length)
+    llm = LLM(str(ckpt), dtype="float64", enable_prefix_caching=True, max_model_len=1200)
+    outs, got = hits(llm, [prompt, prompt, prompt])
+    assert outs == [reference(prompt)] * 3
+    if length > 1:
+        assert got[1] == length - 1 and got[2] == length - 1  # capped at prompt_len - 1
+
+
+def test_shared_part_ending_mid_page(ckpt, reference):
+    base = rand(37, 7)  # 2 full pages + 5 tokens
+    prompts = [base + rand(4, 8), base, base + rand(20, 9), base[:30] + rand(6, 11)]
+    llm = LLM(str(ckpt), dtype="float64", enable_prefix_caching=True, max_model_len=1200)
+    outs, got = hits(llm, prompts)
+    assert outs == [reference(p) for p in prompts]
+    assert got[2] >= 37  # the prompt-end checkpoint of `base`, inside a partially used page
+
+
+def test_batched_requests_with_chunked_prefill_and_interval(ckpt, reference):
+    system = rand(300, 3)
+    prompts = [system + rand(n, 50 + n) for n in (2, 30, 17, 1, 64)] * 2
+    llm = LLM(str(ckpt), dtype="float64", enable_prefix_caching=True, max_model_len=1200,
+              max_num_batched_tokens=40, checkpoint_interval=64)
+    outs, got = hits(llm, prompts[:5], one_by_one=False)
+    outs2, got2 = hits(llm, prompts[5:], one_by_one=False)
+    assert outs + outs2 == [reference(p) for p in prompts]
+    assert got2[0] >= 5 * 300
+
+
+def test_eviction_pressure_keeps_outputs_exact(ckpt, reference):
+    llm_probe = LLM(str(ckpt), dtype="float64", max_model_len=256)
+    slot = llm_probe.engine.model.state_bytes_per_slot()
+    page = llm_probe.engine.model.kv_bytes_per_token() * 16
+    # Room for 4 slots and 40 pages: running requests plus a handful of pages / checkpoints.
+    budget = 4 * slot + 40 * page
+    llm = LLM(str(ckpt), dtype="float64", enable_prefix_caching=True, max_model_len=256, memory_budget=budget,
+              max_num_seqs=2)
+    systems = [rand(120, 200 + i) for i in range(4)]
+    prompts = [systems[i // 3 % 4] + rand(5, 300 + i) for i in range(18)]  # runs of 3 per system prompt
+    outs, _ = hits(llm, prompts)
+    assert outs == [reference(p) for p in prompts]
+    m = llm.get_metrics()
+    assert m["checkpoints_evicted"] > 0 and m["pages_evicted"] > 0
+    assert m["prefix_cache_hit_tokens"] > 0
+    assert m["state_slots_free"] + m["cached_checkpoints"] == m["state_slots_total"]
