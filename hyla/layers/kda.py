@@ -16,7 +16,10 @@ verify (2-D state slots) can reuse them.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hyla.layers.norm import GatedRMSNorm
@@ -102,14 +105,74 @@ class KimiDeltaAttention(nn.Module):
         """x: [T_total, hidden] packed new tokens; batch: ForwardBatch; cache: KDALayerCache,
         read at batch.state_slots and overwritten with the state after this step's tokens.
         Returns [T_total, hidden]."""
+        if batch.is_verify:
+            return self._verify(x, batch, cache)
         if batch.is_decode:
             return self._decode(x, batch, cache)
         return self._prefill(x, batch, cache)
 
+    def _verify(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+        """Speculative verify: sequence n feeds 1..S tokens starting from the state in slot
+        state_slots[n, num_accepted_tokens[n] - 1]. Outputs for every position. Rollback "slots":
+        the state and conv windows after its j-th token are written to slot state_slots[n, j], so
+        the next step picks the accepted one by index (no copy). Rollback "replay": nothing is
+        written; the per-token inputs (k, v, g, beta, pre-conv inputs) are kept on the cache and
+        `commit_replay` advances the state by the accepted tokens only."""
+        idx, acc = batch.state_slots, batch.num_accepted_tokens
+        N, S = idx.shape
+        start = idx.gather(1, (acc - 1)[:, None])[:, 0]  # [N] slot holding each sequence's state
+        seq_ids = batch.token_seq_ids()
+        offs = torch.arange(batch.num_tokens, device=x.device) - batch.cu_seqlens[:-1][seq_ids]  # [T_total]
+        padded = seq_ids * S + offs  # [T_total] row in the [N * S] padded layout
+        xs = x[None]  # [1, T_total, hidden]
+        qkv, inputs, windows0 = [], [], []
+        for t, pool, conv in zip(self.project_qkv(xs), cache.conv, self.convs()):
+            tp = t.new_zeros(N * S, t.shape[-1]).index_copy(0, padded, t[0]).view(N, S, -1)  # [N, S, D]
+            w0 = pool[start]  # [N, D, W-1]
+            y, windows = _conv_with_windows(tp, w0, conv.weight)
+            if batch.rollback == "slots":
+                pool[idx[seq_ids, offs]] = windows.flatten(0, 1)[padded].to(pool.dtype)
+            inputs.append(tp)
+            windows0.append(w0)
+            qkv.append(y.flatten(0, 1)[padded][None])  # [1, T_total, D]
+        q, k, v = (self._heads(t) for t in qkv)
+        g, beta = self.forget_gate(xs), self.write_strength(xs)
+        if batch.rollback == "slots":
+            o, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=cache.state, ssm_state_indices=idx,
+                                       num_accepted_tokens=acc, cu_seqlens=batch.cu_seqlens,
+                                       use_qk_l2norm_in_kernel=True)
+        else:
+            work = torch.float64 if x.dtype == torch.float64 else torch.float32
+            o, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=cache.state[start].to(work),
+                                       cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True)
+            cache.replay = dict(k=k, v=v, g=g, beta=beta, inputs=inputs, windows0=windows0, start=start,
+                                cu=batch.cu_seqlens_list)
+        return self.output(o, xs)[0]
+
+    def commit_replay(self, cache, accepted: list[int]) -> None:
+        """After a "replay" verify: advance sequence n's state and conv windows by its first
+        accepted[n] verified tokens (1 <= accepted[n] <= its verified tokens)."""
+        r, cache.replay = cache.replay, None
+        cu = r["cu"]
+        keep = [cu[n] + j for n, a in enumerate(accepted) for j in range(a)]
+        sel = torch.tensor(keep, dtype=torch.long, device=r["k"].device)
+        new_cu = torch.tensor([0] + list(itertools.accumulate(accepted)), dtype=torch.long, device=sel.device)
+        k, v, g, beta = (t[:, sel] for t in (r["k"], r["v"], r["g"], r["beta"]))
+        fused_recurrent_kda(k, k, v, g, beta, initial_state=cache.state, ssm_state_indices=r["start"],
+                            cu_seqlens=new_cu, use_qk_l2norm_in_kernel=True)  # outputs unused
+        width = self.conv_kernel_size - 1
+        shift = torch.tensor(accepted, device=sel.device)
+        for pool, tp, w0 in zip(cache.conv, r["inputs"], r["windows0"]):
+            ext = torch.cat([w0, tp.transpose(1, 2).to(w0.dtype)], dim=2)  # [N, D, W-1+S]
+            cols = shift[:, None] + torch.arange(width, device=sel.device)  # [N, W-1]
+            pool[r["start"]] = ext.gather(2, cols[:, None, :].expand(-1, ext.shape[1], -1)).to(pool.dtype)
+
     def _decode(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         """One new token per sequence: the pool-indexed recurrent path, states updated in place."""
         slots = batch.state_slots
-        if 0 in batch.context_lens_list:  # a one-token prompt: its slot may hold an old request's state
+        # A one-token prompt: its slot may hold an old request's state (the CUDA-graph runner
+        # zeroes such slots before a replay: its context_lens_list is a placeholder).
+        if not batch.cuda_graph and 0 in batch.context_lens_list:
             fresh = slots[~batch.has_context()]
             for t in (cache.state, *cache.conv):
                 t[fresh] = 0
@@ -157,6 +220,20 @@ class KimiDeltaAttention(nn.Module):
                 for (_, dest), s in zip(pairs, out[2][n]):
                     cache.state[dest] = s.to(cache.state.dtype)
         return self.output(out[0], xs)[0]
+
+
+def _conv_with_windows(tp: torch.Tensor, w0: torch.Tensor, weight: torch.Tensor):
+    """Depthwise causal conv of S new tokens after the window w0, plus the window after each token.
+
+    tp: [N, S, D] pre-conv inputs; w0: [N, D, W-1] the W-1 inputs before them; weight: [D, 1, W].
+    Returns SiLU(conv) [N, S, D] and windows [N, S, D, W-1] (window after token j = inputs j-W+2..j).
+    """
+    width = weight.shape[-1] - 1
+    ext = torch.cat([w0, tp.transpose(1, 2).to(w0.dtype)], dim=2)  # [N, D, W-1+S]
+    work = torch.float64 if ext.dtype == torch.float64 else torch.float32
+    y = F.silu(F.conv1d(ext.to(work), weight.to(work), groups=weight.shape[0])).to(tp.dtype)  # [N, D, S]
+    windows = ext.unfold(2, width, 1)[:, :, 1:]  # [N, D, S, W-1]
+    return y.transpose(1, 2), windows.permute(0, 2, 1, 3)
 
 
 def _checkpoint_positions(batch) -> list[list[int]] | None:

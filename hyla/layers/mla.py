@@ -94,6 +94,8 @@ class MLAAttention(nn.Module):
         flat = cache.kv.view(-1, self.latent_dim)
         flat[batch.kv_slot_mapping(page_size)] = self.latent(x).to(flat.dtype)
         q = self.query(x)  # [T_total, H, D]
+        if batch.is_decode:  # all rows one token: no host -> device copies (CUDA-graph safe)
+            return self.o_proj(self._decode(q, cache.kv, batch, None).to(x.dtype))
         out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
         single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
         if single:
@@ -109,16 +111,24 @@ class MLAAttention(nn.Module):
             out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], lat[None], allowed, causal=False)[0]
         return self.o_proj(out)
 
-    def _decode(self, q: torch.Tensor, kv: torch.Tensor, batch, seqs: list[int]) -> torch.Tensor:
-        """Absorbed form for sequences `seqs`, one query token each. q: [S, H, nope + rope];
-        kv: [num_pages, page_size, r + rope] -> [S, H * v_dim]."""
-        lens = [batch.context_lens_list[n] + 1 for n in seqs]
+    def _decode(self, q: torch.Tensor, kv: torch.Tensor, batch, seqs: list[int] | None) -> torch.Tensor:
+        """Absorbed form for sequences `seqs` (None: all of a decode batch), one query token each.
+        q: [S, H, nope + rope]; kv: [num_pages, page_size, r + rope] -> [S, H * v_dim].
+        Attends over the first ceil(max length / page_size) pages of each block table (every column
+        for a CUDA-graph batch, whose shapes must not depend on the lengths), masked per row."""
         page_size = kv.shape[1]
-        n_pages = -(-max(lens) // page_size)
-        idx = torch.tensor(seqs, device=q.device)
-        pages = batch.block_tables[idx, :n_pages].clamp(min=0)  # padding pages are masked below
+        if seqs is None:
+            tables, lens = batch.block_tables, batch.context_lens + 1
+            longest = None if batch.cuda_graph else max(batch.context_lens_list) + 1
+        else:
+            host_lens = [batch.context_lens_list[n] + 1 for n in seqs]
+            idx = torch.tensor(seqs, device=q.device)
+            tables, lens = batch.block_tables[idx], torch.tensor(host_lens, device=q.device)
+            longest = max(host_lens)
+        n_pages = tables.shape[1] if longest is None else -(-longest // page_size)
+        pages = tables[:, :n_pages].clamp(min=0)  # padding pages are masked below
         lat = kv[pages].flatten(1, 2)  # [S, L, r + rope]
-        valid = torch.arange(lat.shape[1], device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
+        valid = torch.arange(lat.shape[1], device=q.device)[None, :] < lens[:, None]
         w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope + self.v_dim))  # [H, nope+v, r]
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)

@@ -22,6 +22,12 @@ class ForwardBatch:
     context_lens: [N] int64, tokens of sequence n already cached (KV + state) before this step.
     positions: [T_total] int64, absolute position of every new token (context_lens[n] + i).
     block_tables: [N, max_pages] int64, page ids covering positions 0..context_len+new-1 (unused = -1).
+    num_accepted_tokens / rollback: speculative verify (see `is_verify`). With rollback "slots",
+        state_slots is [N, 1+num_spec]: sequence n starts from slot [n, num_accepted_tokens[n] - 1]
+        and the state (and conv windows) after its j-th new token go to slot [n, j]. With
+        "replay", only slot [n, num_accepted_tokens[n] - 1] is read, nothing is written, and the
+        per-token inputs are kept so that `model.commit_replay` can advance the state by the
+        accepted tokens afterwards.
     state_slots: [N] int64, slot of sequence n in every linear layer's pool: read as the initial
         state when context_lens[n] > 0 (zeros otherwise), overwritten with the state after this
         step's tokens.
@@ -30,6 +36,11 @@ class ForwardBatch:
         p new tokens of this step. dest_slot must not be any sequence's state_slot in this step.
     seq_lens / context_lens_list: the same counts as python lists; pass them to avoid device
         syncs (they are read from the tensors when omitted).
+    cuda_graph: a pure-decode batch of the CUDA-graph runner (hyla.engine.cuda_graph): its tensors
+        are persistent buffers refilled before every replay, so layers read lengths from the
+        tensors only (context_lens_list is a placeholder), attend over every block_tables column
+        (masked), check no values (a check would sync) and let padding rows (slot -1, pages -1)
+        write the pools' last slot / page, which the runner keeps as scratch.
     """
 
     cu_seqlens: torch.Tensor
@@ -38,8 +49,11 @@ class ForwardBatch:
     block_tables: torch.Tensor
     state_slots: torch.Tensor
     checkpoints: list[list[tuple[int, int]]] | None = None
+    num_accepted_tokens: torch.Tensor | None = None
+    rollback: str = "slots"
     seq_lens: list[int] | None = None
     context_lens_list: list[int] | None = None
+    cuda_graph: bool = False
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
@@ -61,8 +75,19 @@ class ForwardBatch:
             raise ValueError(f"positions must be [T_total={t}], got {tuple(self.positions.shape)}")
         if self.block_tables.ndim != 2 or self.block_tables.shape[0] != n:
             raise ValueError(f"block_tables must be [N={n}, max_pages], got {tuple(self.block_tables.shape)}")
-        if self.state_slots.shape != (n,):
+        if self.num_accepted_tokens is None and self.state_slots.shape != (n,):
             raise ValueError(f"state_slots must be [N={n}], got {tuple(self.state_slots.shape)}")
+        if self.num_accepted_tokens is not None:
+            if self.rollback not in ("slots", "replay"):
+                raise ValueError(f"rollback must be 'slots' or 'replay', got {self.rollback!r}")
+            if self.state_slots.ndim != 2 or self.state_slots.shape[0] != n:
+                raise ValueError(f"verify needs state_slots [N={n}, 1+num_spec], got {tuple(self.state_slots.shape)}")
+            if self.num_accepted_tokens.shape != (n,):
+                raise ValueError(f"num_accepted_tokens must be [N={n}], got {tuple(self.num_accepted_tokens.shape)}")
+            if any(s > self.state_slots.shape[1] for s in self.seq_lens):
+                raise ValueError("a sequence verifies more tokens than it has state slots")
+            if any(c == 0 for c in self.context_lens_list):
+                raise ValueError("speculative verify needs every sequence to have context (a prefilled prompt)")
         if self.checkpoints is not None:
             if len(self.checkpoints) != n:
                 raise ValueError(f"checkpoints must have one list per sequence (N={n}), got {len(self.checkpoints)}")
@@ -73,7 +98,7 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, seq_lens: list[int], context_lens: list[int], block_tables, state_slots,
-              checkpoints=None, device=None) -> ForwardBatch:
+              checkpoints=None, device=None, num_accepted_tokens=None, rollback: str = "slots") -> ForwardBatch:
         """Build from python lists: new tokens and cached tokens per sequence; block_tables as a
         list of page-id lists (ragged, padded with -1) or a tensor; state_slots as a list or tensor."""
         cu = [0]
@@ -89,6 +114,8 @@ class ForwardBatch:
             cu_seqlens=as_long(cu), context_lens=as_long(list(context_lens)), positions=as_long(positions),
             block_tables=block_tables.to(device=device, dtype=torch.long), state_slots=as_long(state_slots),
             checkpoints=checkpoints, seq_lens=list(seq_lens), context_lens_list=list(context_lens),
+            num_accepted_tokens=None if num_accepted_tokens is None else as_long(num_accepted_tokens),
+            rollback=rollback,
         )
 
     @property
@@ -110,6 +137,10 @@ class ForwardBatch:
         return self._memo["cu"]
 
     @property
+    def is_verify(self) -> bool:
+        return self.num_accepted_tokens is not None
+
+    @property
     def is_decode(self) -> bool:
         """Every sequence brings exactly one new token (the pool-indexed recurrent path applies)."""
         return bool(self.seq_lens) and all(s == 1 for s in self.seq_lens)
@@ -117,8 +148,10 @@ class ForwardBatch:
     def token_seq_ids(self) -> torch.Tensor:
         """[T_total] index of the sequence each new token belongs to."""
         if "seq_ids" not in self._memo:
-            counts = torch.as_tensor(self.seq_lens, device=self.positions.device)
-            self._memo["seq_ids"] = torch.repeat_interleave(torch.arange(self.num_seqs, device=counts.device), counts)
+            seqs = torch.arange(self.num_seqs, device=self.positions.device)
+            if not self.is_decode:  # decode needs no counts copied from the host (graph-safe)
+                seqs = torch.repeat_interleave(seqs, torch.as_tensor(self.seq_lens, device=seqs.device))
+            self._memo["seq_ids"] = seqs
         return self._memo["seq_ids"]
 
     def kv_slot_mapping(self, page_size: int) -> torch.Tensor:
@@ -127,10 +160,11 @@ class ForwardBatch:
         if key not in self._memo:
             pos = self.positions
             col = pos // page_size
-            if self.num_tokens and int(col.max()) >= self.block_tables.shape[1]:
+            check = self.num_tokens and not self.cuda_graph
+            if check and int(col.max()) >= self.block_tables.shape[1]:
                 raise ValueError("block_tables has too few page columns for the positions of this step")
             pages = self.block_tables[self.token_seq_ids(), col]
-            if self.num_tokens and bool((pages < 0).any()):
+            if check and bool((pages < 0).any()):
                 raise ValueError("block_tables has no page (-1) for a position written in this step")
             self._memo[key] = pages * page_size + pos % page_size
         return self._memo[key]

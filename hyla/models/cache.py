@@ -22,6 +22,7 @@ class KDALayerCache:
 
     state: torch.Tensor
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    replay: dict | None = None  # per-token inputs of the last "replay" verify step (commit_replay)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.state, *self.conv]

@@ -109,6 +109,13 @@ class KimiLinearForCausalLM(nn.Module):
             h = layer(h, batch, layer_cache)
         return self.model.norm(h)
 
+    def commit_replay(self, cache: HybridCache, accepted: list[int]) -> None:
+        """After a verify step with rollback "replay": advance every linear layer's state by the
+        first accepted[n] verified tokens of each sequence (see KimiDeltaAttention.commit_replay)."""
+        for layer, layer_cache in zip(self.model.layers, cache.layers):
+            if hasattr(layer.self_attn, "commit_replay"):
+                layer.self_attn.commit_replay(layer_cache, accepted)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] final-norm states -> [..., V] fp32 (lm_head in the model dtype)."""
         return self.lm_head(hidden).float()

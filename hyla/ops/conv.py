@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hyla.ops import utils
+
 __all__ = ["causal_conv1d_fn", "causal_conv1d_update"]
 
 _ACTIVATIONS = (None, "silu", "swish")
@@ -146,7 +148,8 @@ def causal_conv1d_update(
 
     x: [N, L, D] (or [N, D] for one token); conv_state: [num_slots, D, W-1], read and written IN
     PLACE; weight: [D, W]; bias: [D] | None; conv_state_indices: [N] | None (None = rows 0..N-1).
-    A negative index marks a padding row: its state is untouched and its output is zeros.
+    A negative index marks a padding row: its state is untouched and its output is zeros (while a
+    CUDA graph is being captured, nothing is checked and a padding row writes the pool's last slot).
     Two live rows must not share a slot. Returns y with the shape and dtype of x.
     """
     if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or not x.is_floating_point():
@@ -173,7 +176,7 @@ def causal_conv1d_update(
             got = getattr(conv_state_indices, "shape", conv_state_indices)
             raise ValueError(f"conv_state_indices must be an integer tensor [N={N}], got {got}")
         idx = conv_state_indices.long().to(x.device)
-        if bool((idx >= conv_state.shape[0]).any()):
+        if not utils.is_capturing(idx) and bool((idx >= conv_state.shape[0]).any()):
             raise ValueError(f"conv_state_indices out of range for {conv_state.shape[0]} slots")
 
     live = idx >= 0  # [N]
@@ -182,7 +185,11 @@ def causal_conv1d_update(
     ext = torch.cat([old, x3.transpose(1, 2).to(dt)], dim=2)  # [N, D, P + L]
     y = _conv(ext, weight, bias, activation)  # [N, D, L]
     y = torch.where(live[:, None, None], y, torch.zeros((), dtype=dt, device=y.device))
-    if P > 0:
+    if P > 0 and utils.is_capturing(idx):
+        # Boolean selection would sync, which a CUDA graph capture forbids: a padding row writes
+        # conv_state[-1] instead (python indexing), so a capturing caller keeps the last slot as scratch.
+        conv_state[idx] = ext[:, :, -P:].to(conv_state.dtype)
+    elif P > 0:
         # Boolean selection keeps padding rows from writing anything (a clamped index would race
         # with a live row that owns slot 0).
         conv_state[idx[live]] = ext[live][:, :, -P:].to(conv_state.dtype)

@@ -16,6 +16,13 @@ def work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def is_capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on the current stream of `t`'s device. Value
+    checks (anything that reads a device tensor on the host) must be skipped then: a sync is not
+    allowed inside a capture."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_tensor(name: str, x, ndim: int | None = None, floating: bool = True) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}")

@@ -73,6 +73,24 @@ def _load_qkg(q, k, g, t_start, eos, i_h, i_hv, o_k, a_log, bias, lower_bound,
 
 
 @triton.jit
+def _load_rows(x, t_start, eos, i_h, o_k, H: tl.constexpr, K: tl.constexpr):
+    """[16, BKS] slice of q or k (fp32), zero past eos."""
+    o_t = t_start + tl.arange(0, BC)
+    m = (o_t < eos)[:, None] & (o_k < K)[None, :]
+    return tl.load(x + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _slice_bias(dt_bias, bias, i_hv, o_k, K: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """dt_bias for this channel slice ([1, BKS], per-channel gates) or the per-head scalar."""
+    if GATE == 2 and GATE_FN > 0 and HAS_BIAS:
+        return tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+    else:
+        return bias
+
+
+@triton.jit
 def _load_beta(beta, t_start, eos, i_hv, HV: tl.constexpr, BETA_SIGMOID: tl.constexpr):
     o_t = t_start + tl.arange(0, BC)
     b = tl.load(beta + o_t * HV + i_hv, mask=o_t < eos, other=0.0).to(tl.float32)
@@ -127,6 +145,26 @@ def _diag_block(b_q, b_k, b_gl, b_egl, b_erem, b_tot, PREC: tl.constexpr):
     a_qk = tl.where(rows[:, None] >= rows[None, :], a_qk, 0.0)
     a_kk = tl.where(rows[:, None] > rows[None, :], a_kk, 0.0)
     return a_qk, a_kk
+
+
+@triton.jit
+def _diag_sub_block(q, k, g, t_a, eos, i_h, i_hv, a_log, dt_bias, bias, lower_bound, nq, nk, b, scale,
+                    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr,
+                    GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    """Sub-block starting at token t_a: its scaled A_qk diagonal block and (I + Diag(b) A_kk)^-1.
+    nq, nk: row L2-norm factors [16]; b: beta [16]."""
+    a_qk = tl.zeros([BC, BC], dtype=tl.float32)
+    a_kk = tl.zeros([BC, BC], dtype=tl.float32)
+    for ks in range(0, BK, BKS):
+        o_k = ks + tl.arange(0, BKS)
+        bias_s = _slice_bias(dt_bias, bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
+        b_q, b_k, b_g = _load_qkg(q, k, g, t_a, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound,
+                                  H, HV, K, GATE, GATE_FN)
+        gl, tot, eg, er = _decays(b_g, GATE)
+        d_qk, d_kk = _diag_block(b_q * nq[:, None], b_k * nk[:, None], gl, eg, er, tot, PREC)
+        a_qk += d_qk
+        a_kk += d_kk
+    return a_qk * scale, _inv_unit_lower(b[:, None] * a_kk)
 
 
 @triton.jit
@@ -239,62 +277,92 @@ def chunk_prepare_kernel(
             if GATE == 1:
                 bias = tl.load(dt_bias + i_hv).to(tl.float32)
 
-    # ---- pass 1: decayed Gram blocks [row block][column block], summed over channel slices ----
-    qk00 = tl.zeros([BC, BC], dtype=tl.float32)
-    qk10, qk11 = tl.zeros_like(qk00), tl.zeros_like(qk00)
-    qk20, qk21, qk22 = tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00)
-    qk30, qk31, qk32, qk33 = tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00)
-    kk00 = tl.zeros_like(qk00)
-    kk10, kk11 = tl.zeros_like(qk00), tl.zeros_like(qk00)
-    kk20, kk21, kk22 = tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00)
-    kk30, kk31, kk32, kk33 = tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00), tl.zeros_like(qk00)
-    sq0 = tl.zeros([BC], dtype=tl.float32)  # sums of squares of q rows (for the L2 norm)
-    sq1, sq2, sq3 = tl.zeros_like(sq0), tl.zeros_like(sq0), tl.zeros_like(sq0)
-    sk0, sk1, sk2, sk3 = tl.zeros_like(sq0), tl.zeros_like(sq0), tl.zeros_like(sq0), tl.zeros_like(sq0)
+    # ---- pass 0: q/k row norms (their first read; later passes hit L1/L2) ----------------------
+    if USE_L2NORM:
+        sq0 = tl.zeros([BC], dtype=tl.float32)
+        sq1, sq2, sq3 = tl.zeros_like(sq0), tl.zeros_like(sq0), tl.zeros_like(sq0)
+        sk0, sk1, sk2, sk3 = tl.zeros_like(sq0), tl.zeros_like(sq0), tl.zeros_like(sq0), tl.zeros_like(sq0)
+        for ks in range(0, BK, BKS):
+            o_k = ks + tl.arange(0, BKS)
+            x = _load_rows(q, t0, eos, i_h, o_k, H, K)
+            sq0 += tl.sum(x * x, axis=1)
+            x = _load_rows(q, t1, eos, i_h, o_k, H, K)
+            sq1 += tl.sum(x * x, axis=1)
+            x = _load_rows(q, t2, eos, i_h, o_k, H, K)
+            sq2 += tl.sum(x * x, axis=1)
+            x = _load_rows(q, t3, eos, i_h, o_k, H, K)
+            sq3 += tl.sum(x * x, axis=1)
+            x = _load_rows(k, t0, eos, i_h, o_k, H, K)
+            sk0 += tl.sum(x * x, axis=1)
+            x = _load_rows(k, t1, eos, i_h, o_k, H, K)
+            sk1 += tl.sum(x * x, axis=1)
+            x = _load_rows(k, t2, eos, i_h, o_k, H, K)
+            sk2 += tl.sum(x * x, axis=1)
+            x = _load_rows(k, t3, eos, i_h, o_k, H, K)
+            sk3 += tl.sum(x * x, axis=1)
+        nq0, nq1, nq2, nq3 = (1.0 / tl.sqrt(sq0 + 1e-6), 1.0 / tl.sqrt(sq1 + 1e-6),
+                              1.0 / tl.sqrt(sq2 + 1e-6), 1.0 / tl.sqrt(sq3 + 1e-6))
+        nk0, nk1, nk2, nk3 = (1.0 / tl.sqrt(sk0 + 1e-6), 1.0 / tl.sqrt(sk1 + 1e-6),
+                              1.0 / tl.sqrt(sk2 + 1e-6), 1.0 / tl.sqrt(sk3 + 1e-6))
+    else:
+        nq0 = tl.full([BC], 1.0, dtype=tl.float32)
+        nq1, nq2, nq3, nk0, nk1, nk2, nk3 = nq0, nq0, nq0, nq0, nq0, nq0, nq0
+
+    # beta (fused sigmoid; 0 on padding rows so they write nothing)
+    b0 = _load_beta(beta, t0, eos, i_hv, HV, BETA_SIGMOID)
+    b1 = _load_beta(beta, t1, eos, i_hv, HV, BETA_SIGMOID)
+    b2 = _load_beta(beta, t2, eos, i_hv, HV, BETA_SIGMOID)
+    b3 = _load_beta(beta, t3, eos, i_hv, HV, BETA_SIGMOID)
+
+    # ---- pass 1a: diagonal blocks, one sub-block at a time (few registers live) ---------------
+    head = i_c.to(tl.int64) * HV + i_hv
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    a_base = aqk + head * BT * BT
+    qk00, li00 = _diag_sub_block(q, k, g, t0, eos, i_h, i_hv, a_log, dt_bias, bias, lower_bound, nq0, nk0, b0,
+                                 scale, H, HV, K, BK, BKS, GATE, GATE_FN, HAS_BIAS, PREC)
+    _store_tile(a_base, qk00, BC, BC, BT)
+    qk11, li11 = _diag_sub_block(q, k, g, t1, eos, i_h, i_hv, a_log, dt_bias, bias, lower_bound, nq1, nk1, b1,
+                                 scale, H, HV, K, BK, BKS, GATE, GATE_FN, HAS_BIAS, PREC)
+    _store_tile(a_base + BC * BT + BC, qk11, BC, BC, BT)
+    qk22, li22 = _diag_sub_block(q, k, g, t2, eos, i_h, i_hv, a_log, dt_bias, bias, lower_bound, nq2, nk2, b2,
+                                 scale, H, HV, K, BK, BKS, GATE, GATE_FN, HAS_BIAS, PREC)
+    _store_tile(a_base + 2 * BC * BT + 2 * BC, qk22, BC, BC, BT)
+    qk33, li33 = _diag_sub_block(q, k, g, t3, eos, i_h, i_hv, a_log, dt_bias, bias, lower_bound, nq3, nk3, b3,
+                                 scale, H, HV, K, BK, BKS, GATE, GATE_FN, HAS_BIAS, PREC)
+    _store_tile(a_base + 3 * BC * BT + 3 * BC, qk33, BC, BC, BT)
+    # upper triangle of A_qk
+    _store_tile(a_base + BC, zero, BC, BC, BT)
+    _store_tile(a_base + 2 * BC, zero, BC, BC, BT)
+    _store_tile(a_base + 3 * BC, zero, BC, BC, BT)
+    _store_tile(a_base + BC * BT + 2 * BC, zero, BC, BC, BT)
+    _store_tile(a_base + BC * BT + 3 * BC, zero, BC, BC, BT)
+    _store_tile(a_base + 2 * BC * BT + 3 * BC, zero, BC, BC, BT)
+
+    # ---- pass 1b: off-diagonal blocks [row block][column block], summed over channel slices -----
+    qk10 = tl.zeros([BC, BC], dtype=tl.float32)
+    qk20, qk21 = tl.zeros_like(qk10), tl.zeros_like(qk10)
+    qk30, qk31, qk32 = tl.zeros_like(qk10), tl.zeros_like(qk10), tl.zeros_like(qk10)
+    kk10 = tl.zeros_like(qk10)
+    kk20, kk21 = tl.zeros_like(qk10), tl.zeros_like(qk10)
+    kk30, kk31, kk32 = tl.zeros_like(qk10), tl.zeros_like(qk10), tl.zeros_like(qk10)
     for ks in range(0, BK, BKS):
         o_k = ks + tl.arange(0, BKS)
-        if GATE == 2 and GATE_FN > 0 and HAS_BIAS:
-            bias_s = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-        else:
-            bias_s = bias
+        bias_s = _slice_bias(dt_bias, bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
         q0, k0, g0 = _load_qkg(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
         q1, k1, g1 = _load_qkg(q, k, g, t1, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
         q2, k2, g2 = _load_qkg(q, k, g, t2, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
         q3, k3, g3 = _load_qkg(q, k, g, t3, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
-        if USE_L2NORM:
-            sq0 += tl.sum(q0 * q0, axis=1)
-            sq1 += tl.sum(q1 * q1, axis=1)
-            sq2 += tl.sum(q2 * q2, axis=1)
-            sq3 += tl.sum(q3 * q3, axis=1)
-            sk0 += tl.sum(k0 * k0, axis=1)
-            sk1 += tl.sum(k1 * k1, axis=1)
-            sk2 += tl.sum(k2 * k2, axis=1)
-            sk3 += tl.sum(k3 * k3, axis=1)
         gl0, tot0, eg0, er0 = _decays(g0, GATE)
         gl1, tot1, eg1, er1 = _decays(g1, GATE)
         gl2, tot2, eg2, er2 = _decays(g2, GATE)
         gl3, tot3, eg3, er3 = _decays(g3, GATE)
-
-        d_qk, d_kk = _diag_block(q0, k0, gl0, eg0, er0, tot0, PREC)
-        qk00 += d_qk
-        kk00 += d_kk
-        d_qk, d_kk = _diag_block(q1, k1, gl1, eg1, er1, tot1, PREC)
-        qk11 += d_qk
-        kk11 += d_kk
-        d_qk, d_kk = _diag_block(q2, k2, gl2, eg2, er2, tot2, PREC)
-        qk22 += d_qk
-        kk22 += d_kk
-        d_qk, d_kk = _diag_block(q3, k3, gl3, eg3, er3, tot3, PREC)
-        qk33 += d_qk
-        kk33 += d_kk
-
-        # Off-diagonal: reference = start of row block a, so both factors are <= 1.
-        c0 = k0 * er0  # [16, BKS] key decayed to the end of sub-block 0
-        c1 = k1 * er1
-        c2 = k2 * er2
-        rq1, rk1 = q1 * eg1, k1 * eg1  # row decayed from the start of its sub-block
-        rq2, rk2 = q2 * eg2, k2 * eg2
-        rq3, rk3 = q3 * eg3, k3 * eg3
+        # Reference = start of row block a, so both factors are <= 1.
+        c0 = k0 * (nk0[:, None] * er0)  # [16, BKS] key decayed to the end of sub-block 0
+        c1 = k1 * (nk1[:, None] * er1)
+        c2 = k2 * (nk2[:, None] * er2)
+        rq1, rk1 = q1 * (nq1[:, None] * eg1), k1 * (nk1[:, None] * eg1)  # decayed from its sub-block start
+        rq2, rk2 = q2 * (nq2[:, None] * eg2), k2 * (nk2[:, None] * eg2)
+        rq3, rk3 = q3 * (nq3[:, None] * eg3), k3 * (nk3[:, None] * eg3)
         qk10 = tl.dot(rq1, tl.trans(c0), qk10, input_precision=PREC)
         kk10 = tl.dot(rk1, tl.trans(c0), kk10, input_precision=PREC)
         qk21 = tl.dot(rq2, tl.trans(c1), qk21, input_precision=PREC)
@@ -311,57 +379,20 @@ def chunk_prepare_kernel(
         qk31 = tl.dot(rq3, tl.trans(c1), qk31, input_precision=PREC)
         kk31 = tl.dot(rk3, tl.trans(c1), kk31, input_precision=PREC)
 
-    # q/k L2 norm: the Gram blocks are bilinear, so scale rows by 1/|q_i| or 1/|k_i|, columns by 1/|k_j|.
-    if USE_L2NORM:
-        nq0, nq1, nq2, nq3 = (1.0 / tl.sqrt(sq0 + 1e-6), 1.0 / tl.sqrt(sq1 + 1e-6),
-                              1.0 / tl.sqrt(sq2 + 1e-6), 1.0 / tl.sqrt(sq3 + 1e-6))
-        nk0, nk1, nk2, nk3 = (1.0 / tl.sqrt(sk0 + 1e-6), 1.0 / tl.sqrt(sk1 + 1e-6),
-                              1.0 / tl.sqrt(sk2 + 1e-6), 1.0 / tl.sqrt(sk3 + 1e-6))
-    else:
-        nq0 = tl.full([BC], 1.0, dtype=tl.float32)
-        nq1, nq2, nq3, nk0, nk1, nk2, nk3 = nq0, nq0, nq0, nq0, nq0, nq0, nq0
+    _store_tile(a_base + BC * BT, qk10 * scale, BC, BC, BT)
+    _store_tile(a_base + 2 * BC * BT, qk20 * scale, BC, BC, BT)
+    _store_tile(a_base + 2 * BC * BT + BC, qk21 * scale, BC, BC, BT)
+    _store_tile(a_base + 3 * BC * BT, qk30 * scale, BC, BC, BT)
+    _store_tile(a_base + 3 * BC * BT + BC, qk31 * scale, BC, BC, BT)
+    _store_tile(a_base + 3 * BC * BT + 2 * BC, qk32 * scale, BC, BC, BT)
 
-    # beta (fused sigmoid; 0 on padding rows so they write nothing)
-    b0 = _load_beta(beta, t0, eos, i_hv, HV, BETA_SIGMOID)
-    b1 = _load_beta(beta, t1, eos, i_hv, HV, BETA_SIGMOID)
-    b2 = _load_beta(beta, t2, eos, i_hv, HV, BETA_SIGMOID)
-    b3 = _load_beta(beta, t3, eos, i_hv, HV, BETA_SIGMOID)
-
-    # ---- A_qk (scaled, lower triangle) -> memory ---------------------------------------------
-    head = i_c.to(tl.int64) * HV + i_hv
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
-    a_base = aqk + head * BT * BT
-    _store_tile(a_base, qk00 * (scale * nq0[:, None] * nk0[None, :]), BC, BC, BT)
-    _store_tile(a_base + BC, zero, BC, BC, BT)
-    _store_tile(a_base + 2 * BC, zero, BC, BC, BT)
-    _store_tile(a_base + 3 * BC, zero, BC, BC, BT)
-    a_base += BC * BT
-    _store_tile(a_base, qk10 * (scale * nq1[:, None] * nk0[None, :]), BC, BC, BT)
-    _store_tile(a_base + BC, qk11 * (scale * nq1[:, None] * nk1[None, :]), BC, BC, BT)
-    _store_tile(a_base + 2 * BC, zero, BC, BC, BT)
-    _store_tile(a_base + 3 * BC, zero, BC, BC, BT)
-    a_base += BC * BT
-    _store_tile(a_base, qk20 * (scale * nq2[:, None] * nk0[None, :]), BC, BC, BT)
-    _store_tile(a_base + BC, qk21 * (scale * nq2[:, None] * nk1[None, :]), BC, BC, BT)
-    _store_tile(a_base + 2 * BC, qk22 * (scale * nq2[:, None] * nk2[None, :]), BC, BC, BT)
-    _store_tile(a_base + 3 * BC, zero, BC, BC, BT)
-    a_base += BC * BT
-    _store_tile(a_base, qk30 * (scale * nq3[:, None] * nk0[None, :]), BC, BC, BT)
-    _store_tile(a_base + BC, qk31 * (scale * nq3[:, None] * nk1[None, :]), BC, BC, BT)
-    _store_tile(a_base + 2 * BC, qk32 * (scale * nq3[:, None] * nk2[None, :]), BC, BC, BT)
-    _store_tile(a_base + 3 * BC, qk33 * (scale * nq3[:, None] * nk3[None, :]), BC, BC, BT)
-
-    # ---- L^-1 for L = I + Diag(b) strict_tril(A_kk), block forward substitution (fp32) ---------
-    li00 = _inv_unit_lower((b0 * nk0)[:, None] * kk00 * nk0[None, :])
-    li11 = _inv_unit_lower((b1 * nk1)[:, None] * kk11 * nk1[None, :])
-    li22 = _inv_unit_lower((b2 * nk2)[:, None] * kk22 * nk2[None, :])
-    li33 = _inv_unit_lower((b3 * nk3)[:, None] * kk33 * nk3[None, :])
-    n10 = (b1 * nk1)[:, None] * kk10 * nk0[None, :]
-    n20 = (b2 * nk2)[:, None] * kk20 * nk0[None, :]
-    n21 = (b2 * nk2)[:, None] * kk21 * nk1[None, :]
-    n30 = (b3 * nk3)[:, None] * kk30 * nk0[None, :]
-    n31 = (b3 * nk3)[:, None] * kk31 * nk1[None, :]
-    n32 = (b3 * nk3)[:, None] * kk32 * nk2[None, :]
+    # ---- L^-1 for L = I + Diag(b) strict_tril(A_kk): merge the diagonal inverses (fp32) ---------
+    n10 = b1[:, None] * kk10
+    n20 = b2[:, None] * kk20
+    n21 = b2[:, None] * kk21
+    n30 = b3[:, None] * kk30
+    n31 = b3[:, None] * kk31
+    n32 = b3[:, None] * kk32
     # (L^-1)_ab = -(L_aa)^-1 sum_{b <= c < a} N_ac (L^-1)_cb
     li10 = -tl.dot(tl.dot(li11, n10, input_precision="ieee"), li00, input_precision="ieee")
     li21 = -tl.dot(tl.dot(li22, n21, input_precision="ieee"), li11, input_precision="ieee")
@@ -379,10 +410,7 @@ def chunk_prepare_kernel(
         ck_hi = tl.load(ck_ptr + i_c + 1)
     for ks in range(0, BK, BKS):
         o_k = ks + tl.arange(0, BKS)
-        if GATE == 2 and GATE_FN > 0 and HAS_BIAS:
-            bias_s = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-        else:
-            bias_s = bias
+        bias_s = _slice_bias(dt_bias, bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
         q0, k0, g0 = _load_qkg(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
         q1, k1, g1 = _load_qkg(q, k, g, t1, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
         q2, k2, g2 = _load_qkg(q, k, g, t2, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound, H, HV, K, GATE, GATE_FN)
