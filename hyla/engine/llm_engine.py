@@ -18,9 +18,10 @@ from hyla.engine.memory import MemoryManager, plan_memory
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.outputs import RequestOutput
 from hyla.engine.prefix_cache import PrefixCache
-from hyla.engine.sampler import sample
+from hyla.engine.sampler import sample, token_logprobs
 from hyla.engine.sampling_params import SamplingParams
-from hyla.engine.scheduler import Scheduler
+from hyla.engine.scheduler import ScheduledBatch, Scheduler
+from hyla.engine.spec_decode import SpecConfig, SpecDecoder
 from hyla.engine.sequence import Sequence, Status
 
 log = logging.getLogger("hyla.engine")
@@ -40,26 +41,33 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.vocab_size = self.model.config.vocab_size
         limit = getattr(self.model.config, "max_position_embeddings", None) or 1 << 20
-        self.max_model_len = min(config.max_model_len or limit, limit)
-        # With prefix caching, checkpoints live in state slots too: reserve as many again.
+        # Without an explicit max_model_len: the model's limit, but at most 8192 tokens so that the
+        # default pools stay small (raise it with max_model_len).
+        self.max_model_len = min(config.max_model_len or min(limit, 8192), limit)
+        spec_cfg = SpecConfig.parse(config.speculative_config)
+        # Speculative "slots" rollback keeps 1 + k states per request; with prefix caching,
+        # checkpoints live in state slots too: reserve as many again as running requests.
+        per_seq = 1 + spec_cfg.num_speculative_tokens if spec_cfg and spec_cfg.rollback == "slots" else 1
         extra = config.max_num_seqs if config.enable_prefix_caching else 0
         num_slots, num_pages = plan_memory(
             self.model, budget=config.memory_budget, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
-            device=self.model.device, extra_slots=extra)
+            device=self.model.device, extra_slots=extra, slots_per_seq=per_seq)
         self.memory = MemoryManager(num_pages, num_slots, config.page_size)
-        self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype)
+        self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype,
+                                  enforce_eager=config.enforce_eager)
         self.prefix_cache = (PrefixCache(self.memory, self.runner, config.checkpoint_interval)
                              if config.enable_prefix_caching else None)
-        self.scheduler = Scheduler(min(config.max_num_seqs, num_slots), config.max_num_batched_tokens, self.memory,
-                                   self.prefix_cache)
+        self.scheduler = Scheduler(max(1, min(config.max_num_seqs, num_slots // per_seq)),
+                                   config.max_num_batched_tokens, self.memory, self.prefix_cache, per_seq)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_id = self._eos_token_id()
         self.requests: dict[str, Sequence] = {}
         self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "prompt_tokens": 0,
                         "generation_tokens": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
-                        "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0, "num_preemptions": 0,
-                        "num_steps": 0}
+                        "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0,
+                        "num_preemptions": 0, "num_steps": 0}
+        self.spec = SpecDecoder(spec_cfg, self) if spec_cfg else None
 
     def _eos_token_id(self):
         eos = getattr(self.model.config, "eos_token_id", None)
@@ -117,6 +125,8 @@ class LLMEngine:
         if seq is None:
             return False
         self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
         seq.finish("abort")
         self.metrics["num_requests_aborted"] += 1
         return True
@@ -131,6 +141,18 @@ class LLMEngine:
         if batch.is_empty:
             return []
         self.metrics["num_steps"] += 1
+        plain = ScheduledBatch()
+        spec = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if self.spec is not None and self.spec.wants(seq, n):
+                spec.append(seq)
+            else:
+                plain.add(seq, n)
+        outputs = self._plain_step(plain) if plain.seqs else []
+        return outputs + (self.spec.step(spec) if spec else [])
+
+    def _plain_step(self, batch) -> list[RequestOutput]:
+        """Prefill chunks and (non-speculative) decodes: one forward, one sample per finished prompt."""
         sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         rows = [[n - 1] if s else [] for n, s in zip(batch.num_new_tokens, sampling)]
         exports = self._plan_exports(batch)
@@ -143,20 +165,34 @@ class LLMEngine:
                 self.prefix_cache.insert(seq, pos, slot)
         to_sample = [seq for seq, s in zip(batch.seqs, sampling) if s]
         tokens, logprobs = sample(logits, to_sample, self.generator) if to_sample else ([], [])
-        now = time.monotonic()
         outputs = []
         for seq, token, lp in zip(to_sample, tokens, logprobs):
-            if not seq.output_token_ids and seq.num_preemptions == 0:
-                self.metrics["prompt_tokens"] += len(seq.prompt_token_ids)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.append_token(token, lp)
-            self.metrics["generation_tokens"] += 1
-            seq.check_stop(self.tokenizer)
+            self._emit(seq, token, lp)
             if seq.is_finished:
-                self._on_finish(seq)
+                self.on_finish(seq)
             outputs.append(seq.to_output())
         return outputs
+
+    def _emit(self, seq: Sequence, token: int, logprobs) -> None:
+        if not seq.output_token_ids and seq.num_preemptions == 0:
+            self.metrics["prompt_tokens"] += len(seq.prompt_token_ids)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        seq.append_token(token, logprobs)
+        self.metrics["generation_tokens"] += 1
+        seq.check_stop(self.tokenizer)
+
+    def append_tokens(self, seq: Sequence, tokens: list[int], raw_logits: torch.Tensor) -> int:
+        """Emit several tokens of one verify step in order, stopping early if the request
+        finishes; returns how many were kept. raw_logits[i]: the logits token i was chosen from."""
+        kept = 0
+        for token, row in zip(tokens, raw_logits):
+            n = seq.params.logprobs
+            self._emit(seq, token, None if n is None else token_logprobs(row, token, n))
+            kept += 1
+            if seq.is_finished:
+                break
+        return kept
 
     def _plan_exports(self, batch) -> list[list[tuple[int, int]]]:
         """Checkpoints (absolute position, fresh slot) each sequence exports in this step: the
@@ -173,11 +209,15 @@ class LLMEngine:
             exports.append(mine)
         return exports
 
-    def _on_finish(self, seq: Sequence) -> None:
+    def on_finish(self, seq: Sequence) -> None:
         if self.prefix_cache is not None and seq.num_computed_tokens > 0:
-            # The running slot holds the state after every fed token: file it, no copy.
+            # The running slot holds the state after every fed (accepted) token: file it, no copy.
             self.prefix_cache.insert(seq, seq.num_computed_tokens, seq.slot)
+            if seq.spec_slots:
+                seq.spec_slots.remove(seq.slot)
             seq.slot = None
+        if self.spec is not None:
+            self.spec.release(seq)
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
         self.metrics["num_requests_finished"] += 1
@@ -195,8 +235,10 @@ class LLMEngine:
         m.update(num_requests_running=len(self.scheduler.running), num_requests_waiting=len(self.scheduler.waiting),
                  kv_pages_total=self.memory.pages.num_pages, kv_pages_free=self.memory.pages.num_free,
                  state_slots_total=self.memory.slots.num_slots, state_slots_free=self.memory.slots.num_free)
-        drafted = m["spec_num_draft_tokens"]
+        drafted, steps = m["spec_num_draft_tokens"], m["spec_num_verify_steps"]
         m["spec_acceptance_rate"] = m["spec_num_accepted_tokens"] / drafted if drafted else 0.0
+        # Tokens emitted per verify step (1 = nothing accepted).
+        m["spec_mean_accepted_length"] = (m["spec_num_accepted_tokens"] + steps) / steps if steps else 0.0
         return m
 
 

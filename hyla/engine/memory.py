@@ -87,23 +87,31 @@ class MemoryManager:
         """Grow seq's block table to cover its computed tokens + num_new_tokens (query first)."""
         seq.block_table.extend(self.pages.allocate(self.pages_needed(seq, num_new_tokens)))
 
+    def trim(self, seq) -> None:
+        """Release pages past the next position to write (speculative positions that were rejected)."""
+        keep = -(-(seq.num_computed_tokens + 1) // self.page_size)
+        self.pages.release(seq.block_table[keep:])
+        del seq.block_table[keep:]
+
     def free(self, seq) -> None:
         """Give back everything a sequence holds (finish, abort or preemption)."""
         self.pages.release(seq.block_table)
         seq.block_table = []
-        if seq.slot is not None:
-            self.slots.release(seq.slot)
-            seq.slot = None
+        for slot in seq.spec_slots or ([seq.slot] if seq.slot is not None else []):
+            self.slots.release(slot)
+        seq.slot, seq.spec_slots = None, []
 
 
 def plan_memory(model, *, budget: int | None, max_num_seqs: int, max_model_len: int, page_size: int,
-                state_dtype: torch.dtype, device: torch.device, extra_slots: int = 0) -> tuple[int, int]:
+                state_dtype: torch.dtype, device: torch.device, extra_slots: int = 0,
+                slots_per_seq: int = 1) -> tuple[int, int]:
     """Split one byte budget into (num_slots, num_pages).
 
-    Slots first, for up to max_num_seqs running requests (+ extra_slots for checkpoints), but never
+    Slots first, slots_per_seq for each of up to max_num_seqs running requests (1 + k with
+    speculative "slots" rollback) + extra_slots for checkpoints, but never
     more than half the budget; pages take the rest and must hold at least one request of
     max_model_len tokens. budget None: on CUDA 90% of the free memory; on the CPU what the
-    configuration needs at most (every request at full length), capped at 4 GiB.
+    configuration needs at most (every request at full length), capped at 256 MiB.
     """
     slot_bytes = max(1, model.state_bytes_per_slot(state_dtype))
     page_bytes = max(1, model.kv_bytes_per_token() * page_size)
@@ -113,15 +121,16 @@ def plan_memory(model, *, budget: int | None, max_num_seqs: int, max_model_len: 
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * 0.9)
         else:
-            want = (max_num_seqs + extra_slots) * slot_bytes + max_num_seqs * pages_per_seq * page_bytes
-            budget = min(want, 4 << 30)
-    num_slots = min(max_num_seqs + extra_slots, max(1, (budget // 2) // slot_bytes))
+            want = (max_num_seqs * slots_per_seq + extra_slots) * slot_bytes + max_num_seqs * pages_per_seq * page_bytes
+            budget = min(want, 256 << 20)
+    num_slots = min(max_num_seqs * slots_per_seq + extra_slots, max(slots_per_seq, (budget // 2) // slot_bytes))
     num_pages = (budget - num_slots * slot_bytes) // page_bytes
     if num_pages < pages_per_seq:
         raise ValueError(
             f"memory_budget of {budget} bytes cannot hold one request of max_model_len={max_model_len} tokens "
             f"({pages_per_seq} pages of {page_bytes} bytes) plus a state slot of {slot_bytes} bytes")
-    if num_slots - extra_slots < max_num_seqs:
-        log.warning("max_num_seqs=%d exceeds the %d state slots the budget holds: running at most %d requests",
-                    max_num_seqs, max(1, num_slots - extra_slots), max(1, num_slots - extra_slots))
+    runnable = max(1, (num_slots - extra_slots) // slots_per_seq)
+    if runnable < max_num_seqs:
+        log.warning("max_num_seqs=%d exceeds what the budget's %d state slots hold: running at most %d requests",
+                    max_num_seqs, num_slots, runnable)
     return num_slots, int(num_pages)

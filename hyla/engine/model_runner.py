@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import torch
 
+from hyla.engine.cuda_graph import SCRATCH, CUDAGraphRunner, use_cuda_graphs
 from hyla.models.batch import ForwardBatch
 
 
 class ModelRunner:
-    def __init__(self, model, num_slots: int, num_pages: int, page_size: int, state_dtype: torch.dtype):
+    def __init__(self, model, num_slots: int, num_pages: int, page_size: int, state_dtype: torch.dtype,
+                 enforce_eager: bool = False):
         self.model = model
         self.device = model.device
         self.page_size = page_size
-        self.cache = model.allocate_cache(num_slots, num_pages, page_size=page_size, state_dtype=state_dtype)
+        graphs = use_cuda_graphs(model, enforce_eager)  # padding rows write one scratch slot / page
+        extra = SCRATCH if graphs else 0
+        self.cache = model.allocate_cache(num_slots + extra, num_pages + extra, page_size=page_size,
+                                          state_dtype=state_dtype)
+        self.graphs = CUDAGraphRunner(model, self.cache, max_batch=num_slots) if graphs else None
 
     def build_batch(self, seqs, num_new_tokens, checkpoints=None) -> tuple[torch.Tensor, ForwardBatch]:
         """Pack the new tokens of every scheduled sequence: ids [T_total] and the ForwardBatch."""
@@ -40,6 +46,8 @@ class ModelRunner:
         """Run one step. logit_rows[n]: offsets within sequence n's new tokens whose logits are
         wanted (usually [n_new - 1] when it finishes its prompt or decodes, [] mid-prompt).
         Returns logits [sum(len(rows)), V] fp32 in that order."""
+        if self.graphs is not None and self.graphs.can_run(seqs, num_new_tokens, logit_rows, checkpoints):
+            return self.graphs.run(seqs, logit_rows)
         ids, batch = self.build_batch(seqs, num_new_tokens, checkpoints)
         hidden = self.model.forward_batch(ids, batch, self.cache)
         starts = batch.cu_seqlens[:-1].tolist()
@@ -47,6 +55,24 @@ class ModelRunner:
         if not index:
             return hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
         return self.model.compute_logits(hidden[torch.tensor(index, device=hidden.device)])
+
+    @torch.inference_mode()
+    def verify(self, seqs, drafts: list[list[int]], rollback: str) -> torch.Tensor:
+        """One verify forward over [x0, d1..dk] per sequence -> logits at every position
+        [sum(1 + k_n), V] fp32. "slots": seq.spec_slots are the per-position slots and
+        seq.slot (one of them) holds the current state; "replay": seq.slot only."""
+        ids = [t for seq, d in zip(seqs, drafts) for t in [seq.token_ids[-1], *d]]
+        if rollback == "slots":
+            rows = [seq.spec_slots for seq in seqs]
+            accepted = [seq.spec_slots.index(seq.slot) + 1 for seq in seqs]
+        else:
+            rows, accepted = [[seq.slot] for seq in seqs], [1] * len(seqs)
+        batch = ForwardBatch.build(
+            seq_lens=[1 + len(d) for d in drafts], context_lens=[seq.num_computed_tokens for seq in seqs],
+            block_tables=[seq.block_table for seq in seqs], state_slots=rows, device=self.device,
+            num_accepted_tokens=accepted, rollback=rollback)
+        hidden = self.model.forward_batch(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.cache)
+        return self.model.compute_logits(hidden)
 
     def copy_slot(self, src: int, dst: int) -> None:
         self.cache.copy_slot(src, dst)

@@ -1,9 +1,9 @@
 """Sampler: logits -> next tokens, with penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
 
-Rows are processed together where the math allows; drawing uses each request's own generator
-when it has a seed, so a seeded request gives the same tokens whatever else is in the batch.
-Logprobs are the log-softmax of the model's raw logits (before penalties and temperature), as
-vLLM returns by default.
+Drawing uses each request's own generator when it has a seed, so a seeded request gives the same
+tokens whatever else is batched. Logprobs are the log-softmax of the model's raw logits (before
+penalties and temperature), as vLLM returns by default. `distribution` is also what speculative
+decoding's acceptance rule compares drafts against.
 """
 
 from __future__ import annotations
@@ -13,17 +13,19 @@ import torch
 from hyla.engine.sequence import Sequence
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    for row, seq in enumerate(seqs):
-        p = seq.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long, device=logits.device)
-            vals = logits[row, seen]
-            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-            ids, counts = torch.tensor(seq.output_token_ids, device=logits.device).unique(return_counts=True)
-            logits[row, ids] -= p.presence_penalty + p.frequency_penalty * counts.to(logits.dtype)
-    return logits
+def penalize(row: torch.Tensor, params, token_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """Apply repetition (prompt + output) and presence / frequency (output) penalties to one
+    row of logits [V] (out of place)."""
+    if params.repetition_penalty != 1.0 and token_ids:
+        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=row.device)
+        vals = row[seen]
+        row = row.clone()
+        row[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        ids, counts = torch.tensor(output_ids, device=row.device).unique(return_counts=True)
+        row = row.clone()
+        row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
+    return row
 
 
 def _filter(logits: torch.Tensor, p) -> torch.Tensor:
@@ -43,30 +45,36 @@ def _filter(logits: torch.Tensor, p) -> torch.Tensor:
     return logits
 
 
+def distribution(row: torch.Tensor, params) -> torch.Tensor:
+    """The distribution a (non-greedy) request samples from: penalised logits [V] -> probs [V]."""
+    return _filter(row.float() / params.temperature, params).softmax(-1)
+
+
+def choose(row: torch.Tensor, params, generator: torch.Generator) -> int:
+    """One token from penalised logits [V]: argmax when greedy, else a draw from `distribution`."""
+    if params.greedy:
+        return int(row.argmax())
+    return int(torch.multinomial(distribution(row, params), 1, generator=generator))
+
+
+def token_logprobs(raw_row: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """{token: logprob} for the emitted token and the top-n of one raw logits row [V]."""
+    lp = torch.log_softmax(raw_row.float(), dim=-1)
+    entry = {token: float(lp[token])}
+    if n:
+        top = torch.topk(lp, n)
+        entry.update({int(t): float(v) for t, v in zip(top.indices, top.values)})
+    return entry
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> tuple[list[int], list]:
     """logits: [M, V] fp32 for M sequences -> (token ids, per-row logprob dicts or None)."""
-    raw = logits
-    logits = logits.float().cpu() if logits.device.type != "cpu" else logits.float().clone()
-    logits = _apply_penalties(logits, seqs)
-    tokens: list[int] = []
-    for row, seq in enumerate(seqs):
+    logits = logits.float().cpu()
+    tokens, logprobs = [], []
+    for row, seq in zip(logits, seqs):
         p = seq.params
-        if p.greedy:
-            tokens.append(int(logits[row].argmax()))
-            continue
-        scaled = _filter(logits[row] / p.temperature, p)
-        probs = scaled.softmax(-1)
         gen = seq.generator if seq.generator is not None else generator
-        tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
-    logprobs: list = [None] * len(seqs)
-    wanted = [row for row, seq in enumerate(seqs) if seq.params.logprobs is not None]
-    if wanted:
-        lp = torch.log_softmax(raw[wanted].float(), dim=-1).cpu()
-        for i, row in enumerate(wanted):
-            n = seqs[row].params.logprobs
-            entry = {tokens[row]: float(lp[i, tokens[row]])}
-            if n:
-                top = torch.topk(lp[i], n)
-                entry.update({int(t): float(v) for t, v in zip(top.indices, top.values)})
-            logprobs[row] = entry
+        token = choose(penalize(row, p, seq.token_ids, seq.output_token_ids), p, gen)
+        tokens.append(token)
+        logprobs.append(None if p.logprobs is None else token_logprobs(row, token, p.logprobs))
     return tokens, logprobs

@@ -34,11 +34,13 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, memory: MemoryManager, prefix_cache=None):
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, memory: MemoryManager, prefix_cache=None,
+                 slots_per_seq: int = 1):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.memory = memory
         self.prefix_cache = prefix_cache
+        self.slots_per_seq = slots_per_seq
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -59,7 +61,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
-            while not self._make_room(seq, n):
+            while not self.make_room(seq, n):
                 victim = self.running[-1]
                 self.preempt(victim)
                 preempted = True
@@ -79,12 +81,14 @@ class Scheduler:
             if cache is not None and seq.num_computed_tokens == 0:
                 cache.match(seq)
             n = min(seq.num_uncomputed, budget)
-            if not (self.free_slot_available() and self._make_room(seq, n)):
+            if not (self.free_slot_available(self.slots_per_seq) and self.make_room(seq, n)):
                 if cache is not None:
                     cache.unmatch(seq)
                 break
             self.waiting.popleft()
             seq.slot = self.memory.slots.allocate()
+            if self.slots_per_seq > 1:
+                seq.spec_slots = [seq.slot] + [self.memory.slots.allocate() for _ in range(self.slots_per_seq - 1)]
             self.memory.allocate(seq, n)
             if cache is not None:
                 self.cache_query_tokens += seq.num_tokens
@@ -95,7 +99,7 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _make_room(self, seq: Sequence, n: int) -> bool:
+    def make_room(self, seq: Sequence, n: int) -> bool:
         """Pages for seq's next n tokens, evicting unused prefix-cache pages if that is needed."""
         need = self.memory.pages_needed(seq, n)
         while need > self.memory.pages.num_free:
@@ -103,9 +107,9 @@ class Scheduler:
                 return False
         return True
 
-    def free_slot_available(self) -> bool:
-        """A state slot can be handed out now, evicting a prefix-cache checkpoint if needed."""
-        while self.memory.slots.num_free == 0:
+    def free_slot_available(self, n: int = 1) -> bool:
+        """n state slots can be handed out now, evicting prefix-cache checkpoints if needed."""
+        while self.memory.slots.num_free < n:
             if self.prefix_cache is None or not self.prefix_cache.evict_slot():
                 return False
         return True

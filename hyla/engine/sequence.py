@@ -38,7 +38,8 @@ class Sequence:
         self.eos_token_id = eos_token_id
         self.arrival = next(_arrival)
         self.status = Status.WAITING
-        self.slot: int | None = None
+        self.slot: int | None = None  # the slot holding the state after num_computed_tokens tokens
+        self.spec_slots: list[int] = []  # speculative "slots" rollback: 1 + k slots, `slot` is one of them
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.cache_hit = None  # (node, r) between PrefixCache.match and restore

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.layers.norm import GatedRMSNorm
+from hyla.ops import dispatch
 from hyla.ops.chunk import chunk_kda
 from hyla.ops.conv import causal_conv1d_fn, causal_conv1d_update
 from hyla.ops.gate import kda_gate
@@ -119,7 +120,7 @@ class KimiDeltaAttention(nn.Module):
         written; the per-token inputs (k, v, g, beta, pre-conv inputs) are kept on the cache and
         `commit_replay` advances the state by the accepted tokens only."""
         idx, acc = batch.state_slots, batch.num_accepted_tokens
-        N, S = idx.shape
+        N, S = idx.shape[0], max(batch.seq_lens)  # S: padded width of the per-sequence token rows
         start = idx.gather(1, (acc - 1)[:, None])[:, 0]  # [N] slot holding each sequence's state
         seq_ids = batch.token_seq_ids()
         offs = torch.arange(batch.num_tokens, device=x.device) - batch.cu_seqlens[:-1][seq_ids]  # [T_total]
@@ -182,9 +183,10 @@ class KimiDeltaAttention(nn.Module):
             for t, pool, conv in zip(self.project_qkv(xs), cache.conv, self.convs())
         ]
         q, k, v = (self._heads(t) for t in qkv)  # [N, 1, H, K]
-        o, _ = fused_recurrent_kda(q, k, v, self.forget_gate(xs), self.write_strength(xs),
-                                   initial_state=cache.state, ssm_state_indices=slots,
-                                   use_qk_l2norm_in_kernel=True)
+        # dispatched: the Triton kernel on CUDA (no host sync, so CUDA graphs can capture it)
+        o, _ = dispatch.fused_recurrent_kda(q, k, v, self.forget_gate(xs), self.write_strength(xs),
+                                            initial_state=cache.state, ssm_state_indices=slots,
+                                            use_qk_l2norm_in_kernel=True)
         if _checkpoint_positions(batch) is not None:  # p can only be 1: the state after the step
             src = batch.state_slots.tolist()
             for n, pairs in enumerate(batch.checkpoints):

@@ -84,7 +84,7 @@ class ForwardBatch:
                 raise ValueError(f"verify needs state_slots [N={n}, 1+num_spec], got {tuple(self.state_slots.shape)}")
             if self.num_accepted_tokens.shape != (n,):
                 raise ValueError(f"num_accepted_tokens must be [N={n}], got {tuple(self.num_accepted_tokens.shape)}")
-            if any(s > self.state_slots.shape[1] for s in self.seq_lens):
+            if self.rollback == "slots" and any(s > self.state_slots.shape[1] for s in self.seq_lens):
                 raise ValueError("a sequence verifies more tokens than it has state slots")
             if any(c == 0 for c in self.context_lens_list):
                 raise ValueError("speculative verify needs every sequence to have context (a prefilled prompt)")

@@ -16,6 +16,8 @@ g is not scanned for positive entries (that check is a full extra read of g).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -91,9 +93,15 @@ def _param(name, t, n, device):
     return t.reshape(n).to(device=device, dtype=torch.float32).contiguous()
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def _scan_block(n_programs_per_block: int, bvf: int, device) -> int:
-    """Value-block width of the scan: 64 unless that leaves the GPU under two programs per SM."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    """Value-block width of the scan: 64 unless that leaves the GPU under two programs per SM
+    (one 64-token chunk step is a fixed latency, so a short grid wants narrower blocks)."""
+    sms = _num_sms(device)
     bv = min(64, bvf)
     while bv > 32 and n_programs_per_block * (bvf // bv) < 2 * sms:
         bv //= 2
@@ -103,7 +111,7 @@ def _scan_block(n_programs_per_block: int, bvf: int, device) -> int:
 def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
-              use_beta_sigmoid_in_kernel=False, scan_block_v=None, num_warps=None, slice_k=32):
+              use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=16, scan_block_v=None, scan_warps=None):
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -174,11 +182,11 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             cu, chunk_seq, chunk_pos,
             w, u, qg, kg, aqk, gam,
             ck_ptr, ck_pos, kr, dr,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=min(BK, slice_k), BVS=min(BVF, slice_k),
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=min(BK, slice_k), BVS=min(BVF, 32),
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
             HAS_CKPT=has_ck, PREC=prec,
-            num_warps=num_warps or 4,
+            num_warps=intra_warps,
         )
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
@@ -193,7 +201,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             ck_ptr, kr, dr, ck_out,
             HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
             HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
-            num_warps=4,
+            num_warps=scan_warps or (4 if BV <= 32 else 8),
         )
     if ckpts is None:
         return o, final

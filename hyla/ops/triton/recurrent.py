@@ -13,11 +13,12 @@ program loads its whole state tile at once and everything else is a few hundred 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from hyla.ops.recurrent import _check_pool_args
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import apply_gate, sigmoid
 from hyla.ops.utils import check_inputs
@@ -110,14 +111,33 @@ def recurrent_kernel(
         tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if SPEC:
             # the state after token j goes to idx[n, j]; a rejected draft only reaches slots the
-            # next step does not start from.
-            dst = tl.load(idx + i_n * IDX_W + (t - bos)).to(tl.int64)
+            # next step does not start from. (A row longer than the slot width writes no more.)
+            j = t - bos
+            dst = tl.load(idx + i_n * IDX_W + j, mask=j < IDX_W, other=-1).to(tl.int64)
             if dst >= 0:
                 tl.store(ht + dst * HV * K * V + tile, b_s.to(ht.dtype.element_ty), mask=m_kv)
 
     if STORE_HT:
         if not SPEC:
             tl.store(ht + slot0 * HV * K * V + tile, b_s.to(ht.dtype.element_ty), mask=m_kv)
+
+
+def _check_pool_shapes(idx, n_acc, pool, n):
+    """The torch path's pool checks (hyla.ops.recurrent._check_pool_args) minus the ones that read
+    values (slot < num_slots, 1 <= num_accepted <= width): those would synchronise the device."""
+    if pool is None:
+        raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool [num_slots, HV, K, V])")
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError("`ssm_state_indices` must be an int32/int64 tensor")
+    if idx.ndim not in (1, 2) or idx.shape[0] != n:
+        raise ValueError(f"`ssm_state_indices` must be [N] or [N, 1+num_spec] with N={n}, got {tuple(idx.shape)}")
+    if idx.ndim == 2:
+        if n_acc is None:
+            raise ValueError("2-D `ssm_state_indices` (speculative verify) needs `num_accepted_tokens` [N]")
+        if n_acc.shape != (n,):
+            raise ValueError(f"`num_accepted_tokens` must be [{n}], got {tuple(n_acc.shape)}")
+    elif n_acc is not None:
+        raise ValueError("`num_accepted_tokens` is only valid with 2-D `ssm_state_indices`")
 
 
 def _param(name, t, n, device):
@@ -127,10 +147,15 @@ def _param(name, t, n, device):
     return t.reshape(n).to(device=device, dtype=torch.float32).contiguous()
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def _block_v(n_heads_total: int, V: int, device) -> int:
     """32-column value blocks (128 B rows of an fp32 state); 16 when that leaves SMs idle."""
     bvf = max(16, triton.next_power_of_2(V))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = _num_sms(device)
     bv = min(32, bvf)
     if n_heads_total * (bvf // bv) < 4 * sms:
         bv = 16
@@ -142,23 +167,30 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
                   num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                   lower_bound=None, use_beta_sigmoid_in_kernel=False, block_v=None, num_warps=None):
     pooled = ssm_state_indices is not None
-    n = check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                     check_gate_sign=False, state_is_pool=pooled)
+    # Shape checks only: this path never reads device values on the host (no synchronisation),
+    # so it can be captured in a CUDA graph. Slot ranges are the caller's contract.
+    n = check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=None,
+                     check_gate_sign=False, state_is_pool=pooled or cu_seqlens is not None)
     if beta is None:
         raise ValueError("`beta` is required")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    if cu_seqlens is not None:
+        if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2
+                or cu_seqlens.dtype not in (torch.int32, torch.int64)):
+            raise ValueError("`cu_seqlens` must be a 1-D int32/int64 tensor [N+1] of cumulative lengths")
+        if B != 1:
+            raise ValueError(f"with `cu_seqlens` the batch size must be 1, got B={B}")
+        n = cu_seqlens.numel() - 1
+        if initial_state is not None and not pooled and initial_state.shape[0] != n:
+            raise ValueError(f"`initial_state` has {initial_state.shape[0]} rows for {n} sequences")
     if q.dtype == torch.float64 or v.dtype == torch.float64:
         raise ValueError("the Triton path computes in fp32; use the torch path for fp64")
     if K > 256 or V > 256:
         raise ValueError(f"the Triton path supports K, V <= 256, got K={K}, V={V}")
     dev = q.device
-    if cu_seqlens is None:
-        lengths = [T] * n
-    else:
-        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     if pooled:
-        _check_pool_args(ssm_state_indices, num_accepted_tokens, initial_state, n, lengths)
+        _check_pool_shapes(ssm_state_indices, num_accepted_tokens, initial_state, n)
     scale = K ** -0.5 if scale is None else float(scale)
 
     gate_fn = 0

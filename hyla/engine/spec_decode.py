@@ -1,0 +1,182 @@
+"""Speculative decoding: the config, two drafters, and the acceptance rule.
+
+Each decode step of a request feeds [x0, d1..dk] (x0 = its last token, d = drafts) through the
+target in one verify forward. Rejected drafts never reach a state anything starts from: with
+rollback "slots" the state after every position has its own slot and the accepted one is picked
+by index; with "replay" the state is only advanced by the accepted tokens (see the KDA layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyla.engine.sampler import choose, distribution, penalize
+
+
+@dataclass
+class SpecConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    rollback: str = "slots"
+
+    @classmethod
+    def parse(cls, raw: dict | None) -> SpecConfig | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be a dict")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "rollback"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}")
+        cfg = cls(**{"method": raw.get("method"), "num_speculative_tokens": raw.get("num_speculative_tokens"),
+                     **{k: v for k, v in raw.items() if k not in ("method", "num_speculative_tokens")}})
+        if cfg.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {cfg.method!r}")
+        k = cfg.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {k!r}")
+        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if cfg.rollback not in ("slots", "replay"):
+            raise ValueError(f"rollback must be 'slots' or 'replay', got {cfg.rollback!r}")
+        if cfg.method == "draft_model" and not cfg.model:
+            raise ValueError("method 'draft_model' needs 'model': the draft checkpoint's path")
+        return cfg
+
+
+class NgramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n from
+    prompt_lookup_max down to prompt_lookup_min) and propose the tokens that followed it."""
+
+    def __init__(self, cfg: SpecConfig):
+        self.lo, self.hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+
+    def propose(self, seqs, ks: list[int]) -> list[tuple[list[int], None]]:
+        """-> per sequence (drafts, None): the drafts are certain (q is a point mass)."""
+        return [(self._one(seq.token_ids, k) if k else [], None) for seq, k in zip(seqs, ks)]
+
+    def _one(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.hi, len(tokens) - 1), self.lo - 1, -1):
+            suffix = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    return tokens[start + n : start + n + k]
+        return []
+
+    def release(self, seq) -> None:
+        pass
+
+
+def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq, generator) -> list[int]:
+    """The tokens a verify step appends: accepted drafts, then one token from the target.
+
+    logits: [1 + k, V] raw target logits at x0, d1..dk; q: [k, V] draft probabilities (None: the
+    drafts were certain, as from prompt lookup).
+    Greedy: accept the longest prefix of drafts equal to the target's argmax, then emit the
+    target's own token. Sampling (the standard rule, Leviathan et al. / Chen et al.):
+      accept d_i with probability min(1, p(d_i) / q(d_i));
+      at the first rejection emit a token drawn from normalise(max(p - q, 0)) and stop;
+      if every draft is accepted, emit a bonus token drawn from p at the last position.
+    p is the target's sampling distribution given the tokens so far (penalties, temperature,
+    top-k / top-p / min-p), so the output is distributed exactly as non-speculative sampling.
+    """
+    params = seq.params
+    history, out_hist = list(seq.token_ids), list(seq.output_token_ids)
+    out: list[int] = []
+    for i in range(len(drafts) + 1):
+        row = penalize(logits[i].float(), params, history, out_hist)
+        if i == len(drafts):
+            out.append(choose(row, params, generator))
+            return out
+        d = drafts[i]
+        if params.greedy:
+            t = int(row.argmax())
+            out.append(t)
+            if t != d:
+                return out
+        else:
+            p = distribution(row, params)
+            q_i = torch.zeros_like(p).index_fill_(0, torch.tensor([d]), 1.0) if q is None else q[i].to(p)
+            u = torch.rand((), generator=generator)
+            if u * q_i[d] < p[d]:  # u < p/q without dividing by a possibly tiny q
+                out.append(d)
+            else:
+                residual = (p - q_i).clamp_min(0)
+                total = residual.sum()
+                residual = residual / total if total > 0 else p
+                out.append(int(torch.multinomial(residual, 1, generator=generator)))
+                return out
+        history.append(out[-1])
+        out_hist.append(out[-1])
+    return out
+
+
+class SpecDecoder:
+    """Runs the decode steps of speculating requests: draft -> one verify forward -> accept ->
+    advance (pick the accepted slot, or replay) -> roll back pages of rejected positions."""
+
+    def __init__(self, cfg: SpecConfig, engine):
+        self.cfg = cfg
+        self.engine = engine
+        if cfg.method == "ngram":
+            self.drafter = NgramDrafter(cfg)
+        else:
+            from hyla.engine.draft_model import DraftModelDrafter
+
+            ec = engine.config
+            self.drafter = DraftModelDrafter(cfg, vocab_size=engine.vocab_size, max_num_seqs=ec.max_num_seqs,
+                                             max_model_len=engine.max_model_len, page_size=ec.page_size,
+                                             state_dtype=ec.state_dtype, dtype=engine.model.dtype,
+                                             device=engine.model.device)
+            self.drafter.generator = engine.generator
+
+    def wants(self, seq, n: int) -> bool:
+        """A running request in its decode phase (its one unfed token is its last sampled one)."""
+        return n == 1 and bool(seq.output_token_ids) and seq.num_uncomputed == 1
+
+    def step(self, seqs) -> list:
+        eng = self.engine
+        k = self.cfg.num_speculative_tokens
+        ks = [max(0, min(k, seq.max_tokens - len(seq.output_token_ids) - 1, eng.max_model_len - seq.num_tokens - 1))
+              for seq in seqs]
+        proposals = self.drafter.propose(seqs, ks)
+        drafts, qs = [], []
+        for seq, (d, q) in zip(seqs, proposals):
+            if d and not eng.scheduler.make_room(seq, 1 + len(d)):
+                d, q = [], None  # no pages for the drafts: verify x0 alone
+            eng.memory.allocate(seq, 1 + len(d))
+            drafts.append(d)
+            qs.append(q)
+        logits = eng.runner.verify(seqs, drafts, self.cfg.rollback).float().cpu()
+        committed, outputs, start = [], [], 0
+        for seq, d, q in zip(seqs, drafts, qs):
+            rows = logits[start : start + 1 + len(d)]
+            start += 1 + len(d)
+            gen = seq.generator if seq.generator is not None else eng.generator
+            tokens = accept(rows, d, q, seq, gen)
+            kept = eng.append_tokens(seq, tokens, rows)
+            committed.append(kept)
+            m = eng.metrics
+            m["spec_num_draft_tokens"] += len(d)
+            m["spec_num_accepted_tokens"] += len(tokens) - 1
+            m["spec_num_verify_steps"] += 1
+        if self.cfg.rollback == "replay":
+            eng.model.commit_replay(eng.runner.cache, committed)
+        for seq, kept in zip(seqs, committed):
+            seq.num_computed_tokens += kept
+            if self.cfg.rollback == "slots":
+                seq.slot = seq.spec_slots[kept - 1]
+            eng.memory.trim(seq)
+            if seq.is_finished:
+                eng.on_finish(seq)
+            outputs.append(seq.to_output())
+        return outputs
+
+    def release(self, seq) -> None:
+        self.drafter.release(seq)

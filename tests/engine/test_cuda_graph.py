@@ -1,0 +1,137 @@
+"""CUDA-graph decode (hyla.engine.cuda_graph): replayed steps equal eager steps token for token.
+
+The graph's padded, fixed-shape inputs also run on the CPU (CUDAGraphRunner(capture=False)) with
+every host sync made to fail and the ops in their capture mode, so the padding / scratch logic
+is checked without a GPU; the capture itself needs CUDA.
+"""
+
+import pytest
+import torch
+
+from hyla import LLM, SamplingParams
+from hyla.bench.throughput import random_checkpoint
+from hyla.engine.cuda_graph import SCRATCH, CUDAGraphRunner, batch_buckets, width_bucket
+from hyla.models import ForwardBatch, load_model
+from hyla.ops import dispatch, utils
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return random_checkpoint(tmp_path_factory.mktemp("graph"), "tiny")
+
+
+def test_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert [width_bucket(p) for p in (1, 2, 3, 4, 5, 7, 9, 13, 17, 33)] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]
+
+
+class _NoSync:
+    """Makes host reads of tensors fail while `on` (a CUDA graph capture would fail there)."""
+
+    def __init__(self, monkeypatch):
+        self.on = False
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._guard(original, name))
+
+    def _guard(self, original, name):
+        def guarded(t, *a, **k):
+            if self.on:
+                raise AssertionError(f"host sync (Tensor.{name}) inside the captured region")
+            return original(t, *a, **k)
+        return guarded
+
+
+def test_padded_decode_equals_eager_cpu(ckpt, monkeypatch):
+    """Prefilled sequences (contexts across page boundaries) and a one-token prompt whose slot
+    holds garbage decode 4 steps: the padded graph inputs (5 rows -> bucket 8, slots -1, pages -1)
+    give the eager logits and leave every pool row a request owns exactly as eager does."""
+    model = load_model(ckpt, dtype=torch.float64)
+    slots, pages = 8, 24
+    eager = model.allocate_cache(slots, pages, page_size=PAGE)
+    graph = model.allocate_cache(slots + SCRATCH, pages + SCRATCH, page_size=PAGE)
+    gen = torch.Generator().manual_seed(0)
+    for a, b in zip(eager.layers, graph.layers):
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            tb.copy_(torch.randn(tb.shape, generator=gen, dtype=tb.dtype))  # garbage, never zeros
+            ta.copy_(tb[:ta.shape[0]])
+    lens = [5, 16, 17, 40]
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lens]
+    seq_slots = [3, 0, 5, 1, 4]  # the last one: a one-token prompt that starts in decode
+    tables, first = [], 0
+    for n in lens + [1]:
+        need = -(-(n + 4) // PAGE)
+        tables.append(list(range(first, first + need))[::-1])  # out of order on purpose
+        first += need
+    batch = ForwardBatch.build(lens, [0] * 4, tables[:4], seq_slots[:4])
+    ids = torch.tensor([t for p in prompts for t in p])
+    with torch.inference_mode():
+        hidden = model.forward_batch(ids, batch, eager)
+    for a, b in zip(eager.layers, graph.layers):  # the prefilled state, in both caches
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            tb[:ta.shape[0]] = ta
+    cu = batch.cu_seqlens_list
+    tokens = [int(hidden[cu[i + 1] - 1].argmax()) for i in range(4)] + [7]
+    ctx = lens + [0]
+
+    runner = CUDAGraphRunner(model, graph, max_batch=slots, capture=False)
+    nosync = _NoSync(monkeypatch)
+    monkeypatch.setattr(utils, "is_capturing", lambda t: True)  # the ops' capture paths
+    recurrent = dispatch.fused_recurrent_kda
+
+    def torch_recurrent(*a, **k):  # the CPU stand-in for the (sync-free) Triton kernel
+        on, nosync.on = nosync.on, False
+        try:
+            return recurrent(*a, **k)
+        finally:
+            nosync.on = on
+    monkeypatch.setattr(dispatch, "fused_recurrent_kda", torch_recurrent)
+    forward = runner._forward
+
+    def no_sync_forward(*a):
+        nosync.on = True
+        try:
+            return forward(*a)
+        finally:
+            nosync.on = False
+    monkeypatch.setattr(runner, "_forward", no_sync_forward)
+
+    for _ in range(4):
+        step = ForwardBatch.build([1] * 5, ctx, tables, seq_slots)
+        with torch.inference_mode():
+            want = model.compute_logits(model.forward_batch(torch.tensor(tokens), step, eager))
+            got = runner.run_decode(tokens, ctx, seq_slots, tables)
+        assert runner._key == (8, width_bucket(max(-(-(c + 1) // PAGE) for c in ctx)))
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        for a, b in zip(eager.layers, graph.layers):
+            for ta, tb in zip(a.tensors(), b.tensors()):
+                torch.testing.assert_close(tb[:ta.shape[0]], ta, rtol=1e-10, atol=1e-10)
+        tokens = want.argmax(-1).tolist()
+        ctx = [c + 1 for c in ctx]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graph_decode_equals_eager_cuda(ckpt):
+    """The engine with graphs (default) vs enforce_eager, fp32: same tokens for a batch that
+    shrinks through the buckets (different max_tokens) and grows across page widths."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = [1, 3, 15, 16, 17, 31, 33, 50, 64, 7, 2, 100]
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(str(ckpt), dtype="float32", device="cuda", max_num_seqs=16, enforce_eager=eager,
+                  memory_budget=256 << 20)
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        graphs = llm.engine.runner.graphs
+        if eager:
+            assert graphs is None
+        else:
+            captured = [k for k, (g, _) in graphs.graphs.items() if g is not None]
+            assert len({bs for bs, _ in captured}) >= 3 and len({w for _, w in captured}) >= 2, captured
+        del llm, graphs
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]

@@ -1,0 +1,168 @@
+"""Speculative decoding never changes greedy output and samples the target distribution exactly."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hyla import LLM, SamplingParams
+from hyla.engine.spec_decode import SpecConfig, accept
+from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def rand(n, seed):
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_kimi_checkpoint(tmp_path_factory.mktemp("spec"), "moe", with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def near_draft(ckpt, tmp_path_factory):
+    """The target with noise on its LM head: agrees often, not always (partial acceptance)."""
+    path = tmp_path_factory.mktemp("draft") / "near"
+    shutil.copytree(ckpt, path)
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.02 * torch.randn(
+        tensors["lm_head.weight"].shape, generator=gen)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+PROMPTS = [rand(12, 1) * 3, rand(30, 2), rand(5, 3) * 4 + [9], [7], rand(70, 4)]
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    llm = LLM(str(ckpt), dtype="float64")
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("rollback", ["slots", "replay"])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_greedy_equals_plain_greedy(ckpt, near_draft, reference, rollback, method, prefix_cache):
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "rollback": rollback}
+    if method == "draft":
+        cfg = {"method": "draft_model", "model": str(near_draft), "num_speculative_tokens": 3, "rollback": rollback}
+    llm = LLM(str(ckpt), dtype="float64", speculative_config=cfg, enable_prefix_caching=prefix_cache, max_num_seqs=3)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    m = llm.get_metrics()
+    assert m["spec_num_draft_tokens"] > 0
+    if method == "draft":
+        assert 0 < m["spec_num_accepted_tokens"] < m["spec_num_draft_tokens"]  # partial acceptance
+    assert m["state_slots_free"] + m.get("cached_checkpoints", 0) == m["state_slots_total"]
+    assert m["kv_pages_free"] + m.get("cached_pages", 0) == m["kv_pages_total"]
+
+
+@pytest.mark.parametrize("rollback", ["slots", "replay"])
+def test_a_b_a_with_prefix_cache_is_never_poisoned(ckpt, near_draft, rollback):
+    """Request A, then B sharing A's prefix, then A again (the pattern that poisoned vLLM's
+    cache, #43559): with speculation and the cache on, all equal the plain outputs."""
+    shared = rand(40, 11)
+    a, b = shared + rand(6, 12), shared + rand(9, 13)
+    plain = LLM(str(ckpt), dtype="float64")
+    want = [plain.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in (a, b, a)]
+    cfg = {"method": "draft_model", "model": str(near_draft), "num_speculative_tokens": 4, "rollback": rollback}
+    llm = LLM(str(ckpt), dtype="float64", speculative_config=cfg, enable_prefix_caching=True)
+    got = []
+    for p in (a, b, a, a + want[0]):
+        got.append(llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+    assert got[:3] == want
+    assert got[3] == plain.generate([a + want[0]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.get_metrics()["prefix_cache_hit_tokens"] >= len(a) - 1
+
+
+@pytest.mark.parametrize("rollback,k", [("slots", 1), ("replay", 3)])
+def test_spec_with_preemption(ckpt, near_draft, rollback, k):
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    plain = LLM(str(ckpt), dtype="float64", max_model_len=160)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, long, use_tqdm=False)]
+    cfg = {"method": "draft_model", "model": str(near_draft), "num_speculative_tokens": k, "rollback": rollback}
+    slot, page = plain.engine.model.state_bytes_per_slot(), plain.engine.model.kv_bytes_per_token() * 16
+    # Slots take at most half the budget: ~3 running requests and fewer pages than they need.
+    llm = LLM(str(ckpt), dtype="float64", speculative_config=cfg, max_model_len=160,
+              memory_budget=10 * slot + 8 * page)
+    outs = llm.generate(PROMPTS, long, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.get_metrics()["num_preemptions"] > 0
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat.double() / 2))
+
+
+def test_acceptance_rule_samples_the_target_distribution():
+    V, k, n = 6, 2, 12000
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(k + 1, V, generator=gen) * 1.5
+    q = torch.softmax(torch.randn(k, V, generator=gen), -1)
+    seq = type("S", (), {"params": SamplingParams(temperature=1.0), "token_ids": [1], "output_token_ids": []})()
+    p0 = torch.softmax(logits[0], -1)
+    first = torch.zeros(V)
+    naive = torch.zeros(V)
+    for _ in range(n):
+        drafts = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(k)]
+        first[accept(logits, drafts, q, seq, gen)[0]] += 1
+        naive[drafts[0]] += 1  # a wrong rule: always take the draft
+    assert _chi2_pvalue(first, p0) > 1e-3
+    assert _chi2_pvalue(naive, p0) < 1e-6  # the test has the power to reject a wrong rule
+
+
+def test_end_to_end_sampling_distribution_tiny_vocab(tmp_path):
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from hyla.models import load_model
+    from tests.oracles.kimi_checkpoint import TINY, VARIANTS
+
+    cfg = KimiLinearConfig(**{**TINY, "vocab_size": 8, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+                           **VARIANTS["dense"])
+    torch.manual_seed(3)
+    model = KimiLinearForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)  # sharper, structured next-token distributions
+    model.save_pretrained(tmp_path / "tiny8")
+    path = tmp_path / "tiny8"
+    prompt = [3, 4, 5, 6, 7, 1, 0, 2, 3, 4, 5]  # every token occurs: prompt lookup always drafts
+    ref = load_model(path, dtype=torch.float64)
+    with torch.no_grad():
+        p1 = torch.softmax(ref(torch.tensor([prompt]))[0, -1], -1)
+        p2 = torch.stack([torch.softmax(ref(torch.tensor([prompt + [t]]))[0, -1], -1) for t in range(8)])
+    marginal = (p1[:, None] * p2).sum(0)  # distribution of the second generated token
+    llm = LLM(str(path), dtype="float64", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              max_num_seqs=64)
+    n = 1500
+    # max_tokens=3: after the first token one draft fits, so the second token goes through accept().
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True)
+                                       for s in range(n)], use_tqdm=False)
+    counts = torch.zeros(8)
+    for o in outs:
+        counts[o.outputs[0].token_ids[1]] += 1
+    assert llm.get_metrics()["spec_num_accepted_tokens"] > 0
+    assert _chi2_pvalue(counts, marginal) > 1e-3
+
+
+def test_spec_config_validation():
+    with pytest.raises(ValueError, match="method"):
+        SpecConfig.parse({"method": "medusa", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="rollback"):
+        SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "rollback": "copy"})
+    with pytest.raises(ValueError, match="model"):
+        SpecConfig.parse({"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="unknown keys"):
+        SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "foo": 1})
+    assert json.dumps(SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).__dict__)
