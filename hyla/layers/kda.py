@@ -25,7 +25,7 @@ from torch import nn
 from hyla.layers.norm import GatedRMSNorm
 from hyla.ops import dispatch
 from hyla.ops.chunk import chunk_kda
-from hyla.ops.conv import causal_conv1d_fn, causal_conv1d_update
+from hyla.ops.conv import causal_conv1d_fn, causal_conv1d_update, depthwise_valid_conv
 from hyla.ops.gate import kda_gate
 from hyla.ops.recurrent import fused_recurrent_kda
 
@@ -233,7 +233,7 @@ def _conv_with_windows(tp: torch.Tensor, w0: torch.Tensor, weight: torch.Tensor)
     width = weight.shape[-1] - 1
     ext = torch.cat([w0, tp.transpose(1, 2).to(w0.dtype)], dim=2)  # [N, D, W-1+S]
     work = torch.float64 if ext.dtype == torch.float64 else torch.float32
-    y = F.silu(F.conv1d(ext.to(work), weight.to(work), groups=weight.shape[0])).to(tp.dtype)  # [N, D, S]
+    y = F.silu(depthwise_valid_conv(ext.to(work), weight.to(work).flatten(1))).to(tp.dtype)  # [N, D, S]
     windows = ext.unfold(2, width, 1)[:, :, 1:]  # [N, D, S, W-1]
     return y.transpose(1, 2), windows.permute(0, 2, 1, 3)
 

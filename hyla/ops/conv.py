@@ -49,11 +49,24 @@ def _check_activation(activation) -> None:
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
 
 
+def depthwise_valid_conv(ext: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Valid depthwise conv as W shifted multiply-adds. ext: [N, D, L + W - 1]; weight: [D, W].
+    Returns [N, D, L]. With W = 4 this is several times faster on the CPU than a grouped
+    F.conv1d (whose oneDNN path is slow for depthwise kernels, and dominated decode steps)."""
+    W = weight.shape[-1]
+    L = ext.shape[-1] - W + 1
+    y = ext[..., :L] * weight[:, :1]
+    for w in range(1, W):
+        y = y + ext[..., w : w + L] * weight[:, w : w + 1]
+    return y
+
+
 def _conv(ext: torch.Tensor, weight: torch.Tensor, bias, activation) -> torch.Tensor:
     """Valid depthwise conv. ext: [N, D, L + W - 1] (work dtype) -> [N, D, L]."""
     dt = ext.dtype
-    b = None if bias is None else bias.to(dt)
-    y = F.conv1d(ext, weight.to(dt).unsqueeze(1), b, groups=ext.shape[1])
+    y = depthwise_valid_conv(ext, weight.to(dt))
+    if bias is not None:
+        y = y + bias.to(dt)[:, None]
     return F.silu(y) if activation is not None else y
 
 
