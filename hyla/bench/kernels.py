@@ -114,22 +114,20 @@ def run_prefill(shapes, variants, copy_bw, mm_rate, vs_fla, tune=False):
             q, k, v, g, beta, kw = _prefill_inputs(B, T, H, D, gate, variant, gen)
             ours = ht.chunk_kda if gate == "kda" else ht.chunk_gated_delta_rule
             row = dict(op=f"chunk_{gate}", B=B, T=T, H=H, D=D, variant=variant)
-            if tune:
+            if tune and (B, T) == tuple(shapes[0][:2]) and variant == "gate":
                 from hyla.ops.triton.chunk import chunk_fwd
 
                 best = None
-                for iw in (4, 8):
-                    for sk in (16, 32):
-                        for bv, sw in ((32, 4), (64, 8), (64, 4), (16, 4)):
-                            cfg = dict(intra_warps=iw, slice_k=sk, scan_block_v=bv, scan_warps=sw)
-                            try:
-                                t = _bench(lambda: chunk_fwd(q, k, v, g, beta, gate=gate, **kw, **cfg))
-                            except Exception as err:  # noqa: BLE001 - a config that does not compile
-                                print(f"    {cfg}: failed ({type(err).__name__})")
-                                continue
-                            print(f"    {cfg}: {t:.3f} ms", flush=True)
-                            if best is None or t < best[0]:
-                                best = (t, cfg)
+                for iw, sk, bv, sw in ((4, 16, 32, 4), (8, 16, 32, 4), (4, 16, 64, 8), (8, 32, 32, 4)):
+                    cfg = dict(intra_warps=iw, slice_k=sk, scan_block_v=bv, scan_warps=sw)
+                    try:
+                        t = _bench(lambda: chunk_fwd(q, k, v, g, beta, gate=gate, **kw, **cfg))
+                    except Exception as err:  # noqa: BLE001 - a config that does not compile
+                        print(f"    {cfg}: failed ({type(err).__name__})")
+                        continue
+                    print(f"    {cfg}: {t:.3f} ms", flush=True)
+                    if best is None or t < best[0]:
+                        best = (t, cfg)
                 row["best_config"] = best[1]
             o, _ = ours(q, k, v, g, beta, **kw)
             row["hyla_ms"] = _bench(lambda: ours(q, k, v, g, beta, **kw))
@@ -163,7 +161,7 @@ def run_decode(ns, copy_bw, vs_fla, H=32, D=128, tune=False):
         idx = torch.randperm(slots, device="cuda", generator=gen)[:N].to(torch.int32)
         nbytes = N * H * D * D * 4 * 2 + N * H * D * (2 * 3 + 4 + 2) + N * H * 2
         row = dict(op="fused_recurrent_kda", N=N, H=H, D=D)
-        if tune:
+        if tune and N in (64, 256):
             from hyla.ops.triton.recurrent import recurrent_fwd
 
             for bv in (16, 32, 64):
@@ -194,6 +192,31 @@ def run_decode(ns, copy_bw, vs_fla, H=32, D=128, tune=False):
         rows.append(row)
         print("  " + _decode_line(row), flush=True)
     return rows
+
+
+def profile_kernels(shape, gate, variant, vs_fla):
+    """Per-kernel GPU time of one prefill call (torch.profiler), hyla and fla: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hyla.ops import triton as ht
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v, g, beta, kw = _prefill_inputs(*shape, gate, variant, gen)
+    calls = [("hyla", lambda: (ht.chunk_kda if gate == "kda" else ht.chunk_gated_delta_rule)(q, k, v, g, beta, **kw))]
+    if vs_fla:
+        fla = _fla_fns()
+        fkw = _fla_prefill_kwargs(gate, kw)
+        calls.append(("fla", lambda: (fla[0] if gate == "kda" else fla[1])(q, k, v, g, beta, **fkw)))
+    for name, fn in calls:
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+        print(f"  profile {name} chunk_{gate} {variant} {shape} (3 calls):")
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+            print(f"    {e.device_time_total / 3 / 1e3:8.3f} ms/call  {e.key[:90]}")
 
 
 def _prefill_line(r):
@@ -240,6 +263,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="one prefill shape, three decode sizes")
     ap.add_argument("--only", choices=["prefill", "decode"], help="run one half")
     ap.add_argument("--tune", action="store_true", help="also time kernel configurations")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of one large prefill")
     ap.add_argument("--out", help="write the markdown table and JSON rows to FILE(.md/.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -260,10 +284,14 @@ def main(argv=None):
           flush=True)
     shapes = PREFILL_SHAPES[:1] if args.quick else PREFILL_SHAPES
     variants = [("kda", "gate"), ("kda", "fused-v1"), ("kda", "fused-v2"), ("gdn", "gate"), ("gdn", "fused-v1")]
-    prefill = [] if args.only == "decode" else run_prefill(shapes, variants, copy_bw, mm_rate, args.vs == "fla",
-                                                          tune=args.tune)
     ns = [1, 64, 256] if args.quick else DECODE_N
-    decode = [] if args.only == "prefill" else run_decode(ns, copy_bw, args.vs == "fla", tune=args.tune)
+    with torch.inference_mode():
+        if args.profile:
+            for gate, variant in (("kda", "gate"), ("gdn", "gate")):
+                profile_kernels(shapes[0], gate, variant, args.vs == "fla")
+        prefill = [] if args.only == "decode" else run_prefill(shapes, variants, copy_bw, mm_rate,
+                                                              args.vs == "fla", tune=args.tune)
+        decode = [] if args.only == "prefill" else run_decode(ns, copy_bw, args.vs == "fla", tune=args.tune)
     table = markdown(meta, prefill, decode)
     if args.out:
         with open(args.out + ".md", "w") as f:

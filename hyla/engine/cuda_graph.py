@@ -152,7 +152,8 @@ class CUDAGraphRunner:
             self.graphs[key] = (None, None)
             return self.graphs[key]
         meta = self.meta[width]
-        meta[:bs, :3] = torch.tensor([0, 0, -1], device=self.device)  # warm up on padding rows: every write lands in scratch
+        # Warm up on padding rows only: every write lands in scratch.
+        meta[:bs, :3] = torch.tensor([0, 0, -1], device=self.device)
         meta[:bs, 3:] = -1
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -234,7 +234,10 @@ class LLMEngine:
             m["prefix_cache_bytes"] = (usage["cached_pages"] * self.model.kv_bytes_per_token() * self.config.page_size
                                        + usage["cached_checkpoints"] * self.model.state_bytes_per_slot(
                                            self.config.state_dtype))
-        m.update(num_requests_running=len(self.scheduler.running), num_requests_waiting=len(self.scheduler.waiting),
+        running = self.scheduler.running
+        m.update(state_slots_running=sum(len(s.spec_slots) or 1 for s in running),
+                 kv_pages_running=len({p for s in running for p in s.block_table}))
+        m.update(num_requests_running=len(running), num_requests_waiting=len(self.scheduler.waiting),
                  kv_pages_total=self.memory.pages.num_pages, kv_pages_free=self.memory.pages.num_free,
                  state_slots_total=self.memory.slots.num_slots, state_slots_free=self.memory.slots.num_free)
         drafted, steps = m["spec_num_draft_tokens"], m["spec_num_verify_steps"]

@@ -111,19 +111,26 @@ def plan_memory(model, *, budget: int | None, max_num_seqs: int, max_model_len: 
     speculative "slots" rollback) + extra_slots for checkpoints, but never
     more than half the budget; pages take the rest and must hold at least one request of
     max_model_len tokens. budget None: on CUDA 90% of the free memory; on the CPU what the
-    configuration needs at most (every request at full length), capped at 256 MiB.
+    configuration needs at most (every request at full length), capped at 256 MiB (when it fits,
+    every wanted slot is granted).
     """
     slot_bytes = max(1, model.state_bytes_per_slot(state_dtype))
     page_bytes = max(1, model.kv_bytes_per_token() * page_size)
     pages_per_seq = -(-max_model_len // page_size)
+    wanted_slots = max_num_seqs * slots_per_seq + extra_slots
+    slot_cap = None
     if budget is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * 0.9)
         else:
-            want = (max_num_seqs * slots_per_seq + extra_slots) * slot_bytes + max_num_seqs * pages_per_seq * page_bytes
+            want = wanted_slots * slot_bytes + max_num_seqs * pages_per_seq * page_bytes
+            if want <= 256 << 20:
+                slot_cap = wanted_slots  # everything fits: no need to ration slots
             budget = min(want, 256 << 20)
-    num_slots = min(max_num_seqs * slots_per_seq + extra_slots, max(slots_per_seq, (budget // 2) // slot_bytes))
+    if slot_cap is None:
+        slot_cap = max(slots_per_seq, (budget // 2) // slot_bytes)
+    num_slots = min(wanted_slots, slot_cap)
     num_pages = (budget - num_slots * slot_bytes) // page_bytes
     if num_pages < pages_per_seq:
         raise ValueError(

@@ -27,9 +27,13 @@ _GAUGES = {
     "num_requests_running": "Requests running",
     "num_requests_waiting": "Requests waiting",
     "kv_pages_total": "KV cache pages in the pool",
-    "kv_pages_used": "KV cache pages in use",
+    "kv_pages_used": "KV cache pages in use (running requests and the prefix cache)",
+    "kv_pages_running": "KV cache pages held by running requests",
     "state_slots_total": "Recurrent state slots in the pool",
-    "state_slots_used": "Recurrent state slots in use",
+    "state_slots_used": "Recurrent state slots in use (running requests and prefix-cache checkpoints)",
+    "state_slots_running": "Recurrent state slots held by running requests",
+    "cached_pages": "KV pages held by the prefix cache",
+    "cached_checkpoints": "State checkpoints held by the prefix cache",
 }
 
 

@@ -129,7 +129,8 @@ def test_metrics_exposed(client, server):
                  "hyla_generation_tokens_total", "hyla_time_to_first_token_seconds_bucket",
                  "hyla_inter_token_latency_seconds_bucket", "hyla_prefix_cache_query_tokens_total",
                  "hyla_prefix_cache_hit_tokens_total", "hyla_spec_num_draft_tokens_total",
-                 "hyla_spec_num_accepted_tokens_total", "hyla_kv_pages_used", "hyla_state_slots_used"):
+                 "hyla_spec_num_accepted_tokens_total", "hyla_kv_pages_used", "hyla_state_slots_used",
+                 "hyla_state_slots_running", "hyla_cached_checkpoints"):
         assert name in text, name
     assert _metric(server, "hyla_generation_tokens_total") >= 4
 
@@ -191,10 +192,12 @@ def test_dropped_client_frees_resources(client, server):
         assert _metric(server, "hyla_num_requests_running") >= 1
     deadline = time.time() + 20
     while time.time() < deadline:
-        if _metric(server, "hyla_num_requests_running") == 0 and _metric(server, "hyla_state_slots_used") == 0:
+        if _metric(server, "hyla_num_requests_running") == 0 and _metric(server, "hyla_state_slots_running") == 0:
             break
         time.sleep(0.1)
-    assert _metric(server, "hyla_state_slots_used") == 0 and _metric(server, "hyla_kv_pages_used") == 0
+    # Everything the request held is back; what remains in use belongs to the prefix cache.
+    assert _metric(server, "hyla_state_slots_running") == 0 and _metric(server, "hyla_kv_pages_running") == 0
+    assert _metric(server, "hyla_state_slots_used") == _metric(server, "hyla_cached_checkpoints")
     assert _metric(server, "hyla_num_requests_aborted_total") >= 1
     assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2).usage.completion_tokens <= 2
 
