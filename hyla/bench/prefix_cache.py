@@ -37,7 +37,8 @@ from hyla.bench.cache_sim.sglang_policy import SglangPolicy
 from hyla.bench.cache_sim.traces import Trace, make_traces, shared_system_prompts
 from hyla.bench.cache_sim.vllm_policy import VllmAlignPolicy
 
-SIZES = (("W/16", 1 / 16), ("W/4", 1 / 4), ("W", 1.0), ("inf", None))
+SIZES = (("W/16", 1 / 16), ("W/4", 1 / 4), ("W", 1.0), ("inf", None))  # inf: nothing is ever evicted
+UNBOUNDED = 2**62
 ALPHAS = (0.0, 0.5, 1.0, 2.0, 4.0, 8.0)
 POLICY_NAMES = ("hyla", "vllm-align", "vllm-align+pmu64", "sglang", "marconi")
 
@@ -83,7 +84,8 @@ def simulate(traces: list[Trace], costs: Costs, policies=POLICY_NAMES, sizes=SIZ
         prompt_tokens = sum(len(r.prompt) for r in trace.requests)
         entry = {"title": trace.title, "requests": len(trace.requests), "prompt_tokens": prompt_tokens,
                  "distinct_tokens": distinct, "working_set_bytes": w,
-                 "sizes": {label: int(w * frac) if frac else 2**62 for label, frac in sizes}, "marconi_alpha": {}, "policies": {}}
+                 "sizes": {label: int(w * frac) if frac else UNBOUNDED for label, frac in sizes},
+                 "marconi_alpha": {}, "policies": {}}
         for name in policies:
             row = entry["policies"][name] = {}
             for label, capacity in entry["sizes"].items():
@@ -125,7 +127,7 @@ def _size(label: str, nbytes: int) -> str:
     return "unbounded" if label == "inf" else f"{label} = {nbytes / 2**30:.2f} GiB"
 
 
-def print_tables(results: dict, costs: Costs) -> None:
+def print_tables(results: dict) -> None:
     for key, entry in results.items():
         gib = entry["working_set_bytes"] / 2**30
         print(f"\n({key}) {entry['title']}")
@@ -197,7 +199,7 @@ def default_model(tmp: str) -> str:
     return _tiny_random_model(tmp)
 
 
-def measure_ttft(model: str, n_requests: int = 8, n_systems: int = 2, system_len=(400, 900),
+def measure_ttft(model: str, n_requests: int = 12, n_systems: int = 3, system_len=(400, 1200),
                  question_len=(16, 64), seed: int = 0) -> dict:
     """Median TTFT of hyla.LLM over a short trace (a), served one request at a time, with and without
     the prefix cache. TTFT = add_request -> the first step() that returns a token for it."""
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     traces = make_traces(quick=args.quick, seed=args.seed, keys=args.traces)
     results = simulate(traces, costs, args.policies, vllm_block_size=args.vllm_block_size)
-    print_tables(results, costs)
+    print_tables(results)
     print(f"# simulation: {time.perf_counter() - t0:.1f} s")
     report = {"reference": costs.__dict__, "traces": results, "goal": goal_check(results), "ttft": None}
     if args.ttft if args.ttft is not None else not args.quick:

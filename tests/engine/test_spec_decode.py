@@ -166,3 +166,20 @@ def test_spec_config_validation():
     with pytest.raises(ValueError, match="unknown keys"):
         SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "foo": 1})
     assert json.dumps(SpecConfig.parse({"method": "ngram", "num_speculative_tokens": 2}).__dict__)
+
+
+def test_ngram_drafts_are_accepted_on_repetitive_code():
+    """The n-gram drafter must actually work: on the bundled code model and a repetitive prompt,
+    drafts are accepted and the output equals plain greedy decoding."""
+    from hyla.bench.spec import REPETITIVE
+    from hyla.models import default_model_path
+
+    model = str(default_model_path())
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(model).generate(REPETITIVE, sp, use_tqdm=False)]
+    for rollback in ("slots", "replay"):
+        llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "rollback": rollback})
+        assert [o.outputs[0].token_ids for o in llm.generate(REPETITIVE, sp, use_tqdm=False)] == want
+        m = llm.get_metrics()
+        assert m["spec_num_accepted_tokens"] > 0.15 * m["spec_num_draft_tokens"] > 0
+        assert m["spec_mean_accepted_length"] > 1.3

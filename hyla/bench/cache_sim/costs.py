@@ -70,7 +70,8 @@ class Costs:
         return [
             f"reference model  {self.name}",
             f"KV per token     {self.kv_bytes_per_token:,} B",
-            f"state checkpoint {self.state_bytes:,} B (= {self.state_bytes / self.kv_bytes_per_token:,.0f} tokens of KV)",
+            f"state checkpoint {self.state_bytes:,} B "
+            f"(= {self.state_bytes / self.kv_bytes_per_token:,.0f} tokens of KV)",
             f"vLLM block size  {self.vllm_block_size} tokens (page-unification rule)",
         ]
 

@@ -1,0 +1,93 @@
+"""Speculative decoding benchmark: decode tokens/s with and without speculation.
+
+    python -m hyla.bench spec [--model PATH] [--k 2 4 8] [--max-tokens 128] [--batch 1]
+
+Two prompt sets: repetitive code completion (prompt lookup finds long matches) and free text.
+For each: greedy decode without speculation, then with n-gram speculation at each k and both
+rollback modes; prints tokens/s, the speed-up over no speculation, the mean accepted length and
+the state memory one request needs (slots: 1 + k full states; replay: one state + the per-token
+inputs of the verify window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+REPETITIVE = [
+    "def test_add(self):\n    self.assertEqual(add(1, 2), 3)\n\ndef test_sub(self):\n    self.assertEqual(sub(3, 2), 1)\n\n"
+    "def test_mul(self):\n    self.assertEqual(mul(2, 3), 6)\n\ndef test_div(self):",
+    "ITEMS = [\n    ('alpha', 1),\n    ('beta', 2),\n    ('gamma', 3),\n    ('delta', 4),\n    ('epsilon', 5),\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
+    "class Size:\n    def __init__(self, width, height):",
+]
+FREE = [
+    '"""Utilities for reading configuration files.\n\nThe parser accepts',
+    "# Copyright notice and license terms follow. This module implements",
+    'def main():\n    """Run the command line interface and report',
+]
+
+
+def replay_bytes_per_token(model) -> int:
+    """Per verify-window token, what replay keeps per KDA layer: k, v (model dtype), g (fp32 per
+    channel), beta (fp32 per head) and the three pre-conv inputs."""
+    c = model.config
+    d = c.linear_num_heads * c.linear_head_dim
+    item = torch.finfo(model.dtype).bits // 8
+    per_layer = 2 * d * item + d * 4 + c.linear_num_heads * 4 + 3 * d * item
+    n_linear = sum(1 for t in c.layer_types if t == "linear_attention")
+    return per_layer * n_linear
+
+
+def _run(llm, prompts, params) -> tuple[float, int, dict]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs), llm.get_metrics()
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from hyla import LLM, SamplingParams
+    from hyla.models import default_model_path
+
+    p = argparse.ArgumentParser(prog="hyla bench spec", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--k", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1, help="prompts decoded together (copies of the set)")
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    model = str(args.model or default_model_path())
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    rows = []
+    base = LLM(model, device=args.device, enable_prefix_caching=False)
+    slot = base.engine.model.state_bytes_per_slot()
+    per_tok = replay_bytes_per_token(base.engine.model)
+    print(f"# {model}, device {base.engine.model.device}, greedy, {args.max_tokens} new tokens, batch {args.batch}")
+    print(f"{'prompts':<11} {'spec':<14} {'tok/s':>8} {'speed-up':>9} {'mean acc':>9} {'state KiB/req':>14}")
+    for name, prompts in (("repetitive", REPETITIVE), ("free text", FREE)):
+        prompts = prompts * args.batch
+        _run(base, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+        t0, n0, _ = _run(base, prompts, params)
+        rows.append({"prompts": name, "spec": "off", "tok_s": n0 / t0, "speedup": 1.0, "mean_acc": 1.0,
+                     "state_bytes": slot})
+        for k in args.k:
+            for rollback in ("slots", "replay"):
+                cfg = {"method": "ngram", "num_speculative_tokens": k, "rollback": rollback}
+                llm = LLM(model, device=args.device, speculative_config=cfg)
+                _run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
+                t, n, m = _run(llm, prompts, params)
+                mem = (1 + k) * slot if rollback == "slots" else slot + (1 + k) * per_tok
+                rows.append({"prompts": name, "spec": f"k={k} {rollback}", "tok_s": n / t, "speedup": (n / t) / (n0 / t0),
+                             "mean_acc": m["spec_mean_accepted_length"], "state_bytes": mem})
+        for r in rows:
+            if r["prompts"] == name:
+                print(f"{r['prompts']:<11} {r['spec']:<14} {r['tok_s']:>8.1f} {r['speedup']:>8.2f}x "
+                      f"{r['mean_acc']:>9.2f} {r['state_bytes'] / 1024:>14.1f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
