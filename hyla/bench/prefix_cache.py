@@ -199,7 +199,7 @@ def default_model(tmp: str) -> str:
     return _tiny_random_model(tmp)
 
 
-def measure_ttft(model: str, n_requests: int = 12, n_systems: int = 3, system_len=(400, 1200),
+def measure_ttft(model: str, n_requests: int = 16, n_systems: int = 2, system_len=(600, 1500),
                  question_len=(16, 64), seed: int = 0) -> dict:
     """Median TTFT of hyla.LLM over a short trace (a), served one request at a time, with and without
     the prefix cache. TTFT = add_request -> the first step() that returns a token for it."""
@@ -235,7 +235,11 @@ def measure_ttft(model: str, n_requests: int = 12, n_systems: int = 3, system_le
 
 
 def print_ttft(t: dict) -> None:
-    print(f"\nTTFT on the CPU: hyla.LLM({t['model']}), short trace (a): {t['title']}, one request at a time")
+    try:
+        model = os.path.relpath(t["model"])
+    except ValueError:
+        model = t["model"]
+    print(f"\nTTFT on the CPU: hyla.LLM({model}), short trace (a): {t['title']}, one request at a time")
     print(f"{'':14}{'median TTFT':>13}{'mean TTFT':>12}{'prompt tokens from cache':>28}")
     for mode in ("off", "on"):
         m = t[mode]
