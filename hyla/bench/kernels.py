@@ -114,11 +114,11 @@ def run_prefill(shapes, variants, copy_bw, mm_rate, vs_fla, tune=False):
             q, k, v, g, beta, kw = _prefill_inputs(B, T, H, D, gate, variant, gen)
             ours = ht.chunk_kda if gate == "kda" else ht.chunk_gated_delta_rule
             row = dict(op=f"chunk_{gate}", B=B, T=T, H=H, D=D, variant=variant)
-            if tune and (B, T) == tuple(shapes[0][:2]) and variant == "gate":
+            if tune and variant == "gate" and (gate == "kda" or (B, T) == tuple(shapes[0][:2])):
                 from hyla.ops.triton.chunk import chunk_fwd
 
                 best = None
-                for iw, sk, bv, sw in ((4, 16, 32, 4), (8, 16, 32, 4), (4, 16, 64, 8), (8, 32, 32, 4)):
+                for iw, sk, bv, sw in ((4, 32, 32, 4), (8, 32, 32, 4), (4, 16, 32, 4), (4, 32, 64, 8)):
                     cfg = dict(intra_warps=iw, slice_k=sk, scan_block_v=bv, scan_warps=sw)
                     try:
                         t = _bench(lambda: chunk_fwd(q, k, v, g, beta, gate=gate, **kw, **cfg))
@@ -287,8 +287,7 @@ def main(argv=None):
     ns = [1, 64, 256] if args.quick else DECODE_N
     with torch.inference_mode():
         if args.profile:
-            for gate, variant in (("kda", "gate"), ("gdn", "gate")):
-                profile_kernels(shapes[0], gate, variant, args.vs == "fla")
+            profile_kernels(shapes[0], "kda", "gate", args.vs == "fla")
         prefill = [] if args.only == "decode" else run_prefill(shapes, variants, copy_bw, mm_rate,
                                                               args.vs == "fla", tune=args.tune)
         decode = [] if args.only == "prefill" else run_decode(ns, copy_bw, args.vs == "fla", tune=args.tune)

@@ -32,7 +32,6 @@ import logging
 
 import torch
 
-from hyla.layers.moe import MoE
 from hyla.models.batch import ForwardBatch
 
 log = logging.getLogger("hyla.engine")
@@ -41,8 +40,9 @@ SCRATCH = 1  # extra state slots and KV pages at the end of the pools, written b
 
 
 def graph_safe(model) -> bool:
-    """True when the model's decode forward has no host sync (no MoE layer)."""
-    return not any(isinstance(m, MoE) for m in model.modules())
+    """True when the model's decode forward has no host sync: no module declares
+    `graph_safe = False` (the MoE layers of every family do: their routing syncs)."""
+    return all(getattr(m, "graph_safe", True) for m in model.modules())
 
 
 def use_cuda_graphs(model, enforce_eager: bool) -> bool:

@@ -68,7 +68,7 @@ class LLMEngine:
         self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "prompt_tokens": 0,
                         "generation_tokens": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
                         "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0,
-                        "num_preemptions": 0, "num_steps": 0}
+                        "num_preemptions": 0, "num_steps": 0, "num_requests_failed": 0}
         self.spec = SpecDecoder(spec_cfg, self) if spec_cfg else None
 
     def _eos_token_id(self):
@@ -160,7 +160,13 @@ class LLMEngine:
         exports = self._plan_exports(batch)
         checkpoints = [[(pos - seq.num_computed_tokens, slot) for pos, slot in e]
                        for seq, e in zip(batch.seqs, exports)] if any(exports) else None
-        logits = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints)
+        try:
+            logits = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints)
+        except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
+            for e in exports:
+                for _, slot in e:
+                    self.memory.slots.release(slot)
+            return self.recover(batch.seqs, err)
         for seq, n, e in zip(batch.seqs, batch.num_new_tokens, exports):
             seq.num_computed_tokens += n
             for pos, slot in e:
@@ -169,11 +175,38 @@ class LLMEngine:
         tokens, logprobs = sample(logits, to_sample, self.generator) if to_sample else ([], [])
         outputs = []
         for seq, token, lp in zip(to_sample, tokens, logprobs):
+            seq.suspect = False  # it ran without error
+            if token is None:  # sampling failed for this row only (lp holds the error)
+                outputs += self.recover([seq], lp)
+                continue
             self._emit(seq, token, lp)
             if seq.is_finished:
                 self.on_finish(seq)
             outputs.append(seq.to_output())
         return outputs
+
+    def recover(self, seqs: list[Sequence], err: Exception) -> list[RequestOutput]:
+        """A step failed for `seqs`. One sequence: finish it with the error (its resources are
+        freed). Several: their states may be half-written, so preempt them all (exact
+        recomputation) and mark them suspect: the scheduler then runs suspects one at a time until
+        the culprit fails alone. Other requests are never affected."""
+        if len(seqs) > 1:
+            log.warning("a step of %d requests failed (%s): retrying them one at a time", len(seqs), err)
+            for seq in seqs:
+                if seq.status is Status.RUNNING:
+                    self.scheduler.preempt(seq)
+                seq.suspect = True
+            return []
+        seq = seqs[0]
+        log.error("request %s failed: %s: %s", seq.request_id, type(err).__name__, err)
+        seq.error = f"{type(err).__name__}: {err}"
+        self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
+        seq.finish("error")
+        self.requests.pop(seq.request_id, None)
+        self.metrics["num_requests_failed"] += 1
+        return [seq.to_output()]
 
     def _emit(self, seq: Sequence, token: int, logprobs) -> None:
         if not seq.output_token_ids and seq.num_preemptions == 0:

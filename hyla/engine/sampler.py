@@ -68,13 +68,19 @@ def token_logprobs(raw_row: torch.Tensor, token: int, n: int) -> dict[int, float
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> tuple[list[int], list]:
-    """logits: [M, V] fp32 for M sequences -> (token ids, per-row logprob dicts or None)."""
+    """logits: [M, V] fp32 for M sequences -> (token ids, per-row logprob dicts or None). A row
+    whose draw fails gets token None and the exception in place of its logprobs."""
     logits = logits.float().cpu()
     tokens, logprobs = [], []
     for row, seq in zip(logits, seqs):
         p = seq.params
         gen = seq.generator if seq.generator is not None else generator
-        token = choose(penalize(row, p, seq.token_ids, seq.output_token_ids), p, gen)
+        try:
+            token = choose(penalize(row, p, seq.token_ids, seq.output_token_ids), p, gen)
+        except RuntimeError as err:  # e.g. non-finite logits: fail this request only
+            tokens.append(None)
+            logprobs.append(err)
+            continue
         tokens.append(token)
         logprobs.append(None if p.logprobs is None else token_logprobs(row, token, p.logprobs))
     return tokens, logprobs

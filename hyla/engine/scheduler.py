@@ -54,6 +54,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        if any(s.suspect for s in self.running) or (self.waiting and self.waiting[0].suspect):
+            return self._schedule_suspect()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
@@ -97,6 +99,31 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+        return batch
+
+    def _schedule_suspect(self) -> ScheduledBatch:
+        """After a failed step: run one suspect sequence alone (see LLMEngine.recover)."""
+        batch = ScheduledBatch()
+        seq = next((s for s in self.running if s.suspect), None)
+        if seq is None:
+            seq = self.waiting[0]
+            if not self.free_slot_available(self.slots_per_seq):
+                return batch
+            self.waiting.popleft()
+            seq.slot = self.memory.slots.allocate()
+            if self.slots_per_seq > 1:
+                seq.spec_slots = [seq.slot] + [self.memory.slots.allocate() for _ in range(self.slots_per_seq - 1)]
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        n = min(seq.num_uncomputed, self.max_num_batched_tokens)
+        while not self.make_room(seq, n):
+            others = [s for s in self.running if s is not seq]
+            if not others:
+                self.preempt(seq)
+                return batch
+            self.preempt(others[-1])
+        self.memory.allocate(seq, n)
+        batch.add(seq, n)
         return batch
 
     def make_room(self, seq: Sequence, n: int) -> bool:

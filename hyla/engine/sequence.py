@@ -51,6 +51,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.num_preemptions = 0
+        self.suspect = False  # was in a failed batch: runs alone until it succeeds (LLMEngine.recover)
         self.first_token_time: float | None = None
 
     # ---- token bookkeeping -------------------------------------------------------------------

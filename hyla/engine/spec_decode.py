@@ -153,12 +153,16 @@ class SpecDecoder:
             eng.memory.allocate(seq, 1 + len(d))
             drafts.append(d)
             qs.append(q)
-        logits = eng.runner.verify(seqs, drafts, self.cfg.rollback).float().cpu()
+        try:
+            logits = eng.runner.verify(seqs, drafts, self.cfg.rollback).float().cpu()
+        except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
+            return eng.recover(seqs, err)
         committed, outputs, start = [], [], 0
         for seq, d, q in zip(seqs, drafts, qs):
             rows = logits[start : start + 1 + len(d)]
             start += 1 + len(d)
             gen = seq.generator if seq.generator is not None else eng.generator
+            seq.suspect = False
             tokens = accept(rows, d, q, seq, gen)
             kept = eng.append_tokens(seq, tokens, rows)
             committed.append(kept)

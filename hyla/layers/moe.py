@@ -50,6 +50,8 @@ class MoE(nn.Module):
     """x: [..., hidden] -> [..., hidden]. Tensor names (Kimi): gate.*, experts.{e}.w{1,2,3}.weight,
     shared_experts.{gate,up,down}_proj.weight."""
 
+    graph_safe = False  # run_experts reads per-expert counts on the host (hyla.engine.cuda_graph)
+
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  num_shared_experts: int = 1, num_group: int = 1, topk_group: int = 1, renormalize: bool = True,
                  routed_scaling_factor: float = 1.0):
@@ -64,20 +66,29 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
-        out = torch.zeros_like(flat)
-        # Group the (token, slot) pairs by expert so each expert runs once on all of its tokens.
-        order = ids.flatten().argsort(stable=True)
-        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
-        token_of = order // ids.shape[1]
-        w_sorted = weights.flatten()[order]
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = token_of[start:start + n]
-            y = self.experts[e](flat[tok]) * w_sorted[start:start + n, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-            start += n
+        out = run_experts(self.experts, flat, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
+
+
+def run_experts(experts: nn.ModuleList, flat: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[:, k] * experts[ids[:, k]](flat). flat: [M, hidden]; weights: [M, top_k];
+    ids: [M, top_k] int64 -> [M, hidden] in flat.dtype. Reads the per-expert token counts on the
+    host (not CUDA-graph safe)."""
+    out = torch.zeros_like(flat)
+    # Group the (token, slot) pairs by expert so each expert runs once on all of its tokens.
+    order = ids.flatten().argsort(stable=True)
+    counts = torch.bincount(ids.flatten(), minlength=len(experts)).tolist()
+    token_of = order // ids.shape[1]
+    w_sorted = weights.flatten()[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = token_of[start:start + n]
+        y = experts[e](flat[tok]) * w_sorted[start:start + n, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+        start += n
+    return out

@@ -1,6 +1,7 @@
-"""RMSNorm as the Kimi-Linear checkpoints define it (T5 style).
+"""RMSNorms as the checkpoints define them: Kimi-Linear's (T5 style, RMSNorm / GatedRMSNorm) and
+Qwen3-Next's (zero-centred weight, ZeroCentredRMSNorm; SiLU-gated output norm, SiLUGatedRMSNorm).
 
-The normalisation runs in fp32 and is rounded back to the input dtype *before* the weight
+Kimi's normalisation runs in fp32 and is rounded back to the input dtype *before* the weight
 multiply, exactly as transformers' KimiLinearRMSNorm (hyla.ops.rms_norm multiplies the weight in
 fp32 and rounds once; the two agree in fp32 and differ by one bf16 rounding otherwise, so the
 model uses this one to stay equal to the reference).
@@ -49,3 +50,50 @@ class GatedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, activation={self.activation}"
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """Qwen3-Next's RMSNorm: y = (x / sqrt(mean(x^2) + eps)) * (1 + weight), stored weight
+    zero-centred (initialised to 0). Normalisation and weight multiply in fp32, rounded once to
+    the input dtype, as transformers' Qwen3NextRMSNorm (fp64 input stays fp64).
+
+    x: [..., D] -> [..., D] in x.dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x if x.dtype == torch.float64 else x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.to(xf.dtype))).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class SiLUGatedRMSNorm(nn.Module):
+    """Gated DeltaNet's output norm (transformers' Qwen3NextRMSNormGated): the weight is stored
+    as is (initialised to 1, *not* zero-centred) and the gate goes through SiLU.
+
+        y = (weight * rms_norm(x).to(x.dtype)) * silu(gate)   -> x.dtype
+
+    Same order of roundings as transformers: the normalised x is rounded to x.dtype before the
+    weight multiply, the gate is activated in fp32 (they agree with hyla.ops.gated_rms_norm in
+    fp32). x, gate: [..., D] (one weight [D] shared by every head)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(work)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * xf.to(x.dtype)
+        return (y * torch.nn.functional.silu(gate.to(work))).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -1,10 +1,15 @@
 """The pools a hybrid model reads and writes during `forward_batch`.
 
-- Linear (KDA) layer: a recurrent state slot pool `[num_slots, H, K, V]` (fp32 by default, the
-  delta rule accumulates into it every token) and one conv window pool per short conv (q, k, v),
-  `[num_slots, D, W-1]`: the last W-1 pre-conv inputs, oldest first (model dtype).
-- Attention (MLA) layer: a paged latent pool `[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`
-  (model dtype): one compressed latent per token, shared by all heads.
+Two kinds of layer cache, told apart by their base class (HybridCache counts every
+LinearLayerCache as linear and every PagedLayerCache as attention):
+
+- LinearLayerCache (KDA, Gated DeltaNet): a recurrent state slot pool `[num_slots, HV, K, V]`
+  (fp32 by default, the delta rule accumulates into it every token) and one conv window pool per
+  short conv, `[num_slots, D, W-1]`: the last W-1 pre-conv inputs, oldest first (model dtype).
+  KDA has three convs (q, k, v); Gated DeltaNet one, over the concatenated q|k|v channels.
+- PagedLayerCache: tensors `[num_pages, page_size, ...]`, one row per token.
+  MLA: one compressed latent per token, `[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`,
+  shared by all heads. Full attention (GQA): keys and values, each `[num_pages, page_size, Hkv, D]`.
 
 The model owns these shapes; the engine owns which request holds which slot / page.
 """
@@ -16,20 +21,47 @@ from dataclasses import dataclass
 import torch
 
 
+class LinearLayerCache:
+    """A layer with per-request state: `state` [num_slots, HV, K, V] and `conv`, a tuple of
+    [num_slots, D, W-1] windows; `replay` holds the per-token inputs of the last "replay" verify
+    step (commit_replay). Every tensor is indexed by slot on its first dim."""
+
+    state: torch.Tensor
+    conv: tuple[torch.Tensor, ...]
+    replay: dict | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.state, *self.conv]
+
+
+class PagedLayerCache:
+    """A layer with per-token rows in pages: every tensor is [num_pages, page_size, ...]."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
 @dataclass
-class KDALayerCache:
+class KDALayerCache(LinearLayerCache):
     """state: [num_slots, H, K, V]; conv: (q, k, v) windows, each [num_slots, D, W-1]."""
 
     state: torch.Tensor
     conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     replay: dict | None = None  # per-token inputs of the last "replay" verify step (commit_replay)
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.state, *self.conv]
+
+@dataclass
+class GDNLayerCache(LinearLayerCache):
+    """state: [num_slots, HV, K, V]; conv: one window [num_slots, 2*H*K + HV*V, W-1] over the
+    concatenated pre-conv q|k|v channels (Gated DeltaNet's single conv1d)."""
+
+    state: torch.Tensor
+    conv: tuple[torch.Tensor]
+    replay: dict | None = None
 
 
 @dataclass
-class MLALayerCache:
+class MLALayerCache(PagedLayerCache):
     """kv: [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] latents (normed c_kv ++ k_pe)."""
 
     kv: torch.Tensor
@@ -38,26 +70,39 @@ class MLALayerCache:
         return [self.kv]
 
 
-class HybridCache:
-    """Per-layer pools, indexed by the model's layer index (`layers[i]` is a KDALayerCache for a
-    KDA layer, an MLALayerCache for an MLA layer)."""
+@dataclass
+class KVLayerCache(PagedLayerCache):
+    """k, v: [num_pages, page_size, Hkv, D] (keys after their norm and RoPE; values)."""
 
-    def __init__(self, layers: list[KDALayerCache | MLALayerCache], num_slots: int, num_pages: int, page_size: int):
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v]
+
+
+class HybridCache:
+    """Per-layer pools, indexed by the model's layer index (`layers[i]` is a LinearLayerCache for
+    a linear layer, e.g. KDALayerCache, and a PagedLayerCache for an attention layer, e.g.
+    MLALayerCache)."""
+
+    def __init__(self, layers: list[LinearLayerCache | PagedLayerCache], num_slots: int, num_pages: int,
+                 page_size: int):
         self.layers = layers
         self.num_slots = num_slots
         self.num_pages = num_pages
         self.page_size = page_size
 
-    def __getitem__(self, i: int) -> KDALayerCache | MLALayerCache:
+    def __getitem__(self, i: int) -> LinearLayerCache | PagedLayerCache:
         return self.layers[i]
 
     @property
-    def linear_layers(self) -> list[KDALayerCache]:
-        return [c for c in self.layers if isinstance(c, KDALayerCache)]
+    def linear_layers(self) -> list[LinearLayerCache]:
+        return [c for c in self.layers if isinstance(c, LinearLayerCache)]
 
     @property
-    def attention_layers(self) -> list[MLALayerCache]:
-        return [c for c in self.layers if isinstance(c, MLALayerCache)]
+    def attention_layers(self) -> list[PagedLayerCache]:
+        return [c for c in self.layers if isinstance(c, PagedLayerCache)]
 
     def _check_slot(self, name: str, slot: int) -> None:
         if not 0 <= int(slot) < self.num_slots:

@@ -4,7 +4,7 @@ Module names mirror the HF checkpoint, so `state_dict()` keys are the official t
 model.embed_tokens, model.layers.{i}.{input_layernorm, self_attn, post_attention_layernorm,
 mlp (dense) | block_sparse_moe (MoE)}, model.norm, lm_head.
 
-Two ways to run it:
+Two ways to run it (hyla.models.base.HybridForCausalLM):
 - `model(input_ids [B, T]) -> logits [B, T, V]`: whole sequences, no cache;
 - `model.forward_batch(input_ids [T_total], batch, cache) -> hidden [T_total, hidden]`, then
   `model.compute_logits(hidden[rows])`: one engine step over the pools of `allocate_cache`.
@@ -20,7 +20,7 @@ from hyla.layers.mla import MLAAttention
 from hyla.layers.mlp import MLP
 from hyla.layers.moe import MoE
 from hyla.layers.norm import RMSNorm
-from hyla.models import memory
+from hyla.models.base import HybridForCausalLM
 from hyla.models.batch import ForwardBatch
 from hyla.models.cache import HybridCache, KDALayerCache, MLALayerCache
 from hyla.models.config import LINEAR, SPARSE, KimiLinearConfig
@@ -54,6 +54,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
+    @property
+    def token_mixer(self) -> nn.Module:
+        return self.self_attn
+
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
@@ -71,7 +75,7 @@ class KimiLinearModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class KimiLinearForCausalLM(nn.Module):
+class KimiLinearForCausalLM(HybridForCausalLM):
     def __init__(self, config: KimiLinearConfig):
         super().__init__()
         self.config = config
@@ -80,54 +84,12 @@ class KimiLinearForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [B, T] int64, whole sequences from position 0 -> logits [B, T, V] fp32."""
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-        h = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            h = layer(h)
-        return self.compute_logits(self.model.norm(h))
-
-    def forward_batch(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
-        """input_ids: [T_total] new tokens of batch's sequences, packed -> final-norm hidden
-        states [T_total, hidden]. Reads and writes `cache` at batch.state_slots / block_tables."""
-        if input_ids.ndim != 1 or input_ids.shape[0] != batch.num_tokens:
-            raise ValueError(f"input_ids must be [T_total={batch.num_tokens}], got {tuple(input_ids.shape)}")
-        if len(cache.layers) != len(self.model.layers):
-            raise ValueError(f"cache has {len(cache.layers)} layers, the model {len(self.model.layers)}")
-        h = self.model.embed_tokens(input_ids)
-        for layer, layer_cache in zip(self.model.layers, cache.layers):
-            h = layer(h, batch, layer_cache)
-        return self.model.norm(h)
-
-    def commit_replay(self, cache: HybridCache, accepted: list[int]) -> None:
-        """After a verify step with rollback "replay": advance every linear layer's state by the
-        first accepted[n] verified tokens of each sequence (see KimiDeltaAttention.commit_replay)."""
-        for layer, layer_cache in zip(self.model.layers, cache.layers):
-            if hasattr(layer.self_attn, "commit_replay"):
-                layer.self_attn.commit_replay(layer_cache, accepted)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [..., hidden] final-norm states -> [..., V] fp32 (lm_head in the model dtype)."""
-        return self.lm_head(hidden).float()
-
     def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
                        state_dtype: torch.dtype = torch.float32, device=None, dtype=None) -> HybridCache:
         """Zeroed pools: per KDA layer a state [num_slots, H, K, K] (state_dtype) and three conv
         windows [num_slots, H*K, W-1] (dtype); per MLA layer latents [num_pages, page_size,
         kv_lora_rank + qk_rope_head_dim] (dtype). dtype / device default to the model's."""
-        for name, value in (("num_slots", num_slots), ("num_pages", num_pages), ("page_size", page_size)):
-            if not isinstance(value, int) or value < (0 if name != "page_size" else 1):
-                raise ValueError(f"{name} must be a non-negative integer (page_size >= 1), got {value!r}")
+        self._check_pool_sizes(num_slots, num_pages, page_size)
         c = self.config
         device = self.device if device is None else device
         dtype = self.dtype if dtype is None else dtype
@@ -142,20 +104,3 @@ class KimiLinearForCausalLM(nn.Module):
                 kv = torch.zeros(num_pages, page_size, c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype, device=device)
                 layers.append(MLALayerCache(kv))
         return HybridCache(layers, num_slots, num_pages, page_size)
-
-    def state_bytes_per_slot(self, state_dtype: torch.dtype = torch.float32) -> int:
-        """Bytes one state slot takes across all KDA layers: recurrent state + conv windows."""
-        return memory.state_bytes_per_slot(self.config, state_dtype, self.dtype)
-
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of cached latent per token across all MLA layers."""
-        return memory.kv_bytes_per_token(self.config, self.dtype)
-
-    def weight_bytes(self) -> int:
-        seen = {}
-        for t in (*self.parameters(), *self.buffers()):
-            seen[id(t)] = t.numel() * t.element_size()
-        return sum(seen.values())
-
-    def memory_report(self, state_dtype: torch.dtype = torch.float32) -> memory.MemoryReport:
-        return memory.memory_report(self.config, self.dtype, state_dtype, weight_bytes=self.weight_bytes())

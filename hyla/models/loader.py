@@ -1,9 +1,12 @@
-"""Load an HF-format Kimi-Linear checkpoint: config.json + safetensors (single or sharded).
+"""Load an HF-format checkpoint: config.json + safetensors (single or sharded).
 
-Tensor names are the official ones (what the released checkpoints hold and what transformers'
-`save_pretrained` writes); hyla's modules carry the same names, so loading is a checked copy.
-The only alias: transformers writes a *dense* layer's MLP under `block_sparse_moe.` (it renames
-every `mlp.` when saving), while the released checkpoint uses `mlp.`; both are accepted.
+The family is chosen by config.json's `model_type` (FAMILIES): "kimi_linear" (Kimi-Linear) or
+"qwen3_next" (Qwen3-Next). Tensor names are the official ones (what the released checkpoints hold
+and what transformers' `save_pretrained` writes); hyla's modules carry the same names, so loading
+is a checked copy. The only alias: transformers writes a Kimi-Linear *dense* layer's MLP under
+`block_sparse_moe.` (it renames every `mlp.` when saving), while the released checkpoint uses
+`mlp.`; both are accepted. Tensors of parts a family does not build (Qwen3-Next's `mtp.*`
+multi-token-prediction head) are skipped, as transformers skips them.
 
 Everything is validated from the safetensors headers before any weight memory is allocated: a
 missing or unexpected tensor, or a shape mismatch, fails with a ValueError naming it. Pickle
@@ -19,16 +22,42 @@ import re
 import torch
 from safetensors import safe_open
 
+from hyla.models.base import HybridForCausalLM
 from hyla.models.config import KimiLinearConfig
 from hyla.models.kimi_linear import KimiLinearForCausalLM
 from hyla.models.memory import FP32_TENSORS
+from hyla.models.qwen3_next import Qwen3NextForCausalLM
+from hyla.models.qwen3_next_config import Qwen3NextConfig
+
+# model_type -> (config class, model class)
+FAMILIES = {
+    "kimi_linear": (KimiLinearConfig, KimiLinearForCausalLM),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
+}
 
 _DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "float64": torch.float64}
 
 
-def resolve_dtype(dtype, config: KimiLinearConfig) -> torch.dtype:
+def load_config(path) -> KimiLinearConfig | Qwen3NextConfig:
+    """The config of the checkpoint at `path` (a directory holding config.json, or the file),
+    parsed by the class its `model_type` names."""
+    path = os.fspath(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"no config.json at {file}")
+    with open(file, encoding="utf-8") as f:
+        d = json.load(f)
+    if not isinstance(d, dict):
+        raise ValueError(f"{file} does not hold a JSON object")
+    model_type = d.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(f"unknown model_type {model_type!r}; hyla supports {sorted(FAMILIES)}")
+    return FAMILIES[model_type][0].from_hf_dict(d)
+
+
+def resolve_dtype(dtype, config) -> torch.dtype:
     """dtype argument (torch.dtype, its name, or None = the checkpoint's dtype, else fp32)."""
     if dtype is None:
         dtype = config.dtype or "float32"
@@ -75,9 +104,11 @@ def _keeps_fp32(name: str) -> bool:
     return any(name.endswith(suffix) for suffix in FP32_TENSORS)
 
 
-def _plan(files: dict[str, str], expected: dict[str, torch.Size], optional: set[str]) -> dict[str, str]:
+def _plan(files: dict[str, str], expected: dict[str, torch.Size], optional: set[str],
+          ignored: tuple[str, ...] = ()) -> dict[str, str]:
     """Map every checkpoint tensor to a model tensor, checking names and shapes from the headers.
-    Returns {checkpoint name: model name}."""
+    Tensors whose names start with one of `ignored` are skipped. Returns {checkpoint name: model name}."""
+    files = {name: file for name, file in files.items() if not name.startswith(ignored)}
     plan, shapes = {}, {}
     for file in sorted(set(files.values())):
         with safe_open(file, "pt") as f:
@@ -107,8 +138,9 @@ def _plan(files: dict[str, str], expected: dict[str, torch.Size], optional: set[
     return plan
 
 
-def load_model(path, dtype=None, device=None) -> KimiLinearForCausalLM:
-    """Build the model described by `path`/config.json and fill it from its safetensors.
+def load_model(path, dtype=None, device=None) -> HybridForCausalLM:
+    """Build the model described by `path`/config.json (the family its `model_type` names) and
+    fill it from its safetensors.
 
     dtype: torch dtype (or name) of the weights; None = the checkpoint's `dtype`, else fp32.
     A few small tensors (FP32_TENSORS) stay fp32. device: where to put the model (default cpu).
@@ -116,15 +148,16 @@ def load_model(path, dtype=None, device=None) -> KimiLinearForCausalLM:
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint directory {path} does not exist")
-    config = KimiLinearConfig.from_file(path)
+    config = load_config(path)
+    model_cls = FAMILIES[config.model_type][1]
     dtype = resolve_dtype(dtype, config)
     device = torch.device("cpu" if device is None else device)
     with torch.device("meta"):
-        model = KimiLinearForCausalLM(config)
+        model = model_cls(config)
     expected = {name: t.shape for name, t in model.state_dict().items()}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     files = weight_files(path)
-    plan = _plan(files, expected, optional)
+    plan = _plan(files, expected, optional, getattr(model_cls, "ignored_checkpoint_prefixes", ()))
 
     model.to(dtype)
     for name, t in model.state_dict(keep_vars=True).items():
@@ -138,7 +171,7 @@ def load_model(path, dtype=None, device=None) -> KimiLinearForCausalLM:
         for file in sorted(set(files.values())):
             with safe_open(file, "pt", device="cpu") as f:
                 for name in f.keys():
-                    if files.get(name) == file:
+                    if files.get(name) == file and name in plan:  # not ignored (mtp.*)
                         targets[plan[name]].copy_(f.get_tensor(name))
     model.eval().requires_grad_(False)
     return model

@@ -151,3 +151,11 @@ def test_hyla_simulation_matches_the_engine(tmp_path):
     sim_hits = [sim.serve(r.prompt, r.output) for trace in traces for r in trace.requests]
     assert sum(engine_hits) > 0.3 * sum(len(r.prompt) for t in traces for r in t.requests)
     assert sim_hits == engine_hits
+
+
+def test_ttft_measurement_runs(tmp_path):
+    t = bench.measure_ttft(bench._tiny_random_model(str(tmp_path)), n_requests=5, system_len=(64, 96),
+                           question_len=(8, 16))
+    assert len(t["off"]["ttft_ms"]) == len(t["on"]["ttft_ms"]) == 5
+    assert t["off"]["hit_tokens"] == 0 and t["on"]["hit_tokens"] > 0
+    assert all(ms > 0 for ms in t["off"]["ttft_ms"] + t["on"]["ttft_ms"])

@@ -171,3 +171,28 @@ def test_incremental_engine_streams_and_aborts(ckpt, prompts, alone):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("c", [1], GREEDY)
         engine.add_request("c", [1], GREEDY)
+
+
+def test_one_failing_request_is_finished_with_an_error_and_the_others_continue(ckpt, prompts, alone):
+    """A forward that fails whenever it sees token 13 (a stand-in for any per-request fault):
+    only the request carrying it ends with finish_reason "error"; the rest are exact."""
+    llm = LLM(str(ckpt), dtype="float64")
+    model = llm.engine.model
+    real = model.forward_batch
+
+    def flaky(input_ids, batch, cache):
+        if bool((input_ids == 13).any()):
+            raise RuntimeError("poisoned token")
+        return real(input_ids, batch, cache)
+
+    model.forward_batch = flaky
+    good = [p for p in prompts[:8] if 13 not in p]
+    bad = good[1][:5] + [13] + good[1][5:]
+    outs = llm.generate(good[:3] + [bad] + good[3:], GREEDY, use_tqdm=False)
+    failed = outs[3].outputs[0]
+    assert failed.finish_reason == "error" and "poisoned token" in outs[3].error
+    want = [alone[prompts.index(p)] for p in good]
+    assert [o.outputs[0].token_ids for o in outs[:3] + outs[4:]] == want
+    m = llm.get_metrics()
+    assert m["num_requests_failed"] == 1
+    assert m["kv_pages_free"] == m["kv_pages_total"] and m["state_slots_free"] == m["state_slots_total"]

@@ -4,8 +4,9 @@ Tree: nodes of up to page_size tokens (one KV page each, children indexed by fir
 kept in insertion order, as the engine's list) with exact state checkpoints {r: state after the
 node's first r tokens}. Same walk, same hit rule, same plan, same insert, same LRU stamps:
 
-- lookup: walk the best-matching child page by page; the hit is the deepest checkpoint with
-  KV for all of its prefix, capped at len(prompt) - 1;
+- lookup: walk the best-matching child page by page; the hit is the deepest checkpoint on that
+  path with KV for all of its prefix, capped at len(prompt) - 1 (a checkpoint on a sibling page
+  whose first r tokens also match is not seen, as in the engine);
 - admit: the prefill exports the junction (page-aligned end of the shared KV, when the KV match
   is longer than the hit), the prompt end and prompt end - 1 (and every `checkpoint_interval`
   tokens when set); the finished request files its running slot at prompt + output - 1;

@@ -111,7 +111,7 @@ def _scan_block(n_programs_per_block: int, bvf: int, device) -> int:
 def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
-              use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=16, scan_block_v=None, scan_warps=None):
+              use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None):
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -184,7 +184,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             cu, chunk_seq, chunk_pos,
             w, u, qg, kg, aqk, gam,
             ck_ptr, ck_pos, kr, dr,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=min(BK, slice_k), BVS=min(BVF, 32),
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=min(BK, slice_k), BVS=min(BVF, slice_k),
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
             HAS_CKPT=has_ck, PREC=prec,

@@ -105,9 +105,13 @@ def recurrent_kernel(
         elif GATE == 1:
             b_g = apply_gate(tl.load(g + t * HV + i_hv).to(tl.float32), a_log, bias, lower_bound, GATE_FN)
             b_s = b_s * tl.exp(b_g)
-        b_err = b_b * (b_v - tl.sum(b_s * b_k[:, None], axis=0))  # [BV]
+        # Both products with the decayed state are independent (one pass over S, no second
+        # dependent reduction): o = S_new^T q = S_dec^T q + (k . q) err.
+        pred = tl.sum(b_s * b_k[:, None], axis=0)  # [BV] S_dec^T k
+        read = tl.sum(b_s * b_q[:, None], axis=0)  # [BV] S_dec^T q
+        b_err = b_b * (b_v - pred)
         b_s = b_s + b_k[:, None] * b_err[None, :]
-        b_o = tl.sum(b_s * b_q[:, None], axis=0) * scale  # [BV]
+        b_o = (read + tl.sum(b_q * b_k, axis=0) * b_err) * scale
         tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if SPEC:
             # the state after token j goes to idx[n, j]; a rejected draft only reaches slots the

@@ -1,0 +1,182 @@
+"""Gated full attention of Qwen3-Next (transformers' Qwen3NextAttention), over paged KV.
+
+H query heads, Hkv key/value heads (GQA: query head h reads kv head h // (H / Hkv)), head dim D:
+
+    q, gate = split_per_head(q_proj(x))        q_proj gives [H, D + D]: each head's q, then its gate
+    q = RoPE(q_norm(q)), k = RoPE(k_norm(k_proj(x))), v = v_proj(x)
+    o = softmax(q k^T * D^-1/2 + causal mask) v
+    y = o_proj(o * sigmoid(gate))
+
+q_norm / k_norm: zero-centred RMSNorm over D. RoPE is partial and in the rotate-half (NeoX)
+layout: the first rotary_dim = int(D * partial_rotary_factor) channels of each head rotate, as
+pairs (i, i + rotary_dim / 2), the rest pass through. The angles are computed exactly as
+transformers does (fp32 inverse frequencies and positions, cos / sin cast to the input dtype), so
+the fp32 logits match it; with fp64 weights they are still fp32-rounded angles, a fixed function
+of the position, which batching and caching cannot change.
+
+The paged pool (KVLayerCache) stores k after its norm and RoPE, and v: [num_pages, page_size,
+Hkv, D] each. Tensor names: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyla.layers.norm import ZeroCentredRMSNorm
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE on the first `rotary_dim` channels.
+
+    The inverse frequencies [rotary_dim / 2] are computed once, in fp32 on the CPU exactly as
+    transformers does, and kept as a plain attribute rather than a buffer: they are not in the
+    checkpoint, and neither meta-device construction nor `model.to(bf16)` may touch them. A copy
+    per device is made on first use (outside any CUDA-graph capture: the runner warms up first)."""
+
+    def __init__(self, head_dim: int, partial_rotary_factor: float = 1.0, theta: float = 10000.0):
+        super().__init__()
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(f"rotary_dim = int(head_dim * partial_rotary_factor) must be even and >= 2, "
+                             f"got {self.rotary_dim}")
+        self.theta = theta
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device="cpu") / self.rotary_dim
+        self._inv_freq = {torch.device("cpu"): 1.0 / (theta ** exponents)}
+
+    def inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_freq:
+            self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
+        return self._inv_freq[device]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [...] int -> cos, sin: [..., rotary_dim] in dtype."""
+        freqs = positions[..., None].float() * self.inv_freq(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [..., T, heads, D]; cos, sin: [..., T, rotary_dim] -> x with its first rotary_dim
+        channels rotated."""
+        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """x: [B, T, hidden] -> [B, T, hidden] (full causal sequences), or packed [T_total, hidden]
+    with a ForwardBatch and a KVLayerCache (forward_batch)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 partial_rotary_factor: float = 1.0, rope_theta: float = 10000.0, bias: bool = False,
+                 norm_eps: float = 1e-6):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scaling = head_dim ** -0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm = ZeroCentredRMSNorm(head_dim, eps=norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(head_dim, eps=norm_eps)
+        self.rotary = RotaryEmbedding(head_dim, partial_rotary_factor, rope_theta)
+
+    @property
+    def groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x: [..., T, hidden]; positions: [..., T] -> q [..., T, H, D], k, v [..., T, Hkv, D]
+        (q, k normed and rotated), gate [..., T, H * D]."""
+        q, gate = self.q_proj(x).unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
+        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q, k = self.rotary(self.q_norm(q), cos, sin), self.rotary(self.k_norm(k), cos, sin)
+        return q, k, v, gate.flatten(-2)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool) -> torch.Tensor:
+        """q: [B, T, H, D]; k, v: [B, L, Hkv, D]; mask: [T, L] bool (True = attend) or None
+        -> [B, T, H * D]."""
+        k, v = (t.repeat_interleave(self.groups, dim=2) for t in (k, v))
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, is_causal=causal, scale=self.scaling)
+        return o.transpose(1, 2).flatten(-2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden] whole sequences from position 0 -> [B, T, hidden]."""
+        positions = torch.arange(x.shape[1], device=x.device)
+        q, k, v, gate = self.qkv(x, positions)
+        return self.o_proj(self._attend(q, k, v, None, causal=True) * torch.sigmoid(gate))
+
+    # -- engine step --------------------------------------------------------------------------
+
+    def forward_batch(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+        """x: [T_total, hidden]; batch: ForwardBatch; cache: KVLayerCache. Writes each new token's
+        k, v into its page, then attends over positions 0..context+new-1 of its sequence:
+        sequences with one new token batched (decode form), others one by one with a causal mask
+        offset by their context length."""
+        q, k, v, gate = self.qkv(x, batch.positions)  # [T_total, H | Hkv, D]
+        page_size = cache.k.shape[1]
+        rows = batch.kv_slot_mapping(page_size)
+        cache.k.view(-1, self.num_kv_heads, self.head_dim)[rows] = k.to(cache.k.dtype)
+        cache.v.view(-1, self.num_kv_heads, self.head_dim)[rows] = v.to(cache.v.dtype)
+        if batch.is_decode:  # all rows one token: no host -> device copies (CUDA-graph safe)
+            out = self._decode(q, cache, batch, None).to(x.dtype)
+            return self.o_proj(out * torch.sigmoid(gate))
+        out = x.new_empty(x.shape[0], self.num_heads * self.head_dim)
+        single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
+        if single:
+            idx = torch.tensor([batch.cu_seqlens_list[n] for n in single], device=x.device)
+            out[idx] = self._decode(q[idx], cache, batch, single).to(out.dtype)
+        cu = batch.cu_seqlens_list
+        for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
+            if new <= 1:
+                continue
+            total = ctx + new
+            ks, vs = (_gather(t, batch.block_tables[n], total) for t in (cache.k, cache.v))  # [L, Hkv, D]
+            allowed = torch.arange(total, device=x.device)[None, :] <= ctx + torch.arange(new, device=x.device)[:, None]
+            out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], ks[None], vs[None], allowed,
+                                                causal=False)[0]
+        return self.o_proj(out * torch.sigmoid(gate))
+
+    def _decode(self, q: torch.Tensor, cache, batch, seqs: list[int] | None) -> torch.Tensor:
+        """Sequences `seqs` (None: all of a decode batch), one query token each, batched.
+        q: [S, H, D] -> [S, H * D]. Attends over the first ceil(max length / page_size) pages of
+        each block table (every column for a CUDA-graph batch, whose shapes must not depend on
+        the lengths), masked per row."""
+        page_size = cache.k.shape[1]
+        if seqs is None:
+            tables, lens = batch.block_tables, batch.context_lens + 1
+            longest = None if batch.cuda_graph else max(batch.context_lens_list) + 1
+        else:
+            host_lens = [batch.context_lens_list[n] + 1 for n in seqs]
+            idx = torch.tensor(seqs, device=q.device)
+            tables, lens = batch.block_tables[idx], torch.tensor(host_lens, device=q.device)
+            longest = max(host_lens)
+        n_pages = tables.shape[1] if longest is None else -(-longest // page_size)
+        pages = tables[:, :n_pages].clamp(min=0)  # padding pages are masked below
+        ks, vs = (t[pages].flatten(1, 2) for t in (cache.k, cache.v))  # [S, L, Hkv, D]
+        valid = torch.arange(ks.shape[1], device=q.device)[None, :] < lens[:, None]  # [S, L]
+        S, L = ks.shape[:2]
+        qg = q.unflatten(1, (self.num_kv_heads, self.groups))  # [S, Hkv, G, D]
+        work = torch.float64 if ks.dtype == torch.float64 else torch.float32  # softmax in >= fp32
+        scores = torch.einsum("skgd,sjkd->skgj", qg, ks).to(work) * self.scaling  # [S, Hkv, G, L]
+        probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1).to(vs.dtype)
+        return torch.einsum("skgj,sjkd->skgd", probs, vs).flatten(1)  # [S, H * D]
+
+
+def _gather(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """Rows of positions 0..length-1 of one sequence. pool: [num_pages, page_size, ...];
+    table: [max_pages] page ids -> [length, ...]."""
+    n_pages = -(-length // pool.shape[1])
+    pages = table[:n_pages]
+    if bool((pages < 0).any()):
+        raise ValueError(f"block table lacks a page for a position below {length}")
+    return pool[pages].flatten(0, 1)[:length]

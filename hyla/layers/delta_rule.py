@@ -1,0 +1,239 @@
+"""What every short-conv delta-rule layer (KDA, Gated DeltaNet) does with the engine's pools.
+
+Both layers read the same way: project x, run a depthwise causal conv (kernel W, SiLU) over some
+of the projections, split the result into q, k, v heads, compute a log-decay g and a write
+strength beta, run the delta rule, and map its output back to the hidden size. They differ only
+in the projections, the gate and the output, which subclasses provide as hooks:
+
+    project(x [..., hidden]) -> (pre-conv inputs [..., D_i], one per conv; aux)
+    convs()                  -> the depthwise nn.Conv1d of each pre-conv input, same order
+    heads(ys)                -> q, k [..., H, K], v [..., HV, V] from the SiLU(conv) outputs
+    gates(aux)               -> g (log-decay, [..., HV] or [..., HV, K], fp32), beta [..., HV]
+    output(o [..., HV, V], aux) -> [..., hidden]
+    _chunk / _recurrent / _decode_recurrent -> the chunk, recurrent and dispatched recurrent op
+
+`aux` is whatever `project` computed that the gates and output need (KDA: x itself; GDN: the
+z gate and the a / b projections of the fused in_proj), so no projection runs twice.
+
+This class then runs them over whole sequences (`forward`) and over one engine step
+(`forward_batch`: varlen chunk prefill with state and conv-window checkpoints, pool-indexed
+decode, speculative verify with per-position slots or replay, `commit_replay`). The cache is a
+LinearLayerCache: state [num_slots, HV, K, V] and one conv-window pool [num_slots, D_i, W-1] per conv.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyla.ops.conv import causal_conv1d_fn, causal_conv1d_update, depthwise_valid_conv
+
+
+class ShortConvDeltaRule(nn.Module):
+    """x: [B, T, hidden] -> [B, T, hidden] (full sequences), or packed [T_total, hidden] with a
+    ForwardBatch and a LinearLayerCache (forward_batch). Subclasses set `conv_kernel_size` and
+    implement the hooks listed in the module docstring."""
+
+    conv_kernel_size: int
+
+    # -- hooks ----------------------------------------------------------------------------------
+
+    def project(self, x: torch.Tensor):
+        raise NotImplementedError
+
+    def convs(self) -> tuple[nn.Conv1d, ...]:
+        raise NotImplementedError
+
+    def heads(self, ys: list[torch.Tensor]):
+        raise NotImplementedError
+
+    def gates(self, aux):
+        raise NotImplementedError
+
+    def output(self, o: torch.Tensor, aux) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _chunk(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def _recurrent(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def _decode_recurrent(self, *args, **kwargs):
+        raise NotImplementedError
+
+    # -- full sequences -----------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden] whole sequences from position 0 (no cache) -> [B, T, hidden]."""
+        pre, aux = self.project(x)
+        ys = [causal_conv1d_fn(t, conv.weight, activation="silu")[0] for t, conv in zip(pre, self.convs())]
+        q, k, v = self.heads(ys)
+        g, beta = self.gates(aux)
+        o, _ = self._chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        return self.output(o, aux)
+
+    # -- engine step --------------------------------------------------------------------------
+
+    def forward_batch(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+        """x: [T_total, hidden] packed new tokens; batch: ForwardBatch; cache: LinearLayerCache,
+        read at batch.state_slots and overwritten with the state after this step's tokens.
+        Returns [T_total, hidden]."""
+        if batch.is_verify:
+            return self._verify(x, batch, cache)
+        if batch.is_decode:
+            return self._decode(x, batch, cache)
+        return self._prefill(x, batch, cache)
+
+    def _verify(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+        """Speculative verify: sequence n feeds 1..S tokens starting from the state in slot
+        state_slots[n, num_accepted_tokens[n] - 1]. Outputs for every position. Rollback "slots":
+        the state and conv windows after its j-th token are written to slot state_slots[n, j], so
+        the next step picks the accepted one by index (no copy). Rollback "replay": nothing is
+        written; the per-token inputs (k, v, g, beta, pre-conv inputs) are kept on the cache and
+        `commit_replay` advances the state by the accepted tokens only."""
+        idx, acc = batch.state_slots, batch.num_accepted_tokens
+        N, S = idx.shape[0], max(batch.seq_lens)  # S: padded width of the per-sequence token rows
+        start = idx.gather(1, (acc - 1)[:, None])[:, 0]  # [N] slot holding each sequence's state
+        seq_ids = batch.token_seq_ids()
+        offs = torch.arange(batch.num_tokens, device=x.device) - batch.cu_seqlens[:-1][seq_ids]  # [T_total]
+        padded = seq_ids * S + offs  # [T_total] row in the [N * S] padded layout
+        xs = x[None]  # [1, T_total, hidden]
+        pre, aux = self.project(xs)
+        ys, inputs, windows0 = [], [], []
+        for t, pool, conv in zip(pre, cache.conv, self.convs()):
+            tp = t.new_zeros(N * S, t.shape[-1]).index_copy(0, padded, t[0]).view(N, S, -1)  # [N, S, D]
+            w0 = pool[start]  # [N, D, W-1]
+            y, windows = conv_with_windows(tp, w0, conv.weight)
+            if batch.rollback == "slots":
+                pool[idx[seq_ids, offs]] = windows.flatten(0, 1)[padded].to(pool.dtype)
+            inputs.append(tp)
+            windows0.append(w0)
+            ys.append(y.flatten(0, 1)[padded][None])  # [1, T_total, D]
+        q, k, v = self.heads(ys)
+        g, beta = self.gates(aux)
+        if batch.rollback == "slots":
+            o, _ = self._recurrent(q, k, v, g, beta, initial_state=cache.state, ssm_state_indices=idx,
+                                   num_accepted_tokens=acc, cu_seqlens=batch.cu_seqlens,
+                                   use_qk_l2norm_in_kernel=True)
+        else:
+            work = torch.float64 if x.dtype == torch.float64 else torch.float32
+            o, _ = self._recurrent(q, k, v, g, beta, initial_state=cache.state[start].to(work),
+                                   cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True)
+            cache.replay = dict(k=k, v=v, g=g, beta=beta, inputs=inputs, windows0=windows0, start=start,
+                                cu=batch.cu_seqlens_list)
+        return self.output(o, aux)[0]
+
+    def commit_replay(self, cache, accepted: list[int]) -> None:
+        """After a "replay" verify: advance sequence n's state and conv windows by its first
+        accepted[n] verified tokens (1 <= accepted[n] <= its verified tokens)."""
+        r, cache.replay = cache.replay, None
+        cu = r["cu"]
+        keep = [cu[n] + j for n, a in enumerate(accepted) for j in range(a)]
+        sel = torch.tensor(keep, dtype=torch.long, device=r["k"].device)
+        new_cu = torch.tensor([0] + list(itertools.accumulate(accepted)), dtype=torch.long, device=sel.device)
+        k, v, g, beta = (t[:, sel] for t in (r["k"], r["v"], r["g"], r["beta"]))
+        self._recurrent(k, k, v, g, beta, initial_state=cache.state, ssm_state_indices=r["start"],
+                        cu_seqlens=new_cu, use_qk_l2norm_in_kernel=True)  # outputs unused
+        width = self.conv_kernel_size - 1
+        shift = torch.tensor(accepted, device=sel.device)
+        for pool, tp, w0 in zip(cache.conv, r["inputs"], r["windows0"]):
+            ext = torch.cat([w0, tp.transpose(1, 2).to(w0.dtype)], dim=2)  # [N, D, W-1+S]
+            cols = shift[:, None] + torch.arange(width, device=sel.device)  # [N, W-1]
+            pool[r["start"]] = ext.gather(2, cols[:, None, :].expand(-1, ext.shape[1], -1)).to(pool.dtype)
+
+    def _decode(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+        """One new token per sequence: the pool-indexed recurrent path, states updated in place."""
+        slots = batch.state_slots
+        # A one-token prompt: its slot may hold an old request's state (the CUDA-graph runner
+        # zeroes such slots before a replay: its context_lens_list is a placeholder).
+        if not batch.cuda_graph and 0 in batch.context_lens_list:
+            fresh = slots[~batch.has_context()]
+            for t in cache.tensors():
+                t[fresh] = 0
+        xs = x[:, None]  # [N, 1, hidden]: B = N sequences of one token
+        pre, aux = self.project(xs)
+        ys = [
+            causal_conv1d_update(t, pool, conv.weight, activation="silu", conv_state_indices=slots)
+            for t, pool, conv in zip(pre, cache.conv, self.convs())
+        ]
+        q, k, v = self.heads(ys)  # [N, 1, H, K], v [N, 1, HV, V]
+        g, beta = self.gates(aux)
+        # dispatched: the Triton kernel on CUDA (no host sync, so CUDA graphs can capture it)
+        o, _ = self._decode_recurrent(q, k, v, g, beta, initial_state=cache.state, ssm_state_indices=slots,
+                                      use_qk_l2norm_in_kernel=True)
+        if checkpoint_positions(batch) is not None:  # p can only be 1: the state after the step
+            src = batch.state_slots.tolist()
+            for n, pairs in enumerate(batch.checkpoints):
+                for _, dest in pairs:
+                    for t in cache.tensors():
+                        t[dest] = t[src[n]]
+        return self.output(o, aux)[:, 0]
+
+    def _prefill(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+        """Any mix of lengths: the varlen chunk path, states gathered from and scattered to the pool."""
+        slots, cu = batch.state_slots, batch.cu_seqlens
+        resume = batch.has_context()  # [N]: sequences without context start from zeros
+        positions = checkpoint_positions(batch)
+        xs = x[None]  # [1, T_total, hidden], sequences packed along T
+        pre, aux = self.project(xs)
+        ys = []
+        for t, pool, conv in zip(pre, cache.conv, self.convs()):
+            init = torch.where(resume[:, None, None], pool[slots], 0)  # [N, D, W-1]
+            y, final = causal_conv1d_fn(t, conv.weight, activation="silu", initial_state=init,
+                                        output_final_state=True, cu_seqlens=cu)
+            if positions is not None:
+                write_conv_checkpoints(pool, init, t[0], batch)
+            pool[slots] = final
+            ys.append(y)
+        q, k, v = self.heads(ys)  # [1, T_total, H, K], v [1, T_total, HV, V]
+        g, beta = self.gates(aux)
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        s0 = torch.where(resume[:, None, None, None], cache.state[slots].to(work), 0)
+        out = self._chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_positions=positions)
+        cache.state[slots] = out[1].to(cache.state.dtype)
+        if positions is not None:
+            for n, pairs in enumerate(batch.checkpoints):
+                for (_, dest), s in zip(pairs, out[2][n]):
+                    cache.state[dest] = s.to(cache.state.dtype)
+        return self.output(out[0], aux)[0]
+
+
+def conv_with_windows(tp: torch.Tensor, w0: torch.Tensor, weight: torch.Tensor):
+    """Depthwise causal conv of S new tokens after the window w0, plus the window after each token.
+
+    tp: [N, S, D] pre-conv inputs; w0: [N, D, W-1] the W-1 inputs before them; weight: [D, 1, W].
+    Returns SiLU(conv) [N, S, D] and windows [N, S, D, W-1] (window after token j = inputs j-W+2..j).
+    """
+    width = weight.shape[-1] - 1
+    ext = torch.cat([w0, tp.transpose(1, 2).to(w0.dtype)], dim=2)  # [N, D, W-1+S]
+    work = torch.float64 if ext.dtype == torch.float64 else torch.float32
+    y = F.silu(depthwise_valid_conv(ext.to(work), weight.to(work).flatten(1))).to(tp.dtype)  # [N, D, S]
+    windows = ext.unfold(2, width, 1)[:, :, 1:]  # [N, D, S, W-1]
+    return y.transpose(1, 2), windows.permute(0, 2, 1, 3)
+
+
+def checkpoint_positions(batch) -> list[list[int]] | None:
+    """Per sequence, the token counts p of the batch's checkpoints (None when there are none)."""
+    if not batch.checkpoints or not any(batch.checkpoints):
+        return None
+    return [[p for p, _ in pairs] for pairs in batch.checkpoints]
+
+
+def write_conv_checkpoints(pool: torch.Tensor, init: torch.Tensor, t: torch.Tensor, batch) -> None:
+    """The conv window after the first p new tokens of sequence n is columns p .. p+W-2 of
+    [its initial window (W-1 columns) ++ its new pre-conv inputs].
+
+    pool: [num_slots, D, W-1]; init: [N, D, W-1]; t: [T_total, D] this step's pre-conv inputs."""
+    width = pool.shape[-1]
+    cu = batch.cu_seqlens_list
+    for n, pairs in enumerate(batch.checkpoints):
+        if not pairs:
+            continue
+        ext = torch.cat([init[n], t[cu[n]:cu[n + 1]].t().to(init.dtype)], dim=1)  # [D, W-1 + new]
+        for p, dest in pairs:
+            pool[dest] = ext[:, p:p + width]
