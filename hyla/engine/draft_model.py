@@ -28,7 +28,7 @@ class _DraftView:
 
 class DraftModelDrafter:
     def __init__(self, cfg, *, vocab_size: int, max_num_seqs: int, max_model_len: int, page_size: int,
-                 state_dtype, dtype, device):
+                 state_dtype, dtype, device, enforce_eager: bool = False):
         from hyla.models import load_model
 
         self.k = cfg.num_speculative_tokens
@@ -40,7 +40,7 @@ class DraftModelDrafter:
                                            max_model_len=max_model_len + self.k, page_size=page_size,
                                            state_dtype=state_dtype, device=self.model.device)
         self.memory = MemoryManager(num_pages, num_slots, page_size)
-        self.runner = ModelRunner(self.model, num_slots, num_pages, page_size, state_dtype)
+        self.runner = ModelRunner(self.model, num_slots, num_pages, page_size, state_dtype, enforce_eager)
         self.views: dict[str, _DraftView] = {}
 
     def _view(self, seq) -> _DraftView | None:

@@ -133,7 +133,7 @@ class SpecDecoder:
             self.drafter = DraftModelDrafter(cfg, vocab_size=engine.vocab_size, max_num_seqs=ec.max_num_seqs,
                                              max_model_len=engine.max_model_len, page_size=ec.page_size,
                                              state_dtype=ec.state_dtype, dtype=engine.model.dtype,
-                                             device=engine.model.device)
+                                             device=engine.model.device, enforce_eager=ec.enforce_eager)
             self.drafter.generator = engine.generator
 
     def wants(self, seq, n: int) -> bool:
