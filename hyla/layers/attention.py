@@ -164,11 +164,11 @@ class GatedAttention(nn.Module):
         pages = tables[:, :n_pages].clamp(min=0)  # padding pages are masked below
         ks, vs = (t[pages].flatten(1, 2) for t in (cache.k, cache.v))  # [S, L, Hkv, D]
         valid = torch.arange(ks.shape[1], device=q.device)[None, :] < lens[:, None]  # [S, L]
-        S, L = ks.shape[:2]
         qg = q.unflatten(1, (self.num_kv_heads, self.groups))  # [S, Hkv, G, D]
         work = torch.float64 if ks.dtype == torch.float64 else torch.float32  # softmax in >= fp32
         scores = torch.einsum("skgd,sjkd->skgj", qg, ks).to(work) * self.scaling  # [S, Hkv, G, L]
         probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1).to(vs.dtype)
+        vs = vs.masked_fill(~valid[:, :, None, None], 0)  # rows past a length may hold anything (0 * NaN)
         return torch.einsum("skgj,sjkd->skgd", probs, vs).flatten(1)  # [S, H * D]
 
 

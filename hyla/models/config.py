@@ -161,7 +161,8 @@ class KimiLinearConfig:
         """Build from a parsed `config.json` (see the module docstring for the key precedence)."""
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unknown model_type {model_type!r}; hyla supports {list(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(f"unknown model_type {model_type!r} for KimiLinearConfig, which reads "
+                             f"{list(SUPPORTED_MODEL_TYPES)} (hyla.models.load_config picks the family)")
         _reject_unsupported(d)
         n = _req(d, "num_hidden_layers")
         lac = d.get("linear_attn_config") or {}

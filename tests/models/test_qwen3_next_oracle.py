@@ -66,3 +66,21 @@ def test_greedy_tokens_match_transformers_generate(qwen3_next_checkpoint, varian
 def test_tied_embeddings(qwen3_next_checkpoint):
     model = load_model(qwen3_next_checkpoint("dense"))
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_bf16_is_as_close_to_fp64_as_transformers_bf16(qwen3_next_checkpoint):
+    """bf16 weights: A_log, dt_bias and the router stay fp32, the shared-expert gate does not;
+    the logits are as close to the fp64 model's as transformers' own bf16 logits are."""
+    from transformers import Qwen3NextForCausalLM as HFModel
+
+    path = qwen3_next_checkpoint("moe")
+    model = load_model(path, dtype="bfloat16")
+    gdn, moe = model.model.layers[0].linear_attn, model.model.layers[1].mlp
+    assert model.dtype == gdn.in_proj_qkvz.weight.dtype == moe.shared_expert_gate.weight.dtype == torch.bfloat16
+    assert gdn.A_log.dtype == gdn.dt_bias.dtype == moe.gate.weight.dtype == torch.float32
+    ids = torch.arange(80).reshape(2, 40) * 5 % 256
+    with torch.no_grad():
+        exact = load_model(path, dtype="float64")(ids).double()
+        ours = model(ids).double()
+        theirs = HFModel.from_pretrained(path, dtype=torch.bfloat16)(ids).logits.double()
+    assert (ours - exact).norm() <= 1.5 * (theirs - exact).norm()

@@ -1,0 +1,261 @@
+"""The engine runs Qwen3-Next (Gated DeltaNet + gated GQA attention, MoE) with no family-specific
+code: batching, chunked prefill, preemption, the prefix cache, speculative decoding (n-gram and
+draft model, both rollbacks) and the CUDA-graph decode inputs all leave greedy output unchanged,
+and greedy output equals transformers' generate."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hyla import LLM, SamplingParams
+from hyla.engine.cuda_graph import SCRATCH, CUDAGraphRunner, graph_safe
+from hyla.models import ForwardBatch, load_model
+from hyla.ops import dispatch, utils
+from tests.engine.test_cuda_graph import _NoSync
+from tests.oracles.qwen3_next_checkpoint import build_qwen3_next_checkpoint, load_qwen3_next_reference
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def rand(n, seed):
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_qwen3_next_checkpoint(tmp_path_factory.mktemp("qwen3next-engine"), "moe", with_tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [rand(n, 1000 + n) for n in (1, 2, 150, 15, 16, 17, 63, 64, 65, 3, 31, 33, 7, 129)]
+
+
+@pytest.fixture(scope="module")
+def alone(ckpt, prompts):
+    """Each prompt by itself, fp64 (batching can then only differ by rounding far below any
+    argmax margin)."""
+    llm = LLM(str(ckpt), dtype="float64", max_num_seqs=1)
+    return [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(max_num_seqs=3, max_num_batched_tokens=24),
+    "preemption",
+], ids=["default", "chunked_prefill", "preemption"])
+def test_batched_greedy_equals_alone(ckpt, prompts, alone, kw):
+    if kw == "preemption":
+        probe = load_model(ckpt, dtype=torch.float64)
+        slot, page = probe.state_bytes_per_slot(), probe.kv_bytes_per_token() * 16
+        # Slots for 5 requests, pages for fewer tokens than they hold together.
+        kw = dict(max_num_seqs=5, max_model_len=176, memory_budget=5 * slot + 14 * page)
+    llm = LLM(str(ckpt), dtype="float64", **kw)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    m = llm.get_metrics()
+    if "memory_budget" in kw:
+        assert m["num_preemptions"] > 0
+    assert m["kv_pages_free"] == m["kv_pages_total"] and m["state_slots_free"] == m["state_slots_total"]
+
+
+def test_equals_transformers_generate(ckpt, prompts):
+    ref = load_qwen3_next_reference(ckpt)
+    chosen = [prompts[i] for i in (0, 3, 8, 13)]
+    llm = LLM(str(ckpt), dtype="float32")
+    outs = llm.generate(chosen, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(chosen, outs):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                eos_token_id=None)
+        assert o.outputs[0].token_ids == want[0, len(p):].tolist()
+
+
+# -- prefix cache ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    """Cache-off greedy output of one prompt, memoised."""
+    llm = LLM(str(ckpt), dtype="float64", max_model_len=600)
+    seen = {}
+
+    def run(prompt, params=GREEDY):
+        key = (tuple(prompt), params.max_tokens)
+        if key not in seen:
+            seen[key] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        return seen[key]
+
+    return run
+
+
+def _one_by_one(llm, prompts, params=GREEDY):
+    outs, hits = [], []
+    for p in prompts:
+        before = llm.get_metrics()["prefix_cache_hit_tokens"]
+        outs.append(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+        hits.append(llm.get_metrics()["prefix_cache_hit_tokens"] - before)
+    return outs, hits
+
+
+def test_prefix_cache_shared_prefix_and_retries(ckpt, reference):
+    system = rand(100, 1)
+    prompts = [system + rand(5, 2), system + rand(11, 3), system + rand(7, 4), system + rand(7, 4), rand(9, 5)]
+    prompts += [prompts[-1]] * 2  # identical retries of a short prompt
+    llm = LLM(str(ckpt), dtype="float64", enable_prefix_caching=True, max_model_len=600)
+    outs, hits = _one_by_one(llm, prompts)
+    assert outs == [reference(p) for p in prompts]
+    assert hits[0] == 0 and hits[2] >= 96  # the shared junction is exported by the 2nd request
+    assert hits[3] == len(prompts[3]) - 1  # an identical retry: everything but the last token
+    assert hits[5] == hits[6] == len(prompts[4]) - 1
+
+
+def test_prefix_cache_multi_turn_and_batched(ckpt, reference):
+    llm = LLM(str(ckpt), dtype="float64", enable_prefix_caching=True, max_model_len=600,
+              max_num_batched_tokens=40, checkpoint_interval=32)
+    context = rand(40, 6)
+    for turn in range(3):
+        (out,), (hit,) = _one_by_one(llm, [context])
+        assert out == reference(context)
+        if turn:
+            assert hit >= previous - 16
+        previous = len(context) + len(out)
+        context = context + out + rand(9 + turn, 30 + turn)
+    system = rand(70, 7)
+    batch = [system + rand(n, 50 + n) for n in (2, 30, 1, 17)]
+    outs = [o.outputs[0].token_ids for o in llm.generate(batch + batch, GREEDY, use_tqdm=False)]
+    assert outs == [reference(p) for p in batch + batch]
+    assert llm.get_metrics()["prefix_cache_hit_tokens"] > 4 * 64
+
+
+# -- speculative decoding -------------------------------------------------------------------
+
+SPEC_PROMPTS = [rand(12, 1) * 3, rand(30, 2), rand(5, 3) * 4 + [9], [7], rand(70, 4)]
+SPEC_GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def near_draft(ckpt, tmp_path_factory):
+    """The target with noise on its LM head: agrees often, not always (partial acceptance)."""
+    path = tmp_path_factory.mktemp("qwen3next-draft") / "near"
+    shutil.copytree(ckpt, path)
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(5)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.05 * torch.randn(
+        tensors["lm_head.weight"].shape, generator=gen)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def spec_reference(ckpt):
+    llm = LLM(str(ckpt), dtype="float64")
+    return [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, SPEC_GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("method,rollback,prefix_cache", [
+    ("ngram", "slots", False), ("ngram", "replay", True), ("draft", "slots", True), ("draft", "replay", False),
+])
+def test_speculative_greedy_equals_plain_greedy(ckpt, near_draft, spec_reference, method, rollback, prefix_cache):
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "rollback": rollback}
+    if method == "draft":
+        cfg = {"method": "draft_model", "model": str(near_draft), "num_speculative_tokens": 3, "rollback": rollback}
+    llm = LLM(str(ckpt), dtype="float64", speculative_config=cfg, enable_prefix_caching=prefix_cache,
+              max_num_seqs=3)
+    outs = llm.generate(SPEC_PROMPTS, SPEC_GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == spec_reference
+    m = llm.get_metrics()
+    assert m["spec_num_draft_tokens"] > 0
+    if method == "draft":
+        assert 0 < m["spec_num_accepted_tokens"] < m["spec_num_draft_tokens"]  # partial acceptance
+    assert m["state_slots_free"] + m.get("cached_checkpoints", 0) == m["state_slots_total"]
+    assert m["kv_pages_free"] + m.get("cached_pages", 0) == m["kv_pages_total"]
+
+
+def test_a_b_a_with_spec_and_prefix_cache_is_never_poisoned(ckpt, near_draft, reference):
+    shared = rand(40, 11)
+    a, b = shared + rand(6, 12), shared + rand(9, 13)
+    cfg = {"method": "draft_model", "model": str(near_draft), "num_speculative_tokens": 4, "rollback": "slots"}
+    llm = LLM(str(ckpt), dtype="float64", speculative_config=cfg, enable_prefix_caching=True)
+    got, hits = _one_by_one(llm, [a, b, a])
+    assert got == [reference(p) for p in (a, b, a)]
+    assert hits[2] >= len(a) - 1
+
+
+# -- CUDA-graph decode inputs ---------------------------------------------------------------
+
+def test_graph_safety_is_declared_by_the_layers(ckpt, tmp_path_factory):
+    assert not graph_safe(load_model(ckpt))  # MoE routing syncs
+    dense = build_qwen3_next_checkpoint(tmp_path_factory.mktemp("qwen3next-dense"), "dense")
+    assert graph_safe(load_model(dense))
+
+
+def test_padded_graph_decode_equals_eager_cpu(tmp_path_factory, monkeypatch):
+    """The dense variant (graph-safe) decodes 3 steps through the CUDA-graph runner's padded,
+    fixed-shape inputs (run eagerly on the CPU, every host sync made to fail): logits and every
+    pool row a request owns equal the eager path; padding rows touch only the scratch slot / page."""
+    page = 16
+    path = build_qwen3_next_checkpoint(tmp_path_factory.mktemp("qwen3next-graph"), "dense")
+    model = load_model(path, dtype=torch.float64)
+    slots, pages = 8, 12
+    eager = model.allocate_cache(slots, pages, page_size=page)
+    graph = model.allocate_cache(slots + SCRATCH, pages + SCRATCH, page_size=page)
+    gen = torch.Generator().manual_seed(0)
+    for a, b in zip(eager.layers, graph.layers):
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            tb.copy_(torch.randn(tb.shape, generator=gen, dtype=tb.dtype))  # garbage, never zeros
+            ta.copy_(tb[:ta.shape[0]])
+    lens = [5, 16, 17, 40]
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lens]
+    seq_slots = [3, 0, 5, 1, 4]  # the last one: a one-token prompt that starts in decode
+    tables, first = [], 0
+    for n in lens + [1]:
+        need = -(-(n + 3) // page)
+        tables.append(list(range(first, first + need))[::-1])  # out of order on purpose
+        first += need
+    batch = ForwardBatch.build(lens, [0] * 4, tables[:4], seq_slots[:4])
+    with torch.inference_mode():
+        hidden = model.forward_batch(torch.tensor(sum(prompts, [])), batch, eager)
+    for a, b in zip(eager.layers, graph.layers):
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            tb[:ta.shape[0]] = ta
+    cu = batch.cu_seqlens_list
+    tokens = [int(model.compute_logits(hidden[cu[i + 1] - 1]).argmax()) for i in range(4)] + [7]
+    ctx = lens + [0]
+
+    runner = CUDAGraphRunner(model, graph, max_batch=slots, capture=False)
+    nosync = _NoSync(monkeypatch)
+    monkeypatch.setattr(utils, "is_capturing", lambda t: True)  # the ops' capture paths
+    recurrent = dispatch.fused_recurrent_gated_delta_rule
+
+    def torch_recurrent(*a, **k):  # the CPU stand-in for the (sync-free) Triton kernel
+        on, nosync.on = nosync.on, False
+        try:
+            return recurrent(*a, **k)
+        finally:
+            nosync.on = on
+    monkeypatch.setattr(dispatch, "fused_recurrent_gated_delta_rule", torch_recurrent)
+    forward = runner._forward
+
+    def no_sync_forward(*a):
+        nosync.on = True
+        try:
+            return forward(*a)
+        finally:
+            nosync.on = False
+    monkeypatch.setattr(runner, "_forward", no_sync_forward)
+
+    for _ in range(3):
+        step = ForwardBatch.build([1] * 5, ctx, tables, seq_slots)
+        with torch.inference_mode():
+            want = model.compute_logits(model.forward_batch(torch.tensor(tokens), step, eager))
+            got = runner.run_decode(tokens, ctx, seq_slots, tables)
+        assert runner._key[0] == 8
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        for a, b in zip(eager.layers, graph.layers):
+            for ta, tb in zip(a.tensors(), b.tensors()):
+                torch.testing.assert_close(tb[:ta.shape[0]], ta, rtol=1e-10, atol=1e-10)
+        tokens = want.argmax(-1).tolist()
+        ctx = [c + 1 for c in ctx]
