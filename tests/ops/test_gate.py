@@ -9,10 +9,11 @@ def _softplus(x):
     return x.clamp(min=0) + torch.log1p(torch.exp(-x.abs()))
 
 
-def _inputs(B=2, T=7, H=3, K=5, dtype=torch.float64):
-    f = torch.randn(B, T, H, K, dtype=dtype) * 3
-    A_log = torch.randn(H, dtype=torch.float32)
-    dt_bias = torch.randn(H * K, dtype=torch.float32)
+def _inputs(B=2, T=7, H=3, K=5, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    f = torch.randn(B, T, H, K, dtype=dtype, generator=gen) * 3
+    A_log = torch.randn(H, dtype=torch.float32, generator=gen)
+    dt_bias = torch.randn(H * K, dtype=torch.float32, generator=gen)
     return f, A_log, dt_bias
 
 
@@ -32,7 +33,8 @@ def test_kda_gate_v2_matches_formula_and_is_bounded():
     g = kda_gate(f, A_log, dt_bias, lower_bound=-5.0)
     ref = -5.0 * torch.sigmoid(A_log.double().exp()[:, None] * (f + dt_bias.double().view(H, K)))
     torch.testing.assert_close(g, ref, rtol=1e-12, atol=1e-12)
-    assert ((g > -5) & (g < 0)).all()
+    # Open interval in exact arithmetic; fp64 saturates to the bound only past |x| ~ 37.
+    assert ((g >= -5) & (g < 0)).all() and (g > -5).float().mean() > 0.9
 
 
 def test_kda_gate_checkpoint_shapes_and_no_bias():
