@@ -217,7 +217,7 @@ def _time_to_first_token(engine, rid: str, prompt: list[int], params) -> tuple[f
     return ttft * 1e3, engine.get_metrics()["prefix_cache_hit_tokens"] - before
 
 
-def measure_ttft(model: str, n_requests: int = 12, n_systems: int = 2, system_len=(400, 1000),
+def measure_ttft(model: str, n_requests: int = 16, n_systems: int = 2, system_len=(400, 1000),
                  question_len=(16, 64), seed: int = 0, repeat: int = 3) -> dict:
     """TTFT of hyla.LLM over a short trace (a), one request at a time, with and without the prefix
     cache. The two engines take turns request by request, so that load from other processes on a
@@ -232,7 +232,7 @@ def measure_ttft(model: str, n_requests: int = 12, n_systems: int = 2, system_le
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
     def engine(caching: bool):
-        llm = LLM(model, enable_prefix_caching=caching, max_model_len=2048, max_num_seqs=4)
+        llm = LLM(model, enable_prefix_caching=caching, max_model_len=2048)
         llm.generate([[7 + i for i in range(24)]], params, use_tqdm=False)  # warm-up, not timed
         return llm.engine
 

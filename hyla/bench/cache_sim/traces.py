@@ -154,4 +154,4 @@ def make_traces(quick: bool = False, seed: int = 0, vocab: int = 50_000, respond
     if respond is None:
         lengths = output_len or ((16, 160) if quick else (64, 384))
         respond = lambda prompt: synthetic_output(prompt, lengths, vocab)  # noqa: E731
-    return [GENERATORS[k](respond, **params[k], seed=seed * 1000 + i, vocab=vocab) for i, k in enumerate(keys)]
+    return [GENERATORS[k](respond, **params[k], seed=seed * 1000 + "abcd".index(k), vocab=vocab) for k in keys]

@@ -28,12 +28,11 @@ from hyla.bench.cache_sim.base import LruHeap, Policy
 
 
 class _Block:
-    __slots__ = ("nbytes", "last", "alive")
+    __slots__ = ("nbytes", "last")
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
         self.last = 0
-        self.alive = True
 
 
 class VllmAlignPolicy(Policy):
@@ -110,19 +109,16 @@ class VllmAlignPolicy(Policy):
             states.add(self._plan_junction)
         if self.unit < B:
             states.add(n // self.unit * self.unit)  # the prompt's tail, cached as a partial block
-        prefill_states = sorted(p for p in states if hit < p <= n)
-        decode_states = list(range(n // B * B + B, total + 1, B))
-        # States the request moved past were freed during the run; at the end its KV blocks and
-        # its last state go back tail first.
-        for p in prefill_states + decode_states[:-1]:
-            self._store(self._key("state", tokens, chain, p), p)
-        last = decode_states[-1:] or ([prefill_states[-1]] if prefill_states else [])
-        for p in last:
-            self._store(self._key("state", tokens, chain, p), p)
+        positions = sorted(p for p in states if hit < p <= n) + list(range(n // B * B + B, total + 1, B))
+        # The request frees each state block once it has moved past it; at the end it frees the
+        # one it still holds, then its KV blocks tail first (vLLM frees a request's blocks in
+        # reverse, so a prefix's deeper blocks leave the free queue before its shallower ones).
+        for p in positions + positions[-1:]:
+            self._store(self._key("state", tokens, chain, p))
         for k in reversed(range(len(chain))):
-            self._store(("kv", chain[k]), None)
+            self._store(("kv", chain[k]))
 
-    def _store(self, key: tuple, pos: int | None) -> None:
+    def _store(self, key: tuple) -> None:
         block = self.blocks.get(key)
         if block is None:
             kind = key[0]
