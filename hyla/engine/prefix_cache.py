@@ -17,8 +17,9 @@ Contracts:
   page (copy-on-write: a request never writes into a page someone else reads).
 - insert(seq, pos, slot) files the request's pages for positions < pos and the checkpoint slot;
   the tree takes over the slot (the caller must not release it) and adds one page reference.
-- Eviction frees only what nobody else uses: a leaf whose page has no reference besides the tree,
-  or a checkpoint on any unlocked node (an inner node keeps its KV). Least recently used first.
+- Eviction frees only what nobody else uses: a leaf whose page has no reference besides the tree
+  (least recently used first), or a checkpoint on any unlocked node (an inner node keeps its KV;
+  scored by recency and by the recompute it saves, see evict_slot).
 """
 
 from __future__ import annotations
@@ -66,20 +67,21 @@ class PrefixCache:
 
     # ---- lookup --------------------------------------------------------------------------
     def _walk(self, tokens):
-        """Yield (depth, node, m): m = tokens of `node` that match `tokens` at that depth."""
+        """Yield (depth, matches) per page depth along the best-matching path, where matches is
+        [(child, m)] for every child of the current node sharing m >= 1 leading tokens with
+        `tokens` at that depth, best first. A checkpoint may sit on any of them: siblings that
+        hold different continuations still share their first m tokens' KV."""
         node, depth = self.root, 0
         while True:
             chunk = tokens[depth * self.page_size : (depth + 1) * self.page_size]
             if not chunk:
                 return
-            best, best_m = None, 0
-            for child in node.children:
-                m = _common(child.tokens, chunk)
-                if m > best_m:
-                    best, best_m = child, m
-            if best is None:
+            matches = [(c, _common(c.tokens, chunk)) for c in node.children]
+            matches = sorted((x for x in matches if x[1] > 0), key=lambda x: -x[1])
+            if not matches:
                 return
-            yield depth, best, best_m
+            yield depth, matches
+            best, best_m = matches[0]
             if best_m < self.page_size or len(best.tokens) < self.page_size:
                 return
             node, depth = best, depth + 1
@@ -89,13 +91,14 @@ class PrefixCache:
         tokens = seq.token_ids
         limit = len(tokens) - 1
         path, hit, kv_match = [], None, 0
-        for depth, node, m in self._walk(tokens):
-            path.append(node)
-            kv_match = depth * self.page_size + m
-            for r in node.checkpoints:
-                pos = depth * self.page_size + r
-                if r <= m and pos <= limit and (hit is None or pos > hit[0]):
-                    hit = (pos, node, r, depth)
+        for depth, matches in self._walk(tokens):
+            path.append(matches[0][0])
+            kv_match = depth * self.page_size + matches[0][1]
+            for node, m in matches:
+                for r in node.checkpoints:
+                    pos = depth * self.page_size + r
+                    if r <= m and pos <= limit and (hit is None or pos > hit[0]):
+                        hit = (pos, node, r, depth)
         for node in path:
             node.touch()
         seq.cache_query_tokens = len(tokens)
@@ -112,18 +115,19 @@ class PrefixCache:
 
     def _plan(self, seq, kv_match: int, hit: int) -> list[int]:
         """Positions whose state this request's prefill exports: the junction with what the tree
-        already holds (page-aligned end of the shared KV, when it is past the state hit), the
-        prompt end (and the token before it), and optional periodic checkpoints."""
+        already holds (the exact end of the shared KV, when it is past the state hit: the next
+        request sharing it hits all of it, partial page included), the prompt end, and optional
+        periodic checkpoints. "Prompt end" is taken one token early, at prompt_len - 1: an
+        identical retry can hit at most that much (its last token must run for logits), and a
+        longer prompt that extends this one loses one token of recompute at most."""
         limit = len(seq.token_ids) - 1
         plan = set()
-        junction = min(kv_match, limit) // self.page_size * self.page_size
+        junction = min(kv_match, limit)
         if junction > hit:
             plan.add(junction)
         prompt_end = len(seq.prompt_token_ids)
         if prompt_end <= limit + 1:
-            # The prompt end, and one token before it: an identical retry can hit at most
-            # prompt_len - 1 tokens (its last token must run to produce logits).
-            plan.update((prompt_end, prompt_end - 1))
+            plan.add(prompt_end - 1)
         if self.checkpoint_interval:
             plan.update(range(self.checkpoint_interval, limit + 1, self.checkpoint_interval))
         return sorted(p for p in plan if p > hit)
@@ -190,15 +194,30 @@ class PrefixCache:
             yield node
 
     def evict_slot(self) -> bool:
-        """Drop the least recently used checkpoint of an unlocked node; False if there is none."""
-        candidates = [n for n in self._nodes() if n.checkpoints and n.locks == 0]
-        if not candidates:
+        """Drop the unlocked checkpoint worth least; False if there is none.
+
+        Every checkpoint costs one slot, so value per byte is the recompute a hit saves, which
+        grows with its position (Marconi's FLOP-aware idea); recency still counts. Score =
+        recency rank + position, both scaled to [0, 1]; the lowest goes.
+        """
+        cands = [(n, r, d * self.page_size + r) for n, d in self._nodes_with_depth()
+                 if n.locks == 0 for r in n.checkpoints]
+        if not cands:
             return False
-        node = min(candidates, key=lambda n: n.last_access)
-        r = min(node.checkpoints)
+        order = sorted({n.last_access for n, _, _ in cands})
+        rank = {t: i / max(1, len(order) - 1) for i, t in enumerate(order)}
+        top = max(p for _, _, p in cands)
+        node, r, _ = min(cands, key=lambda c: rank[c[0].last_access] + c[2] / top)
         self.memory.slots.release(node.checkpoints.pop(r))
         self.stats["checkpoints_evicted"] += 1
         return True
+
+    def _nodes_with_depth(self):
+        stack = [(c, 0) for c in self.root.children]
+        while stack:
+            node, depth = stack.pop()
+            stack.extend((c, depth + 1) for c in node.children)
+            yield node, depth
 
     def evict_pages(self, n: int) -> bool:
         """Free up to n pages by dropping least recently used leaves nobody else references."""

@@ -116,8 +116,9 @@ def test_marconi_worked_example():
 
 def test_hyla_worked_example():
     a, b, c = shared_prefix_requests()
-    # The junction is rounded down to a page (1,296); a retry hits prompt_len - 1.
-    assert serve_all(HylaPolicy(UNBOUNDED, COSTS), [a, b, c, a]) == [0, 0, 1296, 1999]
+    # B exports the state at the exact junction (1,300, mid-page); C hits all of it; a retry of A
+    # hits prompt_len - 1.
+    assert serve_all(HylaPolicy(UNBOUNDED, COSTS), [a, b, c, a]) == [0, 0, 1300, 1999]
 
 
 def test_eviction_keeps_bytes_within_capacity():

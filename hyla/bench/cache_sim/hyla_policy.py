@@ -4,16 +4,16 @@ Tree: nodes of up to page_size tokens (one KV page each, children indexed by fir
 kept in insertion order, as the engine's list) with exact state checkpoints {r: state after the
 node's first r tokens}. Same walk, same hit rule, same plan, same insert, same LRU stamps:
 
-- lookup: walk the best-matching child page by page; the hit is the deepest checkpoint on that
-  path with KV for all of its prefix, capped at len(prompt) - 1 (a checkpoint on a sibling page
-  whose first r tokens also match is not seen, as in the engine);
-- admit: the prefill exports the junction (page-aligned end of the shared KV, when the KV match
-  is longer than the hit), the prompt end and prompt end - 1 (and every `checkpoint_interval`
-  tokens when set); the finished request files its running slot at prompt + output - 1;
-- evict: the least recently used of (a leaf page nobody else references, with its checkpoints)
-  and (one checkpoint - the smallest r - of any node). The engine keeps pages and state slots
-  in two pools and evicts from the one that is short; here both live in one byte budget, so
-  the older of the two candidates goes first (the checkpoint on a tie: it frees more bytes).
+- lookup: walk the best-matching child page by page; the hit is the deepest checkpoint on any
+  child at each depth (siblings included) whose first r tokens match, capped at len(prompt) - 1;
+- admit: the prefill exports the junction (the exact end of the shared KV, when the KV match is
+  longer than the hit) and the prompt end taken at prompt_len - 1 (and every
+  `checkpoint_interval` tokens when set); the finished request files its running slot at
+  prompt + output - 1;
+- evict: the least recently used leaf page nobody else references (with its checkpoints), or the
+  checkpoint with the lowest score (recency rank + position, each scaled to [0, 1]). The engine
+  keeps pages and state slots in two pools and evicts from the one that is short; here both live
+  in one byte budget, so the older of the two candidates goes first (the checkpoint on a tie).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from hyla.bench.cache_sim.base import LruHeap, Policy
 
 
 class _Node:
-    __slots__ = ("tokens", "page", "parent", "children", "checkpoints", "last", "alive")
+    __slots__ = ("tokens", "page", "parent", "children", "checkpoints", "last", "alive", "depth")
 
     def __init__(self, tokens, page, parent):
+        self.depth = -1 if parent is None else parent.depth + 1
         self.tokens = tokens
         self.page = page
         self.parent = parent
@@ -56,7 +57,8 @@ class HylaPolicy(Policy):
         self.root = _Node((), None, None)
         self._clock = itertools.count(1)
         self._pages = itertools.count(1)
-        self._leaves, self._checkpointed = LruHeap(), LruHeap()
+        self._leaves = LruHeap()
+        self._checkpointed: set[_Node] = set()
         self._block_table: list[int] = []
         self._plan: list[int] = []
 
@@ -67,14 +69,12 @@ class HylaPolicy(Policy):
             chunk = tokens[depth * P:(depth + 1) * P]
             if not chunk:
                 return
-            best, best_m = None, 0
-            for child in node.children.get(chunk[0], ()):
-                m = _common(child.tokens, chunk)
-                if m > best_m:
-                    best, best_m = child, m
-            if best is None:
+            matches = sorted(((c, _common(c.tokens, chunk)) for c in node.children.get(chunk[0], ())),
+                             key=lambda x: -x[1])
+            if not matches:
                 return
-            yield depth, best, best_m
+            yield depth, matches
+            best, best_m = matches[0]
             if best_m < P or len(best.tokens) < P:
                 return
             node, depth = best, depth + 1
@@ -82,13 +82,14 @@ class HylaPolicy(Policy):
     def lookup(self, prompt) -> int:
         P, limit = self.page_size, len(prompt) - 1
         path, hit, kv_match = [], None, 0
-        for depth, node, m in self._walk(prompt):
-            path.append(node)
-            kv_match = depth * P + m
-            for r in node.checkpoints:
-                pos = depth * P + r
-                if r <= m and pos <= limit and (hit is None or pos > hit[0]):
-                    hit = (pos, node, r, depth)
+        for depth, matches in self._walk(prompt):
+            path.append(matches[0][0])
+            kv_match = depth * P + matches[0][1]
+            for node, m in matches:
+                for r in node.checkpoints:
+                    pos = depth * P + r
+                    if r <= m and pos <= limit and (hit is None or pos > hit[0]):
+                        hit = (pos, node, r, depth)
         for node in path:
             self._touch(node)
         hit_len = hit[0] if hit else 0
@@ -102,10 +103,10 @@ class HylaPolicy(Policy):
     def _checkpoint_plan(self, prompt, kv_match: int, hit: int) -> list[int]:
         P, limit = self.page_size, len(prompt) - 1
         plan = set()
-        junction = min(kv_match, limit) // P * P
+        junction = min(kv_match, limit)
         if junction > hit:
             plan.add(junction)
-        plan.update((len(prompt), len(prompt) - 1))
+        plan.add(len(prompt) - 1)
         if self.checkpoint_interval:
             plan.update(range(self.checkpoint_interval, limit + 1, self.checkpoint_interval))
         return sorted(p for p in plan if p > hit)
@@ -145,22 +146,33 @@ class HylaPolicy(Policy):
             node.checkpoints[r] = True
             self.used += self.costs.state_bytes
             self.stats["states_admitted"] += 1
-            self._checkpointed.push(node.last, node)
+            self._checkpointed.add(node)
 
     def _touch(self, node: _Node) -> None:
         node.last = next(self._clock)
         if not node.children:
             self._leaves.push(node.last, node)
-        if node.checkpoints:
-            self._checkpointed.push(node.last, node)
 
     # ---- eviction (PrefixCache.evict_slot / evict_pages, one budget) -----------------------
+    def _lowest_checkpoint(self):
+        """PrefixCache.evict_slot's choice: lowest recency rank + position, both in [0, 1]."""
+        cands = [(n, r, n.depth * self.page_size + r) for n in self._checkpointed if n.alive for r in n.checkpoints]
+        if not cands:
+            return None
+        order = sorted({n.last for n, _, _ in cands})
+        rank = {t: i / max(1, len(order) - 1) for i, t in enumerate(order)}
+        top = max(p for _, _, p in cands)
+        node, r, _ = min(cands, key=lambda c: rank[c[0].last] + c[2] / top)
+        return node, r
+
     def evict_one(self) -> bool:
         leaf = self._leaves.peek(lambda s, n: n.alive and n.last == s and not n.children)
-        ckpt = self._checkpointed.peek(lambda s, n: n.alive and n.last == s and n.checkpoints)
-        if ckpt is not None and (leaf is None or ckpt[0] <= leaf[0]):
-            node = ckpt[1]
-            del node.checkpoints[min(node.checkpoints)]
+        ckpt = self._lowest_checkpoint()
+        if ckpt is not None and (leaf is None or ckpt[0].last <= leaf[0]):
+            node, r = ckpt
+            del node.checkpoints[r]
+            if not node.checkpoints:
+                self._checkpointed.discard(node)
             self.used -= self.costs.state_bytes
             self.stats["states_evicted"] += 1
             return True
@@ -170,6 +182,7 @@ class HylaPolicy(Policy):
         self.used -= self.page_bytes + len(node.checkpoints) * self.costs.state_bytes
         self.stats["states_evicted"] += len(node.checkpoints)
         node.alive = False
+        self._checkpointed.discard(node)
         parent = node.parent
         bucket = parent.children[node.tokens[0]]
         bucket.remove(node)

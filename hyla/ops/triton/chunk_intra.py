@@ -118,6 +118,17 @@ def _decays(b_g, GATE: tl.constexpr):
 
 
 @triton.jit
+def _chunk_cumsum(b_g, GATE: tl.constexpr):
+    """Plain cumulative decay from the chunk start, G [64, GK], and the chunk total gc [GK].
+    Used only when every channel's chunk total is >= -MAX_SPAN: then all |G| <= 80 and the
+    differences G_i - G_j lose at most ~1e-5 to fp32 rounding."""
+    if GATE == 2:
+        return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
+    else:
+        return tl.cumsum(b_g, axis=0)[:, None], tl.zeros([1], dtype=tl.float32) + tl.sum(b_g, axis=0)
+
+
+@triton.jit
 def _prefix_suffix(tot):
     """P[a] = sum_{b<a} tot[b] (chunk start -> start of sub-block a) and
     S[a] = sum_{b>a} tot[b] (end of sub-block a -> chunk end), both [4, GK]."""
@@ -129,14 +140,12 @@ def _prefix_suffix(tot):
 
 
 @triton.jit
-def _gram_slice(a_qk, a_kk, b_q, b_k, gl, tot, PREC: tl.constexpr):
-    """Add one channel slice's decayed Gram products to a_qk, a_kk [64, 64] (lower triangle valid)."""
+def _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE: tl.constexpr, PREC: tl.constexpr):
+    """Add one channel slice's decayed Gram products to a_qk, a_kk [64, 64] (lower triangle valid).
+    b_g: the slice's log-decays, [64, BKS] or [64]."""
     rows = tl.arange(0, BT)
     blk = rows // BC
-    tot_r = _rows(tot)
-    p, _ = _prefix_suffix(tot)
-    gg = _rows(p) + gl  # [64, GK] cumulative decay from the chunk start, <= 0
-    gc = tl.sum(tot, axis=0)  # [GK] whole-chunk decay
+    gg, gc = _chunk_cumsum(b_g, GATE)  # [64, GK], [GK]
     if tl.min(gc, axis=0) >= -MAX_SPAN:
         # fast: one midpoint for the chunk
         m = 0.5 * gc[None, :]
@@ -144,7 +153,19 @@ def _gram_slice(a_qk, a_kk, b_q, b_k, gl, tot, PREC: tl.constexpr):
         rf = tl.exp(gg - m)
         a_qk = tl.dot(b_q * rf, tl.trans(ck), a_qk, input_precision=PREC)
         a_kk = tl.dot(b_k * rf, tl.trans(ck), a_kk, input_precision=PREC)
-    elif tl.min(tl.min(tot, axis=1), axis=0) >= -MAX_SPAN:
+    else:
+        gl, tot = _decays(b_g, GATE)
+        a_qk, a_kk = _gram_steep(a_qk, a_kk, b_q, b_k, gl, tot, PREC)
+    return a_qk, a_kk
+
+
+@triton.jit
+def _gram_steep(a_qk, a_kk, b_q, b_k, gl, tot, PREC: tl.constexpr):
+    """_gram_slice for a slice whose chunk decays past e^-80 somewhere: sub-block references."""
+    rows = tl.arange(0, BT)
+    blk = rows // BC
+    tot_r = _rows(tot)
+    if tl.min(tl.min(tot, axis=1), axis=0) >= -MAX_SPAN:
         # medium: one midpoint per 16-row block a; columns of later blocks are masked to 0
         rf = tl.exp(gl - 0.5 * tot_r)  # [64, GK], row i relative to its own block's midpoint
         rem = tot_r - gl  # token j -> end of its sub-block
@@ -197,9 +218,28 @@ def _store_rows(ptr, x, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _checkpoint_factors(kr_ptr, dr_ptr, r, b_k, gl, tot, BK: tl.constexpr):
+def _boundary_decays(b_g, GATE: tl.constexpr):
+    """e^G (chunk start -> token i), e^(G_C - G) (token j -> chunk end), both [64, GK], and
+    e^(G_C) [GK], for one channel slice of log-decays b_g."""
+    gg, gc = _chunk_cumsum(b_g, GATE)
+    if tl.min(gc, axis=0) >= -MAX_SPAN:
+        eg = tl.exp(gg)
+        e_end = tl.exp(gc[None, :] - gg)
+    else:
+        # steep chunk: assemble the exponents from sub-block pieces (no large cancellations)
+        gl, tot = _decays(b_g, GATE)
+        p, s = _prefix_suffix(tot)
+        eg = tl.exp(_rows(p) + gl)
+        e_end = tl.exp(_rows(s + tot) - gl)
+    return eg, e_end, tl.exp(gc)
+
+
+@triton.jit
+def _checkpoint_factors(kr_ptr, dr_ptr, r, b_k, b_g, GATE: tl.constexpr, BK: tl.constexpr):
     """One channel slice of kr = K * e^(G_r - G) (rows >= r zero) and dr = e^(G_r) for a
-    checkpoint after r tokens of this chunk (r in 1..64, runtime); b_k: normalised keys."""
+    checkpoint after r tokens of this chunk (r in 1..64, runtime); b_k: normalised keys.
+    Rare, so always the exact sub-block form."""
+    gl, tot = _decays(b_g, GATE)
     rows = tl.arange(0, BT)
     blk = rows // BC
     t = r - 1  # last token included
@@ -263,8 +303,7 @@ def chunk_prepare_kernel(
         if USE_L2NORM:
             sq += tl.sum(b_q * b_q, axis=1)
             sk += tl.sum(b_k * b_k, axis=1)
-        gl, tot = _decays(b_g, GATE)
-        a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, gl, tot, PREC)
+        a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE, PREC)
 
     # The L2 norm scales rows and columns of the (bilinear) Gram matrices.
     if USE_L2NORM:
@@ -295,19 +334,17 @@ def chunk_prepare_kernel(
         b_q, b_k, b_g = _load_slice(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound,
                                     H, HV, K, GATE, GATE_FN)
         b_k = b_k * nk[:, None]
-        gl, tot = _decays(b_g, GATE)
-        p, s = _prefix_suffix(tot)
-        eg = tl.exp(_rows(p) + gl)  # chunk start -> token i, <= 1
+        eg, e_end, gam_s = _boundary_decays(b_g, GATE)
         _store_rows(qg + head * BT * BK + ks, b_q * (scale * nq)[:, None] * eg, BK)
-        _store_rows(kg + head * BT * BK + ks, b_k * tl.exp(_rows(s + tot) - gl), BK)  # token j -> chunk end
-        tl.store(gam + head * BK + o_k, tl.zeros([BKS], dtype=tl.float32) + tl.exp(tl.sum(tot, axis=0)))
+        _store_rows(kg + head * BT * BK + ks, b_k * e_end, BK)
+        tl.store(gam + head * BK + o_k, tl.zeros([BKS], dtype=tl.float32) + gam_s)
         x = b_k * b_b[:, None] * eg  # [64, BKS]
         _store_rows(w + head * BT * BK + ks, tl.dot(li, x, input_precision=PREC), BK)
         if HAS_CKPT:
             for ci in range(ck_lo, ck_hi):
                 ck_head = tl.cast(ci, tl.int64) * HV + i_hv
                 _checkpoint_factors(kr + ck_head * BT * BK + ks, dr + ck_head * BK + ks, tl.load(ck_pos + ci),
-                                    b_k, gl, tot, BK)
+                                    b_k, b_g, GATE, BK)
 
     # ---- pass 3: u = L^-1 Diag(b) V, per value slice ---------------------------------------------
     for vs in range(0, BV, BVS):
