@@ -46,18 +46,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args(argv)
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    print(f"# chunk_kda (chunk 64) vs naive_recurrent_kda, H={args.heads}, K=V={args.dim}, fp32, B=1")
-    print(f"{'T':>7} {'loop ms':>10} {'chunk ms':>10} {'speed-up':>9} {'chunk tok/s':>12}")
+    print(f"# chunk_kda (chunk 64, and 32) vs naive_recurrent_kda, H={args.heads}, K=V={args.dim}, fp32, B=1")
+    print(f"{'T':>7} {'loop ms':>10} {'chunk ms':>10} {'speed-up':>9} {'chunk tok/s':>12} {'chunk32 ms':>11} {'speed-up':>9}")
     rows = []
     with torch.inference_mode():
         for T in args.T:
             x = _inputs(T, args.heads, args.dim, seed=T)
             loop = _median_ms(lambda: naive_recurrent_kda(*x, output_final_state=True), args.repeat)
             chunk = _median_ms(lambda: chunk_kda(*x, output_final_state=True), args.repeat)
+            c32 = _median_ms(lambda: chunk_kda(*x, output_final_state=True, chunk_size=32), args.repeat)
             row = {"T": T, "loop_ms": loop, "chunk_ms": chunk, "speedup": loop / chunk,
-                   "chunk_tok_s": T / chunk * 1e3}
+                   "chunk_tok_s": T / chunk * 1e3, "chunk32_ms": c32, "speedup32": loop / c32}
             rows.append(row)
-            print(f"{T:>7} {loop:>10.1f} {chunk:>10.1f} {loop / chunk:>8.1f}x {row['chunk_tok_s']:>12.0f}")
+            print(f"{T:>7} {loop:>10.1f} {chunk:>10.1f} {loop / chunk:>8.1f}x {row['chunk_tok_s']:>12.0f} "
+                  f"{c32:>11.1f} {loop / c32:>8.1f}x")
     return rows
 
 

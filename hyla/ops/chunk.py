@@ -206,14 +206,14 @@ def _chunk_forward(q, k, v, g, beta, scale, S0, packing: _Packing, gate, ckpts):
     if gate == "kda":
         G = _to_chunks(g, NC, C).double().cumsum(-2)  # [N, HV, NC, C, K]
         a_qk, a_kk = _kda_intra(qc, kc, G)
-        decay_to = G.exp().to(dt)  # e^{G_i}, <= 1
-        k_tail = kc * (G[..., -1:, :] - G).exp().to(dt)
+        decay_to = G.to(dt).exp()  # e^{G_i}, <= 1 (G's own rounding only matters where e^G underflows)
+        k_tail = kc * (G[..., -1:, :] - G).to(dt).exp()  # differences formed in fp64
         gamma_last = decay_to[..., -1, :, None]  # [N, HV, NC, K, 1]
     elif gate == "gdn":
         G = _to_chunks(g, NC, C).double().cumsum(-1)  # [N, HV, NC, C]
         a_qk, a_kk = _scalar_intra(qc, kc, G)
-        decay_to = G.exp().to(dt)[..., None]
-        k_tail = kc * (G[..., -1:] - G).exp().to(dt)[..., None]
+        decay_to = G.to(dt).exp()[..., None]
+        k_tail = kc * (G[..., -1:] - G).to(dt).exp()[..., None]
         gamma_last = decay_to[..., -1, :, None]  # [N, HV, NC, 1, 1]
     else:
         G = None
