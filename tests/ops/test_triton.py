@@ -26,14 +26,11 @@ TOL = 1e-4
 if DEV == "cpu" and not hyla_triton.interpreting():
     pytest.skip("CPU tensors need TRITON_INTERPRET=1 set before triton is imported", allow_module_level=True)
 
-CHUNK = {"kda": ("chunk_kda", torch_chunk.chunk_kda), "gdn": ("chunk_gated_delta_rule", torch_chunk.chunk_gated_delta_rule),
+CHUNK = {"kda": ("chunk_kda", torch_chunk.chunk_kda),
+         "gdn": ("chunk_gated_delta_rule", torch_chunk.chunk_gated_delta_rule),
          "none": ("chunk_delta_rule", torch_chunk.chunk_delta_rule)}
 REC = {"kda": ("fused_recurrent_kda", torch_rec.fused_recurrent_kda),
        "gdn": ("fused_recurrent_gated_delta_rule", torch_rec.fused_recurrent_gated_delta_rule)}
-
-
-def _dev(*xs):
-    return [None if x is None else x.to(DEV) for x in xs]
 
 
 def _chunk_pair(gate):
@@ -173,7 +170,7 @@ def test_verify_with_rejected_drafts(gate):
     state after token j lands in slot j only; untouched slots keep their contents."""
     name, ref = REC[gate]
     fast = getattr(hyla_triton, name)
-    H, K, V, width = 2, 32, 32, 4
+    H, K, V = 2, 32, 32
     lens = [4, 2, 3, 1]
     cu = torch.tensor([0, 4, 6, 9, 10])
     q, k, v, g, beta, _ = make_inputs(1, sum(lens), H, K, V, gate=gate, seed=41)

@@ -112,6 +112,10 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None):
+    """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
+    chunk_delta_rule (None). The last four arguments are launch parameters (the defaults were the
+    fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice width of the
+    chunk-local kernel, value-block width (default: by grid size) and warps of the scan."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,

@@ -143,8 +143,6 @@ def _prefix_suffix(tot):
 def _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE: tl.constexpr, PREC: tl.constexpr):
     """Add one channel slice's decayed Gram products to a_qk, a_kk [64, 64] (lower triangle valid).
     b_g: the slice's log-decays, [64, BKS] or [64]."""
-    rows = tl.arange(0, BT)
-    blk = rows // BC
     gg, gc = _chunk_cumsum(b_g, GATE)  # [64, GK], [GK]
     if tl.min(gc, axis=0) >= -MAX_SPAN:
         # fast: one midpoint for the chunk
