@@ -31,10 +31,8 @@ from torch import nn
 
 from hyla.layers.delta_rule import ShortConvDeltaRule
 from hyla.layers.norm import SiLUGatedRMSNorm
-from hyla.ops import dispatch
-from hyla.ops.chunk import chunk_gated_delta_rule
+from hyla.ops import dispatch, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule  # dispatched: Triton on CUDA
 from hyla.ops.gate import gdn_gate
-from hyla.ops.recurrent import fused_recurrent_gated_delta_rule
 
 
 class GatedDeltaNet(ShortConvDeltaRule):

@@ -21,10 +21,8 @@ from torch import nn
 
 from hyla.layers.delta_rule import ShortConvDeltaRule
 from hyla.layers.norm import GatedRMSNorm
-from hyla.ops import dispatch
-from hyla.ops.chunk import chunk_kda
+from hyla.ops import dispatch, chunk_kda, fused_recurrent_kda  # dispatched: Triton on CUDA
 from hyla.ops.gate import kda_gate
-from hyla.ops.recurrent import fused_recurrent_kda
 
 
 class KimiDeltaAttention(ShortConvDeltaRule):
