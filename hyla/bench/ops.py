@@ -45,9 +45,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     args = p.parse_args(argv)
-    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    cpu = platform.processor() or platform.machine()
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}")
     print(f"# chunk_kda (chunk 64, and 32) vs naive_recurrent_kda, H={args.heads}, K=V={args.dim}, fp32, B=1")
-    print(f"{'T':>7} {'loop ms':>10} {'chunk ms':>10} {'speed-up':>9} {'chunk tok/s':>12} {'chunk32 ms':>11} {'speed-up':>9}")
+    head = ("T", "loop ms", "chunk ms", "speed-up", "chunk tok/s", "chunk32 ms", "speed-up")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (7, 10, 10, 9, 12, 11, 9))))
     rows = []
     with torch.inference_mode():
         for T in args.T:

@@ -17,7 +17,8 @@ import time
 import torch
 
 REPETITIVE = [
-    "def test_add(self):\n    self.assertEqual(add(1, 2), 3)\n\ndef test_sub(self):\n    self.assertEqual(sub(3, 2), 1)\n\n"
+    "def test_add(self):\n    self.assertEqual(add(1, 2), 3)\n\n"
+    "def test_sub(self):\n    self.assertEqual(sub(3, 2), 1)\n\n"
     "def test_mul(self):\n    self.assertEqual(mul(2, 3), 6)\n\ndef test_div(self):",
     "ITEMS = [\n    ('alpha', 1),\n    ('beta', 2),\n    ('gamma', 3),\n    ('delta', 4),\n    ('epsilon', 5),\n",
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n"
@@ -80,8 +81,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 _run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
                 t, n, m = _run(llm, prompts, params)
                 mem = (1 + k) * slot if rollback == "slots" else slot + (1 + k) * per_tok
-                rows.append({"prompts": name, "spec": f"k={k} {rollback}", "tok_s": n / t, "speedup": (n / t) / (n0 / t0),
-                             "mean_acc": m["spec_mean_accepted_length"], "state_bytes": mem})
+                rows.append({"prompts": name, "spec": f"k={k} {rollback}", "tok_s": n / t,
+                             "speedup": (n / t) / (n0 / t0), "mean_acc": m["spec_mean_accepted_length"],
+                             "state_bytes": mem})
         for r in rows:
             if r["prompts"] == name:
                 print(f"{r['prompts']:<11} {r['spec']:<14} {r['tok_s']:>8.1f} {r['speedup']:>8.2f}x "

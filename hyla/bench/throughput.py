@@ -107,7 +107,6 @@ def _median_s(fn, repeat: int) -> float:
 
 def _hyla_generate(path, prompts, new_tokens, dtype, device):
     from hyla import LLM, SamplingParams
-
     from hyla.models import memory
 
     config = KimiLinearConfig.from_file(path)

@@ -21,8 +21,8 @@ from hyla.engine.prefix_cache import PrefixCache
 from hyla.engine.sampler import sample, token_logprobs
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import ScheduledBatch, Scheduler
-from hyla.engine.spec_decode import SpecConfig, SpecDecoder
 from hyla.engine.sequence import Sequence, Status
+from hyla.engine.spec_decode import SpecConfig, SpecDecoder
 
 log = logging.getLogger("hyla.engine")
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from hyla.layers.delta_rule import ShortConvDeltaRule
 from hyla.layers.norm import SiLUGatedRMSNorm
-from hyla.ops import dispatch, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule  # dispatched: Triton on CUDA
+from hyla.ops import chunk_gated_delta_rule, dispatch, fused_recurrent_gated_delta_rule  # dispatched: Triton on CUDA
 from hyla.ops.gate import gdn_gate
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from hyla.layers.delta_rule import ShortConvDeltaRule
 from hyla.layers.norm import GatedRMSNorm
-from hyla.ops import dispatch, chunk_kda, fused_recurrent_kda  # dispatched: Triton on CUDA
+from hyla.ops import chunk_kda, dispatch, fused_recurrent_kda  # dispatched: Triton on CUDA
 from hyla.ops.gate import kda_gate
 
 

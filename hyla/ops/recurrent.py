@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from hyla.ops.gate import gdn_gate, kda_gate
 from hyla.ops import utils
+from hyla.ops.gate import gdn_gate, kda_gate
 from hyla.ops.norm import l2norm
 from hyla.ops.utils import check_inputs, expand_heads, work_dtype
 

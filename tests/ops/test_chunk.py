@@ -96,8 +96,7 @@ def test_split_resume(split):
 @pytest.mark.parametrize("gate", ["kda", "gdn", "none"])
 def test_checkpoints_equal_loop_state_after_p_tokens(gate):
     chunk, naive = OPS[gate]
-    lens = [70, 5, 200]
-    cu = torch.tensor([0, 70, 75, 275])
+    cu = torch.tensor([0, 70, 75, 275])  # lengths 70, 5, 200
     q, k, v, g, beta, _ = make_inputs(1, 275, 2, 12, 10, gate=gate, seed=4)
     h0 = torch.randn(3, 2, 12, 10, dtype=torch.float64)
     positions = [[70, 1, 33, 64, 65], [5, 3], [199, 128, 129, 17]]

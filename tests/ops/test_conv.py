@@ -136,8 +136,8 @@ def test_update_without_indices_and_single_token_2d():
 
 
 def test_prefill_then_decode_equals_prefill():
-    lens, D, W = [6, 2, 11], 8, 4
-    cu = torch.tensor([0, 6, 8, 19])
+    D, W = 8, 4
+    cu = torch.tensor([0, 6, 8, 19])  # lengths 6, 2, 11
     x = torch.randn(1, 19, D, dtype=torch.float64)
     nxt = torch.randn(3, 2, D, dtype=torch.float64)
     weight, bias = _params(D, W)

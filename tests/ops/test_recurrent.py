@@ -53,7 +53,7 @@ def test_pool_decode_in_place(gate):
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_speculative_verify_writes_every_position_and_rolls_back(gate):
     rec, naive = OPS[gate]
-    H, K, V, num_spec = 2, 8, 6, 3
+    H, K, V = 2, 8, 6  # 3 speculative tokens: 4 slots per sequence
     lens = [4, 2, 4, 1]  # 1 + drafts per sequence (fewer drafts allowed)
     N = len(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())

@@ -101,7 +101,7 @@ class HylaPolicy(Policy):
         return hit_len
 
     def _checkpoint_plan(self, prompt, kv_match: int, hit: int) -> list[int]:
-        P, limit = self.page_size, len(prompt) - 1
+        limit = len(prompt) - 1
         plan = set()
         junction = min(kv_match, limit)
         if junction > hit:

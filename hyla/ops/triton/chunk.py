@@ -16,14 +16,13 @@ g is not scanned for positive entries (that check is a full extra read of g).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.chunk_intra import chunk_prepare_kernel
 from hyla.ops.triton.chunk_scan import chunk_scan_kernel
+from hyla.ops.triton.params import gate_params, num_sms
 from hyla.ops.utils import check_checkpoints, check_inputs
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -86,22 +85,14 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
     return ck_ptr, ck_pos, rows
 
 
-def _param(name, t, n, device):
-    if not isinstance(t, torch.Tensor) or t.numel() != n:
-        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name} must have {n} elements, got {got}")
-    return t.reshape(n).to(device=device, dtype=torch.float32).contiguous()
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _scan_block(n_programs_per_block: int, bvf: int, device) -> int:
     """Value-block width of the scan: 64 unless that leaves the GPU under two programs per SM
     (one 64-token chunk step is a fixed latency, so a short grid wants narrower blocks)."""
-    sms = _num_sms(device)
+    sms = num_sms(device)
     bv = min(64, bvf)
     while bv > 32 and n_programs_per_block * (bvf // bv) < 2 * sms:
         bv //= 2
@@ -132,21 +123,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     scale = K ** -0.5 if scale is None else float(scale)
     BK, BVF = _pow2(K), _pow2(V)
 
-    gate_fn = 0
-    a_log = dtb = None
-    if use_gate_in_kernel:
-        if A_log is None:
-            raise ValueError("`use_gate_in_kernel=True` needs `A_log`")
-        a_log = _param("A_log", A_log, HV, dev)
-        if dt_bias is not None:
-            dtb = _param("dt_bias", dt_bias, HV * K if gate == "kda" else HV, dev)
-        if gate == "kda" and lower_bound is not None:
-            lb = float(lower_bound)
-            if not lb < 0 or lb != lb or lb == float("-inf"):
-                raise ValueError(f"lower_bound must be a finite negative float, got {lower_bound!r}")
-            gate_fn = 2
-        else:
-            gate_fn = 1
+    gate_fn, a_log, dtb, lb = gate_params(gate, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, dev)
 
     cu, lengths, off_list, chunk_off, chunk_seq, chunk_pos = _chunk_tables(cu_seqlens, B, T, dev)
     N = len(lengths)
@@ -184,7 +161,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         chunk_prepare_kernel[(NCH, HV)](
             qc, kc, vc, gc, bc,
             a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
-            float(lower_bound) if gate_fn == 2 else 0.0, scale,
+            lb, scale,
             cu, chunk_seq, chunk_pos,
             w, u, qg, kg, aqk, gam,
             ck_ptr, ck_pos, kr, dr,

@@ -13,14 +13,13 @@ program loads its whole state tile at once and everything else is a few hundred 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import apply_gate, sigmoid
+from hyla.ops.triton.params import gate_params, num_sms
 from hyla.ops.utils import check_inputs
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -144,16 +143,8 @@ def _check_pool_shapes(idx, n_acc, pool, n):
         raise ValueError("`num_accepted_tokens` is only valid with 2-D `ssm_state_indices`")
 
 
-def _param(name, t, n, device):
-    if not isinstance(t, torch.Tensor) or t.numel() != n:
-        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{name} must have {n} elements, got {got}")
-    return t.reshape(n).to(device=device, dtype=torch.float32).contiguous()
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def _block_v(n_heads_total: int, V: int, device) -> int:
@@ -161,7 +152,7 @@ def _block_v(n_heads_total: int, V: int, device) -> int:
     gives every SM four programs, else 32, else 16 (measured on an H200: at N = 64 and 256
     sequences x 32 heads, 64-wide blocks beat 32-wide by 6-7%; see BENCHMARKS.md)."""
     bvf = max(16, triton.next_power_of_2(V))
-    sms = _num_sms(device)
+    sms = num_sms(device)
     for bv in (64, 32):
         if bv <= bvf and n_heads_total * (bvf // bv) >= 4 * sms:
             return bv
@@ -199,21 +190,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
         _check_pool_shapes(ssm_state_indices, num_accepted_tokens, initial_state, n)
     scale = K ** -0.5 if scale is None else float(scale)
 
-    gate_fn = 0
-    a_log = dtb = None
-    if use_gate_in_kernel:
-        if A_log is None:
-            raise ValueError("`use_gate_in_kernel=True` needs `A_log`")
-        a_log = _param("A_log", A_log, HV, dev)
-        if dt_bias is not None:
-            dtb = _param("dt_bias", dt_bias, HV * K if gate == "kda" else HV, dev)
-        if gate == "kda" and lower_bound is not None:
-            lb = float(lower_bound)
-            if not lb < 0 or lb != lb or lb == float("-inf"):
-                raise ValueError(f"lower_bound must be a finite negative float, got {lower_bound!r}")
-            gate_fn = 2
-        else:
-            gate_fn = 1
+    gate_fn, a_log, dtb, lb = gate_params(gate, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, dev)
 
     qc, kc, vc, bc = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
     gc = qc if g is None else g.contiguous()
@@ -239,7 +216,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
         recurrent_kernel[(triton.cdiv(V, BV), n * HV)](
             qc, kc, vc, gc, bc,
             a_log if a_log is not None else o, dtb if dtb is not None else o,
-            float(lower_bound) if gate_fn == 2 else 0.0, scale,
+            lb, scale,
             o, h0 if h0 is not None else o, ht if ht is not None else o,
             cu_seqlens if cu_seqlens is not None else o, idx, n_acc, T,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IDX_W=idx_w,
