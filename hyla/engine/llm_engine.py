@@ -65,10 +65,10 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.eos_token_id = self._eos_token_id()
         self.requests: dict[str, Sequence] = {}
-        self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "prompt_tokens": 0,
-                        "generation_tokens": 0, "prefix_cache_query_tokens": 0, "prefix_cache_hit_tokens": 0,
-                        "spec_num_draft_tokens": 0, "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0,
-                        "num_preemptions": 0, "num_steps": 0, "num_requests_failed": 0}
+        # Counters the engine itself advances; get_metrics adds the scheduler's and the pools'.
+        self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_requests_failed": 0,
+                        "prompt_tokens": 0, "generation_tokens": 0, "spec_num_draft_tokens": 0,
+                        "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0, "num_steps": 0}
         self.spec = SpecDecoder(spec_cfg, self) if spec_cfg else None
 
     def _eos_token_id(self):
@@ -139,7 +139,6 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        self.metrics["num_preemptions"] = self.scheduler.num_preemptions
         if batch.is_empty:
             return []
         self.metrics["num_steps"] += 1
@@ -259,6 +258,7 @@ class LLMEngine:
 
     def get_metrics(self) -> dict:
         m = dict(self.metrics)
+        m["num_preemptions"] = self.scheduler.num_preemptions
         m["prefix_cache_query_tokens"] = self.scheduler.cache_query_tokens
         m["prefix_cache_hit_tokens"] = self.scheduler.cache_hit_tokens
         if self.prefix_cache is not None:
@@ -280,4 +280,4 @@ class LLMEngine:
         return m
 
 
-__all__ = ["LLMEngine", "Status"]
+__all__ = ["LLMEngine"]
