@@ -38,10 +38,11 @@ SUB_BLOCK = 16
 
 # Decay span up to which a block is computed in factorised form, e^{G_i - G_j} = e^{G_i - G_r} *
 # e^{G_r - G_j} around a reference token r inside it: every factor then lies in [e^-span, e^span],
-# far from overflow and underflow in the working dtype (fp32 max ~e^88), and each product carries
-# the same relative rounding as the direct exponential. Blocks that decay further (unbounded v1
+# inside the working dtype's normal range (fp32: e^-87 .. e^88), and each product carries the
+# same relative rounding as the direct exponential. Products below the diagonal are <= |x||y|;
+# only the masked ones above it can overflow, and those are discarded with torch.where. Blocks that decay further (unbounded v1
 # gates) take the sub-block / masked forms, which never evaluate a positive exponent.
-FACTORED_SPAN = {torch.float32: 60.0, torch.float64: 500.0}
+FACTORED_SPAN = {torch.float32: 80.0, torch.float64: 600.0}
 
 
 def _factored(x, y, G, ref, limit, dt):
@@ -88,7 +89,10 @@ def _kda_intra(q: torch.Tensor, k: torch.Tensor, G: torch.Tensor) -> tuple[torch
     tri, strict = _masks(q.shape[-2], q.device)
     xq, k_inv = _factored(q, k, G, 0.0, limit, dt)
     xk, _ = _factored(k, k, G, 0.0, limit, dt)
-    full = ((xq @ k_inv) * tri, (xk @ k_inv) * strict)
+    # torch.where, not a multiply: above the diagonal the factored products may overflow to inf
+    # (e^{G_i - G_j} with j > i), and inf * 0 would be NaN.
+    zero = q.new_zeros(())
+    full = (torch.where(tri, xq @ k_inv, zero), torch.where(strict, xk @ k_inv, zero))
     unsafe = (-G[..., -1, :]).amax(-1) > limit  # G is non-increasing: its last row is the span
     return _replace(full, unsafe, lambda idx: _kda_intra_blocked(q[idx], k[idx], G[idx]))
 
@@ -109,7 +113,8 @@ def _kda_intra_blocked(q, k, G):
 
     xq, k_inv = _factored(qb, kb, Gb, Gb[..., :1, :], limit, dt)
     xk, _ = _factored(kb, kb, Gb, Gb[..., :1, :], limit, dt)
-    diag = ((xq @ k_inv) * tri, (xk @ k_inv) * strict)  # [M, nb, S, S]
+    zero = q.new_zeros(())
+    diag = (torch.where(tri, xq @ k_inv, zero), torch.where(strict, xk @ k_inv, zero))  # [M, nb, S, S]
     unsafe = (Gb[..., 0, :] - Gb[..., -1, :]).amax(-1) > limit  # [M, nb]
     d_qk, d_kk = _replace(diag, unsafe, lambda idx: _masked_blocks(qb[idx], kb[idx], Gb[idx], tri, strict))
     if nb == 1:

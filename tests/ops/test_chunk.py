@@ -280,3 +280,16 @@ def test_every_intra_chunk_path(g_scale, dtype, tol):
     cast = lambda x: x.to(dtype)  # noqa: E731
     o, s = chunk_kda(cast(q), cast(k), cast(v), cast(g), cast(beta), initial_state=cast(h0), output_final_state=True)
     assert rel_err(o, o_ref) < tol and rel_err(s, s_ref) < tol
+
+
+def test_factored_path_overflow_above_the_diagonal_is_discarded():
+    # A chunk span just under the fp32 factored limit (80) and a large query: the products above
+    # the diagonal overflow to inf in fp32; they must be discarded, not turned into NaN.
+    q, k, v, _, beta, h0 = make_inputs(1, 64, 2, 16, 8, seed=40)
+    q = q * 1e6  # e^79 * 1e6 * |k| exceeds the fp32 range
+    g = torch.full((1, 64, 2, 16), -79.0 / 64, dtype=torch.float64)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    f32 = [x.float() for x in (q, k, v, g, beta, h0)]
+    o, s = chunk_kda(*f32[:5], initial_state=f32[5], output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
