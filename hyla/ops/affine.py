@@ -9,33 +9,21 @@ size does not depend on the run's length, which is what chunkwise prefill, state
 context parallelism (KCP) exchange. Composition is associative but not commutative:
 (M2, S2) after (M1, S1) = (M2 M1, M2 S1 + S2), identity (I, 0).
 
-How a segment is summarised (exactly, without a T-step loop of K x K products)
------------------------------------------------------------------------------
-Cut the segment into chunks of C tokens. Inside a chunk, with G_r the cumulative log-decay up to
-and including token r, write the decayed state before token r as
-
-    Diag(Γ_r) S_0 + Σ_{j<r} (k_j ⊙ Γ_r/Γ_j) δ_j^T,     δ_r = b_r (v_r - (that state)^T k_r),
-
-so the "new values" δ solve a unit-lower-triangular system (the UT / WY trick):
-
-    (I + A) δ = b ⊙ V - (b ⊙ K̄) S_0,     A_rj = b_r Σ_c k_rc k_jc exp(G_rc - G_jc)  (j < r),
-    K̄_r = k_r ⊙ Γ_r,     i.e. δ = U - W S_0 with U = (I+A)^-1 (b ⊙ V), W = (I+A)^-1 (b ⊙ K̄).
-
-The state after the chunk is Diag(Γ_C) S_0 + K_tail^T δ with K_tail_r = k_r ⊙ Γ_C/Γ_r, hence
-
-    M  = Diag(Γ_C) - K_tail^T W,      S~ = K_tail^T U.
-
-Every exponent used is a masked difference G_r - G_j with r >= j (the mask is applied to the
-exponent before ``exp``), G_r itself, or G_C - G_r: all <= 0 for log-decays g <= 0, so nothing
-overflows whatever the gate (the unbounded v1 gate included). Chunk summaries are then composed
-left to right.
+How a segment is summarised: one chunkwise pass
+-----------------------------------------------
+The recurrence is linear in (S, v) jointly. Run it over the segment with K + V value columns,
+values [0 | v] and initial state [I | 0]: the state after the segment is [M I + 0 | M 0 + S~] =
+[M | S~]. So one call of the chunkwise op (torch on the CPU, the Triton kernel on CUDA) gives
+the exact summary, with all of the chunk path's numerical care (no positive exponent is ever
+evaluated, so unbounded gates are fine), and no per-chunk Python loop.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hyla.ops.norm import l2norm
+from hyla.ops.dispatch import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda
+
 
 __all__ = ["segment_affine", "compose", "prefix_scan", "apply", "identity"]
 
@@ -70,38 +58,6 @@ def _check_segment(k, v, g, beta, gate):
     return B, T, H, HV, K, V
 
 
-def _chunk_summary(k, v, G, beta) -> Affine:
-    """Affine map of one chunk.
-
-    k: [B, HV, C, K]; v: [B, HV, C, V]; G: [B, HV, C, K] or [B, HV, C, 1] cumulative log-decay
-    within the chunk (per channel, or per head broadcast over K); beta: [B, HV, C].
-    Returns M: [B, HV, K, K], S~: [B, HV, K, V].
-    """
-    C = k.shape[-2]
-    strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)  # j < r
-    # Pairwise exponent G_r - G_j, masked to 0 -> -inf above/on the diagonal BEFORE exp so that
-    # no positive exponent is ever evaluated.
-    diff = G.unsqueeze(-2) - G.unsqueeze(-3)  # [B, HV, C(r), C(j), K or 1]
-    neg_inf = torch.tensor(float("-inf"), dtype=G.dtype, device=G.device)
-    decay = torch.where(strict.unsqueeze(-1), diff, neg_inf).exp()
-    if G.shape[-1] == 1:  # one decay per head: A = (K K^T) * decay
-        A = (k @ k.transpose(-1, -2)) * decay.squeeze(-1)
-    else:
-        A = torch.einsum("bhrc,bhjc,bhrjc->bhrj", k, k, decay)
-    A = beta.unsqueeze(-1) * A  # strictly lower; the unit diagonal is implied below
-
-    k_bar = k * G.exp()  # k_r ⊙ Γ_r                       [B, HV, C, K]
-    rhs = beta.unsqueeze(-1) * torch.cat([v, k_bar], dim=-1)  # [B, HV, C, V + K]
-    uw = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
-    U, W = uw[..., : v.shape[-1]], uw[..., v.shape[-1] :]
-
-    k_tail = k * (G[..., -1:, :] - G).exp()  # k_r ⊙ Γ_C / Γ_r         [B, HV, C, K]
-    gamma_c = G[..., -1, :].exp().expand(*k.shape[:-2], k.shape[-1])  # [B, HV, K]
-    M = torch.diag_embed(gamma_c) - k_tail.transpose(-1, -2) @ W
-    S = k_tail.transpose(-1, -2) @ U
-    return M, S
-
-
 def identity(B: int, HV: int, K: int, V: int, *, dtype=torch.float32, device=None) -> Affine:
     """The identity map (I, 0): M [B, HV, K, K], S~ [B, HV, K, V]."""
     M = torch.eye(K, dtype=dtype, device=device).expand(B, HV, K, K).clone()
@@ -130,25 +86,23 @@ def segment_affine(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
     dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
-    if use_qk_l2norm_in_kernel:
-        k = l2norm(k.to(dtype))
-    # Head-major layout [B, HV, T, ...]; grouped value heads share their key head.
-    k = k.to(dtype).repeat_interleave(HV // H, dim=2).transpose(1, 2)  # [B, HV, T, K]
-    v = v.to(dtype).transpose(1, 2)  # [B, HV, T, V]
-    b = beta.to(dtype).transpose(1, 2)  # [B, HV, T]
+    if T == 0:
+        return identity(B, HV, K, V, dtype=dtype, device=k.device)
+    # Values [0 | v] from the state [I | 0]: the final state is [M | S~] (see the module docstring).
+    v_ext = torch.cat([v.new_zeros(B, T, HV, K), v], dim=-1)  # [B, T, HV, K + V]
+    eye = torch.eye(K, dtype=dtype, device=k.device).expand(B, HV, K, K)
+    s0 = torch.cat([eye, eye.new_zeros(B, HV, K, V)], dim=-1)  # [B, HV, K, K + V]
+    kw = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+              chunk_size=chunk_size)
+    q = k  # the outputs are not used; any query of the right shape will do
     if gate == "kda":
-        g = g.to(dtype).transpose(1, 2)  # [B, HV, T, K]
+        _, final = chunk_kda(q, k, v_ext, g, beta, **kw)
     elif gate == "gdn":
-        g = g.to(dtype).transpose(1, 2).unsqueeze(-1)  # [B, HV, T, 1]
+        _, final = chunk_gated_delta_rule(q, k, v_ext, g, beta, **kw)
     else:
-        g = k.new_zeros(B, HV, T, 1)
-
-    M, S = identity(B, HV, K, V, dtype=dtype, device=k.device)
-    for s in range(0, T, chunk_size):
-        e = min(s + chunk_size, T)
-        G = g[:, :, s:e].cumsum(dim=2)
-        M, S = compose((M, S), _chunk_summary(k[:, :, s:e], v[:, :, s:e], G, b[:, :, s:e]))
-    return M, S
+        _, final = chunk_delta_rule(q, k, v_ext, beta, **kw)
+    final = final.to(dtype)
+    return final[..., :K].contiguous(), final[..., K:].contiguous()
 
 
 def _check_affine(name: str, a) -> Affine:
