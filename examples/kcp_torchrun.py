@@ -4,6 +4,8 @@
     torchrun --standalone --nproc-per-node 4 examples/kcp_torchrun.py --tokens 65536 --heads 8
     # CPU smoke test
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 examples/kcp_torchrun.py --backend gloo
+    # the multi-GPU measurement: bf16, even slices, H = 32, D = 128
+    torchrun --standalone --nproc-per-node 2 examples/kcp_torchrun.py --dtype bf16 --even-split --tokens 131072 --heads 32
 
 Each rank builds only its own slice, from a generator seeded with (seed, rank), so any rank can
 rebuild any slice. Slice lengths are uneven on purpose (rank r holds about (r+1) parts). Rank 0
@@ -42,8 +44,15 @@ def make_slice(rank: int, length: int, args, device) -> tuple[torch.Tensor, ...]
     # A mild decay (a ~ 0.98 on average) so information survives across slice boundaries.
     g = -F.softplus(r(B, length, H, K) - 4.0) if args.gate == "kda" else -F.softplus(r(B, length, H) - 4.0)
     beta = torch.rand(B, length, H, generator=gen)
-    dtype = torch.float64 if args.dtype == "fp64" else torch.float32
-    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v, g, beta))
+    dtype = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    # The log-decay stays fp32 (as fla and the kernels expect); everything else in `dtype`.
+    return tuple(x.to(device=device, dtype=torch.float32 if x is g and dtype == torch.bfloat16 else dtype)
+                 for x in (q, k, v, g, beta))
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -57,7 +66,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128, help="K = V")
     p.add_argument("--gate", choices=["kda", "gdn"], default="kda")
-    p.add_argument("--dtype", choices=["fp32", "fp64"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "fp64", "bf16"], default="fp32")
+    p.add_argument("--even-split", action="store_true", help="equal slices (default: rank r holds ~(r+1) parts)")
+    p.add_argument("--repeat", type=int, default=5, help="timed runs (median reported)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true", help="skip the single-process reference on rank 0")
@@ -71,25 +82,40 @@ def main() -> None:
         device = torch.device("cpu")
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    lengths = slice_lengths(args.tokens, world)
+    lengths = [args.tokens // world + (r < args.tokens % world) for r in range(world)] if args.even_split \
+        else slice_lengths(args.tokens, world)
     cp_op, op = (chunk_kda_cp, chunk_kda) if args.gate == "kda" else (chunk_gated_delta_rule_cp, chunk_gated_delta_rule)
 
     q, k, v, g, beta = make_slice(rank, lengths[rank], args, device)
     h0 = torch.randn(args.batch, args.heads, args.head_dim, args.head_dim,
-                     generator=torch.Generator().manual_seed(args.seed)).to(device=device, dtype=q.dtype)
+                     generator=torch.Generator().manual_seed(args.seed)).to(device=device, dtype=torch.float32
+                                                                             if q.dtype == torch.bfloat16 else q.dtype)
     cp_op(q, k, v, g, beta, initial_state=h0)  # warm-up (kernels, NCCL communicators)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with count_comm_bytes() as counter:
-        o, final = cp_op(q, k, v, g, beta, initial_state=h0)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) * 1e3
+    times = []
+    for _ in range(args.repeat):
+        _sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with count_comm_bytes() as counter:
+            o, final = cp_op(q, k, v, g, beta, initial_state=h0)
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = sorted(times)[len(times) // 2]
+    # The collective alone, on a buffer of the summary's size: its share of the step.
+    buf = torch.zeros(counter.bytes_sent // 4, dtype=torch.float32, device=device)
+    out = torch.empty(world * buf.numel(), dtype=torch.float32, device=device)
+    gather_times = []
+    for _ in range(args.repeat + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dist.all_gather_into_tensor(out, buf)
+        _sync(device)
+        gather_times.append((time.perf_counter() - t0) * 1e3)
+    gather_ms = sorted(gather_times[1:])[len(gather_times[1:]) // 2]
 
     # Reporting only: collect per-rank figures and outputs on rank 0 (not counted above).
     stats = [None] * world
-    dist.all_gather_object(stats, (lengths[rank], counter.bytes_sent, ms))
+    dist.all_gather_object(stats, (lengths[rank], counter.bytes_sent, ms, gather_ms))
     outs = [o]
     if not args.no_check and rank == 0:
         for r in range(1, world):
@@ -99,20 +125,32 @@ def main() -> None:
         dist.send(o.contiguous(), dst=0)
 
     if rank == 0:
-        summary_dtype = torch.float64 if args.dtype == "fp64" else torch.float32
+        summary_dtype = torch.float64 if args.dtype == "fp64" else torch.float32  # bf16 summarises in fp32
         want = kcp_comm_bytes(args.batch, args.heads, args.head_dim, args.head_dim, summary_dtype)
         print(f"KCP {args.gate} on {backend}, {world} ranks, T={args.tokens}, B={args.batch}, H={args.heads}, "
               f"K=V={args.head_dim}, {args.dtype}")
-        for r, (n, sent, t) in enumerate(stats):
-            print(f"  rank {r}: {n:>8} tokens  sent {sent} bytes (expected {want})  {t:.1f} ms")
+        for r, (n, sent, t, tg) in enumerate(stats):
+            print(f"  rank {r}: {n:>8} tokens  sent {sent} bytes (expected {want})  {t:.2f} ms "
+                  f"(all-gather alone {tg:.3f} ms, {100 * tg / t:.1f}%)")
         if not args.no_check:
             parts = [make_slice(r, lengths[r], args, device) for r in range(world)]
             full = [torch.cat([part[i] for part in parts], dim=1) for i in range(5)]
             o_ref, final_ref = op(*full, initial_state=h0, output_final_state=True)
+            single = []
+            for _ in range(args.repeat):
+                _sync(device)
+                t0 = time.perf_counter()
+                op(*full, initial_state=h0, output_final_state=True)
+                _sync(device)
+                single.append((time.perf_counter() - t0) * 1e3)
+            one = sorted(single)[len(single) // 2]
+            slowest = max(t for _, _, t, _ in stats)
+            print(f"  one process on the whole sequence: {one:.2f} ms; KCP (slowest rank) {slowest:.2f} ms: "
+                  f"speed-up {one / slowest:.2f}x, efficiency {one / slowest / world:.0%}")
             o_all = torch.cat(outs, dim=1)
             print(f"  vs single-process {op.__name__}: output rel err {rel_err(o_all, o_ref):.3e}, "
                   f"final state rel err {rel_err(final, final_ref):.3e}")
-        ok = all(sent == want for _, sent, _ in stats)
+        ok = all(sent == want for _, sent, _, _ in stats)
         print("  bytes sent per rank match the formula" if ok else "  BYTES MISMATCH")
     dist.destroy_process_group()
 
