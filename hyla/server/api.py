@@ -135,6 +135,15 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
             if not finished:
                 runner.abort(rid)
 
+    async def final_output(request: Request, rid: str, ids, params):
+        """Wait for a non-streamed request's last output (499 if the client left first)."""
+        last = None
+        async for last in results(request, rid, ids, params):
+            pass
+        if last is None:
+            raise APIError(499, "client closed the request")
+        return last
+
     def usage(ids, out):
         n = len(out.outputs[0].token_ids) if out.outputs else 0
         return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
@@ -205,11 +214,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        last = None
-        async for last in results(request, rid, ids, params):
-            pass
-        if last is None:
-            raise APIError(499, "client closed the request")
+        last = await final_output(request, rid, ids, params)
         c = last.outputs[0]
         choice = {"index": 0, "text": c.text, "finish_reason": c.finish_reason,
                   "logprobs": completion_logprobs(last, 0, n_top)}
@@ -253,11 +258,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
 
             return StreamingResponse(events(), media_type="text/event-stream")
 
-        last = None
-        async for last in results(request, rid, ids, params):
-            pass
-        if last is None:
-            raise APIError(499, "client closed the request")
+        last = await final_output(request, rid, ids, params)
         c = last.outputs[0]
         choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
                   "logprobs": chat_logprobs(last, 0)}
