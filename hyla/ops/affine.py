@@ -24,7 +24,6 @@ import torch
 
 from hyla.ops.dispatch import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda
 
-
 __all__ = ["segment_affine", "compose", "prefix_scan", "apply", "identity"]
 
 Affine = tuple[torch.Tensor, torch.Tensor]  # (M [..., K, K], S~ [..., K, V])

@@ -29,9 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyla.ops.gate import gdn_gate, kda_gate
-from hyla.ops.norm import l2norm
-from hyla.ops.utils import check_checkpoints, check_inputs, expand_heads, work_dtype
+from hyla.ops.utils import check_checkpoints, check_inputs, expand_heads, fused_preprocessing, work_dtype
 
 SUB_BLOCK = 16
 
@@ -40,8 +38,9 @@ SUB_BLOCK = 16
 # e^{G_r - G_j} around a reference token r inside it: every factor then lies in [e^-span, e^span],
 # inside the working dtype's normal range (fp32: e^-87 .. e^88), and each product carries the
 # same relative rounding as the direct exponential. Products below the diagonal are <= |x||y|;
-# only the masked ones above it can overflow, and those are discarded with torch.where. Blocks that decay further (unbounded v1
-# gates) take the sub-block / masked forms, which never evaluate a positive exponent.
+# only the masked ones above it can overflow, and those are discarded with torch.where. Blocks
+# that decay further (unbounded v1 gates) take the sub-block / masked forms, which never
+# evaluate a positive exponent.
 FACTORED_SPAN = {torch.float32: 80.0, torch.float64: 600.0}
 
 
@@ -284,14 +283,10 @@ def _chunk(q, k, v, g, beta, *, gate, scale, initial_state, output_final_state, 
     HV = v.shape[2]
     dt = work_dtype(q)
     scale = K ** -0.5 if scale is None else scale
-    if use_gate_in_kernel:
-        if A_log is None:
-            raise ValueError("`use_gate_in_kernel=True` needs `A_log`")
-        g = kda_gate(g, A_log, dt_bias, lower_bound) if gate == "kda" else gdn_gate(g, A_log, dt_bias)
-    if use_beta_sigmoid_in_kernel:
-        beta = beta.sigmoid()
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q.to(dt)), l2norm(k.to(dt))
+    q, k, g, beta = fused_preprocessing(
+        q, k, g, beta, gate=gate, dt=dt, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     q, k = expand_heads(q.to(dt), HV), expand_heads(k.to(dt), HV)
 
     packing = _Packing(cu_seqlens, B, T, chunk_size, q.device)

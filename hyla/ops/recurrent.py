@@ -20,9 +20,7 @@ from __future__ import annotations
 import torch
 
 from hyla.ops import utils
-from hyla.ops.gate import gdn_gate, kda_gate
-from hyla.ops.norm import l2norm
-from hyla.ops.utils import check_inputs, expand_heads, work_dtype
+from hyla.ops.utils import check_inputs, expand_heads, fused_preprocessing, work_dtype
 
 
 def _check_pool_args(ssm_state_indices, num_accepted_tokens, initial_state, n, lengths):
@@ -71,14 +69,10 @@ def _recurrent(q, k, v, g, beta, *, gate, scale, initial_state, output_final_sta
     dt = work_dtype(q)
     out_dtype = v.dtype
     scale = K ** -0.5 if scale is None else scale
-    if use_gate_in_kernel:
-        if A_log is None:
-            raise ValueError("`use_gate_in_kernel=True` needs `A_log`")
-        g = kda_gate(g, A_log, dt_bias, lower_bound) if gate == "kda" else gdn_gate(g, A_log, dt_bias)
-    if use_beta_sigmoid_in_kernel:
-        beta = beta.sigmoid()
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q.to(dt)), l2norm(k.to(dt))
+    q, k, g, beta = fused_preprocessing(
+        q, k, g, beta, gate=gate, dt=dt, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+        lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     # Flatten to the packed token axis: [B*T, HV, ...]; sequence n owns [starts[n], starts[n] + len_n).
     q, k = (expand_heads(x.to(dt), HV).flatten(0, 1) for x in (q, k))
     v = v.to(dt).flatten(0, 1)

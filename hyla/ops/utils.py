@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from hyla.ops.gate import gdn_gate, kda_gate
+from hyla.ops.norm import l2norm
+
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -108,6 +111,22 @@ def check_inputs(
     if check_gate_sign and g is not None and g.numel() and bool((g > 0).any()):
         raise ValueError("`g` is a log-decay and must be <= 0 everywhere (found positive entries)")
     return n
+
+
+def fused_preprocessing(q, k, g, beta, *, gate, dt, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                        use_beta_sigmoid_in_kernel, use_qk_l2norm_in_kernel):
+    """What the ops' fused flags ask for, applied once: raw gate -> log-decay (kda_gate /
+    gdn_gate), beta logits -> sigmoid, q / k -> L2-normalised (in the work dtype `dt`).
+    Returns (q, k, g, beta)."""
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("`use_gate_in_kernel=True` needs `A_log`")
+        g = kda_gate(g, A_log, dt_bias, lower_bound) if gate == "kda" else gdn_gate(g, A_log, dt_bias)
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.sigmoid()
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q.to(dt)), l2norm(k.to(dt))
+    return q, k, g, beta
 
 
 def seq_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[tuple[int, int, int]]:
