@@ -45,27 +45,38 @@ class _NoSync:
         return guarded
 
 
-def test_padded_decode_equals_eager_cpu(ckpt, monkeypatch):
+@pytest.fixture(scope="module")
+def qwen_ckpt(tmp_path_factory):
+    from tests.oracles.qwen3_next_checkpoint import build_qwen3_next_checkpoint
+
+    return build_qwen3_next_checkpoint(tmp_path_factory.mktemp("graph-qwen"), "dense")
+
+
+@pytest.mark.parametrize("family", ["kimi", "qwen3_next"])
+def test_padded_decode_equals_eager_cpu(ckpt, qwen_ckpt, family, monkeypatch):
     """Prefilled sequences (contexts across page boundaries) and a one-token prompt whose slot
     holds garbage decode 4 steps: the padded graph inputs (5 rows -> bucket 8, slots -1, pages -1)
-    give the eager logits and leave every pool row a request owns exactly as eager does."""
-    model = load_model(ckpt, dtype=torch.float64)
-    slots, pages = 8, 24
+    give the eager logits and leave every pool row a request owns exactly as eager does. Both
+    families (KDA + MLA, Gated DeltaNet + gated attention)."""
+    model = load_model(ckpt if family == "kimi" else qwen_ckpt, dtype=torch.float64)
+    recurrent_name = "fused_recurrent_kda" if family == "kimi" else "fused_recurrent_gated_delta_rule"
+    steps = 4
+    gen = torch.Generator().manual_seed(0)
+    lens = [5, 16, 17, 40]
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    seq_slots = [3, 0, 5, 1, 4]  # the last one: a one-token prompt that starts in decode
+    tables, first = [], 0
+    for n in lens + [1]:
+        need = -(-(n + steps) // PAGE)
+        tables.append(list(range(first, first + need))[::-1])  # out of order on purpose
+        first += need
+    slots, pages = 8, first
     eager = model.allocate_cache(slots, pages, page_size=PAGE)
     graph = model.allocate_cache(slots + SCRATCH, pages + SCRATCH, page_size=PAGE)
-    gen = torch.Generator().manual_seed(0)
     for a, b in zip(eager.layers, graph.layers):
         for ta, tb in zip(a.tensors(), b.tensors()):
             tb.copy_(torch.randn(tb.shape, generator=gen, dtype=tb.dtype))  # garbage, never zeros
             ta.copy_(tb[:ta.shape[0]])
-    lens = [5, 16, 17, 40]
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lens]
-    seq_slots = [3, 0, 5, 1, 4]  # the last one: a one-token prompt that starts in decode
-    tables, first = [], 0
-    for n in lens + [1]:
-        need = -(-(n + 4) // PAGE)
-        tables.append(list(range(first, first + need))[::-1])  # out of order on purpose
-        first += need
     batch = ForwardBatch.build(lens, [0] * 4, tables[:4], seq_slots[:4])
     ids = torch.tensor([t for p in prompts for t in p])
     with torch.inference_mode():
@@ -74,13 +85,13 @@ def test_padded_decode_equals_eager_cpu(ckpt, monkeypatch):
         for ta, tb in zip(a.tensors(), b.tensors()):
             tb[:ta.shape[0]] = ta
     cu = batch.cu_seqlens_list
-    tokens = [int(hidden[cu[i + 1] - 1].argmax()) for i in range(4)] + [7]
+    tokens = [int(model.compute_logits(hidden[cu[i + 1] - 1]).argmax()) for i in range(4)] + [7]
     ctx = lens + [0]
 
     runner = CUDAGraphRunner(model, graph, max_batch=slots, capture=False)
     nosync = _NoSync(monkeypatch)
     monkeypatch.setattr(utils, "is_capturing", lambda t: True)  # the ops' capture paths
-    recurrent = dispatch.fused_recurrent_kda
+    recurrent = getattr(dispatch, recurrent_name)
 
     def torch_recurrent(*a, **k):  # the CPU stand-in for the (sync-free) Triton kernel
         on, nosync.on = nosync.on, False
@@ -88,7 +99,7 @@ def test_padded_decode_equals_eager_cpu(ckpt, monkeypatch):
             return recurrent(*a, **k)
         finally:
             nosync.on = on
-    monkeypatch.setattr(dispatch, "fused_recurrent_kda", torch_recurrent)
+    monkeypatch.setattr(dispatch, recurrent_name, torch_recurrent)
     forward = runner._forward
 
     def no_sync_forward(*a):
@@ -99,7 +110,7 @@ def test_padded_decode_equals_eager_cpu(ckpt, monkeypatch):
             nosync.on = False
     monkeypatch.setattr(runner, "_forward", no_sync_forward)
 
-    for _ in range(4):
+    for _ in range(steps):
         step = ForwardBatch.build([1] * 5, ctx, tables, seq_slots)
         with torch.inference_mode():
             want = model.compute_logits(model.forward_batch(torch.tensor(tokens), step, eager))
