@@ -151,19 +151,8 @@ class GatedAttention(nn.Module):
         q: [S, H, D] -> [S, H * D]. Attends over the first ceil(max length / page_size) pages of
         each block table (every column for a CUDA-graph batch, whose shapes must not depend on
         the lengths), masked per row."""
-        page_size = cache.k.shape[1]
-        if seqs is None:
-            tables, lens = batch.block_tables, batch.context_lens + 1
-            longest = None if batch.cuda_graph else max(batch.context_lens_list) + 1
-        else:
-            host_lens = [batch.context_lens_list[n] + 1 for n in seqs]
-            idx = torch.tensor(seqs, device=q.device)
-            tables, lens = batch.block_tables[idx], torch.tensor(host_lens, device=q.device)
-            longest = max(host_lens)
-        n_pages = tables.shape[1] if longest is None else -(-longest // page_size)
-        pages = tables[:, :n_pages].clamp(min=0)  # padding pages are masked below
+        pages, valid = batch.decode_window(seqs, cache.k.shape[1])  # [S, P], [S, P * page_size]
         ks, vs = (t[pages].flatten(1, 2) for t in (cache.k, cache.v))  # [S, L, Hkv, D]
-        valid = torch.arange(ks.shape[1], device=q.device)[None, :] < lens[:, None]  # [S, L]
         qg = q.unflatten(1, (self.num_kv_heads, self.groups))  # [S, Hkv, G, D]
         work = torch.float64 if ks.dtype == torch.float64 else torch.float32  # softmax in >= fp32
         scores = torch.einsum("skgd,sjkd->skgj", qg, ks).to(work) * self.scaling  # [S, Hkv, G, L]

@@ -116,19 +116,8 @@ class MLAAttention(nn.Module):
         q: [S, H, nope + rope]; kv: [num_pages, page_size, r + rope] -> [S, H * v_dim].
         Attends over the first ceil(max length / page_size) pages of each block table (every column
         for a CUDA-graph batch, whose shapes must not depend on the lengths), masked per row."""
-        page_size = kv.shape[1]
-        if seqs is None:
-            tables, lens = batch.block_tables, batch.context_lens + 1
-            longest = None if batch.cuda_graph else max(batch.context_lens_list) + 1
-        else:
-            host_lens = [batch.context_lens_list[n] + 1 for n in seqs]
-            idx = torch.tensor(seqs, device=q.device)
-            tables, lens = batch.block_tables[idx], torch.tensor(host_lens, device=q.device)
-            longest = max(host_lens)
-        n_pages = tables.shape[1] if longest is None else -(-longest // page_size)
-        pages = tables[:, :n_pages].clamp(min=0)  # padding pages are masked below
+        pages, valid = batch.decode_window(seqs, kv.shape[1])  # [S, P], [S, P * page_size]
         lat = kv[pages].flatten(1, 2)  # [S, L, r + rope]
-        valid = torch.arange(lat.shape[1], device=q.device)[None, :] < lens[:, None]
         w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope + self.v_dim))  # [H, nope+v, r]
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)

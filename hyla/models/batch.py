@@ -169,6 +169,26 @@ class ForwardBatch:
             self._memo[key] = pages * page_size + pos % page_size
         return self._memo[key]
 
+    def decode_window(self, seqs: list[int] | None, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages and validity mask for one-query-token attention of sequences `seqs` (None: every
+        sequence of a decode batch). Covers the first ceil(longest length / page_size) pages of
+        each block table, or every column for a CUDA-graph batch (whose shapes must not depend on
+        the lengths). Returns pages [S, P] (padding pages clamped to 0: masked out) and
+        valid [S, P * page_size] (token t of the window is within the sequence)."""
+        device = self.block_tables.device
+        if seqs is None:
+            tables, lens = self.block_tables, self.context_lens + 1
+            longest = None if self.cuda_graph else max(self.context_lens_list) + 1
+        else:
+            host_lens = [self.context_lens_list[n] + 1 for n in seqs]
+            tables = self.block_tables[torch.tensor(seqs, device=device)]
+            lens = torch.tensor(host_lens, device=device)
+            longest = max(host_lens)
+        n_pages = tables.shape[1] if longest is None else -(-longest // page_size)
+        pages = tables[:, :n_pages].clamp(min=0)
+        valid = torch.arange(n_pages * page_size, device=device)[None, :] < lens[:, None]
+        return pages, valid
+
     def has_context(self) -> torch.Tensor:
         """[N] bool: sequence n resumes from cached state (context_lens[n] > 0)."""
         return self.context_lens > 0

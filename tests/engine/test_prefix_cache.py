@@ -2,10 +2,10 @@
 and hits are as long as the design promises."""
 
 import pytest
-import torch
 
 from hyla import LLM, SamplingParams
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
+from tests.oracles.variants import rand_tokens as rand
 
 SP = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -13,10 +13,6 @@ SP = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return build_kimi_checkpoint(tmp_path_factory.mktemp("prefix"), "dense", with_tokenizer=True)
-
-
-def rand(n, seed):
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")

@@ -3,22 +3,18 @@ code: batching, chunked prefill, preemption, the prefix cache, speculative decod
 draft model, both rollbacks) and the CUDA-graph decode inputs all leave greedy output unchanged,
 and greedy output equals transformers' generate."""
 
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from hyla import LLM, SamplingParams
 from hyla.engine.cuda_graph import graph_safe
 from hyla.models import load_model
 from tests.oracles.qwen3_next_checkpoint import build_qwen3_next_checkpoint, load_qwen3_next_reference
+from tests.oracles.variants import noisy_lm_head_copy
+from tests.oracles.variants import rand_tokens as rand
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def rand(n, seed):
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +134,7 @@ SPEC_GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 @pytest.fixture(scope="module")
 def near_draft(ckpt, tmp_path_factory):
     """The target with noise on its LM head: agrees often, not always (partial acceptance)."""
-    path = tmp_path_factory.mktemp("qwen3next-draft") / "near"
-    shutil.copytree(ckpt, path)
-    tensors = load_file(path / "model.safetensors")
-    gen = torch.Generator().manual_seed(5)
-    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.05 * torch.randn(
-        tensors["lm_head.weight"].shape, generator=gen)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return noisy_lm_head_copy(ckpt, tmp_path_factory.mktemp("qwen3next-draft") / "near", scale=0.05)
 
 
 @pytest.fixture(scope="module")

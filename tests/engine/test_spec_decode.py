@@ -1,21 +1,17 @@
 """Speculative decoding never changes greedy output and samples the target distribution exactly."""
 
 import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from hyla import LLM, SamplingParams
 from hyla.engine.spec_decode import SpecConfig, accept
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
+from tests.oracles.variants import noisy_lm_head_copy
+from tests.oracles.variants import rand_tokens as rand
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-
-
-def rand(n, seed):
-    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +22,7 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def near_draft(ckpt, tmp_path_factory):
     """The target with noise on its LM head: agrees often, not always (partial acceptance)."""
-    path = tmp_path_factory.mktemp("draft") / "near"
-    shutil.copytree(ckpt, path)
-    tensors = load_file(path / "model.safetensors")
-    gen = torch.Generator().manual_seed(5)
-    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 0.02 * torch.randn(
-        tensors["lm_head.weight"].shape, generator=gen)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return noisy_lm_head_copy(ckpt, tmp_path_factory.mktemp("draft") / "near")
 
 
 PROMPTS = [rand(12, 1) * 3, rand(30, 2), rand(5, 3) * 4 + [9], [7], rand(70, 4)]
