@@ -37,17 +37,23 @@ def slice_lengths(tokens: int, world: int) -> list[int]:
 
 def make_slice(rank: int, length: int, args, device) -> tuple[torch.Tensor, ...]:
     """q, k [B, L, H, K]; v [B, L, H, V]; g [B, L, H, K] (kda) or [B, L, H] (gdn); beta [B, L, H]."""
-    gen = torch.Generator().manual_seed(args.seed * 100_003 + rank)
+    # Drawn on the device itself (a CPU generator is slow at 512K x 32 heads), from a generator of
+    # that device type seeded with (seed, rank): the same numbers whichever process draws them.
+    gen = torch.Generator(device=device).manual_seed(args.seed * 100_003 + rank)
     B, H, K, V = args.batch, args.heads, args.head_dim, args.head_dim
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=gen, device=device)  # noqa: E731
     q, k, v = r(B, length, H, K), F.normalize(r(B, length, H, K), dim=-1), r(B, length, H, V)
     # A mild decay (a ~ 0.98 on average) so information survives across slice boundaries.
     g = -F.softplus(r(B, length, H, K) - 4.0) if args.gate == "kda" else -F.softplus(r(B, length, H) - 4.0)
-    beta = torch.rand(B, length, H, generator=gen)
+    beta = torch.rand(B, length, H, generator=gen, device=device)
     dtype = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     # The log-decay stays fp32 (as fla and the kernels expect); everything else in `dtype`.
     return tuple(x.to(device=device, dtype=torch.float32 if x is g and dtype == torch.bfloat16 else dtype)
                  for x in (q, k, v, g, beta))
+
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
+gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _sync(device) -> None:
@@ -108,7 +114,7 @@ def main() -> None:
     for _ in range(args.repeat + 1):
         _sync(device)
         t0 = time.perf_counter()
-        dist.all_gather_into_tensor(out, buf)
+        gather_into(out, buf)
         _sync(device)
         gather_times.append((time.perf_counter() - t0) * 1e3)
     gather_ms = sorted(gather_times[1:])[len(gather_times[1:]) // 2]

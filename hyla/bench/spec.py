@@ -12,6 +12,7 @@ inputs of the verify window).
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -42,6 +43,12 @@ def replay_bytes_per_token(model) -> int:
     return per_layer * n_linear
 
 
+def _release_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _run(llm, prompts, params) -> tuple[float, int, dict]:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -59,27 +66,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=1, help="prompts decoded together (copies of the set)")
     p.add_argument("--device", default=None)
+    p.add_argument("--memory-budget", type=int, default=1 << 30, help="bytes of KV pages + state slots per engine")
     args = p.parse_args(argv)
     model = str(args.model or default_model_path())
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
-    base = LLM(model, device=args.device, enable_prefix_caching=False)
+    # Prefix caching off for every engine, so only speculation differs; a modest KV / state
+    # budget so that the engines built one after another fit on one device.
+    opts = dict(device=args.device, enable_prefix_caching=False, memory_budget=args.memory_budget)
+    base = LLM(model, **opts)
     slot = base.engine.model.state_bytes_per_slot()
     per_tok = replay_bytes_per_token(base.engine.model)
     print(f"# {model}, device {base.engine.model.device}, greedy, {args.max_tokens} new tokens, batch {args.batch}")
     print(f"{'prompts':<11} {'spec':<14} {'tok/s':>8} {'speed-up':>9} {'mean acc':>9} {'state KiB/req':>14}")
     for name, prompts in (("repetitive", REPETITIVE), ("free text", FREE)):
         prompts = prompts * args.batch
-        _run(base, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+        _run(base, prompts, SamplingParams(temperature=0.0, max_tokens=16))  # warm-up, graph capture
         t0, n0, _ = _run(base, prompts, params)
         rows.append({"prompts": name, "spec": "off", "tok_s": n0 / t0, "speedup": 1.0, "mean_acc": 1.0,
                      "state_bytes": slot})
         for k in args.k:
             for rollback in ("slots", "replay"):
                 cfg = {"method": "ngram", "num_speculative_tokens": k, "rollback": rollback}
-                llm = LLM(model, device=args.device, speculative_config=cfg)
-                _run(llm, prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))
+                llm = LLM(model, speculative_config=cfg, **opts)
+                _run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16))  # warm-up, graph capture
                 t, n, m = _run(llm, prompts, params)
+                del llm
+                _release_device_memory()
                 mem = (1 + k) * slot if rollback == "slots" else slot + (1 + k) * per_tok
                 rows.append({"prompts": name, "spec": f"k={k} {rollback}", "tok_s": n / t,
                              "speedup": (n / t) / (n0 / t0), "mean_acc": m["spec_mean_accepted_length"],

@@ -1,23 +1,27 @@
 """hyla.parallel: context parallelism for linear-attention layers over torch.distributed.
 
-- `chunk_kda_cp`, `chunk_gated_delta_rule_cp`: KCP forward (one all-gather of fixed-size
-  (M, S~) slice summaries, a prefix scan, then the local chunked kernel) -- hyla.parallel.kcp
+- `chunk_kda_cp`, `chunk_gated_delta_rule_cp`: KCP forward (one local chunked pass giving the
+  slice's outputs from a zero state and its fixed-size (M, S~) summary, one all-gather, a prefix
+  scan, then one matmul adding the incoming state's share) -- hyla.parallel.kcp
+- `local_pass`, `add_incoming`: the two local halves of that forward
 - `count_comm_bytes`, `kcp_comm_bytes`, `softmax_cp_comm_bytes`: what is sent, measured and predicted
 - `simulate_kcp`, `scan_summaries`: the same computation in one process
 """
 
 from hyla.parallel.kcp import (
     CommCounter,
+    add_incoming,
     chunk_gated_delta_rule_cp,
     chunk_kda_cp,
     count_comm_bytes,
     kcp_comm_bytes,
+    local_pass,
     scan_summaries,
     simulate_kcp,
     softmax_cp_comm_bytes,
 )
 
 __all__ = [
-    "chunk_kda_cp", "chunk_gated_delta_rule_cp", "count_comm_bytes", "CommCounter",
-    "kcp_comm_bytes", "softmax_cp_comm_bytes", "scan_summaries", "simulate_kcp",
+    "chunk_kda_cp", "chunk_gated_delta_rule_cp", "local_pass", "add_incoming", "count_comm_bytes",
+    "CommCounter", "kcp_comm_bytes", "softmax_cp_comm_bytes", "scan_summaries", "simulate_kcp",
 ]

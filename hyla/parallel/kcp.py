@@ -9,12 +9,24 @@ is an affine map of the state, so a whole slice r is one map S -> M_r S + S~_r w
 [K, K] and S~_r [K, V] per (batch, head) -- a size that does not depend on the slice length.
 Each rank therefore
 
-1. summarises its slice: (M_r, S~_r) = segment_affine(k, v, g, beta)     (local, parallel)
+1. runs one chunked pass over its slice (local, parallel) that gives both its summary and its
+   outputs up to the unknown incoming state (see "One local pass" below);
 2. all-gathers the summaries of every rank                      (B*HV*(K^2 + K*V) values sent)
 3. scans them in rank order from ``initial_state``:
        S_in(0) = initial_state,   S_in(r+1) = M_r S_in(r) + S~_r
    which gives its own incoming state and the final state (the same on every rank)
-4. runs the ordinary chunked kernel on its slice from S_in(rank)          (local, parallel)
+4. adds the incoming state's share to its outputs: one batched matmul, no second pass.
+
+One local pass. The recurrence is linear in (state, values) jointly, so run it with K + V value
+columns, values [v | 0] and initial state [0 | I]: the state after token t is [S~_t | A_t], where
+S~_t is the state reached from zero and A_t the product of the transition matrices so far (the
+final [S~ | A] is the summary (S~, M)), and the output is scale * q_t^T [S~_t | A_t] =
+[o~_t | P_t]. From the true incoming state S_in, S_t = A_t S_in + S~_t, hence
+
+    o_t = o~_t + P_t S_in          (P_t: [K] per head, S_in: [K, V])
+
+one [T, K] x [K, V] matmul per head. Each rank thus costs one chunk pass over K + V columns
+instead of a summary pass plus a second pass from S_in.
 
 Why the states cannot simply be added, as for plain linear attention (S = sum_t k_t v_t^T):
 the (I - b k k^T) Diag(a) factors of later tokens act on everything written before them and do
@@ -39,14 +51,16 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from hyla.ops.affine import segment_affine
-from hyla.ops.chunk import SUB_BLOCK, chunk_gated_delta_rule, chunk_kda
+from hyla.ops.chunk import SUB_BLOCK
+from hyla.ops.dispatch import chunk_gated_delta_rule, chunk_kda  # the Triton kernels on CUDA
 from hyla.ops.utils import check_inputs
 
 __all__ = [
     "chunk_kda_cp",
     "chunk_gated_delta_rule_cp",
     "scan_summaries",
+    "local_pass",
+    "add_incoming",
     "simulate_kcp",
     "count_comm_bytes",
     "CommCounter",
@@ -218,15 +232,50 @@ def _group_info(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def local_pass(q, k, v, g, beta, *, gate, scale=None, use_qk_l2norm_in_kernel=False, chunk_size=64):
+    """One chunked pass over a slice from an unknown incoming state (module docstring).
+
+    q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta as for ``chunk_kda`` / ``chunk_gated_delta_rule``.
+    Returns (o_zero [B, T, HV, V] in v.dtype: the outputs from a zero incoming state,
+    P [B, T, HV, K] in v.dtype: o_t = o_zero_t + P_t @ S_in, M [B, HV, K, K] and
+    S~ [B, HV, K, V] in fp32 (fp64 for fp64 inputs): the slice maps S_in to M S_in + S~).
+    """
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    work = torch.float64 if v.dtype == torch.float64 else torch.float32
+    if T == 0:  # an empty slice maps every state to itself
+        eye = torch.eye(K, dtype=work, device=v.device).expand(B, HV, K, K).clone()
+        return v.new_zeros(B, 0, HV, V), v.new_zeros(B, 0, HV, K), eye, eye.new_zeros(B, HV, K, V)
+    v_ext = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1)  # [B, T, HV, V + K]
+    eye = torch.eye(K, dtype=work, device=v.device).expand(B, HV, K, K)
+    s0 = torch.cat([eye.new_zeros(B, HV, K, V), eye], dim=-1)  # [B, HV, K, V + K]
+    op = chunk_kda if gate == "kda" else chunk_gated_delta_rule
+    o_ext, final = op(q, k, v_ext, g, beta, scale=scale, initial_state=s0, output_final_state=True,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+    final = final.to(work)
+    return o_ext[..., :V], o_ext[..., V:], final[..., V:].contiguous(), final[..., :V].contiguous()
+
+
+def add_incoming(o_zero: torch.Tensor, P: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
+    """o = o_zero + P @ S_in per token and head, accumulated in fp32 (fp64 for fp64).
+
+    o_zero: [B, T, HV, V]; P: [B, T, HV, K]; incoming: [B, HV, K, V]. Returns [B, T, HV, V] in
+    o_zero.dtype."""
+    work = incoming.dtype
+    corr = torch.einsum("bthk,bhkv->bthv", P.to(work), incoming)
+    return (o_zero.to(work) + corr).to(o_zero.dtype)
+
+
 def _cp_forward(q, k, v, g, beta, *, gate, group, scale, initial_state, use_qk_l2norm_in_kernel, chunk_size):
     _validate(q, k, v, g, beta, gate, initial_state, chunk_size)
     rank, world = _group_info(group)
     B, _, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
 
-    # 1. This slice as one affine map; its shape does not depend on T_local.
-    M, S = segment_affine(k, v, g, beta, gate=gate, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                          chunk_size=chunk_size)  # [B, HV, K, K], [B, HV, K, V]
+    # 1. One pass: this slice's outputs up to the incoming state, and its summary (M, S~),
+    # whose shape does not depend on T_local.
+    o_zero, P, M, S = local_pass(q, k, v, g, beta, gate=gate, scale=scale,
+                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
     # 2. One collective: M and S~ travel in a single flat buffer.
     buf = torch.cat([M.reshape(-1), S.reshape(-1)]).contiguous()  # [B*HV*(K*K + K*V)]
     gathered = _all_gather(buf, world, group)  # [W, B*HV*(K*K + K*V)]
@@ -236,11 +285,8 @@ def _cp_forward(q, k, v, g, beta, *, gate, group, scale, initial_state, use_qk_l
     # 3. Every rank scans all W summaries: W small matmuls, and the final state comes out the
     # same everywhere without a second collective.
     incoming, final = scan_summaries(M_all, S_all, initial_state)
-    # 4. The ordinary chunked kernel from the true incoming state.
-    op = chunk_kda if gate == "kda" else chunk_gated_delta_rule
-    o, _ = op(q, k, v, g, beta, scale=scale, initial_state=incoming[rank], output_final_state=False,
-              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
-    return o, final
+    # 4. The incoming state's share of the outputs.
+    return add_incoming(o_zero, P, incoming[rank]), final
 
 
 _CP_DOC = """
@@ -307,14 +353,11 @@ def simulate_kcp(q, k, v, g, beta, lengths: Sequence[int], *, gate="kda", scale=
     if sum(lengths) != q.shape[1]:
         raise ValueError(f"lengths sum to {sum(lengths)} but the sequence has T={q.shape[1]} tokens")
     bounds = [(sum(lengths[:r]), sum(lengths[: r + 1])) for r in range(len(lengths))]
-    summaries = [segment_affine(k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], gate=gate,
-                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
-                 for s, e in bounds]
-    M_all = torch.stack([m for m, _ in summaries])
-    S_all = torch.stack([s for _, s in summaries])
+    passes = [local_pass(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], gate=gate, scale=scale,
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+              for s, e in bounds]
+    M_all = torch.stack([p[2] for p in passes])
+    S_all = torch.stack([p[3] for p in passes])
     incoming, final = scan_summaries(M_all, S_all, initial_state)
-    op = chunk_kda if gate == "kda" else chunk_gated_delta_rule
-    outs = [op(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], scale=scale, initial_state=incoming[r],
-               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)[0]
-            for r, (s, e) in enumerate(bounds)]
+    outs = [add_incoming(o_zero, P, incoming[r]) for r, (o_zero, P, _, _) in enumerate(passes)]
     return torch.cat(outs, dim=1), final, M_all, S_all, incoming

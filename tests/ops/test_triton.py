@@ -260,3 +260,22 @@ def test_dispatch_routes_by_backend_and_keeps_autograd_on_torch(monkeypatch):
     monkeypatch.setenv("HYLA_BACKEND", "cuda")
     with pytest.raises(ValueError, match="HYLA_BACKEND"):
         backend_for(q, v, [q])
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_kcp_local_pass_on_the_kernel(gate, monkeypatch):
+    """KCP's one pass per rank (values [v | 0] from state [0 | I]) on the kernel: its outputs
+    plus P @ S_in, and its (M, S~), match the torch chunk path from S_in."""
+    from hyla.ops.affine import segment_affine
+    from hyla.parallel import add_incoming, local_pass
+
+    monkeypatch.setenv("HYLA_BACKEND", "triton")
+    name, ref = CHUNK[gate]
+    q, k, v, g, beta, s_in = make_inputs(1, 70, 2, 16, 24, gate=gate, seed=5)
+    o_zero, P, M, S = local_pass(*_f32(q, k, v, g, beta), gate=gate)
+    o_ref, _ = ref(q, k, v, g, beta, initial_state=s_in)
+    _check(add_incoming(o_zero, P, s_in.float().to(DEV)), o_ref, "o")
+    monkeypatch.setenv("HYLA_BACKEND", "torch")
+    M_ref, S_ref = segment_affine(k, v, g, beta, gate=gate)
+    _check(M, M_ref, "M")
+    _check(S, S_ref, "S~")

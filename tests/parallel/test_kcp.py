@@ -15,10 +15,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from hyla.ops import chunk_gated_delta_rule, chunk_kda
+from hyla.ops import chunk_gated_delta_rule, chunk_kda, segment_affine
 from hyla.parallel import (
+    add_incoming,
     chunk_gated_delta_rule_cp,
     chunk_kda_cp,
+    local_pass,
     count_comm_bytes,
     kcp_comm_bytes,
     scan_summaries,
@@ -131,6 +133,22 @@ def test_simulation_matches_chunk_ops():
         assert torch.allclose(incoming[0], h0, rtol=0, atol=0)
         assert (incoming[1:] - ck[0][:, None]).abs().max() <= 1e-12
         assert M_all.shape == (4, 1, 4, 16, 16) and S_all.shape == (4, 1, 4, 16, 20)
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("T", [0, 1, 77])
+def test_local_pass_gives_outputs_and_summary_in_one_pass(gate, T):
+    """o_zero + P @ S_in equals the chunk op from S_in, and (M, S~) equals segment_affine, for
+    an arbitrary incoming state S_in: the identity each rank relies on."""
+    q, k, v, g, beta, s_in = make_inputs(2, T, 2, 12, 18, gate=gate, hv=4, seed=T + 11)
+    op = chunk_kda if gate == "kda" else chunk_gated_delta_rule
+    o_zero, P, M, S = local_pass(q, k, v, g, beta, gate=gate, scale=0.3, use_qk_l2norm_in_kernel=True)
+    assert o_zero.shape == (2, T, 4, 18) and P.shape == (2, T, 4, 12)
+    M_ref, S_ref = segment_affine(k, v, g, beta, gate=gate, use_qk_l2norm_in_kernel=True)
+    assert (M - M_ref).abs().max() <= 1e-12 and (S - S_ref).abs().max() <= 1e-12
+    if T:
+        o_ref, _ = op(q, k, v, g, beta, scale=0.3, initial_state=s_in, use_qk_l2norm_in_kernel=True)
+        assert (add_incoming(o_zero, P, s_in) - o_ref).abs().max() <= 1e-12
 
 
 def test_direct_sum_is_wrong_and_scan_is_exact():
