@@ -25,6 +25,7 @@ class ModelRunner:
         self.cache = model.allocate_cache(num_slots + extra, num_pages + extra, page_size=page_size,
                                           state_dtype=state_dtype)
         self.graphs = CUDAGraphRunner(model, self.cache, max_batch=num_slots) if graphs else None
+        self.verified_in_graph = False  # the last verify step ran padded in a graph (commit_replay)
 
     def build_batch(self, seqs, num_new_tokens, checkpoints=None) -> tuple[torch.Tensor, ForwardBatch]:
         """Pack the new tokens of every scheduled sequence: ids [T_total] and the ForwardBatch."""
@@ -57,22 +58,40 @@ class ModelRunner:
         return self.model.compute_logits(hidden[torch.tensor(index, device=hidden.device)])
 
     @torch.inference_mode()
-    def verify(self, seqs, drafts: list[list[int]], rollback: str) -> torch.Tensor:
+    def verify(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int | None = None) -> torch.Tensor:
         """One verify forward over [x0, d1..dk] per sequence -> logits at every position
         [sum(1 + k_n), V] fp32. "slots": seq.spec_slots are the per-position slots and
-        seq.slot (one of them) holds the current state; "replay": seq.slot only."""
-        ids = [t for seq, d in zip(seqs, drafts) for t in [seq.token_ids[-1], *d]]
+        seq.slot (one of them) holds the current state; "replay": seq.slot only.
+        pad_to: W = 1 + k when every row may be padded to W tokens (each request has W state
+        slots with "slots"): the step then replays a CUDA graph when the runner has them."""
         if rollback == "slots":
             rows = [seq.spec_slots for seq in seqs]
             accepted = [seq.spec_slots.index(seq.slot) + 1 for seq in seqs]
         else:
             rows, accepted = [[seq.slot] for seq in seqs], [1] * len(seqs)
+        self.verified_in_graph = False
+        if (self.graphs is not None and pad_to and self.graphs.can_verify(len(seqs))
+                and all(len(d) < pad_to for d in drafts)
+                and (rollback == "replay" or all(len(r) == pad_to for r in rows))):
+            tokens = [[seq.token_ids[-1], *d] + [0] * (pad_to - 1 - len(d)) for seq, d in zip(seqs, drafts)]
+            logits = self.graphs.run_verify(tokens, [seq.num_computed_tokens for seq in seqs], rows, accepted,
+                                            [seq.block_table for seq in seqs], rollback)  # [N, W, V]
+            keep = [n * pad_to + j for n, d in enumerate(drafts) for j in range(1 + len(d))]
+            self.verified_in_graph = True
+            return logits.reshape(-1, logits.shape[-1])[torch.tensor(keep, device=logits.device)]
+        ids = [t for seq, d in zip(seqs, drafts) for t in [seq.token_ids[-1], *d]]
         batch = ForwardBatch.build(
             seq_lens=[1 + len(d) for d in drafts], context_lens=[seq.num_computed_tokens for seq in seqs],
             block_tables=[seq.block_table for seq in seqs], state_slots=rows, device=self.device,
             num_accepted_tokens=accepted, rollback=rollback)
         hidden = self.model.forward_batch(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.cache)
         return self.model.compute_logits(hidden)
+
+    def commit_replay(self, accepted: list[int]) -> None:
+        """After a "replay" verify: advance each sequence's state by its accepted tokens."""
+        if self.verified_in_graph:
+            accepted = self.graphs.pad_accepted(accepted)
+        self.model.commit_replay(self.cache, accepted)
 
     def copy_slot(self, src: int, dst: int) -> None:
         self.cache.copy_slot(src, dst)

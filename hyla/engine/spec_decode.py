@@ -153,8 +153,11 @@ class SpecDecoder:
             eng.memory.allocate(seq, 1 + len(d))
             drafts.append(d)
             qs.append(q)
+        # Rows may be padded to 1 + k (a fixed shape: a CUDA graph) unless a request is so near
+        # its token limits that its budget ks[n] < k.
+        pad_to = 1 + k if all(kn == k for kn in ks) else None
         try:
-            logits = eng.runner.verify(seqs, drafts, self.cfg.rollback).float().cpu()
+            logits = eng.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float().cpu()
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
             return eng.recover(seqs, err)
         committed, outputs, start = [], [], 0
@@ -171,7 +174,7 @@ class SpecDecoder:
             m["spec_num_accepted_tokens"] += len(tokens) - 1
             m["spec_num_verify_steps"] += 1
         if self.cfg.rollback == "replay":
-            eng.model.commit_replay(eng.runner.cache, committed)
+            eng.runner.commit_replay(committed)
         for seq, kept in zip(seqs, committed):
             seq.num_computed_tokens += kept
             if self.cfg.rollback == "slots":

@@ -119,22 +119,25 @@ class GatedAttention(nn.Module):
 
     def forward_batch(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         """x: [T_total, hidden]; batch: ForwardBatch; cache: KVLayerCache. Writes each new token's
-        k, v into its page, then attends over positions 0..context+new-1 of its sequence:
-        sequences with one new token batched (decode form), others one by one with a causal mask
+        k, v into its page, then attends over positions 0..context+new-1 of its sequence: decode
+        and verify batches with equal new-token counts all at once over their page windows;
+        otherwise sequences with one new token batched, the others one by one with a causal mask
         offset by their context length."""
         q, k, v, gate = self.qkv(x, batch.positions)  # [T_total, H | Hkv, D]
         page_size = cache.k.shape[1]
         rows = batch.kv_slot_mapping(page_size)
         cache.k.view(-1, self.num_kv_heads, self.head_dim)[rows] = k.to(cache.k.dtype)
         cache.v.view(-1, self.num_kv_heads, self.head_dim)[rows] = v.to(cache.v.dtype)
-        if batch.is_decode:  # all rows one token: no host -> device copies (CUDA-graph safe)
-            out = self._decode(q, cache, batch, None).to(x.dtype)
-            return self.o_proj(out * torch.sigmoid(gate))
+        w = batch.uniform_width
+        if w is not None:  # no host -> device copies (CUDA-graph safe)
+            out = self._windowed(q.unflatten(0, (batch.num_seqs, w)), cache, *batch.query_window(page_size))
+            return self.o_proj(out.flatten(0, 1).to(x.dtype) * torch.sigmoid(gate))
         out = x.new_empty(x.shape[0], self.num_heads * self.head_dim)
         single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
         if single:
             idx = torch.tensor([batch.cu_seqlens_list[n] for n in single], device=x.device)
-            out[idx] = self._decode(q[idx], cache, batch, single).to(out.dtype)
+            pages, valid = batch.decode_window(single, page_size)
+            out[idx] = self._windowed(q[idx][:, None], cache, pages, valid)[:, 0].to(out.dtype)
         cu = batch.cu_seqlens_list
         for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
             if new <= 1:
@@ -146,19 +149,18 @@ class GatedAttention(nn.Module):
                                                 causal=False)[0]
         return self.o_proj(out * torch.sigmoid(gate))
 
-    def _decode(self, q: torch.Tensor, cache, batch, seqs: list[int] | None) -> torch.Tensor:
-        """Sequences `seqs` (None: all of a decode batch), one query token each, batched.
-        q: [S, H, D] -> [S, H * D]. Attends over the first ceil(max length / page_size) pages of
-        each block table (every column for a CUDA-graph batch, whose shapes must not depend on
-        the lengths), masked per row."""
-        pages, valid = batch.decode_window(seqs, cache.k.shape[1])  # [S, P], [S, P * page_size]
+    def _windowed(self, q: torch.Tensor, cache, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """W query tokens of each of S sequences over their page windows, batched.
+        q: [S, W, H, D]; pages: [S, P]; valid: [S, W, P * page_size] which window tokens each
+        query may attend to -> [S, W, H * D]."""
         ks, vs = (t[pages].flatten(1, 2) for t in (cache.k, cache.v))  # [S, L, Hkv, D]
-        qg = q.unflatten(1, (self.num_kv_heads, self.groups))  # [S, Hkv, G, D]
+        qg = q.unflatten(2, (self.num_kv_heads, self.groups))  # [S, W, Hkv, G, D]
         work = torch.float64 if ks.dtype == torch.float64 else torch.float32  # softmax in >= fp32
-        scores = torch.einsum("skgd,sjkd->skgj", qg, ks).to(work) * self.scaling  # [S, Hkv, G, L]
-        probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1).to(vs.dtype)
-        vs = vs.masked_fill(~valid[:, :, None, None], 0)  # rows past a length may hold anything (0 * NaN)
-        return torch.einsum("skgj,sjkd->skgd", probs, vs).flatten(1)  # [S, H * D]
+        scores = torch.einsum("swkgd,sjkd->swkgj", qg, ks).to(work) * self.scaling  # [S, W, Hkv, G, L]
+        probs = scores.masked_fill(~valid[:, :, None, None, :], float("-inf")).softmax(-1).to(vs.dtype)
+        seen = valid.any(dim=1)  # [S, L] rows some query may read
+        vs = vs.masked_fill(~seen[:, :, None, None], 0)  # rows past a length may hold anything (0 * NaN)
+        return torch.einsum("swkgj,sjkd->swkgd", probs, vs).flatten(2)  # [S, W, H * D]
 
 
 def _gather(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

@@ -88,19 +88,23 @@ class MLAAttention(nn.Module):
 
     def forward_batch(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         """x: [T_total, hidden]; batch: ForwardBatch; cache: MLALayerCache. Writes each new token's
-        latent into its page, then attends over positions 0..context+new-1 of its sequence:
-        sequences with one new token in the absorbed form (batched), others in the expanded form."""
+        latent into its page, then attends over positions 0..context+new-1 of its sequence: decode
+        and verify batches with equal new-token counts all at once in the absorbed form; otherwise
+        sequences with one new token batched (absorbed), the others one by one (expanded)."""
         page_size = cache.kv.shape[1]
         flat = cache.kv.view(-1, self.latent_dim)
         flat[batch.kv_slot_mapping(page_size)] = self.latent(x).to(flat.dtype)
         q = self.query(x)  # [T_total, H, D]
-        if batch.is_decode:  # all rows one token: no host -> device copies (CUDA-graph safe)
-            return self.o_proj(self._decode(q, cache.kv, batch, None).to(x.dtype))
+        w = batch.uniform_width
+        if w is not None:  # no host -> device copies (CUDA-graph safe)
+            out = self._absorbed(q.unflatten(0, (batch.num_seqs, w)), cache.kv, *batch.query_window(page_size))
+            return self.o_proj(out.flatten(0, 1).to(x.dtype))
         out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
         single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
         if single:
             rows = torch.tensor([batch.cu_seqlens_list[n] for n in single], device=x.device)
-            out[rows] = self._decode(q[rows], cache.kv, batch, single).to(out.dtype)
+            pages, valid = batch.decode_window(single, page_size)
+            out[rows] = self._absorbed(q[rows][:, None], cache.kv, pages, valid)[:, 0].to(out.dtype)
         cu = batch.cu_seqlens_list
         for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
             if new <= 1:
@@ -111,22 +115,21 @@ class MLAAttention(nn.Module):
             out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], lat[None], allowed, causal=False)[0]
         return self.o_proj(out)
 
-    def _decode(self, q: torch.Tensor, kv: torch.Tensor, batch, seqs: list[int] | None) -> torch.Tensor:
-        """Absorbed form for sequences `seqs` (None: all of a decode batch), one query token each.
-        q: [S, H, nope + rope]; kv: [num_pages, page_size, r + rope] -> [S, H * v_dim].
-        Attends over the first ceil(max length / page_size) pages of each block table (every column
-        for a CUDA-graph batch, whose shapes must not depend on the lengths), masked per row."""
-        pages, valid = batch.decode_window(seqs, kv.shape[1])  # [S, P], [S, P * page_size]
+    def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Absorbed form (queries meet the cached latents directly; kv_b_proj folded into them).
+        q: [S, W, H, nope + rope] W query tokens of S sequences; kv: [num_pages, page_size, r + rope];
+        pages: [S, P] each sequence's window of pages; valid: [S, W, P * page_size] which window
+        tokens each query may attend to -> [S, W, H * v_dim]."""
         lat = kv[pages].flatten(1, 2)  # [S, L, r + rope]
         w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope + self.v_dim))  # [H, nope+v, r]
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        q_lat = torch.cat([torch.einsum("shn,hnr->shr", q_nope, w_uk), q_pe], dim=-1)  # [S, H, r + rope]
+        q_lat = torch.cat([torch.einsum("swhn,hnr->swhr", q_nope, w_uk), q_pe], dim=-1)  # [S, W, H, r + rope]
         work = torch.float64 if lat.dtype == torch.float64 else torch.float32  # softmax in >= fp32
-        scores = torch.einsum("shc,slc->shl", q_lat, lat).to(work) * self.scaling
-        probs = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1).to(lat.dtype)
-        o_lat = torch.einsum("shl,slr->shr", probs, lat[..., :self.kv_lora_rank])  # [S, H, r]
-        return torch.einsum("shr,hvr->shv", o_lat, w_uv).flatten(-2)
+        scores = torch.einsum("swhc,slc->swhl", q_lat, lat).to(work) * self.scaling
+        probs = scores.masked_fill(~valid[:, :, None, :], float("-inf")).softmax(-1).to(lat.dtype)
+        o_lat = torch.einsum("swhl,slr->swhr", probs, lat[..., :self.kv_lora_rank])  # [S, W, H, r]
+        return torch.einsum("swhr,hvr->swhv", o_lat, w_uv).flatten(-2)
 
 
 def _gather(kv: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

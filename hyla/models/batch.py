@@ -145,12 +145,26 @@ class ForwardBatch:
         """Every sequence brings exactly one new token (the pool-indexed recurrent path applies)."""
         return bool(self.seq_lens) and all(s == 1 for s in self.seq_lens)
 
+    @property
+    def uniform_width(self) -> int | None:
+        """W when this is a decode or verify batch in which every sequence brings exactly W new
+        tokens (decode: W = 1; the CUDA-graph runner pads verify rows to 1 + k), else None.
+        Attention layers then attend for all sequences at once over a [N, W] query grid."""
+        if not self.seq_lens or not (self.is_decode or self.is_verify):
+            return None
+        w = self.seq_lens[0]
+        return w if all(s == w for s in self.seq_lens) else None
+
     def token_seq_ids(self) -> torch.Tensor:
         """[T_total] index of the sequence each new token belongs to."""
         if "seq_ids" not in self._memo:
-            seqs = torch.arange(self.num_seqs, device=self.positions.device)
-            if not self.is_decode:  # decode needs no counts copied from the host (graph-safe)
-                seqs = torch.repeat_interleave(seqs, torch.as_tensor(self.seq_lens, device=seqs.device))
+            device = self.positions.device
+            w = self.seq_lens[0] if self.seq_lens else 1
+            if w > 0 and all(s == w for s in self.seq_lens):  # no counts copied from the host (graph-safe)
+                seqs = torch.arange(self.num_tokens, device=device) // w
+            else:
+                seqs = torch.repeat_interleave(torch.arange(self.num_seqs, device=device),
+                                               torch.as_tensor(self.seq_lens, device=device))
             self._memo["seq_ids"] = seqs
         return self._memo["seq_ids"]
 
@@ -169,24 +183,38 @@ class ForwardBatch:
             self._memo[key] = pages * page_size + pos % page_size
         return self._memo[key]
 
-    def decode_window(self, seqs: list[int] | None, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pages and validity mask for one-query-token attention of sequences `seqs` (None: every
-        sequence of a decode batch). Covers the first ceil(longest length / page_size) pages of
-        each block table, or every column for a CUDA-graph batch (whose shapes must not depend on
-        the lengths). Returns pages [S, P] (padding pages clamped to 0: masked out) and
-        valid [S, P * page_size] (token t of the window is within the sequence)."""
+    def decode_window(self, seqs: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages and validity mask for one-query-token attention of sequences `seqs` (those of a
+        mixed batch that bring one new token). Covers the first ceil(longest length / page_size)
+        pages of each block table. Returns pages [S, P] (padding pages clamped to 0: masked out)
+        and valid [S, 1, P * page_size] (token t of the window is within the sequence)."""
         device = self.block_tables.device
-        if seqs is None:
-            tables, lens = self.block_tables, self.context_lens + 1
-            longest = None if self.cuda_graph else max(self.context_lens_list) + 1
-        else:
-            host_lens = [self.context_lens_list[n] + 1 for n in seqs]
-            tables = self.block_tables[torch.tensor(seqs, device=device)]
-            lens = torch.tensor(host_lens, device=device)
-            longest = max(host_lens)
-        n_pages = tables.shape[1] if longest is None else -(-longest // page_size)
+        host_lens = [self.context_lens_list[n] + 1 for n in seqs]
+        tables = self.block_tables[torch.tensor(seqs, device=device)]
+        lens = torch.tensor(host_lens, device=device)
+        n_pages = -(-max(host_lens) // page_size)
         pages = tables[:, :n_pages].clamp(min=0)
         valid = torch.arange(n_pages * page_size, device=device)[None, :] < lens[:, None]
+        return pages, valid[:, None, :]
+
+    def query_window(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a batch with `uniform_width` W: pages and causal mask of every sequence's W new
+        tokens. Covers the first ceil((longest context + W) / page_size) pages of each block
+        table, or every column for a CUDA-graph batch (whose shapes must not depend on the
+        lengths). Returns pages [N, P] (padding pages clamped to 0: masked out) and
+        valid [N, W, P * page_size]: new token i of sequence n (position context + i) may attend
+        to token t iff t <= context + i."""
+        w = self.uniform_width
+        if w is None:
+            raise ValueError("query_window needs a decode / verify batch with equal new-token counts")
+        device = self.block_tables.device
+        if self.cuda_graph:
+            n_pages = self.block_tables.shape[1]
+        else:
+            n_pages = -(-(max(self.context_lens_list) + w) // page_size)
+        pages = self.block_tables[:, :n_pages].clamp(min=0)
+        last = self.context_lens[:, None] + torch.arange(w, device=device)  # [N, W] each query's position
+        valid = torch.arange(n_pages * page_size, device=device)[None, None, :] <= last[:, :, None]
         return pages, valid
 
     def has_context(self) -> torch.Tensor:

@@ -5,6 +5,8 @@ every host sync made to fail and the ops in their capture mode, so the padding /
 is checked without a GPU; the capture itself needs CUDA.
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -144,5 +146,131 @@ def test_graph_decode_equals_eager_cuda(ckpt):
             captured = [k for k, (g, _) in graphs.graphs.items() if g is not None]
             assert len({bs for bs, _ in captured}) >= 3 and len({w for _, w in captured}) >= 2, captured
         del llm, graphs
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]
+
+
+@pytest.mark.parametrize("rollback", ["slots", "replay"])
+@pytest.mark.parametrize("family", ["kimi", "qwen3_next"])
+def test_padded_verify_equals_eager_cpu(ckpt, qwen_ckpt, family, rollback, monkeypatch):
+    """A verify step whose rows are padded to W = 1 + k (drafts of 0..k tokens, 3 rows -> bucket
+    4) in the graph's fixed-shape inputs gives the eager, unpadded verify's logits at every real
+    position; after accepting a different count per row, the state each row continues from and
+    its KV rows equal eager's, and the next decode step gives the same logits."""
+    model = load_model(ckpt if family == "kimi" else qwen_ckpt, dtype=torch.float64)
+    recurrent_name = "fused_recurrent_kda" if family == "kimi" else "fused_recurrent_gated_delta_rule"
+    k = 3
+    W = 1 + k
+    gen = torch.Generator().manual_seed(2)
+    lens = [14, 16, 30]  # contexts before, at and past a page boundary
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    drafts = [[5, 9, 11], [], [4]]
+    accepted = [3, 1, 2]  # tokens kept per row (1 + accepted drafts)
+    spec_slots = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    start = [1, 0, 3]  # index in spec_slots of the slot holding the current state
+    tables, first = [], 0
+    for n, d in zip(lens, drafts):  # pages for the real tokens only: padding may fall off the table
+        need = -(-(n + 1 + len(d)) // PAGE)
+        tables.append(list(range(first, first + need))[::-1])
+        first += need
+    slots, pages = 12, first + 2
+    eager = model.allocate_cache(slots, pages, page_size=PAGE)
+    graph = model.allocate_cache(slots + SCRATCH, pages + SCRATCH, page_size=PAGE)
+    for a, b in zip(eager.layers, graph.layers):
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            tb.copy_(torch.randn(tb.shape, generator=gen, dtype=tb.dtype))
+            ta.copy_(tb[:ta.shape[0]])
+    # Prefill all but the last prompt token into the start slots, in both caches.
+    cur = [sl[i] for sl, i in zip(spec_slots, start)]
+    batch = ForwardBatch.build([n - 1 for n in lens], [0] * 3, tables, cur)
+    with torch.inference_mode():
+        model.forward_batch(torch.tensor([t for p in prompts for t in p[:-1]]), batch, eager)
+    for a, b in zip(eager.layers, graph.layers):
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            tb[:ta.shape[0]] = ta
+    ctx = [n - 1 for n in lens]
+    rows = spec_slots if rollback == "slots" else [[s] for s in cur]
+    acc = [i + 1 for i in start] if rollback == "slots" else [1] * 3
+
+    step = ForwardBatch.build([1 + len(d) for d in drafts], ctx, tables, rows, num_accepted_tokens=acc,
+                              rollback=rollback)
+    ids = [t for p, d in zip(prompts, drafts) for t in [p[-1], *d]]
+    with torch.inference_mode():
+        want = model.compute_logits(model.forward_batch(torch.tensor(ids), step, eager))
+
+    runner = CUDAGraphRunner(model, graph, max_batch=slots, capture=False)
+    nosync = _NoSync(monkeypatch)
+    monkeypatch.setattr(utils, "is_capturing", lambda t: True)
+    recurrent = getattr(dispatch, recurrent_name)
+
+    def torch_recurrent(*a, **kw):  # the CPU stand-in for the (sync-free) Triton kernel
+        on, nosync.on = nosync.on, False
+        try:
+            return recurrent(*a, **kw)
+        finally:
+            nosync.on = on
+    monkeypatch.setattr(dispatch, recurrent_name, torch_recurrent)
+    layer_module = importlib.import_module("hyla.layers.kda" if family == "kimi" else "hyla.layers.gdn")
+    monkeypatch.setattr(layer_module, recurrent_name, torch_recurrent)  # the verify path's name for it
+    forward = runner._verify_forward
+
+    def no_sync_forward(*a):
+        nosync.on = True
+        try:
+            return forward(*a)
+        finally:
+            nosync.on = False
+    monkeypatch.setattr(runner, "_verify_forward", no_sync_forward)
+    tokens = [[p[-1], *d] + [0] * (k - len(d)) for p, d in zip(prompts, drafts)]
+    got = runner.run_verify(tokens, ctx, rows, acc, tables, rollback)  # [3, W, V]
+    assert got.shape[:2] == (3, W) and runner.verify_rows == 4
+    real = torch.cat([got[n, :1 + len(d)] for n, d in enumerate(drafts)])
+    torch.testing.assert_close(real, want, rtol=1e-10, atol=1e-10)
+
+    # Accept, then both caches must agree on everything a request continues from.
+    if rollback == "replay":
+        model.commit_replay(eager, accepted)
+        model.commit_replay(graph, runner.pad_accepted(accepted))
+        nxt = cur
+    else:
+        nxt = [sl[a - 1] for sl, a in zip(spec_slots, accepted)]
+    for a, b in zip(eager.layers, graph.layers):
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            if ta.shape[0] == slots:  # state / conv pools: the slots requests continue from
+                torch.testing.assert_close(tb[nxt], ta[nxt], rtol=1e-10, atol=1e-10)
+    for n, (c, a) in enumerate(zip(ctx, accepted)):  # KV of kept positions
+        for pos in range(c + a):
+            page, off = tables[n][pos // PAGE], pos % PAGE
+            for ta, tb in zip(eager.layers, graph.layers):
+                for xa, xb in zip(ta.tensors(), tb.tensors()):
+                    if xa.shape[0] == pages:
+                        torch.testing.assert_close(xb[page, off], xa[page, off], rtol=1e-10, atol=1e-10)
+    nosync.on = False
+    last = [ids[sum(1 + len(d) for d in drafts[:n]) + a - 1] for n, a in enumerate(accepted)]
+    step = ForwardBatch.build([1] * 3, [c + a for c, a in zip(ctx, accepted)], tables, nxt)
+    with torch.inference_mode():
+        want = model.compute_logits(model.forward_batch(torch.tensor(last), step, eager))
+        got = model.compute_logits(model.forward_batch(torch.tensor(last), step, graph))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("rollback", ["slots", "replay"])
+def test_graph_verify_equals_plain_greedy_cuda(ckpt, rollback):
+    """n-gram speculation with verify graphs (default) equals plain greedy decoding, fp32, for a
+    batch whose requests finish at different steps; verify graphs were captured and used."""
+    gen = torch.Generator().manual_seed(3)
+    motif = torch.randint(3, 512, (12,), generator=gen).tolist()
+    prompts = [motif * (1 + i % 3) + torch.randint(3, 512, (i,), generator=gen).tolist() for i in range(10)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    outs = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback}):
+        llm = LLM(str(ckpt), dtype="float32", device="cuda", max_num_seqs=8, speculative_config=spec,
+                  memory_budget=256 << 20)
+        outs[spec is None] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if spec is not None:
+            used = [key for key, (g, _, _) in llm.engine.runner.graphs.verify_graphs.items() if g is not None]
+            assert used, "no verify graph was captured"
+        del llm
         torch.cuda.empty_cache()
     assert outs[False] == outs[True]
