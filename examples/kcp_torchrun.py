@@ -25,7 +25,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hyla.ops import chunk_gated_delta_rule, chunk_kda
-from hyla.parallel import chunk_gated_delta_rule_cp, chunk_kda_cp, count_comm_bytes, kcp_comm_bytes
+from hyla.parallel import (
+    add_incoming,
+    chunk_gated_delta_rule_cp,
+    chunk_kda_cp,
+    count_comm_bytes,
+    kcp_comm_bytes,
+    local_pass,
+)
 
 
 def slice_lengths(tokens: int, world: int) -> list[int]:
@@ -59,6 +66,18 @@ gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def _median_ms(fn, repeat: int, device) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -118,10 +137,17 @@ def main() -> None:
         _sync(device)
         gather_times.append((time.perf_counter() - t0) * 1e3)
     gather_ms = sorted(gather_times[1:])[len(gather_times[1:]) // 2]
+    # The two local halves alone: the chunk pass over K + V columns, and adding the incoming
+    # state's share (one matmul per head).
+    gate = args.gate
+    pass_ms = _median_ms(lambda: local_pass(q, k, v, g, beta, gate=gate), args.repeat, device)
+    o_zero, P, _, S_loc = local_pass(q, k, v, g, beta, gate=gate)
+    add_ms = _median_ms(lambda: add_incoming(o_zero, P, S_loc), args.repeat, device)
+    del o_zero, P
 
     # Reporting only: collect per-rank figures and outputs on rank 0 (not counted above).
     stats = [None] * world
-    dist.all_gather_object(stats, (lengths[rank], counter.bytes_sent, ms, gather_ms))
+    dist.all_gather_object(stats, (lengths[rank], counter.bytes_sent, ms, gather_ms, pass_ms, add_ms))
     outs = [o]
     if not args.no_check and rank == 0:
         for r in range(1, world):
@@ -135,9 +161,10 @@ def main() -> None:
         want = kcp_comm_bytes(args.batch, args.heads, args.head_dim, args.head_dim, summary_dtype)
         print(f"KCP {args.gate} on {backend}, {world} ranks, T={args.tokens}, B={args.batch}, H={args.heads}, "
               f"K=V={args.head_dim}, {args.dtype}")
-        for r, (n, sent, t, tg) in enumerate(stats):
+        for r, (n, sent, t, tg, tp, ta) in enumerate(stats):
             print(f"  rank {r}: {n:>8} tokens  sent {sent} bytes (expected {want})  {t:.2f} ms "
-                  f"(all-gather alone {tg:.3f} ms, {100 * tg / t:.1f}%)")
+                  f"(all-gather alone {tg:.3f} ms, {100 * tg / t:.1f}%; local pass {tp:.2f} ms, "
+                  f"incoming-state matmul {ta:.2f} ms)")
         if not args.no_check:
             parts = [make_slice(r, lengths[r], args, device) for r in range(world)]
             full = [torch.cat([part[i] for part in parts], dim=1) for i in range(5)]
@@ -150,13 +177,13 @@ def main() -> None:
                 _sync(device)
                 single.append((time.perf_counter() - t0) * 1e3)
             one = sorted(single)[len(single) // 2]
-            slowest = max(t for _, _, t, _ in stats)
+            slowest = max(st[2] for st in stats)
             print(f"  one process on the whole sequence: {one:.2f} ms; KCP (slowest rank) {slowest:.2f} ms: "
                   f"speed-up {one / slowest:.2f}x, efficiency {one / slowest / world:.0%}")
             o_all = torch.cat(outs, dim=1)
             print(f"  vs single-process {op.__name__}: output rel err {rel_err(o_all, o_ref):.3e}, "
                   f"final state rel err {rel_err(final, final_ref):.3e}")
-        ok = all(sent == want for _, sent, _, _ in stats)
+        ok = all(st[1] == want for st in stats)
         print("  bytes sent per rank match the formula" if ok else "  BYTES MISMATCH")
     dist.destroy_process_group()
 

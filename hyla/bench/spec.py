@@ -49,6 +49,47 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+class StepProfile:
+    """Wall time (device-synchronised) of an engine's forward calls, by kind: plain steps (prefill /
+    decode, graph or eager), verify steps in a CUDA graph or eager, and the rest of `step`
+    (scheduling, drafting, acceptance, bookkeeping) -- where a speculative step's time goes."""
+
+    def __init__(self, llm):
+        self.times: dict[str, list[float]] = {}
+        runner = llm.engine.runner
+        self._wrap(runner, "run", lambda *a, **k: "plain step")
+        self._wrap(runner, "verify", lambda *a, **k: "verify")
+        self._wrap(llm.engine, "step", lambda *a, **k: "engine step (all)")
+        self.runner = runner
+
+    def _wrap(self, obj, name, label):
+        inner = getattr(obj, name)
+
+        def timed(*a, **k):
+            _sync()
+            t = time.perf_counter()
+            out = inner(*a, **k)
+            _sync()
+            key = label(*a, **k)
+            if key == "verify":
+                key = "verify (graph)" if self.runner.verified_in_graph else "verify (eager)"
+            self.times.setdefault(key, []).append(time.perf_counter() - t)
+            return out
+        setattr(obj, name, timed)
+
+    def report(self) -> str:
+        lines = []
+        for key, ts in sorted(self.times.items()):
+            lines.append(f"    {key:<18} {len(ts):>6} calls  {1e3 * sum(ts) / len(ts):8.3f} ms mean  "
+                         f"{sum(ts):7.3f} s total")
+        return "\n".join(lines)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _run(llm, prompts, params) -> tuple[float, int, dict]:
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -66,6 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=1, help="prompts decoded together (copies of the set)")
     p.add_argument("--device", default=None)
+    p.add_argument("--profile", action="store_true", help="print where each configuration's step time goes")
     p.add_argument("--memory-budget", type=int, default=1 << 30, help="bytes of KV pages + state slots per engine")
     args = p.parse_args(argv)
     model = str(args.model or default_model_path())
@@ -81,16 +123,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{'prompts':<11} {'spec':<14} {'tok/s':>8} {'speed-up':>9} {'mean acc':>9} {'state KiB/req':>14}")
     for name, prompts in (("repetitive", REPETITIVE), ("free text", FREE)):
         prompts = prompts * args.batch
-        _run(base, prompts, SamplingParams(temperature=0.0, max_tokens=16))  # warm-up, graph capture
+        # Warm-up: the same run once, so every CUDA graph bucket it needs is captured untimed.
+        _run(base, prompts, params)
+        prof = StepProfile(base) if args.profile else None
         t0, n0, _ = _run(base, prompts, params)
+        if prof:
+            print(f"  {name}, no speculation:\n{prof.report()}")
         rows.append({"prompts": name, "spec": "off", "tok_s": n0 / t0, "speedup": 1.0, "mean_acc": 1.0,
                      "state_bytes": slot})
         for k in args.k:
             for rollback in ("slots", "replay"):
                 cfg = {"method": "ngram", "num_speculative_tokens": k, "rollback": rollback}
                 llm = LLM(model, speculative_config=cfg, **opts)
-                _run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=16))  # warm-up, graph capture
+                _run(llm, prompts, params)  # warm-up: captures the graphs the timed run needs
+                prof = StepProfile(llm) if args.profile else None
                 t, n, m = _run(llm, prompts, params)
+                if prof:
+                    print(f"  {name}, k={k} {rollback}:\n{prof.report()}")
                 del llm
                 _release_device_memory()
                 mem = (1 + k) * slot if rollback == "slots" else slot + (1 + k) * per_tok

@@ -98,7 +98,9 @@ class CUDAGraphRunner:
         self.vmeta: dict[tuple[int, int], torch.Tensor] = {}  # (W, width) -> [max_batch, 2 + 2W + width]
         # (bs, W, width, rollback) -> (graph, logits [bs, W, V], the layers' replay inputs)
         self.verify_graphs: dict[tuple, tuple] = {}
-        self.verify_rows = 0  # rows (bucket) of the last verify step: commit_replay pads to it
+        self.commit_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # same keys, rollback "replay"
+        self.accepted = torch.ones(max_batch, dtype=torch.long, device=self.device)  # commit's input
+        self.verify_key: tuple | None = None  # the last verify step's key: its commit pads to its rows
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def can_run(self, seqs, num_new_tokens, logit_rows, checkpoints=None) -> bool:
@@ -210,20 +212,39 @@ class CUDAGraphRunner:
         key = (bs, W, width, rollback)
         graph, out, replay = self._verify_graph(key)
         self.vmeta[(W, width)][:bs].copy_(torch.tensor(rows, dtype=torch.long))
-        self.verify_rows = bs
+        self.verify_key = key
         if graph is None:
             out = self._verify_forward(*key)
         else:
             graph.replay()
-            for layer_cache, inputs in zip(self.cache.layers, replay):
-                if inputs is not None:  # what the captured step left for commit_replay
-                    layer_cache.replay = inputs
+            self._restore_replay_inputs(replay)
         return out[:n]
 
     def pad_accepted(self, accepted: list[int]) -> list[int]:
         """Accepted counts for commit_replay after `run_verify`: padding rows advance by 1 (their
         slot is the scratch slot)."""
-        return list(accepted) + [1] * (self.verify_rows - len(accepted))
+        return list(accepted) + [1] * (self.verify_key[0] - len(accepted))
+
+    @torch.inference_mode()
+    def commit_replay(self, accepted: list[int]) -> None:
+        """After a "replay" `run_verify`: advance every row's state by its accepted tokens
+        (model.commit_replay), replaying the commit graph captured with the verify graph."""
+        padded = self.pad_accepted(accepted)
+        bs = len(padded)
+        self.accepted[:bs].copy_(torch.tensor(padded, dtype=torch.long))
+        graph = self.commit_graphs.get(self.verify_key)
+        if graph is None:
+            self.model.commit_replay(self.cache, self.accepted[:bs])
+        else:
+            graph.replay()
+            for layer_cache in self.cache.layers:
+                if getattr(layer_cache, "replay", None) is not None:
+                    layer_cache.replay = None  # consumed, as the eager commit does
+
+    def _restore_replay_inputs(self, replay) -> None:
+        for layer_cache, inputs in zip(self.cache.layers, replay):
+            if inputs is not None:  # what the captured step left for commit_replay
+                layer_cache.replay = inputs
 
     def _verify_forward(self, bs: int, W: int, width: int, rollback: str) -> torch.Tensor:
         meta = self.vmeta[(W, width)]
@@ -261,6 +282,21 @@ class CUDAGraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             out = self._verify_forward(*key)
         replay = [getattr(layer_cache, "replay", None) for layer_cache in self.cache.layers]
+        if rollback == "replay":
+            # The commit reads the verify graph's buffers: fill them once from the padding rows
+            # (a capture does not run), so that the commit's warm-up touches only scratch.
+            graph.replay()
+            self._restore_replay_inputs(replay)
+            self.accepted[:bs] = 1
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.model.commit_replay(self.cache, self.accepted[:bs])
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self._restore_replay_inputs(replay)
+            commit = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(commit, pool=self.pool):
+                self.model.commit_replay(self.cache, self.accepted[:bs])
+            self.commit_graphs[key] = commit
         for layer_cache in self.cache.layers:  # the capture's inputs are not a step to commit
             if getattr(layer_cache, "replay", None) is not None:
                 layer_cache.replay = None

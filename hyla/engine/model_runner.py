@@ -90,8 +90,9 @@ class ModelRunner:
     def commit_replay(self, accepted: list[int]) -> None:
         """After a "replay" verify: advance each sequence's state by its accepted tokens."""
         if self.verified_in_graph:
-            accepted = self.graphs.pad_accepted(accepted)
-        self.model.commit_replay(self.cache, accepted)
+            self.graphs.commit_replay(accepted)
+        else:
+            self.model.commit_replay(self.cache, accepted)
 
     def copy_slot(self, src: int, dst: int) -> None:
         self.cache.copy_slot(src, dst)

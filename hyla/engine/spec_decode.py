@@ -153,9 +153,10 @@ class SpecDecoder:
             eng.memory.allocate(seq, 1 + len(d))
             drafts.append(d)
             qs.append(q)
-        # Rows may be padded to 1 + k (a fixed shape: a CUDA graph) unless a request is so near
-        # its token limits that its budget ks[n] < k.
-        pad_to = 1 + k if all(kn == k for kn in ks) else None
+        # Every row may be padded to 1 + k tokens (a fixed shape: a CUDA graph), also when a
+        # request near its token limits drafts fewer: padding positions are never accepted, and
+        # where their KV has no page it lands in the runner's scratch page.
+        pad_to = 1 + k
         try:
             logits = eng.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float().cpu()
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest

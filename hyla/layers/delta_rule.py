@@ -23,8 +23,6 @@ LinearLayerCache: state [num_slots, HV, K, V] and one conv-window pool [num_slot
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,21 +96,31 @@ class ShortConvDeltaRule(nn.Module):
         idx, acc = batch.state_slots, batch.num_accepted_tokens
         N, S = idx.shape[0], max(batch.seq_lens)  # S: padded width of the per-sequence token rows
         start = idx.gather(1, (acc - 1)[:, None])[:, 0]  # [N] slot holding each sequence's state
-        seq_ids = batch.token_seq_ids()
-        offs = torch.arange(batch.num_tokens, device=x.device) - batch.cu_seqlens[:-1][seq_ids]  # [T_total]
-        padded = seq_ids * S + offs  # [T_total] row in the [N * S] padded layout
+        # Token rows as an [N, S] grid: already so when every sequence brings S tokens (the
+        # CUDA-graph runner pads to that), else scattered into a zero-padded grid.
+        uniform = batch.uniform_width == S
+        if not uniform:
+            seq_ids = batch.token_seq_ids()
+            offs = torch.arange(batch.num_tokens, device=x.device) - batch.cu_seqlens[:-1][seq_ids]  # [T_total]
+            padded = seq_ids * S + offs  # [T_total] row in the [N * S] padded layout
         xs = x[None]  # [1, T_total, hidden]
         pre, aux = self.project(xs)
         ys, inputs, windows0 = [], [], []
         for t, pool, conv in zip(pre, cache.conv, self.convs()):
-            tp = t.new_zeros(N * S, t.shape[-1]).index_copy(0, padded, t[0]).view(N, S, -1)  # [N, S, D]
+            if uniform:
+                tp = t[0].view(N, S, -1)  # [N, S, D]
+            else:
+                tp = t.new_zeros(N * S, t.shape[-1]).index_copy(0, padded, t[0]).view(N, S, -1)
             w0 = pool[start]  # [N, D, W-1]
             y, windows = conv_with_windows(tp, w0, conv.weight)
             if batch.rollback == "slots":
-                pool[idx[seq_ids, offs]] = windows.flatten(0, 1)[padded].to(pool.dtype)
+                if uniform:
+                    pool[idx[:, :S].reshape(-1)] = windows.flatten(0, 1).to(pool.dtype)
+                else:
+                    pool[idx[seq_ids, offs]] = windows.flatten(0, 1)[padded].to(pool.dtype)
             inputs.append(tp)
             windows0.append(w0)
-            ys.append(y.flatten(0, 1)[padded][None])  # [1, T_total, D]
+            ys.append(y.reshape(1, N * S, -1) if uniform else y.flatten(0, 1)[padded][None])  # [1, T_total, D]
         q, k, v = self.heads(ys)
         g, beta = self.gates(aux)
         if batch.rollback == "slots":
@@ -124,26 +132,33 @@ class ShortConvDeltaRule(nn.Module):
             o, _ = self._recurrent(q, k, v, g, beta, initial_state=cache.state[start].to(work),
                                    cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True)
             cache.replay = dict(k=k, v=v, g=g, beta=beta, inputs=inputs, windows0=windows0, start=start,
-                                cu=batch.cu_seqlens_list)
+                                cu=batch.cu_seqlens)
         return self.output(o, aux)[0]
 
-    def commit_replay(self, cache, accepted: list[int]) -> None:
+    def commit_replay(self, cache, accepted) -> None:
         """After a "replay" verify: advance sequence n's state and conv windows by its first
-        accepted[n] verified tokens (1 <= accepted[n] <= its verified tokens)."""
+        accepted[n] verified tokens (1 <= accepted[n] <= its verified tokens).
+
+        accepted: a list, or an int64 tensor [N] on the pools' device. The work has a fixed
+        shape (CUDA-graph safe when `accepted` is a tensor): the recurrence re-runs over every
+        verified token of the row from the kept state, and only the state after token
+        accepted[n] - 1 is written back to the row's slot (the verify kernel's per-position slot
+        rows, all -1 but that one); the conv window is cut from [old window | inputs] at that
+        offset."""
         r, cache.replay = cache.replay, None
-        cu = r["cu"]
-        keep = [cu[n] + j for n, a in enumerate(accepted) for j in range(a)]
-        sel = torch.tensor(keep, dtype=torch.long, device=r["k"].device)
-        new_cu = torch.tensor([0] + list(itertools.accumulate(accepted)), dtype=torch.long, device=sel.device)
-        k, v, g, beta = (t[:, sel] for t in (r["k"], r["v"], r["g"], r["beta"]))
-        self._recurrent(k, k, v, g, beta, initial_state=cache.state, ssm_state_indices=r["start"],
-                        cu_seqlens=new_cu, use_qk_l2norm_in_kernel=True)  # outputs unused
+        dev = r["k"].device
+        acc = accepted if isinstance(accepted, torch.Tensor) else torch.tensor(accepted, device=dev)
+        S = r["inputs"][0].shape[1]
+        cols = torch.arange(S, device=dev)
+        idx = torch.where(cols[None, :] == (acc - 1)[:, None], r["start"][:, None], -1)  # [N, S]
+        self._recurrent(r["k"], r["k"], r["v"], r["g"], r["beta"], initial_state=cache.state,
+                        ssm_state_indices=idx, num_accepted_tokens=acc, cu_seqlens=r["cu"],
+                        use_qk_l2norm_in_kernel=True)  # outputs unused
         width = self.conv_kernel_size - 1
-        shift = torch.tensor(accepted, device=sel.device)
         for pool, tp, w0 in zip(cache.conv, r["inputs"], r["windows0"]):
             ext = torch.cat([w0, tp.transpose(1, 2).to(w0.dtype)], dim=2)  # [N, D, W-1+S]
-            cols = shift[:, None] + torch.arange(width, device=sel.device)  # [N, W-1]
-            pool[r["start"]] = ext.gather(2, cols[:, None, :].expand(-1, ext.shape[1], -1)).to(pool.dtype)
+            take = acc[:, None] + torch.arange(width, device=dev)  # [N, W-1]
+            pool[r["start"]] = ext.gather(2, take[:, None, :].expand(-1, ext.shape[1], -1)).to(pool.dtype)
 
     def _decode(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
         """One new token per sequence: the pool-indexed recurrent path, states updated in place."""

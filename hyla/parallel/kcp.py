@@ -257,10 +257,16 @@ def local_pass(q, k, v, g, beta, *, gate, scale=None, use_qk_l2norm_in_kernel=Fa
 
 
 def add_incoming(o_zero: torch.Tensor, P: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
-    """o = o_zero + P @ S_in per token and head, accumulated in fp32 (fp64 for fp64).
+    """o = o_zero + P @ S_in per token and head.
 
     o_zero: [B, T, HV, V]; P: [B, T, HV, K]; incoming: [B, HV, K, V]. Returns [B, T, HV, V] in
-    o_zero.dtype."""
+    o_zero.dtype. fp32 / fp64 outputs are computed in the incoming state's precision. For bf16 /
+    fp16 outputs the matmul runs on the tensor cores with S_in rounded to the output dtype and fp32
+    accumulation: the chunk kernels themselves read the state in the input dtype for their
+    q @ S product, so this adds no error of a new kind; an fp32 matmul here took 30% of a rank's
+    time at 256K tokens x 32 heads on an H200 (BENCHMARKS.md, "KCP on two GPUs")."""
+    if o_zero.dtype in (torch.bfloat16, torch.float16):
+        return o_zero + torch.einsum("bthk,bhkv->bthv", P, incoming.to(o_zero.dtype))
     work = incoming.dtype
     corr = torch.einsum("bthk,bhkv->bthv", P.to(work), incoming)
     return (o_zero.to(work) + corr).to(o_zero.dtype)
