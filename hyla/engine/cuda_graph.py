@@ -59,6 +59,14 @@ def graph_safe(model) -> bool:
 def use_cuda_graphs(model, enforce_eager: bool) -> bool:
     if enforce_eager or model.device.type != "cuda":
         return False
+    from hyla.ops import dispatch, triton as hyla_triton
+
+    probe = torch.empty(1, 1, 1, 1, device=model.device, dtype=model.dtype)
+    if dispatch.backend_for(probe, probe, []) != "triton" or not hyla_triton.is_available():
+        # fp64 models, HYLA_BACKEND=torch or no triton: the torch recurrences read lengths on
+        # the host, which a capture cannot do.
+        log.info("CUDA graphs off: the linear layers run the torch ops (fp64 or HYLA_BACKEND=torch)")
+        return False
     if not graph_safe(model):
         log.info("CUDA graphs off: the model has MoE layers, whose routing is not graph-safe yet")
         return False

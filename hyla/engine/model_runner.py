@@ -76,9 +76,9 @@ class ModelRunner:
             tokens = [[seq.token_ids[-1], *d] + [0] * (pad_to - 1 - len(d)) for seq, d in zip(seqs, drafts)]
             logits = self.graphs.run_verify(tokens, [seq.num_computed_tokens for seq in seqs], rows, accepted,
                                             [seq.block_table for seq in seqs], rollback)  # [N, W, V]
-            keep = [n * pad_to + j for n, d in enumerate(drafts) for j in range(1 + len(d))]
             self.verified_in_graph = True
-            return logits.reshape(-1, logits.shape[-1])[torch.tensor(keep, device=logits.device)]
+            logits = logits.cpu()  # one copy (the caller accepts on the host), then drop the padding
+            return torch.cat([logits[n, :1 + len(d)] for n, d in enumerate(drafts)])
         ids = [t for seq, d in zip(seqs, drafts) for t in [seq.token_ids[-1], *d]]
         batch = ForwardBatch.build(
             seq_lens=[1 + len(d) for d in drafts], context_lens=[seq.num_computed_tokens for seq in seqs],

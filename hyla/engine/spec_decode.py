@@ -64,8 +64,10 @@ class NgramDrafter:
     def _one(self, tokens: list[int], k: int) -> list[int]:
         for n in range(min(self.hi, len(tokens) - 1), self.lo - 1, -1):
             suffix = tokens[-n:]
+            first = suffix[0]
             for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start : start + n] == suffix:
+                # compare the first token before slicing: most positions fail there
+                if tokens[start] == first and tokens[start : start + n] == suffix:
                     return tokens[start + n : start + n + k]
         return []
 
