@@ -1,10 +1,12 @@
 """Speculative decoding benchmark: decode tokens/s with and without speculation.
 
-    python -m hyla.bench spec [--model PATH] [--k 2 4 8] [--max-tokens 128] [--batch 1]
+    python -m hyla.bench spec [--model PATH] [--k 2 4 8] [--max-tokens 128] [--profile]
 
 Two prompt sets: repetitive code completion (prompt lookup finds long matches) and free text.
 For each: greedy decode without speculation, then with n-gram speculation at each k and both
-rollback modes; prints tokens/s, the speed-up over no speculation, the mean accepted length and
+rollback modes, each prompt alone in turn (batch 1: per-request decode speed, how speculative
+speed-ups are usually quoted) and the set at once (a batch keeps stepping until its slowest
+request is done); prints tokens/s, the speed-up over no speculation, the mean accepted length and
 the state memory one request needs (slots: 1 + k full states; replay: one state + the per-token
 inputs of the verify window).
 """
@@ -56,6 +58,7 @@ class StepProfile:
 
     def __init__(self, llm):
         self.times: dict[str, list[float]] = {}
+        self._wrapped: list[tuple[object, str]] = []
         runner = llm.engine.runner
         self._wrap(runner, "run", lambda *a, **k: "plain step")
         self._wrap(runner, "verify", lambda *a, **k: "verify")
@@ -76,6 +79,11 @@ class StepProfile:
             self.times.setdefault(key, []).append(time.perf_counter() - t)
             return out
         setattr(obj, name, timed)
+        self._wrapped.append((obj, name))
+
+    def unwrap(self) -> None:
+        for obj, name in self._wrapped:
+            delattr(obj, name)  # the instance attribute shadowed the method
 
     def report(self) -> str:
         lines = []
@@ -97,6 +105,20 @@ def _run(llm, prompts, params) -> tuple[float, int, dict]:
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs), llm.get_metrics()
 
 
+def _measure(llm, prompts, params, together: bool) -> tuple[float, float]:
+    """Decode the prompt set (all at once, or each prompt alone in turn) -> (tokens/s, mean
+    accepted length over the verify steps of this run; 1.0 without speculation)."""
+    before = dict(llm.get_metrics())
+    elapsed, tokens = 0.0, 0
+    for group in ([prompts] if together else [[p] for p in prompts]):
+        t, n, _ = _run(llm, group, params)
+        elapsed, tokens = elapsed + t, tokens + n
+    after = llm.get_metrics()
+    steps = after.get("spec_num_verify_steps", 0) - before.get("spec_num_verify_steps", 0)
+    accepted = after.get("spec_num_accepted_tokens", 0) - before.get("spec_num_accepted_tokens", 0)
+    return tokens / elapsed, (1.0 + accepted / steps) if steps else 1.0
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     from hyla import LLM, SamplingParams
     from hyla.models import default_model_path
@@ -105,7 +127,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--model", default=None)
     p.add_argument("--k", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1, help="prompts decoded together (copies of the set)")
     p.add_argument("--device", default=None)
     p.add_argument("--profile", action="store_true", help="print where each configuration's step time goes")
     p.add_argument("--memory-budget", type=int, default=1 << 30, help="bytes of KV pages + state slots per engine")
@@ -119,37 +140,38 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = LLM(model, **opts)
     slot = base.engine.model.state_bytes_per_slot()
     per_tok = replay_bytes_per_token(base.engine.model)
-    print(f"# {model}, device {base.engine.model.device}, greedy, {args.max_tokens} new tokens, batch {args.batch}")
-    print(f"{'prompts':<11} {'spec':<14} {'tok/s':>8} {'speed-up':>9} {'mean acc':>9} {'state KiB/req':>14}")
+    modes = (("alone", False), ("together", True))
+    print(f"# {model}, device {base.engine.model.device}, greedy, {args.max_tokens} new tokens per request; "
+          f"'alone': each prompt decoded by itself in turn (batch 1), 'together': the set at once")
+    print(f"{'prompts':<11} {'requests':<9} {'spec':<14} {'tok/s':>8} {'speed-up':>9} {'mean acc':>9} "
+          f"{'state KiB/req':>14}")
+    configs = [None] + [{"method": "ngram", "num_speculative_tokens": k, "rollback": rb}
+                        for k in args.k for rb in ("slots", "replay")]
     for name, prompts in (("repetitive", REPETITIVE), ("free text", FREE)):
-        prompts = prompts * args.batch
-        # Warm-up: the same run once, so every CUDA graph bucket it needs is captured untimed.
-        _run(base, prompts, params)
-        prof = StepProfile(base) if args.profile else None
-        t0, n0, _ = _run(base, prompts, params)
-        if prof:
-            print(f"  {name}, no speculation:\n{prof.report()}")
-        rows.append({"prompts": name, "spec": "off", "tok_s": n0 / t0, "speedup": 1.0, "mean_acc": 1.0,
-                     "state_bytes": slot})
-        for k in args.k:
-            for rollback in ("slots", "replay"):
-                cfg = {"method": "ngram", "num_speculative_tokens": k, "rollback": rollback}
-                llm = LLM(model, speculative_config=cfg, **opts)
-                _run(llm, prompts, params)  # warm-up: captures the graphs the timed run needs
+        baseline = {}
+        for cfg in configs:
+            llm = base if cfg is None else LLM(model, speculative_config=cfg, **opts)
+            label = "off" if cfg is None else f"k={cfg['num_speculative_tokens']} {cfg['rollback']}"
+            k = 0 if cfg is None else cfg["num_speculative_tokens"]
+            mem = slot if cfg is None else ((1 + k) * slot if cfg["rollback"] == "slots" else slot + (1 + k) * per_tok)
+            for mode, together in modes:
+                _measure(llm, prompts, params, together)  # warm-up: captures every CUDA graph bucket it needs
                 prof = StepProfile(llm) if args.profile else None
-                t, n, m = _run(llm, prompts, params)
+                tok_s, mean_acc = _measure(llm, prompts, params, together)
                 if prof:
-                    print(f"  {name}, k={k} {rollback}:\n{prof.report()}")
+                    print(f"  {name}, {mode}, {label}:\n{prof.report()}")
+                    prof.unwrap()
+                baseline.setdefault(mode, tok_s)
+                rows.append({"prompts": name, "requests": mode, "spec": label, "tok_s": tok_s,
+                             "speedup": tok_s / baseline[mode], "mean_acc": mean_acc, "state_bytes": mem})
+            if cfg is not None:
                 del llm
                 _release_device_memory()
-                mem = (1 + k) * slot if rollback == "slots" else slot + (1 + k) * per_tok
-                rows.append({"prompts": name, "spec": f"k={k} {rollback}", "tok_s": n / t,
-                             "speedup": (n / t) / (n0 / t0), "mean_acc": m["spec_mean_accepted_length"],
-                             "state_bytes": mem})
-        for r in rows:
-            if r["prompts"] == name:
-                print(f"{r['prompts']:<11} {r['spec']:<14} {r['tok_s']:>8.1f} {r['speedup']:>8.2f}x "
-                      f"{r['mean_acc']:>9.2f} {r['state_bytes'] / 1024:>14.1f}")
+        for mode, _ in modes:
+            for r in rows:
+                if r["prompts"] == name and r["requests"] == mode:
+                    print(f"{r['prompts']:<11} {r['requests']:<9} {r['spec']:<14} {r['tok_s']:>8.1f} "
+                          f"{r['speedup']:>8.2f}x {r['mean_acc']:>9.2f} {r['state_bytes'] / 1024:>14.1f}")
     return rows
 
 

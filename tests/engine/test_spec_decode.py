@@ -110,7 +110,8 @@ def test_acceptance_rule_samples_the_target_distribution():
     assert _chi2_pvalue(naive, p0) < 1e-6  # the test has the power to reject a wrong rule
 
 
-def test_end_to_end_sampling_distribution_tiny_vocab(tmp_path):
+@pytest.mark.parametrize("dtype", ["float64", "float32"])  # float32 on CUDA: the verify CUDA graphs
+def test_end_to_end_sampling_distribution_tiny_vocab(tmp_path, dtype):
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     from hyla.models import load_model
@@ -130,7 +131,7 @@ def test_end_to_end_sampling_distribution_tiny_vocab(tmp_path):
         p1 = torch.softmax(ref(torch.tensor([prompt]))[0, -1], -1)
         p2 = torch.stack([torch.softmax(ref(torch.tensor([prompt + [t]]))[0, -1], -1) for t in range(8)])
     marginal = (p1[:, None] * p2).sum(0)  # distribution of the second generated token
-    llm = LLM(str(path), dtype="float64", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    llm = LLM(str(path), dtype=dtype, speculative_config={"method": "ngram", "num_speculative_tokens": 3},
               max_num_seqs=64)
     n = 1500
     # max_tokens=3: after the first token one draft fits, so the second token goes through accept().
