@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyla.ops.conv import causal_conv1d_fn, causal_conv1d_update, depthwise_valid_conv
+from hyla.ops import dispatch
+from hyla.ops.conv import causal_conv1d_fn, depthwise_valid_conv
 
 
 class ShortConvDeltaRule(nn.Module):
@@ -172,7 +173,7 @@ class ShortConvDeltaRule(nn.Module):
         xs = x[:, None]  # [N, 1, hidden]: B = N sequences of one token
         pre, aux = self.project(xs)
         ys = [
-            causal_conv1d_update(t, pool, conv.weight, activation="silu", conv_state_indices=slots)
+            dispatch.causal_conv1d_update(t, pool, conv.weight, activation="silu", conv_state_indices=slots)
             for t, pool, conv in zip(pre, cache.conv, self.convs())
         ]
         q, k, v = self.heads(ys)  # [N, 1, H, K], v [N, 1, HV, V]

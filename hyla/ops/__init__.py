@@ -10,8 +10,9 @@ Layout follows fla 0.6: q, k [B, T, H, K], v [B, T, HV, V], state [N, HV, K, V].
 """
 
 from hyla.ops.affine import apply, compose, identity, prefix_scan, segment_affine
-from hyla.ops.conv import causal_conv1d_fn, causal_conv1d_update
+from hyla.ops.conv import causal_conv1d_fn
 from hyla.ops.dispatch import (
+    causal_conv1d_update,
     chunk_delta_rule,
     chunk_gated_delta_rule,
     chunk_kda,

@@ -279,3 +279,32 @@ def test_kcp_local_pass_on_the_kernel(gate, monkeypatch):
     M_ref, S_ref = segment_affine(k, v, g, beta, gate=gate)
     _check(M, M_ref, "M")
     _check(S, S_ref, "S~")
+
+
+@pytest.mark.parametrize("L, W, bias, act", [(1, 4, False, "silu"), (3, 4, True, "silu"), (2, 2, False, None),
+                                              (5, 4, True, None)])
+def test_conv_update_matches_torch(L, W, bias, act):
+    """The short-conv update kernel vs the torch op: outputs, and the pool after the in-place
+    update (live slots advanced, the padding row's nothing, untouched slots unchanged), with
+    D = 200 (two channel blocks, a partial one) and L both below and above W - 1."""
+    from hyla.ops import conv as torch_conv
+
+    gen = torch.Generator().manual_seed(L * 10 + W)
+    N, D, slots = 4, 200, 7
+    x = torch.randn(N, L, D, generator=gen)
+    pool = torch.randn(slots, D, W - 1, generator=gen)
+    weight = torch.randn(D, W, generator=gen)
+    b = torch.randn(D, generator=gen) if bias else None
+    idx = torch.tensor([5, -1, 0, 3])
+    want_pool = pool.clone()
+    want = torch_conv.causal_conv1d_update(x, want_pool, weight, b, act, idx)
+    got_pool = pool.clone().to(DEV)
+    got = hyla_triton.causal_conv1d_update(*_f32(x), got_pool, *_f32(weight, b), act, idx.to(DEV))
+    assert got.shape == want.shape and got.dtype == x.dtype
+    _check(got, want, "y")
+    assert (got[1] == 0).all(), "a padding row outputs zeros"
+    _check(got_pool, want_pool, "pool")
+    assert torch.equal(got_pool.cpu()[[1, 2, 4, 6]], pool[[1, 2, 4, 6]]), "slots nobody owns stay as they were"
+    one = hyla_triton.causal_conv1d_update(*_f32(x[:, 0]), pool.clone().to(DEV), *_f32(weight), None, act,
+                                           idx.to(DEV))  # [N, D] form
+    assert one.shape == (N, D)

@@ -1,5 +1,5 @@
-"""Triton kernels for hyla.ops (forward only): chunk prefill with in-kernel checkpoints, and
-decode / speculative verify over a state pool. Same contracts as the torch modules
+"""Triton kernels for hyla.ops (forward only): chunk prefill with in-kernel checkpoints,
+decode / speculative verify over a state pool, and the short-conv update of a decode step. Same contracts as the torch modules
 hyla.ops.chunk and hyla.ops.recurrent; hyla.ops dispatches here for CUDA tensors.
 
 On a machine without a GPU the kernels still run under Triton's interpreter
@@ -13,7 +13,7 @@ import importlib.util
 import os
 
 __all__ = ["is_available", "interpreting", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
-           "fused_recurrent_kda", "fused_recurrent_gated_delta_rule"]
+           "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update"]
 
 
 def is_available() -> bool:
@@ -29,7 +29,8 @@ def interpreting() -> bool:
 def __getattr__(name):
     # Lazy: importing hyla.ops must not import triton (it is an optional dependency).
     modules = {"chunk_kda": "chunk", "chunk_gated_delta_rule": "chunk", "chunk_delta_rule": "chunk",
-               "fused_recurrent_kda": "recurrent", "fused_recurrent_gated_delta_rule": "recurrent"}
+               "fused_recurrent_kda": "recurrent", "fused_recurrent_gated_delta_rule": "recurrent",
+               "causal_conv1d_update": "conv"}
     if name in modules:
         return getattr(importlib.import_module(f"hyla.ops.triton.{modules[name]}"), name)
     raise AttributeError(f"module 'hyla.ops.triton' has no attribute {name!r}")
