@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.ops import dispatch
-from hyla.ops.conv import causal_conv1d_fn, depthwise_valid_conv
+from hyla.ops.conv import causal_conv1d_fn
 
 
 class ShortConvDeltaRule(nn.Module):
@@ -100,10 +100,14 @@ class ShortConvDeltaRule(nn.Module):
         # Token rows as an [N, S] grid: already so when every sequence brings S tokens (the
         # CUDA-graph runner pads to that), else scattered into a zero-padded grid.
         uniform = batch.uniform_width == S
+        dst = idx[:, :S] if batch.rollback == "slots" else None  # [N, S] slot of the window after token j
         if not uniform:
             seq_ids = batch.token_seq_ids()
             offs = torch.arange(batch.num_tokens, device=x.device) - batch.cu_seqlens[:-1][seq_ids]  # [T_total]
             padded = seq_ids * S + offs  # [T_total] row in the [N * S] padded layout
+            if dst is not None:  # grid positions past a row's length write nothing
+                lens = torch.tensor(batch.seq_lens, device=x.device)
+                dst = torch.where(torch.arange(S, device=x.device)[None, :] < lens[:, None], dst, -1)
         xs = x[None]  # [1, T_total, hidden]
         pre, aux = self.project(xs)
         ys, inputs, windows0 = [], [], []
@@ -112,15 +116,11 @@ class ShortConvDeltaRule(nn.Module):
                 tp = t[0].view(N, S, -1)  # [N, S, D]
             else:
                 tp = t.new_zeros(N * S, t.shape[-1]).index_copy(0, padded, t[0]).view(N, S, -1)
-            w0 = pool[start]  # [N, D, W-1]
-            y, windows = conv_with_windows(tp, w0, conv.weight)
-            if batch.rollback == "slots":
-                if uniform:
-                    pool[idx[:, :S].reshape(-1)] = windows.flatten(0, 1).to(pool.dtype)
-                else:
-                    pool[idx[seq_ids, offs]] = windows.flatten(0, 1)[padded].to(pool.dtype)
+            if batch.rollback == "replay":
+                windows0.append(pool[start])  # [N, D, W-1], for commit_replay
+            y = dispatch.causal_conv1d_verify(tp, pool, conv.weight, activation="silu", read_indices=start,
+                                              write_indices=dst)  # [N, S, D]
             inputs.append(tp)
-            windows0.append(w0)
             ys.append(y.reshape(1, N * S, -1) if uniform else y.flatten(0, 1)[padded][None])  # [1, T_total, D]
         q, k, v = self.heads(ys)
         g, beta = self.gates(aux)
@@ -217,20 +217,6 @@ class ShortConvDeltaRule(nn.Module):
                 for (_, dest), s in zip(pairs, out[2][n]):
                     cache.state[dest] = s.to(cache.state.dtype)
         return self.output(out[0], aux)[0]
-
-
-def conv_with_windows(tp: torch.Tensor, w0: torch.Tensor, weight: torch.Tensor):
-    """Depthwise causal conv of S new tokens after the window w0, plus the window after each token.
-
-    tp: [N, S, D] pre-conv inputs; w0: [N, D, W-1] the W-1 inputs before them; weight: [D, 1, W].
-    Returns SiLU(conv) [N, S, D] and windows [N, S, D, W-1] (window after token j = inputs j-W+2..j).
-    """
-    width = weight.shape[-1] - 1
-    ext = torch.cat([w0, tp.transpose(1, 2).to(w0.dtype)], dim=2)  # [N, D, W-1+S]
-    work = torch.float64 if ext.dtype == torch.float64 else torch.float32
-    y = F.silu(depthwise_valid_conv(ext.to(work), weight.to(work).flatten(1))).to(tp.dtype)  # [N, D, S]
-    windows = ext.unfold(2, width, 1)[:, :, 1:]  # [N, D, S, W-1]
-    return y.transpose(1, 2), windows.permute(0, 2, 1, 3)
 
 
 def checkpoint_positions(batch) -> list[list[int]] | None:

@@ -8,10 +8,12 @@ starts from zeros. This is the layout of the vLLM / SGLang conv-state pool
 ``[num_slots, D, W-1]``.
 
 Prefill (:func:`causal_conv1d_fn`) packs every sequence into one "extended" stream in which each
-sequence is preceded by its W-1 state columns; a single ``F.conv1d(groups=D)`` over that stream
-then never mixes sequences, with no Python loop over tokens or sequences. Decode / verify
+sequence is preceded by its W-1 state columns; one depthwise conv over that stream then never
+mixes sequences, with no Python loop over tokens or sequences. Decode
 (:func:`causal_conv1d_update`) does the same per slot for 1..L new tokens and writes the new
-window back into the pool in place.
+window back into the pool in place. Speculative verify (:func:`causal_conv1d_verify`) reads each
+row's window from one slot and writes the window after every verified token to a slot of its
+own. hyla.ops.dispatch routes the last two to Triton kernels on CUDA.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from hyla.ops import utils
 
-__all__ = ["causal_conv1d_fn", "causal_conv1d_update"]
+__all__ = ["causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_verify"]
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -208,3 +210,60 @@ def causal_conv1d_update(
         conv_state[idx[live]] = ext[live][:, :, -P:].to(conv_state.dtype)
     y = y.transpose(1, 2).to(x.dtype)
     return y.squeeze(1) if squeeze else y
+
+
+def _check_verify_args(x, conv_state, weight, bias, activation, read_indices, write_indices) -> torch.Tensor:
+    """Shape checks of causal_conv1d_verify (shared with the Triton version); returns weight [D, W]."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
+        raise ValueError("x must be a floating-point tensor [N, L, D]")
+    N, L, D = x.shape
+    weight = _check_weight_bias(weight, bias, D)
+    _check_activation(activation)
+    P = weight.shape[1] - 1
+    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3 or conv_state.shape[1:] != (D, P):
+        got = tuple(conv_state.shape) if isinstance(conv_state, torch.Tensor) else conv_state
+        raise ValueError(f"conv_state must be [num_slots, D={D}, W-1={P}], got {got}")
+    if (not isinstance(read_indices, torch.Tensor) or read_indices.shape != (N,)
+            or read_indices.is_floating_point()):
+        raise ValueError(f"read_indices must be an integer tensor [N={N}]")
+    if write_indices is not None and (not isinstance(write_indices, torch.Tensor)
+                                      or write_indices.shape != (N, L) or write_indices.is_floating_point()):
+        raise ValueError(f"write_indices must be an integer tensor [N={N}, L={L}] or None")
+    return weight
+
+
+def causal_conv1d_verify(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    *,
+    read_indices: torch.Tensor,
+    write_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv of a speculative verify step: L tokens per row, per-position windows.
+
+    x: [N, L, D] the pre-conv inputs of each row's verified tokens (a row shorter than L is
+    zero-padded; its padding positions must not be written); conv_state: [num_slots, D, W-1];
+    read_indices: [N] the slot holding each row's window before its first token; write_indices:
+    [N, L] or None: the window after token j of row n goes to slot write_indices[n, j] when that
+    is >= 0 (while a CUDA graph is captured a -1 writes the pool's last slot, kept as scratch).
+    Returns y: [N, L, D] in x.dtype. Rows whose read index is -1 (padding) read the pool's last
+    slot; their outputs mean nothing.
+    """
+    weight = _check_verify_args(x, conv_state, weight, bias, activation, read_indices, write_indices)
+    N, L, D = x.shape
+    P = weight.shape[1] - 1
+    w0 = conv_state[read_indices]  # [N, D, P]
+    ext = torch.cat([w0, x.transpose(1, 2).to(w0.dtype)], dim=2)  # [N, D, P + L]
+    y = _conv(ext.to(_work_dtype(ext)), weight, bias, activation).to(x.dtype)  # [N, D, L]
+    if write_indices is not None and P > 0:
+        windows = ext.unfold(2, P, 1)[:, :, 1:].permute(0, 2, 1, 3).flatten(0, 1)  # [N * L, D, P]
+        dst = write_indices.reshape(-1)
+        if utils.is_capturing(dst):
+            conv_state[dst] = windows.to(conv_state.dtype)
+        else:
+            keep = dst >= 0
+            conv_state[dst[keep]] = windows[keep].to(conv_state.dtype)
+    return y.transpose(1, 2)

@@ -1,7 +1,7 @@
 """Backend choice for the chunk, recurrent and short-conv update ops: Triton kernels on CUDA,
 torch elsewhere.
 
-`hyla.ops.chunk_kda` (and the other five ops below) route a call to hyla.ops.triton when
+`hyla.ops.chunk_kda` (and the other six ops below) route a call to hyla.ops.triton when
 
   - the inputs live on a CUDA device and triton can be imported,
   - no input needs a gradient (the kernels are forward only; training stays on the
@@ -28,7 +28,8 @@ from hyla.ops import recurrent as _torch_recurrent
 from hyla.ops import triton as _triton
 
 __all__ = ["backend_for", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
-           "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update"]
+           "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
+           "causal_conv1d_verify"]
 
 _BACKENDS = ("auto", "torch", "triton")
 _MAX_HEAD_DIM = 256
@@ -84,4 +85,6 @@ fused_recurrent_kda = _dispatched(_torch_recurrent.fused_recurrent_kda, "fused_r
 fused_recurrent_gated_delta_rule = _dispatched(_torch_recurrent.fused_recurrent_gated_delta_rule,
                                                "fused_recurrent_gated_delta_rule")
 causal_conv1d_update = _dispatched(_torch_conv.causal_conv1d_update, "causal_conv1d_update", "x", "x",
+                                   heads=False)
+causal_conv1d_verify = _dispatched(_torch_conv.causal_conv1d_verify, "causal_conv1d_verify", "x", "x",
                                    heads=False)

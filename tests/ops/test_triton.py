@@ -308,3 +308,38 @@ def test_conv_update_matches_torch(L, W, bias, act):
     one = hyla_triton.causal_conv1d_update(*_f32(x[:, 0]), pool.clone().to(DEV), *_f32(weight), None, act,
                                            idx.to(DEV))  # [N, D] form
     assert one.shape == (N, D)
+
+
+@pytest.mark.parametrize("L, W", [(1, 4), (4, 4), (6, 3)])
+def test_conv_verify_matches_torch(L, W):
+    """The verify conv kernel vs the torch op: outputs of live rows, and per-position windows
+    written to their slots, including a row whose position-1 slot is the slot it starts from
+    (the old window must be read before it is overwritten) and -1 slots that write nothing."""
+    from hyla.ops import conv as torch_conv
+
+    gen = torch.Generator().manual_seed(L * 7 + W)
+    N, D = 3, 150
+    x = torch.randn(N, L, D, generator=gen)
+    # As the engine lays them out: row n owns slots own[n, 0..L]; position j writes own[n, j] and
+    # the row starts from own[n, a_n - 1]. Row 0 starts from own[0, 1] (its position 1 overwrites
+    # the slot it read), row 2's last position writes nothing.
+    own = torch.arange(N * (L + 1)).view(N, L + 1).flip(1) + 1  # slot 0 left unowned
+    pool = torch.randn(N * (L + 1) + 1, D, W - 1, generator=gen)
+    weight = torch.randn(D, W, generator=gen)
+    read = own[torch.arange(N), torch.tensor([min(1, L - 1), 0, L - 1])]
+    write = own[:, :L].clone()
+    write[2, -1] = -1
+    for writes in (write, None):
+        want_pool = pool.clone()
+        want = torch_conv.causal_conv1d_verify(x, want_pool, weight, None, "silu", read_indices=read,
+                                               write_indices=writes)
+        got_pool = pool.clone().to(DEV)
+        got = hyla_triton.causal_conv1d_verify(*_f32(x), got_pool, *_f32(weight), None, "silu",
+                                               read_indices=read.to(DEV),
+                                               write_indices=None if writes is None else writes.to(DEV))
+        assert got.shape == want.shape == (N, L, D)
+        _check(got, want, "y")
+        _check(got_pool, want_pool, "pool")
+    pad = hyla_triton.causal_conv1d_verify(*_f32(x), pool.clone().to(DEV), *_f32(weight), None, "silu",
+                                           read_indices=torch.tensor([-1, 1, 2]).to(DEV))
+    assert (pad[0] == 0).all(), "a padding row (read slot -1) outputs zeros"

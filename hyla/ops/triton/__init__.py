@@ -13,7 +13,8 @@ import importlib.util
 import os
 
 __all__ = ["is_available", "interpreting", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
-           "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update"]
+           "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
+           "causal_conv1d_verify"]
 
 
 def is_available() -> bool:
@@ -30,7 +31,7 @@ def __getattr__(name):
     # Lazy: importing hyla.ops must not import triton (it is an optional dependency).
     modules = {"chunk_kda": "chunk", "chunk_gated_delta_rule": "chunk", "chunk_delta_rule": "chunk",
                "fused_recurrent_kda": "recurrent", "fused_recurrent_gated_delta_rule": "recurrent",
-               "causal_conv1d_update": "conv"}
+               "causal_conv1d_update": "conv", "causal_conv1d_verify": "conv"}
     if name in modules:
         return getattr(importlib.import_module(f"hyla.ops.triton.{modules[name]}"), name)
     raise AttributeError(f"module 'hyla.ops.triton' has no attribute {name!r}")
