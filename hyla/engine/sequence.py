@@ -47,6 +47,10 @@ class Sequence:
         self.generator = (torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.text = ""
+        # Incremental detokenisation: output tokens [_prefix_offset, _read_offset) are the last
+        # ones already in `text`, decoded again as context for the next ones.
+        self._prefix_offset = 0
+        self._read_offset = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
@@ -86,9 +90,7 @@ class Sequence:
         p = self.params
         n_out = len(self.output_token_ids)
         if tokenizer is not None:
-            text = tokenizer.decode(self.output_token_ids, skip_special_tokens=p.skip_special_tokens)
-            if not text.endswith("\ufffd"):
-                self.text = text
+            self._detokenize(tokenizer)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token == self.eos_token_id:
                 return self.finish("stop", token, drop_text_of_last=True, tokenizer=tokenizer)
@@ -103,6 +105,22 @@ class Sequence:
                     return self.finish("stop", s)
         if n_out >= self.max_tokens:
             self.finish("length")
+
+    def _detokenize(self, tokenizer) -> None:
+        """Append the text of the tokens not yet in `text` (the incremental decoding of TGI / vLLM).
+
+        Decoding only the new tokens would drop what depends on their left context (a byte-level
+        character split over two tokens, spaces a decoder adds between tokens), so they are decoded
+        together with the tokens before them, and the text those give alone is cut off the front.
+        While the result ends in an incomplete UTF-8 sequence nothing is appended; the next token
+        completes it. Cost per token: two decodes of a few tokens, not of the whole output."""
+        ids = self.output_token_ids
+        skip = self.params.skip_special_tokens
+        prefix = tokenizer.decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
+        full = tokenizer.decode(ids[self._prefix_offset:], skip_special_tokens=skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
 
     def finish(self, reason: str, stop_reason=None, drop_text_of_last: bool = False, tokenizer=None) -> None:
         self.finish_reason = reason

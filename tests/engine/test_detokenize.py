@@ -1,0 +1,77 @@
+"""Incremental detokenisation (Sequence.check_stop): after every token the text equals a full
+decode of the output so far, whenever that decode is complete (does not end in a partial UTF-8
+sequence), for random token streams that split multi-byte characters and contain special tokens."""
+
+import random
+
+import pytest
+
+from hyla.engine.sampling_params import SamplingParams
+from hyla.engine.sequence import Sequence
+from hyla.models import default_model_path
+from hyla.models.tokenizer import load_tokenizer
+
+
+class _Metaspace:
+    """A SentencePiece-style tokenizer (Metaspace: "▁" marks a space, the decoder drops the space
+    before the first token), trained here on a few lines: decoding new tokens without their left
+    context would lose the spaces between them, which the byte-level tokenizer never shows."""
+
+    def __init__(self):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE(unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.decoder = decoders.Metaspace()
+        lines = ["def f(x): return héllo wörld café naïve 日本語 🙂 x + y", "the quick brown fox jumps"] * 20
+        tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+        self.tok = tok
+        self.bos_token_id, self.eos_token_id = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+        self.vocab_size = tok.get_vocab_size()
+
+    def encode(self, text):
+        return self.tok.encode(text).ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+@pytest.fixture(scope="module", params=["byte-level", "metaspace"])
+def tokenizer(request):
+    return load_tokenizer(default_model_path()) if request.param == "byte-level" else _Metaspace()
+
+
+def _stream(tokenizer, rng: random.Random, n: int) -> list[int]:
+    """Pieces of real text with non-ASCII characters, random ids and special tokens mixed in."""
+    text = "def f(x):\n    return 'héllo wörld — ∑ 日本語 🙂' + x  # naïve café\n"
+    ids = tokenizer.encode(text * 3)
+    special = [i for i in (tokenizer.bos_token_id, tokenizer.eos_token_id) if i is not None]
+    out = []
+    while len(out) < n:
+        r = rng.random()
+        if r < 0.6:
+            start = rng.randrange(len(ids))
+            out += ids[start:start + rng.randint(1, 6)]
+        elif r < 0.9:
+            out.append(rng.randrange(tokenizer.vocab_size))  # includes lone bytes of multi-byte chars
+        elif special:
+            out.append(rng.choice(special))
+    return out[:n]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_text_equals_full_decode(tokenizer, skip_special_tokens, seed):
+    rng = random.Random(seed)
+    ids = _stream(tokenizer, rng, 300)
+    params = SamplingParams(max_tokens=1000, ignore_eos=True, skip_special_tokens=skip_special_tokens)
+    seq = Sequence("r", None, [1, 2, 3], params, max_tokens=1000, eos_token_id=None)
+    checked = 0
+    for t in ids:
+        seq.append_token(t, None)
+        seq.check_stop(tokenizer)
+        full = tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip_special_tokens)
+        if not full.endswith("\ufffd"):
+            assert seq.text == full, f"after {len(seq.output_token_ids)} tokens"
+            checked += 1
+    assert checked > 150  # most positions: the test must not pass by never comparing
