@@ -10,7 +10,7 @@ in the projections, the gate and the output, which subclasses provide as hooks:
     heads(ys)                -> q, k [..., H, K], v [..., HV, V] from the SiLU(conv) outputs
     gates(aux)               -> g (log-decay, [..., HV] or [..., HV, K], fp32), beta [..., HV]
     output(o [..., HV, V], aux) -> [..., hidden]
-    _chunk / _recurrent / _decode_recurrent -> the chunk, recurrent and dispatched recurrent op
+    _chunk / _recurrent     -> the chunk op and the pool-indexed recurrent op
 
 `aux` is whatever `project` computed that the gates and output need (KDA: x itself; GDN: the
 z gate and the a / b projections of the fused in_proj), so no projection runs twice.
@@ -59,9 +59,6 @@ class ShortConvDeltaRule(nn.Module):
         raise NotImplementedError
 
     def _recurrent(self, *args, **kwargs):
-        raise NotImplementedError
-
-    def _decode_recurrent(self, *args, **kwargs):
         raise NotImplementedError
 
     # -- full sequences -----------------------------------------------------------------------
@@ -179,7 +176,7 @@ class ShortConvDeltaRule(nn.Module):
         q, k, v = self.heads(ys)  # [N, 1, H, K], v [N, 1, HV, V]
         g, beta = self.gates(aux)
         # dispatched: the Triton kernel on CUDA (no host sync, so CUDA graphs can capture it)
-        o, _ = self._decode_recurrent(q, k, v, g, beta, initial_state=cache.state, ssm_state_indices=slots,
+        o, _ = self._recurrent(q, k, v, g, beta, initial_state=cache.state, ssm_state_indices=slots,
                                       use_qk_l2norm_in_kernel=True)
         if checkpoint_positions(batch) is not None:  # p can only be 1: the state after the step
             src = batch.state_slots.tolist()

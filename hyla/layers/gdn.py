@@ -31,7 +31,7 @@ from torch import nn
 
 from hyla.layers.delta_rule import ShortConvDeltaRule
 from hyla.layers.norm import SiLUGatedRMSNorm
-from hyla.ops import chunk_gated_delta_rule, dispatch, fused_recurrent_gated_delta_rule  # dispatched: Triton on CUDA
+from hyla.ops import chunk_gated_delta_rule, dispatch  # dispatched: Triton on CUDA
 from hyla.ops.gate import gdn_gate
 
 
@@ -98,8 +98,5 @@ class GatedDeltaNet(ShortConvDeltaRule):
     def _chunk(self, *args, **kwargs):
         return chunk_gated_delta_rule(*args, **kwargs)
 
-    def _recurrent(self, *args, **kwargs):
-        return fused_recurrent_gated_delta_rule(*args, **kwargs)
-
-    def _decode_recurrent(self, *args, **kwargs):
+    def _recurrent(self, *args, **kwargs):  # decode, verify and replay's commit
         return dispatch.fused_recurrent_gated_delta_rule(*args, **kwargs)

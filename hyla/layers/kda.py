@@ -21,7 +21,7 @@ from torch import nn
 
 from hyla.layers.delta_rule import ShortConvDeltaRule
 from hyla.layers.norm import GatedRMSNorm
-from hyla.ops import chunk_kda, dispatch, fused_recurrent_kda  # dispatched: Triton on CUDA
+from hyla.ops import chunk_kda, dispatch  # dispatched: Triton on CUDA
 from hyla.ops.gate import kda_gate
 
 
@@ -100,8 +100,5 @@ class KimiDeltaAttention(ShortConvDeltaRule):
     def _chunk(self, *args, **kwargs):
         return chunk_kda(*args, **kwargs)
 
-    def _recurrent(self, *args, **kwargs):
-        return fused_recurrent_kda(*args, **kwargs)
-
-    def _decode_recurrent(self, *args, **kwargs):
+    def _recurrent(self, *args, **kwargs):  # decode, verify and replay's commit
         return dispatch.fused_recurrent_kda(*args, **kwargs)
