@@ -13,6 +13,7 @@ from hyla.ops.affine import apply, compose, identity, prefix_scan, segment_affin
 from hyla.ops.conv import causal_conv1d_fn
 from hyla.ops.dispatch import (
     causal_conv1d_update,
+    causal_conv1d_verify,
     chunk_delta_rule,
     chunk_gated_delta_rule,
     chunk_kda,
@@ -34,7 +35,7 @@ __all__ = [
     "fused_recurrent_kda", "fused_recurrent_gated_delta_rule",
     "naive_recurrent_kda", "naive_recurrent_gated_delta_rule", "naive_recurrent_delta_rule",
     "naive_recurrent_linear_attn",
-    "causal_conv1d_fn", "causal_conv1d_update", "kda_gate", "gdn_gate",
+    "causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_verify", "kda_gate", "gdn_gate",
     "l2norm", "rms_norm", "gated_rms_norm",
     "segment_affine", "compose", "apply", "identity", "prefix_scan", "max_reciprocal_decay", "safe_chunk_size",
 ]

@@ -179,3 +179,34 @@ def test_bad_inputs():
         causal_conv1d_update(torch.randn(2, 1, 6), pool, w, conv_state_indices=torch.tensor([0]))
     with pytest.raises(ValueError, match="conv_state_indices"):
         causal_conv1d_update(torch.randn(2, 1, 6), pool, w, conv_state_indices=torch.tensor([0, 4]))
+
+
+def test_verify_conv_matches_prefill_per_position():
+    """causal_conv1d_verify: row n's outputs equal the prefill conv of its tokens from the window
+    in read_indices[n], and the window written for token j equals the prefill's final state
+    after tokens 0..j; -1 write slots and unowned slots are left alone."""
+    from hyla.ops.conv import causal_conv1d_verify
+
+    gen = torch.Generator().manual_seed(4)
+    N, L, D, W = 3, 5, 12, 4
+    x = torch.randn(N, L, D, generator=gen, dtype=torch.float64)
+    weight = torch.randn(D, W, generator=gen, dtype=torch.float64)
+    bias = torch.randn(D, generator=gen, dtype=torch.float64)
+    pool = torch.randn(20, D, W - 1, generator=gen, dtype=torch.float64)
+    read = torch.tensor([4, 0, 9])
+    write = torch.tensor([[4, 5, 6, 7, 8], [1, 2, 3, -1, -1], [10, 11, 12, 13, 14]])  # row 0 reuses its slot
+    before = pool.clone()
+    y = causal_conv1d_verify(x, pool, weight, bias, "silu", read_indices=read, write_indices=write)
+    for n in range(N):
+        want, _ = causal_conv1d_fn(x[n:n + 1], weight, bias, "silu", initial_state=before[read[n]][None])
+        torch.testing.assert_close(y[n], want[0], rtol=1e-12, atol=1e-12)
+        for j in range(L):
+            if write[n, j] < 0:
+                continue
+            _, final = causal_conv1d_fn(x[n:n + 1, :j + 1], weight, bias, "silu",
+                                        initial_state=before[read[n]][None], output_final_state=True)
+            torch.testing.assert_close(pool[write[n, j]], final[0], rtol=0, atol=0)
+    untouched = [s for s in range(20) if s not in write[write >= 0].tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+    with pytest.raises(ValueError, match="write_indices"):
+        causal_conv1d_verify(x, pool, weight, read_indices=read, write_indices=write[:, :2])
