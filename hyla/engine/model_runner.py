@@ -73,13 +73,13 @@ class ModelRunner:
         if (self.graphs is not None and pad_to and self.graphs.can_verify(len(seqs))
                 and all(len(d) < pad_to for d in drafts)
                 and (rollback == "replay" or all(len(r) == pad_to for r in rows))):
-            tokens = [[seq.token_ids[-1], *d] + [0] * (pad_to - 1 - len(d)) for seq, d in zip(seqs, drafts)]
+            tokens = [[seq.last_token_id, *d] + [0] * (pad_to - 1 - len(d)) for seq, d in zip(seqs, drafts)]
             logits = self.graphs.run_verify(tokens, [seq.num_computed_tokens for seq in seqs], rows, accepted,
                                             [seq.block_table for seq in seqs], rollback)  # [N, W, V]
             self.verified_in_graph = True
             logits = logits.cpu()  # one copy (the caller accepts on the host), then drop the padding
             return torch.cat([logits[n, :1 + len(d)] for n, d in enumerate(drafts)])
-        ids = [t for seq, d in zip(seqs, drafts) for t in [seq.token_ids[-1], *d]]
+        ids = [t for seq, d in zip(seqs, drafts) for t in [seq.last_token_id, *d]]
         batch = ForwardBatch.build(
             seq_lens=[1 + len(d) for d in drafts], context_lens=[seq.num_computed_tokens for seq in seqs],
             block_tables=[seq.block_table for seq in seqs], state_slots=rows, device=self.device,
