@@ -69,6 +69,7 @@ def _sync(device) -> None:
 
 
 def _median_ms(fn, repeat: int, device) -> float:
+    """Median wall time of `repeat` calls of fn (device-synchronised), after one untimed call."""
     fn()
     times = []
     for _ in range(repeat):
@@ -129,14 +130,7 @@ def main() -> None:
     # The collective alone, on a buffer of the summary's size: its share of the step.
     buf = torch.zeros(counter.bytes_sent // 4, dtype=torch.float32, device=device)
     out = torch.empty(world * buf.numel(), dtype=torch.float32, device=device)
-    gather_times = []
-    for _ in range(args.repeat + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        gather_into(out, buf)
-        _sync(device)
-        gather_times.append((time.perf_counter() - t0) * 1e3)
-    gather_ms = sorted(gather_times[1:])[len(gather_times[1:]) // 2]
+    gather_ms = _median_ms(lambda: gather_into(out, buf), args.repeat, device)
     # The two local halves alone: the chunk pass over K + V columns, and adding the incoming
     # state's share (one matmul per head).
     gate = args.gate
@@ -169,14 +163,7 @@ def main() -> None:
             parts = [make_slice(r, lengths[r], args, device) for r in range(world)]
             full = [torch.cat([part[i] for part in parts], dim=1) for i in range(5)]
             o_ref, final_ref = op(*full, initial_state=h0, output_final_state=True)
-            single = []
-            for _ in range(args.repeat):
-                _sync(device)
-                t0 = time.perf_counter()
-                op(*full, initial_state=h0, output_final_state=True)
-                _sync(device)
-                single.append((time.perf_counter() - t0) * 1e3)
-            one = sorted(single)[len(single) // 2]
+            one = _median_ms(lambda: op(*full, initial_state=h0, output_final_state=True), args.repeat, device)
             slowest = max(st[2] for st in stats)
             print(f"  one process on the whole sequence: {one:.2f} ms; KCP (slowest rank) {slowest:.2f} ms: "
                   f"speed-up {one / slowest:.2f}x, efficiency {one / slowest / world:.0%}")

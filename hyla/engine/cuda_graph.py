@@ -88,6 +88,16 @@ def width_bucket(pages: int) -> int:
         p *= 2
 
 
+def _decode_pad_row(width: int) -> list[int]:
+    """A padding row of the decode buffer: token 0, context 0, slot -1, no pages."""
+    return [0, 0, -1] + [-1] * width
+
+
+def _verify_pad_row(W: int, width: int) -> list[int]:
+    """A padding row of the verify buffer: context 0, 1 accepted, W tokens 0, slots -1, no pages."""
+    return [0, 1] + [0] * W + [-1] * W + [-1] * width
+
+
 class CUDAGraphRunner:
     """Replays captured decode steps. `capture=False` runs the same padded, fixed-shape inputs
     eagerly (how the CPU tests check the padding without a GPU)."""
@@ -147,7 +157,7 @@ class CUDAGraphRunner:
         width = width_bucket(need)
         rows = [[t, c, s] + list(table[:width]) + [-1] * (width - len(table))
                 for t, c, s, table in zip(token_ids, context_lens, slots, block_tables)]
-        rows += [[0, 0, -1] + [-1] * width] * (bs - n)
+        rows += [_decode_pad_row(width)] * (bs - n)
         for slot, ctx in zip(slots, context_lens):
             if ctx == 0:  # a one-token prompt: its slot may hold an old request's state
                 self.cache.zero_slot(slot)
@@ -178,19 +188,24 @@ class CUDAGraphRunner:
             return self.graphs[key]
         meta = self.meta[width]
         # Warm up on padding rows only: every write lands in scratch.
-        meta[:bs, :3] = torch.tensor([0, 0, -1], device=self.device)
-        meta[:bs, 3:] = -1
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # Triton compiles, cuBLAS picks kernels, outside the capture
-            self._forward(bs, width)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(bs, width)
+        meta[:bs] = torch.tensor(_decode_pad_row(width), device=self.device)
+        graph, out = self._capture(lambda: self._forward(bs, width))
         log.debug("captured a decode CUDA graph for batch %d, %d pages", bs, width)
         self.graphs[key] = (graph, out)
         return self.graphs[key]
+
+    def _capture(self, step):
+        """Run `step` once on a side stream (Triton compiles, cuBLAS picks kernels, outside the
+        capture), then capture it -> (graph, what the captured call returned)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        return graph, out
 
     # -- speculative verify ----------------------------------------------------------------------
 
@@ -216,7 +231,7 @@ class CUDAGraphRunner:
         pad_slots = lambda sl: list(sl) + [-1] * (W - len(sl))  # noqa: E731
         rows = [[c, a] + list(t) + pad_slots(sl) + list(table[:width]) + [-1] * (width - len(table[:width]))
                 for t, c, sl, a, table in zip(tokens, context_lens, slots, accepted, block_tables)]
-        rows += [[0, 1] + [0] * W + [-1] * W + [-1] * width] * (bs - n)
+        rows += [_verify_pad_row(W, width)] * (bs - n)
         key = (bs, W, width, rollback)
         graph, out, replay = self._verify_graph(key)
         self.vmeta[(W, width)][:bs].copy_(torch.tensor(rows, dtype=torch.long))
@@ -245,11 +260,13 @@ class CUDAGraphRunner:
             self.model.commit_replay(self.cache, self.accepted[:bs])
         else:
             graph.replay()
-            for layer_cache in self.cache.layers:
-                if getattr(layer_cache, "replay", None) is not None:
-                    layer_cache.replay = None  # consumed, as the eager commit does
+            self._restore_replay_inputs([None] * len(self.cache.layers))  # consumed, as the eager commit does
 
     def _restore_replay_inputs(self, replay) -> None:
+        """Hand each linear layer's cache the inputs for commit_replay (None: clear them)."""
+        for layer_cache in self.cache.layers:
+            if hasattr(layer_cache, "replay"):
+                layer_cache.replay = None
         for layer_cache, inputs in zip(self.cache.layers, replay):
             if inputs is not None:  # what the captured step left for commit_replay
                 layer_cache.replay = inputs
@@ -279,35 +296,20 @@ class CUDAGraphRunner:
             return self.verify_graphs[key]
         meta = self.vmeta[(W, width)]
         # Warm up on padding rows only: every write lands in scratch.
-        pad = torch.tensor([0, 1] + [0] * W + [-1] * W + [-1] * width, device=self.device)
-        meta[:bs] = pad
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._verify_forward(*key)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._verify_forward(*key)
+        meta[:bs] = torch.tensor(_verify_pad_row(W, width), device=self.device)
+        graph, out = self._capture(lambda: self._verify_forward(*key))
         replay = [getattr(layer_cache, "replay", None) for layer_cache in self.cache.layers]
         if rollback == "replay":
             # The commit reads the verify graph's buffers: fill them once from the padding rows
             # (a capture does not run), so that the commit's warm-up touches only scratch.
             graph.replay()
-            self._restore_replay_inputs(replay)
             self.accepted[:bs] = 1
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
+
+            def commit():
+                self._restore_replay_inputs(replay)  # commit_replay consumes them
                 self.model.commit_replay(self.cache, self.accepted[:bs])
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            self._restore_replay_inputs(replay)
-            commit = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(commit, pool=self.pool):
-                self.model.commit_replay(self.cache, self.accepted[:bs])
-            self.commit_graphs[key] = commit
-        for layer_cache in self.cache.layers:  # the capture's inputs are not a step to commit
-            if getattr(layer_cache, "replay", None) is not None:
-                layer_cache.replay = None
+            self.commit_graphs[key], _ = self._capture(commit)
+        self._restore_replay_inputs([None] * len(self.cache.layers))  # the capture's inputs are no step to commit
         log.debug("captured a verify CUDA graph for batch %d, %d tokens, %d pages, %s", bs, W, width, rollback)
         self.verify_graphs[key] = (graph, out, replay)
         return self.verify_graphs[key]

@@ -150,10 +150,10 @@ class ForwardBatch:
         """W when this is a decode or verify batch in which every sequence brings exactly W new
         tokens (decode: W = 1; the CUDA-graph runner pads verify rows to 1 + k), else None.
         Attention layers then attend for all sequences at once over a [N, W] query grid."""
-        if not self.seq_lens or not (self.is_decode or self.is_verify):
-            return None
-        w = self.seq_lens[0]
-        return w if all(s == w for s in self.seq_lens) else None
+        if "width" not in self._memo:  # asked by every attention and linear layer of a step
+            w = self.seq_lens[0] if self.seq_lens and (self.is_decode or self.is_verify) else None
+            self._memo["width"] = w if w is not None and all(s == w for s in self.seq_lens) else None
+        return self._memo["width"]
 
     def token_seq_ids(self) -> torch.Tensor:
         """[T_total] index of the sequence each new token belongs to."""

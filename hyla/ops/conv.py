@@ -151,6 +151,41 @@ def causal_conv1d_fn(
     return y, final
 
 
+def _check_conv_state(conv_state, D: int, P: int) -> None:
+    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3 or conv_state.shape[1:] != (D, P):
+        got = tuple(conv_state.shape) if isinstance(conv_state, torch.Tensor) else conv_state
+        raise ValueError(f"conv_state must be [num_slots, D={D}, W-1={P}], got {got}")
+
+
+def _check_update_args(x, conv_state, weight, bias, activation, conv_state_indices):
+    """Checks of causal_conv1d_update (shared with the Triton version) -> (x as [N, L, D], whether
+    x was [N, D], weight [D, W], the slot index per row as int64). The range check reads the
+    indices on the host, so it is skipped while a CUDA graph is being captured."""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or not x.is_floating_point():
+        raise ValueError("x must be a floating-point tensor [N, L, D] or [N, D]")
+    squeeze = x.dim() == 2
+    x3 = x.unsqueeze(1) if squeeze else x
+    N, L, D = x3.shape
+    weight = _check_weight_bias(weight, bias, D)
+    _check_activation(activation)
+    _check_conv_state(conv_state, D, weight.shape[1] - 1)
+    if conv_state_indices is None:
+        if conv_state.shape[0] < N:
+            raise ValueError(f"conv_state has {conv_state.shape[0]} slots, fewer than N={N} rows")
+        return x3, squeeze, weight, torch.arange(N, device=x.device)
+    if (
+        not isinstance(conv_state_indices, torch.Tensor)
+        or conv_state_indices.shape != (N,)
+        or conv_state_indices.is_floating_point()
+    ):
+        got = getattr(conv_state_indices, "shape", conv_state_indices)
+        raise ValueError(f"conv_state_indices must be an integer tensor [N={N}], got {got}")
+    idx = conv_state_indices.long().to(x.device)
+    if not utils.is_capturing(idx) and bool((idx >= conv_state.shape[0]).any()):
+        raise ValueError(f"conv_state_indices out of range for {conv_state.shape[0]} slots")
+    return x3, squeeze, weight, idx
+
+
 def causal_conv1d_update(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -167,32 +202,9 @@ def causal_conv1d_update(
     CUDA graph is being captured, nothing is checked and a padding row writes the pool's last slot).
     Two live rows must not share a slot. Returns y with the shape and dtype of x.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or not x.is_floating_point():
-        raise ValueError("x must be a floating-point tensor [N, L, D] or [N, D]")
-    squeeze = x.dim() == 2
-    x3 = x.unsqueeze(1) if squeeze else x
+    x3, squeeze, weight, idx = _check_update_args(x, conv_state, weight, bias, activation, conv_state_indices)
     N, L, D = x3.shape
-    weight = _check_weight_bias(weight, bias, D)
-    _check_activation(activation)
     P = weight.shape[1] - 1
-    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3 or conv_state.shape[1:] != (D, P):
-        got = tuple(conv_state.shape) if isinstance(conv_state, torch.Tensor) else conv_state
-        raise ValueError(f"conv_state must be [num_slots, D={D}, W-1={P}], got {got}")
-    if conv_state_indices is None:
-        if conv_state.shape[0] < N:
-            raise ValueError(f"conv_state has {conv_state.shape[0]} slots, fewer than N={N} rows")
-        idx = torch.arange(N, device=x.device)
-    else:
-        if (
-            not isinstance(conv_state_indices, torch.Tensor)
-            or conv_state_indices.shape != (N,)
-            or conv_state_indices.is_floating_point()
-        ):
-            got = getattr(conv_state_indices, "shape", conv_state_indices)
-            raise ValueError(f"conv_state_indices must be an integer tensor [N={N}], got {got}")
-        idx = conv_state_indices.long().to(x.device)
-        if not utils.is_capturing(idx) and bool((idx >= conv_state.shape[0]).any()):
-            raise ValueError(f"conv_state_indices out of range for {conv_state.shape[0]} slots")
 
     live = idx >= 0  # [N]
     dt = _work_dtype(x)
@@ -219,10 +231,7 @@ def _check_verify_args(x, conv_state, weight, bias, activation, read_indices, wr
     N, L, D = x.shape
     weight = _check_weight_bias(weight, bias, D)
     _check_activation(activation)
-    P = weight.shape[1] - 1
-    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3 or conv_state.shape[1:] != (D, P):
-        got = tuple(conv_state.shape) if isinstance(conv_state, torch.Tensor) else conv_state
-        raise ValueError(f"conv_state must be [num_slots, D={D}, W-1={P}], got {got}")
+    _check_conv_state(conv_state, D, weight.shape[1] - 1)
     if (not isinstance(read_indices, torch.Tensor) or read_indices.shape != (N,)
             or read_indices.is_floating_point()):
         raise ValueError(f"read_indices must be an integer tensor [N={N}]")

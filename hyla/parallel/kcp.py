@@ -51,6 +51,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from hyla.ops.affine import identity
 from hyla.ops.chunk import SUB_BLOCK
 from hyla.ops.dispatch import chunk_gated_delta_rule, chunk_kda  # the Triton kernels on CUDA
 from hyla.ops.utils import check_inputs
@@ -244,8 +245,8 @@ def local_pass(q, k, v, g, beta, *, gate, scale=None, use_qk_l2norm_in_kernel=Fa
     HV, V = v.shape[2], v.shape[3]
     work = torch.float64 if v.dtype == torch.float64 else torch.float32
     if T == 0:  # an empty slice maps every state to itself
-        eye = torch.eye(K, dtype=work, device=v.device).expand(B, HV, K, K).clone()
-        return v.new_zeros(B, 0, HV, V), v.new_zeros(B, 0, HV, K), eye, eye.new_zeros(B, HV, K, V)
+        return (v.new_zeros(B, 0, HV, V), v.new_zeros(B, 0, HV, K),
+                *identity(B, HV, K, V, dtype=work, device=v.device))
     v_ext = torch.cat([v, v.new_zeros(B, T, HV, K)], dim=-1)  # [B, T, HV, V + K]
     eye = torch.eye(K, dtype=work, device=v.device).expand(B, HV, K, K)
     s0 = torch.cat([eye.new_zeros(B, HV, K, V), eye], dim=-1)  # [B, HV, K, V + K]

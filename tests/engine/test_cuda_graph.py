@@ -45,6 +45,33 @@ class _NoSync:
         return guarded
 
 
+def _capture_mode(monkeypatch, runner, method: str, recurrent_name: str) -> _NoSync:
+    """Run `runner.<method>` as a capture would: the ops in their capture paths and every host
+    sync failing inside it, except in the torch recurrence standing in for the (sync-free)
+    Triton kernel. Returns the guard (its `on` can also be set around other calls)."""
+    nosync = _NoSync(monkeypatch)
+    monkeypatch.setattr(utils, "is_capturing", lambda t: True)
+    recurrent = getattr(dispatch, recurrent_name)
+
+    def torch_recurrent(*a, **kw):
+        on, nosync.on = nosync.on, False
+        try:
+            return recurrent(*a, **kw)
+        finally:
+            nosync.on = on
+    monkeypatch.setattr(dispatch, recurrent_name, torch_recurrent)
+    inner = getattr(runner, method)
+
+    def guarded(*a):
+        nosync.on = True
+        try:
+            return inner(*a)
+        finally:
+            nosync.on = False
+    monkeypatch.setattr(runner, method, guarded)
+    return nosync
+
+
 @pytest.fixture(scope="module")
 def qwen_ckpt(tmp_path_factory):
     from tests.oracles.qwen3_next_checkpoint import build_qwen3_next_checkpoint
@@ -89,26 +116,7 @@ def test_padded_decode_equals_eager_cpu(ckpt, qwen_ckpt, family, monkeypatch):
     ctx = lens + [0]
 
     runner = CUDAGraphRunner(model, graph, max_batch=slots, capture=False)
-    nosync = _NoSync(monkeypatch)
-    monkeypatch.setattr(utils, "is_capturing", lambda t: True)  # the ops' capture paths
-    recurrent = getattr(dispatch, recurrent_name)
-
-    def torch_recurrent(*a, **k):  # the CPU stand-in for the (sync-free) Triton kernel
-        on, nosync.on = nosync.on, False
-        try:
-            return recurrent(*a, **k)
-        finally:
-            nosync.on = on
-    monkeypatch.setattr(dispatch, recurrent_name, torch_recurrent)
-    forward = runner._forward
-
-    def no_sync_forward(*a):
-        nosync.on = True
-        try:
-            return forward(*a)
-        finally:
-            nosync.on = False
-    monkeypatch.setattr(runner, "_forward", no_sync_forward)
+    nosync = _capture_mode(monkeypatch, runner, "_forward", recurrent_name)
 
     for _ in range(steps):
         step = ForwardBatch.build([1] * 5, ctx, tables, seq_slots)
@@ -197,26 +205,7 @@ def test_padded_verify_equals_eager_cpu(ckpt, qwen_ckpt, family, rollback, monke
         want = model.compute_logits(model.forward_batch(torch.tensor(ids), step, eager))
 
     runner = CUDAGraphRunner(model, graph, max_batch=slots, capture=False)
-    nosync = _NoSync(monkeypatch)
-    monkeypatch.setattr(utils, "is_capturing", lambda t: True)
-    recurrent = getattr(dispatch, recurrent_name)
-
-    def torch_recurrent(*a, **kw):  # the CPU stand-in for the (sync-free) Triton kernel
-        on, nosync.on = nosync.on, False
-        try:
-            return recurrent(*a, **kw)
-        finally:
-            nosync.on = on
-    monkeypatch.setattr(dispatch, recurrent_name, torch_recurrent)
-    forward = runner._verify_forward
-
-    def no_sync_forward(*a):
-        nosync.on = True
-        try:
-            return forward(*a)
-        finally:
-            nosync.on = False
-    monkeypatch.setattr(runner, "_verify_forward", no_sync_forward)
+    nosync = _capture_mode(monkeypatch, runner, "_verify_forward", recurrent_name)
     tokens = [[p[-1], *d] + [0] * (k - len(d)) for p, d in zip(prompts, drafts)]
     got = runner.run_verify(tokens, ctx, rows, acc, tables, rollback)  # [3, W, V]
     assert got.shape[:2] == (3, W) and runner.verify_key[0] == 4

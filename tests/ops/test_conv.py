@@ -210,3 +210,9 @@ def test_verify_conv_matches_prefill_per_position():
     assert torch.equal(pool[untouched], before[untouched])
     with pytest.raises(ValueError, match="write_indices"):
         causal_conv1d_verify(x, pool, weight, read_indices=read, write_indices=write[:, :2])
+    with pytest.raises(ValueError, match="read_indices"):
+        causal_conv1d_verify(x, pool, weight, read_indices=read[:2])
+    with pytest.raises(ValueError, match="conv_state"):
+        causal_conv1d_verify(x, pool[:, :, :2], weight, read_indices=read)
+    with pytest.raises(ValueError, match=r"x must be"):
+        causal_conv1d_verify(x[0], pool, weight, read_indices=read)

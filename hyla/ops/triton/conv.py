@@ -22,8 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.ops import utils
-from hyla.ops.conv import _check_activation, _check_verify_args, _check_weight_bias
+from hyla.ops.conv import _check_update_args, _check_verify_args
 from hyla.ops.triton import _interpreter
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -96,10 +95,7 @@ def _launch(x3, conv_state, weight, bias, activation, read_idx, write_idx, write
     return y
 
 
-def _check_state(conv_state, D: int, P: int) -> None:
-    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3 or conv_state.shape[1:] != (D, P):
-        got = tuple(conv_state.shape) if isinstance(conv_state, torch.Tensor) else conv_state
-        raise ValueError(f"conv_state must be [num_slots, D={D}, W-1={P}], got {got}")
+def _check_contiguous(conv_state) -> None:
     if not conv_state.is_contiguous():
         raise ValueError("conv_state must be contiguous (it is updated in place)")
 
@@ -108,27 +104,9 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
                          bias: torch.Tensor | None = None, activation: str | None = None,
                          conv_state_indices: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton version of hyla.ops.conv.causal_conv1d_update (same arguments and result)."""
-    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or not x.is_floating_point():
-        raise ValueError("x must be a floating-point tensor [N, L, D] or [N, D]")
-    squeeze = x.dim() == 2
-    x3 = (x.unsqueeze(1) if squeeze else x).contiguous()
-    N, L, D = x3.shape
-    weight = _check_weight_bias(weight, bias, D)
-    _check_activation(activation)
-    _check_state(conv_state, D, weight.shape[1] - 1)
-    if conv_state_indices is None:
-        if conv_state.shape[0] < N:
-            raise ValueError(f"conv_state has {conv_state.shape[0]} slots, fewer than N={N} rows")
-        idx = torch.arange(N, device=x.device)
-    else:
-        if (not isinstance(conv_state_indices, torch.Tensor) or conv_state_indices.shape != (N,)
-                or conv_state_indices.is_floating_point()):
-            got = getattr(conv_state_indices, "shape", conv_state_indices)
-            raise ValueError(f"conv_state_indices must be an integer tensor [N={N}], got {got}")
-        idx = conv_state_indices.contiguous()
-        if not utils.is_capturing(idx) and bool((idx >= conv_state.shape[0]).any()):
-            raise ValueError(f"conv_state_indices out of range for {conv_state.shape[0]} slots")
-    y = _launch(x3, conv_state, weight, bias, activation, idx, None, WRITE_FINAL)
+    x3, squeeze, weight, idx = _check_update_args(x, conv_state, weight, bias, activation, conv_state_indices)
+    _check_contiguous(conv_state)
+    y = _launch(x3.contiguous(), conv_state, weight, bias, activation, idx.contiguous(), None, WRITE_FINAL)
     return y.squeeze(1) if squeeze else y
 
 
@@ -138,7 +116,7 @@ def causal_conv1d_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     """The Triton version of hyla.ops.conv.causal_conv1d_verify (same arguments and result for
     rows whose read index is >= 0; a padding row (< 0) outputs zeros)."""
     weight = _check_verify_args(x, conv_state, weight, bias, activation, read_indices, write_indices)
-    _check_state(conv_state, x.shape[2], weight.shape[1] - 1)
+    _check_contiguous(conv_state)
     return _launch(x.contiguous(), conv_state, weight, bias, activation, read_indices.contiguous(),
                    None if write_indices is None else write_indices.contiguous(),
                    WRITE_NONE if write_indices is None else WRITE_EACH)
