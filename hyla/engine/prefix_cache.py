@@ -47,7 +47,8 @@ class Node:
         self.last_access = next(_clock)
 
 
-def _common(a, b) -> int:
+def common_prefix_len(a, b) -> int:
+    """Length of the longest common prefix of two token sequences."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -76,7 +77,7 @@ class PrefixCache:
             chunk = tokens[depth * self.page_size : (depth + 1) * self.page_size]
             if not chunk:
                 return
-            matches = [(c, _common(c.tokens, chunk)) for c in node.children]
+            matches = [(c, common_prefix_len(c.tokens, chunk)) for c in node.children]
             matches = sorted((x for x in matches if x[1] > 0), key=lambda x: -x[1])
             if not matches:
                 return

@@ -121,16 +121,7 @@ class KimiLinearConfig:
             lb = self.gate_lower_bound
             if not (isinstance(lb, (int, float)) and math.isfinite(lb) and lb < 0):
                 raise ValueError(f"config field `gate_lower_bound` must be a finite negative number, got {lb!r}")
-        n = self.num_hidden_layers
-        for name, allowed in (("layer_types", (LINEAR, FULL)), ("mlp_layer_types", (DENSE, SPARSE))):
-            kinds = getattr(self, name)
-            if len(kinds) != n:
-                raise ValueError(f"config field `{name}` has {len(kinds)} entries for {n} layers")
-            bad = sorted({k for k in kinds if k not in allowed})
-            if bad:
-                raise ValueError(f"config field `{name}` has unknown kinds {bad}; expected {list(allowed)}")
-        if DENSE in self.mlp_layer_types:
-            _check_int("intermediate_size", self.intermediate_size, low=1)
+        check_layer_kinds(self)
         if SPARSE in self.mlp_layer_types:
             self._validate_moe()
 
@@ -200,13 +191,35 @@ class KimiLinearConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> KimiLinearConfig:
         """Read `path` (a config.json, or a directory holding one)."""
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"no config.json at {path}")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_hf_dict(json.load(f))
+        return cls.from_hf_dict(read_config_json(path))
+
+
+def read_config_json(path: str | os.PathLike) -> dict:
+    """The parsed config.json at `path` (the file, or a directory holding it)."""
+    path = os.fspath(path)
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"no config.json at {file}")
+    with open(file, encoding="utf-8") as f:
+        d = json.load(f)
+    if not isinstance(d, dict):
+        raise ValueError(f"{file} does not hold a JSON object")
+    return d
+
+
+def check_layer_kinds(config) -> None:
+    """`layer_types` / `mlp_layer_types`: one known kind per layer; dense MLPs need a size (both
+    families; the MoE fields are each family's own)."""
+    n = config.num_hidden_layers
+    for name, allowed in (("layer_types", (LINEAR, FULL)), ("mlp_layer_types", (DENSE, SPARSE))):
+        kinds = getattr(config, name)
+        if len(kinds) != n:
+            raise ValueError(f"config field `{name}` has {len(kinds)} entries for {n} layers")
+        bad = sorted({k for k in kinds if k not in allowed})
+        if bad:
+            raise ValueError(f"config field `{name}` has unknown kinds {bad}; expected {list(allowed)}")
+    if DENSE in config.mlp_layer_types:
+        _check_int("intermediate_size", config.intermediate_size, low=1)
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from hyla.models.base import HybridForCausalLM
-from hyla.models.config import KimiLinearConfig
+from hyla.models.config import KimiLinearConfig, read_config_json
 from hyla.models.kimi_linear import KimiLinearForCausalLM
 from hyla.models.memory import FP32_TENSORS
 from hyla.models.qwen3_next import Qwen3NextForCausalLM
@@ -43,14 +43,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 def load_config(path) -> KimiLinearConfig | Qwen3NextConfig:
     """The config of the checkpoint at `path` (a directory holding config.json, or the file),
     parsed by the class its `model_type` names."""
-    path = os.fspath(path)
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise ValueError(f"no config.json at {file}")
-    with open(file, encoding="utf-8") as f:
-        d = json.load(f)
-    if not isinstance(d, dict):
-        raise ValueError(f"{file} does not hold a JSON object")
+    d = read_config_json(path)
     model_type = d.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"unknown model_type {model_type!r}; hyla supports {sorted(FAMILIES)}")

@@ -14,11 +14,12 @@ same model from the same file:
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
-from hyla.models.config import DENSE, FULL, LINEAR, SPARSE, _check_int, _req
+from hyla.models.config import (
+    DENSE, FULL, LINEAR, SPARSE, _check_int, _req, check_layer_kinds, read_config_json,
+)
 
 MODEL_TYPE = "qwen3_next"
 
@@ -111,16 +112,7 @@ class Qwen3NextConfig:
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(f"head_dim * partial_rotary_factor = {self.rotary_dim} rotary channels: "
                              "must be even and >= 2")
-        n = self.num_hidden_layers
-        for name, allowed in (("layer_types", (LINEAR, FULL)), ("mlp_layer_types", (DENSE, SPARSE))):
-            kinds = getattr(self, name)
-            if len(kinds) != n:
-                raise ValueError(f"config field `{name}` has {len(kinds)} entries for {n} layers")
-            bad = sorted({k for k in kinds if k not in allowed})
-            if bad:
-                raise ValueError(f"config field `{name}` has unknown kinds {bad}; expected {list(allowed)}")
-        if DENSE in self.mlp_layer_types:
-            _check_int("intermediate_size", self.intermediate_size, low=1)
+        check_layer_kinds(self)
         if SPARSE in self.mlp_layer_types:
             _check_int("num_experts", self.num_experts, low=1)
             _check_int("num_experts_per_tok", self.num_experts_per_tok, low=1, high=self.num_experts)
@@ -154,13 +146,7 @@ class Qwen3NextConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Qwen3NextConfig:
         """Read `path` (a config.json, or a directory holding one)."""
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        if not os.path.isfile(path):
-            raise ValueError(f"no config.json at {path}")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_hf_dict(json.load(f))
+        return cls.from_hf_dict(read_config_json(path))
 
 
 def _layer_types(d: dict, n: int) -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 
 from hyla.bench.cache_sim.base import LruHeap, Policy
+from hyla.engine.prefix_cache import common_prefix_len
 
 
 class _Node:
@@ -35,15 +36,6 @@ class _Node:
         self.checkpoints: dict[int, bool] = {}
         self.last = 0
         self.alive = True
-
-
-def _common(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class HylaPolicy(Policy):
@@ -69,7 +61,7 @@ class HylaPolicy(Policy):
             chunk = tokens[depth * P:(depth + 1) * P]
             if not chunk:
                 return
-            matches = sorted(((c, _common(c.tokens, chunk)) for c in node.children.get(chunk[0], ())),
+            matches = sorted(((c, common_prefix_len(c.tokens, chunk)) for c in node.children.get(chunk[0], ())),
                              key=lambda x: -x[1])
             if not matches:
                 return
