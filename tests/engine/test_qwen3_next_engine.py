@@ -10,6 +10,7 @@ import torch
 from hyla import LLM, SamplingParams
 from hyla.engine.cuda_graph import graph_safe
 from hyla.models import load_model
+from tests.engine.spec_check import assert_spec_equals_greedy
 from tests.oracles.qwen3_next_checkpoint import build_qwen3_next_checkpoint, load_qwen3_next_reference
 from tests.oracles.variants import noisy_lm_head_copy
 from tests.oracles.variants import rand_tokens as rand
@@ -147,19 +148,7 @@ def spec_reference(ckpt):
     ("ngram", "slots", False), ("ngram", "replay", True), ("draft", "slots", True), ("draft", "replay", False),
 ])
 def test_speculative_greedy_equals_plain_greedy(ckpt, near_draft, spec_reference, method, rollback, prefix_cache):
-    cfg = {"method": "ngram", "num_speculative_tokens": 4, "rollback": rollback}
-    if method == "draft":
-        cfg = {"method": "draft_model", "model": str(near_draft), "num_speculative_tokens": 3, "rollback": rollback}
-    llm = LLM(str(ckpt), dtype="float64", speculative_config=cfg, enable_prefix_caching=prefix_cache,
-              max_num_seqs=3)
-    outs = llm.generate(SPEC_PROMPTS, SPEC_GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == spec_reference
-    m = llm.get_metrics()
-    assert m["spec_num_draft_tokens"] > 0
-    if method == "draft":
-        assert 0 < m["spec_num_accepted_tokens"] < m["spec_num_draft_tokens"]  # partial acceptance
-    assert m["state_slots_free"] + m.get("cached_checkpoints", 0) == m["state_slots_total"]
-    assert m["kv_pages_free"] + m.get("cached_pages", 0) == m["kv_pages_total"]
+    assert_spec_equals_greedy(ckpt, near_draft, SPEC_PROMPTS, SPEC_GREEDY, spec_reference, rollback, method, prefix_cache)
 
 
 def test_a_b_a_with_spec_and_prefix_cache_is_never_poisoned(ckpt, near_draft, reference):

@@ -7,6 +7,7 @@ import torch
 
 from hyla import LLM, SamplingParams
 from hyla.engine.spec_decode import SpecConfig, accept
+from tests.engine.spec_check import assert_spec_equals_greedy
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
 from tests.oracles.variants import noisy_lm_head_copy
 from tests.oracles.variants import rand_tokens as rand
@@ -38,18 +39,7 @@ def reference(ckpt):
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_greedy_equals_plain_greedy(ckpt, near_draft, reference, rollback, method, prefix_cache):
-    cfg = {"method": "ngram", "num_speculative_tokens": 4, "rollback": rollback}
-    if method == "draft":
-        cfg = {"method": "draft_model", "model": str(near_draft), "num_speculative_tokens": 3, "rollback": rollback}
-    llm = LLM(str(ckpt), dtype="float64", speculative_config=cfg, enable_prefix_caching=prefix_cache, max_num_seqs=3)
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == reference
-    m = llm.get_metrics()
-    assert m["spec_num_draft_tokens"] > 0
-    if method == "draft":
-        assert 0 < m["spec_num_accepted_tokens"] < m["spec_num_draft_tokens"]  # partial acceptance
-    assert m["state_slots_free"] + m.get("cached_checkpoints", 0) == m["state_slots_total"]
-    assert m["kv_pages_free"] + m.get("cached_pages", 0) == m["kv_pages_total"]
+    assert_spec_equals_greedy(ckpt, near_draft, PROMPTS, GREEDY, reference, rollback, method, prefix_cache)
 
 
 @pytest.mark.parametrize("rollback", ["slots", "replay"])

@@ -17,21 +17,15 @@
 
 from __future__ import annotations
 
-from hyla.bench.cache_sim.base import Policy
-from hyla.bench.cache_sim.radix import TokenTree
+from hyla.bench.cache_sim.radix import TreePolicy
 
 
-class MarconiPolicy(Policy):
+class MarconiPolicy(TreePolicy):
     name = "marconi"
 
     def __init__(self, capacity, costs, alpha: float = 1.0):
         super().__init__(capacity, costs)
         self.alpha = alpha
-        self.tree = TokenTree()
-        self._branch = None
-
-    def _sync_bytes(self) -> None:
-        self.used = self.tree.kv_tokens * self.costs.kv_bytes_per_token + self.tree.n_states * self.costs.state_bytes
 
     def lookup(self, prompt) -> int:
         kv, nodes = self.tree.match(prompt)
@@ -47,13 +41,6 @@ class MarconiPolicy(Policy):
             if inside_edge or at_branching_node:
                 self._branch = kv
         return hit
-
-    def _cache(self, tokens, pos: int) -> None:
-        node = self.tree.node_at(tokens[:pos])
-        if self.tree.set_state(node):
-            self.stats["states_admitted"] += 1
-        self.tree.touch(node)
-        self._sync_bytes()
 
     def admit(self, prompt, output, hit) -> None:
         if self._branch is not None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 
+from hyla.bench.cache_sim.base import Policy
+
 
 class RNode:
     __slots__ = ("key", "children", "parent", "state", "last", "end")
@@ -119,3 +121,23 @@ class TokenTree:
             node = node.parent
         for n in reversed(chain):
             n.last = next(self._clock)
+
+
+class TreePolicy(Policy):
+    """A policy over one TokenTree of KV + states (Marconi, SGLang): the shared bookkeeping."""
+
+    def __init__(self, capacity, costs):
+        super().__init__(capacity, costs)
+        self.tree = TokenTree()
+        self._branch = None  # a position whose state lookup decided to cache at admission
+
+    def _sync_bytes(self) -> None:
+        self.used = self.tree.kv_tokens * self.costs.kv_bytes_per_token + self.tree.n_states * self.costs.state_bytes
+
+    def _cache(self, tokens, pos: int) -> None:
+        """Insert tokens[:pos] with a state at pos (a duplicate state is released)."""
+        node = self.tree.node_at(tokens[:pos])
+        if self.tree.set_state(node):
+            self.stats["states_admitted"] += 1
+        self.tree.touch(node)
+        self._sync_bytes()

@@ -18,21 +18,15 @@
 
 from __future__ import annotations
 
-from hyla.bench.cache_sim.base import Policy
-from hyla.bench.cache_sim.radix import TokenTree
+from hyla.bench.cache_sim.radix import TreePolicy
 
 
-class SglangPolicy(Policy):
+class SglangPolicy(TreePolicy):
     name = "sglang"
 
     def __init__(self, capacity, costs, chunk: int = 64, track_interval: int = 256, chunked_prefill: int = 8192):
         super().__init__(capacity, costs)
         self.chunk, self.track_interval, self.chunked_prefill = chunk, track_interval, chunked_prefill
-        self.tree = TokenTree()
-        self._branch = None
-
-    def _sync_bytes(self) -> None:
-        self.used = self.tree.kv_tokens * self.costs.kv_bytes_per_token + self.tree.n_states * self.costs.state_bytes
 
     def lookup(self, prompt) -> int:
         kv, nodes = self.tree.match(prompt[:len(prompt) - 1])
@@ -43,14 +37,6 @@ class SglangPolicy(Policy):
         branch = kv // self.chunk * self.chunk
         self._branch = branch if kv > hit and branch > hit else None
         return hit
-
-    def _cache(self, tokens, pos: int) -> None:
-        """Insert tokens[:pos] with a state at pos (a duplicate state is released)."""
-        node = self.tree.node_at(tokens[:pos])
-        if self.tree.set_state(node):
-            self.stats["states_admitted"] += 1
-        self.tree.touch(node)
-        self._sync_bytes()
 
     def admit(self, prompt, output, hit) -> None:
         n, last_track = len(prompt), None
