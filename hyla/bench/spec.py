@@ -98,21 +98,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _run(llm, prompts, params) -> tuple[float, int, dict]:
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outs), llm.get_metrics()
-
-
 def _measure(llm, prompts, params, together: bool) -> tuple[float, float]:
     """Decode the prompt set (all at once, or each prompt alone in turn) -> (tokens/s, mean
     accepted length over the verify steps of this run; 1.0 without speculation)."""
     before = dict(llm.get_metrics())
     elapsed, tokens = 0.0, 0
     for group in ([prompts] if together else [[p] for p in prompts]):
-        t, n, _ = _run(llm, group, params)
-        elapsed, tokens = elapsed + t, tokens + n
+        start = time.perf_counter()
+        outs = llm.generate(group, params, use_tqdm=False)
+        elapsed += time.perf_counter() - start
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     after = llm.get_metrics()
     steps = after.get("spec_num_verify_steps", 0) - before.get("spec_num_verify_steps", 0)
     accepted = after.get("spec_num_accepted_tokens", 0) - before.get("spec_num_accepted_tokens", 0)
