@@ -77,7 +77,9 @@ def random_model(name: str, dtype=torch.float32, device="cpu", seed: int = 0) ->
     for name_, p in model.named_parameters():
         if name_.endswith(FP32_TENSORS):
             p.data = p.data.float()
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.prepare_for_inference()
+    return model
 
 
 def random_checkpoint(root, name: str, seed: int = 0) -> Path:

@@ -54,6 +54,15 @@ class HybridForCausalLM(nn.Module):
             h = layer(h, batch, layer_cache)
         return self.model.norm(h)
 
+    def prepare_for_inference(self) -> None:
+        """Run once the weights are in place (the loader and the benches' random models call it):
+        each submodule with a `prepare_for_inference` method may pack its weights for fast
+        inference (e.g. one GEMM over several projections). The official tensor names stay in
+        `state_dict()`."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "prepare_for_inference"):
+                module.prepare_for_inference()
+
     def commit_replay(self, cache: HybridCache, accepted: list[int]) -> None:
         """After a verify step with rollback "replay": advance every linear layer's state by the
         first accepted[n] verified tokens of each sequence (see ShortConvDeltaRule.commit_replay)."""

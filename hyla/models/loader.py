@@ -167,4 +167,5 @@ def load_model(path, dtype=None, device=None) -> HybridForCausalLM:
                     if files.get(name) == file and name in plan:  # not ignored (mtp.*)
                         targets[plan[name]].copy_(f.get_tensor(name))
     model.eval().requires_grad_(False)
+    model.prepare_for_inference()
     return model
