@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "throughput": "hyla.bench.throughput",
     "prefix-cache": "hyla.bench.prefix_cache",
     "spec": "hyla.bench.spec",
+    "moe": "hyla.bench.moe",
 }
 
 

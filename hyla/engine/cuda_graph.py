@@ -33,8 +33,10 @@ past the request's length in its own last page, or to the scratch page where no 
 allocated (-1). With "replay", the per-token inputs the layers keep for `commit_replay` are the
 graph's buffers; the runner hands them back to the caches after every replay.
 
-Left to the eager path: models with MoE layers (the router's grouping syncs), steps with state
-checkpoints, batches larger than `max_batch`.
+MoE layers are captured like the rest: routing and the expert-sorted grouped GEMMs
+(hyla.ops.moe) run on the device with shapes fixed by the batch size. Left to the eager path:
+steps with state checkpoints, batches larger than `max_batch`, and a model with a module that
+declares `graph_safe = False` (none does today).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ SCRATCH = 1  # extra state slots and KV pages at the end of the pools, written b
 
 def graph_safe(model) -> bool:
     """True when the model's decode forward has no host sync: no module declares
-    `graph_safe = False` (the MoE layers of every family do: their routing syncs)."""
+    `graph_safe = False`."""
     return all(getattr(m, "graph_safe", True) for m in model.modules())
 
 
@@ -68,7 +70,7 @@ def use_cuda_graphs(model, enforce_eager: bool) -> bool:
         log.info("CUDA graphs off: the linear layers run the torch ops (fp64 or HYLA_BACKEND=torch)")
         return False
     if not graph_safe(model):
-        log.info("CUDA graphs off: the model has MoE layers, whose routing is not graph-safe yet")
+        log.info("CUDA graphs off: a module of the model declares graph_safe = False")
         return False
     return True
 

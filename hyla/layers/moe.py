@@ -1,12 +1,15 @@
 """Mixture of experts with a sigmoid router (DeepSeek-V3 "noaux_tc" routing, as Kimi-Linear).
 
-Routing, for each token (all in fp32, as transformers' KimiLinearTopkRouter):
+Routing, for each token (in fp32, as transformers' KimiLinearTopkRouter; fp64 inputs in fp64):
     s = sigmoid(x W_r^T)                             [E]   affinity of every expert
     c = s + e_score_correction_bias                  [E]   used only to *choose* experts
     groups scored by the sum of their top-2 c; keep the best `topk_group` groups,
     pick the top-k experts by c inside them, weight them by s (not c),
     renormalise the k weights to sum to 1 (moe_renormalize), then scale by routed_scaling_factor.
 Output = sum_k w_k * expert_k(x) + shared_experts(x).
+
+Everything runs on the device without reading a value back (routing, the expert-sorted grouped
+GEMMs of StackedExperts), so a decode step with MoE layers is captured as one CUDA graph.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyla.layers.mlp import MLP, Expert
+from hyla.layers.mlp import MLP
+from hyla.ops.moe import moe_experts
 
 
 class Router(nn.Module):
@@ -30,10 +34,11 @@ class Router(nn.Module):
         self.renormalize, self.routed_scaling_factor = renormalize, routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [M, hidden] -> (weights [M, top_k] fp32, expert ids [M, top_k] int64)."""
+        """x: [M, hidden] -> (weights [M, top_k] fp32 (fp64 for fp64 x), expert ids [M, top_k] int64)."""
         E = self.weight.shape[0]
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [M, E]
-        choice = scores + self.e_score_correction_bias.float()
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp64 stays exact
+        scores = F.linear(x.to(work), self.weight.to(work)).sigmoid()  # [M, E]
+        choice = scores + self.e_score_correction_bias.to(work)
         group_scores = choice.view(-1, self.num_group, E // self.num_group).topk(2, dim=-1)[0].sum(-1)
         group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]  # [M, topk_group]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # [M, G]
@@ -46,18 +51,41 @@ class Router(nn.Module):
         return weights * self.routed_scaling_factor, ids
 
 
-class MoE(nn.Module):
-    """x: [..., hidden] -> [..., hidden]. Tensor names (Kimi): gate.*, experts.{e}.w{1,2,3}.weight,
-    shared_experts.{gate,up,down}_proj.weight."""
+class StackedExperts(nn.Module):
+    """E routed SwiGLU experts in two stacked tensors (transformers 5's in-memory layout):
+    gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I]. The loader fills
+    them from the official per-expert names (Kimi `experts.{e}.w1/w3/w2`, Qwen
+    `experts.{e}.gate_proj/up_proj/down_proj`) or from fused tensors of the same names.
 
-    graph_safe = False  # run_experts reads per-expert counts on the host (hyla.engine.cuda_graph)
+    forward(x [M, H], weights [M, k] fp32, ids [M, k] int64) -> [M, H] (hyla.ops.moe_experts:
+    the Triton fused-MoE kernels on CUDA, sorted grouped GEMMs elsewhere; no host sync)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        for w in (self.gate_up_proj, self.down_proj):  # nn.Linear's default init, per expert
+            nn.init.kaiming_uniform_(w.view(-1, w.shape[-1]), a=5 ** 0.5)
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+
+class MoE(nn.Module):
+    """x: [..., hidden] -> [..., hidden]. Tensor names (Kimi): gate.*, experts.gate_up_proj /
+    experts.down_proj (stacked; loaded from experts.{e}.w{1,2,3}.weight),
+    shared_experts.{gate,up,down}_proj.weight."""
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  num_shared_experts: int = 1, num_group: int = 1, topk_group: int = 1, renormalize: bool = True,
                  routed_scaling_factor: float = 1.0):
         super().__init__()
         self.gate = Router(hidden_size, num_experts, top_k, num_group, topk_group, renormalize, routed_scaling_factor)
-        self.experts = nn.ModuleList(Expert(hidden_size, moe_intermediate_size) for _ in range(num_experts))
+        self.experts = StackedExperts(num_experts, hidden_size, moe_intermediate_size)
         self.shared_experts = (
             MLP(hidden_size, moe_intermediate_size * num_shared_experts) if num_shared_experts > 0 else None
         )
@@ -66,29 +94,7 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
-        out = run_experts(self.experts, flat, weights, ids)
+        out = self.experts(flat, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)
-
-
-def run_experts(experts: nn.ModuleList, flat: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[:, k] * experts[ids[:, k]](flat). flat: [M, hidden]; weights: [M, top_k];
-    ids: [M, top_k] int64 -> [M, hidden] in flat.dtype. Reads the per-expert token counts on the
-    host (not CUDA-graph safe)."""
-    out = torch.zeros_like(flat)
-    # Group the (token, slot) pairs by expert so each expert runs once on all of its tokens.
-    order = ids.flatten().argsort(stable=True)
-    counts = torch.bincount(ids.flatten(), minlength=len(experts)).tolist()
-    token_of = order // ids.shape[1]
-    w_sorted = weights.flatten()[order]
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        tok = token_of[start:start + n]
-        y = experts[e](flat[tok]) * w_sorted[start:start + n, None]
-        out.index_add_(0, tok, y.to(out.dtype))
-        start += n
-    return out

@@ -6,7 +6,8 @@ E experts, top-k, plus one shared expert scaled by its own sigmoid gate.
     y    = sum_k w_k * expert_{ids_k}(x) + sigmoid(x W_sg^T) * shared_expert(x)
 
 Experts and the shared expert are SwiGLU MLPs. Tensor names: gate.weight [E, hidden],
-experts.{e}.{gate,up,down}_proj.weight, shared_expert.{gate,up,down}_proj.weight,
+experts.gate_up_proj [E, 2I, hidden] / experts.down_proj [E, hidden, I] (stacked; loaded from
+experts.{e}.{gate,up,down}_proj.weight or the fused tensors), shared_expert.{gate,up,down}_proj.weight,
 shared_expert_gate.weight [1, hidden].
 
 One deliberate difference from transformers: the router logits are computed in fp32 from an fp32
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.layers.mlp import MLP
-from hyla.layers.moe import run_experts
+from hyla.layers.moe import StackedExperts
 
 
 class SoftmaxRouter(nn.Module):
@@ -45,13 +46,11 @@ class SoftmaxRouter(nn.Module):
 class Qwen3NextSparseMoE(nn.Module):
     """x: [..., hidden] -> [..., hidden]."""
 
-    graph_safe = False  # run_experts reads per-expert counts on the host (hyla.engine.cuda_graph)
-
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  shared_expert_intermediate_size: int, norm_topk_prob: bool = True):
         super().__init__()
         self.gate = SoftmaxRouter(hidden_size, num_experts, top_k, norm_topk_prob)
-        self.experts = nn.ModuleList(MLP(hidden_size, moe_intermediate_size) for _ in range(num_experts))
+        self.experts = StackedExperts(num_experts, hidden_size, moe_intermediate_size)
         self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
@@ -59,6 +58,6 @@ class Qwen3NextSparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
-        out = run_experts(self.experts, flat, weights.to(flat.dtype), ids)
+        out = self.experts(flat, weights, ids)
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (out + shared).view(shape)

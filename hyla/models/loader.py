@@ -3,9 +3,14 @@
 The family is chosen by config.json's `model_type` (FAMILIES): "kimi_linear" (Kimi-Linear) or
 "qwen3_next" (Qwen3-Next). Tensor names are the official ones (what the released checkpoints hold
 and what transformers' `save_pretrained` writes); hyla's modules carry the same names, so loading
-is a checked copy. The only alias: transformers writes a Kimi-Linear *dense* layer's MLP under
-`block_sparse_moe.` (it renames every `mlp.` when saving), while the released checkpoint uses
-`mlp.`; both are accepted. Tensors of parts a family does not build (Qwen3-Next's `mtp.*`
+is a checked copy. Aliases: transformers writes a Kimi-Linear *dense* layer's MLP under
+`block_sparse_moe.` (it renames every `mlp.` when saving) and keeps MoE blocks under `mlp.` in
+memory, while the released checkpoint has the reverse; both spellings are accepted. Routed
+experts are stacked (hyla.layers.moe.StackedExperts: `experts.gate_up_proj` [E, 2I, H],
+`experts.down_proj` [E, H, I]); the per-expert tensors of the released checkpoints
+(`experts.{e}.w1/w3/w2`, `experts.{e}.gate_proj/up_proj/down_proj`) are copied straight into
+their slices, one tensor at a time, so loading never holds a second copy of the experts; the
+fused tensors under those two names load as they are. Tensors of parts a family does not build (Qwen3-Next's `mtp.*`
 multi-token-prediction head) are skipped, as transformers skips them.
 
 Everything is validated from the safetensors headers before any weight memory is allocated: a
@@ -35,7 +40,6 @@ FAMILIES = {
     "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
 }
 
-_DENSE_ALIAS = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "float64": torch.float64}
 
@@ -85,11 +89,11 @@ def weight_files(path: str) -> dict[str, str]:
 
 
 def _canonical(name: str, expected: dict) -> str:
-    if name in expected:
-        return name
-    m = _DENSE_ALIAS.match(name)
-    if m and f"{m[1]}.mlp.{m[2]}" in expected:
-        return f"{m[1]}.mlp.{m[2]}"
+    """The model tensor a checkpoint name fills: itself, or its spelling with `block_sparse_moe.`
+    and `mlp.` swapped (transformers writes one where the released Kimi checkpoint has the other)."""
+    for candidate in (name, name.replace(".block_sparse_moe.", ".mlp.", 1), name.replace(".mlp.", ".block_sparse_moe.", 1)):
+        if candidate in expected:
+            return candidate
     return name
 
 
@@ -97,10 +101,41 @@ def _keeps_fp32(name: str) -> bool:
     return any(name.endswith(suffix) for suffix in FP32_TENSORS)
 
 
+# A per-expert checkpoint tensor fills one slice of the stacked expert tensors
+# (hyla.layers.moe.StackedExperts): Kimi names w1 (gate) / w3 (up) / w2 (down), Qwen
+# gate_proj / up_proj / down_proj. Piece index: (expert, half) of gate_up_proj [E, 2I, H]
+# (half 0 = gate rows, 1 = up rows) or (expert, None) of down_proj [E, H, I].
+_EXPERT_PIECE = re.compile(r"^(?P<moe>.+)\.experts\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+_PIECE_OF = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+             "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
+
+Target = tuple  # (model tensor name, None for the whole tensor or (expert, half) for one slice)
+
+
+def _target(name: str, expected: dict) -> tuple[Target | None, tuple | None]:
+    """(target, the shape it must have) for a checkpoint tensor, or (None, None) if unknown."""
+    whole = _canonical(name, expected)
+    if whole in expected:
+        return (whole, None), tuple(expected[whole])
+    m = _EXPERT_PIECE.match(name)
+    if not m:
+        return None, None
+    stacked, half = _PIECE_OF[m["proj"]]
+    target = _canonical(f"{m['moe']}.experts.{stacked}", expected)
+    if target not in expected:
+        return None, None
+    E, rows, cols = expected[target]
+    e = int(m["e"])
+    if e >= E:
+        return None, None
+    return (target, (e, half)), (rows // 2 if half is not None else rows, cols)
+
+
 def _plan(files: dict[str, str], expected: dict[str, torch.Size], optional: set[str],
-          ignored: tuple[str, ...] = ()) -> dict[str, str]:
-    """Map every checkpoint tensor to a model tensor, checking names and shapes from the headers.
-    Tensors whose names start with one of `ignored` are skipped. Returns {checkpoint name: model name}."""
+          ignored: tuple[str, ...] = ()) -> dict[str, Target]:
+    """Map every checkpoint tensor to a model tensor or a slice of one, checking names and shapes
+    from the headers. Tensors whose names start with one of `ignored` are skipped. Returns
+    {checkpoint name: (model name, slice)}."""
     files = {name: file for name, file in files.items() if not name.startswith(ignored)}
     plan, shapes = {}, {}
     for file in sorted(set(files.values())):
@@ -111,24 +146,46 @@ def _plan(files: dict[str, str], expected: dict[str, torch.Size], optional: set[
     missing_in_files = sorted(set(files) - set(shapes))
     if missing_in_files:
         raise ValueError(f"tensors listed in the index are absent from their shard: {missing_in_files[:5]}")
-    extra = []
+    extra, filled = [], {}
     for name, shape in shapes.items():
-        target = _canonical(name, expected)
-        if target not in expected:
+        target, want = _target(name, expected)
+        if target is None:
             extra.append(name)
             continue
-        if target in plan.values():
-            raise ValueError(f"checkpoint holds tensor {target} twice (under two names)")
-        if tuple(expected[target]) != shape:
-            raise ValueError(f"shape mismatch for {name}: checkpoint {list(shape)}, model expects "
-                             f"{list(expected[target])}")
-        plan[name] = target
+        if target in filled or (target[1] is not None and (target[0], None) in filled):
+            raise ValueError(f"checkpoint holds tensor {target[0]}{'' if target[1] is None else target[1]} "
+                             f"twice (under two names)")
+        if want != shape:
+            raise ValueError(f"shape mismatch for {name}: checkpoint {list(shape)}, model expects {list(want)}")
+        plan[name] = filled[target] = target
     if extra:
         raise ValueError(f"unexpected tensors in checkpoint ({len(extra)}): {sorted(extra)[:8]}")
-    missing = sorted(set(expected) - set(plan.values()) - optional)
+    missing = []
+    pieces: dict[str, set] = {}
+    for name, index in filled:
+        if index is not None:
+            pieces.setdefault(name, set()).add(index)
+    for name, shape in expected.items():
+        if name in optional or (name, None) in filled:
+            continue
+        halves = (0, 1) if name.endswith("gate_up_proj") else (None,)
+        have = pieces.get(name, set())
+        gaps = [(e, h) for e in range(shape[0]) for h in halves if (e, h) not in have] if have else [None]
+        if gaps:
+            missing.append(name if gaps == [None] else f"{name} (experts {sorted({e for e, _ in gaps})[:8]})")
     if missing:
         raise ValueError(f"missing tensors in checkpoint ({len(missing)}): {missing[:8]}")
     return plan
+
+
+def _copy_into(t: torch.Tensor, index: tuple | None, value: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into model tensor t, or into its (expert, half) slice."""
+    if index is None:
+        t.copy_(value)
+        return
+    e, half = index
+    dst = t[e] if half is None else t[e].chunk(2, dim=0)[half]
+    dst.copy_(value)
 
 
 def load_model(path, dtype=None, device=None) -> HybridForCausalLM:
@@ -165,7 +222,8 @@ def load_model(path, dtype=None, device=None) -> HybridForCausalLM:
             with safe_open(file, "pt", device="cpu") as f:
                 for name in f.keys():
                     if files.get(name) == file and name in plan:  # not ignored (mtp.*)
-                        targets[plan[name]].copy_(f.get_tensor(name))
+                        target, index = plan[name]
+                        _copy_into(targets[target], index, f.get_tensor(name))
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
     return model

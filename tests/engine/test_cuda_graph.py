@@ -79,14 +79,25 @@ def qwen_ckpt(tmp_path_factory):
     return build_qwen3_next_checkpoint(tmp_path_factory.mktemp("graph-qwen"), "dense")
 
 
-@pytest.mark.parametrize("family", ["kimi", "qwen3_next"])
-def test_padded_decode_equals_eager_cpu(ckpt, qwen_ckpt, family, monkeypatch):
+@pytest.fixture(scope="module")
+def moe_ckpts(tmp_path_factory):
+    from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
+    from tests.oracles.qwen3_next_checkpoint import build_qwen3_next_checkpoint
+
+    root = tmp_path_factory.mktemp("graph-moe")
+    return {"kimi_moe": build_kimi_checkpoint(root, "moe"), "qwen3_next_moe": build_qwen3_next_checkpoint(root, "moe")}
+
+
+@pytest.mark.parametrize("family", ["kimi", "qwen3_next", "kimi_moe", "qwen3_next_moe"])
+def test_padded_decode_equals_eager_cpu(ckpt, qwen_ckpt, moe_ckpts, family, monkeypatch):
     """Prefilled sequences (contexts across page boundaries) and a one-token prompt whose slot
     holds garbage decode 4 steps: the padded graph inputs (5 rows -> bucket 8, slots -1, pages -1)
     give the eager logits and leave every pool row a request owns exactly as eager does. Both
-    families (KDA + MLA, Gated DeltaNet + gated attention)."""
-    model = load_model(ckpt if family == "kimi" else qwen_ckpt, dtype=torch.float64)
-    recurrent_name = "fused_recurrent_kda" if family == "kimi" else "fused_recurrent_gated_delta_rule"
+    families (KDA + MLA, Gated DeltaNet + gated attention), dense and MoE (16 experts: routing
+    and the sorted grouped experts run with every host sync failing)."""
+    path = {"kimi": ckpt, "qwen3_next": qwen_ckpt}.get(family) or moe_ckpts[family]
+    model = load_model(path, dtype=torch.float64)
+    recurrent_name = "fused_recurrent_kda" if family.startswith("kimi") else "fused_recurrent_gated_delta_rule"
     steps = 4
     gen = torch.Generator().manual_seed(0)
     lens = [5, 16, 17, 40]

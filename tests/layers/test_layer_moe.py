@@ -24,9 +24,8 @@ def _pair(n_group, topk_group, top_k, shared, renorm):
     with torch.no_grad():
         ref.gate.weight.copy_(ours.gate.weight)
         ref.gate.e_score_correction_bias.copy_(ours.gate.e_score_correction_bias)
-        for e, ex in enumerate(ours.experts):
-            ref.experts.gate_up_proj[e].copy_(torch.cat([ex.w1.weight, ex.w3.weight]))
-            ref.experts.down_proj[e].copy_(ex.w2.weight)
+        ref.experts.gate_up_proj.copy_(ours.experts.gate_up_proj)  # the same stacked layout
+        ref.experts.down_proj.copy_(ours.experts.down_proj)
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(ref.shared_experts, name).weight.copy_(getattr(ours.shared_experts, name).weight)
     return ours, ref

@@ -1,6 +1,7 @@
 """Checkpoint loading: official names, sharded index, dtypes, and errors that name the problem."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -35,12 +36,60 @@ def test_official_names_are_the_state_dict(kimi_checkpoint):
     model = load_model(path)
     keys = set(model.state_dict())
     assert {"model.layers.0.self_attn.q_conv1d.weight", "model.layers.0.self_attn.f_a_proj.weight",
-            "model.layers.1.block_sparse_moe.experts.3.w1.weight",
+            "model.layers.1.block_sparse_moe.experts.gate_up_proj",
             "model.layers.1.block_sparse_moe.gate.e_score_correction_bias"} <= keys
     assert model.model.layers[0].self_attn.A_log.shape == (1, 1, 2, 1)
-    # transformers saves the dense layer 0 MLP as block_sparse_moe.*; hyla names it mlp.* (released name)
+    # transformers saves the dense layer 0 MLP as block_sparse_moe.*; hyla names it mlp.* (released
+    # name). Per-expert tensors experts.{e}.w1/w3/w2 fill the stacked experts.gate_up_proj / down_proj.
     saved = {k.replace("layers.0.block_sparse_moe.", "layers.0.mlp.") for k in load_file(path / "model.safetensors")}
-    assert keys == saved
+    stacked = {re.sub(r"experts\.\d+\.w[13]\.weight$", "experts.gate_up_proj", k) for k in saved}
+    stacked = {re.sub(r"experts\.\d+\.w2\.weight$", "experts.down_proj", k) for k in stacked}
+    assert keys == stacked
+
+
+def test_stacked_experts_hold_the_per_expert_tensors(kimi_checkpoint):
+    path = kimi_checkpoint("moe")
+    tensors = load_file(path / "model.safetensors")
+    experts = load_model(path).model.layers[1].block_sparse_moe.experts
+    I = experts.down_proj.shape[2]
+    for e in range(experts.num_experts):
+        pre = f"model.layers.1.block_sparse_moe.experts.{e}."
+        assert torch.equal(experts.gate_up_proj[e, :I], tensors[pre + "w1.weight"])
+        assert torch.equal(experts.gate_up_proj[e, I:], tensors[pre + "w3.weight"])
+        assert torch.equal(experts.down_proj[e], tensors[pre + "w2.weight"])
+
+
+@pytest.mark.parametrize("prefix", ["block_sparse_moe", "mlp"])
+def test_fused_expert_tensors_load(kimi_checkpoint, tmp_path, prefix):
+    """hyla's own state_dict (stacked experts), and the same under transformers' in-memory `mlp.`
+    prefix, load to the same model."""
+    src = kimi_checkpoint("moe")
+    model = load_model(src)
+    state = {k.replace("block_sparse_moe.", f"{prefix}."): v.contiguous() for k, v in model.state_dict().items()}
+    dst = tmp_path / "fused"
+    dst.mkdir()
+    save_file(state, dst / "model.safetensors")
+    shutil.copy(src / "config.json", dst / "config.json")
+    assert torch.equal(_logits(load_model(dst)), _logits(model))
+
+
+def test_missing_expert_is_named(kimi_checkpoint, tmp_path):
+    src = kimi_checkpoint("moe")
+    drop = lambda t: {k: v for k, v in t.items() if "experts.5.w3" not in k}  # noqa: E731
+    dst = _copy(src, tmp_path / "no-expert", drop)
+    with pytest.raises(ValueError, match=r"experts.gate_up_proj \(experts \[5\]\)"):
+        load_model(dst)
+
+
+def test_expert_piece_with_wrong_shape_is_named(kimi_checkpoint, tmp_path):
+    src = kimi_checkpoint("moe")
+
+    def edit(t):
+        name = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+        t[name] = t[name][:, :-1].contiguous()
+        return t
+    with pytest.raises(ValueError, match="shape mismatch for model.layers.1.block_sparse_moe.experts.2.w2.weight"):
+        load_model(_copy(src, tmp_path / "bad-shape", edit))
 
 
 def test_dense_mlp_under_its_released_name(kimi_checkpoint, tmp_path):

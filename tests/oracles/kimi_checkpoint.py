@@ -5,7 +5,7 @@
 
 Variants (all: hidden 64, 4 layers, vocab 256, fp32):
     dense       every MLP dense; 1 MLA layer (the 4th); q_lora_rank None; KDA head dim 16
-    moe         layer 0 dense, MoE after (8 experts, 2 groups, top-2, shared expert);
+    moe         layer 0 dense, MoE after (16 experts, 4 groups (2 kept), top-4, shared expert);
                 2 MLA layers; q_lora_rank 24; KDA head dim 32, MLA head dims 32 / 16
     wide        MoE, 1 group; KDA head dim 64; MLA nope 64 / rope 16 / v 48
     safe_gate   "moe" with linear_attn_config.gate_lower_bound = -5 (transformers' Kimi-Linear
@@ -43,8 +43,8 @@ VARIANTS = {
                                 full_attn_layers=[4]),
     ),
     "moe": dict(
-        first_k_dense_replace=1, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
-        topk_group=1, routed_scaling_factor=2.446, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=24,
+        first_k_dense_replace=1, num_local_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.446, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=24,
         kv_lora_rank=48, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         linear_attn_config=dict(head_dim=32, num_heads=2, short_conv_kernel_size=4, kda_layers=[1, 3],
                                 full_attn_layers=[2, 4]),

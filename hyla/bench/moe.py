@@ -1,0 +1,151 @@
+"""One MoE block of the released shapes on the GPU: Triton fused MoE vs grouped GEMMs vs the floor.
+
+    python -m hyla.bench moe [--shapes kimi-linear-48b-a3b qwen3-next-80b-a3b]
+                             [--tokens 1 16 64 256 8192] [--sweep] [--repeat 50]
+
+Per shape and token count (random bf16 weights built on the device, random hidden states, the
+family's own router: sigmoid noaux_tc for Kimi, softmax top-k for Qwen3-Next):
+
+- `block graph ms`: the whole block (router, routed experts on the default path, shared expert)
+  replayed as a CUDA graph — what a decode step pays;
+- `triton ms` / `grouped_mm ms`: the routed experts alone on the same routing, the Triton
+  fused-MoE kernels (hyla.ops.triton.fused_moe) and the sorted `grouped_mm` path
+  (hyla.ops.moe.moe_experts_torch), each replayed as a CUDA graph;
+- floor = bytes the block must read / copy bandwidth: the experts the batch touches (counted
+  from the routing) x 3 * H * I * 2 bytes, the shared expert, the router weight (fp32), the
+  hidden states in and out. `--sweep` also times a few Triton block configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from hyla.bench.throughput import copy_bandwidth
+
+SHAPES = {
+    # hidden, moe_intermediate, experts, top-k, shared intermediate, family
+    "kimi-linear-48b-a3b": dict(hidden=2304, inter=1024, experts=256, top_k=8, shared=1024, family="kimi"),
+    "qwen3-next-80b-a3b": dict(hidden=2048, inter=512, experts=512, top_k=10, shared=512, family="qwen"),
+}
+SWEEP = [dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3), dict(BM=16, BN=128, BK=128, num_warps=4, num_stages=3),
+         dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=2), dict(BM=16, BN=32, BK=256, num_warps=4, num_stages=3),
+         dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3), dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3),
+         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)]
+
+
+def build_block(shape: dict, device, dtype=torch.bfloat16, seed: int = 0):
+    from hyla.layers import MoE, Qwen3NextSparseMoE
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        if shape["family"] == "kimi":
+            block = MoE(shape["hidden"], shape["inter"], shape["experts"], shape["top_k"], num_shared_experts=1,
+                        routed_scaling_factor=2.446)
+        else:
+            block = Qwen3NextSparseMoE(shape["hidden"], shape["inter"], shape["experts"], shape["top_k"],
+                                       shape["shared"])
+    block.to(dtype)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            keep = torch.float32 if name.startswith("gate.") else dtype
+            p.data = (torch.randn(p.shape, device=device, dtype=torch.float32) * 0.02).to(keep)
+        if hasattr(block.gate, "e_score_correction_bias"):
+            block.gate.e_score_correction_bias.copy_(torch.randn(shape["experts"], device=device) * 0.01)
+    return block.eval().requires_grad_(False)
+
+
+def graph_ms(fn, repeat: int) -> float:
+    """Median ms of CUDA-graph replays of fn (captured after a warm-up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def floor_bytes(shape: dict, block, distinct: int, tokens: int) -> int:
+    H, I = shape["hidden"], shape["inter"]
+    expert = 3 * H * I * 2
+    shared = 3 * H * shape["shared"] * 2
+    router = block.gate.weight.numel() * 4
+    return distinct * expert + shared + router + 2 * tokens * H * 2
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="hyla bench moe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=sorted(SHAPES))
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192])
+    p.add_argument("--repeat", type=int, default=50)
+    p.add_argument("--sweep", action="store_true", help="also time the Triton block configurations in SWEEP")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("hyla bench moe needs a CUDA device")
+    from hyla.ops.moe import moe_experts_torch
+    from hyla.ops.triton.fused_moe import fused_moe
+
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    print(f"# hyla bench moe: torch {torch.__version__}, {torch.cuda.get_device_name()}, copy bandwidth "
+          f"{bw / 1e9:.0f} GB/s (read + write); CUDA-graph replays, medians of {args.repeat}")
+    rows = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        block = build_block(shape, device)
+        w13, w2 = block.experts.gate_up_proj, block.experts.down_proj
+        for m in args.tokens:
+            x = torch.randn(m, shape["hidden"], device=device, dtype=torch.bfloat16)
+            with torch.inference_mode():
+                weights, ids = block.gate(x)
+                distinct = int(ids.unique().numel())
+                fast = fused_moe(x, w13, w2, weights, ids)
+                slow = moe_experts_torch(x, w13, w2, weights, ids)
+                err = float((fast.float() - slow.float()).norm() / slow.float().norm())
+                t_block = graph_ms(lambda: block(x), args.repeat)
+                t_triton = graph_ms(lambda: fused_moe(x, w13, w2, weights, ids), args.repeat)
+                t_grouped = graph_ms(lambda: moe_experts_torch(x, w13, w2, weights, ids), args.repeat)
+                sweep = {}
+                if args.sweep:
+                    for i, cfg in enumerate(SWEEP):
+                        try:
+                            sweep[i] = graph_ms(lambda: fused_moe(x, w13, w2, weights, ids, config=cfg), args.repeat)
+                        except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
+                            sweep[i] = float("nan")
+                            print(f"# config {cfg}: {type(e).__name__}")
+            floor = floor_bytes(shape, block, distinct, m) / bw * 1e3
+            row = dict(shape=name, tokens=m, distinct=distinct, block_ms=t_block, triton_ms=t_triton,
+                       grouped_ms=t_grouped, floor_ms=floor, x_floor=t_block / floor, rel_err=err, sweep=sweep)
+            rows.append(row)
+            if sweep:
+                best = min(sweep, key=lambda i: sweep[i] if sweep[i] == sweep[i] else 1e9)
+                print(f"# {name} M={m}: sweep " + " ".join(f"{i}:{t:.3f}" for i, t in sweep.items())
+                      + f" -> best {SWEEP[best]}")
+        del block, w13, w2
+        torch.cuda.empty_cache()
+    print(f"{'shape':<22} {'tokens':>6} {'experts':>7} {'block ms':>9} {'triton ms':>9} {'grouped ms':>10} "
+          f"{'floor ms':>9} {'x floor':>8} {'rel err':>8}")
+    for r in rows:
+        print(f"{r['shape']:<22} {r['tokens']:>6} {r['distinct']:>7} {r['block_ms']:>9.3f} {r['triton_ms']:>9.3f} "
+              f"{r['grouped_ms']:>10.3f} {r['floor_ms']:>9.3f} {r['x_floor']:>7.2f}x {r['rel_err']:>8.1e}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

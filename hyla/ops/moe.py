@@ -1,0 +1,118 @@
+"""Routed SwiGLU experts over stacked weights: the compute half of a mixture of experts.
+
+    y[m] = sum_j weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])),   e = ids[m, j]
+
+Weights are stacked once at load time, in the layout transformers 5 keeps in memory:
+    w13: [E, 2I, H]  rows 0..I-1 the gate projection, rows I..2I-1 the up projection
+    w2:  [E, H, I]   the down projection
+
+Three implementations with one contract (x: [M, H], weights: [M, k] fp32, ids: [M, k] int64 ->
+[M, H] in x.dtype):
+
+- `moe_experts_naive`: the loop oracle (one expert after another, tokens gathered on the host);
+- `moe_experts_torch`: (token, expert) pairs sorted by expert on the device, then two grouped
+  GEMMs (`torch.nn.functional.grouped_mm`) with per-expert offsets that never leave the device;
+  fp64 (which grouped_mm does not take) multiplies each pair by its gathered expert instead.
+  No host sync and fixed shapes for a given M, so a CUDA graph can capture it;
+- the Triton fused-MoE kernels (hyla.ops.triton.fused_moe), which `moe_experts` picks on CUDA.
+
+The k contributions of a token are summed in a fixed order (never with atomics), so a result
+does not depend on the run.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# torch.nn.functional.grouped_mm is the public name from torch 2.10 on; older builds have the op only.
+_GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+__all__ = ["moe_experts", "moe_experts_naive", "moe_experts_torch", "sort_pairs_by_expert",
+           "expert_counts"]
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
+    if x.ndim != 2 or w13.ndim != 3 or w2.ndim != 3:
+        raise ValueError(f"expected x [M, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    E, two_i, H = w13.shape
+    if two_i % 2 or x.shape[1] != H or tuple(w2.shape) != (E, H, two_i // 2):
+        raise ValueError(f"inconsistent expert shapes: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
+    if weights.shape != ids.shape or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"weights and ids must both be [M={x.shape[0]}, k]; got {tuple(weights.shape)}, "
+                         f"{tuple(ids.shape)}")
+
+
+def moe_experts_naive(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+    """The oracle: every (token, slot) pair through its expert in a python loop, summed over the
+    k slots in slot order. Same contract as `moe_experts`."""
+    _check(x, w13, w2, weights, ids)
+    I = w13.shape[1] // 2
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    for m in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[m, j])
+            gu = w13[e] @ x[m]
+            h = F.silu(gu[:I]) * gu[I:]
+            out[m] += weights[m, j].to(out.dtype) * (w2[e] @ h).to(out.dtype)
+    return out.to(x.dtype)
+
+
+def expert_counts(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """flat_ids: [P] int64 -> pairs per expert [E] int64. A scatter-add, not torch.bincount,
+    which reads the largest id back on the host on CUDA to size its output."""
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    return counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+
+
+def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: [M, k] -> (order [M*k]: flat pair indices sorted by expert (stable), ends [E] int32:
+    cumulative pair counts, i.e. expert e owns sorted rows ends[e-1]..ends[e]-1). On the device."""
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = expert_counts(flat, num_experts)
+    return order, counts.cumsum(0).to(torch.int32)
+
+
+def _grouped(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, order: torch.Tensor,
+             ids_sorted: torch.Tensor) -> torch.Tensor:
+    """Rows a [P, K] (sorted by expert) times their expert's w[e].T ([E, N, K]) -> [P, N]."""
+    if a.dtype == torch.float64 or (a.is_cuda and a.dtype != torch.bfloat16):
+        # grouped_mm takes no fp64 (and only bf16 on CUDA): gather each pair's expert instead
+        return torch.bmm(w[ids_sorted], a[:, :, None])[:, :, 0]
+    return _GROUPED_MM(a, w.transpose(1, 2), offs=ends)
+
+
+def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+    """Sorted pairs and grouped GEMMs on the device (see the module docstring)."""
+    _check(x, w13, w2, weights, ids)
+    M, k = ids.shape
+    I = w13.shape[1] // 2
+    order, ends = sort_pairs_by_expert(ids, w13.shape[0])
+    ids_sorted = ids.reshape(-1)[order]
+    xs = x[order // k]  # [P, H] the token of each sorted pair
+    gu = _grouped(xs, w13, ends, order, ids_sorted)  # [P, 2I]
+    h = F.silu(gu[:, :I]) * gu[:, I:]
+    y = _grouped(h, w2, ends, order, ids_sorted)  # [P, H]
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    unsorted = torch.empty_like(y, dtype=work).index_copy_(0, order, y.to(work))  # back to [M*k] pair order
+    out = (unsorted.view(M, k, -1) * weights.to(work)[:, :, None]).sum(1)
+    return out.to(x.dtype)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """x: [M, H]; w13: [E, 2I, H]; w2: [E, H, I]; weights: [M, k] fp32; ids: [M, k] int64 ->
+    [M, H] in x.dtype. The Triton fused-MoE kernels on CUDA (no grad, not fp64; HYLA_BACKEND
+    overrides as for the other ops), the sorted grouped GEMMs elsewhere."""
+    from hyla.ops import dispatch
+
+    if dispatch.backend_for(x, x, [x, w13, w2], heads=False) == "triton":
+        from hyla.ops.triton.fused_moe import fused_moe
+
+        return fused_moe(x, w13, w2, weights, ids)
+    return moe_experts_torch(x, w13, w2, weights, ids)

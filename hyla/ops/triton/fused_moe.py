@@ -1,0 +1,164 @@
+"""Triton fused MoE: routed SwiGLU experts as two grouped GEMMs over expert-sorted token blocks.
+
+Same contract as hyla.ops.moe.moe_experts (x [M, H], w13 [E, 2I, H], w2 [E, H, I], weights and
+ids [M, k] -> [M, H]). The scheme is the one vLLM and SGLang use for their fused-MoE kernels:
+
+1. `align_pairs`: the M*k (token, slot) pairs are sorted by expert and each expert's run is
+   padded to a multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to one expert
+   (`block_expert`); padding rows hold the pair index P = M*k and are masked. The buffer has its
+   worst-case length P + min(E, P) * (BLOCK_M - 1) for a given M: shapes are fixed, nothing is
+   read back on the host, so a CUDA graph can capture the step.
+2. `_gate_up_kernel`: each program multiplies one block of rows (gathered from x by token) by
+   one BLOCK_N slice of its expert's gate and up rows, and writes silu(gate) * up (fp32
+   epilogue, rounded once) for the pairs: h [P, I].
+3. `_down_kernel`: the same over h (rows are pairs, not tokens) and w2, each row scaled by its
+   routing weight, written per pair in fp32: y [P, H].
+4. out = y.view(M, k, H).sum(1): the k contributions of a token in slot order (no atomics, so
+   the result does not depend on the run).
+
+Programs of blocks past the padded end (block_expert = -1) return at once; at decode most of the
+grid is such blocks, which costs a few microseconds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hyla.ops.moe import _check, expert_counts
+from hyla.ops.triton import _interpreter
+
+_interpreter.apply()  # no-op unless TRITON_INTERPRET=1
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids: [M, k] -> (sorted_pairs [R] int32: flat pair index m*k + j in expert order, each
+    expert's run padded to a multiple of block_m with the value P = M*k; block_expert
+    [R / block_m] int32: the expert of each block of rows, -1 past the last expert's run).
+    R = block_m * ceil((P + min(E, P) * (block_m - 1)) / block_m), fixed for a given M."""
+    flat = ids.reshape(-1)
+    P = flat.numel()
+    rows = P + min(num_experts, P) * (block_m - 1)
+    rows = -(-rows // block_m) * block_m
+    counts = expert_counts(flat, num_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_ends = padded.cumsum(0)  # [E] end of each expert's padded run
+    order = torch.sort(flat, stable=True).indices  # [P] pair indices by expert
+    e_sorted = flat[order]
+    rank = torch.arange(P, device=ids.device) - (counts.cumsum(0) - counts)[e_sorted]  # position in its run
+    dest = (pad_ends - padded)[e_sorted] + rank
+    sorted_pairs = torch.full((rows,), P, dtype=torch.int32, device=ids.device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(0, rows, block_m, device=ids.device)
+    block_expert = torch.searchsorted(pad_ends, starts, right=True)  # E past the end
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+@triton.jit
+def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, P, I, H,
+                    s_xm, s_we, s_wn, s_hm, top_k: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    e = tl.load(block_expert + i_m).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(sorted_pairs + i_m * BM + tl.arange(0, BM))  # [BM]
+    live = pair < P
+    tok = (pair // top_k).to(tl.int64)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < I
+    o_k = tl.arange(0, BK)
+    a_ptr = x + tok[:, None] * s_xm + o_k[None, :]  # [BM, BK]
+    g_ptr = w + e * s_we + o_n[None, :].to(tl.int64) * s_wn + o_k[:, None]  # [BK, BN] gate rows
+    u_ptr = g_ptr + I * s_wn  # up rows
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        m_k = (k0 + o_k) < H
+        a = tl.load(a_ptr + k0, mask=live[:, None] & m_k[None, :], other=0.0)
+        bg = tl.load(g_ptr + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        bu = tl.load(u_ptr + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if IEEE:
+            acc_g += tl.dot(a, bg, input_precision="ieee")
+            acc_u += tl.dot(a, bu, input_precision="ieee")
+        else:
+            acc_g += tl.dot(a, bg)
+            acc_u += tl.dot(a, bu)
+    out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+    tl.store(h + pair[:, None].to(tl.int64) * s_hm + o_n[None, :], out.to(h.dtype.element_ty),
+             mask=live[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _down_kernel(h, w, y, weights, sorted_pairs, block_expert, P, H, I,
+                 s_hm, s_we, s_wn, s_ym,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    i_m = tl.program_id(0)
+    i_n = tl.program_id(1)
+    e = tl.load(block_expert + i_m).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(sorted_pairs + i_m * BM + tl.arange(0, BM))  # [BM]
+    live = pair < P
+    rows = tl.where(live, pair, 0).to(tl.int64)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < H
+    o_k = tl.arange(0, BK)
+    a_ptr = h + rows[:, None] * s_hm + o_k[None, :]  # [BM, BK]
+    b_ptr = w + e * s_we + o_n[None, :].to(tl.int64) * s_wn + o_k[:, None]  # [BK, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        m_k = (k0 + o_k) < I
+        a = tl.load(a_ptr + k0, mask=live[:, None] & m_k[None, :], other=0.0)
+        b = tl.load(b_ptr + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    scale = tl.load(weights + rows, mask=live, other=0.0).to(tl.float32)  # [BM] routing weights
+    tl.store(y + rows[:, None] * s_ym + o_n[None, :], acc * scale[:, None], mask=live[:, None] & m_n[None, :])
+
+
+def _config(pairs: int, num_experts: int) -> dict:
+    """Block sizes by the expected rows per expert: small blocks for decode (a few rows per
+    expert: the GEMMs read weights, BLOCK_M only pads), larger for prefill."""
+    per_expert = pairs / num_experts
+    if per_expert <= 16:
+        return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3)
+    if per_expert <= 64:
+        return dict(BM=32, BN=64, BK=64, num_warps=4, num_stages=4)
+    return dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x: [M, H]; w13: [E, 2I, H]; w2: [E, H, I]; weights: [M, k] (fp32); ids: [M, k] int64 ->
+    [M, H] in x.dtype. See the module docstring. config: block sizes and launch options (keys
+    of `_config`'s result) instead of the defaults (the benchmark's sweep)."""
+    _check(x, w13, w2, weights, ids)
+    x = x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
+    M, k = ids.shape
+    E, two_i, H = w13.shape
+    I = two_i // 2
+    P = M * k
+    if P == 0:
+        return x.new_zeros(M, H)
+    cfg = dict(config) if config is not None else _config(P, E)
+    BM = cfg.pop("BM")
+    BN, BK = cfg.pop("BN"), cfg.pop("BK")
+    sorted_pairs, block_expert = align_pairs(ids, E, BM)
+    nb = block_expert.shape[0]
+    ieee = x.dtype == torch.float32
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(nb, triton.cdiv(I, BN))](
+        x, w13, h, sorted_pairs, block_expert, P, I, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        top_k=k, BM=BM, BN=BN, BK=BK, IEEE=ieee, **cfg)
+    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    _down_kernel[(nb, triton.cdiv(H, BN))](
+        h, w2, y, weights.reshape(-1).float(), sorted_pairs, block_expert, P, H, I, h.stride(0), w2.stride(0),
+        w2.stride(1), y.stride(0), BM=BM, BN=BN, BK=BK, IEEE=ieee, **cfg)
+    return y.view(M, k, H).sum(1).to(x.dtype)
