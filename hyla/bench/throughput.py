@@ -1,8 +1,12 @@
-"""Engine throughput: offline prefill and decode tokens/s, and the decode step against its floor.
+"""Engine throughput: offline tokens/s vs transformers; decode step, prefill and one MoE block on
+the GPU against their memory floors and against transformers + fla on the same weights.
 
-    hyla bench throughput [--model PATH | --random-config tiny|1b] [--device cpu|cuda]
-                          [--num-prompts 8] [--prompt-len 128] [--new-tokens 32]     # offline
-                          [--batch-sizes 1 16 64] [--context-len 512]               # decode (CUDA)
+    hyla bench throughput [--model PATH | --random-config NAME [--layers N]] [--device cpu|cuda]
+        [--mode offline decode prefill moe-layer] [--vs transformers]
+        [--num-prompts 8] [--prompt-len 128] [--new-tokens 32]                       # offline
+        [--batch-sizes 1 16 64 256] [--context-lens 512 4096] [--steps 50]          # decode
+        [--prefill-tokens 8192] [--prefill-chunk 0]                                  # prefill
+        [--moe-layer] [--moe-tokens 64 256]                                          # one MoE block
 
 Offline (the default on the CPU): the same N equal-length random prompts, greedy, the same number
 of new tokens, through hyla's `LLM.generate` and through transformers' `generate` on the same
@@ -10,21 +14,38 @@ checkpoint in the same run. Equal lengths let transformers batch all prompts wit
 its best case. Prefill tokens/s = N * prompt_len / time of a 1-token generate; decode tokens/s =
 N * (new_tokens - 1) / (time of the full generate - that). Medians of --repeat runs.
 
-Decode (the default on CUDA): ms per decode step (forward + logits; CUDA-graph replay and eager)
-at each batch size, every sequence with --context-len cached tokens, against the floor = bytes a
-step must move (weights once, each sequence's recurrent state and conv windows read and written,
-its cached latents read) / copy bandwidth measured in the same run (a device-to-device copy,
-bytes read + written).
+Decode (the default on CUDA), prefill (--prefill-tokens) and --moe-layer: hyla.bench.step_bench
+(what each times) and hyla.bench.floor (the floors: weights once, the EXPECTED distinct experts a
+batch touches, E (1 - (1 - k/E)^b) per MoE layer, state read + written, KV read, logits written;
+over a copy bandwidth measured in the same run). They also run on the CPU (perf_counter instead
+of CUDA events, no graphs: a test of the plumbing, not a figure).
 
---model omitted: the bundled default model (hyla.models.default_model_path), else --random-config
-tiny. Random configs are Kimi-Linear shapes with random weights, written as an HF checkpoint to a
-temporary directory so that both engines load the same file.
+--random-config: shapes with random weights built straight on the device (hyla.bench.random_models,
+which says where every value of the released shapes comes from): tiny, 1b (dense Kimi-Linear),
+kimi-linear-48b-a3b, qwen3-next-80b-a3b (the released shapes), tiny-kimi-moe,
+tiny-qwen3-next-moe (CPU tests). --layers N keeps the first N layers of the schedule; N >= 4 keeps
+an attention layer in both released shapes (the full 80B shape, ~160 GB in bf16, does not fit one
+H200: cut it). Offline mode writes the small shapes as an HF checkpoint to a temporary directory
+so that both engines load the same file. --model omitted: the bundled default model, else tiny.
+
+--vs transformers (decode, prefill, moe-layer): transformers' KimiLinearForCausalLM /
+Qwen3NextForCausalLM built on the meta device with its tensors pointed at hyla's
+(hyla.bench.hf_peer: shared storage, only the small re-laid-out tensors copied),
+experts_implementation="grouped_mm", flash-linear-attention kernels when `fla` imports.
+
+On the GPU machine (no network; the wheels travel in the git-ignored .whl/ at the repo root:
+fla-core and flash-linear-attention 0.6.0, pure python, for the image's torch 2.11 / triton 3.6 /
+transformers 5.17, which hyla.bench.hf_peer supports as well as 5.24) start with
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+
+scripts/bench_moe_gpu.sh runs the whole MoE benchmark in one command.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
@@ -33,67 +54,10 @@ from pathlib import Path
 
 import torch
 
+from hyla.bench.random_models import (  # noqa: F401  (re-exported: tests and scripts import them from here)
+    RANDOM_CONFIGS, random_checkpoint, random_config_dict, random_model,
+)
 from hyla.models.config import KimiLinearConfig
-from hyla.models.kimi_linear import KimiLinearForCausalLM
-from hyla.models.memory import FP32_TENSORS
-
-# Kimi-Linear shapes: KDA : MLA 3:1 (MLA every 4th layer), dense SwiGLU MLPs, NoPE MLA.
-RANDOM_CONFIGS = {
-    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                 num_attention_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                 v_head_dim=32, linear_heads=4, linear_head_dim=32),
-    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-               num_attention_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-               v_head_dim=128, linear_heads=16, linear_head_dim=128),
-}
-
-
-def random_config_dict(name: str) -> dict:
-    """config.json contents (the keys transformers' KimiLinearConfig and hyla both read)."""
-    c = dict(RANDOM_CONFIGS[name])
-    n = c["num_hidden_layers"]
-    heads, head_dim = c.pop("linear_heads"), c.pop("linear_head_dim")
-    full = [i for i in range(1, n + 1) if i % 4 == 0]  # 1-based
-    return dict(c, model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], rms_norm_eps=1e-5,
-                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, q_lora_rank=None,
-                num_key_value_heads=c["num_attention_heads"], first_k_dense_replace=n,
-                linear_attn_config=dict(head_dim=head_dim, num_heads=heads, short_conv_kernel_size=4,
-                                        kda_layers=[i for i in range(1, n + 1) if i not in full],
-                                        full_attn_layers=full))
-
-
-def random_model(name: str, dtype=torch.float32, device="cpu", seed: int = 0) -> KimiLinearForCausalLM:
-    """A Kimi-Linear of config `name` with PyTorch's default random init (never zeros), in `dtype`
-    except the tensors the loader keeps in fp32."""
-    config = KimiLinearConfig.from_hf_dict(random_config_dict(name))
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = KimiLinearForCausalLM(config)
-        with torch.no_grad():
-            for name_, p in model.named_parameters():  # gate parameters away from their zero init
-                if name_.endswith(("A_log", "dt_bias")):
-                    p.uniform_(-1.0, 1.0)
-    model.to(dtype)
-    for name_, p in model.named_parameters():
-        if name_.endswith(FP32_TENSORS):
-            p.data = p.data.float()
-    model.eval().requires_grad_(False)
-    model.prepare_for_inference()
-    return model
-
-
-def random_checkpoint(root, name: str, seed: int = 0) -> Path:
-    """Write random config `name` as an fp32 HF checkpoint under root/random-<name>-<seed>."""
-    from safetensors.torch import save_file
-
-    path = Path(root) / f"random-{name}-{seed}"
-    if not (path / "config.json").is_file():
-        path.mkdir(parents=True, exist_ok=True)
-        model = random_model(name, seed=seed)
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors",
-                  metadata={"format": "pt"})
-        (path / "config.json").write_text(json.dumps(dict(random_config_dict(name), dtype="float32"), indent=2))
-    return path
 
 
 def _median_s(fn, repeat: int) -> float:
@@ -180,123 +144,6 @@ def offline(path, args) -> list[dict]:
     return rows
 
 
-# ---- decode step vs the memory floor (CUDA) ---------------------------------------------------
-
-def copy_bandwidth(device, nbytes: int = 2 << 30, repeat: int = 20) -> float:
-    """Bytes/s of a large device-to-device copy, counting bytes read + written."""
-    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeat):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * nbytes / statistics.median(times)
-
-
-def step_bytes(model, batch: int, context: int, state_dtype=torch.float32) -> dict:
-    """Fewest bytes one decode step moves: every weight once (only `batch` rows of the embedding),
-    each sequence's recurrent state + conv windows read and written, its latents read (and the new
-    one written), the fp32 logits written."""
-    c = model.config
-    emb = model.model.embed_tokens.weight
-    weights = model.weight_bytes() - emb.numel() * emb.element_size() + batch * c.hidden_size * emb.element_size()
-    state = 2 * batch * model.state_bytes_per_slot(state_dtype)
-    kv = batch * (context + 2) * model.kv_bytes_per_token()
-    return dict(weights=weights, state=state, kv=kv, logits=batch * c.vocab_size * 4)
-
-
-def _time_ms(fn, repeat: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeat
-
-
-def kernel_profile(fn, top: int = 8) -> str:
-    """What one call runs on the GPU (what a CUDA graph replays): kernel count, summed kernel time
-    and the kernels that take most of it, via the profiler (a hint, not a result: n/a if absent)."""
-    try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        rows = [(k.self_device_time_total, k.count, k.key) for k in prof.key_averages()
-                if k.device_type == DeviceType.CUDA]
-    except Exception as err:  # noqa: BLE001
-        return f"n/a ({type(err).__name__}: {err})"
-    rows.sort(reverse=True)
-    lines = [f"{sum(r[1] for r in rows)} kernels, {sum(r[0] for r in rows) / 1e3:.3f} ms of kernel time"]
-    lines += [f"  {us / 1e3:7.3f} ms {n:5d}x {name[:90]}" for us, n, name in rows[:top]]
-    return "\n# ".join(lines)
-
-
-def decode_floor(model, args) -> list[dict]:
-    from hyla.engine.model_runner import ModelRunner
-    from hyla.models.batch import ForwardBatch
-
-    device = model.device
-    bw = copy_bandwidth(device)
-    page = 16
-    pages_per_seq = -(-(args.context_len + 1) // page)
-    max_b = max(args.batch_sizes)
-    runner = ModelRunner(model, max_b, max_b * pages_per_seq, page, torch.float32, enforce_eager=False)
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    for layer in runner.cache.layers:  # random caches: timing must not run on zeros
-        for t in layer.tensors():
-            t.copy_(torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32) * 0.1)
-    print(f"# decode step: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, "
-          f"{model.dtype}, weights {model.weight_bytes() / 1e9:.2f} GB, state "
-          f"{model.state_bytes_per_slot(torch.float32) / 1e6:.1f} MB/seq (fp32), latents "
-          f"{model.kv_bytes_per_token() * args.context_len / 1e6:.2f} MB/seq at context {args.context_len}; "
-          f"copy bandwidth {bw / 1e9:.0f} GB/s (read + write); {torch.cuda.get_device_name(device)}")
-    rows = []
-    for b in args.batch_sizes:
-        tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(b)]
-        tokens = torch.randint(3, model.config.vocab_size, (b,)).tolist()
-        ctx, slots = [args.context_len] * b, list(range(b))
-        replay_ms = host_ms = float("nan")
-        if runner.graphs is not None:  # None for MoE models: eager only
-            graph, _, _ = runner.graphs.prepare(tokens, ctx, slots, tables)  # captures on first use
-            replay_ms = _time_ms(graph.replay, args.steps)
-            host_ms = _time_ms(lambda: runner.graphs.run_decode(tokens, ctx, slots, tables)[:, 0].cpu(),
-                               args.steps)
-        batch = ForwardBatch.build([1] * b, ctx, tables, slots, device=device)
-        ids = torch.tensor(tokens, device=device)
-
-        def eager():
-            batch._memo.clear()
-            with torch.inference_mode():
-                return model.compute_logits(model.forward_batch(ids, batch, runner.cache))
-        eager_ms = _time_ms(eager, max(3, args.steps // 5))
-        if args.profile:
-            print(f"# eager decode step, batch {b}: {kernel_profile(eager)}")
-        floor = sum(step_bytes(model, b, args.context_len).values()) / bw * 1e3
-        best = min(replay_ms, eager_ms) if replay_ms == replay_ms else eager_ms
-        rows.append(dict(batch=b, graph_ms=replay_ms, graph_host_ms=host_ms, eager_ms=eager_ms,
-                         tok_s=b / best * 1e3, floor_ms=floor, x_floor=best / floor))
-    print(f"{'batch':>5} {'graph ms':>9} {'+host ms':>9} {'eager ms':>9} {'tok/s':>9} {'floor ms':>9} {'x floor':>8}")
-    for r in rows:
-        print(f"{r['batch']:>5} {r['graph_ms']:>9.3f} {r['graph_host_ms']:>9.3f} {r['eager_ms']:>9.2f} "
-              f"{r['tok_s']:>9.0f} {r['floor_ms']:>9.3f} {r['x_floor']:>7.2f}x")
-    return rows
-
-
 # ---- entry point ------------------------------------------------------------------------------
 
 def _resolve_model(args, tmp: str) -> tuple[Path | None, str]:
@@ -309,55 +156,109 @@ def _resolve_model(args, tmp: str) -> tuple[Path | None, str]:
             return Path(default_model_path()), "default model"
         except (ImportError, FileNotFoundError):
             args.random_config = "tiny"
-    if args.mode == "decode":
-        return None, f"random {args.random_config}"  # built straight on the device
-    return random_checkpoint(tmp, args.random_config, args.seed), f"random {args.random_config}"
+    label = f"random {args.random_config}" + (f", first {args.layers} layers" if args.layers else "")
+    if "offline" not in args.mode:
+        return None, label  # built straight on the device
+    return random_checkpoint(tmp, args.random_config, args.seed), label
+
+
+def _step_benches(path, args, dtype) -> dict:
+    from hyla.bench import floor, hf_peer, step_bench
+    from hyla.models.config import read_config_json
+
+    if path is None:
+        model = random_model(args.random_config, dtype=dtype, device=args.device, seed=args.seed, layers=args.layers)
+        config_dict = random_config_dict(args.random_config, args.layers)
+    else:
+        from hyla.models import load_model
+
+        model = load_model(path, dtype=dtype, device=args.device)
+        config_dict = read_config_json(path)
+    cuda = model.device.type == "cuda"
+    bw = floor.copy_bandwidth(model.device, nbytes=(2 << 30) if cuda else (64 << 20))
+    hf = None
+    if args.vs == "transformers":
+        hf = hf_peer.build_peer(model, config_dict, args.experts_implementation)
+        print(f"# vs {hf_peer.peer_versions()}; experts_implementation={hf.config._experts_implementation}; "
+              f"kernels bound: {hf_peer.kernels_bound(hf)}")
+    print(step_bench.describe(model, bw, max(args.context_lens)))
+    prefill_tokens = max(args.prefill_tokens or [0]) if "prefill" in args.mode else 0
+    runner = step_bench.make_runner(model, max(args.batch_sizes), max(args.context_lens), prefill_tokens, args.seed)
+    results = {}
+    if "decode" in args.mode:
+        print(f"# decode step: graph = CUDA-graph replay (mean of {args.steps}), eager = forward_batch + "
+              f"compute_logits; transformers = median of {args.hf_repeat} decode forwards after a prefill")
+        results["decode"] = step_bench.decode(model, runner, args, bw, hf)
+    if "prefill" in args.mode:
+        print(f"# prefill: one prompt, hyla through ModelRunner.run (chunk = tokens per engine step), "
+              f"transformers one forward; medians of {args.prefill_repeat}")
+        results["prefill"] = step_bench.prefill(model, runner, args, hf)
+    if "moe-layer" in args.mode:
+        results["moe_layer"] = step_bench.moe_layer(model, args, bw, hf)
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="hyla bench throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: the bundled model)")
-    p.add_argument("--random-config", choices=sorted(RANDOM_CONFIGS), help="random weights of this shape")
+    p.add_argument("--random-config", choices=list(RANDOM_CONFIGS), help="random weights of this shape")
+    p.add_argument("--layers", type=int, help="keep the first N layers of --random-config (its layer pattern)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--mode", choices=["offline", "decode", "both"], help="default: offline on CPU, decode on CUDA")
+    p.add_argument("--mode", nargs="+", choices=["offline", "decode", "prefill", "moe-layer", "both"],
+                   help="default: offline on CPU, decode on CUDA (both = offline + decode); --prefill-tokens "
+                        "and --moe-layer add theirs")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--no-transformers", action="store_true", help="skip the transformers column")
+    p.add_argument("--no-transformers", action="store_true", help="offline: skip the transformers column")
+    p.add_argument("--vs", choices=["transformers"], help="decode / prefill / moe-layer: also time transformers")
+    p.add_argument("--experts-implementation", default="grouped_mm", help="transformers' experts_implementation")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--context-len", type=int, default=512)
-    p.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size")
-    p.add_argument("--profile", action="store_true", help="list the kernels of one eager decode step")
+    p.add_argument("--context-lens", "--context-len", dest="context_lens", type=int, nargs="+", default=[512])
+    p.add_argument("--steps", type=int, default=50, help="timed decode steps per cell")
+    p.add_argument("--hf-repeat", type=int, default=5, help="timed transformers decode steps per cell (median)")
+    p.add_argument("--prefill-tokens", type=int, nargs="+", help="prompt lengths of the prefill table")
+    p.add_argument("--prefill-chunk", type=int, default=0, help="tokens per hyla prefill step (0: the whole prompt)")
+    p.add_argument("--prefill-repeat", type=int, default=3)
+    p.add_argument("--moe-layer", action="store_true", help="time the first MoE block alone")
+    p.add_argument("--moe-tokens", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--moe-repeat", type=int, default=20)
+    p.add_argument("--profile", action="store_true", help="list the kernels of one eager decode step (CUDA)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
-    args.mode = args.mode or ("decode" if cuda else "offline")
+    modes = set(args.mode or [])
+    if "both" in modes:
+        modes |= {"offline", "decode"}
+    if args.prefill_tokens:
+        modes.add("prefill")
+    if args.moe_layer:
+        modes.add("moe-layer")
+    if not modes - {"both"}:
+        modes.add("decode" if cuda else "offline")
+    args.mode = modes - {"both"}
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    if args.mode != "offline" and not cuda:
-        p.error("--mode decode needs --device cuda")
+    if "prefill" in args.mode and not args.prefill_tokens:
+        args.prefill_tokens = [8192]
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (prefill is timed with 1)")
+    if args.layers is not None and args.random_config is None:
+        p.error("--layers cuts a --random-config")
+    if "offline" in args.mode and args.random_config and RANDOM_CONFIGS[args.random_config][0] is not None:
+        p.error("--mode offline writes a checkpoint: use --random-config tiny or 1b")
     print(f"# hyla bench throughput: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}")
     results: dict = {}
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     with tempfile.TemporaryDirectory() as tmp:
         path, label = _resolve_model(args, tmp)
         print(f"# model: {label}{'' if path is None else f' ({path})'}")
-        if args.mode in ("offline", "both"):
-            if path is None:
-                path = random_checkpoint(tmp, args.random_config, args.seed)
+        if "offline" in args.mode:
             results["offline"] = offline(path, args)
-        if args.mode in ("decode", "both"):
-            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-            if path is None:
-                model = random_model(args.random_config, dtype=dtype, device=args.device, seed=args.seed)
-            else:
-                from hyla.models import load_model
-
-                model = load_model(path, dtype=dtype, device=args.device)
-            results["decode"] = decode_floor(model, args)
+        if args.mode - {"offline"}:
+            results.update(_step_benches(None if args.random_config else path, args, dtype))
     return results
 
 
