@@ -62,7 +62,7 @@ class LLMEngine:
                              if config.enable_prefix_caching else None)
         self.scheduler = Scheduler(max(1, min(config.max_num_seqs, num_slots // per_seq)),
                                    config.max_num_batched_tokens, self.memory, self.prefix_cache, per_seq)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.generator = torch.Generator(self.model.device).manual_seed(config.seed)  # the sampler draws there
         self.eos_token_id = self._eos_token_id()
         self.requests: dict[str, Sequence] = {}
         # Counters the engine itself advances; get_metrics adds the scheduler's and the pools'.
@@ -117,7 +117,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.encode(prompt)
         max_tokens = self.validate(ids, params)
-        seq = Sequence(request_id, text, ids, params, max_tokens, self.eos_token_id)
+        seq = Sequence(request_id, text, ids, params, max_tokens, self.eos_token_id, device=self.model.device)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

@@ -28,7 +28,7 @@ _arrival = itertools.count()
 
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, eos_token_id: int | None):
+                 max_tokens: int, eos_token_id: int | None, device: torch.device | str = "cpu"):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -44,7 +44,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.cache_hit = None  # (node, r) between PrefixCache.match and restore
         self.pending_checkpoints: list[int] = []  # positions whose state the prefill exports
-        self.generator = (torch.Generator().manual_seed(params.seed) if params.seed is not None else None)
+        # On the logits' device: the sampler draws a seeded request's noise there (no host sync).
+        self.generator = (torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.text = ""
         # Incremental detokenisation: output tokens [_prefix_offset, _read_offset) are the last

@@ -104,8 +104,11 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq,
                 return out
         else:
             p = distribution(row, params)
-            q_i = torch.zeros_like(p).index_fill_(0, torch.tensor([d]), 1.0) if q is None else q[i].to(p)
-            u = torch.rand((), generator=generator)
+            if q is None:
+                q_i = torch.zeros_like(p).index_fill_(0, torch.tensor([d], device=p.device), 1.0)
+            else:
+                q_i = q[i].to(p)
+            u = torch.rand((), generator=generator, device=p.device)  # the generators live on the logits' device
             if u * q_i[d] < p[d]:  # u < p/q without dividing by a possibly tiny q
                 out.append(d)
             else:
@@ -160,7 +163,7 @@ class SpecDecoder:
         # where their KV has no page it lands in the runner's scratch page.
         pad_to = 1 + k
         try:
-            logits = eng.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float().cpu()
+            logits = eng.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float()  # stays on the device
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
             return eng.recover(seqs, err)
         committed, outputs, start = [], [], 0
