@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from hyla.bench.throughput import copy_bandwidth
+from hyla.bench.floor import copy_bandwidth
 
 SHAPES = {
     # hidden, moe_intermediate, experts, top-k, shared intermediate, family

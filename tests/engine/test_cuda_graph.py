@@ -144,12 +144,15 @@ def test_padded_decode_equals_eager_cpu(ckpt, qwen_ckpt, moe_ckpts, family, monk
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-def test_graph_decode_equals_eager_cuda(ckpt):
+@pytest.mark.parametrize("family", ["kimi", "kimi_moe", "qwen3_next_moe"])
+def test_graph_decode_equals_eager_cuda(ckpt, moe_ckpts, family):
     """The engine with graphs (default) vs enforce_eager, fp32: same tokens for a batch that
-    shrinks through the buckets (different max_tokens) and grows across page widths."""
+    shrinks through the buckets (different max_tokens) and grows across page widths. Dense
+    Kimi and both MoE families (the fused-MoE kernels inside the graphs)."""
+    ckpt = ckpt if family == "kimi" else moe_ckpts[family]
     gen = torch.Generator().manual_seed(1)
     lengths = [1, 3, 15, 16, 17, 31, 33, 50, 64, 7, 2, 100]
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths]  # both vocabularies
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
     outs = {}
     for eager in (True, False):
@@ -254,12 +257,12 @@ def test_padded_verify_equals_eager_cpu(ckpt, qwen_ckpt, family, rollback, monke
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("rollback", ["slots", "replay"])
-@pytest.mark.parametrize("family", ["kimi", "qwen3_next"])
-def test_graph_verify_equals_plain_greedy_cuda(ckpt, qwen_ckpt, family, rollback):
+@pytest.mark.parametrize("family", ["kimi", "qwen3_next", "kimi_moe", "qwen3_next_moe"])
+def test_graph_verify_equals_plain_greedy_cuda(ckpt, qwen_ckpt, moe_ckpts, family, rollback):
     """n-gram speculation with verify graphs (default) equals plain greedy decoding, fp32, for a
     batch whose requests finish at different steps; verify graphs were captured and used. Both
-    families (KDA + MLA, Gated DeltaNet + gated attention)."""
-    ckpt = ckpt if family == "kimi" else qwen_ckpt
+    families (KDA + MLA, Gated DeltaNet + gated attention), dense and MoE."""
+    ckpt = {"kimi": ckpt, "qwen3_next": qwen_ckpt}.get(family) or moe_ckpts[family]
     gen = torch.Generator().manual_seed(3)
     motif = torch.randint(3, 250, (12,), generator=gen).tolist()  # within both tiny vocabularies
     prompts = [motif * (1 + i % 3) + torch.randint(3, 250, (i,), generator=gen).tolist() for i in range(10)]
