@@ -129,8 +129,10 @@ def _config(pairs: int, num_experts: int) -> dict:
     if per_expert <= 16:
         return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3)
     if per_expert <= 64:
-        return dict(BM=32, BN=64, BK=64, num_warps=4, num_stages=4)
-    return dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3)
+        return dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3)
+    # Measured on an H200 (`hyla bench moe --sweep`, 8192 tokens, both released shapes): 128-row
+    # blocks beat 64-row ones by 15-25%; BM=16 is best up to 256 decode tokens.
+    return dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
