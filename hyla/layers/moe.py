@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.layers.mlp import MLP
-from hyla.ops.moe import moe_experts
+from hyla.ops.moe import moe_experts, sigmoid_topk_route
 
 
 class Router(nn.Module):
@@ -35,20 +35,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [M, hidden] -> (weights [M, top_k] fp32 (fp64 for fp64 x), expert ids [M, top_k] int64)."""
-        E = self.weight.shape[0]
         work = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp64 stays exact
-        scores = F.linear(x.to(work), self.weight.to(work)).sigmoid()  # [M, E]
-        choice = scores + self.e_score_correction_bias.to(work)
-        group_scores = choice.view(-1, self.num_group, E // self.num_group).topk(2, dim=-1)[0].sum(-1)
-        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]  # [M, topk_group]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # [M, G]
-        expert_mask = group_mask.repeat_interleave(E // self.num_group, dim=1)  # [M, E]
-        choice = choice.masked_fill(~expert_mask, float("-inf"))
-        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor, ids
+        logits = F.linear(x.to(work), self.weight.to(work))  # [M, E]
+        return sigmoid_topk_route(logits, self.top_k, self.e_score_correction_bias, self.num_group,
+                                  self.topk_group, self.renormalize, self.routed_scaling_factor)
 
 
 class StackedExperts(nn.Module):

@@ -24,6 +24,7 @@ from torch import nn
 
 from hyla.layers.mlp import MLP
 from hyla.layers.moe import StackedExperts
+from hyla.ops.moe import softmax_topk_route
 
 
 class SoftmaxRouter(nn.Module):
@@ -36,11 +37,7 @@ class SoftmaxRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        probs = F.linear(x.to(work), self.weight.to(work)).softmax(-1)  # [M, E]
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
-        return weights, ids
+        return softmax_topk_route(F.linear(x.to(work), self.weight.to(work)), self.top_k, self.norm_topk_prob)
 
 
 class Qwen3NextSparseMoE(nn.Module):

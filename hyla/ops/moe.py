@@ -1,4 +1,7 @@
-"""Routed SwiGLU experts over stacked weights: the compute half of a mixture of experts.
+"""Mixture-of-experts ops: the two routing rules, and routed SwiGLU experts over stacked weights.
+
+Routing (`sigmoid_topk_route`, `softmax_topk_route`) runs as one Triton kernel on CUDA
+(hyla.ops.triton.moe_routing) and as torch ops elsewhere. The experts:
 
     y[m] = sum_j weights[m, j] * down_e(silu(gate_e(x[m])) * up_e(x[m])),   e = ids[m, j]
 
@@ -28,7 +31,7 @@ import torch.nn.functional as F
 # torch.nn.functional.grouped_mm is the public name from torch 2.10 on; older builds have the op only.
 _GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
-__all__ = ["moe_experts", "moe_experts_naive", "moe_experts_torch", "sort_pairs_by_expert",
+__all__ = ["sigmoid_topk_route", "softmax_topk_route", "moe_experts", "moe_experts_naive", "moe_experts_torch", "sort_pairs_by_expert",
            "expert_counts"]
 
 
@@ -102,6 +105,57 @@ def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     unsorted = torch.empty_like(y, dtype=work).index_copy_(0, order, y.to(work))  # back to [M*k] pair order
     out = (unsorted.view(M, k, -1) * weights.to(work)[:, :, None]).sum(1)
     return out.to(x.dtype)
+
+
+def _route_kernel(logits: torch.Tensor, top_k: int, num_group: int):
+    """The Triton routing module when it takes this call (CUDA, not fp64, its limits), else None."""
+    from hyla.ops import dispatch
+
+    if dispatch.backend_for(logits, logits, [logits], heads=False) != "triton":
+        return None
+    from hyla.ops.triton import moe_routing
+
+    return moe_routing if moe_routing.supports(logits.shape[-1], top_k, num_group) else None
+
+
+def sigmoid_topk_route(logits: torch.Tensor, top_k: int, bias: torch.Tensor, num_group: int = 1,
+                       topk_group: int = 1, renormalize: bool = True,
+                       scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 "noaux_tc" routing (Kimi-Linear). logits: [M, E] (fp32, or fp64) ->
+    (weights [M, k] in logits.dtype, ids [M, k] int64):
+        s = sigmoid(logits), c = s + bias (used only to choose);
+        groups scored by the sum of their top-2 c, the best `topk_group` groups kept;
+        the top-k experts by c inside them, weighted by s, renormalised to sum 1, times scale."""
+    kernel = _route_kernel(logits, top_k, num_group)
+    if kernel is not None:
+        return kernel.route(logits, top_k, sigmoid=True, bias=bias, num_group=num_group, topk_group=topk_group,
+                            renormalize=renormalize, scale=scale)
+    E = logits.shape[-1]
+    scores = logits.sigmoid()
+    choice = scores + bias.to(logits.dtype)
+    if num_group > 1:
+        group_scores = choice.view(-1, num_group, E // num_group).topk(2, dim=-1)[0].sum(-1)
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]  # [M, topk_group]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()  # [M, G]
+        choice = choice.masked_fill(~group_mask.repeat_interleave(E // num_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+def softmax_topk_route(logits: torch.Tensor, top_k: int,
+                       renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax top-k routing (Qwen3-Next). logits: [M, E] -> (weights [M, k], ids [M, k]):
+    p = softmax(logits); the top-k by p, weighted by p (divided by their sum when renormalize)."""
+    kernel = _route_kernel(logits, top_k, 1)
+    if kernel is not None:
+        return kernel.route(logits, top_k, sigmoid=False, renormalize=renormalize)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, ids
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

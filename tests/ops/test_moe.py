@@ -112,3 +112,39 @@ def test_align_pairs_blocks_hold_one_expert(block_m):
         assert live and all(int(flat[r]) == e for r in live)
         seen += live
     assert sorted(seen) == list(range(P))  # every pair exactly once
+
+
+@pytest.mark.parametrize("E,k,groups,topk_group,renorm", [(32, 3, 4, 2, True), (24, 5, 1, 1, True),
+                                                          (64, 8, 8, 3, False), (40, 10, 1, 1, True)])
+def test_triton_routing_matches_torch(E, k, groups, topk_group, renorm):
+    _, dev = _triton()
+    from hyla.ops import moe as ops_moe
+    from hyla.ops.triton import moe_routing
+
+    gen = torch.Generator().manual_seed(E + k)
+    logits = torch.randn(37, E, generator=gen)
+    bias = torch.randn(E, generator=gen) * 0.1
+
+    def same(got, want):
+        (gw, gi), (ww, wi) = got, want
+        gi, go = gi.cpu().sort(-1)
+        wi, wo = wi.sort(-1)
+        assert torch.equal(gi, wi)
+        torch.testing.assert_close(gw.cpu().gather(1, go), ww.gather(1, wo), rtol=1e-6, atol=1e-7)
+
+    torch_sig = ops_moe.sigmoid_topk_route(logits, k, bias, groups, topk_group, renorm, 2.5)  # CPU: torch path
+    same(moe_routing.route(logits.to(dev), k, sigmoid=True, bias=bias.to(dev), num_group=groups,
+                           topk_group=topk_group, renormalize=renorm, scale=2.5), torch_sig)
+    if groups == 1:
+        same(moe_routing.route(logits.to(dev), k, sigmoid=False, renormalize=renorm),
+             ops_moe.softmax_topk_route(logits, k, renorm))
+
+
+def test_routing_kernel_limits_are_checked():
+    _triton()
+    from hyla.ops.triton import moe_routing
+
+    assert moe_routing.supports(512, 10, 1) and moe_routing.supports(256, 8, 8)
+    assert not moe_routing.supports(2048, 8, 1) and not moe_routing.supports(96, 4, 3)
+    with pytest.raises(ValueError, match="unsupported"):
+        moe_routing.route(torch.randn(2, 2048), 8, sigmoid=False)

@@ -3,11 +3,11 @@
 Same contract as hyla.ops.moe.moe_experts (x [M, H], w13 [E, 2I, H], w2 [E, H, I], weights and
 ids [M, k] -> [M, H]). The scheme is the one vLLM and SGLang use for their fused-MoE kernels:
 
-1. `align_pairs`: the M*k (token, slot) pairs are sorted by expert and each expert's run is
-   padded to a multiple of BLOCK_M, so every block of BLOCK_M sorted rows belongs to one expert
-   (`block_expert`); padding rows hold the pair index P = M*k and are masked. The buffer has its
-   worst-case length P + min(E, P) * (BLOCK_M - 1) for a given M: shapes are fixed, nothing is
-   read back on the host, so a CUDA graph can capture the step.
+1. `align_pairs` (one launch): the M*k (token, slot) pairs are grouped by expert and each
+   expert's run is padded to a multiple of BLOCK_M, so every block of BLOCK_M rows belongs to
+   one expert (`block_expert`); padding rows hold the pair index P = M*k and are masked. The
+   buffer has its worst-case length P + min(E, P) * (BLOCK_M - 1) for a given M: shapes are
+   fixed, nothing is read back on the host, so a CUDA graph can capture the step.
 2. `_gate_up_kernel`: each program multiplies one block of rows (gathered from x by token) by
    one BLOCK_N slice of its expert's gate and up rows, and writes silu(gate) * up (fp32
    epilogue, rounded once) for the pairs: h [P, I].
@@ -26,33 +26,78 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.ops.moe import _check, expert_counts
+from hyla.ops.moe import _check
 from hyla.ops.triton import _interpreter
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
 
+def aligned_rows(pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the sorted, per-expert padded pair buffer: the worst case for `pairs` pairs."""
+    rows = pairs + min(num_experts, pairs) * (block_m - 1)
+    return -(-rows // block_m) * block_m
+
+
+@triton.jit
+def _align_kernel(ids, counts, ranks, pad_starts, sorted_pairs, block_expert, P, E, R, NB,
+                  BM: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr):
+    """One program: count pairs per expert (an atomic ticket gives each pair its place in its
+    expert's run), pad each run to BM rows, scatter the pair indices, and name each block's
+    expert. Reads after a barrier bypass L1 (.cg), since atomics update L2 only."""
+    o_e = tl.arange(0, BE)
+    m_e = o_e < E
+    tl.store(counts + o_e, tl.zeros((BE,), dtype=tl.int32), mask=m_e)
+    tl.debug_barrier()
+    for p0 in range(0, P, BP):
+        o = p0 + tl.arange(0, BP)
+        m = o < P
+        e = tl.load(ids + o, mask=m, other=0).to(tl.int32)
+        tl.store(ranks + o, tl.atomic_add(counts + e, 1, mask=m), mask=m)
+    tl.debug_barrier()
+    c = tl.atomic_add(counts + o_e, 0, mask=m_e)  # [BE] pairs per expert (an L2 read)
+    c = tl.where(m_e, c, 0)
+    padded = (c + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, 0)
+    tl.store(pad_starts + o_e, ends - padded, mask=m_e)
+    for r0 in range(0, R, BP):
+        o = r0 + tl.arange(0, BP)
+        tl.store(sorted_pairs + o, tl.zeros((BP,), dtype=tl.int32) + P, mask=o < R)
+    tl.debug_barrier()
+    for p0 in range(0, P, BP):
+        o = p0 + tl.arange(0, BP)
+        m = o < P
+        e = tl.load(ids + o, mask=m, other=0).to(tl.int32)
+        r = tl.load(ranks + o, mask=m, other=0, cache_modifier=".cg")
+        start = tl.load(pad_starts + e, mask=m, other=0, cache_modifier=".cg")
+        tl.store(sorted_pairs + start + r, o.to(tl.int32), mask=m)
+    total = tl.sum(padded, 0)
+    for b0 in range(0, NB, BB):
+        ob = b0 + tl.arange(0, BB)
+        row = ob * BM
+        # the block's expert: the first whose padded run ends after the block's first row
+        owner = tl.sum(((ends[None, :] <= row[:, None]) & m_e[None, :]).to(tl.int32), 1)
+        tl.store(block_expert + ob, tl.where(row < total, owner, -1), mask=ob < NB)
+
+
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids: [M, k] -> (sorted_pairs [R] int32: flat pair index m*k + j in expert order, each
+    """ids: [M, k] -> (sorted_pairs [R] int32: flat pair indices m*k + j grouped by expert, each
     expert's run padded to a multiple of block_m with the value P = M*k; block_expert
-    [R / block_m] int32: the expert of each block of rows, -1 past the last expert's run).
-    R = block_m * ceil((P + min(E, P) * (block_m - 1)) / block_m), fixed for a given M."""
+    [R / block_m] int32: the expert of each block of rows, -1 past the last run).
+    R = aligned_rows(P, E, block_m), fixed for a given M. One launch (`_align_kernel`); the
+    order of pairs inside an expert's run is not fixed (atomic tickets), which changes nothing:
+    each row of a block is computed on its own."""
     flat = ids.reshape(-1)
     P = flat.numel()
-    rows = P + min(num_experts, P) * (block_m - 1)
-    rows = -(-rows // block_m) * block_m
-    counts = expert_counts(flat, num_experts)  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_ends = padded.cumsum(0)  # [E] end of each expert's padded run
-    order = torch.sort(flat, stable=True).indices  # [P] pair indices by expert
-    e_sorted = flat[order]
-    rank = torch.arange(P, device=ids.device) - (counts.cumsum(0) - counts)[e_sorted]  # position in its run
-    dest = (pad_ends - padded)[e_sorted] + rank
-    sorted_pairs = torch.full((rows,), P, dtype=torch.int32, device=ids.device)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    starts = torch.arange(0, rows, block_m, device=ids.device)
-    block_expert = torch.searchsorted(pad_ends, starts, right=True)  # E past the end
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    R = aligned_rows(P, num_experts, block_m)
+    dev = ids.device
+    counts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    ranks = torch.empty(max(P, 1), dtype=torch.int32, device=dev)
+    pad_starts = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(R, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(R // block_m, dtype=torch.int32, device=dev)
+    BE = triton.next_power_of_2(num_experts)
+    _align_kernel[(1,)](flat, counts, ranks, pad_starts, sorted_pairs, block_expert, P, num_experts, R,
+                        R // block_m, BM=block_m, BP=1024, BE=BE, BB=max(1, 4096 // BE), num_warps=8)
     return sorted_pairs, block_expert
 
 
