@@ -33,12 +33,13 @@ class Router(nn.Module):
         self.top_k, self.num_group, self.topk_group = top_k, num_group, topk_group
         self.renormalize, self.routed_scaling_factor = renormalize, routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [M, hidden] -> (weights [M, top_k] fp32 (fp64 for fp64 x), expert ids [M, top_k] int64)."""
+    def forward(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [M, hidden] -> (weights [M, top_k] fp32 (fp64 for fp64 x), expert ids [M, top_k] int64).
+        shared: one more slot per token, expert E with weight 1 (see StackedExperts.stack_shared)."""
         work = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp64 stays exact
         logits = F.linear(x.to(work), self.weight.to(work))  # [M, E]
         return sigmoid_topk_route(logits, self.top_k, self.e_score_correction_bias, self.num_group,
-                                  self.topk_group, self.renormalize, self.routed_scaling_factor)
+                                  self.topk_group, self.renormalize, self.routed_scaling_factor, shared)
 
 
 class StackedExperts(nn.Module):
@@ -61,8 +62,30 @@ class StackedExperts(nn.Module):
     def num_experts(self) -> int:
         return self.gate_up_proj.shape[0]
 
+    def stack_shared(self, shared: MLP) -> bool:
+        """Stack a shared expert of the same width behind the routed ones, as expert E: one
+        grouped GEMM pair then serves both (routing appends slot k = E), instead of three more
+        GEMMs, an activation and an add per layer. The shared MLP's weights become views of the
+        stacked tensors, so `state_dict()` keeps every official name. Returns False (nothing
+        changed) when the widths or dtypes differ."""
+        E, two_i, H = self.gate_up_proj.shape
+        if shared.gate_proj.weight.shape != (two_i // 2, H) or shared.gate_proj.weight.dtype != self.gate_up_proj.dtype:
+            return False
+        I = two_i // 2
+        with torch.no_grad():
+            w13 = torch.cat([self.gate_up_proj, torch.cat([shared.gate_proj.weight, shared.up_proj.weight])[None]])
+            w2 = torch.cat([self.down_proj, shared.down_proj.weight[None]])
+        self.gate_up_proj, self.down_proj = nn.Parameter(w13[:E], False), nn.Parameter(w2[:E], False)
+        shared.gate_proj.weight = nn.Parameter(w13[E, :I], False)
+        shared.up_proj.weight = nn.Parameter(w13[E, I:], False)
+        shared.down_proj.weight = nn.Parameter(w2[E], False)
+        self.with_shared = (w13, w2)  # [E + 1, 2I, H], [E + 1, H, I]
+        return True
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+        """ids may name expert E (the stacked shared expert) once `stack_shared` succeeded."""
+        w13, w2 = getattr(self, "with_shared", (self.gate_up_proj, self.down_proj))
+        return moe_experts(x, w13, w2, weights, ids)
 
 
 class MoE(nn.Module):
@@ -80,11 +103,18 @@ class MoE(nn.Module):
             MLP(hidden_size, moe_intermediate_size * num_shared_experts) if num_shared_experts > 0 else None
         )
 
+        self.shared_stacked = False
+
+    def prepare_for_inference(self) -> None:
+        """Stack the shared expert behind the routed ones when it has their width (one expert)."""
+        if self.shared_experts is not None and not self.shared_stacked:
+            self.shared_stacked = self.experts.stack_shared(self.shared_experts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(flat)
+        weights, ids = self.gate(flat, shared=self.shared_stacked)
         out = self.experts(flat, weights, ids)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not self.shared_stacked:
             out = out + self.shared_experts(flat)
         return out.view(shape)

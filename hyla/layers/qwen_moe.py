@@ -35,9 +35,11 @@ class SoftmaxRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=torch.float32))
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, shared_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """shared_logit [M]: one more slot per token, expert E with weight sigmoid(shared_logit)."""
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return softmax_topk_route(F.linear(x.to(work), self.weight.to(work)), self.top_k, self.norm_topk_prob)
+        return softmax_topk_route(F.linear(x.to(work), self.weight.to(work)), self.top_k, self.norm_topk_prob,
+                                  shared_logit)
 
 
 class Qwen3NextSparseMoE(nn.Module):
@@ -50,10 +52,20 @@ class Qwen3NextSparseMoE(nn.Module):
         self.experts = StackedExperts(num_experts, hidden_size, moe_intermediate_size)
         self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.shared_stacked = False
+
+    def prepare_for_inference(self) -> None:
+        """Stack the shared expert behind the routed ones when it has their width: its sigmoid
+        gate becomes its routing weight (hyla.layers.moe.StackedExperts.stack_shared)."""
+        if not self.shared_stacked:
+            self.shared_stacked = self.experts.stack_shared(self.shared_expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if self.shared_stacked:
+            weights, ids = self.gate(flat, self.shared_expert_gate(flat)[:, 0])
+            return self.experts(flat, weights, ids).view(shape)
         weights, ids = self.gate(flat)
         out = self.experts(flat, weights, ids)
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)

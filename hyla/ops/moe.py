@@ -118,18 +118,27 @@ def _route_kernel(logits: torch.Tensor, top_k: int, num_group: int):
     return moe_routing if moe_routing.supports(logits.shape[-1], top_k, num_group) else None
 
 
+def _append_shared(weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                   shared_logit: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One more slot per token for a shared expert stacked as expert E (= num_experts): weight
+    1, or sigmoid(shared_logit [M]) (Qwen3-Next's gated shared expert)."""
+    w = torch.ones_like(weights[:, :1]) if shared_logit is None else shared_logit.to(weights.dtype).sigmoid()[:, None]
+    return torch.cat([weights, w], 1), torch.cat([ids, torch.full_like(ids[:, :1], num_experts)], 1)
+
+
 def sigmoid_topk_route(logits: torch.Tensor, top_k: int, bias: torch.Tensor, num_group: int = 1,
-                       topk_group: int = 1, renormalize: bool = True,
-                       scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       topk_group: int = 1, renormalize: bool = True, scale: float = 1.0,
+                       shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 "noaux_tc" routing (Kimi-Linear). logits: [M, E] (fp32, or fp64) ->
     (weights [M, k] in logits.dtype, ids [M, k] int64):
         s = sigmoid(logits), c = s + bias (used only to choose);
         groups scored by the sum of their top-2 c, the best `topk_group` groups kept;
-        the top-k experts by c inside them, weighted by s, renormalised to sum 1, times scale."""
+        the top-k experts by c inside them, weighted by s, renormalised to sum 1, times scale.
+    shared: append slot k with expert id E and weight 1 (a shared expert stacked as expert E)."""
     kernel = _route_kernel(logits, top_k, num_group)
     if kernel is not None:
         return kernel.route(logits, top_k, sigmoid=True, bias=bias, num_group=num_group, topk_group=topk_group,
-                            renormalize=renormalize, scale=scale)
+                            renormalize=renormalize, scale=scale, shared=shared)
     E = logits.shape[-1]
     scores = logits.sigmoid()
     choice = scores + bias.to(logits.dtype)
@@ -142,20 +151,22 @@ def sigmoid_topk_route(logits: torch.Tensor, top_k: int, bias: torch.Tensor, num
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scale, ids
+    weights = weights * scale
+    return _append_shared(weights, ids, E, None) if shared else (weights, ids)
 
 
-def softmax_topk_route(logits: torch.Tensor, top_k: int,
-                       renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_topk_route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
+                       shared_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing (Qwen3-Next). logits: [M, E] -> (weights [M, k], ids [M, k]):
-    p = softmax(logits); the top-k by p, weighted by p (divided by their sum when renormalize)."""
+    p = softmax(logits); the top-k by p, weighted by p (divided by their sum when renormalize).
+    shared_logit [M]: append slot k with expert id E and weight sigmoid(shared_logit)."""
     kernel = _route_kernel(logits, top_k, 1)
     if kernel is not None:
-        return kernel.route(logits, top_k, sigmoid=False, renormalize=renormalize)
+        return kernel.route(logits, top_k, sigmoid=False, renormalize=renormalize, shared_logit=shared_logit)
     weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
-    return weights, ids
+    return _append_shared(weights, ids, logits.shape[-1], shared_logit) if shared_logit is not None else (weights, ids)
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -57,3 +57,41 @@ def test_no_shared_experts():
     moe = MoE(24, 8, 4, 2, num_shared_experts=0)
     assert moe.shared_experts is None
     assert moe(torch.randn(5, 24)).shape == (5, 24)
+
+
+def _stacking_check(block, x):
+    """prepare_for_inference stacks the shared expert as expert E: same output (fp64: only the
+    order of a few adds changes), same state_dict names, shapes and values."""
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        want = block(x)
+        before = {k: v.clone() for k, v in block.state_dict().items()}
+        block.prepare_for_inference()
+        got = block(x)
+    assert block.shared_stacked
+    after = block.state_dict()
+    assert list(after) == list(before)
+    assert all(after[k].shape == before[k].shape and torch.equal(after[k], before[k]) for k in before)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_shared_expert_stacked_kimi():
+    torch.manual_seed(1)
+    block = MoE(24, 8, 16, 3, num_shared_experts=1, num_group=4, topk_group=2, routed_scaling_factor=2.5).double()
+    _stacking_check(block, torch.randn(2, 7, 24, dtype=torch.float64))
+
+
+def test_shared_expert_stacked_qwen():
+    from hyla.layers import Qwen3NextSparseMoE
+
+    torch.manual_seed(2)
+    block = Qwen3NextSparseMoE(24, 8, 16, 4, shared_expert_intermediate_size=8).double()
+    _stacking_check(block, torch.randn(9, 24, dtype=torch.float64))
+
+
+def test_shared_expert_of_another_width_stays_separate():
+    block = MoE(24, 8, 4, 2, num_shared_experts=2)
+    block.prepare_for_inference()
+    assert not block.shared_stacked
+    assert block(torch.randn(5, 24)).shape == (5, 24)

@@ -148,3 +148,19 @@ def test_routing_kernel_limits_are_checked():
     assert not moe_routing.supports(2048, 8, 1) and not moe_routing.supports(96, 4, 3)
     with pytest.raises(ValueError, match="unsupported"):
         moe_routing.route(torch.randn(2, 2048), 8, sigmoid=False)
+
+
+def test_triton_routing_appends_the_shared_slot():
+    _, dev = _triton()
+    from hyla.ops import moe as ops_moe
+    from hyla.ops.triton import moe_routing
+
+    gen = torch.Generator().manual_seed(5)
+    logits, gate = torch.randn(6, 32, generator=gen), torch.randn(6, generator=gen)
+    w, ids = moe_routing.route(logits.to(dev), 4, sigmoid=False, shared_logit=gate.to(dev))
+    ws, idss = ops_moe.softmax_topk_route(logits, 4, True, gate)
+    assert ids.shape == (6, 5) and (ids[:, 4].cpu() == 32).all() and (idss[:, 4] == 32).all()
+    torch.testing.assert_close(w[:, 4].cpu(), gate.sigmoid())
+    torch.testing.assert_close(ws[:, 4], gate.sigmoid())
+    w, ids = moe_routing.route(logits.to(dev), 4, sigmoid=True, bias=torch.zeros(32).to(dev), shared=True)
+    assert (ids[:, 4].cpu() == 32).all() and (w[:, 4].cpu() == 1).all()

@@ -7,7 +7,7 @@ Variants (all: hidden 64, 4 layers, vocab 256, fp32):
     moe     layer types from full_attention_interval 4 (3 GDN + 1 attention); GDN with grouped
             value heads (2 key heads of dim 16, 4 value heads of dim 24); attention 4 heads over
             2 KV heads, head dim 32, rotary 8 of 32 (partial_rotary_factor 0.25); layer 0 dense
-            (mlp_only_layers), MoE after (16 experts, top-4, shared expert 48)
+            (mlp_only_layers), MoE after (16 experts, top-4, shared expert of their width 32)
     dense   every MLP dense (mlp_only_layers = all), attention at layers 1 and 3
             (full_attention_interval 2); 2 key / 2 value heads of dim 16 / 32; attention 2 heads
             over 1 KV head, head dim 16, rotary 8 of 16, q/k/v/o biases; tied embeddings
@@ -36,7 +36,7 @@ VARIANTS = {
         full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=24, linear_conv_kernel_dim=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
-        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False,
     ),
     "dense": dict(

@@ -26,8 +26,8 @@ _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
 
 @triton.jit
-def _routing_kernel(logits, bias, weights_out, ids_out, E, scale,
-                    K: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
+def _routing_kernel(logits, bias, shared_logit, weights_out, ids_out, E, scale,
+                    K: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
                     SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     o_e = tl.arange(0, BE)
@@ -76,27 +76,38 @@ def _routing_kernel(logits, bias, weights_out, ids_out, E, scale,
             w = w / (tl.sum(w, 0) + 1e-20)
         else:
             w = w / tl.sum(w, 0)
-    tl.store(weights_out + m * K + o_k, w * scale, mask=o_k < K)
-    tl.store(ids_out + m * K + o_k, chosen.to(tl.int64), mask=o_k < K)
+    OUT: tl.constexpr = K + SHARED  # row width of the outputs
+    tl.store(weights_out + m * OUT + o_k, w * scale, mask=o_k < K)
+    tl.store(ids_out + m * OUT + o_k, chosen.to(tl.int64), mask=o_k < K)
+    if SHARED:  # slot K: the shared expert, stacked as expert E
+        sw = 1.0
+        if GATED:
+            sw = 1.0 / (1.0 + tl.exp(-tl.load(shared_logit + m).to(tl.float32)))
+        tl.store(weights_out + m * OUT + K, sw)
+        tl.store(ids_out + m * OUT + K, m * 0 + E)  # int64, as m
 
 
 def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor | None = None,
-          num_group: int = 1, topk_group: int = 1, renormalize: bool = True,
-          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+          num_group: int = 1, topk_group: int = 1, renormalize: bool = True, scale: float = 1.0,
+          shared: bool = False, shared_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [M, E] fp32 -> (weights [M, top_k] fp32, ids [M, top_k] int64). See the module
-    docstring; `supports` says which arguments this kernel takes."""
+    docstring; `supports` says which arguments this kernel takes. shared (or a shared_logit
+    [M]): one more slot per token, expert id E with weight 1 (or sigmoid(shared_logit)) — a
+    shared expert stacked after the routed ones."""
     if not supports(logits.shape[-1], top_k, num_group):
         raise ValueError(f"routing kernel: unsupported E={logits.shape[-1]}, top_k={top_k}, groups={num_group}")
     logits = logits.float().contiguous()
     M, E = logits.shape
-    weights = torch.empty(M, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(M, top_k, dtype=torch.int64, device=logits.device)
+    extra = int(shared or shared_logit is not None)
+    weights = torch.empty(M, top_k + extra, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(M, top_k + extra, dtype=torch.int64, device=logits.device)
     if M == 0:
         return weights, ids
     BE = triton.next_power_of_2(E)
     G = num_group if num_group > 1 else 1
-    _routing_kernel[(M,)](logits, bias if bias is not None else logits, weights, ids, E, float(scale),
-                          K=top_k, KP=triton.next_power_of_2(top_k), BE=BE, G=G, TOPK_GROUP=topk_group, SIGMOID=sigmoid, RENORM=renormalize,
+    gate = shared_logit.reshape(-1) if shared_logit is not None else logits
+    _routing_kernel[(M,)](logits, bias if bias is not None else logits, gate, weights, ids, E, float(scale),
+                          K=top_k, SHARED=extra, GATED=shared_logit is not None, KP=triton.next_power_of_2(top_k), BE=BE, G=G, TOPK_GROUP=topk_group, SIGMOID=sigmoid, RENORM=renormalize,
                           HAS_BIAS=bias is not None, num_warps=4 if BE <= 512 else 8)
     return weights, ids
 
