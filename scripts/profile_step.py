@@ -1,0 +1,57 @@
+"""Where a prefill and a decode step spend GPU time: the kernels of one call, by total time.
+
+    python scripts/profile_step.py --random-config kimi-linear-48b-a3b --layers 4 --prefill 8192 --decode-batch 1 64
+
+Random bf16 weights on the device (hyla.bench.random_models); one warm-up call, then one call
+under torch.profiler (hyla.bench.floor.kernel_profile): kernel count, summed kernel time, the
+top kernels. A hint for what to fuse next, not a benchmark figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+
+import torch
+
+from hyla.bench import floor as fl
+from hyla.bench.random_models import RANDOM_CONFIGS, random_model
+from hyla.bench.step_bench import make_runner
+from hyla.models.batch import ForwardBatch
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--random-config", default="kimi-linear-48b-a3b", choices=sorted(RANDOM_CONFIGS))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prefill", type=int, default=8192)
+    p.add_argument("--decode-batch", type=int, nargs="*", default=[1, 64])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--top", type=int, default=18)
+    args = p.parse_args()
+    model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers)
+    b_max = max(args.decode_batch or [1])
+    runner = make_runner(model, b_max, args.context, prefill_tokens=args.prefill)
+    T = args.prefill
+    prompt = torch.randint(3, model.config.vocab_size, (T,)).tolist()
+    seq = types.SimpleNamespace(token_ids=prompt, num_computed_tokens=0, block_table=list(range(-(-(T + 1) // 16))),
+                                slot=0)
+    run = lambda: runner.run([seq], [T], [[T - 1]])  # noqa: E731
+    run()
+    print(f"# {args.random_config}, {args.layers} layers: prefill of {T} tokens: {fl.kernel_profile(run, args.top)}")
+    pages = -(-(args.context + 1) // 16)
+    for b in args.decode_batch:
+        tables = [list(range(i * pages, (i + 1) * pages)) for i in range(b)]
+        batch = ForwardBatch.build([1] * b, [args.context] * b, tables, list(range(b)), device=model.device)
+        ids = torch.randint(3, model.config.vocab_size, (b,), device=model.device)
+
+        def eager():
+            batch._memo.clear()
+            with torch.inference_mode():
+                return model.compute_logits(model.forward_batch(ids, batch, runner.cache))
+        eager()
+        print(f"# decode batch {b}, context {args.context}: {fl.kernel_profile(eager, args.top)}")
+
+
+if __name__ == "__main__":
+    main()
