@@ -43,7 +43,7 @@ from torch import nn
 
 from hyla.bench.floor import median_ms
 
-_CONFIG_SKIP = ("architectures", "model_type", "dtype", "torch_dtype", "head_dim_kimi")
+_CONFIG_SKIP = ("architectures", "model_type", "dtype", "torch_dtype")
 
 
 def hf_config(config_dict: dict, dtype: torch.dtype, experts_implementation: str | None = "grouped_mm"):
@@ -115,7 +115,8 @@ def _rebuild_meta_buffers(hf, device) -> None:
         if not any(b.is_meta for b in mod.buffers(recurse=False)):
             continue
         if "Rotary" not in type(mod).__name__:
-            raise RuntimeError(f"transformers module {name} ({type(mod).__name__}) has meta buffers hyla cannot rebuild")
+            raise RuntimeError(f"transformers module {name} ({type(mod).__name__}) has meta buffers that "
+                               "hyla cannot rebuild")
         with torch.device(device):
             new = type(mod)(hf.config)
         parent, _, attr = name.rpartition(".")

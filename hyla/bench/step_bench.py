@@ -84,6 +84,8 @@ def decode(model, runner, args, bw: float, hf=None) -> list[dict]:
 
     device = model.device
     per_seq = _pages(max(args.context_lens) + 1)
+    head = f"{'batch':>5} {'ctx':>6} {'graph ms':>9} {'eager ms':>9} {'tok/s':>9} {'floor ms':>9} {'x floor':>8}"
+    print(head + ("" if hf is None else f" {'transf. ms':>10} {'transf./hyla':>12}"))
     rows = []
     for ctx in args.context_lens:
         for b in args.batch_sizes:
@@ -93,7 +95,8 @@ def decode(model, runner, args, bw: float, hf=None) -> list[dict]:
             graph_ms = float("nan")
             if runner.graphs is not None:
                 graph, _, _ = runner.graphs.prepare(tokens, ctxs, slots, tables)  # captures on first use
-                graph_ms = fl.time_ms(graph.replay, args.steps, device=device)
+                if graph is not None:
+                    graph_ms = fl.time_ms(graph.replay, args.steps, device=device)
             batch = ForwardBatch.build([1] * b, ctxs, tables, slots, device=device)
             ids = torch.tensor(tokens, device=device)
 
@@ -106,28 +109,24 @@ def decode(model, runner, args, bw: float, hf=None) -> list[dict]:
                 print(f"# eager decode step, batch {b}, context {ctx}: {fl.kernel_profile(eager)}")
             floor = sum(fl.step_bytes(model, b, ctx).values()) / bw * 1e3
             best = eager_ms if graph_ms != graph_ms else min(graph_ms, eager_ms)
-            row = dict(batch=b, context=ctx, graph_ms=graph_ms, eager_ms=eager_ms, tok_s=b / best * 1e3,
-                       floor_ms=floor, x_floor=best / floor)
+            r = dict(batch=b, context=ctx, graph_ms=graph_ms, eager_ms=eager_ms, tok_s=b / best * 1e3,
+                     floor_ms=floor, x_floor=best / floor)
+            line = (f"{r['batch']:>5} {r['context']:>6} {_fmt(r['graph_ms'], '9.3f'):>9} {r['eager_ms']:>9.2f} "
+                    f"{r['tok_s']:>9.0f} {r['floor_ms']:>9.3f} {r['x_floor']:>7.2f}x")
             if hf is not None:
                 hf_ms = _peer_cell(lambda: hf_peer.decode_step_ms(hf, b, ctx, model.config.vocab_size,
                                                                   repeat=args.hf_repeat, seed=args.seed))
-                row.update(hf_ms=hf_ms, hf_over_hyla=None if hf_ms is None else hf_ms / best)
-            rows.append(row)
-    head = f"{'batch':>5} {'ctx':>6} {'graph ms':>9} {'eager ms':>9} {'tok/s':>9} {'floor ms':>9} {'x floor':>8}"
-    if hf is not None:
-        head += f" {'transf. ms':>10} {'transf./hyla':>12}"
-    print(head)
-    for r in rows:
-        line = (f"{r['batch']:>5} {r['context']:>6} {_fmt(r['graph_ms'], '9.3f'):>9} {r['eager_ms']:>9.2f} "
-                f"{r['tok_s']:>9.0f} {r['floor_ms']:>9.3f} {r['x_floor']:>7.2f}x")
-        if hf is not None:
-            line += f" {_fmt(r['hf_ms'], '10.2f'):>10} {_fmt(r['hf_over_hyla'], '11.1f'):>11}x"
-        print(line)
+                r.update(hf_ms=hf_ms, hf_over_hyla=None if hf_ms is None else hf_ms / best)
+                line += f" {_fmt(r['hf_ms'], '10.2f'):>10} {_fmt(r['hf_over_hyla'], '11.1f'):>11}x"
+            print(line)
+            rows.append(r)
     return rows
 
 
 def prefill(model, runner, args, hf=None) -> list[dict]:
     device = model.device
+    head = f"{'tokens':>7} {'chunk':>6} {'hyla ms':>9} {'hyla tok/s':>11}"
+    print(head + ("" if hf is None else f" {'transf. ms':>10} {'transf. tok/s':>13} {'hyla/transf.':>12}"))
     rows = []
     for T in args.prefill_tokens:
         gen = torch.Generator().manual_seed(args.seed)
@@ -142,23 +141,17 @@ def prefill(model, runner, args, hf=None) -> list[dict]:
                 seq.num_computed_tokens = start
                 runner.run([seq], [n], [[n - 1]] if start + n == T else [[]])
         ms = fl.median_ms(run, args.prefill_repeat, device=device)
-        row = dict(tokens=T, chunk=chunk, hyla_ms=ms, hyla_tok_s=T / ms * 1e3)
+        r = dict(tokens=T, chunk=chunk, hyla_ms=ms, hyla_tok_s=T / ms * 1e3)
+        line = f"{r['tokens']:>7} {r['chunk']:>6} {r['hyla_ms']:>9.2f} {r['hyla_tok_s']:>11.0f}"
         if hf is not None:
             hf_ms = _peer_cell(lambda: hf_peer.prefill_ms(hf, T, model.config.vocab_size, args.prefill_repeat,
                                                           args.seed))
-            row.update(hf_ms=hf_ms, hf_tok_s=None if hf_ms is None else T / hf_ms * 1e3,
-                       hyla_over_hf=None if hf_ms is None else hf_ms / ms)
-        rows.append(row)
-    head = f"{'tokens':>7} {'chunk':>6} {'hyla ms':>9} {'hyla tok/s':>11}"
-    if hf is not None:
-        head += f" {'transf. ms':>10} {'transf. tok/s':>13} {'hyla/transf.':>12}"
-    print(head)
-    for r in rows:
-        line = f"{r['tokens']:>7} {r['chunk']:>6} {r['hyla_ms']:>9.2f} {r['hyla_tok_s']:>11.0f}"
-        if hf is not None:
+            r.update(hf_ms=hf_ms, hf_tok_s=None if hf_ms is None else T / hf_ms * 1e3,
+                     hyla_over_hf=None if hf_ms is None else hf_ms / ms)
             line += (f" {_fmt(r['hf_ms'], '10.2f'):>10} {_fmt(r['hf_tok_s'], '13.0f'):>13} "
                      f"{_fmt(r['hyla_over_hf'], '11.2f'):>11}x")
         print(line)
+        rows.append(r)
     return rows
 
 
@@ -172,6 +165,10 @@ def moe_layer(model, args, bw: float, hf=None) -> list[dict]:
     hf_block = None if hf is None else hf_peer.hf_moe_block(hf, layer["prefix"])
     device, H = model.device, model.config.hidden_size
     gen = torch.Generator(device=device).manual_seed(args.seed)
+    print(f"# MoE block {layer['prefix']}: {layer['num_experts']} experts x {layer['expert_bytes'] / 1e6:.2f} MB, "
+          f"router + shared {layer['other_bytes'] / 1e6:.2f} MB; experts = touched (expected under uniform routing)")
+    head = f"{'tokens':>6} {'experts':>12} {'hyla ms':>9} {'floor ms':>9} {'x floor':>8}"
+    print(head + ("" if hf_block is None else f" {'transf. ms':>10} {'x floor':>8} {'transf./hyla':>12}"))
     rows = []
     for T in args.moe_tokens:
         x = torch.randn(T, H, generator=gen, device=device, dtype=torch.float32).to(model.dtype)
@@ -184,27 +181,19 @@ def moe_layer(model, args, bw: float, hf=None) -> list[dict]:
                 block(x)
         ms = fl.median_ms(run, args.moe_repeat, warmup=3, device=device)
         floor = fl.moe_block_bytes(model, layer, T) / bw * 1e3
-        row = dict(tokens=T, experts_touched=touched, experts_expected=expected, hyla_ms=ms, floor_ms=floor,
-                   x_floor=ms / floor)
+        r = dict(tokens=T, experts_touched=touched, experts_expected=expected, hyla_ms=ms, floor_ms=floor,
+                 x_floor=ms / floor)
+        line = (f"{r['tokens']:>6} {r['experts_touched']:>5} ({r['experts_expected']:>5.1f}) {r['hyla_ms']:>9.3f} "
+                f"{r['floor_ms']:>9.3f} {r['x_floor']:>7.2f}x")
         if hf_block is not None:
             def hf_run():
                 with torch.inference_mode():
                     hf_block(x[None])
             hf_ms = _peer_cell(lambda: fl.median_ms(hf_run, args.moe_repeat, warmup=3, device=device))
-            row.update(hf_ms=hf_ms, hf_x_floor=None if hf_ms is None else hf_ms / floor,
-                       hf_over_hyla=None if hf_ms is None else hf_ms / ms)
-        rows.append(row)
-    print(f"# MoE block {layer['prefix']}: {layer['num_experts']} experts x {layer['expert_bytes'] / 1e6:.2f} MB, "
-          f"router + shared {layer['other_bytes'] / 1e6:.2f} MB")
-    head = f"{'tokens':>6} {'experts':>12} {'hyla ms':>9} {'floor ms':>9} {'x floor':>8}"
-    if hf_block is not None:
-        head += f" {'transf. ms':>10} {'x floor':>8} {'transf./hyla':>12}"
-    print(head)
-    for r in rows:
-        line = (f"{r['tokens']:>6} {r['experts_touched']:>5} ({r['experts_expected']:>5.1f}) {r['hyla_ms']:>9.3f} "
-                f"{r['floor_ms']:>9.3f} {r['x_floor']:>7.2f}x")
-        if hf_block is not None:
+            r.update(hf_ms=hf_ms, hf_x_floor=None if hf_ms is None else hf_ms / floor,
+                     hf_over_hyla=None if hf_ms is None else hf_ms / ms)
             line += (f" {_fmt(r['hf_ms'], '10.3f'):>10} {_fmt(r['hf_x_floor'], '7.2f'):>7}x "
                      f"{_fmt(r['hf_over_hyla'], '11.2f'):>11}x")
         print(line)
+        rows.append(r)
     return rows

@@ -49,8 +49,8 @@ def test_expert_and_projection_storage_is_shared(pair):
         assert hf_experts.gate_up_proj.data_ptr() == sd[f"{prefix}experts.gate_up_proj"].data_ptr()
         assert hf_experts.down_proj.data_ptr() == sd[f"{prefix}experts.down_proj"].data_ptr()
     assert hf.lm_head.weight.data_ptr() == sd["lm_head.weight"].data_ptr()
-    attn = "self_attn" if name == "tiny-kimi-moe" else "linear_attn"
-    w = sd[f"model.layers.0.{attn}.q_proj.weight" if name == "tiny-kimi-moe" else f"model.layers.0.{attn}.out_proj.weight"]
+    w = sd["model.layers.0.self_attn.q_proj.weight" if name == "tiny-kimi-moe" else
+           "model.layers.0.linear_attn.out_proj.weight"]
     assert any(t.data_ptr() == w.data_ptr() for t in hf.parameters())
     assert not any(t.is_meta for t in list(hf.parameters()) + list(hf.buffers()))
 

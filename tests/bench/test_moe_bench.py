@@ -52,7 +52,8 @@ def test_step_bytes_of_a_moe_model(name):
 def test_released_shapes_and_cuts():
     kimi = model_config("kimi-linear-48b-a3b")
     assert kimi.num_hidden_layers == 27 and kimi.mla_layers == [3, 7, 11, 15, 19, 23, 26]
-    assert (kimi.hidden_size, kimi.linear_num_heads, kimi.linear_head_dim, kimi.num_attention_heads) == (2304, 32, 128, 32)
+    assert (kimi.hidden_size, kimi.linear_num_heads, kimi.linear_head_dim, kimi.num_attention_heads) == (
+        2304, 32, 128, 32)
     assert (kimi.num_experts, kimi.num_experts_per_token, kimi.num_shared_experts, kimi.moe_intermediate_size) == (
         256, 8, 1, 1024)
     assert kimi.routed_scaling_factor == 2.446 and kimi.mlp_layer_types[:2] == ["dense", "sparse"]
@@ -113,3 +114,21 @@ def test_decode_prefill_and_moe_block_tables_on_cpu(capsys):
     assert 1 <= moe["experts_touched"] <= 16 and moe["floor_ms"] > 0 and moe["hf_ms"] > 0
     out = capsys.readouterr().out
     assert "transf./hyla" in out and "hyla/transf." in out and "MoE block model.layers.1.block_sparse_moe" in out
+
+
+def test_step_bytes_of_the_released_kimi_shape_on_meta():
+    """The full 48B shape's floor accounting, for free on the meta device: 26 MoE layers x 8
+    experts at batch 1, x E(1 - (1 - 8/256)^256) at batch 256; bf16 experts of 3 x 2304 x 1024."""
+    from hyla.models.kimi_linear import KimiLinearForCausalLM
+
+    with torch.device("meta"):
+        model = KimiLinearForCausalLM(model_config("kimi-linear-48b-a3b")).to(torch.bfloat16)
+    expert = 3 * 2304 * 1024 * 2
+    layers = floor.moe_layers(model)
+    assert len(layers) == 26 and all(layer["expert_bytes"] == expert for layer in layers)
+    one = floor.step_bytes(model, 1, 512)
+    assert one["experts"] == pytest.approx(26 * 8 * expert)
+    full = floor.step_bytes(model, 256, 512)
+    assert full["experts"] == pytest.approx(26 * 256 * (1 - (1 - 8 / 256) ** 256) * expert)
+    assert full["weights"] - one["weights"] == 255 * 2304 * 2  # only the embedding rows grow
+    assert full["kv"] == 256 * 514 * 7 * 576 * 2
