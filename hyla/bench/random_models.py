@@ -21,8 +21,9 @@ Shapes (`RANDOM_CONFIGS`):
   shared expert 512 (sigmoid-gated), norm_topk_prob; every layer MoE; vocab 151936. All equal
   transformers 5.24's Qwen3NextConfig defaults except rope_theta (default 1e4) and
   intermediate_size (5120 vs 5632, unused: no dense layer).
-- `tiny-kimi-moe`, `tiny-qwen3-next-moe`: small MoE shapes of both families (16 experts, both
-  layer kinds, a dense first layer for Kimi) for CPU tests.
+- `tiny-kimi-moe`, `tiny-qwen3-next-moe`: small MoE shapes of both families for CPU tests: 16
+  experts top-4, both layer kinds, a dense first layer, a shared expert of the routed width (as
+  in both released shapes), fp32.
 
 `layers=N` keeps the first N layers of the schedule as they are in the full model (layer kinds,
 dense / MoE MLPs). For both released shapes N >= 4 keeps at least one attention layer (Kimi:
@@ -84,7 +85,7 @@ _TINY_QWEN_MOE = dict(
     QWEN3_NEXT_80B, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4,
-    moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[0], rope_theta=10000.0,
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[0], rope_theta=10000.0,
     bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=4096, dtype="float32")
 
 # name -> (config.json dict, weight std)
