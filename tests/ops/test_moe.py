@@ -94,11 +94,14 @@ def test_triton_fused_moe_matches_loop(M, H, I, E, k, skew):
     assert _rel(got.cpu(), want) < 1e-5
 
 
-@pytest.mark.parametrize("block_m", [2, 4])
-def test_align_pairs_blocks_hold_one_expert(block_m):
-    mod, _ = _triton()
+@pytest.mark.parametrize("block_m,large", [(2, False), (4, False), (4, True)])
+def test_align_pairs_blocks_hold_one_expert(block_m, large, monkeypatch):
+    mod, dev = _triton()
+    if large:  # the sort-based path taken for prefill-sized batches
+        monkeypatch.setattr(mod, "ONE_PROGRAM_MAX_PAIRS", 8)
     _, _, _, _, ids = _inputs(11, 8, 8, 6, 3, seed=2, skew=True)
-    sorted_pairs, block_expert = mod.align_pairs(ids, 6, block_m)
+    sorted_pairs, block_expert = mod.align_pairs(ids.to(dev), 6, block_m)
+    sorted_pairs, block_expert = sorted_pairs.cpu(), block_expert.cpu()
     P = ids.numel()
     assert sorted_pairs.numel() % block_m == 0 and sorted_pairs.numel() == block_expert.numel() * block_m
     flat = ids.reshape(-1)
