@@ -20,6 +20,20 @@ from hyla.bench.step_bench import make_runner
 from hyla.models.batch import ForwardBatch
 
 
+def op_profile(fn, top: int) -> str:
+    """GPU time by the torch op that launched it (self device time, summed over calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.self_device_time_total, e.count, e.key, str(e.input_shapes)[:60]) for e in
+            prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0 and e.key.startswith("aten::")]
+    rows.sort(reverse=True)
+    return "\n".join(f"#   {us / 1e3:7.3f} ms {n:4d}x {key:<28} {shapes}" for us, n, key, shapes in rows[:top])
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--random-config", default="kimi-linear-48b-a3b", choices=sorted(RANDOM_CONFIGS))
@@ -39,6 +53,7 @@ def main() -> None:
     run = lambda: runner.run([seq], [T], [[T - 1]])  # noqa: E731
     run()
     print(f"# {args.random_config}, {args.layers} layers: prefill of {T} tokens: {fl.kernel_profile(run, args.top)}")
+    print(f"# prefill by torch op:\n{op_profile(run, args.top)}")
     pages = -(-(args.context + 1) // 16)
     for b in args.decode_batch:
         tables = [list(range(i * pages, (i + 1) * pages)) for i in range(b)]
