@@ -61,15 +61,25 @@ def test_batched_greedy_equals_alone(ckpt, prompts, alone, kw):
     assert m["kv_pages_free"] == m["kv_pages_total"] and m["state_slots_free"] == m["state_slots_total"]
 
 
-def test_equals_transformers_generate(ckpt, prompts):
+def _transformers_greedy(ref, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens from transformers' full forward, re-run over the whole sequence per token.
+    Not `generate`: on this checkpoint (16 experts, grouped routing) transformers' cached decode
+    path disagrees with its own full forward (prompt 7, token 24: a logit margin of 0.012, far
+    above rounding), while the full forward is the definition of the model."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(ref(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_equals_transformers_greedy(ckpt, prompts):
     ref = load_reference(ckpt)
     llm = LLM(str(ckpt), dtype="float32")
     chosen = [prompts[i] for i in (0, 3, 7, 11, 19)]
     outs = llm.generate(chosen, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
     for p, o in zip(chosen, outs):
-        with torch.no_grad():
-            want = ref.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, min_new_tokens=32)
-        assert o.outputs[0].token_ids == want[0, len(p):].tolist()
+        assert o.outputs[0].token_ids == _transformers_greedy(ref, p, 32)
 
 
 def test_seed_reproducible_and_independent_of_batch(ckpt, prompts):
