@@ -14,6 +14,11 @@ mixes sequences, with no Python loop over tokens or sequences. Decode
 window back into the pool in place. Speculative verify (:func:`causal_conv1d_verify`) reads each
 row's window from one slot and writes the window after every verified token to a slot of its
 own. hyla.ops.dispatch routes the last two to Triton kernels on CUDA.
+
+:func:`causal_conv1d_update_packed` is a decode step's convs at once when their pre-conv inputs
+are columns of one tensor (a fused projection's output): KDA's three convs, or GDN's one conv cut
+into its q / k / v parts. The Triton version runs them in one launch, reads x in place (any row
+stride, optionally through a column map) and writes each output part contiguously.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch.nn.functional as F
 
 from hyla.ops import utils
 
-__all__ = ["causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_verify"]
+__all__ = ["causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_verify", "causal_conv1d_update_packed"]
 
 _ACTIVATIONS = (None, "silu", "swish")
 
@@ -276,3 +281,53 @@ def causal_conv1d_verify(
             keep = dst >= 0
             conv_state[dst[keep]] = windows[keep].to(conv_state.dtype)
     return y.transpose(1, 2)
+
+
+def _check_packed_args(x, conv_states, weights, sizes, channels):
+    """Checks of causal_conv1d_update_packed (shared with the Triton version) -> (x as
+    [N, L, cols], squeeze, total channels)."""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or not x.is_floating_point():
+        raise ValueError("x must be a floating-point tensor [N, L, cols] or [N, cols]")
+    if not (len(conv_states) == len(weights) == len(sizes)) or not conv_states:
+        raise ValueError("conv_states, weights and sizes need one entry per conv")
+    for st, part in zip(conv_states, sizes):
+        if not part or any(int(d) <= 0 for d in part) or st.dim() != 3 or st.shape[1] != sum(part):
+            raise ValueError(f"conv state {tuple(st.shape)} does not have sum({list(part)}) channels")
+    total = sum(sum(part) for part in sizes)
+    squeeze = x.dim() == 2
+    x3 = x.unsqueeze(1) if squeeze else x
+    if channels is None:
+        if x3.shape[-1] < total:
+            raise ValueError(f"x has {x3.shape[-1]} columns, fewer than the convs' {total} channels")
+    elif (not isinstance(channels, torch.Tensor) or channels.shape != (total,) or channels.is_floating_point()):
+        raise ValueError(f"channels must be an integer tensor [{total}]")
+    return x3, squeeze, total
+
+
+def causal_conv1d_update_packed(
+    x: torch.Tensor,
+    conv_states,
+    weights,
+    sizes,
+    activation: str | None = None,
+    conv_state_indices: torch.Tensor | None = None,
+    channels: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """causal_conv1d_update of several convs whose pre-conv inputs are columns of one tensor.
+
+    x: [N, L, cols] or [N, cols]; channels: None (the convs' channels are x's first columns, in
+    order) or an integer tensor [sum of all sizes] giving x's column of each channel;
+    conv_states: one pool [num_slots, D_i, W-1] per conv, updated in place; weights: one [D_i, W]
+    (or nn.Conv1d's [D_i, 1, W]) per conv; sizes: per conv, the sizes of the output parts its D_i
+    channels are cut into (sum = D_i). conv_state_indices as in causal_conv1d_update.
+    Returns the output parts in order, each [N, L, part] (or [N, part]) in x.dtype.
+    """
+    x3, squeeze, total = _check_packed_args(x, conv_states, weights, sizes, channels)
+    xs = x3.index_select(-1, channels.to(x.device).long()) if channels is not None else x3[..., :total]
+    out, c0 = [], 0
+    for st, w, part in zip(conv_states, weights, sizes):
+        d = sum(part)
+        y = causal_conv1d_update(xs[..., c0:c0 + d], st, w, None, activation, conv_state_indices)
+        out.extend(y.split(list(part), dim=-1))
+        c0 += d
+    return [y.squeeze(1) for y in out] if squeeze else out

@@ -1,5 +1,5 @@
-"""Backend choice for the chunk, recurrent and short-conv update ops: Triton kernels on CUDA,
-torch elsewhere.
+"""Backend choice for the chunk, recurrent and short-conv update ops and the fused decode norms
+and gates: Triton kernels on CUDA, torch elsewhere.
 
 `hyla.ops.chunk_kda` (and the other six ops below) route a call to hyla.ops.triton when
 
@@ -24,12 +24,15 @@ import torch
 
 from hyla.ops import chunk as _torch_chunk
 from hyla.ops import conv as _torch_conv
+from hyla.ops import gate as _torch_gate
+from hyla.ops import norm as _torch_norm
 from hyla.ops import recurrent as _torch_recurrent
 from hyla.ops import triton as _triton
 
 __all__ = ["backend_for", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
-           "causal_conv1d_verify"]
+           "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
+           "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed"]
 
 _BACKENDS = ("auto", "torch", "triton")
 _MAX_HEAD_DIM = 256
@@ -88,3 +91,93 @@ causal_conv1d_update = _dispatched(_torch_conv.causal_conv1d_update, "causal_con
                                    heads=False)
 causal_conv1d_verify = _dispatched(_torch_conv.causal_conv1d_verify, "causal_conv1d_verify", "x", "x",
                                    heads=False)
+causal_conv1d_update_packed = _dispatched(_torch_conv.causal_conv1d_update_packed, "causal_conv1d_update_packed",
+                                          "x", "x", heads=False)
+
+
+# -- fused decode norms and gates (hyla.ops.triton.norm / gate; torch: hyla.ops.norm / gate) ------
+
+_LOW = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_NORM_D = 16384
+
+
+def _elementwise_triton(x: torch.Tensor, tensors) -> bool:
+    """The device / grad / backend rule of backend_for, for an element-wise op on x; every tensor
+    in fp32 / bf16 / fp16 (fp64 is the exactness reference and stays on torch)."""
+    if not isinstance(x, torch.Tensor) or any(not isinstance(t, torch.Tensor) or t.dtype not in _LOW
+                                              for t in tensors if t is not None):
+        return False
+    return backend_for(x, x, [t for t in tensors if t is not None], heads=False) == "triton"
+
+
+def _norm_triton(x, weight, *others) -> bool:
+    return (_elementwise_triton(x, (x, weight, *others)) and x.dim() >= 1 and 0 < x.shape[-1] <= _MAX_NORM_D
+            and (weight is None or weight.shape == (x.shape[-1],)))
+
+
+def rms_norm_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """hyla.ops.norm.rms_norm_rounded (Kimi's RMSNorm), one Triton launch on CUDA."""
+    if _norm_triton(x, weight):
+        return _triton.rms_norm_rounded(x, weight, eps)
+    return _torch_norm.rms_norm_rounded(x, weight, eps)
+
+
+def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """hyla.ops.norm.rms_norm_zero_centred (Qwen3-Next's RMSNorm), one Triton launch on CUDA."""
+    if _norm_triton(x, weight):
+        return _triton.rms_norm_zero_centred(x, weight, eps)
+    return _torch_norm.rms_norm_zero_centred(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6,
+                 zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """hyla.ops.norm.add_rms_norm -> (norm(residual + x), residual + x), one Triton launch on CUDA."""
+    if _norm_triton(x, weight, residual) and (residual is None or (residual.shape == x.shape
+                                                                  and residual.dtype == x.dtype)):
+        return _triton.add_rms_norm(x, residual, weight, eps, zero_centred)
+    return _torch_norm.add_rms_norm(x, residual, weight, eps, zero_centred)
+
+
+def _gate_ok(x, gate) -> bool:
+    return isinstance(gate, torch.Tensor) and gate.numel() == x.numel() and gate.shape[-1] == x.shape[-1]
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
+                   activation: str = "sigmoid") -> torch.Tensor:
+    """hyla.ops.norm.gated_rms_norm, one Triton launch on CUDA. On that path gate may also be a
+    view with x's rows in order but other leading dims (read in place); torch reshapes it."""
+    if _norm_triton(x, weight, gate) and _gate_ok(x, gate) and activation in ("sigmoid", "silu", "swish"):
+        return _triton.gated_rms_norm(x, gate, weight, eps, activation)
+    return _torch_norm.gated_rms_norm(x, gate.reshape(x.shape), weight, eps, activation)
+
+
+def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """hyla.ops.norm.silu_gated_rms_norm (GDN's output norm), one Triton launch on CUDA; gate as in
+    gated_rms_norm."""
+    if _norm_triton(x, weight, gate) and _gate_ok(x, gate):
+        return _triton.silu_gated_rms_norm(x, gate, weight, eps)
+    return _torch_norm.silu_gated_rms_norm(x, gate.reshape(x.shape), weight, eps)
+
+
+def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None,
+                  lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """hyla.ops.gate.kda_gate_beta -> (g fp32 [B, T, H, K], beta [B, T, H]), one launch on CUDA."""
+    ok = (isinstance(f, torch.Tensor) and f.dim() == 4 and isinstance(b, torch.Tensor)
+          and b.shape == f.shape[:3] and isinstance(A_log, torch.Tensor) and A_log.numel() == f.shape[2]
+          and (dt_bias is None or dt_bias.numel() == f.shape[2] * f.shape[3]))
+    if ok and _elementwise_triton(f, (f, b, A_log, dt_bias)):
+        if lower_bound is not None:
+            _torch_gate._check_lower_bound(lower_bound)
+        return _triton.kda_gate_beta(f, b, A_log, dt_bias, lower_bound)
+    return _torch_gate.kda_gate_beta(f, b, A_log, dt_bias, lower_bound)
+
+
+def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                  dt_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """hyla.ops.gate.gdn_gate_beta -> (g fp32 [B, T, HV], beta [B, T, HV]), one launch on CUDA."""
+    ok = (isinstance(a, torch.Tensor) and a.dim() in (3, 4) and isinstance(b, torch.Tensor)
+          and b.shape == a.shape and isinstance(A_log, torch.Tensor)
+          and A_log.numel() == a.shape[2:].numel() and (dt_bias is None or dt_bias.numel() == A_log.numel()))
+    if ok and _elementwise_triton(a, (a, b, A_log, dt_bias)):
+        return _triton.gdn_gate_beta(a, b, A_log, dt_bias)
+    return _torch_gate.gdn_gate_beta(a, b, A_log, dt_bias)

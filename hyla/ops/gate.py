@@ -9,6 +9,9 @@ GDN (per head):                         g = -exp(A_log) * softplus(a + dt_bias)
 A_log has one value per head; dt_bias one per channel (KDA, H*K) or per head (GDN, HV). The
 checkpoint shapes ([1, 1, H, 1], [H * K], ...) are accepted as long as the element count fits.
 The result is fp32 (fp64 when the main input is fp64, so exactness tests can stay in fp64).
+
+kda_gate_beta / gdn_gate_beta also return the write strength beta = sigmoid(b) (in b's dtype):
+the pair a decode step needs, which hyla.ops.triton.gate computes in one launch.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kda_gate", "gdn_gate"]
+__all__ = ["kda_gate", "gdn_gate", "kda_gate_beta", "gdn_gate_beta"]
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
@@ -93,3 +96,20 @@ def _check_lower_bound(lower_bound) -> float:
     if not math.isfinite(lb) or lb >= 0:
         raise ValueError(f"lower_bound must be a finite negative float, got {lower_bound!r}")
     return lb
+
+
+def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None,
+                  lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kda_gate(f, A_log, dt_bias, lower_bound), sigmoid(b)). f: [B, T, H, K]; b: [B, T, H]."""
+    return kda_gate(f, A_log, dt_bias, lower_bound), torch.sigmoid(b)
+
+
+def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                  dt_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gdn_gate(a, A_log, dt_bias), sigmoid(b)), both [B, T, HV]. a, b: [B, T, HV], or
+    [B, T, H, r] views (value head h * r + i), as GDN's in_proj_ba gives them."""
+    if a.dim() == 4:
+        a = a.flatten(-2)
+    if b.dim() == 4:
+        b = b.flatten(-2)
+    return gdn_gate(a, A_log, dt_bias), torch.sigmoid(b)

@@ -9,6 +9,19 @@ rounded, not a chain of bf16 roundings.
                                                                or silu (Qwen3-Next)
 The weight is used as given: models whose checkpoint stores a zero-centred weight (1 + w) pass
 ``1 + w``.
+
+The modules of hyla.layers.norm round exactly as the transformers checkpoints do, which is not
+always "once at the end"; their references (what the fused Triton kernels of
+hyla.ops.triton.norm must reproduce, and what the modules compute on the torch path) are:
+
+    rms_norm_rounded(x, w)            = w * round_x(x / sqrt(mean(x^2) + eps))
+                                         (Kimi's RMSNorm; result dtype promote(w, x))
+    rms_norm_zero_centred(x, w)       = round_x(x / sqrt(mean(x^2) + eps) * (1 + w))
+                                         (Qwen3-Next's RMSNorm, weight stored zero-centred)
+    add_rms_norm(x, residual, w, ...) = (norm(residual + x), residual + x)   the sum rounded to x.dtype,
+                                         norm one of the two above (zero_centred=False | True)
+    silu_gated_rms_norm(x, z, w)      = round_x((w * round_x(rms(x))) * silu(z))
+                                         (Qwen3-Next's gated output norm)
 """
 
 from __future__ import annotations
@@ -16,7 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["l2norm", "rms_norm", "gated_rms_norm"]
+__all__ = ["l2norm", "rms_norm", "gated_rms_norm", "rms_norm_rounded", "rms_norm_zero_centred",
+           "add_rms_norm", "silu_gated_rms_norm"]
 
 _ACTIVATIONS = {"sigmoid": torch.sigmoid, "silu": F.silu, "swish": F.silu}
 
@@ -84,3 +98,40 @@ def gated_rms_norm(
     xf = _work(x)
     act = _ACTIVATIONS[activation](gate.to(xf.dtype))
     return (_rms(xf, weight, eps) * act).to(x.dtype)
+
+
+def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x if x.dtype == torch.float64 else x.float()  # fp64 stays fp64 for exactness tests
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Kimi-Linear's RMSNorm (transformers' KimiLinearRMSNorm): normalise in fp32, round to
+    x.dtype, then multiply the weight. x: [..., D], weight: [D] -> [..., D] in promote(w, x)."""
+    return weight * _normalised(x, eps).to(x.dtype)
+
+
+def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Qwen3-Next's RMSNorm: normalise and multiply (1 + weight) in fp32, round once to x.dtype."""
+    xf = _normalised(x, eps)
+    return (xf * (1.0 + weight.to(xf.dtype))).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6,
+                 zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm block's "h = residual + x; y = norm(h)" as one op -> (y, h).
+
+    x, residual: [..., D] (residual None: h = x); h is the sum in x's dtype (as `residual + x`),
+    y = rms_norm_zero_centred(h) if zero_centred else rms_norm_rounded(h)."""
+    h = x if residual is None else residual + x
+    norm = rms_norm_zero_centred if zero_centred else rms_norm_rounded
+    return norm(h, weight, eps), h
+
+
+def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Gated DeltaNet's output norm (transformers' Qwen3NextRMSNormGated): the normalised x is
+    rounded to x.dtype before the weight multiply, the gate goes through SiLU in fp32, the product
+    is rounded to x.dtype. x, gate: [..., D], weight [D]."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = weight * _normalised(x, eps).to(x.dtype)
+    return (y * F.silu(gate.to(work))).to(x.dtype)

@@ -1,5 +1,6 @@
 """Triton kernels for hyla.ops (forward only): chunk prefill with in-kernel checkpoints,
-decode / speculative verify over a state pool, and the short-conv update of a decode step. Same contracts as the torch modules
+decode / speculative verify over a state pool, the short-conv update of a decode step, and the
+fused norms and gates of a decode step (hyla.ops.triton.norm, hyla.ops.triton.gate). Same contracts as the torch modules
 hyla.ops.chunk and hyla.ops.recurrent; hyla.ops dispatches here for CUDA tensors.
 
 On a machine without a GPU the kernels still run under Triton's interpreter
@@ -14,7 +15,8 @@ import os
 
 __all__ = ["is_available", "interpreting", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
-           "causal_conv1d_verify"]
+           "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
+           "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed"]
 
 
 def is_available() -> bool:
@@ -31,7 +33,10 @@ def __getattr__(name):
     # Lazy: importing hyla.ops must not import triton (it is an optional dependency).
     modules = {"chunk_kda": "chunk", "chunk_gated_delta_rule": "chunk", "chunk_delta_rule": "chunk",
                "fused_recurrent_kda": "recurrent", "fused_recurrent_gated_delta_rule": "recurrent",
-               "causal_conv1d_update": "conv", "causal_conv1d_verify": "conv"}
+               "causal_conv1d_update": "conv", "causal_conv1d_verify": "conv", "causal_conv1d_update_packed": "conv",
+               "rms_norm_rounded": "norm", "rms_norm_zero_centred": "norm", "add_rms_norm": "norm",
+               "gated_rms_norm": "norm", "silu_gated_rms_norm": "norm",
+               "kda_gate_beta": "gate", "gdn_gate_beta": "gate"}
     if name in modules:
         return getattr(importlib.import_module(f"hyla.ops.triton.{modules[name]}"), name)
     raise AttributeError(f"module 'hyla.ops.triton' has no attribute {name!r}")

@@ -1,0 +1,287 @@
+"""The fused decode kernels (hyla.ops.triton.norm / gate / conv's multi-conv update) vs their torch
+references, on awkward sizes (D = 24, 40, 128; rows 1, 3, 17), fresh random inputs, every output
+buffer the kernels allocate pre-filled with NaN (an element a kernel fails to write fails the
+test).
+
+Tolerances: in fp32 the kernels compute the same function in the same order of roundings, but
+their reductions (sum of squares) and transcendental functions (rsqrt, exp) are not torch's, so
+they may differ in the last bits: we ask for a few fp32 ulps (rtol 4e-6 on the result). In bf16 /
+fp16 the result must be within one ulp of the output dtype of the torch reference (the rounding
+points are the same; a last-bit difference before a rounding can flip it by one ulp). On the
+torch path (CPU, fp64) the fused ops are bit-equal to the unfused modules (tests/layers).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`
+pytest.importorskip("triton", reason="triton is not installed (pip install 'hyla[triton]')")
+
+from hyla.ops import gate as torch_gate  # noqa: E402
+from hyla.ops import norm as torch_norm  # noqa: E402
+from hyla.ops import triton as hyla_triton  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and not hyla_triton.interpreting():
+    pytest.skip("CPU tensors need TRITON_INTERPRET=1 set before triton is imported", allow_module_level=True)
+
+DIMS = [24, 40, 128]
+ROWS = [1, 3, 17]
+SIZES = [(24, 1), (40, 3), (128, 17), (40, 17)]  # (D, rows): every D and every row count, not the product
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(monkeypatch):
+    """Every floating-point torch.empty the kernels' wrappers allocate starts as NaN."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed, scale=1.0, dtype=torch.float32):
+    return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype).to(DEV)
+
+
+def assert_ulps(actual, expected, ulps=1):
+    """fp32: within rtol 4e-6 (a few ulps); bf16 / fp16: within `ulps` ulp of the output dtype."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    a, e = actual.double().cpu(), expected.double().cpu()
+    assert not torch.isnan(a).any(), "unwritten (NaN) outputs"
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(a, e, rtol=4e-6, atol=1e-6)
+        return
+    mant = {torch.bfloat16: 7, torch.float16: 10}[expected.dtype]
+    mag = torch.maximum(a.abs(), e.abs()).clamp_min(2.0 ** -14)
+    ulp = torch.exp2(torch.floor(torch.log2(mag)) - mant)
+    bad = (a - e).abs() > ulps * ulp
+    assert not bad.any(), f"{int(bad.sum())} elements differ by more than {ulps} ulp: max {(a - e).abs().max():.3g}"
+
+
+# -- RMSNorms ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,R", SIZES)
+def test_rms_norms_match_torch(dtype, D, R):
+    seed = D * 100 + R
+    x = _randn(R, D, seed=seed, scale=3.0, dtype=dtype)
+    w = _randn(D, seed=seed + 1, dtype=dtype)
+    assert_ulps(hyla_triton.rms_norm_rounded(x, w, 1e-5), torch_norm.rms_norm_rounded(x, w, 1e-5))
+    assert_ulps(hyla_triton.rms_norm_zero_centred(x, w, 1e-6), torch_norm.rms_norm_zero_centred(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,R", SIZES)
+@pytest.mark.parametrize("zero_centred", [False, True])
+def test_add_rms_norm_matches_torch(dtype, D, R, zero_centred):
+    seed = D * 100 + R + 7
+    x = _randn(2, R, D, seed=seed, scale=2.0, dtype=dtype)
+    res = _randn(2, R, D, seed=seed + 1, scale=2.0, dtype=dtype)
+    w = _randn(D, seed=seed + 2, dtype=dtype)
+    y, h = hyla_triton.add_rms_norm(x, res, w, 1e-6, zero_centred)
+    y_ref, h_ref = torch_norm.add_rms_norm(x, res, w, 1e-6, zero_centred)
+    assert torch.equal(h, h_ref)  # the sum is one rounding of the same two numbers
+    assert_ulps(y, y_ref)
+
+
+def test_rms_norm_fp32_weight_on_bf16_input_keeps_torch_promotion():
+    x = _randn(5, 40, seed=1, dtype=torch.bfloat16)
+    w = _randn(40, seed=2)
+    y = hyla_triton.rms_norm_rounded(x, w, 1e-6)
+    assert y.dtype == torch.float32
+    assert_ulps(y, torch_norm.rms_norm_rounded(x, w, 1e-6))
+
+
+def test_strided_rows_read_in_place():
+    """x and the residual as column slices of a wider tensor (a fused projection's output)."""
+    big = _randn(6, 100, seed=3)
+    x, res = big[:, 10:50], big[:, 50:90]
+    w = _randn(40, seed=4)
+    y, h = hyla_triton.add_rms_norm(x, res, w, 1e-6)
+    y_ref, h_ref = torch_norm.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(h, h_ref)
+    assert_ulps(y, y_ref)
+
+
+@pytest.mark.parametrize("D", DIMS)
+def test_head_rows_of_a_packed_projection_read_in_place(D):
+    """q / k norms of attention: heads [T, H, D] cut out of a packed q ++ k ++ v output."""
+    T, H = 5, 3
+    out = _randn(T, 2 * H * D + H * D + 9, seed=D, dtype=torch.bfloat16)
+    k = out[:, 2 * H * D:3 * H * D].unflatten(-1, (H, D))
+    q = out[:, :2 * H * D].unflatten(-1, (H, 2 * D)).chunk(2, dim=-1)[0]
+    w = _randn(D, seed=D + 1, dtype=torch.bfloat16)
+    for t in (k, q):
+        assert not t.is_contiguous()
+        assert_ulps(hyla_triton.rms_norm_zero_centred(t, w, 1e-6), torch_norm.rms_norm_zero_centred(t, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,R", SIZES)
+@pytest.mark.parametrize("activation", ["sigmoid", "silu"])
+def test_gated_rms_norm_matches_torch(dtype, D, R, activation):
+    seed = D * 10 + R + (activation == "silu")
+    x = _randn(R, 1, 2, D, seed=seed, dtype=dtype)
+    z = _randn(R, 1, 2, D, seed=seed + 1, scale=2.0, dtype=dtype)
+    w = _randn(D, seed=seed + 2)
+    assert_ulps(hyla_triton.gated_rms_norm(x, z, w, 1e-5, activation),
+                torch_norm.gated_rms_norm(x, z, w, 1e-5, activation))
+    assert_ulps(hyla_triton.gated_rms_norm(x, z, None, 1e-5, activation),
+                torch_norm.gated_rms_norm(x, z, None, 1e-5, activation))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,R", SIZES)
+def test_silu_gated_rms_norm_reads_an_interleaved_gate_in_place(dtype, D, R):
+    """GDN: z is cut out of in_proj_qkvz's head-interleaved output ([N, H, K + K + r*V + r*V]),
+    a view [N, H, r, V] whose rows are the value heads h * r + i in order."""
+    H, r, K = 2, 3, 8
+    seed = D + R
+    qkvz = _randn(R, H, 2 * K + 2 * r * D, seed=seed, dtype=dtype)
+    z = qkvz[..., 2 * K + r * D:].unflatten(-1, (r, D))  # [R, H, r, D] strided
+    x = _randn(R, 1, H * r, D, seed=seed + 1, dtype=dtype)
+    for w in (_randn(D, seed=seed + 2, dtype=dtype), _randn(D, seed=seed + 3)):  # bf16 and fp32 weights
+        ref = torch_norm.silu_gated_rms_norm(x, z.reshape(x.shape), w, 1e-6)
+        assert_ulps(hyla_triton.silu_gated_rms_norm(x, z, w, 1e-6), ref)
+
+
+# -- gates ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("H,K,R", [(3, 24, 1), (2, 40, 3), (1, 128, 17), (3, 24, 17)])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_gate_beta_matches_torch(H, K, R, lower_bound, dtype):
+    seed = H * K + R
+    f = _randn(R, 1, H, K, seed=seed, scale=4.0, dtype=dtype)
+    proj = _randn(R, 1, H + 5, seed=seed + 1, scale=3.0, dtype=dtype)
+    b = proj[..., 2:2 + H]  # a column slice of a fused projection
+    A_log = _randn(1, 1, H, 1, seed=seed + 2)
+    dt_bias = _randn(H * K, seed=seed + 3)
+    g, beta = hyla_triton.kda_gate_beta(f, b, A_log, dt_bias, lower_bound)
+    g_ref, beta_ref = torch_gate.kda_gate_beta(f, b, A_log, dt_bias, lower_bound)
+    assert g.shape == g_ref.shape and g.dtype == torch.float32
+    torch.testing.assert_close(g.cpu(), g_ref.cpu(), rtol=2e-6, atol=1e-7)
+    assert_ulps(beta, beta_ref)
+    g2, _ = hyla_triton.kda_gate_beta(f, b, A_log, None, lower_bound)
+    torch.testing.assert_close(g2.cpu(), torch_gate.kda_gate(f, A_log, None, lower_bound).cpu(), rtol=2e-6,
+                               atol=1e-7)
+
+
+@pytest.mark.parametrize("H,r,R", [(1, 1, 1), (3, 2, 3), (4, 3, 17), (1, 1, 17)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_gate_beta_reads_interleaved_ba(H, r, R, dtype):
+    """in_proj_ba's output [N, 1, H, 2r]: b then a of each key head's r value heads."""
+    seed = H * r + R
+    ba = _randn(R, 1, H, 2 * r, seed=seed, scale=4.0, dtype=dtype)
+    b, a = ba.split([r, r], dim=-1)
+    A_log = _randn(H * r, seed=seed + 1)
+    dt_bias = _randn(H * r, seed=seed + 2)
+    g, beta = hyla_triton.gdn_gate_beta(a, b, A_log, dt_bias)
+    g_ref, beta_ref = torch_gate.gdn_gate_beta(a, b, A_log, dt_bias)
+    assert g.shape == g_ref.shape == (R, 1, H * r) and g.dtype == torch.float32
+    torch.testing.assert_close(g.cpu(), g_ref.cpu(), rtol=2e-6, atol=1e-7)
+    assert_ulps(beta, beta_ref)
+    g2, beta2 = hyla_triton.gdn_gate_beta(a.flatten(-2).contiguous(), b.flatten(-2), A_log, None)
+    torch.testing.assert_close(g2.cpu(), torch_gate.gdn_gate(a.flatten(-2), A_log, None).cpu(), rtol=2e-6,
+                               atol=1e-7)
+    assert torch.equal(beta2, beta)
+
+
+# -- packed short convs --------------------------------------------------------------------------
+
+def _pools(sizes, slots, W, seed, dtype):
+    return [_randn(slots, sum(p), W - 1, seed=seed + i, dtype=dtype) for i, p in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("layout", ["kda", "gdn"])
+@pytest.mark.parametrize("D,N", SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_conv_update_matches_per_conv(layout, D, N, dtype):
+    """KDA: three convs over adjacent column blocks of one projection output; GDN: one conv cut
+    into q / k / v parts, its channels gathered from head-interleaved columns. Padding rows (-1)
+    give zeros and leave the pools alone."""
+    from hyla.ops import conv as torch_conv
+    W, slots, seed = 4, N + 3, D + N
+    if layout == "kda":
+        sizes = [[D], [D], [D]]
+        x = _randn(N, 1, 3 * D + 11, seed=seed, scale=2.0, dtype=dtype)  # wider rows: in-place strided read
+        channels = None
+    else:
+        sizes = [[D, D, 2 * D]]
+        x = _randn(N, 1, 4 * D + 7, seed=seed, scale=2.0, dtype=dtype)
+        channels = torch.randperm(4 * D + 7, generator=_gen(seed))[:4 * D].to(DEV)
+    weights = [_randn(sum(p), 1, W, seed=seed + 10 + i) for i, p in enumerate(sizes)]
+    pools = _pools(sizes, slots, W, seed + 20, dtype)
+    idx = torch.randperm(slots, generator=_gen(seed + 1))[:N].to(DEV)
+    if N > 1:
+        idx[1] = -1  # a padding row
+    ref_pools = [p.clone() for p in pools]
+    ys = hyla_triton.causal_conv1d_update_packed(x, pools, weights, sizes, "silu", idx, channels)
+    refs = torch_conv.causal_conv1d_update_packed(x, ref_pools, weights, sizes, "silu", idx, channels)
+    assert len(ys) == len(refs) == sum(len(p) for p in sizes)
+    for y, r in zip(ys, refs):
+        assert y.is_contiguous() and y.shape == r.shape
+        live = idx >= 0
+        assert torch.equal(y[~live].cpu(), torch.zeros_like(y[~live]).cpu())
+        assert_ulps(y[live], r[live])
+    for p, r in zip(pools, ref_pools):
+        assert torch.equal(p.cpu(), r.cpu())  # the windows are copies of inputs: exact
+
+
+def test_packed_conv_two_dim_input_and_no_activation():
+    from hyla.ops import conv as torch_conv
+    x = _randn(3, 50, seed=5)
+    sizes = [[24], [24]]
+    weights = [_randn(24, 4, seed=6), _randn(24, 4, seed=7)]
+    pools = _pools(sizes, 5, 4, 8, torch.float32)
+    ref_pools = [p.clone() for p in pools]
+    idx = torch.tensor([4, 0, 2], device=DEV)
+    ys = hyla_triton.causal_conv1d_update_packed(x, pools, weights, sizes, None, idx)
+    refs = torch_conv.causal_conv1d_update_packed(x, ref_pools, weights, sizes, None, idx)
+    for y, r in zip(ys, refs):
+        assert y.shape == (3, 24)
+        assert_ulps(y, r)
+    for p, r in zip(pools, ref_pools):
+        assert torch.equal(p, r)
+
+
+def test_packed_conv_falls_back_to_one_launch_per_pool(monkeypatch):
+    """If the multi-pool launch cannot compile, each pool gets its own launch; same results."""
+    from hyla.ops import conv as torch_conv
+    from hyla.ops.triton import conv as triton_conv
+    real = triton_conv._launch_packed
+    calls = []
+
+    def flaky(x3, cols, y, idx, group, *rest):
+        calls.append(len({id(s[0]) for s in group}))
+        if calls[-1] > 1:
+            raise RuntimeError("simulated compile failure")
+        return real(x3, cols, y, idx, group, *rest)
+
+    monkeypatch.setattr(triton_conv, "_launch_packed", flaky)
+    monkeypatch.setattr(triton_conv, "_SPLIT_POOLS", [False])
+    sizes = [[24], [24], [24]]
+    x = _randn(3, 1, 72, seed=11)
+    weights = [_randn(24, 1, 4, seed=12 + i) for i in range(3)]
+    pools = _pools(sizes, 4, 4, 15, torch.float32)
+    ref_pools = [p.clone() for p in pools]
+    idx = torch.tensor([2, 0, 3], device=DEV)
+    ys = triton_conv.causal_conv1d_update_packed(x, pools, weights, sizes, "silu", idx)
+    refs = torch_conv.causal_conv1d_update_packed(x, ref_pools, weights, sizes, "silu", idx)
+    assert calls == [3, 1, 1, 1] and triton_conv._SPLIT_POOLS[0]
+    for y, r in zip(ys, refs):
+        assert_ulps(y, r)
+    for p, r in zip(pools, ref_pools):
+        assert torch.equal(p, r)
+    ys = triton_conv.causal_conv1d_update_packed(x, [r.clone() for r in ref_pools], weights, sizes, "silu", idx)
+    assert calls[4:] == [1, 1, 1]
