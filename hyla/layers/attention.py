@@ -16,6 +16,9 @@ of the position, which batching and caching cannot change.
 
 The paged pool (KVLayerCache) stores k after its norm and RoPE, and v: [num_pages, page_size,
 Hkv, D] each. Tensor names: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm.
+
+`prepare_for_inference()` packs q_proj, k_proj and v_proj into one weight
+(hyla.layers.delta_rule.PackedLinears; state_dict unchanged): one GEMM per step.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import ZeroCentredRMSNorm
 
 
@@ -85,6 +89,11 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(head_dim, eps=norm_eps)
         self.k_norm = ZeroCentredRMSNorm(head_dim, eps=norm_eps)
         self.rotary = RotaryEmbedding(head_dim, partial_rotary_factor, rope_theta)
+        self._packed: PackedLinears | None = None
+
+    def prepare_for_inference(self) -> None:
+        """Pack q_proj, k_proj, v_proj into one weight (one GEMM per step); state_dict unchanged."""
+        self._packed = PackedLinears([self.q_proj, self.k_proj, self.v_proj])
 
     @property
     def groups(self) -> int:
@@ -93,9 +102,13 @@ class GatedAttention(nn.Module):
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x: [..., T, hidden]; positions: [..., T] -> q [..., T, H, D], k, v [..., T, Hkv, D]
         (q, k normed and rotated), gate [..., T, H * D]."""
-        q, gate = self.q_proj(x).unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self._packed is not None:
+            q_out, k_out, v_out = self._packed(x)  # one GEMM
+        else:
+            q_out, k_out, v_out = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, gate = q_out.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
+        k = k_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         q, k = self.rotary(self.q_norm(q), cos, sin), self.rotary(self.k_norm(k), cos, sin)
         return q, k, v, gate.flatten(-2)

@@ -5,9 +5,10 @@ of the projections, split the result into q, k, v heads, compute a log-decay g a
 strength beta, run the delta rule, and map its output back to the hidden size. They differ only
 in the projections, the gate and the output, which subclasses provide as hooks:
 
-    project(x [..., hidden]) -> (pre-conv inputs [..., D_i], one per conv; aux)
+    project(x [..., hidden]) -> (pre-conv inputs [..., D_i], one per conv, or a PackedConvInput; aux)
     convs()                  -> the depthwise nn.Conv1d of each pre-conv input, same order
     heads(ys)                -> q, k [..., H, K], v [..., HV, V] from the SiLU(conv) outputs
+                                (one per conv, or one per output part of a PackedConvInput)
     gates(aux)               -> g (log-decay, [..., HV] or [..., HV, K], fp32), beta [..., HV]
     output(o [..., HV, V], aux) -> [..., hidden]
     _chunk / _recurrent     -> the chunk op and the pool-indexed recurrent op
@@ -19,6 +20,12 @@ This class then runs them over whole sequences (`forward`) and over one engine s
 (`forward_batch`: varlen chunk prefill with state and conv-window checkpoints, pool-indexed
 decode, speculative verify with per-position slots or replay, `commit_replay`). The cache is a
 LinearLayerCache: state [num_slots, HV, K, V] and one conv-window pool [num_slots, D_i, W-1] per conv.
+
+Decode fast path (after `prepare_for_inference`, see `PackedLinears`): the layer's projections
+from x run as ONE GEMM, `project` returns its pre-conv inputs as a `PackedConvInput` (columns of
+that GEMM's output), and the decode step runs all its convs in one launch
+(dispatch.causal_conv1d_update_packed) reading those columns in place; `gates` computes g and
+beta in one launch (dispatch.kda_gate_beta / gdn_gate_beta) and the output norm is one launch.
 """
 
 from __future__ import annotations
@@ -29,6 +36,84 @@ from torch import nn
 
 from hyla.ops import dispatch
 from hyla.ops.conv import causal_conv1d_fn
+
+
+class PackedLinears:
+    """Several nn.Linear over the same input packed into ONE weight [sum out, in] (and bias), so
+    that one GEMM computes them all. Each Linear's weight (and bias) is re-pointed to a view of
+    the packed tensor: `state_dict()` keeps its names, shapes and values, and in-place updates
+    (load_state_dict) reach the packed tensor. `weight()` returns the packed tensor only while
+    every Linear still aliases it (e.g. not after `.to()` re-created the parameters) and no
+    gradient is wanted; callers fall back to the separate Linears otherwise."""
+
+    def __init__(self, linears):
+        self.linears = list(linears)
+        ws = [lin.weight for lin in self.linears]
+        if len({(w.device, w.dtype, w.shape[1]) for w in ws}) != 1:
+            raise ValueError("packed linears need one device, dtype and input size")
+        biases = [lin.bias for lin in self.linears]
+        has_bias = [b is not None for b in biases]
+        if any(has_bias) and not all(has_bias):
+            raise ValueError("packed linears must all have a bias or none")
+        self.sizes = [w.shape[0] for w in ws]
+        with torch.no_grad():
+            self.packed = torch.cat([w.detach() for w in ws], 0)
+            self.packed_bias = torch.cat([b.detach() for b in biases], 0) if all(has_bias) and biases else None
+        o = 0
+        for lin, n in zip(self.linears, self.sizes):
+            lin.weight = nn.Parameter(self.packed[o:o + n], requires_grad=lin.weight.requires_grad)
+            if self.packed_bias is not None:
+                lin.bias = nn.Parameter(self.packed_bias[o:o + n], requires_grad=lin.bias.requires_grad)
+            o += n
+
+    def _aliased(self) -> bool:
+        o, esz = 0, self.packed.element_size()
+        base = self.packed.data_ptr()
+        bbase = self.packed_bias.data_ptr() if self.packed_bias is not None else 0
+        for lin, n in zip(self.linears, self.sizes):
+            w = lin.weight
+            if w.data_ptr() != base + o * self.packed.shape[1] * esz or w.shape[0] != n:
+                return False
+            if self.packed_bias is not None and (lin.bias is None or lin.bias.data_ptr() != bbase + o * esz):
+                return False
+            o += n
+        return True
+
+    def weight(self):
+        """(packed weight, packed bias | None), or None: use the separate Linears."""
+        if torch.is_grad_enabled() and any(lin.weight.requires_grad for lin in self.linears):
+            return None
+        return (self.packed, self.packed_bias) if self._aliased() else None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x: [..., in] -> each Linear's output (one GEMM, then views of its columns)."""
+        packed = self.weight()
+        if packed is None:
+            return [lin(x) for lin in self.linears]
+        return list(F.linear(x, *packed).split(self.sizes, dim=-1))
+
+
+class PackedConvInput:
+    """A layer's pre-conv inputs as columns of one tensor: conv i's channels are sizes[i] (its
+    output parts, e.g. GDN's q / k / v) taken from x's first columns in order, or from columns
+    `channels` [sum] when given (a head-interleaved projection)."""
+
+    def __init__(self, x: torch.Tensor, sizes, channels: torch.Tensor | None = None):
+        self.x, self.sizes, self.channels = x, [list(p) for p in sizes], channels
+
+    def tensors(self) -> list[torch.Tensor]:
+        """One [..., D_i] tensor per conv (gathered / sliced with torch)."""
+        xs = self.x.index_select(-1, self.channels) if self.channels is not None else self.x
+        out, c0 = [], 0
+        for part in self.sizes:
+            d = sum(part)
+            out.append(xs[..., c0:c0 + d])
+            c0 += d
+        return out
+
+
+def _conv_inputs(pre) -> list[torch.Tensor]:
+    return pre.tensors() if isinstance(pre, PackedConvInput) else list(pre)
 
 
 class ShortConvDeltaRule(nn.Module):
@@ -66,7 +151,8 @@ class ShortConvDeltaRule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden] whole sequences from position 0 (no cache) -> [B, T, hidden]."""
         pre, aux = self.project(x)
-        ys = [causal_conv1d_fn(t, conv.weight, activation="silu")[0] for t, conv in zip(pre, self.convs())]
+        ys = [causal_conv1d_fn(t, conv.weight, activation="silu")[0]
+              for t, conv in zip(_conv_inputs(pre), self.convs())]
         q, k, v = self.heads(ys)
         g, beta = self.gates(aux)
         o, _ = self._chunk(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
@@ -108,7 +194,7 @@ class ShortConvDeltaRule(nn.Module):
         xs = x[None]  # [1, T_total, hidden]
         pre, aux = self.project(xs)
         ys, inputs, windows0 = [], [], []
-        for t, pool, conv in zip(pre, cache.conv, self.convs()):
+        for t, pool, conv in zip(_conv_inputs(pre), cache.conv, self.convs()):
             if uniform:
                 tp = t[0].view(N, S, -1)  # [N, S, D]
             else:
@@ -169,10 +255,15 @@ class ShortConvDeltaRule(nn.Module):
                 t[fresh] = 0
         xs = x[:, None]  # [N, 1, hidden]: B = N sequences of one token
         pre, aux = self.project(xs)
-        ys = [
-            dispatch.causal_conv1d_update(t, pool, conv.weight, activation="silu", conv_state_indices=slots)
-            for t, pool, conv in zip(pre, cache.conv, self.convs())
-        ]
+        if isinstance(pre, PackedConvInput):  # one launch for all convs, inputs read in place
+            ys = dispatch.causal_conv1d_update_packed(pre.x, cache.conv, [c.weight for c in self.convs()], pre.sizes,
+                                                      activation="silu", conv_state_indices=slots,
+                                                      channels=pre.channels)
+        else:
+            ys = [
+                dispatch.causal_conv1d_update(t, pool, conv.weight, activation="silu", conv_state_indices=slots)
+                for t, pool, conv in zip(pre, cache.conv, self.convs())
+            ]
         q, k, v = self.heads(ys)  # [N, 1, H, K], v [N, 1, HV, V]
         g, beta = self.gates(aux)
         # dispatched: the Triton kernel on CUDA (no host sync, so CUDA graphs can capture it)
@@ -194,7 +285,7 @@ class ShortConvDeltaRule(nn.Module):
         xs = x[None]  # [1, T_total, hidden], sequences packed along T
         pre, aux = self.project(xs)
         ys = []
-        for t, pool, conv in zip(pre, cache.conv, self.convs()):
+        for t, pool, conv in zip(_conv_inputs(pre), cache.conv, self.convs()):
             init = torch.where(resume[:, None, None], pool[slots], 0)  # [N, D, W-1]
             y, final = causal_conv1d_fn(t, conv.weight, activation="silu", initial_state=init,
                                         output_final_state=True, cu_seqlens=cu)

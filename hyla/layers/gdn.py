@@ -22,6 +22,11 @@ A_log [HV], norm.weight [V], out_proj.
 
 Engine steps (varlen prefill with checkpoints, pool decode, speculative verify, replay) come
 from ShortConvDeltaRule; this module supplies the projections, gate and output.
+
+`prepare_for_inference()` packs in_proj_qkvz and in_proj_ba into one weight (one GEMM; the
+official parameters become views of it). The head interleaving is then undone without copies:
+the decode conv reads q ++ k ++ v through a column map and writes q, k, v as separate contiguous
+tensors, the gate kernel reads b / a as strided views, and the output norm reads z in place.
 """
 
 from __future__ import annotations
@@ -29,10 +34,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyla.layers.delta_rule import ShortConvDeltaRule
+from hyla.layers.delta_rule import PackedConvInput, PackedLinears, ShortConvDeltaRule
 from hyla.layers.norm import SiLUGatedRMSNorm
 from hyla.ops import chunk_gated_delta_rule, dispatch  # dispatched: Triton on CUDA
-from hyla.ops.gate import gdn_gate
 
 
 class GatedDeltaNet(ShortConvDeltaRule):
@@ -56,6 +60,29 @@ class GatedDeltaNet(ShortConvDeltaRule):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = SiLUGatedRMSNorm(head_v_dim, eps=norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self._packed: PackedLinears | None = None
+        self._columns: dict = {}  # device -> the conv channels' columns in in_proj_qkvz's output
+
+    def prepare_for_inference(self) -> None:
+        """Pack in_proj_qkvz and in_proj_ba into one weight (one GEMM per step); state_dict unchanged."""
+        self._packed = PackedLinears([self.in_proj_qkvz, self.in_proj_ba])
+        self._columns = {}
+        self.conv_columns(self.in_proj_qkvz.weight.device)
+
+    def conv_columns(self, device) -> torch.Tensor:
+        """[2*H*K + HV*V] int64: the column of in_proj_qkvz's output holding each conv channel (q of
+        every key head, then k, then v). Made once per device (outside CUDA-graph capture: the
+        engine warms up first)."""
+        device = torch.device(device)
+        if device not in self._columns:
+            H, K, V, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.group
+            E = 2 * K + 2 * r * V
+            h = torch.arange(H)[:, None] * E
+            q = (h + torch.arange(K)).flatten()
+            k = (h + K + torch.arange(K)).flatten()
+            v = (h + 2 * K + torch.arange(r * V)).flatten()
+            self._columns[device] = torch.cat([q, k, v]).to(device)
+        return self._columns[device]
 
     @property
     def group(self) -> int:
@@ -68,29 +95,42 @@ class GatedDeltaNet(ShortConvDeltaRule):
         return (self.conv1d,)
 
     def project(self, x: torch.Tensor):
-        """x: [..., hidden] -> ([q ++ k ++ v pre-conv, [..., 2*H*K + HV*V]], (z [..., HV, V],
-        b [..., HV], a [..., HV])), undoing the head interleaving of the fused projections."""
+        """x: [..., hidden] -> (q ++ k ++ v pre-conv [..., 2*H*K + HV*V], (z [..., HV, V], b, a)),
+        undoing the head interleaving of the fused projections. Once packed (prepare_for_inference,
+        no grad): one GEMM; q ++ k ++ v is a PackedConvInput reading its columns through
+        `conv_columns`; z is a view [..., H, r, V] and b, a views [..., H, r] (value head h * r + i)."""
         H, K, V, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.group
-        qkvz = self.in_proj_qkvz(x).unflatten(-1, (H, 2 * K + 2 * r * V))
+        packed = self._packed is not None and self._packed.weight() is not None
+        if packed:
+            qkvz_flat, ba_flat = self._packed(x)
+        else:
+            qkvz_flat, ba_flat = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        qkvz = qkvz_flat.unflatten(-1, (H, 2 * K + 2 * r * V))
         q, k, v, z = qkvz.split([K, K, r * V, r * V], dim=-1)  # per key head
-        b, a = self.in_proj_ba(x).unflatten(-1, (H, 2 * r)).split([r, r], dim=-1)
+        b, a = ba_flat.unflatten(-1, (H, 2 * r)).split([r, r], dim=-1)
+        if packed:
+            z = z.unflatten(-1, (r, V))  # [..., H, r, V]: rows in value-head order, read in place
+            pre = PackedConvInput(qkvz_flat, [[self.key_dim, self.key_dim, self.value_dim]],
+                                  self.conv_columns(x.device))
+            return pre, (z, b, a)
         mixed = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1)
         return [mixed], (z.reshape(*z.shape[:-2], self.num_v_heads, V), b.flatten(-2), a.flatten(-2))
 
     def heads(self, ys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """ys: [SiLU(conv(q ++ k ++ v))] -> q, k [..., H, K], v [..., HV, V]."""
-        q, k, v = ys[0].split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        """ys: [SiLU(conv(q ++ k ++ v))], or its parts [q, k, v] -> q, k [..., H, K], v [..., HV, V]."""
+        q, k, v = ys if len(ys) == 3 else ys[0].split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         return (q.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
                 k.unflatten(-1, (self.num_k_heads, self.head_k_dim)),
                 v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
     def gates(self, aux) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> g [B, T, HV] fp32 log-decay (<= 0), beta [B, T, HV] = sigmoid(b)."""
+        """-> g [B, T, HV] fp32 log-decay (<= 0), beta [B, T, HV] = sigmoid(b) (one launch on CUDA)."""
         _, b, a = aux
-        return gdn_gate(a, self.A_log, self.dt_bias), torch.sigmoid(b)
+        return dispatch.gdn_gate_beta(a, b, self.A_log, self.dt_bias)
 
     def output(self, o: torch.Tensor, aux) -> torch.Tensor:
-        """o: [..., HV, V] core output -> [..., hidden]."""
+        """o: [..., HV, V] core output -> [..., hidden]. z: [..., HV, V], or the packed path's view
+        [..., H, r, V] (same rows in order)."""
         z = aux[0]
         return self.out_proj(self.norm(o, z).flatten(-2))
 

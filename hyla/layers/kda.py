@@ -12,6 +12,11 @@ v_conv1d ([D, 1, W], nn.Conv1d's depthwise layout), f_a_proj, f_b_proj, dt_bias 
 
 The pieces (projections, conv, gate, core, output) are the hooks of ShortConvDeltaRule
 (hyla.layers.delta_rule), which runs them over whole sequences and over the engine's pools.
+
+`prepare_for_inference()` packs the six projections from x (q, k, v, f_a, b, g_a / g_proj) into
+one weight (PackedLinears: the official parameters become views of it), so they run as one GEMM;
+a decode step then runs the three convs in one launch over that GEMM's output, g and beta in one
+launch, and the gated output norm in one launch.
 """
 
 from __future__ import annotations
@@ -19,10 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyla.layers.delta_rule import ShortConvDeltaRule
+from hyla.layers.delta_rule import PackedConvInput, PackedLinears, ShortConvDeltaRule
 from hyla.layers.norm import GatedRMSNorm
 from hyla.ops import chunk_kda, dispatch  # dispatched: Triton on CUDA
-from hyla.ops.gate import kda_gate
 
 
 class KimiDeltaAttention(ShortConvDeltaRule):
@@ -55,6 +59,16 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         self.full_rank_gate = full_rank_gate
         self.o_norm = GatedRMSNorm(head_dim, eps=norm_eps, activation="sigmoid")
         self.o_proj = nn.Linear(D, hidden_size, bias=False)
+        self._packed: PackedLinears | None = None
+
+    def _x_linears(self) -> list[nn.Linear]:
+        """The projections from x, in the packed order: q, k, v, f_a, b, g_a (or g_proj)."""
+        gate = self.g_proj if self.full_rank_gate else self.g_a_proj
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate]
+
+    def prepare_for_inference(self) -> None:
+        """Pack the projections from x into one weight (one GEMM per step); state_dict unchanged."""
+        self._packed = PackedLinears(self._x_linears())
 
     # -- pieces -------------------------------------------------------------------------------
 
@@ -65,18 +79,24 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         """x: [..., hidden] -> [q, k, v], each [..., H*K], before the short conv."""
         return [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
 
+    def project_all(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x: [..., hidden] -> [q, k, v, f_a(x), b(x), g_a(x) (or g_proj(x))]: one GEMM once packed."""
+        if self._packed is not None:
+            return self._packed(x)
+        return [lin(x) for lin in self._x_linears()]
+
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden] -> g: [B, T, H, K] fp32 log-decay (<= 0)."""
-        f = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
-        return kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
+        return self.gates((self.f_a_proj(x), self.b_proj(x), None))[0]
 
     def write_strength(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> beta: [..., H] in (0, 1)."""
         return torch.sigmoid(self.b_proj(x))
 
-    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """o: [..., H, V] core output, x: [..., hidden] layer input -> [..., hidden]."""
-        gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+    def output(self, o: torch.Tensor, aux) -> torch.Tensor:
+        """o: [..., H, V] core output, aux: project's (f_a(x), b(x), g_a(x) | g_proj(x)) -> [..., hidden]."""
+        g_in = aux[2]
+        gate = g_in if self.full_rank_gate else self.g_b_proj(g_in)
         y = self.o_norm(o, gate.unflatten(-1, (self.num_heads, self.head_dim)))
         return self.o_proj(y.flatten(-2))
 
@@ -85,15 +105,25 @@ class KimiDeltaAttention(ShortConvDeltaRule):
 
     # -- ShortConvDeltaRule hooks ----------------------------------------------------------------
 
-    def project(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        return self.project_qkv(x), x  # the gates and the output gate project from x itself
+    def project(self, x: torch.Tensor):
+        """-> (pre-conv q, k, v: a PackedConvInput over the packed GEMM's columns once packed, else
+        three tensors; aux = (f_a(x), b(x), g_a(x) | g_proj(x)) for the gates and the output)."""
+        q, k, v, fa, b, ga = self.project_all(x)
+        if self._packed is not None and self._packed.weight() is not None:
+            D = self.num_heads * self.head_dim
+            packed = q.as_strided((*q.shape[:-1], 3 * D), q.stride())  # q ++ k ++ v: adjacent columns
+            return PackedConvInput(packed, [[D], [D], [D]]), (fa, b, ga)
+        return [q, k, v], (fa, b, ga)
 
     def heads(self, ys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = (self._heads(t) for t in ys)
         return q, k, v
 
-    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.forget_gate(x), self.write_strength(x)
+    def gates(self, aux) -> tuple[torch.Tensor, torch.Tensor]:
+        """aux: (f_a(x), b(x), ...) -> g [..., H, K] fp32 log-decay, beta [..., H] (one launch on CUDA)."""
+        fa, b = aux[0], aux[1]
+        f = self.f_b_proj(fa).unflatten(-1, (self.num_heads, self.head_dim))
+        return dispatch.kda_gate_beta(f, b, self.A_log, self.dt_bias, self.lower_bound)
 
     # The ops are looked up in this module's namespace at call time, so that tests can swap in
     # the loop oracle (monkeypatch hyla.layers.kda.chunk_kda).

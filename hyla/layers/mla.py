@@ -12,6 +12,10 @@ Both equal softmax(q k^T * (nope + rope)^-1/2) v exactly (up to rounding).
 
 Tensor names: q_proj (or q_a_proj, q_a_layernorm, q_b_proj when q_lora_rank is set),
 kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj.
+
+`prepare_for_inference()` packs the two projections from x (q_proj or q_a_proj, and
+kv_a_proj_with_mqa) into one weight (hyla.layers.delta_rule.PackedLinears; state_dict unchanged),
+so an engine step runs them as one GEMM.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import RMSNorm
 
 # transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
@@ -49,6 +54,29 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self._packed: PackedLinears | None = None
+
+    def prepare_for_inference(self) -> None:
+        """Pack q_proj (or q_a_proj) and kv_a_proj_with_mqa into one weight (one GEMM per step)."""
+        q_in = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        if (q_in.bias is None) == (self.kv_a_proj_with_mqa.bias is None):  # else: keep them separate
+            self._packed = PackedLinears([q_in, self.kv_a_proj_with_mqa])
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x -> (q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x)): one GEMM once packed."""
+        if self._packed is not None:
+            q_in, kv = self._packed(x)
+            return q_in, kv
+        q_in = self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x)
+        return q_in, self.kv_a_proj_with_mqa(x)
+
+    def _query_from(self, q_in: torch.Tensor) -> torch.Tensor:
+        q = q_in if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_in))
+        return q.unflatten(-1, (self.num_heads, -1))
+
+    def _latent_from(self, kv: torch.Tensor) -> torch.Tensor:
+        c, kpe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), kpe], dim=-1)
 
     @property
     def latent_dim(self) -> int:
@@ -56,13 +84,11 @@ class MLAAttention(nn.Module):
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> q: [..., H, nope + rope]."""
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.unflatten(-1, (self.num_heads, -1))
+        return self._query_from(self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x))
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> latent: [..., r + rope] (normalised c_kv ++ k_pe), what the cache holds."""
-        c, kpe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), kpe], dim=-1)
+        return self._latent_from(self.kv_a_proj_with_mqa(x))
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent: [..., L, r + rope] -> k: [..., H, L, nope + rope], v: [..., H, L, v_dim]."""
@@ -82,7 +108,8 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden] whole sequences from position 0 -> [B, T, hidden]."""
-        return self.o_proj(self._attend(self.query(x), self.latent(x), None, causal=True))
+        q_in, kv = self._project(x)
+        return self.o_proj(self._attend(self._query_from(q_in), self._latent_from(kv), None, causal=True))
 
     # -- engine step --------------------------------------------------------------------------
 
@@ -93,8 +120,9 @@ class MLAAttention(nn.Module):
         sequences with one new token batched (absorbed), the others one by one (expanded)."""
         page_size = cache.kv.shape[1]
         flat = cache.kv.view(-1, self.latent_dim)
-        flat[batch.kv_slot_mapping(page_size)] = self.latent(x).to(flat.dtype)
-        q = self.query(x)  # [T_total, H, D]
+        q_in, kv = self._project(x)  # one GEMM once packed
+        flat[batch.kv_slot_mapping(page_size)] = self._latent_from(kv).to(flat.dtype)
+        q = self._query_from(q_in)  # [T_total, H, D]
         w = batch.uniform_width
         if w is not None:  # no host -> device copies (CUDA-graph safe)
             out = self._absorbed(q.unflatten(0, (batch.num_seqs, w)), cache.kv, *batch.query_window(page_size))

@@ -5,6 +5,11 @@ Kimi's normalisation runs in fp32 and is rounded back to the input dtype *before
 multiply, exactly as transformers' KimiLinearRMSNorm (hyla.ops.rms_norm multiplies the weight in
 fp32 and rounds once; the two agree in fp32 and differ by one bf16 rounding otherwise, so the
 model uses this one to stay equal to the reference).
+
+Each module computes through hyla.ops.dispatch: one fused Triton launch on CUDA without grad
+(hyla.ops.triton.norm), the torch reference of hyla.ops.norm otherwise (the same ops as
+transformers, bit-equal to it). RMSNorm / ZeroCentredRMSNorm also have `add_forward(x, residual)`
+-> (norm(residual + x), residual + x): the pre-norm block's residual add fused into the norm.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyla.ops.norm import gated_rms_norm
+from hyla.ops import dispatch
 
 
 class RMSNorm(nn.Module):
@@ -24,9 +29,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x if x.dtype == torch.float64 else x.float()  # fp64 stays fp64 for exactness tests
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # fp32 normalisation (fp64 stays fp64 for exactness tests), rounded before the weight
+        return dispatch.rms_norm_rounded(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(residual + x), residual + x); residual None: (self(x), x)."""
+        return dispatch.add_rms_norm(x, residual, self.weight, self.eps, zero_centred=False)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -46,7 +54,8 @@ class GatedRMSNorm(nn.Module):
         self.activation = activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm(x, gate, self.weight, eps=self.eps, activation=self.activation)
+        """gate: x's shape, or (Triton path) a view with x's rows in order."""
+        return dispatch.gated_rms_norm(x, gate, self.weight, eps=self.eps, activation=self.activation)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, activation={self.activation}"
@@ -65,9 +74,11 @@ class ZeroCentredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x if x.dtype == torch.float64 else x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.to(xf.dtype))).to(x.dtype)
+        return dispatch.rms_norm_zero_centred(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(residual + x), residual + x); residual None: (self(x), x)."""
+        return dispatch.add_rms_norm(x, residual, self.weight, self.eps, zero_centred=True)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -89,11 +100,9 @@ class SiLUGatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        xf = x.to(work)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * xf.to(x.dtype)
-        return (y * torch.nn.functional.silu(gate.to(work))).to(x.dtype)
+        """gate: x's shape, or (Triton path) a view with x's rows in order (see
+        hyla.ops.dispatch.silu_gated_rms_norm)."""
+        return dispatch.silu_gated_rms_norm(x, gate, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

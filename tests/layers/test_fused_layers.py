@@ -1,0 +1,161 @@
+"""The fused decode paths of the layers (issue 15): packed projections (prepare_for_inference),
+the one-launch short convs, gates and norms, and the residual adds fused into the norms.
+
+- prepare_for_inference keeps state_dict() (names, shapes, values) and load_state_dict still
+  reaches the packed weight;
+- packed and unpacked layers give the same engine steps (fp64, torch path);
+- the decode step through the Triton kernels (TRITON_INTERPRET=1 on the CPU) matches the torch
+  path (fp32, tolerance 1e-4 relative as tests/ops/test_triton.py);
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton` (as tests/ops/test_triton.py)
+
+from hyla.layers import GatedDeltaNet, KimiDeltaAttention
+from hyla.layers.attention import GatedAttention
+from hyla.layers.mla import MLAAttention
+from hyla.models import ForwardBatch
+from hyla.models.cache import GDNLayerCache, KDALayerCache, KVLayerCache, MLALayerCache
+
+HIDDEN = 24
+
+
+def _randomise(layer, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if name.endswith("norm.weight") else 0.0))
+    return layer
+
+
+def make_layer(kind, seed=0):
+    torch.manual_seed(seed)
+    layer = {
+        "kda": lambda: KimiDeltaAttention(HIDDEN, 2, 8, 4),
+        "kda_safe_full_rank": lambda: KimiDeltaAttention(HIDDEN, 3, 8, 4, lower_bound=-5.0, full_rank_gate=True),
+        "gdn": lambda: GatedDeltaNet(HIDDEN, 2, 4, 8, 6, 4),
+        "gdn_single": lambda: GatedDeltaNet(HIDDEN, 2, 2, 8, 8, 4),
+        "mla": lambda: MLAAttention(HIDDEN, 2, 16, 8, 4, 8),
+        "mla_lora_bias": lambda: MLAAttention(HIDDEN, 2, 16, 8, 4, 8, q_lora_rank=12, bias=True),
+        "attention": lambda: GatedAttention(HIDDEN, 4, 2, 8, partial_rotary_factor=0.5, bias=True),
+    }[kind]()
+    return _randomise(layer, seed)
+
+
+def make_cache(layer, slots=5, pages=6, page_size=4, dtype=torch.float64, seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    if isinstance(layer, KimiDeltaAttention):
+        D = layer.num_heads * layer.head_dim
+        return KDALayerCache(rnd(slots, layer.num_heads, layer.head_dim, layer.head_dim),
+                             tuple(rnd(slots, D, 3) for _ in range(3)))
+    if isinstance(layer, GatedDeltaNet):
+        return GDNLayerCache(rnd(slots, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim),
+                             (rnd(slots, layer.conv_dim, 3),))
+    if isinstance(layer, MLAAttention):
+        return MLALayerCache(rnd(pages, page_size, layer.latent_dim))
+    return KVLayerCache(rnd(pages, page_size, layer.num_kv_heads, layer.head_dim),
+                        rnd(pages, page_size, layer.num_kv_heads, layer.head_dim))
+
+
+def run_steps(layer, cache, dtype=torch.float64, seed=2):
+    """A prefill of two sequences (lengths 5, 3), then two decode steps."""
+    g = torch.Generator().manual_seed(seed)
+    dev = next(layer.parameters()).device
+    tables, slots = [[0, 1, 2], [3, 4, 5]], [3, 1]
+    steps = [([5, 3], [0, 0]), ([1, 1], [5, 3]), ([1, 1], [6, 4])]
+    outs = []
+    with torch.no_grad():
+        for lens, ctx in steps:
+            x = torch.randn(sum(lens), HIDDEN, generator=g).to(dtype).to(dev)
+            outs.append(layer.forward_batch(x, ForwardBatch.build(lens, ctx, tables, slots, device=dev), cache))
+    return outs
+
+
+KINDS = ["kda", "kda_safe_full_rank", "gdn", "gdn_single", "mla", "mla_lora_bias", "attention"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prepare_keeps_state_dict_and_load_reaches_packed_weight(kind):
+    layer = make_layer(kind)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.prepare_for_inference()
+    after = layer.state_dict()
+    assert list(after) == list(before)
+    for k in before:
+        assert after[k].shape == before[k].shape and torch.equal(after[k], before[k]), k
+    other = make_layer(kind, seed=5)
+    layer.load_state_dict(other.state_dict())
+    x = torch.randn(2, 7, HIDDEN)
+    with torch.no_grad():
+        assert torch.allclose(layer(x), other(x), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_engine_steps_equal_unpacked(kind):
+    plain = make_layer(kind).double()
+    packed = copy.deepcopy(plain)
+    packed.prepare_for_inference()
+    with torch.no_grad():
+        assert packed._packed is not None and packed._packed.weight() is not None
+    c1, c2 = make_cache(plain), make_cache(plain)
+    for a, b in zip(run_steps(plain, c1), run_steps(packed, c2)):
+        assert torch.allclose(a, b, atol=1e-12, rtol=1e-12)
+    for a, b in zip(c1.tensors(), c2.tensors()):
+        assert torch.allclose(a, b, atol=1e-12, rtol=1e-12)
+    x = torch.randn(2, 6, HIDDEN, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(plain(x), packed(x), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["kda", "gdn"])
+def test_packed_layer_falls_back_when_grad_is_wanted_or_weights_move(kind):
+    layer = make_layer(kind)
+    layer.prepare_for_inference()
+    x = torch.randn(1, 5, HIDDEN)
+    layer(x).sum().backward()  # grads reach the official parameters (the separate-Linear path)
+    first = layer.q_proj if kind == "kda" else layer.in_proj_qkvz
+    assert first.weight.grad is not None and first.weight.grad.abs().sum() > 0
+    layer.double()  # re-creates the parameters: the packed weight no longer aliases them
+    assert layer._packed.weight() is None
+    with torch.no_grad():
+        layer(x.double())
+
+
+# -- the Triton decode path, under the interpreter ------------------------------------------------
+
+def _triton_ready():
+    if torch.cuda.is_available():
+        return True
+    try:
+        from hyla.ops import triton as hyla_triton
+    except ImportError:  # pragma: no cover
+        return False
+    return hyla_triton.is_available() and hyla_triton.interpreting()
+
+
+@pytest.mark.skipif(not _triton_ready(), reason="needs triton, and CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kind", ["kda", "kda_safe_full_rank", "gdn", "gdn_single", "attention", "mla"])
+def test_triton_decode_step_matches_torch(kind, monkeypatch):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = make_layer(kind).to(dev)
+    layer.prepare_for_inference()
+    layer.requires_grad_(False)
+    c_torch, c_triton = (make_cache(layer, dtype=torch.float32, device=dev) for _ in range(2))
+    monkeypatch.setenv("HYLA_BACKEND", "torch")
+    ref = run_steps(layer, c_torch, dtype=torch.float32)
+    monkeypatch.setenv("HYLA_BACKEND", "triton" if dev == "cpu" else "auto")
+    got = run_steps(layer, c_triton, dtype=torch.float32)
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
+    for a, b in zip(c_triton.tensors(), c_torch.tensors()):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
