@@ -63,8 +63,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch | None = None, cache=None) -> torch.Tensor:
         x = self.input_layernorm(h)
-        h = h + (self.self_attn(x) if batch is None else self.self_attn.forward_batch(x, batch, cache))
-        return h + self.ffn(self.post_attention_layernorm(h))
+        a = self.self_attn(x) if batch is None else self.self_attn.forward_batch(x, batch, cache)
+        x, h = self.post_attention_layernorm.add_forward(a, h)  # h += attn: one fused launch on CUDA
+        return h + self.ffn(x)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch | None = None,
+                         cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same block with the residual adds fused into the norms, for a loop over layers
+        (KimiLinearModel.forward_layers): the layer's input is residual + x (residual None: x),
+        returns (ffn output, residual) whose sum is forward(residual + x)."""
+        x, h = self.input_layernorm.add_forward(x, residual)
+        a = self.self_attn(x) if batch is None else self.self_attn.forward_batch(x, batch, cache)
+        x, h = self.post_attention_layernorm.add_forward(a, h)
+        return self.ffn(x), h
 
 
 class KimiLinearModel(nn.Module):
@@ -73,6 +84,15 @@ class KimiLinearModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward_layers(self, h: torch.Tensor, batch: ForwardBatch | None = None, caches=None) -> torch.Tensor:
+        """Embeddings h -> final-norm hidden states: every layer then self.norm, each residual add
+        fused into the next norm (one launch per norm on CUDA). Equal to applying the layers one
+        by one and then self.norm. caches: the per-layer caches (an engine step) or None."""
+        x, res = h, None
+        for i, layer in enumerate(self.layers):
+            x, res = layer.forward_residual(x, res, batch, None if caches is None else caches[i])
+        return self.norm.add_forward(x, res)[0]
 
 
 class KimiLinearForCausalLM(HybridForCausalLM):

@@ -64,8 +64,19 @@ class Qwen3NextDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, batch: ForwardBatch | None = None, cache=None) -> torch.Tensor:
         x = self.input_layernorm(h)
         mixer = self.token_mixer
-        h = h + (mixer(x) if batch is None else mixer.forward_batch(x, batch, cache))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = mixer(x) if batch is None else mixer.forward_batch(x, batch, cache)
+        x, h = self.post_attention_layernorm.add_forward(a, h)  # h += mixer: one fused launch on CUDA
+        return h + self.mlp(x)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch | None = None,
+                         cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same block with the residual adds fused into the norms (Qwen3NextModel.forward_layers):
+        the layer's input is residual + x (residual None: x); returns (mlp output, residual)."""
+        x, h = self.input_layernorm.add_forward(x, residual)
+        mixer = self.token_mixer
+        a = mixer(x) if batch is None else mixer.forward_batch(x, batch, cache)
+        x, h = self.post_attention_layernorm.add_forward(a, h)
+        return self.mlp(x), h
 
 
 class Qwen3NextModel(nn.Module):
@@ -74,6 +85,14 @@ class Qwen3NextModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward_layers(self, h: torch.Tensor, batch: ForwardBatch | None = None, caches=None) -> torch.Tensor:
+        """Embeddings h -> final-norm hidden states, each residual add fused into the next norm;
+        equal to applying the layers one by one and then self.norm."""
+        x, res = h, None
+        for i, layer in enumerate(self.layers):
+            x, res = layer.forward_residual(x, res, batch, None if caches is None else caches[i])
+        return self.norm.add_forward(x, res)[0]
 
 
 class Qwen3NextForCausalLM(HybridForCausalLM):

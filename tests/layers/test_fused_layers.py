@@ -6,6 +6,7 @@ the one-launch short convs, gates and norms, and the residual adds fused into th
 - packed and unpacked layers give the same engine steps (fp64, torch path);
 - the decode step through the Triton kernels (TRITON_INTERPRET=1 on the CPU) matches the torch
   path (fp32, tolerance 1e-4 relative as tests/ops/test_triton.py);
+- the models' forward_layers (residual fused into the next norm) equals the layer-by-layer loop.
 """
 
 import copy
@@ -22,6 +23,8 @@ from hyla.layers.attention import GatedAttention
 from hyla.layers.mla import MLAAttention
 from hyla.models import ForwardBatch
 from hyla.models.cache import GDNLayerCache, KDALayerCache, KVLayerCache, MLALayerCache
+from tests.oracles.kimi_checkpoint import kimi_checkpoint  # noqa: F401  (session fixture)
+from tests.oracles.qwen3_next_checkpoint import qwen3_next_checkpoint  # noqa: F401  (session fixture)
 
 HIDDEN = 24
 
@@ -159,3 +162,31 @@ def test_triton_decode_step_matches_torch(kind, monkeypatch):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
     for a, b in zip(c_triton.tensors(), c_torch.tensors()):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+# -- residual adds fused across layers ----------------------------------------------------------
+
+def _loop(model, ids, batch=None, cache=None):
+    h = model.model.embed_tokens(ids)
+    for i, layer in enumerate(model.model.layers):
+        h = layer(h) if batch is None else layer(h, batch, cache.layers[i])
+    return model.model.norm(h)
+
+
+@pytest.mark.parametrize("family", ["kimi", "qwen3_next"])
+def test_forward_layers_equals_layer_loop(family, kimi_checkpoint, qwen3_next_checkpoint):  # noqa: F811
+    from hyla.models.loader import load_model
+
+    model = load_model(kimi_checkpoint("moe") if family == "kimi" else qwen3_next_checkpoint("moe"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(model.model.forward_layers(model.model.embed_tokens(ids)), _loop(model, ids))
+        caches = [model.allocate_cache(4, 8, 4) for _ in range(2)]
+        flat = ids.flatten()
+        batch = ForwardBatch.build([9, 9], [0, 0], [[0, 1, 2], [3, 4, 5]], [1, 2])
+        a = model.model.forward_layers(model.model.embed_tokens(flat), batch, caches[0].layers)
+        b = _loop(model, flat, batch, caches[1])
+        assert torch.equal(a, b)
+        for x, y in zip(caches[0].layers, caches[1].layers):
+            for s, t in zip(x.tensors(), y.tensors()):
+                assert torch.equal(s, t)
