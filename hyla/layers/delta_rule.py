@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.ops import dispatch
-from hyla.ops.conv import causal_conv1d_fn
 
 
 class PackedLinears:
@@ -151,7 +150,7 @@ class ShortConvDeltaRule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden] whole sequences from position 0 (no cache) -> [B, T, hidden]."""
         pre, aux = self.project(x)
-        ys = [causal_conv1d_fn(t, conv.weight, activation="silu")[0]
+        ys = [dispatch.causal_conv1d_fn(t, conv.weight, activation="silu")[0]
               for t, conv in zip(_conv_inputs(pre), self.convs())]
         q, k, v = self.heads(ys)
         g, beta = self.gates(aux)
@@ -287,7 +286,7 @@ class ShortConvDeltaRule(nn.Module):
         ys = []
         for t, pool, conv in zip(_conv_inputs(pre), cache.conv, self.convs()):
             init = torch.where(resume[:, None, None], pool[slots], 0)  # [N, D, W-1]
-            y, final = causal_conv1d_fn(t, conv.weight, activation="silu", initial_state=init,
+            y, final = dispatch.causal_conv1d_fn(t, conv.weight, activation="silu", initial_state=init,
                                         output_final_state=True, cu_seqlens=cu)
             if positions is not None:
                 write_conv_checkpoints(pool, init, t[0], batch)

@@ -38,6 +38,8 @@ class HybridForCausalLM(nn.Module):
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         h = self.model.embed_tokens(input_ids)
+        if hasattr(self.model, "forward_layers"):  # the residual adds fused into the norms
+            return self.compute_logits(self.model.forward_layers(h))
         for layer in self.model.layers:
             h = layer(h)
         return self.compute_logits(self.model.norm(h))
@@ -50,6 +52,8 @@ class HybridForCausalLM(nn.Module):
         if len(cache.layers) != len(self.model.layers):
             raise ValueError(f"cache has {len(cache.layers)} layers, the model {len(self.model.layers)}")
         h = self.model.embed_tokens(input_ids)
+        if hasattr(self.model, "forward_layers"):  # the residual adds fused into the norms
+            return self.model.forward_layers(h, batch, cache.layers)
         for layer, layer_cache in zip(self.model.layers, cache.layers):
             h = layer(h, batch, layer_cache)
         return self.model.norm(h)

@@ -32,7 +32,7 @@ from hyla.ops import triton as _triton
 __all__ = ["backend_for", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
-           "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed"]
+           "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn"]
 
 _BACKENDS = ("auto", "torch", "triton")
 _MAX_HEAD_DIM = 256
@@ -91,6 +91,7 @@ causal_conv1d_update = _dispatched(_torch_conv.causal_conv1d_update, "causal_con
                                    heads=False)
 causal_conv1d_verify = _dispatched(_torch_conv.causal_conv1d_verify, "causal_conv1d_verify", "x", "x",
                                    heads=False)
+causal_conv1d_fn = _dispatched(_torch_conv.causal_conv1d_fn, "causal_conv1d_fn", "x", "x", heads=False)
 causal_conv1d_update_packed = _dispatched(_torch_conv.causal_conv1d_update_packed, "causal_conv1d_update_packed",
                                           "x", "x", heads=False)
 

@@ -58,6 +58,20 @@ def test_batched_without_cu_seqlens_and_bf16():
     torch.testing.assert_close(got_s.cpu(), want_s, rtol=0, atol=0)
 
 
+def test_column_block_of_a_wider_tensor():
+    """x as a column slice of a packed projection output (row stride > D): read in place."""
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(1, 30, 100, generator=gen)
+    x = wide[..., 20:60]
+    weight, h0 = torch.randn(40, 4, generator=gen), torch.randn(2, 40, 3, generator=gen)
+    cu = torch.tensor([0, 11, 30])
+    want_y, want_s = torch_conv.causal_conv1d_fn(x, weight, None, "silu", h0, True, cu)
+    got_y, got_s = causal_conv1d_fn(wide.to(DEV)[..., 20:60], weight.to(DEV), None, "silu", h0.to(DEV), True,
+                                    cu.to(DEV))
+    torch.testing.assert_close(got_y.cpu(), want_y, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_s.cpu(), want_s, rtol=0, atol=0)
+
+
 def test_bad_initial_state_is_named():
     x = torch.randn(1, 6, 8).to(DEV)
     with pytest.raises(ValueError, match="initial_state must be"):

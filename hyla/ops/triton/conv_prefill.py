@@ -25,7 +25,7 @@ _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
 
 @triton.jit
-def _conv_prefill_kernel(x, weight, bias, init, seq_of, cu, y, T, D,
+def _conv_prefill_kernel(x, s_x, weight, bias, init, seq_of, cu, y, T, D,
                          W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
                          HAS_INIT: tl.constexpr, SILU: tl.constexpr):
     i_t = tl.program_id(0)
@@ -43,7 +43,7 @@ def _conv_prefill_kernel(x, weight, bias, init, seq_of, cu, y, T, D,
         s = o_t - (W - 1) + j  # [BT] source position
         w_j = tl.load(weight + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)  # [BD]
         inside = s >= start
-        v = tl.load(x + tl.maximum(s, 0).to(tl.int64)[:, None] * D + o_d[None, :],
+        v = tl.load(x + tl.maximum(s, 0).to(tl.int64)[:, None] * s_x + o_d[None, :],
                     mask=(m_t & inside)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
         if HAS_INIT:
             col = (W - 1) + s - start  # [BT] column of the initial window (valid when not inside)
@@ -59,7 +59,7 @@ def _conv_prefill_kernel(x, weight, bias, init, seq_of, cu, y, T, D,
 
 
 @triton.jit
-def _final_window_kernel(x, init, cu, final, D, W: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr,
+def _final_window_kernel(x, s_x, init, cu, final, D, W: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr,
                          HAS_INIT: tl.constexpr):
     n = tl.program_id(0)
     i_d = tl.program_id(1)
@@ -71,7 +71,7 @@ def _final_window_kernel(x, init, cu, final, D, W: tl.constexpr, BP: tl.constexp
     end = tl.load(cu + n + 1)
     pos = end - (W - 1) + o_p  # [BP] positions of the last W-1 inputs
     inside = pos >= start
-    v = tl.load(x + tl.maximum(pos, 0).to(tl.int64)[None, :] * D + o_d[:, None],
+    v = tl.load(x + tl.maximum(pos, 0).to(tl.int64)[None, :] * s_x + o_d[:, None],
                 mask=m_d[:, None] & (m_p & inside)[None, :], other=0.0)
     v = v.to(final.dtype.element_ty)
     if HAS_INIT:
@@ -111,15 +111,17 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                                       or initial_state.shape != (N, D, W - 1)):
         got = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else initial_state
         raise ValueError(f"initial_state must be [N={N}, D={D}, W-1={W - 1}], got {got}")
-    xs = x.reshape(B * T, D).contiguous()
+    xs = x.reshape(B * T, D)  # a view when x is a column block of a wider projection output
+    if xs.stride(1) != 1:
+        xs = xs.contiguous()
     init = initial_state.contiguous() if initial_state is not None else xs
     total = B * T
-    y = torch.empty_like(xs)
+    y = torch.empty(B * T, D, dtype=x.dtype, device=dev)
     if total:
         seq_of = torch.searchsorted(cu[1:], torch.arange(total, device=dev, dtype=torch.int32), right=True)
         BT, BD = 32, 128
         _conv_prefill_kernel[(triton.cdiv(total, BT), triton.cdiv(D, BD))](
-            xs, weight, bias if bias is not None else weight, init, seq_of.to(torch.int32), cu, y, total, D, W=W,
+            xs, xs.stride(0), weight, bias if bias is not None else weight, init, seq_of.to(torch.int32), cu, y, total, D, W=W,
             BT=BT, BD=BD, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
             SILU=activation is not None, num_warps=4)
     final = None
@@ -128,6 +130,6 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         final = torch.empty(N, D, W - 1, dtype=dtype, device=dev)
         if N and W > 1:
             _final_window_kernel[(N, triton.cdiv(D, 128))](
-                xs, init, cu, final, D, W=W, BP=triton.next_power_of_2(max(W - 1, 1)), BD=128,
+                xs, xs.stride(0), init, cu, final, D, W=W, BP=triton.next_power_of_2(max(W - 1, 1)), BD=128,
                 HAS_INIT=initial_state is not None, num_warps=4)
     return y.view(B, T, D), final
