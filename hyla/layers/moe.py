@@ -79,13 +79,27 @@ class StackedExperts(nn.Module):
         shared.gate_proj.weight = nn.Parameter(w13[E, :I], False)
         shared.up_proj.weight = nn.Parameter(w13[E, I:], False)
         shared.down_proj.weight = nn.Parameter(w2[E], False)
-        self.with_shared = (w13, w2)  # [E + 1, 2I, H], [E + 1, H, I]
+        self.with_shared = (w13, w2, shared)  # [E + 1, 2I, H], [E + 1, H, I], the shared MLP
         return True
 
+    def shared_is_stacked(self) -> bool:
+        """True while the routed and shared weights are still the views `stack_shared` made. A
+        `.to()` or an assignment of new tensors breaks that; the block then runs the shared
+        expert on its own again (MoE.forward asks this every call)."""
+        if not hasattr(self, "with_shared"):
+            return False
+        w13, w2, shared = self.with_shared
+        E, I = self.gate_up_proj.shape[0], self.down_proj.shape[2]
+        views = ((self.gate_up_proj, w13[:E]), (self.down_proj, w2[:E]), (shared.gate_proj.weight, w13[E, :I]),
+                 (shared.up_proj.weight, w13[E, I:]), (shared.down_proj.weight, w2[E]))
+        return all(p.data_ptr() == v.data_ptr() and p.device == v.device for p, v in views)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """ids may name expert E (the stacked shared expert) once `stack_shared` succeeded."""
-        w13, w2 = getattr(self, "with_shared", (self.gate_up_proj, self.down_proj))
-        return moe_experts(x, w13, w2, weights, ids)
+        """ids may name expert E (the stacked shared expert) while `shared_is_stacked()`."""
+        if self.shared_is_stacked():
+            w13, w2, _ = self.with_shared
+            return moe_experts(x, w13, w2, weights, ids)
+        return moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
 
 
 class MoE(nn.Module):
@@ -113,8 +127,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(flat, shared=self.shared_stacked)
+        stacked = self.shared_stacked and self.experts.shared_is_stacked()
+        weights, ids = self.gate(flat, shared=stacked)
         out = self.experts(flat, weights, ids)
-        if self.shared_experts is not None and not self.shared_stacked:
+        if self.shared_experts is not None and not stacked:
             out = out + self.shared_experts(flat)
         return out.view(shape)

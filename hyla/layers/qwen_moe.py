@@ -63,7 +63,7 @@ class Qwen3NextSparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if self.shared_stacked:
+        if self.shared_stacked and self.experts.shared_is_stacked():
             weights, ids = self.gate(flat, self.shared_expert_gate(flat)[:, 0])
             return self.experts(flat, weights, ids).view(shape)
         weights, ids = self.gate(flat)

@@ -95,3 +95,19 @@ def test_shared_expert_of_another_width_stays_separate():
     block.prepare_for_inference()
     assert not block.shared_stacked
     assert block(torch.randn(5, 24)).shape == (5, 24)
+
+
+def test_stacked_shared_expert_survives_a_move():
+    """After prepare_for_inference, .to() re-creates the parameters: the views are gone, and the
+    block falls back to the separate shared expert with the moved weights (same output)."""
+    torch.manual_seed(3)
+    block = MoE(24, 8, 16, 3, num_shared_experts=1).double()
+    x = torch.randn(6, 24, dtype=torch.float64)
+    with torch.no_grad():
+        want = block(x)
+        block.prepare_for_inference()
+        assert block.experts.shared_is_stacked()
+        block.to(torch.float32)
+        assert not block.experts.shared_is_stacked()
+        got = block(x.float())
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
