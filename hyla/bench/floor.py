@@ -54,14 +54,20 @@ def moe_layers(model) -> list[dict]:
     (router, shared expert(s), shared-expert gate)."""
     out = []
     for prefix, module in model.named_modules():
-        experts = getattr(module, "experts", None)
-        if experts is None or not hasattr(module, "gate"):
+        if getattr(module, "experts", None) is None or not hasattr(module, "gate"):
             continue
-        routed = sum(_nbytes(t) for t in experts.state_dict(keep_vars=True).values())
-        total = sum(_nbytes(t) for t in module.state_dict(keep_vars=True).values())
         E = model.config.num_experts
-        out.append(dict(prefix=prefix, num_experts=E, expert_bytes=routed // E, other_bytes=total - routed))
+        expert_bytes, other_bytes = moe_block_parts(module, E)
+        out.append(dict(prefix=prefix, num_experts=E, expert_bytes=expert_bytes, other_bytes=other_bytes))
     return out
+
+
+def moe_block_parts(block, num_experts: int) -> tuple[int, int]:
+    """(bytes of one routed expert, bytes of the rest: router, shared expert(s), their gate) of an
+    MoE block, from its own tensors."""
+    routed = sum(_nbytes(t) for t in block.experts.state_dict(keep_vars=True).values())
+    total = sum(_nbytes(t) for t in block.state_dict(keep_vars=True).values())
+    return routed // num_experts, total - routed
 
 
 def step_bytes(model, batch: int, context: int, state_dtype=torch.float32) -> dict:

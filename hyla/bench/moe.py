@@ -12,8 +12,9 @@ family's own router: sigmoid noaux_tc for Kimi, softmax top-k for Qwen3-Next):
   fused-MoE kernels (hyla.ops.triton.fused_moe) and the sorted `grouped_mm` path
   (hyla.ops.moe.moe_experts_torch), each replayed as a CUDA graph;
 - floor = bytes the block must read / copy bandwidth: the experts the batch touches (counted
-  from the routing) x 3 * H * I * 2 bytes, the shared expert, the router weight (fp32), the
-  hidden states in and out. `--sweep` also times a few Triton block configurations.
+  from the routing) x the bytes of one expert, the shared expert, the router weight (fp32), the
+  hidden states in and out (hyla.bench.floor.moe_block_parts). `--sweep` also times a few
+  Triton block configurations.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import statistics
 
 import torch
 
-from hyla.bench.floor import copy_bandwidth
+from hyla.bench.floor import copy_bandwidth, moe_block_parts
 
 SHAPES = {
     # hidden, moe_intermediate, experts, top-k, shared intermediate, family
@@ -81,12 +82,10 @@ def graph_ms(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def floor_bytes(shape: dict, block, distinct: int, tokens: int) -> int:
-    H, I = shape["hidden"], shape["inter"]
-    expert = 3 * H * I * 2
-    shared = 3 * H * shape["shared"] * 2
-    router = block.gate.weight.numel() * 4
-    return distinct * expert + shared + router + 2 * tokens * H * 2
+def floor_bytes(block, distinct: int, tokens: int) -> int:
+    """Bytes the block must move: the experts touched, the router and shared expert, x in and out."""
+    expert, other = moe_block_parts(block, block.experts.num_experts)
+    return distinct * expert + other + 2 * tokens * block.experts.gate_up_proj.shape[2] * 2
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
                             sweep[i] = float("nan")
                             print(f"# config {cfg}: {type(e).__name__}")
-            floor = floor_bytes(shape, block, distinct, m) / bw * 1e3
+            floor = floor_bytes(block, distinct, m) / bw * 1e3
             row = dict(shape=name, tokens=m, distinct=distinct, block_ms=t_block, triton_ms=t_triton,
                        grouped_ms=t_grouped, floor_ms=floor, x_floor=t_block / floor, rel_err=err, sweep=sweep)
             rows.append(row)

@@ -20,6 +20,7 @@ from torch import nn
 
 from hyla.layers.mlp import MLP
 from hyla.ops.moe import moe_experts, sigmoid_topk_route
+from hyla.ops.utils import work_dtype
 
 
 class Router(nn.Module):
@@ -36,7 +37,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [M, hidden] -> (weights [M, top_k] fp32 (fp64 for fp64 x), expert ids [M, top_k] int64).
         shared: one more slot per token, expert E with weight 1 (see StackedExperts.stack_shared)."""
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32  # fp64 stays exact
+        work = work_dtype(x)  # fp64 stays exact
         logits = F.linear(x.to(work), self.weight.to(work))  # [M, E]
         return sigmoid_topk_route(logits, self.top_k, self.e_score_correction_bias, self.num_group,
                                   self.topk_group, self.renormalize, self.routed_scaling_factor, shared)
@@ -94,12 +95,11 @@ class StackedExperts(nn.Module):
                  (shared.up_proj.weight, w13[E, I:]), (shared.down_proj.weight, w2[E]))
         return all(p.data_ptr() == v.data_ptr() and p.device == v.device for p, v in views)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """ids may name expert E (the stacked shared expert) while `shared_is_stacked()`."""
-        if self.shared_is_stacked():
-            w13, w2, _ = self.with_shared
-            return moe_experts(x, w13, w2, weights, ids)
-        return moe_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: bool = False) -> torch.Tensor:
+        """shared: ids name expert E, the stacked shared expert (the caller checked
+        `shared_is_stacked()` for this step)."""
+        w13, w2 = self.with_shared[:2] if shared else (self.gate_up_proj, self.down_proj)
+        return moe_experts(x, w13, w2, weights, ids)
 
 
 class MoE(nn.Module):
@@ -127,9 +127,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        stacked = self.shared_stacked and self.experts.shared_is_stacked()
+        stacked = self.experts.shared_is_stacked()
         weights, ids = self.gate(flat, shared=stacked)
-        out = self.experts(flat, weights, ids)
+        out = self.experts(flat, weights, ids, shared=stacked)
         if self.shared_experts is not None and not stacked:
             out = out + self.shared_experts(flat)
         return out.view(shape)

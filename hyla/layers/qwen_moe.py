@@ -25,6 +25,7 @@ from torch import nn
 from hyla.layers.mlp import MLP
 from hyla.layers.moe import StackedExperts
 from hyla.ops.moe import softmax_topk_route
+from hyla.ops.utils import work_dtype
 
 
 class SoftmaxRouter(nn.Module):
@@ -37,7 +38,7 @@ class SoftmaxRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, shared_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """shared_logit [M]: one more slot per token, expert E with weight sigmoid(shared_logit)."""
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        work = work_dtype(x)
         return softmax_topk_route(F.linear(x.to(work), self.weight.to(work)), self.top_k, self.norm_topk_prob,
                                   shared_logit)
 
@@ -63,9 +64,9 @@ class Qwen3NextSparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if self.shared_stacked and self.experts.shared_is_stacked():
+        if self.experts.shared_is_stacked():
             weights, ids = self.gate(flat, self.shared_expert_gate(flat)[:, 0])
-            return self.experts(flat, weights, ids).view(shape)
+            return self.experts(flat, weights, ids, shared=True).view(shape)
         weights, ids = self.gate(flat)
         out = self.experts(flat, weights, ids)
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)

@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hyla.ops.utils import work_dtype
+
 # torch.nn.functional.grouped_mm is the public name from torch 2.10 on; older builds have the op only.
 _GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -54,7 +56,7 @@ def moe_experts_naive(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     k slots in slot order. Same contract as `moe_experts`."""
     _check(x, w13, w2, weights, ids)
     I = w13.shape[1] // 2
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=work_dtype(x))
     for m in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[m, j])
@@ -80,8 +82,7 @@ def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return order, counts.cumsum(0).to(torch.int32)
 
 
-def _grouped(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, order: torch.Tensor,
-             ids_sorted: torch.Tensor) -> torch.Tensor:
+def _grouped(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, ids_sorted: torch.Tensor) -> torch.Tensor:
     """Rows a [P, K] (sorted by expert) times their expert's w[e].T ([E, N, K]) -> [P, N]."""
     if a.dtype == torch.float64 or (a.is_cuda and a.dtype != torch.bfloat16):
         # grouped_mm takes no fp64 (and only bf16 on CUDA): gather each pair's expert instead
@@ -98,10 +99,10 @@ def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     order, ends = sort_pairs_by_expert(ids, w13.shape[0])
     ids_sorted = ids.reshape(-1)[order]
     xs = x[order // k]  # [P, H] the token of each sorted pair
-    gu = _grouped(xs, w13, ends, order, ids_sorted)  # [P, 2I]
+    gu = _grouped(xs, w13, ends, ids_sorted)  # [P, 2I]
     h = F.silu(gu[:, :I]) * gu[:, I:]
-    y = _grouped(h, w2, ends, order, ids_sorted)  # [P, H]
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = _grouped(h, w2, ends, ids_sorted)  # [P, H]
+    work = work_dtype(x)
     unsorted = torch.empty_like(y, dtype=work).index_copy_(0, order, y.to(work))  # back to [M*k] pair order
     out = (unsorted.view(M, k, -1) * weights.to(work)[:, :, None]).sum(1)
     return out.to(x.dtype)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.ops.moe import _check
+from hyla.ops.moe import _check, sort_pairs_by_expert
 from hyla.ops.triton import _interpreter
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -90,12 +90,12 @@ def _align_pairs_sorted(ids: torch.Tensor, num_experts: int, block_m: int) -> tu
     flat = ids.reshape(-1)
     P = flat.numel()
     R = aligned_rows(P, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    order, ends = sort_pairs_by_expert(ids, num_experts)
+    counts = torch.diff(ends.long(), prepend=ends.new_zeros(1).long())  # [E] pairs per expert
     padded = (counts + block_m - 1) // block_m * block_m
     pad_ends = padded.cumsum(0)
-    order = torch.sort(flat, stable=True).indices
     e_sorted = flat[order]
-    rank = torch.arange(P, device=ids.device) - (counts.cumsum(0) - counts)[e_sorted]
+    rank = torch.arange(P, device=ids.device) - (ends.long() - counts)[e_sorted]  # place in its expert's run
     sorted_pairs = torch.full((R,), P, dtype=torch.int32, device=ids.device)
     sorted_pairs.scatter_(0, (pad_ends - padded)[e_sorted] + rank, order.to(torch.int32))
     owner = torch.searchsorted(pad_ends, torch.arange(0, R, block_m, device=ids.device), right=True)
@@ -128,6 +128,15 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b accumulated in fp32; IEEE: exact fp32 products (fp32 inputs), else the default
+    (tf32 for fp32, plain for bf16 / fp16)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, P, I, H,
                     s_xm, s_we, s_wn, s_hm, top_k: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
@@ -152,12 +161,8 @@ def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, P, I, H,
         a = tl.load(a_ptr + k0, mask=live[:, None] & m_k[None, :], other=0.0)
         bg = tl.load(g_ptr + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
         bu = tl.load(u_ptr + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        if IEEE:
-            acc_g += tl.dot(a, bg, input_precision="ieee")
-            acc_u += tl.dot(a, bu, input_precision="ieee")
-        else:
-            acc_g += tl.dot(a, bg)
-            acc_u += tl.dot(a, bu)
+        acc_g += _dot(a, bg, IEEE)
+        acc_u += _dot(a, bu, IEEE)
     out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
     tl.store(h + pair[:, None].to(tl.int64) * s_hm + o_n[None, :], out.to(h.dtype.element_ty),
              mask=live[:, None] & m_n[None, :])
@@ -185,10 +190,7 @@ def _down_kernel(h, w, y, weights, sorted_pairs, block_expert, P, H, I,
         m_k = (k0 + o_k) < I
         a = tl.load(a_ptr + k0, mask=live[:, None] & m_k[None, :], other=0.0)
         b = tl.load(b_ptr + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        acc += _dot(a, b, IEEE)
     scale = tl.load(weights + rows, mask=live, other=0.0).to(tl.float32)  # [BM] routing weights
     tl.store(y + rows[:, None] * s_ym + o_n[None, :], acc * scale[:, None], mask=live[:, None] & m_n[None, :])
 
