@@ -34,6 +34,44 @@ def op_profile(fn, top: int) -> str:
     return "\n".join(f"#   {us / 1e3:7.3f} ms {n:4d}x {key:<28} {shapes}" for us, n, key, shapes in rows[:top])
 
 
+def kernel_sequence(model, fn) -> str:
+    """The kernels of one call in launch order, each under the decoder layer that launched it
+    (each layer's forward is wrapped in a record_function range; a kernel belongs to the range
+    whose GPU annotation holds its start). For counting kernels per layer, not for timing."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    layers = model.model.layers
+    patched = []
+    for i, layer in enumerate(layers):
+        label = f"layer{i}:{type(getattr(layer, 'token_mixer', layer)).__name__}"
+        for name in ("forward", "forward_residual"):
+            if hasattr(layer, name):
+                def wrapped(*a, _f=getattr(layer, name), _label=label, **kw):
+                    with record_function(_label):
+                        return _f(*a, **kw)
+                setattr(layer, name, wrapped)
+                patched.append((layer, name))
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    finally:
+        for layer, name in patched:
+            delattr(layer, name)
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    notes = [e for e in events if e.name.startswith("layer")]
+    kernels = sorted((e for e in events if not e.name.startswith("layer")), key=lambda e: e.time_range.start)
+    lines, per_layer = [], {}
+    for k in kernels:
+        owner = next((n.name for n in notes if n.time_range.start <= k.time_range.start <= n.time_range.end), "global")
+        per_layer[owner] = per_layer.get(owner, 0) + 1
+        lines.append(f"{owner:<28} {k.name[:110]}")
+    head = [f"{n:4d} {owner}" for owner, n in per_layer.items()]
+    return "\n".join(["# kernels per layer:"] + head + ["# in launch order:"] + lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--random-config", default="kimi-linear-48b-a3b", choices=sorted(RANDOM_CONFIGS))
@@ -42,6 +80,8 @@ def main() -> None:
     p.add_argument("--decode-batch", type=int, nargs="*", default=[1, 64])
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--top", type=int, default=18)
+    p.add_argument("--kernel-list", default=None, help="write the first decode batch's kernels in launch order, "
+                   "by layer, to this file")
     args = p.parse_args()
     model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers)
     b_max = max(args.decode_batch or [1])
@@ -66,6 +106,9 @@ def main() -> None:
                 return model.compute_logits(model.forward_batch(ids, batch, runner.cache))
         eager()
         print(f"# decode batch {b}, context {args.context}: {fl.kernel_profile(eager, args.top)}")
+        if args.kernel_list and b == args.decode_batch[0]:
+            with open(args.kernel_list, "w") as f:
+                f.write(kernel_sequence(model, eager) + "\n")
 
 
 if __name__ == "__main__":
