@@ -17,7 +17,7 @@ import torch
 from hyla.bench import floor as fl
 from hyla.bench.random_models import RANDOM_CONFIGS, random_model
 from hyla.bench.step_bench import make_runner
-from hyla.models.batch import ForwardBatch
+from hyla.contract import ForwardBatch
 
 
 def op_profile(fn, top: int) -> str:

@@ -80,7 +80,7 @@ def describe(model, bw: float, context: int) -> str:
 
 
 def decode(model, runner, args, bw: float, hf=None) -> list[dict]:
-    from hyla.models.batch import ForwardBatch
+    from hyla.contract import ForwardBatch
 
     device = model.device
     per_seq = _pages(max(args.context_lens) + 1)

@@ -45,7 +45,7 @@ import logging
 
 import torch
 
-from hyla.models.batch import ForwardBatch
+from hyla.contract import ForwardBatch
 
 log = logging.getLogger("hyla.engine")
 
@@ -265,13 +265,10 @@ class CUDAGraphRunner:
             self._restore_replay_inputs([None] * len(self.cache.layers))  # consumed, as the eager commit does
 
     def _restore_replay_inputs(self, replay) -> None:
-        """Hand each linear layer's cache the inputs for commit_replay (None: clear them)."""
-        for layer_cache in self.cache.layers:
-            if hasattr(layer_cache, "replay"):
-                layer_cache.replay = None
-        for layer_cache, inputs in zip(self.cache.layers, replay):
-            if inputs is not None:  # what the captured step left for commit_replay
-                layer_cache.replay = inputs
+        """Hand each layer's cache the inputs for commit_replay: what the captured step left
+        (replay[i] None, as for every attention layer: none)."""
+        for layer_cache, inputs in zip(self.cache.layers, replay, strict=True):
+            layer_cache.set_replay_inputs(inputs)
 
     def _verify_forward(self, bs: int, W: int, width: int, rollback: str) -> torch.Tensor:
         meta = self.vmeta[(W, width)]
@@ -300,7 +297,7 @@ class CUDAGraphRunner:
         # Warm up on padding rows only: every write lands in scratch.
         meta[:bs] = torch.tensor(_verify_pad_row(W, width), device=self.device)
         graph, out = self._capture(lambda: self._verify_forward(*key))
-        replay = [getattr(layer_cache, "replay", None) for layer_cache in self.cache.layers]
+        replay = [layer_cache.replay_inputs() for layer_cache in self.cache.layers]
         if rollback == "replay":
             # The commit reads the verify graph's buffers: fill them once from the padding rows
             # (a capture does not run), so that the commit's warm-up touches only scratch.

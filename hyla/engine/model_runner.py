@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from hyla.contract import ForwardBatch
 from hyla.engine.cuda_graph import SCRATCH, CUDAGraphRunner, use_cuda_graphs
-from hyla.models.batch import ForwardBatch
 
 
 class ModelRunner:

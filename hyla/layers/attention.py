@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import ZeroCentredRMSNorm
 
@@ -130,7 +131,7 @@ class GatedAttention(nn.Module):
 
     # -- engine step --------------------------------------------------------------------------
 
-    def forward_batch(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+    def forward_batch(self, x: torch.Tensor, batch: ForwardBatch, cache: KVLayerCache) -> torch.Tensor:
         """x: [T_total, hidden]; batch: ForwardBatch; cache: KVLayerCache. Writes each new token's
         k, v into its page, then attends over positions 0..context+new-1 of its sequence: decode
         and verify batches with equal new-token counts all at once over their page windows;
@@ -162,7 +163,7 @@ class GatedAttention(nn.Module):
                                                 causal=False)[0]
         return self.o_proj(out * torch.sigmoid(gate))
 
-    def _windowed(self, q: torch.Tensor, cache, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _windowed(self, q: torch.Tensor, cache: KVLayerCache, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """W query tokens of each of S sequences over their page windows, batched.
         q: [S, W, H, D]; pages: [S, P]; valid: [S, W, P * page_size] which window tokens each
         query may attend to -> [S, W, H * D]."""

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyla.contract import ForwardBatch, LinearLayerCache
 from hyla.ops import dispatch
 
 
@@ -159,7 +160,7 @@ class ShortConvDeltaRule(nn.Module):
 
     # -- engine step --------------------------------------------------------------------------
 
-    def forward_batch(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+    def forward_batch(self, x: torch.Tensor, batch: ForwardBatch, cache: LinearLayerCache) -> torch.Tensor:
         """x: [T_total, hidden] packed new tokens; batch: ForwardBatch; cache: LinearLayerCache,
         read at batch.state_slots and overwritten with the state after this step's tokens.
         Returns [T_total, hidden]."""
@@ -169,7 +170,7 @@ class ShortConvDeltaRule(nn.Module):
             return self._decode(x, batch, cache)
         return self._prefill(x, batch, cache)
 
-    def _verify(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+    def _verify(self, x: torch.Tensor, batch: ForwardBatch, cache: LinearLayerCache) -> torch.Tensor:
         """Speculative verify: sequence n feeds 1..S tokens starting from the state in slot
         state_slots[n, num_accepted_tokens[n] - 1]. Outputs for every position. Rollback "slots":
         the state and conv windows after its j-th token are written to slot state_slots[n, j], so
@@ -218,7 +219,7 @@ class ShortConvDeltaRule(nn.Module):
                                 cu=batch.cu_seqlens)
         return self.output(o, aux)[0]
 
-    def commit_replay(self, cache, accepted) -> None:
+    def commit_replay(self, cache: LinearLayerCache, accepted: list[int] | torch.Tensor) -> None:
         """After a "replay" verify: advance sequence n's state and conv windows by its first
         accepted[n] verified tokens (1 <= accepted[n] <= its verified tokens).
 
@@ -243,7 +244,7 @@ class ShortConvDeltaRule(nn.Module):
             take = acc[:, None] + torch.arange(width, device=dev)  # [N, W-1]
             pool[r["start"]] = ext.gather(2, take[:, None, :].expand(-1, ext.shape[1], -1)).to(pool.dtype)
 
-    def _decode(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+    def _decode(self, x: torch.Tensor, batch: ForwardBatch, cache: LinearLayerCache) -> torch.Tensor:
         """One new token per sequence: the pool-indexed recurrent path, states updated in place."""
         slots = batch.state_slots
         # A one-token prompt: its slot may hold an old request's state (the CUDA-graph runner
@@ -276,7 +277,7 @@ class ShortConvDeltaRule(nn.Module):
                         t[dest] = t[src[n]]
         return self.output(o, aux)[:, 0]
 
-    def _prefill(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+    def _prefill(self, x: torch.Tensor, batch: ForwardBatch, cache: LinearLayerCache) -> torch.Tensor:
         """Any mix of lengths: the varlen chunk path, states gathered from and scattered to the pool."""
         slots, cu = batch.state_slots, batch.cu_seqlens
         resume = batch.has_context()  # [N]: sequences without context start from zeros
@@ -306,14 +307,14 @@ class ShortConvDeltaRule(nn.Module):
         return self.output(out[0], aux)[0]
 
 
-def checkpoint_positions(batch) -> list[list[int]] | None:
+def checkpoint_positions(batch: ForwardBatch) -> list[list[int]] | None:
     """Per sequence, the token counts p of the batch's checkpoints (None when there are none)."""
     if not batch.checkpoints or not any(batch.checkpoints):
         return None
     return [[p for p, _ in pairs] for pairs in batch.checkpoints]
 
 
-def write_conv_checkpoints(pool: torch.Tensor, init: torch.Tensor, t: torch.Tensor, batch) -> None:
+def write_conv_checkpoints(pool: torch.Tensor, init: torch.Tensor, t: torch.Tensor, batch: ForwardBatch) -> None:
     """The conv window after the first p new tokens of sequence n is columns p .. p+W-2 of
     [its initial window (W-1 columns) ++ its new pre-conv inputs].
 

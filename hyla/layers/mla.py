@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyla.contract import ForwardBatch, MLALayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import RMSNorm
 
@@ -113,7 +114,7 @@ class MLAAttention(nn.Module):
 
     # -- engine step --------------------------------------------------------------------------
 
-    def forward_batch(self, x: torch.Tensor, batch, cache) -> torch.Tensor:
+    def forward_batch(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
         """x: [T_total, hidden]; batch: ForwardBatch; cache: MLALayerCache. Writes each new token's
         latent into its page, then attends over positions 0..context+new-1 of its sequence: decode
         and verify batches with equal new-token counts all at once in the absorbed form; otherwise

@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyla.contract import ForwardBatch, HybridCache
 from hyla.models import memory
-from hyla.models.batch import ForwardBatch
-from hyla.models.cache import HybridCache
 
 
 class HybridForCausalLM(nn.Module):
@@ -67,13 +66,13 @@ class HybridForCausalLM(nn.Module):
             if module is not self and hasattr(module, "prepare_for_inference"):
                 module.prepare_for_inference()
 
-    def commit_replay(self, cache: HybridCache, accepted: list[int]) -> None:
+    def commit_replay(self, cache: HybridCache, accepted: list[int] | torch.Tensor) -> None:
         """After a verify step with rollback "replay": advance every linear layer's state by the
-        first accepted[n] verified tokens of each sequence (see ShortConvDeltaRule.commit_replay)."""
+        first accepted[n] verified tokens of each sequence (see ShortConvDeltaRule.commit_replay).
+        Each layer whose cache holds replay inputs (LayerCache.replay_inputs) commits them."""
         for layer, layer_cache in zip(self.model.layers, cache.layers):
-            mixer = layer.token_mixer
-            if hasattr(mixer, "commit_replay"):
-                mixer.commit_replay(layer_cache, accepted)
+            if layer_cache.replay_inputs() is not None:  # only a stateful layer's verify keeps them
+                layer.token_mixer.commit_replay(layer_cache, accepted)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] final-norm states -> [..., V] fp32 (lm_head in the model dtype)."""

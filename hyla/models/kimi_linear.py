@@ -15,14 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyla.contract import ForwardBatch, HybridCache, KDALayerCache, LayerCache, MLALayerCache
 from hyla.layers.kda import KimiDeltaAttention
 from hyla.layers.mla import MLAAttention
 from hyla.layers.mlp import MLP
 from hyla.layers.moe import MoE
 from hyla.layers.norm import RMSNorm
 from hyla.models.base import HybridForCausalLM
-from hyla.models.batch import ForwardBatch
-from hyla.models.cache import HybridCache, KDALayerCache, MLALayerCache
 from hyla.models.config import LINEAR, SPARSE, KimiLinearConfig
 
 
@@ -61,14 +60,15 @@ class DecoderLayer(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch | None = None, cache=None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, batch: ForwardBatch | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         x = self.input_layernorm(h)
         a = self.self_attn(x) if batch is None else self.self_attn.forward_batch(x, batch, cache)
         x, h = self.post_attention_layernorm.add_forward(a, h)  # h += attn: one fused launch on CUDA
         return h + self.ffn(x)
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch | None = None,
-                         cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+                         cache: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The same block with the residual adds fused into the norms, for a loop over layers
         (KimiLinearModel.forward_layers): the layer's input is residual + x (residual None: x),
         returns (ffn output, residual) whose sum is forward(residual + x)."""
@@ -85,7 +85,8 @@ class KimiLinearModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward_layers(self, h: torch.Tensor, batch: ForwardBatch | None = None, caches=None) -> torch.Tensor:
+    def forward_layers(self, h: torch.Tensor, batch: ForwardBatch | None = None,
+                       caches: list[LayerCache] | None = None) -> torch.Tensor:
         """Embeddings h -> final-norm hidden states: every layer then self.norm, each residual add
         fused into the next norm (one launch per norm on CUDA). Equal to applying the layers one
         by one and then self.norm. caches: the per-layer caches (an engine step) or None."""

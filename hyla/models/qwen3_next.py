@@ -18,14 +18,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyla.contract import ForwardBatch, GDNLayerCache, HybridCache, KVLayerCache, LayerCache
 from hyla.layers.attention import GatedAttention
 from hyla.layers.gdn import GatedDeltaNet
 from hyla.layers.mlp import MLP
 from hyla.layers.norm import ZeroCentredRMSNorm
 from hyla.layers.qwen_moe import Qwen3NextSparseMoE
 from hyla.models.base import HybridForCausalLM
-from hyla.models.batch import ForwardBatch
-from hyla.models.cache import GDNLayerCache, HybridCache, KVLayerCache
 from hyla.models.config import LINEAR, SPARSE
 from hyla.models.qwen3_next_config import Qwen3NextConfig
 
@@ -61,7 +60,8 @@ class Qwen3NextDecoderLayer(nn.Module):
     def token_mixer(self) -> nn.Module:
         return self.linear_attn if self.is_linear else self.self_attn
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch | None = None, cache=None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, batch: ForwardBatch | None = None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         x = self.input_layernorm(h)
         mixer = self.token_mixer
         a = mixer(x) if batch is None else mixer.forward_batch(x, batch, cache)
@@ -69,7 +69,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         return h + self.mlp(x)
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch | None = None,
-                         cache=None) -> tuple[torch.Tensor, torch.Tensor]:
+                         cache: LayerCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The same block with the residual adds fused into the norms (Qwen3NextModel.forward_layers):
         the layer's input is residual + x (residual None: x); returns (mlp output, residual)."""
         x, h = self.input_layernorm.add_forward(x, residual)
@@ -86,7 +86,8 @@ class Qwen3NextModel(nn.Module):
         self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward_layers(self, h: torch.Tensor, batch: ForwardBatch | None = None, caches=None) -> torch.Tensor:
+    def forward_layers(self, h: torch.Tensor, batch: ForwardBatch | None = None,
+                       caches: list[LayerCache] | None = None) -> torch.Tensor:
         """Embeddings h -> final-norm hidden states, each residual add fused into the next norm;
         equal to applying the layers one by one and then self.norm."""
         x, res = h, None

@@ -18,11 +18,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton` (as tests/ops/test_triton.py)
 
+from hyla.contract import ForwardBatch, GDNLayerCache, KDALayerCache, KVLayerCache, MLALayerCache
 from hyla.layers import GatedDeltaNet, KimiDeltaAttention
 from hyla.layers.attention import GatedAttention
 from hyla.layers.mla import MLAAttention
-from hyla.models import ForwardBatch
-from hyla.models.cache import GDNLayerCache, KDALayerCache, KVLayerCache, MLALayerCache
 from tests.oracles.kimi_checkpoint import kimi_checkpoint  # noqa: F401  (session fixture)
 from tests.oracles.qwen3_next_checkpoint import qwen3_next_checkpoint  # noqa: F401  (session fixture)
 

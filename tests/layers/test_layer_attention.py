@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
+from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers import GatedAttention
-from hyla.models import ForwardBatch
-from hyla.models.cache import KVLayerCache
 
 HIDDEN = 24
 

@@ -8,9 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hyla.contract import ForwardBatch, GDNLayerCache
 from hyla.layers import GatedDeltaNet
-from hyla.models import ForwardBatch
-from hyla.models.cache import GDNLayerCache
 
 HIDDEN = 24
 

@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
+from hyla.contract import ForwardBatch, KDALayerCache
 from hyla.layers import KimiDeltaAttention
-from hyla.models import ForwardBatch
-from hyla.models.cache import KDALayerCache
 
 
 def _layer(lower_bound=None, full_rank_gate=False, heads=2, head_dim=8, hidden=24, seed=0):

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
+from hyla.contract import ForwardBatch, MLALayerCache
 from hyla.layers import MLAAttention
-from hyla.models import ForwardBatch
-from hyla.models.cache import MLALayerCache
 
 
 def _layer(q_lora_rank=None, bias=False, seed=0):

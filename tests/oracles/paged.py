@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hyla.models import ForwardBatch
+from hyla.contract import ForwardBatch
 
 
 class ToyPool:

@@ -1,4 +1,4 @@
-"""ForwardBatch: what one engine step asks of the model (the hyla.models <-> hyla.engine contract).
+"""ForwardBatch: what one engine step asks of the model and of every layer (hyla.contract).
 
 N sequences each bring some new tokens, packed along one axis of T_total tokens. The model reads
 and writes the engine's pools through two indirections only:
@@ -36,9 +36,9 @@ class ForwardBatch:
         p new tokens of this step. dest_slot must not be any sequence's state_slot in this step.
     seq_lens / context_lens_list: the same counts as python lists; pass them to avoid device
         syncs (they are read from the tensors when omitted).
-    cuda_graph: a pure-decode batch of the CUDA-graph runner (hyla.engine.cuda_graph): its tensors
-        are persistent buffers refilled before every replay, so layers read lengths from the
-        tensors only (context_lens_list is a placeholder), attend over every block_tables column
+    cuda_graph: a decode / verify batch of the CUDA-graph runners (hyla.engine.cuda_graph,
+        cuda_graph_verify): its tensors are persistent buffers refilled before every replay, so
+        layers read lengths from the tensors only (context_lens_list is a placeholder), attend over every block_tables column
         (masked), check no values (a check would sync) and let padding rows (slot -1, pages -1)
         write the pools' last slot / page, which the runner keeps as scratch.
     """

@@ -1,7 +1,7 @@
-"""The pools a hybrid model reads and writes during `forward_batch`.
+"""The pools a hybrid model reads and writes during `forward_batch` (hyla.contract).
 
-Two kinds of layer cache, told apart by their base class (HybridCache counts every
-LinearLayerCache as linear and every PagedLayerCache as attention):
+Every layer cache is a LayerCache; two kinds, told apart by their base class (HybridCache counts
+every LinearLayerCache as linear and every PagedLayerCache as attention):
 
 - LinearLayerCache (KDA, Gated DeltaNet): a recurrent state slot pool `[num_slots, HV, K, V]`
   (fp32 by default, the delta rule accumulates into it every token) and one conv window pool per
@@ -10,6 +10,12 @@ LinearLayerCache as linear and every PagedLayerCache as attention):
 - PagedLayerCache: tensors `[num_pages, page_size, ...]`, one row per token.
   MLA: one compressed latent per token, `[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`,
   shared by all heads. Full attention (GQA): keys and values, each `[num_pages, page_size, Hkv, D]`.
+
+Replay inputs: a speculative verify step with rollback "replay" leaves, on each cache whose layer
+keeps state, the per-token inputs its layer's `commit_replay` needs afterwards. Whoever runs the
+model reads and hands them back through `replay_inputs()` / `set_replay_inputs()` (the CUDA-graph
+runner does: a captured step's inputs live in the graph's buffers); a cache without replay
+inputs (every PagedLayerCache) answers None.
 
 The model owns these shapes; the engine owns which request holds which slot / page.
 """
@@ -21,7 +27,25 @@ from dataclasses import dataclass
 import torch
 
 
-class LinearLayerCache:
+class LayerCache:
+    """The pools of one layer. Every tensor is indexed by slot (LinearLayerCache) or page
+    (PagedLayerCache) on its first dim."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def replay_inputs(self) -> dict | None:
+        """What the last "replay" verify step kept for `commit_replay` (None: nothing to commit)."""
+        return None
+
+    def set_replay_inputs(self, inputs: dict | None) -> None:
+        """Hand back (or, with None, clear) the inputs `commit_replay` will read. A cache of a
+        layer without state keeps none: only None is accepted."""
+        if inputs is not None:
+            raise ValueError(f"{type(self).__name__} keeps no replay inputs")
+
+
+class LinearLayerCache(LayerCache):
     """A layer with per-request state: `state` [num_slots, HV, K, V] and `conv`, a tuple of
     [num_slots, D, W-1] windows; `replay` holds the per-token inputs of the last "replay" verify
     step (commit_replay). Every tensor is indexed by slot on its first dim."""
@@ -33,12 +57,15 @@ class LinearLayerCache:
     def tensors(self) -> list[torch.Tensor]:
         return [self.state, *self.conv]
 
+    def replay_inputs(self) -> dict | None:
+        return self.replay
 
-class PagedLayerCache:
+    def set_replay_inputs(self, inputs: dict | None) -> None:
+        self.replay = inputs
+
+
+class PagedLayerCache(LayerCache):
     """A layer with per-token rows in pages: every tensor is [num_pages, page_size, ...]."""
-
-    def tensors(self) -> list[torch.Tensor]:
-        raise NotImplementedError
 
 
 @dataclass
@@ -86,14 +113,13 @@ class HybridCache:
     a linear layer, e.g. KDALayerCache, and a PagedLayerCache for an attention layer, e.g.
     MLALayerCache)."""
 
-    def __init__(self, layers: list[LinearLayerCache | PagedLayerCache], num_slots: int, num_pages: int,
-                 page_size: int):
+    def __init__(self, layers: list[LayerCache], num_slots: int, num_pages: int, page_size: int):
         self.layers = layers
         self.num_slots = num_slots
         self.num_pages = num_pages
         self.page_size = page_size
 
-    def __getitem__(self, i: int) -> LinearLayerCache | PagedLayerCache:
+    def __getitem__(self, i: int) -> LayerCache:
         return self.layers[i]
 
     @property
