@@ -34,7 +34,12 @@ SHAPES = {
 SWEEP = [dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3), dict(BM=16, BN=128, BK=128, num_warps=4, num_stages=3),
          dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=2), dict(BM=16, BN=32, BK=256, num_warps=4, num_stages=3),
          dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3), dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3),
-         dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)]
+         dict(BM=128, BN=128, BK=64, GM=1, num_warps=8, num_stages=3),
+         dict(BM=128, BN=128, BK=64, GM=8, num_warps=8, num_stages=3),
+         dict(BM=128, BN=128, BK=64, GM=8, num_warps=8, num_stages=4),
+         dict(BM=128, BN=256, BK=64, GM=8, num_warps=8, num_stages=3),
+         dict(BM=64, BN=128, BK=64, GM=8, num_warps=4, num_stages=4),
+         dict(BM=128, BN=64, BK=64, GM=16, num_warps=4, num_stages=4)]
 
 
 def build_block(shape: dict, device, dtype=torch.bfloat16, seed: int = 0):

@@ -24,9 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch.nn.attention.bias import causal_lower_right
+
 from hyla.contract import ForwardBatch, MLALayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import RMSNorm
+from hyla.ops import dispatch
 
 # transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
 # config.rms_norm_eps; the checkpoints were trained that way.
@@ -99,9 +102,9 @@ class MLAAttention(nn.Module):
         kpe = kpe.unsqueeze(-3).expand(*k_nope.shape[:-1], self.rope)
         return torch.cat([k_nope, kpe], dim=-1), v
 
-    def _attend(self, q: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """Expanded form. q: [B, T, H, D]; latent: [B, L, r + rope]; mask: [T, L] bool (True = attend)
-        or None -> [B, T, H * v_dim]."""
+    def _attend(self, q: torch.Tensor, latent: torch.Tensor, mask, causal: bool) -> torch.Tensor:
+        """Expanded form. q: [B, T, H, D]; latent: [B, L, r + rope]; mask: [T, L] bool (True =
+        attend), an attention bias (causal_lower_right) or None -> [B, T, H * v_dim]."""
         k, v = self.expand(latent)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=causal,
                                            scale=self.scaling)
@@ -117,48 +120,51 @@ class MLAAttention(nn.Module):
     def forward_batch(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
         """x: [T_total, hidden]; batch: ForwardBatch; cache: MLALayerCache. Writes each new token's
         latent into its page, then attends over positions 0..context+new-1 of its sequence: decode
-        and verify batches with equal new-token counts all at once in the absorbed form; otherwise
-        sequences with one new token batched (absorbed), the others one by one (expanded)."""
+        and verify batches with equal new-token counts all at once in the absorbed form over the
+        pages (hyla.ops.paged_mla_decode); otherwise sequences with one new token batched
+        (absorbed), the others one by one (expanded, causal flash attention)."""
         page_size = cache.kv.shape[1]
-        flat = cache.kv.view(-1, self.latent_dim)
         q_in, kv = self._project(x)  # one GEMM once packed
-        flat[batch.kv_slot_mapping(page_size)] = self._latent_from(kv).to(flat.dtype)
+        dispatch.write_latents(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache.kv,
+                               batch.kv_slot_mapping(page_size))
         q = self._query_from(q_in)  # [T_total, H, D]
         w = batch.uniform_width
         if w is not None:  # no host -> device copies (CUDA-graph safe)
-            out = self._absorbed(q.unflatten(0, (batch.num_seqs, w)), cache.kv, *batch.query_window(page_size))
-            return self.o_proj(out.flatten(0, 1).to(x.dtype))
+            last = batch.context_lens if w == 1 else (batch.context_lens[:, None] + torch.arange(w, device=x.device)).flatten()
+            return self.o_proj(self._absorbed(q, cache.kv, batch.block_tables, last))
         out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
         single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
         if single:
             rows = torch.tensor([batch.cu_seqlens_list[n] for n in single], device=x.device)
-            pages, valid = batch.decode_window(single, page_size)
-            out[rows] = self._absorbed(q[rows][:, None], cache.kv, pages, valid)[:, 0].to(out.dtype)
+            seqs = torch.tensor(single, device=x.device)
+            out[rows] = self._absorbed(q[rows], cache.kv, batch.block_tables[seqs], batch.context_lens[seqs])
         cu = batch.cu_seqlens_list
         for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
             if new <= 1:
                 continue
-            total = ctx + new
-            lat = _gather(cache.kv, batch.block_tables[n], total)  # [L, r + rope]
-            allowed = torch.arange(total, device=x.device)[None, :] <= ctx + torch.arange(new, device=x.device)[:, None]
-            out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], lat[None], allowed, causal=False)[0]
+            lat = _gather(cache.kv, batch.block_tables[n], ctx + new)  # [L, r + rope]
+            out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], lat, ctx)
         return self.o_proj(out)
 
-    def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _attend_new(self, q: torch.Tensor, latent: torch.Tensor, ctx: int) -> torch.Tensor:
+        """Expanded form for the new tokens of one sequence. q: [T, H, D] (positions ctx..ctx+T-1);
+        latent: [ctx + T, r + rope] -> [T, H * v_dim]. Causal: a plain causal kernel without a
+        prefix, the lower-right-aligned causal bias with one (no [T, L] mask is built)."""
+        if ctx == 0:
+            return self._attend(q[None], latent[None], None, causal=True)[0]
+        bias = causal_lower_right(q.shape[0], latent.shape[0])
+        return self._attend(q[None], latent[None], bias, causal=False)[0]
+
+    def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """Absorbed form (queries meet the cached latents directly; kv_b_proj folded into them).
-        q: [S, W, H, nope + rope] W query tokens of S sequences; kv: [num_pages, page_size, r + rope];
-        pages: [S, P] each sequence's window of pages; valid: [S, W, P * page_size] which window
-        tokens each query may attend to -> [S, W, H * v_dim]."""
-        lat = kv[pages].flatten(1, 2)  # [S, L, r + rope]
+        q: [N, H, nope + rope], W = N / S consecutive query tokens of each of S sequences;
+        kv: [num_pages, page_size, r + rope]; tables: [S, P] page ids; last: [N] the last
+        position each query attends to -> [N, H * v_dim] in q's dtype."""
         w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope + self.v_dim))  # [H, nope+v, r]
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        q_lat = torch.cat([torch.einsum("swhn,hnr->swhr", q_nope, w_uk), q_pe], dim=-1)  # [S, W, H, r + rope]
-        work = torch.float64 if lat.dtype == torch.float64 else torch.float32  # softmax in >= fp32
-        scores = torch.einsum("swhc,slc->swhl", q_lat, lat).to(work) * self.scaling
-        probs = scores.masked_fill(~valid[:, :, None, :], float("-inf")).softmax(-1).to(lat.dtype)
-        o_lat = torch.einsum("swhl,slr->swhr", probs, lat[..., :self.kv_lora_rank])  # [S, W, H, r]
-        return torch.einsum("swhr,hvr->swhv", o_lat, w_uv).flatten(-2)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, r]
+        return dispatch.paged_mla_decode(q_lat, q_pe, kv, tables, last, w_uv, self.scaling)
 
 
 def _gather(kv: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from hyla.ops import chunk as _torch_chunk
 from hyla.ops import conv as _torch_conv
 from hyla.ops import gate as _torch_gate
+from hyla.ops import mla as _torch_mla
 from hyla.ops import norm as _torch_norm
 from hyla.ops import recurrent as _torch_recurrent
 from hyla.ops import triton as _triton
@@ -32,7 +33,8 @@ from hyla.ops import triton as _triton
 __all__ = ["backend_for", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
-           "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn"]
+           "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
+           "write_latents", "paged_mla_decode"]
 
 _BACKENDS = ("auto", "torch", "triton")
 _MAX_HEAD_DIM = 256
@@ -94,6 +96,9 @@ causal_conv1d_verify = _dispatched(_torch_conv.causal_conv1d_verify, "causal_con
 causal_conv1d_fn = _dispatched(_torch_conv.causal_conv1d_fn, "causal_conv1d_fn", "x", "x", heads=False)
 causal_conv1d_update_packed = _dispatched(_torch_conv.causal_conv1d_update_packed, "causal_conv1d_update_packed",
                                           "x", "x", heads=False)
+
+write_latents = _dispatched(_torch_mla.write_latents, "write_latents", "kv", "cache", heads=False)
+paged_mla_decode = _dispatched(_torch_mla.paged_mla_decode, "paged_mla_decode", "q_lat", "cache", heads=False)
 
 
 # -- fused decode norms and gates (hyla.ops.triton.norm / gate; torch: hyla.ops.norm / gate) ------

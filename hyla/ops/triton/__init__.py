@@ -16,7 +16,8 @@ import os
 __all__ = ["is_available", "interpreting", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
-           "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn"]
+           "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
+           "write_latents", "paged_mla_decode"]
 
 
 def is_available() -> bool:
@@ -36,7 +37,8 @@ def __getattr__(name):
                "causal_conv1d_update": "conv", "causal_conv1d_verify": "conv", "causal_conv1d_update_packed": "conv",
                "rms_norm_rounded": "norm", "rms_norm_zero_centred": "norm", "add_rms_norm": "norm",
                "gated_rms_norm": "norm", "silu_gated_rms_norm": "norm",
-               "kda_gate_beta": "gate", "gdn_gate_beta": "gate", "causal_conv1d_fn": "conv_prefill"}
+               "kda_gate_beta": "gate", "gdn_gate_beta": "gate", "causal_conv1d_fn": "conv_prefill",
+               "write_latents": "mla", "paged_mla_decode": "mla"}
     if name in modules:
         return getattr(importlib.import_module(f"hyla.ops.triton.{modules[name]}"), name)
     raise AttributeError(f"module 'hyla.ops.triton' has no attribute {name!r}")

@@ -13,8 +13,11 @@ ids [M, k] -> [M, H]). The scheme is the one vLLM and SGLang use for their fused
    epilogue, rounded once) for the pairs: h [P, I].
 3. `_down_kernel`: the same over h (rows are pairs, not tokens) and w2, each row scaled by its
    routing weight, written per pair in fp32: y [P, H].
-4. out = y.view(M, k, H).sum(1): the k contributions of a token in slot order (no atomics, so
-   the result does not depend on the run).
+4. `_sum_slots_kernel`: out[m] = sum_j y[m, j] in fp32, the k contributions of a token in slot
+   order (no atomics, so the result does not depend on the run), rounded once to x's dtype.
+
+Prefill-sized launches run GM row blocks at a time across all column blocks (`_block_ids`), so
+the gathered activations of a group are read from HBM once rather than once per column block.
 
 Programs of blocks past the padded end (block_expert = -1) return at once; at decode most of the
 grid is such blocks, which costs a few microseconds.
@@ -28,6 +31,7 @@ import triton.language as tl
 
 from hyla.ops.moe import _check, sort_pairs_by_expert
 from hyla.ops.triton import _interpreter
+from hyla.ops.triton.norm import to_dtype
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -137,11 +141,25 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _block_ids(NB, NN, GM: tl.constexpr):
+    """Program id -> (row block, column block) of a 1-D grid of NB x NN programs, GM row blocks
+    at a time: the GM row blocks' activations stay in L2 while every column block of them runs
+    (launch order row-fastest inside a group), instead of being re-read from HBM once per column
+    block. GM = 1 is the plain column-major order (weight tiles shared by consecutive programs)."""
+    pid = tl.program_id(0)
+    per_group = GM * NN
+    first = (pid // per_group) * GM
+    rows = tl.minimum(NB - first, GM)
+    i_m = first + (pid % per_group) % rows
+    i_n = (pid % per_group) // rows
+    return i_m, i_n
+
+
+@triton.jit
 def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, P, I, H,
-                    s_xm, s_we, s_wn, s_hm, top_k: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    i_m = tl.program_id(0)
-    i_n = tl.program_id(1)
+                    s_xm, s_we, s_wn, s_hm, NB, NN, top_k: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
+    i_m, i_n = _block_ids(NB, NN, GM)
     e = tl.load(block_expert + i_m).to(tl.int64)
     if e < 0:
         return
@@ -170,10 +188,9 @@ def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, P, I, H,
 
 @triton.jit
 def _down_kernel(h, w, y, weights, sorted_pairs, block_expert, P, H, I,
-                 s_hm, s_we, s_wn, s_ym,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
-    i_m = tl.program_id(0)
-    i_n = tl.program_id(1)
+                 s_hm, s_we, s_wn, s_ym, NB, NN,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
+    i_m, i_n = _block_ids(NB, NN, GM)
     e = tl.load(block_expert + i_m).to(tl.int64)
     if e < 0:
         return
@@ -195,17 +212,29 @@ def _down_kernel(h, w, y, weights, sorted_pairs, block_expert, P, H, I,
     tl.store(y + rows[:, None] * s_ym + o_n[None, :], acc * scale[:, None], mask=live[:, None] & m_n[None, :])
 
 
+@triton.jit
+def _sum_slots_kernel(y, out, H, top_k: tl.constexpr, BH: tl.constexpr):
+    """out[m, :] = sum_j y[m, j, :] in fp32, slot order, rounded once to out's dtype."""
+    m = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BH + tl.arange(0, BH)
+    live = o < H
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for j in tl.static_range(top_k):
+        acc += tl.load(y + (m * top_k + j) * H + o, mask=live, other=0.0)
+    tl.store(out + m * H + o, to_dtype(acc, out.dtype.element_ty), mask=live)
+
+
 def _config(pairs: int, num_experts: int) -> dict:
     """Block sizes by the expected rows per expert: small blocks for decode (a few rows per
     expert: the GEMMs read weights, BLOCK_M only pads), larger for prefill."""
     per_expert = pairs / num_experts
     if per_expert <= 16:
-        return dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3)
+        return dict(BM=16, BN=64, BK=128, GM=1, num_warps=4, num_stages=3)
     if per_expert <= 64:
-        return dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3)
+        return dict(BM=32, BN=64, BK=128, GM=1, num_warps=4, num_stages=3)
     # Measured on an H200 (`hyla bench moe --sweep`, 8192 tokens, both released shapes): 128-row
     # blocks beat 64-row ones by 15-25%; BM=16 is best up to 256 decode tokens.
-    return dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+    return dict(BM=128, BN=128, BK=64, GM=8, num_warps=8, num_stages=3)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -224,16 +253,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         return x.new_zeros(M, H)
     cfg = dict(config) if config is not None else _config(P, E)
     BM = cfg.pop("BM")
-    BN, BK = cfg.pop("BN"), cfg.pop("BK")
+    BN, BK, GM = cfg.pop("BN"), cfg.pop("BK"), cfg.pop("GM", 1)
     sorted_pairs, block_expert = align_pairs(ids, E, BM)
     nb = block_expert.shape[0]
     ieee = x.dtype == torch.float32
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(nb, triton.cdiv(I, BN))](
+    nn_up, nn_down = triton.cdiv(I, BN), triton.cdiv(H, BN)
+    _gate_up_kernel[(nb * nn_up,)](
         x, w13, h, sorted_pairs, block_expert, P, I, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        top_k=k, BM=BM, BN=BN, BK=BK, IEEE=ieee, **cfg)
+        nb, nn_up, top_k=k, BM=BM, BN=BN, BK=BK, GM=GM, IEEE=ieee, **cfg)
     y = torch.empty(P, H, dtype=torch.float32, device=x.device)
-    _down_kernel[(nb, triton.cdiv(H, BN))](
+    _down_kernel[(nb * nn_down,)](
         h, w2, y, weights.reshape(-1).float(), sorted_pairs, block_expert, P, H, I, h.stride(0), w2.stride(0),
-        w2.stride(1), y.stride(0), BM=BM, BN=BN, BK=BK, IEEE=ieee, **cfg)
-    return y.view(M, k, H).sum(1).to(x.dtype)
+        w2.stride(1), y.stride(0), nb, nn_down, BM=BM, BN=BN, BK=BK, GM=GM, IEEE=ieee, **cfg)
+    out = torch.empty(M, H, dtype=x.dtype, device=x.device)
+    BH = min(1024, triton.next_power_of_2(H))
+    _sum_slots_kernel[(M, triton.cdiv(H, BH))](y, out, H, top_k=k, BH=BH, num_warps=4)
+    return out

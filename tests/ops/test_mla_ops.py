@@ -1,0 +1,137 @@
+"""Paged MLA ops (hyla.ops.mla): the torch reference against a per-query fp64 loop, and the
+Triton kernels (TRITON_INTERPRET=1 on the CPU) against the reference, at awkward sizes: head
+counts that do not fill a head block, widths that are not powers of two, no positional part
+(NoPE), padding pages (-1), several query tokens per sequence and more splits than tokens."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hyla.ops import mla as ref
+from hyla.ops.norm import rms_norm_rounded
+from tests.ops.test_fused_decode import assert_ulps
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _triton():
+    pytest.importorskip("triton")
+    from hyla.ops import triton as hyla_triton
+
+    if not torch.cuda.is_available() and not hyla_triton.interpreting():
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+    from hyla.ops.triton import mla
+
+    return mla, "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(S, W, H, r, rope, v, ps, lens, dtype, seed):
+    """Random queries, a random pool and block tables: sequence s holds lens[s] tokens in pages
+    drawn without replacement, padded with -1; its W queries sit at the last W positions."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // ps) for n in lens) + 1  # one padding column at least
+    num_pages = sum(-(-n // ps) for n in lens) + 2
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables = torch.full((S, width), -1, dtype=torch.long)
+    for s, n in enumerate(lens):
+        for j in range(-(-n // ps)):
+            tables[s, j] = perm.pop()
+    cache = torch.randn(num_pages, ps, r + rope, generator=g, dtype=torch.float64).to(dtype)
+    q_lat = torch.randn(S * W, H, r, generator=g, dtype=torch.float64).to(dtype)
+    q_pe = torch.randn(S * W, H, rope, generator=g, dtype=torch.float64).to(dtype)
+    w_uv = (torch.randn(H, v, r, generator=g, dtype=torch.float64) / r ** 0.5).to(dtype)
+    last = torch.tensor([n - W + i for n in lens for i in range(W)], dtype=torch.long)
+    return q_lat, q_pe, cache, tables, last, w_uv
+
+
+def _loop(q_lat, q_pe, cache, tables, last, w_uv, scale):
+    """fp64 oracle: each query and head on its own over its gathered positions."""
+    N, H, r = q_lat.shape
+    W = N // tables.shape[0]
+    ps = cache.shape[1]
+    out = torch.zeros(N, H * w_uv.shape[1], dtype=torch.float64)
+    for n in range(N):
+        length = int(last[n]) + 1
+        rows = [int(tables[n // W, t // ps]) * ps + t % ps for t in range(length)]
+        lat = cache.view(-1, cache.shape[-1])[rows].double()
+        for h in range(H):
+            q = torch.cat([q_lat[n, h], q_pe[n, h]]).double()
+            p = torch.softmax(lat @ q * scale, 0)
+            out[n, h * w_uv.shape[1]:(h + 1) * w_uv.shape[1]] = w_uv[h].double() @ (p @ lat[:, :r])
+    return out
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+CASES = [  # S, W, H, r, rope, v, page_size, lengths
+    (2, 1, 3, 32, 16, 24, 4, [1, 13]),
+    (3, 3, 5, 48, 0, 16, 8, [3, 20, 9]),   # NoPE, verify-shaped queries
+    (1, 1, 17, 16, 16, 16, 16, [37]),      # 17 heads: two head blocks, the second nearly empty
+]
+
+
+@pytest.mark.parametrize("S,W,H,r,rope,v,ps,lens", CASES)
+def test_reference_matches_loop_fp64(S, W, H, r, rope, v, ps, lens):
+    args = _inputs(S, W, H, r, rope, v, ps, lens, torch.float64, seed=S + W)
+    got = ref.paged_mla_decode(*args, scale=0.3)
+    assert _rel(got, _loop(*args, scale=0.3)) < 1e-12
+
+
+@pytest.mark.parametrize("S,W,H,r,rope,v,ps,lens", CASES)
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_triton_decode_matches_loop(S, W, H, r, rope, v, ps, lens, splits):
+    mla, dev = _triton()
+    args = _inputs(S, W, H, r, rope, v, ps, lens, torch.float32, seed=3 * S + W)
+    want = _loop(*(a.double() if a.is_floating_point() else a for a in args), scale=0.3)
+    got = mla.paged_mla_decode(*(a.to(dev) for a in args), scale=0.3, block_n=16, num_splits=splits)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert _rel(got.cpu(), want) < 1e-5  # fp32 throughout (ieee dots): rounding only
+
+
+def test_triton_decode_query_without_positions_gives_zeros():
+    """A CUDA-graph padding row may ask for no position at all (last = -1): zeros, not NaN."""
+    mla, dev = _triton()
+    q_lat, q_pe, cache, tables, last, w_uv = _inputs(2, 1, 2, 16, 16, 16, 4, [5, 6], torch.float32, seed=1)
+    last[1] = -1
+    got = mla.paged_mla_decode(*(a.to(dev) for a in (q_lat, q_pe, cache, tables, last, w_uv)), scale=0.5)
+    assert torch.isfinite(got).all() and got[1].abs().max() == 0
+
+
+def test_decode_shapes_are_checked():
+    q_lat, q_pe, cache, tables, last, w_uv = _inputs(2, 1, 2, 16, 16, 16, 4, [5, 6], torch.float32, seed=1)
+    with pytest.raises(ValueError, match="last must be"):
+        ref.paged_mla_decode(q_lat, q_pe, cache, tables, last[:1], w_uv, 0.5)
+    with pytest.raises(ValueError, match="cache must be"):
+        ref.paged_mla_decode(q_lat, q_pe, cache[..., :-1], tables, last, w_uv, 0.5)
+
+
+@pytest.mark.parametrize("rope", [16, 0])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32, torch.float32),
+                                    (torch.float32, torch.bfloat16, torch.float32)])
+def test_write_latents_triton_matches_reference(rope, dtypes):
+    """Every row lands where the slot says (negative slots count from the end) with the
+    reference's roundings: the normalised c rounded to its dtype before the weight."""
+    mla, dev = _triton()
+    x_dtype, w_dtype, cache_dtype = dtypes
+    g = torch.Generator().manual_seed(rope)
+    r, T = 40, 7
+    kv = torch.randn(T, r + rope + 8, generator=g).to(x_dtype)[:, :r + rope]  # strided rows
+    weight = (1 + 0.1 * torch.randn(r, generator=g)).to(w_dtype)
+    slots = torch.tensor([0, 5, 17, 3, -1, -5, 9])
+    want = torch.zeros(6, 4, r + rope, dtype=cache_dtype)
+    got = want.clone().to(dev)
+    ref.write_latents(kv, weight, 1e-6, want, slots)
+    mla.write_latents(kv.to(dev), weight.to(dev), 1e-6, got, slots.to(dev))
+    written = torch.zeros(want.shape[:2], dtype=torch.bool).view(-1)
+    written[slots] = True
+    assert torch.equal(got.cpu().view(-1, r + rope)[~written], want.view(-1, r + rope)[~written])  # untouched
+    assert_ulps(got.cpu(), want)  # the reciprocal square root may differ in its last fp32 bit
+    assert torch.equal(got.cpu()[..., r:], want[..., r:])  # kpe copied as is
+    flat = want.view(-1, r + rope)
+    assert torch.equal(flat[-1, :r], rms_norm_rounded(kv[4, :r], weight, 1e-6).to(cache_dtype))
