@@ -1,5 +1,9 @@
 """CUDA graphs for pure-decode steps: one graph per (batch-size bucket, page-width bucket).
 
+This module: the decode graphs (DecodeGraphs) and what every graph shares (buckets, scratch,
+capture). Speculative verify and commit graphs: hyla.engine.cuda_graph_verify, whose
+CUDAGraphRunner (DecodeGraphs + verify / commit) is what ModelRunner holds.
+
 A decode step of a hybrid model is about a thousand small kernels (projections, short convs,
 gates, norms, the recurrent kernel) over a few rows; launched one by one from Python their
 launch overhead, not the GPU, sets the step time. A graph replays the whole step
@@ -21,17 +25,6 @@ Buckets: batch sizes 1, 2, 4, 8, 16, 24, ... (multiples of 8, as vLLM) up to `ma
 page widths 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (MLA reads every column of the width, masked, so
 at most 1.5x the latents it needs). A graph is captured the first time its bucket is used; all
 share one memory pool.
-
-Speculative verify steps get graphs too (`run_verify`): every row is padded to the same width
-W = 1 + k tokens ([x0, d1..dk], missing drafts filled with token 0), so the step has a fixed
-shape; the logits of padding positions are computed and ignored. A verify buffer
-`vmeta [max_batch, 2 + 2W + width]` holds per row: context length, num_accepted_tokens, the W
-token ids, the W state slots (rollback "slots"; "replay" reads the first only) and the block
-table. Padding positions write only what nobody reads: with "slots", the states after them go to
-the request's own spare slots (never the one the accepted count selects); their KV goes to rows
-past the request's length in its own last page, or to the scratch page where no page is
-allocated (-1). With "replay", the per-token inputs the layers keep for `commit_replay` are the
-graph's buffers; the runner hands them back to the caches after every replay.
 
 MoE layers are captured like the rest: routing and the expert-sorted grouped GEMMs
 (hyla.ops.moe) run on the device with shapes fixed by the batch size. Left to the eager path:
@@ -95,12 +88,7 @@ def _decode_pad_row(width: int) -> list[int]:
     return [0, 0, -1] + [-1] * width
 
 
-def _verify_pad_row(W: int, width: int) -> list[int]:
-    """A padding row of the verify buffer: context 0, 1 accepted, W tokens 0, slots -1, no pages."""
-    return [0, 1] + [0] * W + [-1] * W + [-1] * width
-
-
-class CUDAGraphRunner:
+class DecodeGraphs:
     """Replays captured decode steps. `capture=False` runs the same padded, fixed-shape inputs
     eagerly (how the CPU tests check the padding without a GPU)."""
 
@@ -115,12 +103,6 @@ class CUDAGraphRunner:
         self.cu = torch.arange(max_batch + 1, device=self.device)
         self.meta: dict[int, torch.Tensor] = {}  # width -> [max_batch, 3 + width]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
-        self.vmeta: dict[tuple[int, int], torch.Tensor] = {}  # (W, width) -> [max_batch, 2 + 2W + width]
-        # (bs, W, width, rollback) -> (graph, logits [bs, W, V], the layers' replay inputs)
-        self.verify_graphs: dict[tuple, tuple] = {}
-        self.commit_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # same keys, rollback "replay"
-        self.accepted = torch.ones(max_batch, dtype=torch.long, device=self.device)  # commit's input
-        self.verify_key: tuple | None = None  # the last verify step's key: its commit pads to its rows
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
     def can_run(self, seqs, num_new_tokens, logit_rows, checkpoints=None) -> bool:
@@ -208,107 +190,3 @@ class CUDAGraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             out = step()
         return graph, out
-
-    # -- speculative verify ----------------------------------------------------------------------
-
-    def can_verify(self, n: int) -> bool:
-        return 0 < n <= self.max_batch
-
-    @torch.inference_mode()
-    def run_verify(self, tokens: list[list[int]], context_lens: list[int], slots: list[list[int]],
-                   accepted: list[int], block_tables: list[list[int]], rollback: str) -> torch.Tensor:
-        """One verify step from python lists, every row W = len(tokens[n]) tokens (the same for
-        all; pad missing drafts). slots[n]: the W per-position slots ("slots") or [slot]
-        ("replay"); accepted[n]: 1 + the index in slots[n] of the slot holding the current state.
-        Returns logits [N, W, V] fp32, a view of the graph's output buffer (valid until the next
-        replay)."""
-        n, W = len(tokens), len(tokens[0])
-        if rollback not in ("slots", "replay"):
-            raise ValueError(f"rollback must be 'slots' or 'replay', got {rollback!r}")
-        if any(len(t) != W for t in tokens) or any(len(s) != (W if rollback == "slots" else 1) for s in slots):
-            raise ValueError("verify rows must all have W tokens and W slots (rollback 'slots') or 1 ('replay')")
-        bs = next(b for b in self.buckets if b >= n)
-        need = max(-(-(c + W) // self.page_size) for c in context_lens) if self.has_attention else 1
-        width = width_bucket(need)
-        pad_slots = lambda sl: list(sl) + [-1] * (W - len(sl))  # noqa: E731
-        rows = [[c, a] + list(t) + pad_slots(sl) + list(table[:width]) + [-1] * (width - len(table[:width]))
-                for t, c, sl, a, table in zip(tokens, context_lens, slots, accepted, block_tables)]
-        rows += [_verify_pad_row(W, width)] * (bs - n)
-        key = (bs, W, width, rollback)
-        graph, out, replay = self._verify_graph(key)
-        self.vmeta[(W, width)][:bs].copy_(torch.tensor(rows, dtype=torch.long))
-        self.verify_key = key
-        if graph is None:
-            out = self._verify_forward(*key)
-        else:
-            graph.replay()
-            self._restore_replay_inputs(replay)
-        return out[:n]
-
-    def pad_accepted(self, accepted: list[int]) -> list[int]:
-        """Accepted counts for commit_replay after `run_verify`: padding rows advance by 1 (their
-        slot is the scratch slot)."""
-        return list(accepted) + [1] * (self.verify_key[0] - len(accepted))
-
-    @torch.inference_mode()
-    def commit_replay(self, accepted: list[int]) -> None:
-        """After a "replay" `run_verify`: advance every row's state by its accepted tokens
-        (model.commit_replay), replaying the commit graph captured with the verify graph."""
-        padded = self.pad_accepted(accepted)
-        bs = len(padded)
-        self.accepted[:bs].copy_(torch.tensor(padded, dtype=torch.long))
-        graph = self.commit_graphs.get(self.verify_key)
-        if graph is None:
-            self.model.commit_replay(self.cache, self.accepted[:bs])
-        else:
-            graph.replay()
-            self._restore_replay_inputs([None] * len(self.cache.layers))  # consumed, as the eager commit does
-
-    def _restore_replay_inputs(self, replay) -> None:
-        """Hand each layer's cache the inputs for commit_replay: what the captured step left
-        (replay[i] None, as for every attention layer: none)."""
-        for layer_cache, inputs in zip(self.cache.layers, replay, strict=True):
-            layer_cache.set_replay_inputs(inputs)
-
-    def _verify_forward(self, bs: int, W: int, width: int, rollback: str) -> torch.Tensor:
-        meta = self.vmeta[(W, width)]
-        ctx, acc = meta[:bs, 0], meta[:bs, 1]
-        ids = meta[:bs, 2:2 + W].reshape(-1)
-        slots = meta[:bs, 2 + W:2 + 2 * W] if rollback == "slots" else meta[:bs, 2 + W:3 + W]
-        positions = (ctx[:, None] + torch.arange(W, device=self.device)).reshape(-1)
-        batch = ForwardBatch(
-            cu_seqlens=self.cu[:bs + 1] * W, context_lens=ctx, positions=positions,
-            block_tables=meta[:bs, 2 + 2 * W:], state_slots=slots, num_accepted_tokens=acc, rollback=rollback,
-            seq_lens=[W] * bs, context_lens_list=[1] * bs, cuda_graph=True)
-        hidden = self.model.forward_batch(ids, batch, self.cache)
-        return self.model.compute_logits(hidden).view(bs, W, -1)
-
-    def _verify_graph(self, key: tuple):
-        bs, W, width, rollback = key
-        if (W, width) not in self.vmeta:
-            self.vmeta[(W, width)] = torch.zeros(self.max_batch, 2 + 2 * W + width, dtype=torch.long,
-                                                 device=self.device)
-        if key in self.verify_graphs:
-            return self.verify_graphs[key]
-        if not self.capture:
-            self.verify_graphs[key] = (None, None, None)
-            return self.verify_graphs[key]
-        meta = self.vmeta[(W, width)]
-        # Warm up on padding rows only: every write lands in scratch.
-        meta[:bs] = torch.tensor(_verify_pad_row(W, width), device=self.device)
-        graph, out = self._capture(lambda: self._verify_forward(*key))
-        replay = [layer_cache.replay_inputs() for layer_cache in self.cache.layers]
-        if rollback == "replay":
-            # The commit reads the verify graph's buffers: fill them once from the padding rows
-            # (a capture does not run), so that the commit's warm-up touches only scratch.
-            graph.replay()
-            self.accepted[:bs] = 1
-
-            def commit():
-                self._restore_replay_inputs(replay)  # commit_replay consumes them
-                self.model.commit_replay(self.cache, self.accepted[:bs])
-            self.commit_graphs[key], _ = self._capture(commit)
-        self._restore_replay_inputs([None] * len(self.cache.layers))  # the capture's inputs are no step to commit
-        log.debug("captured a verify CUDA graph for batch %d, %d tokens, %d pages, %s", bs, W, width, rollback)
-        self.verify_graphs[key] = (graph, out, replay)
-        return self.verify_graphs[key]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from hyla.contract import ForwardBatch
-from hyla.engine.cuda_graph import SCRATCH, CUDAGraphRunner, use_cuda_graphs
+from hyla.engine.cuda_graph import SCRATCH, use_cuda_graphs
+from hyla.engine.cuda_graph_verify import CUDAGraphRunner
 
 
 class ModelRunner:

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from hyla.engine.llm_engine import LLMEngine
 from hyla.engine.outputs import RequestOutput
@@ -22,14 +23,13 @@ log = logging.getLogger("hyla.server")
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_output=None):
+    def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None):
         self.engine = engine
-        self.on_output = on_output  # callback(request_id, output, now) in the loop thread (metrics)
+        self.on_output = on_output  # on_output(output: RequestOutput, now: time.monotonic()) in the loop thread
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hyla-engine", daemon=True)
-        self.errors = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -92,7 +92,6 @@ class AsyncEngine:
             try:
                 outputs = self.engine.step()
             except Exception:  # noqa: BLE001 - a failure must not stop the loop thread
-                self.errors += 1
                 log.exception("engine step failed")
                 continue
             now = time.monotonic()

@@ -1,6 +1,6 @@
-"""Element-wise pieces shared by the Triton kernels: gates, beta, q/k L2 norm.
+"""Element-wise pieces shared by the Triton kernels: the gate activations.
 
-Everything here runs in fp32 on register tiles and mirrors hyla.ops.gate / hyla.ops.norm:
+Everything here runs in fp32 on register tiles and mirrors hyla.ops.gate:
 
     gate v1 (GATE_FN = 1):  g = -exp(A_log) * softplus(x + dt_bias)
     gate v2 (GATE_FN = 2):  g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias))
@@ -40,9 +40,3 @@ def apply_gate(x, a_log, bias, lower_bound, GATE_FN: tl.constexpr):
         return lower_bound * sigmoid(tl.exp(a_log) * (x + bias))
     else:
         return x
-
-
-@triton.jit
-def l2norm_rows(x):
-    """x: [R, BK] fp32 -> each row divided by sqrt(sum x^2 + 1e-6) (fla's eps); padded columns are 0."""
-    return x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6))[:, None]
