@@ -30,6 +30,20 @@ DENSE = "dense"
 SPARSE = "sparse"
 SUPPORTED_MODEL_TYPES = ("kimi_linear",)
 
+
+@dataclass(frozen=True)
+class LayerSizes:
+    """What the memory report (hyla.models.memory) asks a family's config: the kind of its linear
+    and attention layers and, in elements, what one layer of each kind caches. Every family's
+    config answers `layer_sizes()`; the layer counts come from `layer_types`."""
+
+    linear_kind: str  # e.g. "KDA", "GDN"
+    attention_kind: str  # e.g. "MLA", "GQA"
+    state_per_slot: int  # one linear layer's recurrent state, per request (state dtype)
+    conv_per_slot: int  # one linear layer's conv windows, per request (model dtype)
+    kv_per_token: int  # one attention layer's cache, per token (model dtype)
+    kv_contents: str  # what that cache holds, e.g. "MLA latents", "keys + values"
+
 # Alternative spellings seen in Kimi-Linear configs: transformers' attribute names on the left of
 # its attribute_map, the released checkpoint's keys on the right. The first key found wins.
 _ALIASES = {
@@ -103,6 +117,43 @@ class KimiLinearConfig:
     def mla_layers(self) -> list[int]:
         """0-based indices of the MLA layers."""
         return [i for i, t in enumerate(self.layer_types) if t == FULL]
+
+    def layer_sizes(self) -> LayerSizes:
+        """KDA: a state H x K x K and three conv windows (q, k, v), each H*K x (W-1), per slot;
+        MLA: one latent of kv_lora_rank + qk_rope_head_dim values per token."""
+        h, k = self.linear_num_heads, self.linear_head_dim
+        return LayerSizes(linear_kind="KDA", attention_kind="MLA", state_per_slot=h * k * k,
+                          conv_per_slot=3 * h * k * (self.conv_kernel_size - 1),
+                          kv_per_token=self.kv_lora_rank + self.qk_rope_head_dim, kv_contents="MLA latents")
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(parameters stored in the model dtype, parameters kept in fp32), from the config alone."""
+        hid, main, fp32 = self.hidden_size, 0, 0
+        for i, kind in enumerate(self.layer_types):
+            main += 2 * hid  # input / post-attention norms
+            if kind == LINEAR:
+                h, k = self.linear_num_heads, self.linear_head_dim
+                d = h * k
+                gate = hid * d if self.use_full_rank_gate else hid * k + k * d
+                main += 3 * hid * d + 3 * d * self.conv_kernel_size + hid * k + k * d + hid * h + gate + k + d * hid
+                fp32 += d + h  # dt_bias, A_log
+            else:
+                h, qk, r, b = self.num_attention_heads, self.qk_head_dim, self.kv_lora_rank, int(self.attention_bias)
+                if self.q_lora_rank is None:
+                    main += hid * h * qk
+                else:
+                    ql = self.q_lora_rank
+                    main += hid * ql + b * ql + ql + ql * h * qk
+                main += (hid + b) * (r + self.qk_rope_head_dim) + r + r * h * (self.qk_nope_head_dim + self.v_head_dim)
+                main += h * self.v_head_dim * hid + b * hid
+            if self.mlp_layer_types[i] == SPARSE:
+                e, im = self.num_experts, self.moe_intermediate_size
+                main += 3 * hid * im * (e + self.num_shared_experts)
+                fp32 += e * hid + e  # router weight, e_score_correction_bias
+            else:
+                main += 3 * hid * self.intermediate_size
+        main += self.vocab_size * hid * (1 if self.tie_word_embeddings else 2) + hid
+        return main, fp32
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range."""

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from hyla.models.config import (
-    DENSE, FULL, LINEAR, SPARSE, _check_int, _req, check_layer_kinds, read_config_json,
+    DENSE, FULL, LINEAR, SPARSE, LayerSizes, _check_int, _req, check_layer_kinds, read_config_json,
 )
 
 MODEL_TYPE = "qwen3_next"
@@ -89,6 +89,39 @@ class Qwen3NextConfig:
         """Channels of a Gated DeltaNet layer's short conv: q, k and v concatenated."""
         return 2 * self.linear_num_key_heads * self.linear_key_head_dim + \
             self.linear_num_value_heads * self.linear_value_head_dim
+
+    def layer_sizes(self) -> LayerSizes:
+        """Gated DeltaNet: a state HV x K x V and one conv window conv_dim x (W-1) per slot;
+        gated attention (GQA): a key and a value, Hkv x head_dim each, per token."""
+        return LayerSizes(
+            linear_kind="GDN", attention_kind="GQA",
+            state_per_slot=self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim,
+            conv_per_slot=self.conv_dim * (self.linear_conv_kernel_dim - 1),
+            kv_per_token=2 * self.num_key_value_heads * self.head_dim, kv_contents="keys + values")
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(parameters stored in the model dtype, parameters kept in fp32), from the config alone."""
+        hid, main, fp32 = self.hidden_size, 0, 0
+        for i, kind in enumerate(self.layer_types):
+            main += 2 * hid  # input / post-attention norms
+            if kind == LINEAR:
+                hv, kd, vd = self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim
+                key_dim, value_dim = self.linear_num_key_heads * kd, hv * vd
+                main += hid * (2 * key_dim + 2 * value_dim) + hid * 2 * hv  # in_proj_qkvz, in_proj_ba
+                main += self.conv_dim * self.linear_conv_kernel_dim + vd + value_dim * hid  # conv1d, norm, out_proj
+                fp32 += 2 * hv  # dt_bias, A_log
+            else:
+                h, kv, d = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+                b = int(self.attention_bias)
+                main += (hid + b) * 2 * h * d + 2 * (hid + b) * kv * d + h * d * hid + b * hid + 2 * d
+            if self.mlp_layer_types[i] == SPARSE:
+                experts = self.moe_intermediate_size * self.num_experts + self.shared_expert_intermediate_size
+                main += 3 * hid * experts + hid
+                fp32 += self.num_experts * hid  # router
+            else:
+                main += 3 * hid * self.intermediate_size
+        main += self.vocab_size * hid * (1 if self.tie_word_embeddings else 2) + hid
+        return main, fp32
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range."""
