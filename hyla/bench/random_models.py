@@ -124,14 +124,9 @@ def random_config_dict(name: str, layers: int | None = None) -> dict:
     n = d["num_hidden_layers"]
     if not 1 <= layers <= n:
         raise ValueError(f"--layers must be in 1..{n} for {name}, got {layers}")
-    d["num_hidden_layers"] = layers
-    if d["model_type"] == "kimi_linear":
-        lac = d["linear_attn_config"]
-        for key in ("kda_layers", "full_attn_layers"):
-            lac[key] = [i for i in lac[key] if i <= layers]  # 1-based
-        d["first_k_dense_replace"] = min(d.get("first_k_dense_replace", 1), layers)
-    # Qwen3-Next: full_attention_interval and mlp_only_layers give the same prefix schedule.
-    return d
+    from hyla.models.loader import FAMILIES
+
+    return FAMILIES[d["model_type"]][0].first_layers_hf_dict(d, layers)  # each family cuts its own keys
 
 
 def model_config(name: str, layers: int | None = None):

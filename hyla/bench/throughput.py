@@ -57,7 +57,7 @@ import torch
 from hyla.bench.random_models import (  # noqa: F401  (re-exported: tests and scripts import them from here)
     RANDOM_CONFIGS, random_checkpoint, random_config_dict, random_model,
 )
-from hyla.models.config import KimiLinearConfig
+from hyla.models.loader import load_config
 
 
 def _median_s(fn, repeat: int) -> float:
@@ -75,7 +75,7 @@ def _hyla_generate(path, prompts, new_tokens, dtype, device):
     from hyla import LLM, SamplingParams
     from hyla.models import memory
 
-    config = KimiLinearConfig.from_file(path)
+    config = load_config(path)  # the family its model_type names
     max_len = len(prompts[0]) + new_tokens + 1
     # Room for every prompt at full length, with slots for all of them (the planner gives slots at
     # most half the budget).
@@ -107,7 +107,7 @@ def _hf_generate(path, prompts, new_tokens, dtype, device):
 def offline(path, args) -> list[dict]:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     gen = torch.Generator().manual_seed(args.seed)
-    vocab = KimiLinearConfig.from_file(path).vocab_size
+    vocab = load_config(path).vocab_size
     prompts = torch.randint(3, vocab, (args.num_prompts, args.prompt_len), generator=gen).tolist()
     engines = [("hyla", _hyla_generate)]
     if not args.no_transformers:

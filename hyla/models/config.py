@@ -19,6 +19,7 @@ replaces the low-rank output gate g_a_proj -> g_b_proj with one `g_proj`.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -238,6 +239,23 @@ class KimiLinearConfig:
         if kw.get("topk_group") is None:
             kw["topk_group"] = 1
         return cls(**kw)
+
+    @staticmethod
+    def first_layers_hf_dict(d: dict, layers: int) -> dict:
+        """A copy of config.json contents `d` for the model's first `layers` layers (the same
+        schedule prefix): the 1-based `linear_attn_config` layer lists and `first_k_dense_replace`
+        cut, explicit per-layer lists shortened."""
+        d = copy.deepcopy(d)
+        d["num_hidden_layers"] = layers
+        lac = d.get("linear_attn_config") or {}
+        for key in ("kda_layers", "full_attn_layers"):
+            if key in lac:
+                lac[key] = [i for i in lac[key] if i <= layers]  # 1-based
+        for key in ("layer_types", "mlp_layer_types"):
+            if d.get(key) is not None:
+                d[key] = d[key][:layers]
+        d["first_k_dense_replace"] = min(d.get("first_k_dense_replace", 1), layers)
+        return d
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> KimiLinearConfig:

@@ -14,6 +14,7 @@ same model from the same file:
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 
@@ -175,6 +176,17 @@ class Qwen3NextConfig:
             if d.get(name) is not None:
                 kw[name] = d[name]
         return cls(**kw)
+
+    @staticmethod
+    def first_layers_hf_dict(d: dict, layers: int) -> dict:
+        """A copy of config.json contents `d` for the model's first `layers` layers (the same
+        schedule prefix: `full_attention_interval`, `mlp_only_layers` and `decoder_sparse_step`
+        give it as they are; an explicit `layer_types` is shortened)."""
+        d = copy.deepcopy(d)
+        d["num_hidden_layers"] = layers
+        if d.get("layer_types") is not None:
+            d["layer_types"] = d["layer_types"][:layers]
+        return d
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> Qwen3NextConfig:
