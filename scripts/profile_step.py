@@ -34,6 +34,29 @@ def op_profile(fn, top: int) -> str:
     return "\n".join(f"#   {us / 1e3:7.3f} ms {n:4d}x {key:<28} {shapes}" for us, n, key, shapes in rows[:top])
 
 
+def host_profile(fn, top: int) -> str:
+    """Wall time of a synced call (median of 3) against the host time the torch ops spend
+    (self CPU time, summed): where a step waits on the host rather than on kernels."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    walls = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = sorted(((e.self_cpu_time_total, e.count, e.key) for e in prof.key_averages()), reverse=True)
+    lines = [f"wall {sorted(walls)[1]:.2f} ms (synced, median of 3); host time by op (self CPU):"]
+    lines += [f"  {us / 1e3:7.3f} ms {n:5d}x {key[:80]}" for us, n, key in rows[:top]]
+    return "\n# ".join(lines)
+
+
 def kernel_sequence(model, fn) -> str:
     """The kernels of one call in launch order, each under the decoder layer that launched it
     (each layer's forward is wrapped in a record_function range; a kernel belongs to the range
@@ -94,6 +117,7 @@ def main() -> None:
     run()
     print(f"# {args.random_config}, {args.layers} layers: prefill of {T} tokens: {fl.kernel_profile(run, args.top)}")
     print(f"# prefill by torch op:\n{op_profile(run, args.top)}")
+    print(f"# prefill on the host: {host_profile(run, args.top)}")
     pages = -(-(args.context + 1) // 16)
     for b in args.decode_batch:
         tables = [list(range(i * pages, (i + 1) * pages)) for i in range(b)]

@@ -125,10 +125,12 @@ class MLAAttention(nn.Module):
         (absorbed), the others one by one (expanded, causal flash attention)."""
         page_size = cache.kv.shape[1]
         q_in, kv = self._project(x)  # one GEMM once packed
-        dispatch.write_latents(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache.kv,
-                               batch.kv_slot_mapping(page_size))
-        q = self._query_from(q_in)  # [T_total, H, D]
         w = batch.uniform_width
+        if not batch.cuda_graph:
+            batch.kv_slot_mapping(page_size)  # its checks, once per step: every written position has a page
+        dispatch.write_latents(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache.kv, batch.block_tables,
+                               batch.positions, w if w is not None else batch.token_seq_ids())
+        q = self._query_from(q_in)  # [T_total, H, D]
         if w is not None:  # no host -> device copies (CUDA-graph safe)
             last = batch.context_lens if w == 1 else (batch.context_lens[:, None] + torch.arange(w, device=x.device)).flatten()
             return self.o_proj(self._absorbed(q, cache.kv, batch.block_tables, last))

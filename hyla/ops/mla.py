@@ -27,11 +27,18 @@ from hyla.ops.utils import work_dtype
 __all__ = ["write_latents", "paged_mla_decode"]
 
 
-def _check_latents(kv: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> int:
-    if kv.ndim != 2 or cache.ndim != 3 or weight.ndim != 1 or slots.shape != (kv.shape[0],):
+def _check_latents(kv: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                   positions: torch.Tensor, seq_ids: torch.Tensor | int) -> int:
+    T = kv.shape[0] if kv.ndim == 2 else -1
+    if kv.ndim != 2 or cache.ndim != 3 or weight.ndim != 1 or positions.shape != (T,) or block_tables.ndim != 2:
         raise ValueError(f"write_latents expects kv [T, r + rope], weight [r], cache [pages, page_size, C], "
-                         f"slots [T]; got {tuple(kv.shape)}, {tuple(weight.shape)}, {tuple(cache.shape)}, "
-                         f"{tuple(slots.shape)}")
+                         f"block_tables [S, P], positions [T]; got {tuple(kv.shape)}, {tuple(weight.shape)}, "
+                         f"{tuple(cache.shape)}, {tuple(block_tables.shape)}, {tuple(positions.shape)}")
+    if isinstance(seq_ids, int):
+        if seq_ids < 1 or T != seq_ids * block_tables.shape[0]:
+            raise ValueError(f"{T} tokens are not {seq_ids} per sequence of {block_tables.shape[0]}")
+    elif seq_ids.shape != (T,):
+        raise ValueError(f"seq_ids must be [T={T}] or an int, got {tuple(seq_ids.shape)}")
     if kv.shape[1] != cache.shape[2] or weight.shape[0] > kv.shape[1]:
         raise ValueError(f"latent width {kv.shape[1]} does not match the cache's {cache.shape[2]} "
                          f"(norm width {weight.shape[0]})")
@@ -39,12 +46,18 @@ def _check_latents(kv: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, 
 
 
 def write_latents(kv: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
-                  slots: torch.Tensor) -> None:
+                  block_tables: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor | int) -> None:
     """kv: [T, r + rope] (rows may be strided: a column block of a packed projection);
     weight: [r] the latent norm's weight; cache: [num_pages, page_size, r + rope];
-    slots: [T] int64 flat rows (page * page_size + offset; a negative row counts from the end,
-    as the CUDA-graph runner's padding rows do). Writes cache rows in place."""
-    r = _check_latents(kv, weight, cache, slots)
+    block_tables: [S, P] page ids; positions: [T] int64; seq_ids: [T] int64 the sequence of
+    each token, or an int W when every sequence brings W tokens in order (token t is of
+    sequence t // W). Token t goes to row positions[t] % page_size of page
+    block_tables[seq, positions[t] // page_size]; a page id -1 counts from the end (the
+    CUDA-graph runner's padding rows write the last page, its scratch). In place."""
+    r = _check_latents(kv, weight, cache, block_tables, positions, seq_ids)
+    seq = torch.arange(kv.shape[0], device=kv.device) // seq_ids if isinstance(seq_ids, int) else seq_ids
+    ps = cache.shape[1]
+    slots = block_tables[seq, positions // ps] * ps + positions % ps
     c, kpe = kv[:, :r], kv[:, r:]
     latent = torch.cat([rms_norm_rounded(c, weight, eps), kpe.to(torch.promote_types(weight.dtype, kv.dtype))], -1)
     cache.view(-1, cache.shape[-1])[slots] = latent.to(cache.dtype)

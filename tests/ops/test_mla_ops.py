@@ -84,14 +84,31 @@ def test_reference_matches_loop_fp64(S, W, H, r, rope, v, ps, lens):
 
 
 @pytest.mark.parametrize("S,W,H,r,rope,v,ps,lens", CASES)
-@pytest.mark.parametrize("splits", [None, 1, 7])
+@pytest.mark.parametrize("splits", [1, 4, 7])
 def test_triton_decode_matches_loop(S, W, H, r, rope, v, ps, lens, splits):
     mla, dev = _triton()
     args = _inputs(S, W, H, r, rope, v, ps, lens, torch.float32, seed=3 * S + W)
     want = _loop(*(a.double() if a.is_floating_point() else a for a in args), scale=0.3)
-    got = mla.paged_mla_decode(*(a.to(dev) for a in args), scale=0.3, block_n=16, num_splits=splits)
+    got = mla.paged_mla_decode(*(a.to(dev) for a in args), scale=0.3, block_n=16, num_splits=splits, min_split=16)
     assert got.shape == want.shape and torch.isfinite(got).all()
     assert _rel(got.cpu(), want) < 1e-5  # fp32 throughout (ieee dots): rounding only
+
+
+def test_triton_decode_ignores_unused_table_columns():
+    """A CUDA graph passes every block-table column, an eager step only the columns in use:
+    the same numbers, bit for bit (the split of a sequence follows its length, not the table)."""
+    mla, dev = _triton()
+    q_lat, q_pe, cache, tables, last, w_uv = _inputs(2, 1, 3, 32, 16, 16, 4, [9, 14], torch.float32, seed=4)
+    wide = torch.cat([tables, torch.full((2, 5), -1)], 1)
+    a = mla.paged_mla_decode(*(t.to(dev) for t in (q_lat, q_pe, cache, tables, last, w_uv)), scale=0.3,
+                             block_n=16, min_split=16)
+    b = mla.paged_mla_decode(*(t.to(dev) for t in (q_lat, q_pe, cache, wide, last, w_uv)), scale=0.3,
+                             block_n=16, min_split=16)
+    assert torch.equal(a, b)
+    padded = [torch.cat([t, t[:1]]) for t in (q_lat, q_pe, tables, last)]  # one more (padding) sequence
+    c = mla.paged_mla_decode(*(t.to(dev) for t in (padded[0], padded[1], cache, padded[2], padded[3], w_uv)),
+                             scale=0.3, block_n=16, min_split=16)
+    assert torch.equal(a, c[:2])
 
 
 def test_triton_decode_query_without_positions_gives_zeros():
@@ -114,24 +131,39 @@ def test_decode_shapes_are_checked():
 @pytest.mark.parametrize("rope", [16, 0])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32, torch.float32),
                                     (torch.float32, torch.bfloat16, torch.float32)])
-def test_write_latents_triton_matches_reference(rope, dtypes):
-    """Every row lands where the slot says (negative slots count from the end) with the
-    reference's roundings: the normalised c rounded to its dtype before the weight."""
+@pytest.mark.parametrize("uniform", [True, False])
+def test_write_latents_triton_matches_reference(rope, dtypes, uniform):
+    """Every token lands at its page and offset (a -1 page: the last page, as graph padding)
+    with the reference's roundings: the normalised c rounded to its dtype before the weight."""
     mla, dev = _triton()
     x_dtype, w_dtype, cache_dtype = dtypes
-    g = torch.Generator().manual_seed(rope)
-    r, T = 40, 7
+    g = torch.Generator().manual_seed(rope + uniform)
+    r, ps = 40, 4
+    tables = torch.tensor([[3, 0, -1], [5, 1, 2], [-1, -1, -1]])
+    if uniform:  # 2 tokens for each of 3 sequences
+        positions, seq_ids = torch.tensor([4, 5, 9, 10, 0, 1]), 2
+    else:
+        positions, seq_ids = torch.tensor([7, 0, 1, 2, 11, 3]), torch.tensor([0, 1, 1, 1, 1, 2])
+    T = positions.shape[0]
     kv = torch.randn(T, r + rope + 8, generator=g).to(x_dtype)[:, :r + rope]  # strided rows
     weight = (1 + 0.1 * torch.randn(r, generator=g)).to(w_dtype)
-    slots = torch.tensor([0, 5, 17, 3, -1, -5, 9])
-    want = torch.zeros(6, 4, r + rope, dtype=cache_dtype)
+    want = torch.zeros(6, ps, r + rope, dtype=cache_dtype)
     got = want.clone().to(dev)
-    ref.write_latents(kv, weight, 1e-6, want, slots)
-    mla.write_latents(kv.to(dev), weight.to(dev), 1e-6, got, slots.to(dev))
-    written = torch.zeros(want.shape[:2], dtype=torch.bool).view(-1)
-    written[slots] = True
-    assert torch.equal(got.cpu().view(-1, r + rope)[~written], want.view(-1, r + rope)[~written])  # untouched
+    ref.write_latents(kv, weight, 1e-6, want, tables, positions, seq_ids)
+    mla.write_latents(kv.to(dev), weight.to(dev), 1e-6, got, tables.to(dev), positions.to(dev),
+                      seq_ids if uniform else seq_ids.to(dev))
     assert_ulps(got.cpu(), want)  # the reciprocal square root may differ in its last fp32 bit
     assert torch.equal(got.cpu()[..., r:], want[..., r:])  # kpe copied as is
-    flat = want.view(-1, r + rope)
-    assert torch.equal(flat[-1, :r], rms_norm_rounded(kv[4, :r], weight, 1e-6).to(cache_dtype))
+    last_seq = T - 1  # sequence 2 has no pages: its token went to the last page
+    assert torch.equal(want[-1, int(positions[last_seq]) % ps, :r],
+                       rms_norm_rounded(kv[last_seq, :r], weight, 1e-6).to(cache_dtype))
+    assert int((want.abs().sum(-1) > 0).sum()) == T  # one row per token, nothing else written
+
+
+def test_write_latents_shapes_are_checked():
+    kv, w = torch.zeros(4, 24), torch.ones(16)
+    cache, tables = torch.zeros(3, 4, 24), torch.zeros(2, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="not 3 per sequence"):
+        ref.write_latents(kv, w, 1e-6, cache, tables, torch.zeros(4, dtype=torch.long), 3)
+    with pytest.raises(ValueError, match="does not match the cache"):
+        ref.write_latents(kv, w, 1e-6, cache[..., :20], tables, torch.zeros(4, dtype=torch.long), 2)

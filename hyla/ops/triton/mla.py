@@ -1,15 +1,17 @@
 """Triton kernels for paged MLA (contracts: hyla.ops.mla).
 
-`write_latents`: one program per new token normalises c, appends kpe and stores the latent at
-its cache row: one launch instead of norm + cat + slot arithmetic + index_put.
+`write_latents`: one program per new token finds its cache row (block table, position),
+normalises c, appends kpe and stores the latent: one launch instead of the slot arithmetic,
+norm, cat and index_put.
 
 `paged_mla_decode`, split-KV ("flash decoding") in two launches:
 1. `_decode_split_kernel`, grid (N, head blocks, splits): BLOCK_H heads of one query token
    stream one slice of the sequence's latents, BLOCK_N tokens at a time (page ids from the
    block table), scores as two dots (q_lat . c and q_pe . kpe, fp32 accumulation), an online
    softmax, and the unnormalised sum of p * c; writes (max, sum, partial output) per split.
-   Each split takes an equal share of the sequence's *actual* length (read on the device), so
-   a CUDA graph captured for the longest window does no work for pages a short sequence lacks.
+   The slices follow the sequence's *actual* length (read on the device): a CUDA graph
+   captured for the longest window does no work for pages a short sequence lacks, and the
+   numbers do not depend on the batch size or the table width.
 2. `_combine_kernel`, grid (query blocks, H): rescales and sums the splits, divides by the
    softmax sum, rounds to the value dtype and multiplies by W_UV of its head (a dot per 128
    latent columns), storing [N, H * v] ready for o_proj.
@@ -28,15 +30,19 @@ from hyla.ops.triton.norm import to_dtype
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
-_SM_COUNT: dict = {}
-
-
 @triton.jit
-def _latents_kernel(kv, s_kv, w, cache, slots, num_rows, eps, R, C,
-                    BR: tl.constexpr, BP: tl.constexpr, HAS_PE: tl.constexpr, MID_BF16: tl.constexpr):
+def _latents_kernel(kv, s_kv, w, cache, tables, s_t, positions, seq_ids, W, num_pages, eps, R, C,
+                    PS: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, HAS_PE: tl.constexpr,
+                    MID_BF16: tl.constexpr, UNIFORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    row = tl.load(slots + t)
-    row = tl.where(row < 0, row + num_rows, row)
+    if UNIFORM:
+        seq = t // W
+    else:
+        seq = tl.load(seq_ids + t)
+    pos = tl.load(positions + t)
+    page = tl.load(tables + seq * s_t + pos // PS)
+    page = tl.where(page < 0, page + num_pages, page)
+    row = page * PS + pos % PS
     o = tl.arange(0, BR)
     m = o < R
     c = tl.load(kv + t * s_kv + o, mask=m, other=0.0)
@@ -54,18 +60,22 @@ def _latents_kernel(kv, s_kv, w, cache, slots, num_rows, eps, R, C,
 
 
 def write_latents(kv: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
-                  slots: torch.Tensor) -> None:
-    """The Triton version of hyla.ops.mla.write_latents."""
-    r = _check_latents(kv, weight, cache, slots)
+                  block_tables: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor | int) -> None:
+    """The Triton version of hyla.ops.mla.write_latents (the cache row of each token found in
+    the kernel: no slot tensor is built)."""
+    r = _check_latents(kv, weight, cache, block_tables, positions, seq_ids)
     if kv.stride(1) != 1:
         kv = kv.contiguous()
     T, C = kv.shape
     if T == 0:
         return
+    uniform = isinstance(seq_ids, int)
     mid_bf16 = torch.promote_types(weight.dtype, kv.dtype) == torch.bfloat16 and cache.dtype != torch.bfloat16
-    _latents_kernel[(T,)](kv, kv.stride(0), weight.contiguous(), cache, slots, cache.shape[0] * cache.shape[1],
-                          float(eps), r, C, BR=triton.next_power_of_2(r), BP=max(16, triton.next_power_of_2(C - r)),
-                          HAS_PE=C > r, MID_BF16=mid_bf16, num_warps=4)
+    _latents_kernel[(T,)](kv, kv.stride(0), weight.contiguous(), cache, block_tables, block_tables.stride(0),
+                          positions, positions if uniform else seq_ids, seq_ids if uniform else 1, cache.shape[0],
+                          float(eps), r, C, PS=cache.shape[1], BR=triton.next_power_of_2(r),
+                          BP=max(16, triton.next_power_of_2(C - r)), HAS_PE=C > r, MID_BF16=mid_bf16,
+                          UNIFORM=uniform, num_warps=4)
 
 
 @triton.jit
@@ -73,13 +83,13 @@ def _decode_split_kernel(q_lat, q_pe, cache, tables, last, m_out, l_out, acc_out
                          s_qn, s_qh, s_pn, s_ph, s_t, P, H, R, ROPE, W, scale,
                          PS: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
                          HAS_PE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
     seq = n // W
     length = tl.minimum(tl.load(last + n) + 1, P * PS)
-    per_split = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     start = sp * per_split
     end = tl.minimum(start + per_split, length)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -124,7 +134,8 @@ def _decode_split_kernel(q_lat, q_pe, cache, tables, last, m_out, l_out, acc_out
     base = (n * H + h) * NUM_SPLITS + sp  # [BLOCK_H]
     tl.store(m_out + base, m_i, mask=hm)
     tl.store(l_out + base, l_i, mask=hm)
-    tl.store(acc_out + base[:, None] * BR + o_r[None, :], acc, mask=hm[:, None])
+    if start < end:  # an empty split leaves its partial unwritten: the combine does not read it
+        tl.store(acc_out + base[:, None] * BR + o_r[None, :], acc, mask=hm[:, None])
 
 
 @triton.jit
@@ -152,7 +163,8 @@ def _combine_kernel(m_in, l_in, acc_in, w_uv, out, N, H, V, R, s_wh, s_wv,
         part = tl.zeros((BQ, RC), tl.float32)
         for sp in range(NUM_SPLITS):
             f = tl.exp(tl.load(m_in + base + sp, mask=nm, other=0.0) - m_all)
-            a = tl.load(acc_in + (base + sp)[:, None] * BR + o_r[None, :], mask=nm[:, None], other=0.0)
+            used = nm & (tl.load(l_in + base + sp, mask=nm, other=0.0) > 0)
+            a = tl.load(acc_in + (base + sp)[:, None] * BR + o_r[None, :], mask=used[:, None], other=0.0)
             part += a * f[:, None]
         part = to_dtype(part / denom[:, None], w_uv.dtype.element_ty)  # o_lat in the value dtype
         wt = tl.load(w_uv + h * s_wh + o_v[None, :] * s_wv + o_r[:, None], mask=(o_v[None, :] < V) & (o_r[:, None] < R),
@@ -165,19 +177,14 @@ def _combine_kernel(m_in, l_in, acc_in, w_uv, out, N, H, V, R, s_wh, s_wv,
              mask=nm[:, None] & (o_v[None, :] < V))
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    if device not in _SM_COUNT:
-        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device]
-
-
 def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                      last: torch.Tensor, w_uv: torch.Tensor, scale: float, block_h: int = 16,
-                     block_n: int = 32, num_splits: int | None = None) -> torch.Tensor:
-    """The Triton version of hyla.ops.mla.paged_mla_decode. block_h / block_n / num_splits: tile
-    sizes (num_splits None: enough programs for two waves over the SMs)."""
+                     block_n: int = 32, num_splits: int = 4, min_split: int = 128) -> torch.Tensor:
+    """The Triton version of hyla.ops.mla.paged_mla_decode. block_h / block_n: tile sizes; a
+    sequence of L tokens is cut into at most num_splits slices of max(min_split, L / num_splits)
+    tokens (rounded up to block_n). The cut depends on L alone, not on the batch size or the
+    table width, so a CUDA-graph replay (padded batch, every table column) gives the eager
+    step's numbers bit for bit."""
     _check_decode(q_lat, q_pe, cache, block_tables, last, w_uv)
     N, H, R = q_lat.shape
     ROPE = q_pe.shape[2]
@@ -192,8 +199,6 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         q_pe = q_pe.contiguous()
     block_h = max(16, min(block_h, triton.next_power_of_2(H)))
     hb = triton.cdiv(H, block_h)
-    if num_splits is None:
-        num_splits = max(1, min(triton.cdiv(P * PS, block_n), triton.cdiv(2 * _num_sms(q_lat.device), N * hb), 64))
     BR = triton.next_power_of_2(R)
     dev = q_lat.device
     m = torch.empty(N, H, num_splits, device=dev, dtype=torch.float32)
@@ -204,7 +209,8 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         q_lat, q_pe, cache, block_tables, last, m, l, acc,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), P, H, R, ROPE,
         N // S, float(scale), PS=PS, C=C, BR=BR, BP=max(16, triton.next_power_of_2(ROPE)), HAS_PE=ROPE > 0,
-        BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=ieee, num_warps=4, num_stages=2)
+        BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(min_split, block_n), IEEE=ieee,
+        num_warps=4, num_stages=2)
     out = torch.empty(N, H * V, device=dev, dtype=q_lat.dtype)
     BQ = 16
     _combine_kernel[(triton.cdiv(N, BQ), H)](
