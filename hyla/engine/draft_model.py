@@ -60,8 +60,11 @@ class DraftModelDrafter:
             self.memory.slots.release(view.scratch)
 
     @torch.inference_mode()
-    def propose(self, seqs, ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
-        """-> per sequence (drafts, q [len(drafts), V] or None for greedy requests)."""
+    def propose(self, seqs, ks: list[int], generator: torch.Generator | None = None
+                ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """-> per sequence (drafts, q [len(drafts), V] or None for greedy requests). Sampled drafts
+        draw from the request's own generator when it is seeded, else from `generator` (the
+        engine's, seeded by EngineConfig.seed), never from torch's global RNG."""
         live, views = [], []
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             view = self._view(seq) if k else None
@@ -97,7 +100,7 @@ class DraftModelDrafter:
                         drafts[j].append(int(logits[j].argmax()))
                     else:
                         q = distribution(logits[j], p)
-                        gen = seq.generator
+                        gen = seq.generator if seq.generator is not None else generator
                         drafts[j].append(int(torch.multinomial(q, 1, generator=gen)))
                         probs[j].append(q)
             if step + 1 == max(ks[i] for i in live):

@@ -22,7 +22,7 @@ from hyla.engine.sampler import sample, token_logprobs
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import ScheduledBatch, Scheduler
 from hyla.engine.sequence import Sequence, Status
-from hyla.engine.spec_decode import SpecConfig, SpecDecoder
+from hyla.engine.spec_decode import SpecConfig, SpecDecoder, make_drafter
 
 log = logging.getLogger("hyla.engine")
 
@@ -58,10 +58,12 @@ class LLMEngine:
         self.memory = MemoryManager(num_pages, num_slots, config.page_size)
         self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype,
                                   enforce_eager=config.enforce_eager)
-        self.prefix_cache = (PrefixCache(self.memory, self.runner, config.checkpoint_interval)
+        self.prefix_cache = (PrefixCache(self.memory, config.checkpoint_interval)
                              if config.enable_prefix_caching else None)
         self.scheduler = Scheduler(max(1, min(config.max_num_seqs, num_slots // per_seq)),
-                                   config.max_num_batched_tokens, self.memory, self.prefix_cache, per_seq)
+                                   config.max_num_batched_tokens, self.memory, self.prefix_cache, per_seq,
+                                   num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
+                                   max_model_len=self.max_model_len)
         self.generator = torch.Generator(self.model.device).manual_seed(config.seed)  # the sampler draws there
         self.eos_token_id = self._eos_token_id()
         self.requests: dict[str, Sequence] = {}
@@ -69,7 +71,13 @@ class LLMEngine:
         self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_requests_failed": 0,
                         "prompt_tokens": 0, "generation_tokens": 0, "spec_num_draft_tokens": 0,
                         "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0, "num_steps": 0}
-        self.spec = SpecDecoder(spec_cfg, self) if spec_cfg else None
+        self.spec = None
+        if spec_cfg is not None:
+            drafter = make_drafter(spec_cfg, vocab_size=self.vocab_size, max_num_seqs=config.max_num_seqs,
+                                   max_model_len=self.max_model_len, page_size=config.page_size,
+                                   state_dtype=config.state_dtype, dtype=self.model.dtype, device=self.model.device,
+                                   enforce_eager=config.enforce_eager)
+            self.spec = SpecDecoder(spec_cfg, drafter, self.runner)
 
     def _eos_token_id(self):
         eos = getattr(self.model.config, "eos_token_id", None)
@@ -142,34 +150,25 @@ class LLMEngine:
         if batch.is_empty:
             return []
         self.metrics["num_steps"] += 1
-        plain = ScheduledBatch()
-        spec = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if self.spec is not None and self.spec.wants(seq, n):
-                spec.append(seq)
-            else:
-                plain.add(seq, n)
+        self.runner.apply_copies(batch.slot_copies, batch.page_copies)
+        plain, spec = batch.split()
         outputs = self._plain_step(plain) if plain.seqs else []
-        return outputs + (self.spec.step(spec) if spec else [])
+        return outputs + (self._spec_step(spec) if spec.seqs else [])
 
-    def _plain_step(self, batch) -> list[RequestOutput]:
+    def _plain_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Prefill chunks and (non-speculative) decodes: one forward, one sample per finished prompt."""
         sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         rows = [[n - 1] if s else [] for n, s in zip(batch.num_new_tokens, sampling)]
-        exports = self._plan_exports(batch)
         checkpoints = [[(pos - seq.num_computed_tokens, slot) for pos, slot in e]
-                       for seq, e in zip(batch.seqs, exports)] if any(exports) else None
+                       for seq, e in zip(batch.seqs, batch.exports)] if any(batch.exports) else None
         try:
             logits = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints)
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
-            for e in exports:
-                for _, slot in e:
-                    self.memory.slots.release(slot)
+            self.scheduler.drop_exports(batch)
             return self.recover(batch.seqs, err)
-        for seq, n, e in zip(batch.seqs, batch.num_new_tokens, exports):
+        for seq, n, e in zip(batch.seqs, batch.num_new_tokens, batch.exports):
             seq.num_computed_tokens += n
-            for pos, slot in e:
-                self.prefix_cache.insert(seq, pos, slot)
+            self.scheduler.file_exports(seq, e)
         to_sample = [seq for seq, s in zip(batch.seqs, sampling) if s]
         tokens, logprobs = sample(logits, to_sample, self.generator) if to_sample else ([], [])
         outputs = []
@@ -179,6 +178,32 @@ class LLMEngine:
                 outputs += self.recover([seq], lp)
                 continue
             self._emit(seq, token, lp)
+            if seq.is_finished:
+                self.on_finish(seq)
+            outputs.append(seq.to_output())
+        return outputs
+
+    def _spec_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Speculative decodes: SpecDecoder drafts, verifies and accepts; here the tokens are
+        emitted (stopping early where a request finishes), the state is committed to the kept
+        tokens and the pages of rejected positions go back."""
+        seqs = batch.seqs
+        try:
+            results = self.spec.step(seqs, batch.max_drafts, self.generator)
+        except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
+            return self.recover(seqs, err)
+        kept = []
+        for seq, r in zip(seqs, results):
+            seq.suspect = False
+            kept.append(self.append_tokens(seq, r.tokens, r.logits))
+            self.metrics["spec_num_draft_tokens"] += r.num_drafted
+            self.metrics["spec_num_accepted_tokens"] += r.num_accepted
+            self.metrics["spec_num_verify_steps"] += 1
+        self.spec.commit(seqs, kept)
+        outputs = []
+        for seq, n in zip(seqs, kept):
+            seq.num_computed_tokens += n
+            self.scheduler.trim(seq)
             if seq.is_finished:
                 self.on_finish(seq)
             outputs.append(seq.to_output())
@@ -228,31 +253,10 @@ class LLMEngine:
                 break
         return kept
 
-    def _plan_exports(self, batch) -> list[list[tuple[int, int]]]:
-        """Checkpoints (absolute position, fresh slot) each sequence exports in this step: the
-        prefix cache's planned positions that fall inside the step's new tokens. Best effort: a
-        checkpoint is skipped when no slot can be freed for it."""
-        exports = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            mine = []
-            lo, hi = seq.num_computed_tokens, seq.num_computed_tokens + n
-            for pos in [p for p in seq.pending_checkpoints if lo < p <= hi]:
-                seq.pending_checkpoints.remove(pos)
-                if self.scheduler.free_slot_available():
-                    mine.append((pos, self.memory.slots.allocate()))
-            exports.append(mine)
-        return exports
-
     def on_finish(self, seq: Sequence) -> None:
-        if self.prefix_cache is not None and seq.num_computed_tokens > 0:
-            # The running slot holds the state after every fed (accepted) token: file it, no copy.
-            self.prefix_cache.insert(seq, seq.num_computed_tokens, seq.slot)
-            if seq.spec_slots:
-                seq.spec_slots.remove(seq.slot)
-            seq.slot = None
         if self.spec is not None:
             self.spec.release(seq)
-        self.scheduler.finish(seq)
+        self.scheduler.finish(seq, file_in_cache=True)
         self.requests.pop(seq.request_id, None)
         self.metrics["num_requests_finished"] += 1
 

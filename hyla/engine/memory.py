@@ -4,7 +4,8 @@
   prefix cache can share a page between requests copy-free; a page returns to the free list when
   its count drops to 0.
 - State slots (linear layers): one slot = every linear layer's recurrent state + conv windows.
-  A running request holds one; prefix-cache checkpoints hold others.
+  A running request holds one (1 + k with speculative "slots" rollback); prefix-cache
+  checkpoints hold others. The Scheduler decides who gets what; these classes only count.
 """
 
 from __future__ import annotations

@@ -100,3 +100,12 @@ class ModelRunner:
 
     def copy_page_rows(self, src: int, dst: int, rows: int) -> None:
         self.cache.copy_page_rows(src, dst, rows)
+
+    @torch.inference_mode()
+    def apply_copies(self, slot_copies: list[tuple[int, int]], page_copies: list[tuple[int, int, int]]) -> None:
+        """The device copies a ScheduledBatch plans (prefix-cache restores), in order, before its
+        forward: slot copies (src, dst), then page-row copies (src page, dst page, rows)."""
+        for src, dst in slot_copies:
+            self.cache.copy_slot(src, dst)
+        for src, dst, rows in page_copies:
+            self.cache.copy_page_rows(src, dst, rows)

@@ -12,9 +12,10 @@ prefix. The longest such L wins, capped at num_tokens - 1 (the last token must r
 Contracts:
 - match(seq) shares the full pages of the hit (+1 ref each, the request owns those refs from then
   on) and locks the node holding the checkpoint until restore(seq) / unmatch(seq).
-- restore(seq) runs after the request has its own slot and pages: it copies the checkpoint into
-  the request's slot and the first r KV rows of a partially used page into the request's own
-  page (copy-on-write: a request never writes into a page someone else reads).
+- restore(seq) runs after the request has its own slot and pages: it plans the copies (run by
+  ModelRunner before the step's forward) of the checkpoint into the request's slot and of the
+  first r KV rows of a partially used page into the request's own page (copy-on-write: a request
+  never writes into a page someone else reads). The cache itself touches no tensor.
 - insert(seq, pos, slot) files the request's pages for positions < pos and the checkpoint slot;
   the tree takes over the slot (the caller must not release it) and adds one page reference.
 - Eviction frees only what nobody else uses: a leaf whose page has no reference besides the tree
@@ -58,9 +59,8 @@ def common_prefix_len(a, b) -> int:
 
 
 class PrefixCache:
-    def __init__(self, memory: MemoryManager, runner, checkpoint_interval: int | None = None):
+    def __init__(self, memory: MemoryManager, checkpoint_interval: int | None = None):
         self.memory = memory
-        self.runner = runner
         self.page_size = memory.page_size
         self.checkpoint_interval = checkpoint_interval
         self.root = Node((), None, None)
@@ -143,19 +143,21 @@ class PrefixCache:
         seq.block_table = []
         seq.num_computed_tokens = 0
 
-    def restore(self, seq) -> int:
-        """Copy the hit's checkpoint into seq.slot and the partial page's rows into seq's own page.
-        Returns the number of tokens served from the cache."""
+    def restore(self, seq) -> tuple[int, list[tuple[int, int]], list[tuple[int, int, int]]]:
+        """Plan the copies of the hit's checkpoint into seq.slot and of the partial page's rows into
+        seq's own page -> (tokens served from the cache, [(src slot, dst slot)], [(src page, dst
+        page, rows)]). The copies must run before anything else writes those slots / pages
+        (ModelRunner.apply_copies at the start of the step)."""
         hit = getattr(seq, "cache_hit", None)
         if hit is None:
-            return 0
+            return 0, [], []
         node, r = hit
         node.locks -= 1
         seq.cache_hit = None
-        self.runner.copy_slot(node.checkpoints[r], seq.slot)
+        page_copies = []
         if r < self.page_size:
-            self.runner.copy_page_rows(node.page, seq.block_table[seq.num_computed_tokens // self.page_size], r)
-        return seq.num_computed_tokens
+            page_copies.append((node.page, seq.block_table[seq.num_computed_tokens // self.page_size], r))
+        return seq.num_computed_tokens, [(node.checkpoints[r], seq.slot)], page_copies
 
     # ---- admission -----------------------------------------------------------------------
     def insert(self, seq, pos: int, slot: int | None) -> None:

@@ -1,9 +1,11 @@
 """Sequence: one request's tokens, its place in the pools, and its output so far.
 
-Ownership: a running sequence owns exactly one state slot (`slot`) and the KV pages listed in
-`block_table`; both come from and go back to the MemoryManager. `num_computed_tokens` counts the
-tokens whose KV and recurrent state are in those pools (a prefix-cache hit starts it above 0).
-A preempted sequence gives everything back and recomputes prompt + output so far later.
+Ownership: a running sequence owns its state slots (`slot`, plus k spare ones in `spec_slots`
+with speculative "slots" rollback, `slot` being one of them) and one reference to each KV page in
+`block_table`; the Scheduler hands them out (from the MemoryManager's pools) and takes them back.
+`num_computed_tokens` counts the tokens whose KV and recurrent state are in those pools (a
+prefix-cache hit starts it above 0). A preempted sequence gives everything back and recomputes
+prompt + output so far later.
 """
 
 from __future__ import annotations

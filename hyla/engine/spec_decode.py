@@ -57,8 +57,9 @@ class NgramDrafter:
     def __init__(self, cfg: SpecConfig):
         self.lo, self.hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
 
-    def propose(self, seqs, ks: list[int]) -> list[tuple[list[int], None]]:
-        """-> per sequence (drafts, None): the drafts are certain (q is a point mass)."""
+    def propose(self, seqs, ks: list[int], generator=None) -> list[tuple[list[int], None]]:
+        """-> per sequence (drafts, None): the drafts are certain (q is a point mass); nothing is
+        drawn, so `generator` goes unused."""
         return [(self._one(seq.token_ids, k) if k else [], None) for seq, k in zip(seqs, ks)]
 
     def _one(self, tokens: list[int], k: int) -> list[int]:
@@ -122,74 +123,71 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq,
     return out
 
 
+@dataclass
+class Verified:
+    """One request's verify step: the tokens to append (accepted drafts + one from the target),
+    the raw target logits each was chosen from, and how many tokens were drafted."""
+
+    tokens: list[int]
+    logits: torch.Tensor
+    num_drafted: int
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.tokens) - 1
+
+
+def make_drafter(cfg: SpecConfig, *, vocab_size: int, max_num_seqs: int, max_model_len: int, page_size: int,
+                 state_dtype, dtype, device, enforce_eager: bool = False):
+    """The drafter `cfg` asks for: prompt lookup, or a draft model with its own pools."""
+    if cfg.method == "ngram":
+        return NgramDrafter(cfg)
+    from hyla.engine.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(cfg, vocab_size=vocab_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                             page_size=page_size, state_dtype=state_dtype, dtype=dtype, device=device,
+                             enforce_eager=enforce_eager)
+
+
 class SpecDecoder:
-    """Runs the decode steps of speculating requests: draft -> one verify forward -> accept ->
-    advance (pick the accepted slot, or replay) -> roll back pages of rejected positions."""
+    """The decode steps of speculating requests: draft -> one verify forward -> accept, then
+    (commit, once the engine knows how many tokens it kept) advance the state: pick the accepted
+    slot, or replay. It allocates nothing (the Scheduler reserved the draft positions' pages) and
+    touches no engine state: the engine appends the tokens, finishes requests, rolls back pages
+    and recovers from a failed step."""
 
-    def __init__(self, cfg: SpecConfig, engine):
+    def __init__(self, cfg: SpecConfig, drafter, runner):
         self.cfg = cfg
-        self.engine = engine
-        if cfg.method == "ngram":
-            self.drafter = NgramDrafter(cfg)
-        else:
-            from hyla.engine.draft_model import DraftModelDrafter
+        self.drafter = drafter
+        self.runner = runner
 
-            ec = engine.config
-            self.drafter = DraftModelDrafter(cfg, vocab_size=engine.vocab_size, max_num_seqs=ec.max_num_seqs,
-                                             max_model_len=engine.max_model_len, page_size=ec.page_size,
-                                             state_dtype=ec.state_dtype, dtype=engine.model.dtype,
-                                             device=engine.model.device, enforce_eager=ec.enforce_eager)
-            self.drafter.generator = engine.generator
-
-    def wants(self, seq, n: int) -> bool:
-        """A running request in its decode phase (its one unfed token is its last sampled one)."""
-        return n == 1 and bool(seq.output_token_ids) and seq.num_uncomputed == 1
-
-    def step(self, seqs) -> list:
-        eng = self.engine
-        k = self.cfg.num_speculative_tokens
-        ks = [max(0, min(k, seq.max_tokens - len(seq.output_token_ids) - 1, eng.max_model_len - seq.num_tokens - 1))
-              for seq in seqs]
-        proposals = self.drafter.propose(seqs, ks)
-        drafts, qs = [], []
-        for seq, (d, q) in zip(seqs, proposals):
-            if d and not eng.scheduler.make_room(seq, 1 + len(d)):
-                d, q = [], None  # no pages for the drafts: verify x0 alone
-            eng.memory.allocate(seq, 1 + len(d))
-            drafts.append(d)
-            qs.append(q)
+    def step(self, seqs, max_drafts: list[int], generator: torch.Generator) -> list[Verified]:
+        """Draft up to max_drafts[i] tokens for seqs[i], verify them all in one forward and
+        accept. generator: where unseeded requests draw (seeded ones use their own). Raises what
+        the verify forward raises (the engine isolates the failing request)."""
+        proposals = self.drafter.propose(seqs, max_drafts, generator)
+        drafts = [d for d, _ in proposals]
         # Every row may be padded to 1 + k tokens (a fixed shape: a CUDA graph), also when a
         # request near its token limits drafts fewer: padding positions are never accepted, and
         # where their KV has no page it lands in the runner's scratch page.
-        pad_to = 1 + k
-        try:
-            logits = eng.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float()  # stays on the device
-        except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
-            return eng.recover(seqs, err)
-        committed, outputs, start = [], [], 0
-        for seq, d, q in zip(seqs, drafts, qs):
+        pad_to = 1 + self.cfg.num_speculative_tokens
+        logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float()  # stays on the device
+        results, start = [], 0
+        for seq, d, (_, q) in zip(seqs, drafts, proposals):
             rows = logits[start : start + 1 + len(d)]
             start += 1 + len(d)
-            gen = seq.generator if seq.generator is not None else eng.generator
-            seq.suspect = False
-            tokens = accept(rows, d, q, seq, gen)
-            kept = eng.append_tokens(seq, tokens, rows)
-            committed.append(kept)
-            m = eng.metrics
-            m["spec_num_draft_tokens"] += len(d)
-            m["spec_num_accepted_tokens"] += len(tokens) - 1
-            m["spec_num_verify_steps"] += 1
+            gen = seq.generator if seq.generator is not None else generator
+            results.append(Verified(accept(rows, d, q, seq, gen), rows, len(d)))
+        return results
+
+    def commit(self, seqs, kept: list[int]) -> None:
+        """The engine kept kept[i] tokens of seqs[i]'s verify step (fewer than accepted when the
+        request finished early): make the state after exactly those tokens the current one."""
         if self.cfg.rollback == "replay":
-            eng.runner.commit_replay(committed)
-        for seq, kept in zip(seqs, committed):
-            seq.num_computed_tokens += kept
-            if self.cfg.rollback == "slots":
-                seq.slot = seq.spec_slots[kept - 1]
-            eng.memory.trim(seq)
-            if seq.is_finished:
-                eng.on_finish(seq)
-            outputs.append(seq.to_output())
-        return outputs
+            self.runner.commit_replay(kept)
+        else:
+            for seq, n in zip(seqs, kept):
+                seq.slot = seq.spec_slots[n - 1]
 
     def release(self, seq) -> None:
         self.drafter.release(seq)

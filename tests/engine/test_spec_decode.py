@@ -163,3 +163,18 @@ def test_ngram_drafts_are_accepted_on_repetitive_code():
         m = llm.get_metrics()
         assert m["spec_num_accepted_tokens"] > 0.15 * m["spec_num_draft_tokens"] > 0
         assert m["spec_mean_accepted_length"] > 1.3
+
+
+def test_seeded_speculative_sampling_is_reproducible(ckpt, near_draft):
+    """Unseeded requests with temperature > 0: two engines with the same EngineConfig.seed give
+    the same tokens (the draft model and the acceptance rule draw from the engine's generator,
+    not from torch's global RNG, which is moved between the two runs on purpose)."""
+    cfg = {"method": "draft_model", "model": str(near_draft), "num_speculative_tokens": 3}
+    sp = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    runs = []
+    for global_seed in (1, 2):
+        llm = LLM(str(ckpt), dtype="float64", speculative_config=cfg, seed=5)
+        torch.manual_seed(global_seed)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp, use_tqdm=False)])
+        assert llm.get_metrics()["spec_num_draft_tokens"] > 0
+    assert runs[0] == runs[1]
