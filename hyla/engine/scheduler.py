@@ -116,20 +116,19 @@ class Scheduler:
         cache = self.prefix_cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if cache is not None and seq.num_computed_tokens == 0:
-                cache.match(seq)
+            hit = cache.match(seq) if cache is not None and seq.num_computed_tokens == 0 else None
             n = min(seq.num_uncomputed, budget)
             if not (self.free_slot_available(self.slots_per_seq) and self.make_room(seq, n)):
                 if cache is not None:
-                    cache.unmatch(seq)
+                    cache.unmatch(seq, hit)
                 break
             self.waiting.popleft()
             self._admit(seq)
             self.memory.allocate(seq, n)
             if cache is not None:
                 self.cache_query_tokens += seq.num_tokens
-                hit, slot_copies, page_copies = cache.restore(seq)
-                self.cache_hit_tokens += hit
+                hit_tokens, slot_copies, page_copies = cache.restore(seq, hit)
+                self.cache_hit_tokens += hit_tokens
                 batch.slot_copies += slot_copies
                 batch.page_copies += page_copies
             batch.add(seq, n)

@@ -44,7 +44,6 @@ class Sequence:
         self.spec_slots: list[int] = []  # speculative "slots" rollback: 1 + k slots, `slot` is one of them
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
-        self.cache_hit = None  # (node, r) between PrefixCache.match and restore
         self.pending_checkpoints: list[int] = []  # positions whose state the prefill exports
         # On the logits' device: the sampler draws a seeded request's noise there (no host sync).
         self.generator = (torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None)

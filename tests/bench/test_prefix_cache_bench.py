@@ -46,10 +46,10 @@ def test_quick_mode_returns_the_tables(quick):
 
 
 @pytest.mark.xfail(strict=True, reason="design gap (BENCHMARKS.md, 'Prefix cache: policies on generated traces'): "
-                   "hyla admits ~3 checkpoints per request (prompt end, prompt end - 1, finish, + junction) and "
-                   "evicts by plain LRU, so at W/16 and W/4 its state footprint pushes out the junction "
-                   "checkpoints that Marconi / SGLang keep; unbounded it trails Marconi by the 16-token "
-                   "page alignment of the junction")
+                   "hyla files 2-3 checkpoints per request (prompt_len - 1, the finished state, the junction), "
+                   "and with the cache at W/16 to W its eviction (hyla.engine.eviction: recency and position "
+                   "only) drops junction checkpoints that Marconi / SGLang keep; unbounded it matches or beats "
+                   "every policy")
 def test_hyla_at_least_every_other_policy_everywhere(quick):
     assert quick["goal"]["hyla_ge_all"], quick["goal"]["misses"]
 

@@ -11,16 +11,18 @@ node's first r tokens}. Same walk, same hit rule, same plan, same insert, same L
   `checkpoint_interval` tokens when set); the finished request files its running slot at
   prompt + output - 1;
 - evict: the least recently used leaf page nobody else references (with its checkpoints), or the
-  checkpoint with the lowest score (recency rank + position, each scaled to [0, 1]). The engine
-  keeps pages and state slots in two pools and evicts from the one that is short; here both live
-  in one byte budget, so the older of the two candidates goes first (the checkpoint on a tie).
+  checkpoint with the lowest key (hyla.engine.eviction: the same score function and lazy heaps
+  as the engine). The engine keeps pages and state slots in two pools and evicts from the one
+  that is short; here both live in one byte budget, so the older of the two candidates goes
+  first (the checkpoint on a tie).
 """
 
 from __future__ import annotations
 
 import itertools
 
-from hyla.bench.cache_sim.base import LruHeap, Policy
+from hyla.bench.cache_sim.base import Policy
+from hyla.engine.eviction import LazyHeap, checkpoint_key
 from hyla.engine.prefix_cache import common_prefix_len
 
 
@@ -49,8 +51,9 @@ class HylaPolicy(Policy):
         self.root = _Node((), None, None)
         self._clock = itertools.count(1)
         self._pages = itertools.count(1)
-        self._leaves = LruHeap()
-        self._checkpointed: set[_Node] = set()
+        self._leaves = LazyHeap(lambda stamp, n: n.alive and n.last == stamp and not n.children)
+        self._checkpoints = LazyHeap(lambda key, c: c[0].alive and c[1] in c[0].checkpoints and c[0].last == c[2])
+        self._inflation = 0.0
         self._block_table: list[int] = []
         self._plan: list[int] = []
 
@@ -138,43 +141,37 @@ class HylaPolicy(Policy):
             node.checkpoints[r] = True
             self.used += self.costs.state_bytes
             self.stats["states_admitted"] += 1
-            self._checkpointed.add(node)
+            self._push_checkpoint(node, r)
 
     def _touch(self, node: _Node) -> None:
         node.last = next(self._clock)
         if not node.children:
             self._leaves.push(node.last, node)
+        for r in node.checkpoints:
+            self._push_checkpoint(node, r)
+
+    def _push_checkpoint(self, node: _Node, r: int) -> None:
+        self._checkpoints.push(checkpoint_key(self._inflation, node.depth * self.page_size + r), (node, r, node.last))
 
     # ---- eviction (PrefixCache.evict_slot / evict_pages, one budget) -----------------------
-    def _lowest_checkpoint(self):
-        """PrefixCache.evict_slot's choice: lowest recency rank + position, both in [0, 1]."""
-        cands = [(n, r, n.depth * self.page_size + r) for n in self._checkpointed if n.alive for r in n.checkpoints]
-        if not cands:
-            return None
-        order = sorted({n.last for n, _, _ in cands})
-        rank = {t: i / max(1, len(order) - 1) for i, t in enumerate(order)}
-        top = max(p for _, _, p in cands)
-        node, r, _ = min(cands, key=lambda c: rank[c[0].last] + c[2] / top)
-        return node, r
-
     def evict_one(self) -> bool:
-        leaf = self._leaves.peek(lambda s, n: n.alive and n.last == s and not n.children)
-        ckpt = self._lowest_checkpoint()
-        if ckpt is not None and (leaf is None or ckpt[0].last <= leaf[0]):
-            node, r = ckpt
+        leaf = self._leaves.peek()
+        ckpt = self._checkpoints.peek()
+        if ckpt is not None and (leaf is None or ckpt[1][0].last <= leaf[0]):
+            self._checkpoints.pop()
+            self._inflation = ckpt[0]
+            node, r, _ = ckpt[1]
             del node.checkpoints[r]
-            if not node.checkpoints:
-                self._checkpointed.discard(node)
             self.used -= self.costs.state_bytes
             self.stats["states_evicted"] += 1
             return True
         if leaf is None:
             return False
+        self._leaves.pop()
         node = leaf[1]
         self.used -= self.page_bytes + len(node.checkpoints) * self.costs.state_bytes
         self.stats["states_evicted"] += len(node.checkpoints)
         node.alive = False
-        self._checkpointed.discard(node)
         parent = node.parent
         bucket = parent.children[node.tokens[0]]
         bucket.remove(node)
