@@ -1,6 +1,6 @@
 """The layer contract: what an engine step hands a model and each of its layers.
 
-The bottom of the stack (torch only, no other hyla import): hyla.layers, hyla.models and
+It sits below hyla.layers (it imports nothing above hyla.ops): hyla.layers, hyla.models and
 hyla.engine all import it from below.
 
 - `ForwardBatch` (batch.py): one engine step's sequences, their new tokens packed along one axis,
