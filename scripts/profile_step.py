@@ -57,6 +57,36 @@ def host_profile(fn, top: int) -> str:
     return "\n# ".join(lines)
 
 
+def sync_sites(fn, top: int) -> str:
+    """Where a call makes the host wait for the device (torch.cuda sync debug mode): the python
+    line of each synchronising call, counted, innermost hyla frame first."""
+    import collections
+    import traceback
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+    original = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/hyla/" in f.filename or "/scripts/" in f.filename]
+        where = frames[-1] if frames else None
+        sites[f"{where.filename.split('/hyla/')[-1]}:{where.lineno} {where.line}" if where else f"{filename}:{lineno}"] += 1
+
+    torch.cuda.synchronize()
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = original
+    lines = [f"{sum(sites.values())} synchronising calls:"] + [f"  {n:3d}x {site[:120]}" for site, n in sites.most_common(top)]
+    return "\n# ".join(lines)
+
+
 def kernel_sequence(model, fn) -> str:
     """The kernels of one call in launch order, each under the decoder layer that launched it
     (each layer's forward is wrapped in a record_function range; a kernel belongs to the range
@@ -118,6 +148,7 @@ def main() -> None:
     print(f"# {args.random_config}, {args.layers} layers: prefill of {T} tokens: {fl.kernel_profile(run, args.top)}")
     print(f"# prefill by torch op:\n{op_profile(run, args.top)}")
     print(f"# prefill on the host: {host_profile(run, args.top)}")
+    print(f"# prefill syncs: {sync_sites(run, args.top)}")
     pages = -(-(args.context + 1) // 16)
     for b in args.decode_batch:
         tables = [list(range(i * pages, (i + 1) * pages)) for i in range(b)]

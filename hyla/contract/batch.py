@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hyla.ops.utils import remember_host_values
+
 
 @dataclass
 class ForwardBatch:
@@ -111,7 +113,7 @@ class ForwardBatch:
             block_tables = torch.tensor(block_tables, dtype=torch.long).reshape(len(seq_lens), width)
         as_long = lambda x: torch.as_tensor(x, dtype=torch.long, device=device)  # noqa: E731
         return cls(
-            cu_seqlens=as_long(cu), context_lens=as_long(list(context_lens)), positions=as_long(positions),
+            cu_seqlens=remember_host_values(as_long(cu), cu), context_lens=as_long(list(context_lens)), positions=as_long(positions),
             block_tables=block_tables.to(device=device, dtype=torch.long), state_slots=as_long(state_slots),
             checkpoints=checkpoints, seq_lens=list(seq_lens), context_lens_list=list(context_lens),
             num_accepted_tokens=None if num_accepted_tokens is None else as_long(num_accepted_tokens),

@@ -19,6 +19,38 @@ def work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def remember_host_values(t: torch.Tensor, values: list) -> torch.Tensor:
+    """Record the host-side values of a small device tensor built from a python list (an engine
+    step's cu_seqlens), so ops that need them on the host (`host_values`) do not copy them back
+    and sync the stream. Kept on the tensor itself with its version: an in-place change
+    invalidates it. Returns t."""
+    t._hyla_host = (t._version, list(values))
+    return t
+
+
+def host_values(t: torch.Tensor) -> list:
+    """t.tolist(), without a device sync when `remember_host_values` recorded them (or an
+    earlier call did) and t has not changed since."""
+    hit = getattr(t, "_hyla_host", None)
+    if hit is not None and hit[0] == t._version:
+        return hit[1]
+    values = t.tolist()
+    t._hyla_host = (t._version, values)
+    return values
+
+
+def cached_on(t: torch.Tensor, name: str, build):
+    """build() once per (tensor, version): tables derived from an engine step's cu_seqlens are
+    made once for all the layers of the step, not once per layer."""
+    attr = f"_hyla_{name}"
+    hit = getattr(t, attr, None)
+    if hit is not None and hit[0] == t._version:
+        return hit[1]
+    value = build()
+    setattr(t, attr, (t._version, value))
+    return value
+
+
 def is_capturing(t: torch.Tensor) -> bool:
     """True while a CUDA graph is being captured on the current stream of `t`'s device. Value
     checks (anything that reads a device tensor on the host) must be skipped then: a sync is not
@@ -88,7 +120,7 @@ def check_inputs(
             raise ValueError(f"`cu_seqlens` must be int32/int64, got {cu_seqlens.dtype}")
         if B != 1:
             raise ValueError(f"with `cu_seqlens` the batch size must be 1, got B={B}")
-        cu = cu_seqlens.tolist()
+        cu = host_values(cu_seqlens)
         if cu[0] != 0 or cu[-1] != T:
             raise ValueError(f"`cu_seqlens` must start at 0 and end at T={T}, got {cu[0]}..{cu[-1]}")
         if any(b < a for a, b in zip(cu, cu[1:])):
@@ -133,7 +165,7 @@ def seq_bounds(cu_seqlens: torch.Tensor | None, B: int, T: int) -> list[tuple[in
     """[(batch_row, start, end)] per sequence: fixed-length rows, or packed varlen segments."""
     if cu_seqlens is None:
         return [(b, 0, T) for b in range(B)]
-    cu = cu_seqlens.tolist()
+    cu = host_values(cu_seqlens)
     return [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
 
 

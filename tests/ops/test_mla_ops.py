@@ -109,6 +109,11 @@ def test_triton_decode_ignores_unused_table_columns():
     c = mla.paged_mla_decode(*(t.to(dev) for t in (padded[0], padded[1], cache, padded[2], padded[3], w_uv)),
                              scale=0.3, block_n=16, min_split=16)
     assert torch.equal(a, c[:2])
+    # the graph runner's lengths and tables are strided columns of one buffer
+    meta = torch.cat([torch.zeros(2, 2, dtype=torch.long), last[:, None], wide], 1)
+    d = mla.paged_mla_decode(*(t.to(dev) for t in (q_lat, q_pe, cache, meta[:, 3:], meta[:, 2], w_uv)), scale=0.3,
+                             block_n=16, min_split=16)
+    assert torch.equal(a, d)
 
 
 def test_triton_decode_query_without_positions_gives_zeros():
@@ -140,8 +145,8 @@ def test_write_latents_triton_matches_reference(rope, dtypes, uniform):
     g = torch.Generator().manual_seed(rope + uniform)
     r, ps = 40, 4
     tables = torch.tensor([[3, 0, -1], [5, 1, 2], [-1, -1, -1]])
-    if uniform:  # 2 tokens for each of 3 sequences
-        positions, seq_ids = torch.tensor([4, 5, 9, 10, 0, 1]), 2
+    if uniform:  # 2 tokens for each of 3 sequences; positions a strided column, as in a graph
+        positions, seq_ids = torch.tensor([[4, 99], [5, 99], [9, 99], [10, 99], [0, 99], [1, 99]])[:, 0], 2
     else:
         positions, seq_ids = torch.tensor([7, 0, 1, 2, 11, 3]), torch.tensor([0, 1, 1, 1, 1, 2])
     T = positions.shape[0]

@@ -23,6 +23,7 @@ from hyla.ops.triton import _interpreter
 from hyla.ops.triton.chunk_intra import chunk_prepare_kernel
 from hyla.ops.triton.chunk_scan import chunk_scan_kernel
 from hyla.ops.triton.params import gate_params, num_sms
+from hyla.ops import utils
 from hyla.ops.utils import check_checkpoints, check_inputs
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -45,9 +46,18 @@ def _chunk_tables(cu_seqlens, B, T, device):
             return _TABLES[key]
         lengths = [T] * B
         cu = torch.arange(B + 1, device=device, dtype=torch.int64) * T
-    else:
+    else:  # once per step's cu_seqlens tensor, for all its layers; no sync for an engine batch
         cu = cu_seqlens.to(device=device, dtype=torch.int64)
-        lengths = (cu[1:] - cu[:-1]).tolist()
+        rest = utils.cached_on(cu_seqlens, f"chunk_tables_{device}", lambda: _build_tables(cu_seqlens, device)[1:])
+        return (cu, *rest)  # cu itself is not kept on the tensor (no reference cycle)
+    return _build_tables(None, device, lengths, cu, key)
+
+
+def _build_tables(cu_seqlens, device, lengths=None, cu=None, key=None):
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        host = utils.host_values(cu_seqlens)
+        lengths = [b - a for a, b in zip(host, host[1:])]
     nch = torch.tensor([-(-n // CHUNK) for n in lengths], dtype=torch.int64)
     chunk_off = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     chunk_off[1:] = nch.cumsum(0)

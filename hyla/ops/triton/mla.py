@@ -31,7 +31,7 @@ from hyla.ops.triton.norm import to_dtype
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
 @triton.jit
-def _latents_kernel(kv, s_kv, w, cache, tables, s_t, positions, seq_ids, W, num_pages, eps, R, C,
+def _latents_kernel(kv, s_kv, w, cache, tables, s_t, positions, s_pos, seq_ids, W, num_pages, eps, R, C,
                     PS: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, HAS_PE: tl.constexpr,
                     MID_BF16: tl.constexpr, UNIFORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -39,7 +39,7 @@ def _latents_kernel(kv, s_kv, w, cache, tables, s_t, positions, seq_ids, W, num_
         seq = t // W
     else:
         seq = tl.load(seq_ids + t)
-    pos = tl.load(positions + t)
+    pos = tl.load(positions + t * s_pos)
     page = tl.load(tables + seq * s_t + pos // PS)
     page = tl.where(page < 0, page + num_pages, page)
     row = page * PS + pos % PS
@@ -72,7 +72,8 @@ def write_latents(kv: torch.Tensor, weight: torch.Tensor, eps: float, cache: tor
     uniform = isinstance(seq_ids, int)
     mid_bf16 = torch.promote_types(weight.dtype, kv.dtype) == torch.bfloat16 and cache.dtype != torch.bfloat16
     _latents_kernel[(T,)](kv, kv.stride(0), weight.contiguous(), cache, block_tables, block_tables.stride(0),
-                          positions, positions if uniform else seq_ids, seq_ids if uniform else 1, cache.shape[0],
+                          positions, positions.stride(0), positions if uniform else seq_ids,
+                          seq_ids if uniform else 1, cache.shape[0],
                           float(eps), r, C, PS=cache.shape[1], BR=triton.next_power_of_2(r),
                           BP=max(16, triton.next_power_of_2(C - r)), HAS_PE=C > r, MID_BF16=mid_bf16,
                           UNIFORM=uniform, num_warps=4)
@@ -80,7 +81,7 @@ def write_latents(kv: torch.Tensor, weight: torch.Tensor, eps: float, cache: tor
 
 @triton.jit
 def _decode_split_kernel(q_lat, q_pe, cache, tables, last, m_out, l_out, acc_out,
-                         s_qn, s_qh, s_pn, s_ph, s_t, P, H, R, ROPE, W, scale,
+                         s_qn, s_qh, s_pn, s_ph, s_t, s_last, P, H, R, ROPE, W, scale,
                          PS: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
                          HAS_PE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr):
@@ -88,7 +89,7 @@ def _decode_split_kernel(q_lat, q_pe, cache, tables, last, m_out, l_out, acc_out
     hb = tl.program_id(1)
     sp = tl.program_id(2)
     seq = n // W
-    length = tl.minimum(tl.load(last + n) + 1, P * PS)
+    length = tl.minimum(tl.load(last + n * s_last) + 1, P * PS)
     per_split = tl.maximum(tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     start = sp * per_split
     end = tl.minimum(start + per_split, length)
@@ -207,7 +208,7 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     ieee = cache.dtype == torch.float32
     _decode_split_kernel[(N, hb, num_splits)](
         q_lat, q_pe, cache, block_tables, last, m, l, acc,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), P, H, R, ROPE,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), last.stride(0), P, H, R, ROPE,
         N // S, float(scale), PS=PS, C=C, BR=BR, BP=max(16, triton.next_power_of_2(ROPE)), HAS_PE=ROPE > 0,
         BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(min_split, block_n), IEEE=ieee,
         num_warps=4, num_stages=2)
