@@ -19,12 +19,18 @@ def work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _version(t: torch.Tensor) -> int:
+    """t's in-place version counter; inference tensors have none (0): an engine step's
+    cu_seqlens, made under inference_mode, is never written after it is built."""
+    return 0 if t.is_inference() else t._version
+
+
 def remember_host_values(t: torch.Tensor, values: list) -> torch.Tensor:
     """Record the host-side values of a small device tensor built from a python list (an engine
     step's cu_seqlens), so ops that need them on the host (`host_values`) do not copy them back
     and sync the stream. Kept on the tensor itself with its version: an in-place change
     invalidates it. Returns t."""
-    t._hyla_host = (t._version, list(values))
+    t._hyla_host = (_version(t), list(values))
     return t
 
 
@@ -32,10 +38,10 @@ def host_values(t: torch.Tensor) -> list:
     """t.tolist(), without a device sync when `remember_host_values` recorded them (or an
     earlier call did) and t has not changed since."""
     hit = getattr(t, "_hyla_host", None)
-    if hit is not None and hit[0] == t._version:
+    if hit is not None and hit[0] == _version(t):
         return hit[1]
     values = t.tolist()
-    t._hyla_host = (t._version, values)
+    t._hyla_host = (_version(t), values)
     return values
 
 
@@ -44,10 +50,10 @@ def cached_on(t: torch.Tensor, name: str, build):
     made once for all the layers of the step, not once per layer."""
     attr = f"_hyla_{name}"
     hit = getattr(t, attr, None)
-    if hit is not None and hit[0] == t._version:
+    if hit is not None and hit[0] == _version(t):
         return hit[1]
     value = build()
-    setattr(t, attr, (t._version, value))
+    setattr(t, attr, (_version(t), value))
     return value
 
 

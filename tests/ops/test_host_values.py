@@ -22,3 +22,10 @@ def test_cached_on_builds_once_per_version():
     assert cached_on(t, "x", build) == 1 and cached_on(t, "x", build) == 1
     t += 1
     assert cached_on(t, "x", build) == 2
+
+
+def test_inference_tensors_are_remembered_too():
+    with torch.inference_mode():
+        t = remember_host_values(torch.tensor([0, 2]), [0, 2])
+        assert host_values(t) == [0, 2]
+        assert cached_on(t, "y", lambda: "built") == "built"
