@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,32 +22,78 @@ def parse_dtype(value, name: str) -> torch.dtype | None:
 
 
 @dataclass
+class SpecConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    rollback: str = "slots"
+
+    @classmethod
+    def parse(cls, raw: dict | str | SpecConfig | None) -> SpecConfig | None:
+        """From a dict (or its JSON text, as the CLI passes it); ValueError names what is wrong."""
+        if raw is None or isinstance(raw, SpecConfig):
+            return raw
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be a dict")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "rollback"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}")
+        cfg = cls(**{"method": raw.get("method"), "num_speculative_tokens": raw.get("num_speculative_tokens"),
+                     **{k: v for k, v in raw.items() if k not in ("method", "num_speculative_tokens")}})
+        if cfg.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {cfg.method!r}")
+        k = cfg.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {k!r}")
+        lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if cfg.rollback not in ("slots", "replay"):
+            raise ValueError(f"rollback must be 'slots' or 'replay', got {cfg.rollback!r}")
+        if cfg.method == "draft_model" and not (isinstance(cfg.model, str) and cfg.model):
+            raise ValueError("method 'draft_model' needs 'model': the draft checkpoint's path")
+        return cfg
+
+
+@dataclass
 class EngineConfig:
     """model: checkpoint directory. dtype / device: model weights (None = checkpoint dtype on CPU,
     bf16 on CUDA; device None = CUDA when available). max_num_seqs: running requests at most
     (clamped to the state slots the budget holds). max_num_batched_tokens: tokens per step
     (prefill chunks + decodes). max_model_len: prompt + output tokens per request (None = the
     model's limit). memory_budget: bytes for KV pages + state slots (None = derived, see
-    memory.plan_memory). state_dtype: recurrent state precision (fp32 default, bf16 option).
+    pools.size_pools). state_dtype: recurrent state precision (fp32 default, bf16 option).
     enable_prefix_caching: reuse KV pages + state checkpoints across requests (prefix_cache.py);
-    checkpoint_interval: also export a state every that many prompt tokens (default off)."""
+    checkpoint_interval: also export a state every that many prompt tokens (default off).
+    speculative_config: a dict (or its JSON text) of SpecConfig's fields, or None."""
 
     model: str
     dtype: torch.dtype | str | None = None
     device: str | torch.device | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # resolved in __post_init__: the value the engine uses
     memory_budget: int | None = None
     enable_prefix_caching: bool = False
-    speculative_config: dict | None = None
+    speculative_config: dict | str | SpecConfig | None = None  # parsed in __post_init__ into a SpecConfig
     enforce_eager: bool = False
     seed: int = 0
     state_dtype: torch.dtype | str = torch.float32
     page_size: int = 16
     checkpoint_interval: int | None = None
+    model_limit: int = field(init=False, default=0)  # the checkpoint's max_position_embeddings (or 2^20)
 
     def __post_init__(self):
+        """Validate and resolve every field; reads config.json files (the target's, the draft
+        model's), never a weight, so a bad configuration fails before any model loads."""
         self.dtype = parse_dtype(self.dtype, "dtype")
         self.state_dtype = parse_dtype(self.state_dtype, "state_dtype") or torch.float32
         if self.state_dtype not in (torch.float32, torch.bfloat16, torch.float64):
@@ -69,3 +116,26 @@ class EngineConfig:
         self.device = torch.device(self.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but CUDA is not available")
+        self.speculative_config = SpecConfig.parse(self.speculative_config)
+        from hyla.models.loader import load_config
+
+        target = load_config(self.model)
+        self.model_limit = getattr(target, "max_position_embeddings", None) or 1 << 20
+        # Without an explicit max_model_len: the model's limit, but at most 8192 tokens so that the
+        # default pools stay small (raise it with max_model_len).
+        self.max_model_len = min(self.max_model_len or min(self.model_limit, 8192), self.model_limit)
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            try:
+                draft = load_config(spec.model)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"speculative_config model {spec.model!r}: {e}") from None
+            if draft.vocab_size != target.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
+                                 f"({target.vocab_size}): it must share the tokenizer")
+
+    @property
+    def slots_per_seq(self) -> int:
+        """State slots a running request holds: 1 + k with speculative "slots" rollback, else 1."""
+        spec = self.speculative_config
+        return 1 + spec.num_speculative_tokens if spec is not None and spec.rollback == "slots" else 1

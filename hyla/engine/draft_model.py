@@ -1,8 +1,9 @@
 """Draft-model drafter: a smaller checkpoint with the same tokenizer proposes k tokens.
 
-The draft model has its own pools (state slots and KV pages) and two slots per request: the
-committed slot holds its state over the request's tokens so far; drafting runs on a scratch copy,
-so rejected drafts never touch the committed state. Each step first feeds the tokens the target
+The draft model has its own pools (state slots and KV pages, outside the target's Scheduler: a
+request's view holds them until release()) and two slots per request: the committed slot holds
+its state over the request's tokens so far; drafting runs on a scratch copy, so rejected drafts
+never touch the committed state. Each step first feeds the tokens the target
 committed since the last step (one varlen chunk for all requests), then decodes k - 1 more.
 """
 
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from hyla.engine.memory import MemoryManager, plan_memory
 from hyla.engine.model_runner import ModelRunner
+from hyla.engine.pools import Pools, size_pools
 from hyla.engine.sampler import distribution
 
 
@@ -36,28 +37,28 @@ class DraftModelDrafter:
         if self.model.config.vocab_size != vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.model.config.vocab_size}) differs from the "
                              f"target's ({vocab_size}): it must share the tokenizer")
-        num_slots, num_pages = plan_memory(self.model, budget=None, max_num_seqs=2 * max_num_seqs,
-                                           max_model_len=max_model_len + self.k, page_size=page_size,
-                                           state_dtype=state_dtype, device=self.model.device)
-        self.memory = MemoryManager(num_pages, num_slots, page_size)
+        num_slots, num_pages = size_pools(self.model, budget=None, max_num_seqs=2 * max_num_seqs,
+                                          max_model_len=max_model_len + self.k, page_size=page_size,
+                                          state_dtype=state_dtype, device=self.model.device)
+        self.pools = Pools(num_pages, num_slots, page_size)
         self.runner = ModelRunner(self.model, num_slots, num_pages, page_size, state_dtype, enforce_eager)
         self.views: dict[str, _DraftView] = {}
 
     def _view(self, seq) -> _DraftView | None:
         view = self.views.get(seq.request_id)
         if view is None:
-            if self.memory.slots.num_free < 2:
+            if self.pools.slots.num_free < 2:
                 return None
-            view = _DraftView(self.memory.slots.allocate(), self.memory.slots.allocate())
+            view = _DraftView(self.pools.slots.allocate(), self.pools.slots.allocate())
             self.views[seq.request_id] = view
         return view
 
     def release(self, seq) -> None:
         view = self.views.pop(seq.request_id, None)
         if view is not None:
-            self.memory.pages.release(view.block_table)
-            self.memory.slots.release(view.committed)
-            self.memory.slots.release(view.scratch)
+            self.pools.pages.release(view.block_table)
+            self.pools.slots.release(view.committed)
+            self.pools.slots.release(view.scratch)
 
     @torch.inference_mode()
     def propose(self, seqs, ks: list[int], generator: torch.Generator | None = None
@@ -72,9 +73,9 @@ class DraftModelDrafter:
                 continue
             view.token_ids = list(seq.token_ids)
             new = len(view.token_ids) - view.num_computed_tokens
-            if not self.memory.can_allocate(view, new + k):
+            if not self.pools.can_allocate(view, new + k):
                 continue
-            self.memory.allocate(view, new + k)
+            self.pools.allocate(view, new + k)
             live.append(i)
             views.append(view)
         results: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in seqs]

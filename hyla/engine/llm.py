@@ -44,19 +44,19 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        encoded = []
+        encoded = []  # tokenised once: add_request takes the ids
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                text, ids = self.engine.encode(prompt)
-                self.engine.validate(ids, p)
+                text, token_ids = self.engine.encode(prompt)
+                self.engine.validate(token_ids, p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            encoded.append(ids if text is None else text)
+            encoded.append((text, token_ids))
         ids = []
-        for prompt, p in zip(encoded, params):
+        for (text, token_ids), p in zip(encoded, params):
             rid = f"offline-{self._counter}"
             self._counter += 1
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, text if text is not None else token_ids, p, prompt_token_ids=token_ids)
             ids.append(rid)
         finished: dict[str, RequestOutput] = {}
         show = len(prompts) >= 8 if use_tqdm is None else use_tqdm

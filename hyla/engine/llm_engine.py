@@ -1,6 +1,8 @@
 """LLMEngine: the incremental engine (add_request / step / abort_request), one step at a time.
 
-    step() = schedule -> run the model -> sample -> postprocess (stop checks, freeing)
+    step() = schedule (Scheduler: the plan, every page / slot / copy of the step)
+             -> ModelRunner.apply_copies -> run the model (a plain forward and / or a
+             SpecDecoder verify) -> sample -> postprocess (emit, stop checks, freeing)
 
 Outputs are cumulative RequestOutputs for every request that made progress in the step; a
 streaming front-end diffs consecutive outputs.
@@ -9,20 +11,19 @@ streaming front-end diffs consecutive outputs.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from hyla.engine.config import EngineConfig
-from hyla.engine.memory import MemoryManager, plan_memory
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.outputs import RequestOutput
+from hyla.engine.pools import Pools, size_pools
 from hyla.engine.prefix_cache import PrefixCache
 from hyla.engine.sampler import sample, token_logprobs
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import ScheduledBatch, Scheduler
 from hyla.engine.sequence import Sequence, Status
-from hyla.engine.spec_decode import SpecConfig, SpecDecoder, make_drafter
+from hyla.engine.spec_decode import SpecDecoder, make_drafter
 
 log = logging.getLogger("hyla.engine")
 
@@ -42,26 +43,23 @@ class LLMEngine:
                 tokenizer = None  # token-id prompts still work; text needs a tokenizer
         self.tokenizer = tokenizer
         self.vocab_size = self.model.config.vocab_size
-        limit = getattr(self.model.config, "max_position_embeddings", None) or 1 << 20
-        # Without an explicit max_model_len: the model's limit, but at most 8192 tokens so that the
-        # default pools stay small (raise it with max_model_len).
-        self.max_model_len = min(config.max_model_len or min(limit, 8192), limit)
-        spec_cfg = SpecConfig.parse(config.speculative_config)
+        self.max_model_len = config.max_model_len  # resolved by EngineConfig
+        spec_cfg = config.speculative_config
         # Speculative "slots" rollback keeps 1 + k states per request; with prefix caching,
         # checkpoints live in state slots too: reserve as many again as running requests.
-        per_seq = 1 + spec_cfg.num_speculative_tokens if spec_cfg and spec_cfg.rollback == "slots" else 1
+        per_seq = config.slots_per_seq
         extra = config.max_num_seqs if config.enable_prefix_caching else 0
-        num_slots, num_pages = plan_memory(
+        num_slots, num_pages = size_pools(
             self.model, budget=config.memory_budget, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
             device=self.model.device, extra_slots=extra, slots_per_seq=per_seq)
-        self.memory = MemoryManager(num_pages, num_slots, config.page_size)
+        self.pools = Pools(num_pages, num_slots, config.page_size)
         self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype,
                                   enforce_eager=config.enforce_eager)
-        self.prefix_cache = (PrefixCache(self.memory, config.checkpoint_interval)
+        self.prefix_cache = (PrefixCache(self.pools, config.checkpoint_interval)
                              if config.enable_prefix_caching else None)
         self.scheduler = Scheduler(max(1, min(config.max_num_seqs, num_slots // per_seq)),
-                                   config.max_num_batched_tokens, self.memory, self.prefix_cache, per_seq,
+                                   config.max_num_batched_tokens, self.pools, self.prefix_cache, per_seq,
                                    num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
                                    max_model_len=self.max_model_len)
         self.generator = torch.Generator(self.model.device).manual_seed(config.seed)  # the sampler draws there
@@ -118,19 +116,25 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer")
         return params.max_tokens if params.max_tokens is not None else room
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
-        """Queue a request; raises ValueError (and queues nothing) if it is invalid."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """Queue a request; raises ValueError (and queues nothing) if it is invalid. prompt: text
+        or token ids; prompt_token_ids: the prompt's ids when the caller tokenised it already
+        (then `prompt` is only echoed in the outputs)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.encode(prompt)
+        if prompt_token_ids is None:
+            text, ids = self.encode(prompt)
+        else:
+            text, ids = (prompt if isinstance(prompt, str) else None), self.encode(list(prompt_token_ids))[1]
         max_tokens = self.validate(ids, params)
         seq = Sequence(request_id, text, ids, params, max_tokens, self.eos_token_id, device=self.model.device)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its slot and pages; returns False if it is unknown."""
+        """Stop a request now and free its slots and pages; returns False if it is unknown."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
@@ -235,8 +239,6 @@ class LLMEngine:
     def _emit(self, seq: Sequence, token: int, logprobs) -> None:
         if not seq.output_token_ids and seq.num_preemptions == 0:
             self.metrics["prompt_tokens"] += len(seq.prompt_token_ids)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
         seq.append_token(token, logprobs)
         self.metrics["generation_tokens"] += 1
         seq.check_stop(self.tokenizer)
@@ -265,6 +267,7 @@ class LLMEngine:
         m["num_preemptions"] = self.scheduler.num_preemptions
         m["prefix_cache_query_tokens"] = self.scheduler.cache_query_tokens
         m["prefix_cache_hit_tokens"] = self.scheduler.cache_hit_tokens
+        m.update(cached_pages=0, cached_checkpoints=0)  # reported with the cache off too (0)
         if self.prefix_cache is not None:
             usage = self.prefix_cache.usage()
             m.update(usage)
@@ -275,8 +278,8 @@ class LLMEngine:
         m.update(state_slots_running=sum(len(s.spec_slots) or 1 for s in running),
                  kv_pages_running=len({p for s in running for p in s.block_table}))
         m.update(num_requests_running=len(running), num_requests_waiting=len(self.scheduler.waiting),
-                 kv_pages_total=self.memory.pages.num_pages, kv_pages_free=self.memory.pages.num_free,
-                 state_slots_total=self.memory.slots.num_slots, state_slots_free=self.memory.slots.num_free)
+                 kv_pages_total=self.pools.pages.num_pages, kv_pages_free=self.pools.pages.num_free,
+                 state_slots_total=self.pools.slots.num_slots, state_slots_free=self.pools.slots.num_free)
         drafted, steps = m["spec_num_draft_tokens"], m["spec_num_verify_steps"]
         m["spec_acceptance_rate"] = m["spec_num_accepted_tokens"] / drafted if drafted else 0.0
         # Tokens emitted per verify step (1 = nothing accepted).

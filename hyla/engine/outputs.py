@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -32,4 +32,3 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None
-    metrics: dict = field(default_factory=dict)

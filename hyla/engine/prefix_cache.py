@@ -33,7 +33,7 @@ import itertools
 from dataclasses import dataclass
 
 from hyla.engine.eviction import LazyHeap, checkpoint_key
-from hyla.engine.memory import MemoryManager
+from hyla.engine.pools import Pools
 
 _clock = itertools.count()
 
@@ -74,9 +74,9 @@ def common_prefix_len(a, b) -> int:
 
 
 class PrefixCache:
-    def __init__(self, memory: MemoryManager, checkpoint_interval: int | None = None):
-        self.memory = memory
-        self.page_size = memory.page_size
+    def __init__(self, pools: Pools, checkpoint_interval: int | None = None):
+        self.pools = pools
+        self.page_size = pools.page_size
         self.checkpoint_interval = checkpoint_interval
         self.root = Node((), None, None)
         self.num_pages = 0
@@ -142,7 +142,7 @@ class PrefixCache:
             return None
         pos, node, r, depth = hit
         full = [n.page for n in path[:depth]] + ([node.page] if r == self.page_size else [])
-        self.memory.pages.share(full)
+        self.pools.pages.share(full)
         seq.block_table = full
         seq.num_computed_tokens = pos
         node.locks += 1
@@ -171,7 +171,7 @@ class PrefixCache:
         """Undo match() for a request that could not be admitted after all."""
         if hit is not None:
             hit.node.locks -= 1
-        self.memory.pages.release(seq.block_table)
+        self.pools.pages.release(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
 
@@ -207,7 +207,7 @@ class PrefixCache:
                     child.tokens = chunk  # the same physical page, now holding more tokens
                 else:
                     child = Node(chunk, page, node)
-                    self.memory.pages.share([page])
+                    self.pools.pages.share([page])
                     bucket.append(child)
                     self.num_pages += 1
             self._touch(child)
@@ -216,7 +216,7 @@ class PrefixCache:
             return
         r = pos - (n_pages - 1) * self.page_size
         if r in node.checkpoints:
-            self.memory.slots.release(slot)  # an identical state is already filed
+            self.pools.slots.release(slot)  # an identical state is already filed
         else:
             node.checkpoints[r] = slot
             self.num_checkpoints += 1
@@ -236,7 +236,7 @@ class PrefixCache:
             return False
         key, (node, r, _) = top
         self.inflation = key
-        self.memory.slots.release(node.checkpoints.pop(r))
+        self.pools.slots.release(node.checkpoints.pop(r))
         self.num_checkpoints -= 1
         self.stats["checkpoints_evicted"] += 1
         return True
@@ -245,14 +245,14 @@ class PrefixCache:
         """Free up to n pages by dropping least recently used leaves nobody else references (a
         parent that becomes a leaf joins the heap)."""
         freed, skipped = 0, []
-        refs = self.memory.pages.refs
+        refs = self.pools.pages.refs
         while freed < n and (top := self._leaves.pop()) is not None:
             leaf = top[1]
             if leaf.locks or refs[leaf.page] != 1:  # a running request reads it: not now
                 skipped.append(top)
                 continue
             for slot in leaf.checkpoints.values():
-                self.memory.slots.release(slot)
+                self.pools.slots.release(slot)
                 self.stats["checkpoints_evicted"] += 1
             self.num_checkpoints -= len(leaf.checkpoints)
             leaf.alive = False
@@ -263,7 +263,7 @@ class PrefixCache:
                 del parent.children[leaf.tokens[0]]
             if parent is not self.root and not parent.children:
                 self._leaves.push(parent.last_access, parent)
-            self.memory.pages.release([leaf.page])
+            self.pools.pages.release([leaf.page])
             self.num_pages -= 1
             self.stats["pages_evicted"] += 1
             freed += 1

@@ -1,7 +1,7 @@
 """Scheduler: decides which sequences run this step and plans every allocation the step makes.
 
 It holds no tensors, and it is the only place that hands out pages and state slots (from the
-MemoryManager) during serving. Each step fills a token budget (`max_num_batched_tokens`): running
+Pools) during serving. Each step fills a token budget (`max_num_batched_tokens`): running
 sequences first, in admission order (decodes take 1 token, unfinished prompts take a chunk), then
 waiting sequences in arrival order while state slots, pages and budget remain. Prefill chunks and
 decodes share one step (continuous batching with chunked prefill). Then, for the step's
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hyla.engine.memory import MemoryManager
+from hyla.engine.pools import Pools
 from hyla.engine.sequence import Sequence, Status
 
 
@@ -62,11 +62,11 @@ class Scheduler:
     rollback). num_speculative_tokens: k when speculative decoding is on (0: off); max_model_len
     bounds the draft positions."""
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, memory: MemoryManager, prefix_cache=None,
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pools: Pools, prefix_cache=None,
                  slots_per_seq: int = 1, num_speculative_tokens: int = 0, max_model_len: int = 1 << 30):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.memory = memory
+        self.pools = pools
         self.prefix_cache = prefix_cache
         self.slots_per_seq = slots_per_seq
         self.num_speculative_tokens = num_speculative_tokens
@@ -86,7 +86,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Plan one step (see the module docstring); an empty batch when nothing can run.
 
-        Pages: `memory.allocate` grows `seq.block_table` to cover the step's tokens; each page's
+        Pages: `pools.allocate` grows `seq.block_table` to cover the step's tokens; each page's
         reference belongs to the request until finish / abort / preemption. Pages a prefix-cache
         hit shares carry one more reference, the tree's; the tree evicts only pages nobody else
         references (PrefixCache.evict_pages)."""
@@ -107,7 +107,7 @@ class Scheduler:
                     break
             if seq.status is not Status.RUNNING:
                 break
-            self.memory.allocate(seq, n)
+            self.pools.allocate(seq, n)
             batch.add(seq, n)
             budget -= n
             i += 1
@@ -124,7 +124,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._admit(seq)
-            self.memory.allocate(seq, n)
+            self.pools.allocate(seq, n)
             if cache is not None:
                 self.cache_query_tokens += seq.num_tokens
                 hit_tokens, slot_copies, page_copies = cache.restore(seq, hit)
@@ -144,9 +144,9 @@ class Scheduler:
         normal finish the prefix cache takes over the slot holding the final state). Nothing
         evicts a running request's slots or pages: eviction only touches what the prefix cache
         alone holds."""
-        seq.slot = self.memory.slots.allocate()
+        seq.slot = self.pools.slots.allocate()
         if self.slots_per_seq > 1:
-            seq.spec_slots = [seq.slot] + [self.memory.slots.allocate() for _ in range(self.slots_per_seq - 1)]
+            seq.spec_slots = [seq.slot] + [self.pools.slots.allocate() for _ in range(self.slots_per_seq - 1)]
         seq.status = Status.RUNNING
         self.running.append(seq)
 
@@ -175,7 +175,7 @@ class Scheduler:
                        self.max_model_len - seq.num_tokens - 1))
         if k and not self.make_room(seq, 1 + k):
             return 0
-        self.memory.allocate(seq, 1 + k)
+        self.pools.allocate(seq, 1 + k)
         return k
 
     def _plan_exports(self, seq: Sequence, n: int) -> list[tuple[int, int]]:
@@ -191,7 +191,7 @@ class Scheduler:
         for pos in [p for p in seq.pending_checkpoints if lo < p <= hi]:
             seq.pending_checkpoints.remove(pos)
             if self.free_slot_available():
-                mine.append((pos, self.memory.slots.allocate()))
+                mine.append((pos, self.pools.slots.allocate()))
         return mine
 
     def file_exports(self, seq: Sequence, exports: list[tuple[int, int]]) -> None:
@@ -203,12 +203,12 @@ class Scheduler:
         """The step failed: give back the slots its checkpoints were to be exported into."""
         for exports in batch.exports:
             for _, slot in exports:
-                self.memory.slots.release(slot)
+                self.pools.slots.release(slot)
             exports.clear()
 
     def trim(self, seq: Sequence) -> None:
         """After a verify step: give back the pages of rejected draft positions."""
-        self.memory.trim(seq)
+        self.pools.trim(seq)
 
     def _schedule_suspect(self) -> ScheduledBatch:
         """After a failed step: run one suspect sequence alone (see LLMEngine.recover)."""
@@ -227,21 +227,21 @@ class Scheduler:
                 self.preempt(seq)
                 return batch
             self.preempt(others[-1])
-        self.memory.allocate(seq, n)
+        self.pools.allocate(seq, n)
         batch.add(seq, n)
         return batch
 
     def make_room(self, seq: Sequence, n: int) -> bool:
         """Pages for seq's next n tokens, evicting unused prefix-cache pages if that is needed."""
-        need = self.memory.pages_needed(seq, n)
-        while need > self.memory.pages.num_free:
-            if self.prefix_cache is None or not self.prefix_cache.evict_pages(need - self.memory.pages.num_free):
+        need = self.pools.pages_needed(seq, n)
+        while need > self.pools.pages.num_free:
+            if self.prefix_cache is None or not self.prefix_cache.evict_pages(need - self.pools.pages.num_free):
                 return False
         return True
 
     def free_slot_available(self, n: int = 1) -> bool:
         """n state slots can be handed out now, evicting prefix-cache checkpoints if needed."""
-        while self.memory.slots.num_free < n:
+        while self.pools.slots.num_free < n:
             if self.prefix_cache is None or not self.prefix_cache.evict_slot():
                 return False
         return True
@@ -249,7 +249,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Give back seq's slots and pages; it is recomputed from scratch when re-admitted."""
         self.running.remove(seq)
-        self.memory.free(seq)
+        self.pools.free(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -269,4 +269,4 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.memory.free(seq)
+        self.pools.free(seq)

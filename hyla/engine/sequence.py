@@ -2,7 +2,7 @@
 
 Ownership: a running sequence owns its state slots (`slot`, plus k spare ones in `spec_slots`
 with speculative "slots" rollback, `slot` being one of them) and one reference to each KV page in
-`block_table`; the Scheduler hands them out (from the MemoryManager's pools) and takes them back.
+`block_table`; the Scheduler hands them out (from the engine's Pools) and takes them back.
 `num_computed_tokens` counts the tokens whose KV and recurrent state are in those pools (a
 prefix-cache hit starts it above 0). A preempted sequence gives everything back and recomputes
 prompt + output so far later.
@@ -11,7 +11,6 @@ prompt + output so far later.
 from __future__ import annotations
 
 import enum
-import itertools
 
 import torch
 
@@ -25,9 +24,6 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-_arrival = itertools.count()
-
-
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, eos_token_id: int | None, device: torch.device | str = "cpu"):
@@ -38,7 +34,6 @@ class Sequence:
         self.params = params
         self.max_tokens = max_tokens
         self.eos_token_id = eos_token_id
-        self.arrival = next(_arrival)
         self.status = Status.WAITING
         self.slot: int | None = None  # the slot holding the state after num_computed_tokens tokens
         self.spec_slots: list[int] = []  # speculative "slots" rollback: 1 + k slots, `slot` is one of them
@@ -58,7 +53,6 @@ class Sequence:
         self.error: str | None = None
         self.num_preemptions = 0
         self.suspect = False  # was in a failed batch: runs alone until it succeeds (LLMEngine.recover)
-        self.first_token_time: float | None = None
 
     # ---- token bookkeeping -------------------------------------------------------------------
     @property

@@ -1,4 +1,5 @@
-"""Speculative decoding: the config, two drafters, and the acceptance rule.
+"""Speculative decoding: two drafters, the acceptance rule and the SpecDecoder that runs them
+(the config, SpecConfig, is parsed and validated with EngineConfig in config.py).
 
 Each decode step of a request feeds [x0, d1..dk] (x0 = its last token, d = drafts) through the
 target in one verify forward. Rejected drafts never reach a state anything starts from: with
@@ -12,42 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hyla.engine.config import SpecConfig
 from hyla.engine.sampler import choose, distribution, penalize
-
-
-@dataclass
-class SpecConfig:
-    method: str
-    num_speculative_tokens: int
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    model: str | None = None
-    rollback: str = "slots"
-
-    @classmethod
-    def parse(cls, raw: dict | None) -> SpecConfig | None:
-        if raw is None:
-            return None
-        if not isinstance(raw, dict):
-            raise ValueError("speculative_config must be a dict")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "rollback"}
-        unknown = set(raw) - known
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}")
-        cfg = cls(**{"method": raw.get("method"), "num_speculative_tokens": raw.get("num_speculative_tokens"),
-                     **{k: v for k, v in raw.items() if k not in ("method", "num_speculative_tokens")}})
-        if cfg.method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {cfg.method!r}")
-        k = cfg.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
-            raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {k!r}")
-        if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if cfg.rollback not in ("slots", "replay"):
-            raise ValueError(f"rollback must be 'slots' or 'replay', got {cfg.rollback!r}")
-        if cfg.method == "draft_model" and not cfg.model:
-            raise ValueError("method 'draft_model' needs 'model': the draft checkpoint's path")
-        return cfg
 
 
 class NgramDrafter:

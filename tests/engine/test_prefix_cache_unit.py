@@ -2,7 +2,7 @@
 and the restore copies it plans (it touches no tensor)."""
 
 from hyla.engine.eviction import LazyHeap, checkpoint_key
-from hyla.engine.memory import MemoryManager
+from hyla.engine.pools import Pools
 from hyla.engine.prefix_cache import CacheHit, PrefixCache
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.sequence import Sequence
@@ -15,7 +15,7 @@ def seq(tokens, rid="r"):
 
 
 def setup(num_pages=32, num_slots=16, interval=None):
-    memory = MemoryManager(num_pages, num_slots, P)
+    memory = Pools(num_pages, num_slots, P)
     return memory, PrefixCache(memory, interval)
 
 

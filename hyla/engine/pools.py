@@ -69,8 +69,10 @@ class SlotPool:
         self._free.append(slot)
 
 
-class MemoryManager:
-    """Owns the page and slot pools; hands them to sequences and takes them back."""
+class Pools:
+    """The engine's page pool and slot pool, with the per-sequence bookkeeping (grow / trim /
+    free a block table). Mechanism only: the Scheduler decides who gets what and when (this was
+    engine/memory.py's MemoryManager; hyla/models/memory.py is the model's memory report)."""
 
     def __init__(self, num_pages: int, num_slots: int, page_size: int):
         self.page_size = page_size
@@ -85,7 +87,8 @@ class MemoryManager:
         return self.pages_needed(seq, num_new_tokens) <= self.pages.num_free
 
     def allocate(self, seq, num_new_tokens: int) -> None:
-        """Grow seq's block table to cover its computed tokens + num_new_tokens (query first)."""
+        """Grow seq's block table to cover its computed tokens + num_new_tokens (query first).
+        The new pages' single reference belongs to seq until `trim` / `free` gives it back."""
         seq.block_table.extend(self.pages.allocate(self.pages_needed(seq, num_new_tokens)))
 
     def trim(self, seq) -> None:
@@ -103,9 +106,9 @@ class MemoryManager:
         seq.slot, seq.spec_slots = None, []
 
 
-def plan_memory(model, *, budget: int | None, max_num_seqs: int, max_model_len: int, page_size: int,
-                state_dtype: torch.dtype, device: torch.device, extra_slots: int = 0,
-                slots_per_seq: int = 1) -> tuple[int, int]:
+def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: int, page_size: int,
+               state_dtype: torch.dtype, device: torch.device, extra_slots: int = 0,
+               slots_per_seq: int = 1) -> tuple[int, int]:
     """Split one byte budget into (num_slots, num_pages).
 
     Slots first, slots_per_seq for each of up to max_num_seqs running requests (1 + k with
