@@ -45,10 +45,11 @@ class _EngineCollector:
         m = self.engine.get_metrics()
         m["kv_pages_used"] = m["kv_pages_total"] - m["kv_pages_free"]
         m["state_slots_used"] = m["state_slots_total"] - m["state_slots_free"]
+        # Strict: a key the engine no longer reports is an error, never a silent 0.
         for name, doc in _COUNTERS.items():
-            yield CounterMetricFamily(f"hyla_{name}", doc, value=m.get(name, 0))
+            yield CounterMetricFamily(f"hyla_{name}", doc, value=m[name])
         for name, doc in _GAUGES.items():
-            yield GaugeMetricFamily(f"hyla_{name}", doc, value=m.get(name, 0))
+            yield GaugeMetricFamily(f"hyla_{name}", doc, value=m[name])
 
 
 class ServerMetrics:

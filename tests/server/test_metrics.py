@@ -1,0 +1,40 @@
+"""The Prometheus export reads the engine's metric keys strictly: a renamed engine key fails here
+instead of exporting 0."""
+
+import pytest
+
+from hyla import LLM
+from hyla.server.metrics import _COUNTERS, _GAUGES, ServerMetrics
+from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
+
+DERIVED = {"kv_pages_used", "state_slots_used"}  # computed by the collector from two engine keys
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_every_exported_metric_is_an_engine_key(tmp_path, prefix_cache):
+    llm = LLM(str(build_kimi_checkpoint(tmp_path, "dense")), dtype="float64", max_model_len=64,
+              enable_prefix_caching=prefix_cache)
+    m = llm.get_metrics()
+    missing = [name for name in {**_COUNTERS, **_GAUGES} if name not in m and name not in DERIVED]
+    assert not missing, f"exported metrics the engine does not report: {missing}"
+    text = ServerMetrics(llm.engine).render().decode()
+    assert "hyla_kv_pages_total " in text and "hyla_cached_checkpoints " in text
+
+
+class _Renamed:
+    """An engine whose metrics lost one key (as after a rename)."""
+
+    def __init__(self, real: dict, drop: str):
+        self.m = {k: v for k, v in real.items() if k != drop}
+
+    def get_metrics(self):
+        return dict(self.m)
+
+
+def test_a_renamed_engine_key_fails_the_scrape(tmp_path):
+    llm = LLM(str(build_kimi_checkpoint(tmp_path, "dense")), dtype="float64", max_model_len=64)
+    real = llm.get_metrics()
+    ServerMetrics(_Renamed(real, "num_steps")).render()  # not exported: no error
+    for name in ("prompt_tokens", "num_requests_waiting"):
+        with pytest.raises(KeyError, match=name):
+            ServerMetrics(_Renamed(real, name)).render()
