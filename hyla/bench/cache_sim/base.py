@@ -1,4 +1,4 @@
-"""The interface every simulated prefix cache shares, and a lazy LRU heap.
+"""The interface every simulated prefix cache shares (the lazy heaps are hyla.engine.eviction's).
 
 A policy serves one request at a time, start to finish (no two requests overlap, so nothing is
 locked while the cache evicts):
@@ -17,11 +17,8 @@ checkpoints x state_bytes. A running request's own slot and pages are not part o
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from abc import ABC, abstractmethod
 from collections import Counter
-from typing import Callable
 
 from hyla.bench.cache_sim.costs import Costs
 
@@ -57,24 +54,3 @@ class Policy(ABC):
     def shrink(self) -> None:
         while self.used > self.capacity and self.evict_one():
             pass
-
-
-class LruHeap:
-    """Least-recently-used order with lazy deletion: push (stamp, item) whenever an item gets a new
-    stamp or becomes evictable; `peek(valid)` drops entries that no longer hold (the item moved
-    on, or was freed) and returns the oldest entry that does, without removing it."""
-
-    def __init__(self):
-        self._heap: list = []
-        self._tie = itertools.count()
-
-    def push(self, stamp: int, item) -> None:
-        heapq.heappush(self._heap, (stamp, next(self._tie), item))
-
-    def peek(self, valid: Callable[[int, object], bool]):
-        while self._heap:
-            stamp, _, item = self._heap[0]
-            if valid(stamp, item):
-                return stamp, item
-            heapq.heappop(self._heap)
-        return None

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import itertools
 
-from hyla.bench.cache_sim.base import LruHeap, Policy
+from hyla.bench.cache_sim.base import Policy
+from hyla.engine.eviction import LazyHeap
 
 
 class _Block:
@@ -49,7 +50,7 @@ class VllmAlignPolicy(Policy):
         if match_unit and match_unit < self.B:
             self.name = f"vllm-align+pmu{match_unit}"
         self.blocks: dict[tuple, _Block] = {}
-        self._lru = LruHeap()
+        self._lru = LazyHeap(lambda s, key: key in self.blocks and self.blocks[key].last == s)
         self._clock = itertools.count(1)
         self._plan_junction = None
 
@@ -138,7 +139,7 @@ class VllmAlignPolicy(Policy):
 
     # ---- eviction ------------------------------------------------------------------------------
     def evict_one(self) -> bool:
-        top = self._lru.peek(lambda s, key: key in self.blocks and self.blocks[key].last == s)
+        top = self._lru.pop()
         if top is None:
             return False
         key = top[1]
