@@ -30,6 +30,7 @@ from torch import nn
 from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import ZeroCentredRMSNorm
+from hyla.ops.dtypes import work_dtype
 
 
 class RotaryEmbedding(nn.Module):
@@ -169,7 +170,7 @@ class GatedAttention(nn.Module):
         query may attend to -> [S, W, H * D]."""
         ks, vs = (t[pages].flatten(1, 2) for t in (cache.k, cache.v))  # [S, L, Hkv, D]
         qg = q.unflatten(2, (self.num_kv_heads, self.groups))  # [S, W, Hkv, G, D]
-        work = torch.float64 if ks.dtype == torch.float64 else torch.float32  # softmax in >= fp32
+        work = work_dtype(ks)  # softmax in >= fp32
         scores = torch.einsum("swkgd,sjkd->swkgj", qg, ks).to(work) * self.scaling  # [S, W, Hkv, G, L]
         probs = scores.masked_fill(~valid[:, :, None, None, :], float("-inf")).softmax(-1).to(vs.dtype)
         seen = valid.any(dim=1)  # [S, L] rows some query may read

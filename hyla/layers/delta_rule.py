@@ -36,6 +36,7 @@ from torch import nn
 
 from hyla.contract import ForwardBatch, LinearLayerCache
 from hyla.ops import dispatch
+from hyla.ops.dtypes import work_dtype
 
 
 class PackedLinears:
@@ -212,7 +213,7 @@ class ShortConvDeltaRule(nn.Module):
                                    num_accepted_tokens=acc, cu_seqlens=batch.cu_seqlens,
                                    use_qk_l2norm_in_kernel=True)
         else:
-            work = torch.float64 if x.dtype == torch.float64 else torch.float32
+            work = work_dtype(x)
             o, _ = self._recurrent(q, k, v, g, beta, initial_state=cache.state[start].to(work),
                                    cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True)
             cache.replay = dict(k=k, v=v, g=g, beta=beta, inputs=inputs, windows0=windows0, start=start,
@@ -295,7 +296,7 @@ class ShortConvDeltaRule(nn.Module):
             ys.append(y)
         q, k, v = self.heads(ys)  # [1, T_total, H, K], v [1, T_total, HV, V]
         g, beta = self.gates(aux)
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        work = work_dtype(x)
         s0 = torch.where(resume[:, None, None, None], cache.state[slots].to(work), 0)
         out = self._chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_positions=positions)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from hyla.ops.dispatch import chunk_delta_rule, chunk_gated_delta_rule, chunk_kda
+from hyla.ops.dtypes import work_dtype
 
 __all__ = ["segment_affine", "compose", "prefix_scan", "apply", "identity"]
 
@@ -84,7 +85,7 @@ def segment_affine(
     B, T, H, HV, K, V = _check_segment(k, v, g, beta, gate)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+    dtype = work_dtype(k)
     if T == 0:
         return identity(B, HV, K, V, dtype=dtype, device=k.device)
     # Values [0 | v] from the state [I | 0]: the final state is [M | S~] (see the module docstring).

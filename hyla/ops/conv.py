@@ -26,15 +26,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hyla.ops.dtypes import work_dtype
+
 from hyla.ops import utils
 
 __all__ = ["causal_conv1d_fn", "causal_conv1d_update", "causal_conv1d_verify", "causal_conv1d_update_packed"]
 
 _ACTIVATIONS = (None, "silu", "swish")
-
-
-def _work_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _check_weight_bias(weight, bias, D: int) -> torch.Tensor:
@@ -126,7 +124,7 @@ def causal_conv1d_fn(
         got = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else initial_state
         raise ValueError(f"initial_state must be [N={N}, D={D}, W-1={P}], got {got}")
 
-    dt = _work_dtype(x)
+    dt = work_dtype(x)
     xs = x.reshape(B * T, D).to(dt)
     # Extended stream: sequence n occupies [cu[n] + n*P, cu[n+1] + (n+1)*P), its first P rows
     # being its state. Token t of sequence n sits at t + (n+1)*P.
@@ -212,7 +210,7 @@ def causal_conv1d_update(
     P = weight.shape[1] - 1
 
     live = idx >= 0  # [N]
-    dt = _work_dtype(x)
+    dt = work_dtype(x)
     old = conv_state[idx.clamp(min=0)].to(dt)  # [N, D, P]
     ext = torch.cat([old, x3.transpose(1, 2).to(dt)], dim=2)  # [N, D, P + L]
     y = _conv(ext, weight, bias, activation)  # [N, D, L]
@@ -271,7 +269,7 @@ def causal_conv1d_verify(
     P = weight.shape[1] - 1
     w0 = conv_state[read_indices]  # [N, D, P]
     ext = torch.cat([w0, x.transpose(1, 2).to(w0.dtype)], dim=2)  # [N, D, P + L]
-    y = _conv(ext.to(_work_dtype(ext)), weight, bias, activation).to(x.dtype)  # [N, D, L]
+    y = _conv(ext.to(work_dtype(ext)), weight, bias, activation).to(x.dtype)  # [N, D, L]
     if write_indices is not None and P > 0:
         windows = ext.unfold(2, P, 1)[:, :, 1:].permute(0, 2, 1, 3).flatten(0, 1)  # [N * L, D, P]
         dst = write_indices.reshape(-1)

@@ -29,6 +29,7 @@ from hyla.ops import mla as _torch_mla
 from hyla.ops import norm as _torch_norm
 from hyla.ops import recurrent as _torch_recurrent
 from hyla.ops import triton as _triton
+from hyla.ops.dtypes import check_lower_bound
 
 __all__ = ["backend_for", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
@@ -173,7 +174,7 @@ def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias
           and (dt_bias is None or dt_bias.numel() == f.shape[2] * f.shape[3]))
     if ok and _elementwise_triton(f, (f, b, A_log, dt_bias)):
         if lower_bound is not None:
-            _torch_gate._check_lower_bound(lower_bound)
+            check_lower_bound(lower_bound)
         return _triton.kda_gate_beta(f, b, A_log, dt_bias, lower_bound)
     return _torch_gate.kda_gate_beta(f, b, A_log, dt_bias, lower_bound)
 

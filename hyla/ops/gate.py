@@ -16,16 +16,12 @@ the pair a decode step needs, which hyla.ops.triton.gate computes in one launch.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
+from hyla.ops.dtypes import check_lower_bound, work_dtype
+
 __all__ = ["kda_gate", "gdn_gate", "kda_gate_beta", "gdn_gate_beta"]
-
-
-def _work_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _per_head(name: str, t: torch.Tensor, n: int, shape: tuple[int, ...], dtype) -> torch.Tensor:
@@ -58,14 +54,14 @@ def kda_gate(
     """
     _check_input("f", f, 4, "[B, T, H, K]")
     _, _, H, K = f.shape
-    dtype = _work_dtype(f)
+    dtype = work_dtype(f)
     x = f.to(dtype)
     if dt_bias is not None:
         x = x + _per_head("dt_bias", dt_bias, H * K, (H, K), dtype)
     a = _per_head("A_log", A_log, H, (H, 1), dtype).exp()
     if lower_bound is None:
         return -a * F.softplus(x)
-    lb = _check_lower_bound(lower_bound)
+    lb = check_lower_bound(lower_bound)
     return lb * torch.sigmoid(a * x)
 
 
@@ -81,21 +77,11 @@ def gdn_gate(
     """
     _check_input("a", a, 3, "[B, T, HV]")
     HV = a.shape[-1]
-    dtype = _work_dtype(a)
+    dtype = work_dtype(a)
     x = a.to(dtype)
     if dt_bias is not None:
         x = x + _per_head("dt_bias", dt_bias, HV, (HV,), dtype)
     return -_per_head("A_log", A_log, HV, (HV,), dtype).exp() * F.softplus(x)
-
-
-def _check_lower_bound(lower_bound) -> float:
-    try:
-        lb = float(lower_bound)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"lower_bound must be a negative float or None, got {lower_bound!r}") from err
-    if not math.isfinite(lb) or lb >= 0:
-        raise ValueError(f"lower_bound must be a finite negative float, got {lower_bound!r}")
-    return lb
 
 
 def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None,

@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hyla.ops.dtypes import work_dtype
+
 __all__ = ["l2norm", "rms_norm", "gated_rms_norm", "rms_norm_rounded", "rms_norm_zero_centred",
            "add_rms_norm", "silu_gated_rms_norm"]
 
@@ -36,7 +38,7 @@ _ACTIVATIONS = {"sigmoid": torch.sigmoid, "silu": F.silu, "swish": F.silu}
 
 
 def _work(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return x.to(work_dtype(x))
 
 
 def _check_x(x: torch.Tensor) -> None:
@@ -132,6 +134,6 @@ def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
     """Gated DeltaNet's output norm (transformers' Qwen3NextRMSNormGated): the normalised x is
     rounded to x.dtype before the weight multiply, the gate goes through SiLU in fp32, the product
     is rounded to x.dtype. x, gate: [..., D], weight [D]."""
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    work = work_dtype(x)
     y = weight * _normalised(x, eps).to(x.dtype)
     return (y * F.silu(gate.to(work))).to(x.dtype)

@@ -38,19 +38,9 @@ import math
 
 import torch
 
+from hyla.ops.dtypes import check_lower_bound
+
 __all__ = ["max_reciprocal_decay", "safe_chunk_size"]
-
-
-def _check_lower_bound(lower_bound: float) -> float:
-    try:
-        lb = float(lower_bound)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"lower_bound must be a real number, got {lower_bound!r}") from err
-    if not math.isfinite(lb) or lb >= 0:
-        # A log-decay bound must be strictly negative: 0 means "no decay allowed" (nothing to
-        # bound) and a positive value would be a growth factor, which the recurrence forbids.
-        raise ValueError(f"lower_bound must be a finite negative number, got {lower_bound!r}")
-    return lb
 
 
 def max_reciprocal_decay(lower_bound: float, tile: int) -> float:
@@ -59,7 +49,7 @@ def max_reciprocal_decay(lower_bound: float, tile: int) -> float:
     Returns ``exp(-lower_bound * tile)`` as a Python float (``inf`` when it exceeds the float64
     range). Example: ``max_reciprocal_decay(-5, 16) == exp(80) ~ 5.5406e34``.
     """
-    lb = _check_lower_bound(lower_bound)
+    lb = check_lower_bound(lower_bound)
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 0:
         raise ValueError(f"tile must be a non-negative int, got {tile!r}")
     try:
@@ -75,7 +65,7 @@ def safe_chunk_size(lower_bound: float, dtype: torch.dtype) -> int:
     token earlier spans C + 1 decays). Figures: (-5, bf16) -> 16, (-5, fp16) -> 1,
     (-8, bf16) -> 10. Raises ValueError when not even C = 1 is safe.
     """
-    lb = _check_lower_bound(lower_bound)
+    lb = check_lower_bound(lower_bound)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     ceiling = torch.finfo(dtype).max

@@ -6,17 +6,34 @@ names the offending argument, before any work is done.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
+from hyla.ops.dtypes import work_dtype
 from hyla.ops.gate import gdn_gate, kda_gate
 from hyla.ops.norm import l2norm
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-def work_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp64 inputs compute in fp64; everything else (fp32, bf16, fp16) computes in fp32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def backend_twin(reference, core, **fixed):
+    """Another backend's version of the public op `reference` (hyla.ops.chunk / recurrent) with
+    `reference`'s own signature, defaults and docstring: the call is bound against that
+    signature and handed to `core` as keywords, plus `fixed` (the gate rule; `g=None` for the
+    ops without a gate). One public signature per op, whichever backend runs it."""
+    sig = inspect.signature(reference)
+
+    @functools.wraps(reference)
+    def op(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = {**fixed, **bound.arguments}
+        q, k, v, g, beta = (a.pop(n) for n in ("q", "k", "v", "g", "beta"))
+        return core(q, k, v, g, beta, **a)
+
+    return op
 
 
 def _version(t: torch.Tensor) -> int:

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from hyla.ops.affine import identity
 from hyla.ops.chunk import SUB_BLOCK
 from hyla.ops.dispatch import chunk_gated_delta_rule, chunk_kda  # the Triton kernels on CUDA
+from hyla.ops.dtypes import work_dtype
 from hyla.ops.utils import check_inputs
 
 __all__ = [
@@ -243,7 +244,7 @@ def local_pass(q, k, v, g, beta, *, gate, scale=None, use_qk_l2norm_in_kernel=Fa
     """
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    work = torch.float64 if v.dtype == torch.float64 else torch.float32
+    work = work_dtype(v)
     if T == 0:  # an empty slice maps every state to itself
         return (v.new_zeros(B, 0, HV, V), v.new_zeros(B, 0, HV, K),
                 *identity(B, HV, K, V, dtype=work, device=v.device))

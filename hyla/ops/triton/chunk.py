@@ -23,6 +23,7 @@ from hyla.ops.triton import _interpreter
 from hyla.ops.triton.chunk_intra import chunk_prepare_kernel
 from hyla.ops.triton.chunk_scan import chunk_scan_kernel
 from hyla.ops.triton.params import gate_params, num_sms
+from hyla.ops import chunk as _reference
 from hyla.ops import utils
 from hyla.ops.utils import check_checkpoints, check_inputs
 
@@ -204,35 +205,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     return o, final, ck
 
 
-def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
-              use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
-              use_beta_sigmoid_in_kernel=False):
-    """Triton chunk_kda (forward only); arguments and returns as hyla.ops.chunk.chunk_kda."""
-    return chunk_fwd(q, k, v, g, beta, gate="kda", scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, checkpoint_positions=checkpoint_positions,
-                     use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                     lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
-
-
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64,
-                           checkpoint_positions=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                           use_beta_sigmoid_in_kernel=False):
-    """Triton chunk_gated_delta_rule (forward only); as hyla.ops.chunk.chunk_gated_delta_rule."""
-    return chunk_fwd(q, k, v, g, beta, gate="gdn", scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, checkpoint_positions=checkpoint_positions,
-                     use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
-
-
-def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
-                     use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
-                     use_beta_sigmoid_in_kernel=False):
-    """Triton chunk_delta_rule (no decay, forward only); as hyla.ops.chunk.chunk_delta_rule."""
-    return chunk_fwd(q, k, v, None, beta, gate=None, scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     cu_seqlens=cu_seqlens, chunk_size=chunk_size, checkpoint_positions=checkpoint_positions,
-                     use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+# The public ops: the torch references' signatures (hyla.ops.chunk), chunk_fwd underneath.
+chunk_kda = utils.backend_twin(_reference.chunk_kda, chunk_fwd, gate="kda")
+chunk_gated_delta_rule = utils.backend_twin(_reference.chunk_gated_delta_rule, chunk_fwd, gate="gdn")
+chunk_delta_rule = utils.backend_twin(_reference.chunk_delta_rule, chunk_fwd, gate=None, g=None)

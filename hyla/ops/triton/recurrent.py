@@ -20,6 +20,8 @@ import triton.language as tl
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import apply_gate, sigmoid
 from hyla.ops.triton.params import gate_params, num_sms
+from hyla.ops import recurrent as _reference
+from hyla.ops import utils
 from hyla.ops.utils import check_inputs
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -231,26 +233,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
     return o, ht
 
 
-def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                        use_qk_l2norm_in_kernel=False, cu_seqlens=None, ssm_state_indices=None,
-                        num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                        lower_bound=None, use_beta_sigmoid_in_kernel=False):
-    """Triton KDA decode / verify; arguments and returns as hyla.ops.recurrent.fused_recurrent_kda."""
-    return recurrent_fwd(q, k, v, g, beta, gate="kda", scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
-                         num_accepted_tokens=num_accepted_tokens, use_gate_in_kernel=use_gate_in_kernel,
-                         A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
-
-
-def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
-                                     output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
-                                     ssm_state_indices=None, num_accepted_tokens=None, use_gate_in_kernel=False,
-                                     A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False):
-    """Triton Gated DeltaNet decode / verify; as hyla.ops.recurrent.fused_recurrent_gated_delta_rule."""
-    return recurrent_fwd(q, k, v, g, beta, gate="gdn", scale=scale, initial_state=initial_state,
-                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
-                         num_accepted_tokens=num_accepted_tokens, use_gate_in_kernel=use_gate_in_kernel,
-                         A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+# The public ops: the torch references' signatures (hyla.ops.recurrent), recurrent_fwd underneath.
+fused_recurrent_kda = utils.backend_twin(_reference.fused_recurrent_kda, recurrent_fwd, gate="kda")
+fused_recurrent_gated_delta_rule = utils.backend_twin(_reference.fused_recurrent_gated_delta_rule, recurrent_fwd,
+                                                      gate="gdn")
