@@ -107,18 +107,26 @@ class ForwardBatch:
         for s in seq_lens:
             cu.append(cu[-1] + s)
         positions = [c + i for s, c in zip(seq_lens, context_lens) for i in range(s)]
+        host_tables = None
         if not isinstance(block_tables, torch.Tensor):
             width = max((len(b) for b in block_tables), default=0)
-            block_tables = [list(b) + [-1] * (width - len(b)) for b in block_tables]
-            block_tables = torch.tensor(block_tables, dtype=torch.long).reshape(len(seq_lens), width)
-        as_long = lambda x: torch.as_tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        return cls(
+            host_tables = [list(b) + [-1] * (width - len(b)) for b in block_tables]
+            block_tables = torch.tensor(host_tables, dtype=torch.long).reshape(len(seq_lens), width)
+
+        def as_long(x):  # host -> device without a stream sync (the driver stages pageable memory)
+            return torch.as_tensor(x, dtype=torch.long).to(device, non_blocking=True)
+
+        batch = cls(
             cu_seqlens=remember_host_values(as_long(cu), cu), context_lens=as_long(list(context_lens)), positions=as_long(positions),
-            block_tables=block_tables.to(device=device, dtype=torch.long), state_slots=as_long(state_slots),
-            checkpoints=checkpoints, seq_lens=list(seq_lens), context_lens_list=list(context_lens),
+            block_tables=block_tables.to(device=device, dtype=torch.long, non_blocking=True),
+            state_slots=as_long(state_slots), checkpoints=checkpoints, seq_lens=list(seq_lens),
+            context_lens_list=list(context_lens),
             num_accepted_tokens=None if num_accepted_tokens is None else as_long(num_accepted_tokens),
             rollback=rollback,
         )
+        if host_tables is not None:
+            batch._memo["host_tables"] = host_tables  # page checks on the host, no device sync
+        return batch
 
     @property
     def num_seqs(self) -> int:
@@ -177,6 +185,10 @@ class ForwardBatch:
             pos = self.positions
             col = pos // page_size
             check = self.num_tokens and not self.cuda_graph
+            host = self._memo.get("host_tables")
+            if check and host is not None:
+                self._check_written_pages(host, page_size)
+                check = False
             if check and int(col.max()) >= self.block_tables.shape[1]:
                 raise ValueError("block_tables has too few page columns for the positions of this step")
             pages = self.block_tables[self.token_seq_ids(), col]
@@ -184,6 +196,29 @@ class ForwardBatch:
                 raise ValueError("block_tables has no page (-1) for a position written in this step")
             self._memo[key] = pages * page_size + pos % page_size
         return self._memo[key]
+
+    def _check_written_pages(self, host: list[list[int]], page_size: int) -> None:
+        """kv_slot_mapping's checks on the host copy of the tables (a batch built from lists)."""
+        for table, new, ctx in zip(host, self.seq_lens, self.context_lens_list):
+            if new == 0:
+                continue
+            last = (ctx + new - 1) // page_size
+            if last >= len(table):
+                raise ValueError("block_tables has too few page columns for the positions of this step")
+            if any(p < 0 for p in table[ctx // page_size:last + 1]):
+                raise ValueError("block_tables has no page (-1) for a position written in this step")
+
+    def context_pages(self, n: int, length: int, page_size: int) -> torch.Tensor:
+        """[ceil(length / page_size)] the page ids of positions 0..length-1 of sequence n, checked
+        to exist (on the host copy of the tables when the batch has one: no device sync)."""
+        n_pages = -(-length // page_size)
+        pages = self.block_tables[n, :n_pages]
+        host = self._memo.get("host_tables")
+        missing = (len(host[n]) < n_pages or any(p < 0 for p in host[n][:n_pages])) if host is not None \
+            else (pages.shape[0] < n_pages or bool((pages < 0).any()))
+        if missing:
+            raise ValueError(f"block table of sequence {n} lacks a page for a position below {length}")
+        return pages
 
     def decode_window(self, seqs: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages and validity mask for one-query-token attention of sequences `seqs` (those of a

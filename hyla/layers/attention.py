@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.delta_rule import PackedLinears
@@ -117,8 +118,8 @@ class GatedAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool) -> torch.Tensor:
-        """q: [B, T, H, D]; k, v: [B, L, Hkv, D]; mask: [T, L] bool (True = attend) or None
-        -> [B, T, H * D]."""
+        """q: [B, T, H, D]; k, v: [B, L, Hkv, D]; mask: [T, L] bool (True = attend), an attention
+        bias (causal_lower_right) or None -> [B, T, H * D]."""
         k, v = (t.repeat_interleave(self.groups, dim=2) for t in (k, v))
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask, is_causal=causal, scale=self.scaling)
@@ -158,10 +159,12 @@ class GatedAttention(nn.Module):
             if new <= 1:
                 continue
             total = ctx + new
-            ks, vs = (_gather(t, batch.block_tables[n], total) for t in (cache.k, cache.v))  # [L, Hkv, D]
-            allowed = torch.arange(total, device=x.device)[None, :] <= ctx + torch.arange(new, device=x.device)[:, None]
-            out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], ks[None], vs[None], allowed,
-                                                causal=False)[0]
+            pages = batch.context_pages(n, total, page_size)
+            ks, vs = (t[pages].flatten(0, 1)[:total] for t in (cache.k, cache.v))  # [L, Hkv, D]
+            # causal without a built [new, L] mask: plain without a prefix, lower-right aligned with one
+            bias = None if ctx == 0 else causal_lower_right(new, total)
+            out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], ks[None], vs[None], bias,
+                                                causal=ctx == 0)[0]
         return self.o_proj(out * torch.sigmoid(gate))
 
     def _windowed(self, q: torch.Tensor, cache: KVLayerCache, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -176,13 +179,3 @@ class GatedAttention(nn.Module):
         seen = valid.any(dim=1)  # [S, L] rows some query may read
         vs = vs.masked_fill(~seen[:, :, None, None], 0)  # rows past a length may hold anything (0 * NaN)
         return torch.einsum("swkgj,sjkd->swkgd", probs, vs).flatten(2)  # [S, W, H * D]
-
-
-def _gather(pool: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """Rows of positions 0..length-1 of one sequence. pool: [num_pages, page_size, ...];
-    table: [max_pages] page ids -> [length, ...]."""
-    n_pages = -(-length // pool.shape[1])
-    pages = table[:n_pages]
-    if bool((pages < 0).any()):
-        raise ValueError(f"block table lacks a page for a position below {length}")
-    return pool[pages].flatten(0, 1)[:length]

@@ -144,7 +144,8 @@ class MLAAttention(nn.Module):
         for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
             if new <= 1:
                 continue
-            lat = _gather(cache.kv, batch.block_tables[n], ctx + new)  # [L, r + rope]
+            pages = batch.context_pages(n, ctx + new, page_size)
+            lat = cache.kv[pages].flatten(0, 1)[:ctx + new]  # [L, r + rope]
             out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], lat, ctx)
         return self.o_proj(out)
 
@@ -167,13 +168,3 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, r]
         return dispatch.paged_mla_decode(q_lat, q_pe, kv, tables, last, w_uv, self.scaling)
-
-
-def _gather(kv: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """Latents of positions 0..length-1 of one sequence. kv: [num_pages, page_size, C];
-    table: [max_pages] page ids -> [length, C]."""
-    n_pages = -(-length // kv.shape[1])
-    pages = table[:n_pages]
-    if bool((pages < 0).any()):
-        raise ValueError(f"block table lacks a page for a position below {length}")
-    return kv[pages].flatten(0, 1)[:length]

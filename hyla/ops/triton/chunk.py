@@ -65,8 +65,8 @@ def _build_tables(cu_seqlens, device, lengths=None, cu=None, key=None):
     total = int(chunk_off[-1])
     chunk_seq = torch.repeat_interleave(torch.arange(len(lengths)), nch)
     chunk_pos = torch.arange(total) - chunk_off[:-1][chunk_seq]
-    out = (cu, lengths, chunk_off.tolist(), chunk_off.to(device=device, dtype=torch.int32),
-           chunk_seq.to(device=device, dtype=torch.int32), chunk_pos.to(device=device, dtype=torch.int32))
+    to_dev = lambda t: t.to(dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731 - no stream sync
+    out = (cu, lengths, chunk_off.tolist(), to_dev(chunk_off), to_dev(chunk_seq), to_dev(chunk_pos))
     if key is not None:
         if len(_TABLES) > 64:
             _TABLES.clear()
