@@ -18,6 +18,7 @@ TRITON_INTERPRET=1), `auto` (the default) is the rule above.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -68,7 +69,18 @@ def backend_for(q: torch.Tensor, v: torch.Tensor, tensors, *, heads: bool = True
     return "triton" if q.is_cuda and _triton.is_available() else "torch"
 
 
+# (op, dtype, q's and v's last dims) the Triton kernels found no room for on this device: such
+# calls take the torch path from then on (see _dispatched).
+_NO_FIT: set = set()
+_log = logging.getLogger("hyla.ops")
+
+
 def _dispatched(torch_fn, name: str, q_name: str = "q", v_name: str = "v", heads: bool = True):
+    """torch_fn's op, run by the Triton kernel of the same name when backend_for says so. A
+    kernel whose block config does not fit the device (Triton's OutOfResources at launch, e.g.
+    fp32 inputs on a config sized for bf16) is not an error in the auto mode: the call, and every
+    later call of that op, dtype and head size, runs the torch path, with one warning. Under
+    HYLA_BACKEND=triton it is raised."""
     params = torch_fn.__code__.co_varnames[: torch_fn.__code__.co_argcount]
     i_q, i_v = params.index(q_name), params.index(v_name)
 
@@ -78,7 +90,17 @@ def _dispatched(torch_fn, name: str, q_name: str = "q", v_name: str = "v", heads
         v = args[i_v] if len(args) > i_v else kwargs.get(v_name)
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         if backend_for(q, v, tensors, heads=heads) == "triton":
-            return getattr(_triton, name)(*args, **kwargs)
+            key = (name, q.dtype, q.shape[-1], v.shape[-1])
+            if key not in _NO_FIT:
+                try:
+                    return getattr(_triton, name)(*args, **kwargs)
+                except Exception as err:  # noqa: BLE001 - only OutOfResources is caught
+                    forced = os.environ.get("HYLA_BACKEND", "auto").strip().lower() == "triton"
+                    if type(err).__name__ != "OutOfResources" or forced:
+                        raise
+                    _NO_FIT.add(key)
+                    _log.warning("%s: the Triton kernel does not fit this device for %s at head sizes %d/%d "
+                                 "(%s); using the torch path", name, q.dtype, q.shape[-1], v.shape[-1], err)
         return torch_fn(*args, **kwargs)
 
     return op

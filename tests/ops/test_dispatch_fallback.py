@@ -1,0 +1,61 @@
+"""hyla.ops.dispatch: a Triton kernel that does not fit the device falls back to torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyla.ops import chunk as torch_chunk
+from hyla.ops import dispatch
+
+
+class OutOfResources(Exception):  # the name Triton's launcher raises (triton.runtime.errors)
+    pass
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 9, 2, 8, generator=g) for _ in range(2))
+    v = torch.randn(1, 9, 2, 8, generator=g)
+    gate = -torch.rand(1, 9, 2, 8, generator=g)
+    beta = torch.rand(1, 9, 2, generator=g)
+    return q, k, v, gate, beta
+
+
+@pytest.fixture
+def triton_that_does_not_fit(monkeypatch):
+    calls = []
+
+    def fail(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources("shared memory, required 278528, hardware limit 232448")
+
+    monkeypatch.setattr(dispatch, "backend_for", lambda *a, **k: "triton")
+    monkeypatch.setattr(dispatch._triton, "chunk_kda", fail, raising=False)
+    monkeypatch.setattr(dispatch, "_NO_FIT", set())
+    return calls
+
+
+def test_out_of_resources_runs_the_torch_path_and_is_remembered(triton_that_does_not_fit, monkeypatch, caplog):
+    monkeypatch.delenv("HYLA_BACKEND", raising=False)
+    args = _inputs()
+    want = torch_chunk.chunk_kda(*args)[0]
+    with caplog.at_level("WARNING", logger="hyla.ops"):
+        got = dispatch.chunk_kda(*args)[0]
+    assert torch.equal(got, want) and "does not fit" in caplog.text
+    dispatch.chunk_kda(*args)  # the second call does not try the kernel again
+    assert len(triton_that_does_not_fit) == 1
+
+
+def test_forced_triton_raises(triton_that_does_not_fit, monkeypatch):
+    monkeypatch.setenv("HYLA_BACKEND", "triton")
+    with pytest.raises(OutOfResources):
+        dispatch.chunk_kda(*_inputs())
+
+
+def test_other_errors_are_not_swallowed(monkeypatch):
+    monkeypatch.setattr(dispatch, "backend_for", lambda *a, **k: "triton")
+    monkeypatch.setattr(dispatch._triton, "chunk_kda", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")),
+                        raising=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        dispatch.chunk_kda(*_inputs())
