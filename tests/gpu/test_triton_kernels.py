@@ -164,3 +164,19 @@ def test_decode_and_verify_full_size(gate):
                          num_accepted_tokens=n_acc, use_qk_l2norm_in_kernel=True)
     check("verify o", o, o_ref)
     check("verify pool", p_fast, p_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [128, 256])
+def test_dispatched_chunk_never_runs_out_of_resources(dtype, D):
+    """Issue 20, item 0: fp32 / fp16 / bf16 at head dim 128 and 256 through the dispatched op
+    (the Triton kernel where its config fits, the torch path where it does not), never an
+    OutOfResources, and the result as accurate as the kernels' bf16 figure against fp64."""
+    from hyla.ops import dispatch
+
+    q, k, v, g, beta, _ = inputs(1, 1024, 4, D, gate="kda", seed=7, dtype=dtype)
+    o, s = dispatch.chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, s_ref = torch_chunk.chunk_kda(*(t.double() for t in (q, k, v, g, beta)), output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+    check(f"chunk_kda {dtype} D={D} output", o, o_ref)
+    check(f"chunk_kda {dtype} D={D} state", s, s_ref)
