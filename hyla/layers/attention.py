@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.delta_rule import PackedLinears
+from hyla.layers.masks import causal_after_prefix
 from hyla.layers.norm import ZeroCentredRMSNorm
 from hyla.ops.dtypes import work_dtype
 
@@ -162,7 +162,7 @@ class GatedAttention(nn.Module):
             pages = batch.context_pages(n, total, page_size)
             ks, vs = (t[pages].flatten(0, 1)[:total] for t in (cache.k, cache.v))  # [L, Hkv, D]
             # causal without a built [new, L] mask: plain without a prefix, lower-right aligned with one
-            bias = None if ctx == 0 else causal_lower_right(new, total)
+            bias = None if ctx == 0 else causal_after_prefix(new, total)
             out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], ks[None], vs[None], bias,
                                                 causal=ctx == 0)[0]
         return self.o_proj(out * torch.sigmoid(gate))

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch.nn.attention.bias import causal_lower_right
 
 from hyla.contract import ForwardBatch, MLALayerCache
 from hyla.layers.delta_rule import PackedLinears
+from hyla.layers.masks import causal_after_prefix
 from hyla.layers.norm import RMSNorm
 from hyla.ops import dispatch
 
@@ -155,7 +155,7 @@ class MLAAttention(nn.Module):
         prefix, the lower-right-aligned causal bias with one (no [T, L] mask is built)."""
         if ctx == 0:
             return self._attend(q[None], latent[None], None, causal=True)[0]
-        bias = causal_lower_right(q.shape[0], latent.shape[0])
+        bias = causal_after_prefix(q.shape[0], latent.shape[0])
         return self._attend(q[None], latent[None], bias, causal=False)[0]
 
     def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
