@@ -58,6 +58,7 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         for w in (self.gate_up_proj, self.down_proj):  # nn.Linear's default init, per expert
             nn.init.kaiming_uniform_(w.view(-1, w.shape[-1]), a=5 ** 0.5)
+        self.with_shared: tuple | None = None  # (w13, w2, shared MLP) once stack_shared ran
 
     @property
     def num_experts(self) -> int:
@@ -87,7 +88,7 @@ class StackedExperts(nn.Module):
         """True while the routed and shared weights are still the views `stack_shared` made. A
         `.to()` or an assignment of new tensors breaks that; the block then runs the shared
         expert on its own again (MoE.forward asks this every call)."""
-        if not hasattr(self, "with_shared"):
+        if self.with_shared is None:
             return False
         w13, w2, shared = self.with_shared
         E, I = self.gate_up_proj.shape[0], self.down_proj.shape[2]

@@ -1,8 +1,9 @@
 """What every hybrid causal LM in hyla shares (Kimi-Linear, Qwen3-Next): the model <-> engine API.
 
 A family subclasses HybridForCausalLM, builds `self.config`, `self.model` (embed_tokens, layers,
-norm) and `self.lm_head` in its __init__, and implements `allocate_cache`. Each decoder layer is
-called as `layer(h)` over whole sequences and `layer(h, batch, layer_cache)` for an engine step.
+norm, and `forward_layers(h, batch=None, caches=None)`: every layer then the final norm, the
+residual adds fused into the norms) and `self.lm_head` in its __init__, and implements
+`allocate_cache`.
 
 - `model(input_ids [B, T]) -> logits [B, T, V]`: whole sequences, no cache;
 - `model.forward_batch(input_ids [T_total], batch, cache) -> hidden [T_total, hidden]`, then
@@ -37,11 +38,7 @@ class HybridForCausalLM(nn.Module):
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         h = self.model.embed_tokens(input_ids)
-        if hasattr(self.model, "forward_layers"):  # the residual adds fused into the norms
-            return self.compute_logits(self.model.forward_layers(h))
-        for layer in self.model.layers:
-            h = layer(h)
-        return self.compute_logits(self.model.norm(h))
+        return self.compute_logits(self.model.forward_layers(h))  # residual adds fused into the norms
 
     def forward_batch(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
         """input_ids: [T_total] new tokens of batch's sequences, packed -> final-norm hidden
@@ -51,11 +48,7 @@ class HybridForCausalLM(nn.Module):
         if len(cache.layers) != len(self.model.layers):
             raise ValueError(f"cache has {len(cache.layers)} layers, the model {len(self.model.layers)}")
         h = self.model.embed_tokens(input_ids)
-        if hasattr(self.model, "forward_layers"):  # the residual adds fused into the norms
-            return self.model.forward_layers(h, batch, cache.layers)
-        for layer, layer_cache in zip(self.model.layers, cache.layers):
-            h = layer(h, batch, layer_cache)
-        return self.model.norm(h)
+        return self.model.forward_layers(h, batch, cache.layers)
 
     def prepare_for_inference(self) -> None:
         """Run once the weights are in place (the loader and the benches' random models call it):

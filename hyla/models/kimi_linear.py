@@ -42,7 +42,8 @@ class DecoderLayer(nn.Module):
                 c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
                 c.v_head_dim, q_lora_rank=c.q_lora_rank, bias=c.attention_bias,
             )
-        if c.mlp_layer_types[idx] == SPARSE:
+        self.is_sparse = c.mlp_layer_types[idx] == SPARSE  # the official names: block_sparse_moe / mlp
+        if self.is_sparse:
             self.block_sparse_moe = MoE(
                 c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_token,
                 num_shared_experts=c.num_shared_experts, num_group=c.num_expert_group, topk_group=c.topk_group,
@@ -58,7 +59,7 @@ class DecoderLayer(nn.Module):
         return self.self_attn
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+        return self.block_sparse_moe(x) if self.is_sparse else self.mlp(x)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch | None = None,
                 cache: LayerCache | None = None) -> torch.Tensor:

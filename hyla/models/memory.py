@@ -5,7 +5,8 @@ checkpoint costs nothing. This module knows no family: it counts the linear and 
 of `config.layer_types` and asks the config for the rest, `config.layer_sizes()` (a LayerSizes:
 the layer kinds and what one layer of each kind caches) and `config.parameter_counts()`; each
 family answers in its own config module. What a serving engine has to budget for:
-- per request (one state slot): each linear layer's recurrent state HV x K x V (fp32 by default)
+- per state slot (a request holds one, or 1 + k with "slots" speculation, plus the prefix
+  cache's checkpoints): each linear layer's recurrent state HV x K x V (fp32 by default)
   plus its conv windows in the model dtype: KDA three (q, k, v), each H*K x (W-1); Gated
   DeltaNet one over its q|k|v channels, (2*H*K + HV*V) x (W-1);
 - per token: each MLA layer's latent, kv_lora_rank + qk_rope_head_dim values; each full-attention
