@@ -42,17 +42,18 @@ import torch
 from torch import nn
 
 from hyla.bench.floor import median_ms
+from hyla.models.config import TransformersNames
 
 _CONFIG_SKIP = ("architectures", "model_type", "dtype", "torch_dtype")
 
 
-def hf_config(config_dict: dict, dtype: torch.dtype, experts_implementation: str | None = "grouped_mm"):
-    """transformers' config for a hyla config.json dict (same keys)."""
+def hf_config(config_dict: dict, dtype: torch.dtype, experts_implementation: str | None = "grouped_mm",
+              names: TransformersNames | None = None):
+    """transformers' config for a hyla config.json dict (same keys, less names.config_drop)."""
     import transformers
 
-    kw = {k: v for k, v in config_dict.items() if k not in _CONFIG_SKIP}
-    if config_dict["model_type"] == "kimi_linear":
-        kw.pop("head_dim", None)  # transformers derives it (qk_rope_head_dim)
+    drop = _CONFIG_SKIP + (names.config_drop if names is not None else ())
+    kw = {k: v for k, v in config_dict.items() if k not in drop}
     if experts_implementation is not None:
         kw["experts_implementation"] = experts_implementation
     config = transformers.AutoConfig.for_model(config_dict["model_type"], **kw)
@@ -60,41 +61,26 @@ def hf_config(config_dict: dict, dtype: torch.dtype, experts_implementation: str
     return config
 
 
-def _model_class(model_type: str):
-    import transformers
-
-    return {"kimi_linear": transformers.KimiLinearForCausalLM,
-            "qwen3_next": transformers.Qwen3NextForCausalLM}[model_type]
-
-
 def _stack(sd: dict, prefix: str, names: tuple[str, ...], num_experts: int) -> torch.Tensor:
     """Old per-expert layout -> [E, sum of rows, cols]: cat of `names` per expert, stacked."""
     return torch.stack([torch.cat([sd[f"{prefix}{e}.{n}.weight"] for n in names]) for e in range(num_experts)])
 
 
-def _source(name: str, sd: dict, kimi: bool, num_experts: int) -> torch.Tensor | None:
-    """The hyla tensor (shared) or a new one (copied) that transformers' tensor `name` holds."""
-    candidates = [name]
-    if kimi:
-        candidates.append(name.replace(".mlp.", ".block_sparse_moe."))
-        candidates.append(name.replace(".self_attn.forget_gate.", ".self_attn."))
+def _source(name: str, sd: dict, names: TransformersNames, num_experts: int) -> torch.Tensor | None:
+    """The hyla tensor (shared) or a new one (copied) that transformers' tensor `name` holds;
+    `names`: the family's naming differences (its config's TRANSFORMERS_NAMES)."""
+    candidates = [name] + [name.replace(theirs, ours) for theirs, ours in names.renames]
     for cand in candidates:
         if cand in sd:
             return sd[cand]
-    if kimi and name.endswith(".self_attn.conv1d.weight"):
+    if names.fused_conv and name.endswith(".conv1d.weight"):
         base = name[: -len("conv1d.weight")]
         return torch.cat([sd[f"{base}{p}_conv1d.weight"] for p in "qkv"])
     m = re.match(r"^(.*\.)experts\.(gate_up_proj|down_proj)$", name)
     if m:
-        prefix = (m[1].replace(".mlp.", ".block_sparse_moe.") if kimi else m[1]) + "experts."
-        if f"{prefix}{m[2]}" in sd:
-            return sd[f"{prefix}{m[2]}"]
-        if kimi:
-            names = ("w1", "w3") if m[2] == "gate_up_proj" else ("w2",)
-        else:
-            names = ("gate_proj", "up_proj") if m[2] == "gate_up_proj" else ("down_proj",)
-        if f"{prefix}0.{names[0]}.weight" in sd:
-            return _stack(sd, prefix, names, num_experts)
+        for prefix in dict.fromkeys(c[: -len(m[2])] for c in candidates):  # hyla's experts module
+            if f"{prefix}0.{names.expert_pieces[m[2]][0]}.weight" in sd:
+                return _stack(sd, prefix, names.expert_pieces[m[2]], num_experts)
     return None
 
 
@@ -126,10 +112,12 @@ def _rebuild_meta_buffers(hf, device) -> None:
 def build_peer(model, config_dict: dict, experts_implementation: str = "grouped_mm"):
     """transformers' model of `config_dict` whose tensors are hyla `model`'s (see the module
     docstring). Eval mode, no gradients."""
-    config = hf_config(config_dict, model.dtype, experts_implementation)
-    kimi = config_dict["model_type"] == "kimi_linear"
+    import transformers
+
+    names = type(model.config).TRANSFORMERS_NAMES
+    config = hf_config(config_dict, model.dtype, experts_implementation, names)
     with torch.device("meta"):
-        hf = _model_class(config_dict["model_type"])(config)
+        hf = getattr(transformers, names.model_class)(config)
     if experts_implementation is not None and hasattr(hf, "set_experts_implementation"):
         hf.set_experts_implementation(experts_implementation)
     sd = model.state_dict()
@@ -137,13 +125,13 @@ def build_peer(model, config_dict: dict, experts_implementation: str = "grouped_
     missing = []
     with torch.no_grad():
         for name, want in hf.state_dict(keep_vars=True).items():
-            t = _source(name, sd, kimi, num_experts)
+            t = _source(name, sd, names, num_experts)
             if t is None:
                 missing.append(name)
                 continue
             if tuple(t.shape) != tuple(want.shape):
                 raise ValueError(f"{name}: hyla's tensor has shape {list(t.shape)}, transformers' {list(want.shape)}")
-            if not kimi and name.endswith(".mlp.gate.weight"):
+            if names.router_in_model_dtype and name.endswith(".mlp.gate.weight"):
                 t = t.to(model.dtype)
             _set_tensor(hf, name, t)
     if missing:

@@ -33,6 +33,26 @@ SUPPORTED_MODEL_TYPES = ("kimi_linear",)
 
 
 @dataclass(frozen=True)
+class TransformersNames:
+    """How transformers names a family's tensors where they differ from hyla's (for
+    hyla.bench.hf_peer, which points transformers' model at hyla's weights).
+
+    model_class: the transformers class; config_drop: config.json keys its config derives
+    itself; renames: (transformers' fragment, hyla's) substitutions tried in order;
+    fused_conv: transformers' `{prefix}conv1d.weight` is the cat of hyla's q / k / v
+    `{prefix}{q,k,v}_conv1d.weight`; expert_pieces: hyla's per-expert names behind
+    `experts.gate_up_proj` and `experts.down_proj`; router_in_model_dtype: transformers
+    multiplies the router weight in the activations' dtype (hyla keeps it fp32)."""
+
+    model_class: str
+    expert_pieces: dict
+    config_drop: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+    fused_conv: bool = False
+    router_in_model_dtype: bool = False
+
+
+@dataclass(frozen=True)
 class LayerSizes:
     """What the memory report (hyla.models.memory) asks a family's config: the kind of its linear
     and attention layers and, in elements, what one layer of each kind caches. Every family's
@@ -239,6 +259,14 @@ class KimiLinearConfig:
         if kw.get("topk_group") is None:
             kw["topk_group"] = 1
         return cls(**kw)
+
+    TRANSFORMERS_NAMES = TransformersNames(
+        model_class="KimiLinearForCausalLM",
+        config_drop=("head_dim",),  # transformers derives it (qk_rope_head_dim)
+        renames=((".mlp.", ".block_sparse_moe."), (".self_attn.forget_gate.", ".self_attn.")),
+        fused_conv=True,
+        expert_pieces={"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)},
+    )
 
     @staticmethod
     def first_layers_hf_dict(d: dict, layers: int) -> dict:

@@ -19,7 +19,8 @@ import os
 from dataclasses import dataclass, field
 
 from hyla.models.config import (
-    DENSE, FULL, LINEAR, SPARSE, LayerSizes, _check_int, _req, check_layer_kinds, read_config_json,
+    DENSE, FULL, LINEAR, SPARSE, LayerSizes, TransformersNames, _check_int, _req, check_layer_kinds,
+    read_config_json,
 )
 
 MODEL_TYPE = "qwen3_next"
@@ -176,6 +177,12 @@ class Qwen3NextConfig:
             if d.get(name) is not None:
                 kw[name] = d[name]
         return cls(**kw)
+
+    TRANSFORMERS_NAMES = TransformersNames(
+        model_class="Qwen3NextForCausalLM",
+        expert_pieces={"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)},
+        router_in_model_dtype=True,
+    )
 
     @staticmethod
     def first_layers_hf_dict(d: dict, layers: int) -> dict:
