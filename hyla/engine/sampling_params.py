@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy (see SamplingParams.greedy)
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping controls.
 
-    temperature: 0 = greedy; > 0 scales the logits before sampling.
+    temperature: 0 (or below GREEDY_BELOW = 1e-5) = greedy; otherwise scales the logits before
+        sampling. Every number must be finite.
     top_p, top_k, min_p: nucleus, top-k (0 or -1 = off) and min-p filtering.
     seed: per-request seed; the same seed gives the same tokens whatever else is batched.
     max_tokens: new tokens to generate at most (None = up to the model's max length).
@@ -43,6 +47,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
             if lo is not None and (value <= lo if lo_open else value < lo):
                 raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value}")
             if hi is not None and value > hi:
@@ -63,8 +69,9 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(1 << 63) <= self.seed < (1 << 64)):
+            raise ValueError(f"seed must be an integer in -2^63..2^64-1, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in 0..20, got {self.logprobs!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -78,4 +85,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below GREEDY_BELOW (1e-5, vLLM's rule) decode greedily: dividing the
+        logits by a tinier one overflows, and the distribution is a point mass anyway."""
+        return self.temperature < GREEDY_BELOW

@@ -44,7 +44,33 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+MAX_JSON_DEPTH = 32  # nesting of the request body (objects and arrays)
+
+
+def _check_json_tree(data) -> None:
+    """Bound the nesting and refuse strings that are not valid Unicode (a lone surrogate such as
+    "\\ud800" parses as JSON but cannot be encoded or tokenised). Iterative: no recursion."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "a string in the body is not valid Unicode (a lone surrogate)") from None
+            continue
+        if isinstance(node, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
+            items = list(node.keys()) + list(node.values()) if isinstance(node, dict) else node
+            stack.extend((item, depth + 1) for item in items)
+
+
 async def _read_json(request: Request, limit: int) -> dict:
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if ctype != "application/json":
+        # a keyless local server must not take cross-site form posts (which cannot send this type)
+        raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
@@ -57,8 +83,11 @@ async def _read_json(request: Request, limit: int) -> dict:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(data, dict):
         raise APIError(400, "the JSON body must be an object")
+    _check_json_tree(data)
     return data
 
 

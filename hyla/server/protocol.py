@@ -26,7 +26,9 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: no coercion of loose types (`max_tokens: true`, `stream: "yes"`, `prompt: [true]`);
+    # no NaN / Infinity in any number field (named in the 400)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = None

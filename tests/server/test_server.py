@@ -214,3 +214,49 @@ def test_api_key_enforced(model_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# ---- bad input: a clear 4xx naming the problem, and the connection stays usable ----------------
+
+def _post(http: httpx.Client, base: str, body: str, ctype: str = "application/json"):
+    return http.post(base + "/v1/completions", content=body.encode("utf-8", "surrogatepass"),
+                     headers={"content-type": ctype}, timeout=60)
+
+
+def test_non_json_content_type_is_415(server):
+    with httpx.Client() as http:
+        r = _post(http, server, json.dumps({"model": NAME, "prompt": "x", "max_tokens": 1}),
+                  ctype="application/x-www-form-urlencoded")
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+
+
+def test_lone_surrogate_and_deep_nesting_are_400_and_the_connection_lives(server):
+    with httpx.Client() as http:
+        r = _post(http, server, '{"model": "%s", "prompt": "\\ud800abc", "max_tokens": 1}' % NAME)
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+        r = _post(http, server, "[" * 5000 + "]" * 5000)  # past Python's JSON recursion limit
+        assert r.status_code == 400 and "nests deeper" in r.json()["error"]["message"]
+        nested: list = []
+        for _ in range(40):  # within the recursion limit, past the server's nesting bound
+            nested = [nested]
+        r = _post(http, server, json.dumps({"model": NAME, "prompt": "x", "max_tokens": 1, "x": nested}))
+        assert r.status_code == 400 and "nests deeper" in r.json()["error"]["message"]
+        r = _post(http, server, json.dumps({"model": NAME, "prompt": PROMPT, "max_tokens": 2}))
+        assert r.status_code == 200  # the same keep-alive connection still serves
+
+
+@pytest.mark.parametrize("field,value", [("temperature", "NaN"), ("top_p", "Infinity"),
+                                         ("presence_penalty", "-Infinity"), ("seed", str(2 ** 64)),
+                                         ("max_tokens", "true"), ("stream", '"yes"')])
+def test_non_finite_out_of_range_and_loose_values_name_the_field(server, field, value):
+    with httpx.Client() as http:
+        r = _post(http, server, '{"model": "%s", "prompt": "x", "max_tokens": 2, "%s": %s}' % (NAME, field, value)
+                  if field != "max_tokens" else '{"model": "%s", "prompt": "x", "max_tokens": %s}' % (NAME, value))
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+
+
+def test_tiny_temperature_decodes_greedily(client):
+    tiny = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=1e-300)
+    zero = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert tiny.choices[0].text == zero.choices[0].text
