@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API (FastAPI) over one AsyncEngine.
 
-Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions, POST /v1/chat/completions
-(`stream: true` -> server-sent events ending with `data: [DONE]`). Every client mistake gets an
+Routes: GET /health, GET /metrics, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
+POST /v1/chat/completions (`stream: true` -> server-sent events ending with `data: [DONE]`). Every client mistake gets an
 OpenAI-style error body with a 4xx; a client that disconnects has its request aborted, which frees
 its state slots and KV pages.
 
@@ -256,24 +256,33 @@ def _logprob_tokens(engine, out: RequestOutput, start: int):
     lps = out.outputs[0].logprobs or []
     toks = out.outputs[0].token_ids
     decode = engine.tokenizer.decode if engine.tokenizer is not None else (lambda ids: str(ids[0]))
-    return [(decode([t]), lp[t], {decode([k]): v for k, v in lp.items()}) for t, lp in
-            zip(toks[start:], lps[start:])]
+    return [(decode([t]), lp[t], [(decode([k]), v) for k, v in lp.items()]) for t, lp in
+            zip(toks[start:], lps[start:])]  # alternatives as pairs: two ids may decode alike
 
 
 def _completion_logprobs(engine, out: RequestOutput, start: int, n_top: int):
+    """The legacy completions logprobs of tokens start.. : per token its text, logprob, the
+    chosen token plus the top n_top, and its character offset in the completion's text."""
     if out.outputs[0].logprobs is None:
         return None
-    rows = _logprob_tokens(engine, out, start)
+    rows = _logprob_tokens(engine, out, 0)
+    offsets, at = [], 0
+    for text, _, _ in rows:
+        offsets.append(at)
+        at += len(text)
+    rows = rows[start:]
     return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
-            "top_logprobs": [dict(list(r[2].items())[: n_top + 1]) for r in rows], "text_offset": []}
+            "top_logprobs": [dict(r[2][: n_top + 1]) for r in rows], "text_offset": offsets[start:]}
 
 
-def _chat_logprobs(engine, out: RequestOutput, start: int):
+def _chat_logprobs(engine, out: RequestOutput, start: int, n_top: int):
+    """Chat logprobs of tokens start.. : each token's logprob and exactly its n_top most likely
+    alternatives (OpenAI: none when top_logprobs is not set)."""
     if out.outputs[0].logprobs is None:
         return None
     return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                          "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())}
-                                          for k, v in top.items()]}
+                                          for k, v in sorted(top, key=lambda kv: -kv[1])[:n_top]]}
                         for t, lp, top in _logprob_tokens(engine, out, start)]}
 
 
@@ -292,11 +301,21 @@ async def prometheus(request: Request):
     return PlainTextResponse(_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
 
 
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "hyla",
+            "max_model_len": state.engine.max_model_len}
+
+
 @router.get("/v1/models")
 async def models(request: Request):
+    return {"object": "list", "data": [_model_card(_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str):
     state = _state(request)
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0, "owned_by": "hyla",
-                                        "max_model_len": state.engine.max_model_len}]}
+    _check_model(state, model_id)
+    return _model_card(state)
 
 
 @router.post("/v1/completions")
@@ -339,17 +358,18 @@ async def chat(request: Request):
     ids, params = _prepare(state, req, prompt_ids)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": state.model_name}
+    n_top = req.top_logprobs or 0
 
     def choice(out: RequestOutput, sent_text: int, sent_tokens: int, stream: bool) -> dict | None:
         c = out.outputs[0]
         if not stream:
             return {"index": 0, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason, "logprobs": _chat_logprobs(engine, out, 0)}
+                    "finish_reason": c.finish_reason, "logprobs": _chat_logprobs(engine, out, 0, n_top)}
         delta = {"content": c.text[sent_text:]} if len(c.text) > sent_text else {}
         if not (delta or c.finish_reason):
             return None
         return {"index": 0, "delta": delta, "finish_reason": c.finish_reason,
-                "logprobs": _chat_logprobs(engine, out, sent_tokens)}
+                "logprobs": _chat_logprobs(engine, out, sent_tokens, n_top)}
 
     opening = ({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},)
     return await _respond(request, state, req, ids, params, head, choice, chunk_object="chat.completion.chunk",

@@ -49,6 +49,8 @@ class _Sampling(BaseModel):
     user: str | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedParameter("stream_options", "stream_options is only allowed when stream is true")
         if self.n != 1:
             raise UnsupportedParameter("n", f"n={self.n} is not supported: hyla returns one choice per request")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -120,5 +122,7 @@ class ChatCompletionRequest(_Sampling):
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise UnsupportedParameter("response_format", "only response_format type 'text' is supported")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs)

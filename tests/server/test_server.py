@@ -260,3 +260,36 @@ def test_tiny_temperature_decodes_greedily(client):
     tiny = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=1e-300)
     zero = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0)
     assert tiny.choices[0].text == zero.choices[0].text
+
+
+# ---- parameters follow the OpenAI rules, never silently ignored -------------------------------
+
+def test_chat_logprobs_alone_has_no_alternatives_and_top_logprobs_gives_exactly_n(client):
+    msgs = [{"role": "user", "content": PROMPT}]
+    alone = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0, logprobs=True)
+    assert all(t.top_logprobs == [] for t in alone.choices[0].logprobs.content)
+    two = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=3, temperature=0, logprobs=True,
+                                         top_logprobs=2)
+    assert all(len(t.top_logprobs) == 2 for t in two.choices[0].logprobs.content)
+
+
+def test_completion_text_offsets_follow_the_tokens(client):
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=1)
+    lp = out.choices[0].logprobs
+    assert len(lp.text_offset) == len(lp.tokens) and lp.text_offset[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_parameters_that_need_another_are_rejected(server, path, body, param):
+    r = httpx.post(server + path, json={"model": NAME, "max_tokens": 2, **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_model_card_route(server):
+    assert httpx.get(f"{server}/v1/models/{NAME}").json()["id"] == NAME
+    r = httpx.get(f"{server}/v1/models/not-this-one")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
