@@ -90,6 +90,7 @@ class Sequence:
         token = self.output_token_ids[-1]
         p = self.params
         n_out = len(self.output_token_ids)
+        before = len(self.text)  # everything past this was decoded now (one token, or held-back ones)
         if tokenizer is not None:
             self._detokenize(tokenizer)
         if n_out >= p.min_tokens:
@@ -98,9 +99,9 @@ class Sequence:
             if token in p.stop_token_ids:
                 return self.finish("stop", token)
             for s in p.stop_strings:
-                # Only the newly decoded tail can complete a stop string: search from there.
-                start = max(0, len(self.text) - len(s) - 16)
-                at = self.text.find(s, start)
+                # Only the newly decoded text can complete a stop string: search from where a match
+                # ending in it may start (a token can hold a stop string and more, e.g. "\n" + spaces).
+                at = self.text.find(s, max(0, before - len(s) + 1))
                 if at >= 0:
                     self.text = self.text[:at]
                     return self.finish("stop", s)

@@ -75,3 +75,19 @@ def test_incremental_text_equals_full_decode(tokenizer, skip_special_tokens, see
             assert seq.text == full, f"after {len(seq.output_token_ids)} tokens"
             checked += 1
     assert checked > 150  # most positions: the test must not pass by never comparing
+
+
+class _OneLongToken:
+    """Token 1 decodes to a newline followed by 34 spaces, as byte-level BPE merges indentation."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join({0: "x = 1", 1: "\n" + " " * 34, 2: "y"}[i] for i in ids)
+
+
+def test_a_stop_string_inside_one_long_token_is_found():
+    params = SamplingParams(max_tokens=12, stop=["\n"])
+    seq = Sequence("r", None, [1, 2, 3], params, max_tokens=12, eos_token_id=None)
+    for t in (0, 1):
+        seq.append_token(t, None)
+        seq.check_stop(_OneLongToken())
+    assert seq.finish_reason == "stop" and seq.text == "x = 1"
