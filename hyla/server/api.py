@@ -195,9 +195,9 @@ async def _results(request: Request, state: ServerState, rid: str, ids, params) 
                 if await request.is_disconnected():
                     return
                 continue
-            if out.error:
+            if out.error:  # the request was validated before it was submitted: a server failure
                 finished = True
-                raise APIError(400, out.error)
+                raise APIError(500, f"the engine failed on this request: {out.error}", "server_error")
             finished = out.finished
             yield out
             if finished:
@@ -240,11 +240,16 @@ async def _respond(request: Request, state: ServerState, req, ids, params, head:
         for c in opening:
             yield _sse({**chunk_head, "choices": [c]})
         sent_text, sent_tokens, last = 0, 0, None
-        async for out in _results(request, state, rid, ids, params):
-            last, c = out, choice(out, sent_text, sent_tokens, True)
-            sent_text, sent_tokens = len(out.outputs[0].text), len(out.outputs[0].token_ids)
-            if c is not None:
-                yield _sse({**chunk_head, "choices": [c]})
+        try:
+            async for out in _results(request, state, rid, ids, params):
+                last, c = out, choice(out, sent_text, sent_tokens, True)
+                sent_text, sent_tokens = len(out.outputs[0].text), len(out.outputs[0].token_ids)
+                if c is not None:
+                    yield _sse({**chunk_head, "choices": [c]})
+        except APIError as e:  # the status line is sent: an error event, then the end of the stream
+            yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+            yield "data: [DONE]\n\n"
+            return
         if last is not None and req.stream_options and req.stream_options.include_usage:
             yield _sse({**chunk_head, "choices": [], "usage": _usage(ids, last)})
         yield "data: [DONE]\n\n"
