@@ -45,6 +45,7 @@ class APIError(Exception):
 
 
 MAX_JSON_DEPTH = 32  # nesting of the request body (objects and arrays)
+DISCONNECT_CHECK_S = 0.25  # how often a running request asks whether its client is still there
 
 
 def _check_json_tree(data) -> None:
@@ -121,7 +122,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
-    app.middleware("http")(_auth)
+    app.add_middleware(_ApiKey)
     app.include_router(router)
     return app
 
@@ -152,13 +153,23 @@ async def _internal_error(_request, exc: Exception):
     return APIError(500, f"internal error: {type(exc).__name__}", "server_error").response()
 
 
-async def _auth(request: Request, call_next):
-    api_key = _state(request).api_key
-    if api_key is not None and request.url.path.startswith("/v1"):
-        if request.headers.get("authorization", "") != f"Bearer {api_key}":
-            return APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
-                            "authentication_error", code="invalid_api_key").response()
-    return await call_next(request)
+class _ApiKey:
+    """The API key check on every /v1 route, as a plain ASGI middleware: Starlette's
+    BaseHTTPMiddleware would wrap `receive`, and a handler could then no longer see its client
+    disconnect (Request.is_disconnected), which is how an abandoned request gets aborted."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            api_key = scope["app"].state.server.api_key
+            got = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if api_key is not None and got != f"Bearer {api_key}":
+                response = APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
+                                    "authentication_error", code="invalid_api_key").response()
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 # ---- what both generation endpoints share -----------------------------------------------------
@@ -187,13 +198,19 @@ async def _results(request: Request, state: ServerState, rid: str, ids, params) 
     state.metrics.arrived(rid)
     queue = state.async_engine.submit(rid, ids, params)
     finished = False
+    checked = time.monotonic()
     try:
         while True:
             try:
-                out = await asyncio.wait_for(queue.get(), timeout=0.5)
+                out = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
             except asyncio.TimeoutError:
+                out = None
+            # asked also while outputs keep coming: a non-streamed request produces one per step
+            if time.monotonic() - checked >= DISCONNECT_CHECK_S:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     return
+            if out is None:
                 continue
             if out.error:  # the request was validated before it was submitted: a server failure
                 finished = True

@@ -293,3 +293,18 @@ def test_model_card_route(server):
     assert httpx.get(f"{server}/v1/models/{NAME}").json()["id"] == NAME
     r = httpx.get(f"{server}/v1/models/not-this-one")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_abandoned_non_streamed_request_is_aborted(server):
+    before = _metric(server, "hyla_num_requests_aborted_total")
+    body = {"model": NAME, "prompt": "import a", "max_tokens": 240, "temperature": 1.0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server + "/v1/completions", json=body, timeout=0.3)  # the client gives up
+    deadline = time.time() + 10
+    while time.time() < deadline and _metric(server, "hyla_num_requests_aborted_total") == before:
+        time.sleep(0.05)
+    assert _metric(server, "hyla_num_requests_aborted_total") == before + 1
+    deadline = time.time() + 5
+    while time.time() < deadline and _metric(server, "hyla_num_requests_running") > 0:
+        time.sleep(0.05)
+    assert _metric(server, "hyla_num_requests_running") == 0
