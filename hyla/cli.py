@@ -81,7 +81,10 @@ def _serve(args) -> None:
     name = args.served_model_name or os.path.basename(os.path.normpath(config.model))
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     logging.getLogger("hyla").info("serving %s on http://%s:%d", name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to the drain time,
+    # then cancel them (their requests are aborted) and exit.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.shutdown_drain_s)
 
 
 def _generate(args) -> None:
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--shutdown-drain-s", type=float, default=10.0,
+                       help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt and print tokens/s")

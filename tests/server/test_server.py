@@ -308,3 +308,31 @@ def test_abandoned_non_streamed_request_is_aborted(server):
     while time.time() < deadline and _metric(server, "hyla_num_requests_running") > 0:
         time.sleep(0.05)
     assert _metric(server, "hyla_num_requests_running") == 0
+
+
+def test_sigterm_with_requests_in_flight_exits_within_the_drain_time(model_dir):
+    import signal
+    import threading
+
+    # requests far longer than the drain time (~20 s of generation each at this size)
+    proc, base = _start(model_dir, "--shutdown-drain-s", "1", "--max-model-len", "4096")
+    body = {"model": NAME, "prompt": "import a", "max_tokens": 4000, "temperature": 1.0, "ignore_eos": True}
+
+    def call():
+        try:
+            httpx.post(base + "/v1/completions", json=body, timeout=60)
+        except httpx.HTTPError:
+            pass  # the server went away: expected
+
+    calls = [threading.Thread(target=call, daemon=True) for _ in range(3)]
+    for t in calls:
+        t.start()
+    time.sleep(0.3)  # the requests are running
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the server did not exit after SIGTERM")
+    assert time.time() - t0 < 8
