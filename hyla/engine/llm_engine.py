@@ -112,6 +112,9 @@ class LLMEngine:
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len={self.max_model_len}")
+        biased = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if biased:
+            raise ValueError(f"logit_bias token id {biased[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         return params.max_tokens if params.max_tokens is not None else room

@@ -32,13 +32,19 @@ def _counts(x: torch.Tensor, ids: list[list[int]]) -> torch.Tensor:
 
 def penalize_batch(x: torch.Tensor, params: list, token_ids: list[list[int]],
                    output_ids: list[list[int]]) -> torch.Tensor:
-    """Repetition (over token_ids: prompt + output) and presence / frequency (over output_ids)
-    penalties on logits x [M, V], out of place; only the rows that need them are touched."""
+    """logit_bias, then repetition (over token_ids: prompt + output) and presence / frequency
+    (over output_ids) penalties on logits x [M, V], out of place; only the rows that need them
+    are touched."""
     rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and token_ids[i]]
     add = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and output_ids[i]]
-    if not rep and not add:
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    if not rep and not add and not bias:
         return x
     x = x.clone()
+    if bias:  # logit_bias, before the penalties (vLLM's order)
+        rows, toks, vals = zip(*bias)
+        x.index_put_((torch.tensor(rows, device=x.device), torch.tensor(toks, device=x.device)),
+                     torch.tensor(vals, device=x.device, dtype=x.dtype), accumulate=True)
     if rep:
         seen = _counts(x, [token_ids[i] for i in rep]) > 0
         r = torch.tensor([params[i].repetition_penalty for i in rep], device=x.device)[:, None]

@@ -17,12 +17,15 @@ class SamplingParams:
     top_p, top_k, min_p: nucleus, top-k (0 or -1 = off) and min-p filtering.
     seed: per-request seed; the same seed gives the same tokens whatever else is batched.
     max_tokens: new tokens to generate at most (None = up to the model's max length).
-    stop: strings that end the output; the matched string is not emitted.
+    stop: strings that end the output; the matched string is not emitted unless
+        include_stop_str_in_output.
     stop_token_ids: extra token ids that end the output (emitted, as vLLM does).
     ignore_eos: keep generating past the EOS token.
     logprobs: when set, the top-n log-probabilities of every emitted token are returned.
     repetition_penalty (multiplicative, prompt + output), presence_penalty and frequency_penalty
     (additive, output only), as in vLLM / OpenAI.
+    logit_bias: {token id: bias in [-100, 100]} added to the logits before any sampling rule
+        (greedy too), as OpenAI's.
     """
 
     temperature: float = 1.0
@@ -40,6 +43,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -82,6 +87,15 @@ class SamplingParams:
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {ids!r}")
         self.stop_token_ids = ids
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias values must be numbers in -100..100, got {b!r} for token {t}")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
 
     @property
     def greedy(self) -> bool:

@@ -103,7 +103,7 @@ class Sequence:
                 # ending in it may start (a token can hold a stop string and more, e.g. "\n" + spaces).
                 at = self.text.find(s, max(0, before - len(s) + 1))
                 if at >= 0:
-                    self.text = self.text[:at]
+                    self.text = self.text[:at + len(s)] if p.include_stop_str_in_output else self.text[:at]
                     return self.finish("stop", s)
         if n_out >= self.max_tokens:
             self.finish("length")

@@ -46,9 +46,31 @@ class _Sampling(BaseModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    # accepted by OpenAI / vLLM, not implemented here: a 400 naming them rather than silence
+    _NOT_IMPLEMENTED = ("prompt_logprobs", "functions", "function_call", "guided_json", "guided_regex",
+                        "guided_choice", "guided_grammar", "structured_outputs")
+
+    def _reject_unimplemented(self) -> None:
+        for name in self._NOT_IMPLEMENTED:
+            if (self.model_extra or {}).get(name) is not None:
+                raise UnsupportedParameter(name, f"{name} is not supported")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise UnsupportedParameter("logit_bias", "logit_bias keys must be token ids (integers as strings)") from None
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._reject_unimplemented()
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options is only allowed when stream is true")
         if self.n != 1:
@@ -62,6 +84,8 @@ class _Sampling(BaseModel):
                 max_tokens=max_tokens, stop=stop or None, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
             )
         except ValueError as e:
             param = str(e).split(" ", 1)[0]
@@ -90,6 +114,8 @@ class CompletionRequest(_Sampling):
             raise UnsupportedParameter("suffix", "suffix is not supported")
         if self.best_of not in (None, 1):
             raise UnsupportedParameter("best_of", "best_of > 1 is not supported")
+        if (self.model_extra or {}).get("response_format") is not None:
+            raise UnsupportedParameter("response_format", "response_format is not supported on /v1/completions")
         return self.sampling_params(self.max_tokens, self.logprobs)
 
 
@@ -114,11 +140,14 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list | None = None
+    tool_choice: str | dict | None = None
     response_format: dict | None = None
 
     def to_params(self) -> SamplingParams:
         if self.tools:
             raise UnsupportedParameter("tools", "tool calling is not supported")
+        if self.tool_choice not in (None, "none"):
+            raise UnsupportedParameter("tool_choice", "tool_choice needs tools (and tool calling is not supported)")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise UnsupportedParameter("response_format", "only response_format type 'text' is supported")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

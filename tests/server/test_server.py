@@ -336,3 +336,39 @@ def test_sigterm_with_requests_in_flight_exits_within_the_drain_time(model_dir):
         proc.kill()
         pytest.fail("the server did not exit after SIGTERM")
     assert time.time() - t0 < 8
+
+
+def test_logit_bias_min_tokens_and_include_stop_str_are_honoured(client, server):
+    base = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0)
+    forced_id = 7
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logit_bias": {str(forced_id): 100},
+            "logprobs": 0}
+    forced = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    plain = httpx.post(server + "/v1/completions", json={**body, "logit_bias": None}, timeout=60).json()["choices"][0]
+    assert len(set(plain["logprobs"]["tokens"])) > 1  # without the bias the tokens differ ...
+    assert len(set(forced["logprobs"]["tokens"])) == 1  # ... with it every token is the biased one
+    stop = base.choices[0].text.strip()[:1]
+    assert stop, "the greedy output must have a visible character"
+    cut = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0, stop=[stop])
+    kept = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert cut.choices[0].finish_reason == kept.choices[0].finish_reason == "stop"
+    assert kept.choices[0].text == cut.choices[0].text + stop
+    n_cut = cut.usage.completion_tokens
+    late = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0, stop=[stop],
+                                     extra_body={"min_tokens": n_cut + 2})
+    assert late.usage.completion_tokens >= n_cut + 2
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+     "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"not-a-token": 1}}, "logit_bias"),
+])
+def test_unimplemented_parameters_are_named_not_ignored(server, path, extra, param):
+    r = httpx.post(server + path, json={"model": NAME, "max_tokens": 2, **extra}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
