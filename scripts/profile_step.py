@@ -73,7 +73,6 @@ def sync_sites(fn, top: int) -> str:
         sites[f"{where.filename.split('/hyla/')[-1]}:{where.lineno} {where.line}" if where else f"{filename}:{lineno}"] += 1
 
     torch.cuda.synchronize()
-    warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings():

@@ -182,23 +182,32 @@ class ForwardBatch:
         """[T_total] flat row (page * page_size + offset) of every new token in a paged KV pool."""
         key = ("slots", page_size)
         if key not in self._memo:
+            self.check_written_pages(page_size)
             pos = self.positions
-            col = pos // page_size
-            check = self.num_tokens and not self.cuda_graph
-            host = self._memo.get("host_tables")
-            if check and host is not None:
-                self._check_written_pages(host, page_size)
-                check = False
-            if check and int(col.max()) >= self.block_tables.shape[1]:
-                raise ValueError("block_tables has too few page columns for the positions of this step")
-            pages = self.block_tables[self.token_seq_ids(), col]
-            if check and bool((pages < 0).any()):
-                raise ValueError("block_tables has no page (-1) for a position written in this step")
+            pages = self.block_tables[self.token_seq_ids(), pos // page_size]
             self._memo[key] = pages * page_size + pos % page_size
         return self._memo[key]
 
+    def check_written_pages(self, page_size: int) -> None:
+        """Raise ValueError unless every position written in this step has a page: once per step,
+        on the host copy of the tables when the batch was built from lists (no device sync), on
+        the device otherwise; never in a CUDA-graph batch (a check would sync)."""
+        key = ("checked", page_size)
+        if key in self._memo or not self.num_tokens or self.cuda_graph:
+            return
+        host = self._memo.get("host_tables")
+        if host is not None:
+            self._check_written_pages(host, page_size)
+        else:
+            col = self.positions // page_size
+            if int(col.max()) >= self.block_tables.shape[1]:
+                raise ValueError("block_tables has too few page columns for the positions of this step")
+            if bool((self.block_tables[self.token_seq_ids(), col] < 0).any()):
+                raise ValueError("block_tables has no page (-1) for a position written in this step")
+        self._memo[key] = True
+
     def _check_written_pages(self, host: list[list[int]], page_size: int) -> None:
-        """kv_slot_mapping's checks on the host copy of the tables (a batch built from lists)."""
+        """check_written_pages on the host copy of the tables."""
         for table, new, ctx in zip(host, self.seq_lens, self.context_lens_list):
             if new == 0:
                 continue

@@ -68,3 +68,17 @@ class LazyHeap:
         if top is not None:
             heapq.heappop(self._heap)
         return top
+
+
+def unlink_leaf(node, root):
+    """Take the leaf `node` out of its parent's children (first token -> list of nodes: pages
+    sharing a first token are siblings in one list) and mark it dead. Returns the parent when it
+    has become a leaf itself (the caller files it as evictable), else None. The engine's tree
+    and the simulator's share this shape."""
+    node.alive = False
+    parent = node.parent
+    bucket = parent.children[node.tokens[0]]
+    bucket.remove(node)
+    if not bucket:
+        del parent.children[node.tokens[0]]
+    return parent if parent is not root and not parent.children else None

@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from hyla.engine.eviction import LazyHeap, checkpoint_key
+from hyla.engine.eviction import LazyHeap, checkpoint_key, unlink_leaf
 from hyla.engine.pools import Pools
 
 _clock = itertools.count()
@@ -255,13 +255,7 @@ class PrefixCache:
                 self.pools.slots.release(slot)
                 self.stats["checkpoints_evicted"] += 1
             self.num_checkpoints -= len(leaf.checkpoints)
-            leaf.alive = False
-            parent = leaf.parent
-            bucket = parent.children[leaf.tokens[0]]
-            bucket.remove(leaf)
-            if not bucket:
-                del parent.children[leaf.tokens[0]]
-            if parent is not self.root and not parent.children:
+            if (parent := unlink_leaf(leaf, self.root)) is not None:
                 self._leaves.push(parent.last_access, parent)
             self.pools.pages.release([leaf.page])
             self.num_pages -= 1

@@ -43,8 +43,8 @@ def penalize_batch(x: torch.Tensor, params: list, token_ids: list[list[int]],
     x = x.clone()
     if bias:  # logit_bias, before the penalties (vLLM's order)
         rows, toks, vals = zip(*bias)
-        x.index_put_((torch.tensor(rows, device=x.device), torch.tensor(toks, device=x.device)),
-                     torch.tensor(vals, device=x.device, dtype=x.dtype), accumulate=True)
+        dev = lambda v, dt: torch.tensor(v, dtype=dt).to(x.device, non_blocking=True)  # noqa: E731 - no sync
+        x.index_put_((dev(rows, torch.long), dev(toks, torch.long)), dev(vals, x.dtype), accumulate=True)
     if rep:
         seen = _counts(x, [token_ids[i] for i in rep]) > 0
         r = torch.tensor([params[i].repetition_penalty for i in rep], device=x.device)[:, None]

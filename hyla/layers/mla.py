@@ -126,20 +126,19 @@ class MLAAttention(nn.Module):
         page_size = cache.kv.shape[1]
         q_in, kv = self._project(x)  # one GEMM once packed
         w = batch.uniform_width
-        if not batch.cuda_graph:
-            batch.kv_slot_mapping(page_size)  # its checks, once per step: every written position has a page
+        batch.check_written_pages(page_size)
         dispatch.write_latents(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache.kv, batch.block_tables,
                                batch.positions, w if w is not None else batch.token_seq_ids())
         q = self._query_from(q_in)  # [T_total, H, D]
         if w is not None:  # no host -> device copies (CUDA-graph safe)
-            last = batch.context_lens if w == 1 else (batch.context_lens[:, None] + torch.arange(w, device=x.device)).flatten()
-            return self.o_proj(self._absorbed(q, cache.kv, batch.block_tables, last))
+            # each query attends up to its own position: `positions` is that list already
+            return self.o_proj(self._absorbed(q, cache.kv, batch.block_tables, batch.positions))
         out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
         single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
         if single:
             rows = torch.tensor([batch.cu_seqlens_list[n] for n in single], device=x.device)
             seqs = torch.tensor(single, device=x.device)
-            out[rows] = self._absorbed(q[rows], cache.kv, batch.block_tables[seqs], batch.context_lens[seqs])
+            out[rows] = self._absorbed(q[rows], cache.kv, batch.block_tables[seqs], batch.positions[rows])
         cu = batch.cu_seqlens_list
         for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
             if new <= 1:

@@ -1,20 +1,10 @@
 """HF-format models: configs, checkpoint loading, the model <-> engine API (hyla.models.base).
 
 Families (chosen by config.json's `model_type`): Kimi-Linear ("kimi_linear") and Qwen3-Next
-("qwen3_next"); `load_model` builds either.
+("qwen3_next"); `load_model` builds either. The layer contract (ForwardBatch, the layer caches)
+is hyla.contract.
 """
 
-from hyla.contract import (  # the layer contract, re-exported: hyla.models.ForwardBatch etc. stay valid
-    ForwardBatch,
-    GDNLayerCache,
-    HybridCache,
-    KDALayerCache,
-    KVLayerCache,
-    LayerCache,
-    LinearLayerCache,
-    MLALayerCache,
-    PagedLayerCache,
-)
 from hyla.models.base import HybridForCausalLM
 from hyla.models.config import KimiLinearConfig
 from hyla.models.default import default_model_path
@@ -26,8 +16,7 @@ from hyla.models.qwen3_next_config import Qwen3NextConfig
 from hyla.models.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
-    "ForwardBatch", "HybridCache", "LayerCache", "LinearLayerCache", "PagedLayerCache", "KDALayerCache",
-    "GDNLayerCache", "MLALayerCache", "KVLayerCache", "HybridForCausalLM", "KimiLinearConfig", "KimiLinearForCausalLM",
+    "HybridForCausalLM", "KimiLinearConfig", "KimiLinearForCausalLM",
     "Qwen3NextConfig", "Qwen3NextForCausalLM", "load_config", "load_model", "MemoryReport", "memory_report",
     "Tokenizer", "load_tokenizer", "default_model_path",
 ]

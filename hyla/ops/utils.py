@@ -20,17 +20,18 @@ _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 def backend_twin(reference, core, **fixed):
     """Another backend's version of the public op `reference` (hyla.ops.chunk / recurrent) with
-    `reference`'s own signature, defaults and docstring: the call is bound against that
-    signature and handed to `core` as keywords, plus `fixed` (the gate rule; `g=None` for the
-    ops without a gate). One public signature per op, whichever backend runs it."""
-    sig = inspect.signature(reference)
+    `reference`'s own signature and docstring: positional arguments are named by that signature
+    (no per-call binding: the decode path calls this per layer) and handed to `core` as keywords,
+    plus `fixed` (the gate rule; `g=None` for the ops without a gate); core's defaults are the
+    reference's. One public signature per op, whichever backend runs it."""
+    names = list(inspect.signature(reference).parameters)  # positional order; defaults equal core's
 
     @functools.wraps(reference)
     def op(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = {**fixed, **bound.arguments}
-        q, k, v, g, beta = (a.pop(n) for n in ("q", "k", "v", "g", "beta"))
+        if len(args) > len(names):
+            raise TypeError(f"{reference.__name__}() takes {len(names)} positional arguments, got {len(args)}")
+        a = {**fixed, **dict(zip(names, args)), **kwargs}
+        q, k, v, g, beta = (a.pop(n, None) for n in ("q", "k", "v", "g", "beta"))
         return core(q, k, v, g, beta, **a)
 
     return op

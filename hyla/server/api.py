@@ -64,7 +64,7 @@ def _check_json_tree(data) -> None:
             if depth > MAX_JSON_DEPTH:
                 raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
             items = list(node.keys()) + list(node.values()) if isinstance(node, dict) else node
-            stack.extend((item, depth + 1) for item in items)
+            stack.extend((item, depth + 1) for item in items if isinstance(item, (str, dict, list)))
 
 
 async def _read_json(request: Request, limit: int) -> dict:

@@ -12,7 +12,8 @@ from hyla import LLM, SamplingParams
 from hyla.bench.throughput import random_checkpoint
 from hyla.engine.cuda_graph import SCRATCH, batch_buckets, width_bucket
 from hyla.engine.cuda_graph_verify import CUDAGraphRunner
-from hyla.models import ForwardBatch, load_model
+from hyla.contract import ForwardBatch
+from hyla.models import load_model
 from hyla.ops import dispatch, utils
 
 PAGE = 16

@@ -6,7 +6,8 @@ which the sequential reference rounds to after every token and the verify path o
 import pytest
 import torch
 
-from hyla.models import ForwardBatch, load_model
+from hyla.contract import ForwardBatch
+from hyla.models import load_model
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
 from tests.oracles.paged import ToyPool
 from tests.oracles.qwen3_next_checkpoint import build_qwen3_next_checkpoint

@@ -5,28 +5,18 @@ counts that do not fill a head block, widths that are not powers of two, no posi
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from hyla.ops import mla as ref
 from hyla.ops.norm import rms_norm_rounded
 from tests.ops.test_fused_decode import assert_ulps
+from tests.ops.triton_env import triton_module
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _triton():
-    pytest.importorskip("triton")
-    from hyla.ops import triton as hyla_triton
-
-    if not torch.cuda.is_available() and not hyla_triton.interpreting():
-        pytest.skip("CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
-    from hyla.ops.triton import mla
-
-    return mla, "cuda" if torch.cuda.is_available() else "cpu"
+    return triton_module("mla")
 
 
 def _inputs(S, W, H, r, rope, v, ps, lens, dtype, seed):

@@ -8,12 +8,12 @@ sizes: experts that get no token, a token whose k slots repeat nothing, M = 1, b
 straddle experts, H and I not multiples of the block sizes.
 """
 
-import os
 
 import pytest
 import torch
 
 from hyla.ops.moe import expert_counts, moe_experts_naive, moe_experts_torch, sort_pairs_by_expert
+from tests.ops.triton_env import triton_module
 
 
 def _inputs(M, H, I, E, k, dtype=torch.float64, seed=0, skew=False):
@@ -68,19 +68,8 @@ def test_bad_shapes_are_named():
 
 # -- Triton (interpreter on the CPU) -------------------------------------------------------------
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 def _triton():
-    pytest.importorskip("triton")
-    from hyla.ops import triton as hyla_triton
-
-    if not torch.cuda.is_available() and not hyla_triton.interpreting():
-        pytest.skip("CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
-    from hyla.ops.triton import fused_moe
-
-    return fused_moe, "cuda" if torch.cuda.is_available() else "cpu"
+    return triton_module("fused_moe")
 
 
 @pytest.mark.parametrize("M,H,I,E,k,skew", [(1, 24, 40, 16, 2, False), (9, 72, 24, 8, 3, True),

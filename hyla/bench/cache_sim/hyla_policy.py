@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 
 from hyla.bench.cache_sim.base import Policy
-from hyla.engine.eviction import LazyHeap, checkpoint_key
+from hyla.engine.eviction import LazyHeap, checkpoint_key, unlink_leaf
 from hyla.engine.prefix_cache import common_prefix_len
 
 
@@ -171,12 +171,6 @@ class HylaPolicy(Policy):
         node = leaf[1]
         self.used -= self.page_bytes + len(node.checkpoints) * self.costs.state_bytes
         self.stats["states_evicted"] += len(node.checkpoints)
-        node.alive = False
-        parent = node.parent
-        bucket = parent.children[node.tokens[0]]
-        bucket.remove(node)
-        if not bucket:
-            del parent.children[node.tokens[0]]
-        if parent is not self.root and not parent.children:
+        if (parent := unlink_leaf(node, self.root)) is not None:
             self._leaves.push(parent.last, parent)
         return True
