@@ -235,3 +235,20 @@ def test_one_device_to_host_copy_per_step(monkeypatch):
         tokens, logprobs = sample(logits, seqs, torch.Generator().manual_seed(0))
         assert len(calls) == step + 1
     assert tokens[3] is None and all(t is not None for i, t in enumerate(tokens) if i != 3)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(logit_bias={1: 200}), "-100..100"), (dict(logit_bias={-1: 1.0}), "non-negative token ids"),
+    (dict(temperature=float("nan")), "finite"), (dict(seed=1 << 64), "seed"),
+])
+def test_bad_sampling_values_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_moves_the_greedy_token():
+    x = torch.zeros(2, 5)
+    x[:, 0] = 1.0
+    params = [SamplingParams(temperature=0, logit_bias={3: 5.0}), SamplingParams(temperature=0)]
+    out = penalize_batch(x, params, [[], []], [[], []])
+    assert out.argmax(-1).tolist() == [3, 0] and x[0, 3] == 0  # out of place
