@@ -124,17 +124,17 @@ def random_config_dict(name: str, layers: int | None = None) -> dict:
     n = d["num_hidden_layers"]
     if not 1 <= layers <= n:
         raise ValueError(f"--layers must be in 1..{n} for {name}, got {layers}")
-    from hyla.models.loader import FAMILIES
+    from hyla.models.loader import family_classes
 
-    return FAMILIES[d["model_type"]][0].first_layers_hf_dict(d, layers)  # each family cuts its own keys
+    return family_classes(d["model_type"])[0].first_layers_hf_dict(d, layers)  # each family cuts its own keys
 
 
 def model_config(name: str, layers: int | None = None):
     """hyla's config object (KimiLinearConfig or Qwen3NextConfig) for shape `name`."""
-    from hyla.models.loader import FAMILIES
+    from hyla.models.loader import family_classes
 
     d = random_config_dict(name, layers)
-    return FAMILIES[d["model_type"]][0].from_hf_dict(d)
+    return family_classes(d["model_type"])[0].from_hf_dict(d)
 
 
 def _norm_kind(module) -> str | None:
@@ -171,10 +171,10 @@ def init_random_(model: torch.nn.Module, std: float, seed: int = 0) -> None:
 def random_model(name: str, dtype=torch.float32, device="cpu", seed: int = 0, layers: int | None = None):
     """Shape `name` (cut to `layers`) with random weights, built on `device` in `dtype` except the
     tensors the loader keeps in fp32. Eval mode, no gradients, prepare_for_inference() done."""
-    from hyla.models.loader import FAMILIES
+    from hyla.models.loader import family_classes
 
     config = model_config(name, layers)
-    model_cls = FAMILIES[config.model_type][1]
+    model_cls = family_classes(config.model_type)[1]
     with torch.device("meta"):
         model = model_cls(config)
     model.to(dtype)

@@ -1,6 +1,6 @@
 """Load an HF-format checkpoint: config.json + safetensors (single or sharded).
 
-The family is chosen by config.json's `model_type` (FAMILIES): "kimi_linear" (Kimi-Linear) or
+The family is chosen by config.json's `model_type` (FAMILIES, imported lazily): "kimi_linear" (Kimi-Linear) or
 "qwen3_next" (Qwen3-Next). Tensor names are the official ones (what the released checkpoints hold
 and what transformers' `save_pretrained` writes); hyla's modules carry the same names, so loading
 is a checked copy. Aliases: transformers writes a Kimi-Linear *dense* layer's MLP under
@@ -27,31 +27,41 @@ import re
 import torch
 from safetensors import safe_open
 
-from hyla.models.base import HybridForCausalLM
-from hyla.models.config import KimiLinearConfig, read_config_json
-from hyla.models.kimi_linear import KimiLinearForCausalLM
-from hyla.models.memory import FP32_TENSORS
-from hyla.models.qwen3_next import Qwen3NextForCausalLM
-from hyla.models.qwen3_next_config import Qwen3NextConfig
+import importlib
 
-# model_type -> (config class, model class)
+from hyla.models.base import HybridForCausalLM
+from hyla.models.config import read_config_json
+from hyla.models.memory import FP32_TENSORS
+
+# model_type -> ("module:ConfigClass", "module:ModelClass"). A new family adds a line here and its
+# own files; the classes are imported on first use, so one family's import never pays for another's.
 FAMILIES = {
-    "kimi_linear": (KimiLinearConfig, KimiLinearForCausalLM),
-    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
+    "kimi_linear": ("hyla.models.config:KimiLinearConfig", "hyla.models.kimi_linear:KimiLinearForCausalLM"),
+    "qwen3_next": ("hyla.models.qwen3_next_config:Qwen3NextConfig", "hyla.models.qwen3_next:Qwen3NextForCausalLM"),
 }
+
+
+def _resolve(ref: str):
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def family_classes(model_type: str) -> tuple[type, type]:
+    """(config class, model class) of a `model_type`; ValueError naming the supported ones."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"unknown model_type {model_type!r}; hyla supports {sorted(FAMILIES)}")
+    config_ref, model_ref = FAMILIES[model_type]
+    return _resolve(config_ref), _resolve(model_ref)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "float64": torch.float64}
 
 
-def load_config(path) -> KimiLinearConfig | Qwen3NextConfig:
+def load_config(path):
     """The config of the checkpoint at `path` (a directory holding config.json, or the file),
     parsed by the class its `model_type` names."""
     d = read_config_json(path)
-    model_type = d.get("model_type")
-    if model_type not in FAMILIES:
-        raise ValueError(f"unknown model_type {model_type!r}; hyla supports {sorted(FAMILIES)}")
-    return FAMILIES[model_type][0].from_hf_dict(d)
+    return family_classes(d.get("model_type"))[0].from_hf_dict(d)
 
 
 def resolve_dtype(dtype, config) -> torch.dtype:
@@ -199,7 +209,7 @@ def load_model(path, dtype=None, device=None) -> HybridForCausalLM:
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint directory {path} does not exist")
     config = load_config(path)
-    model_cls = FAMILIES[config.model_type][1]
+    model_cls = family_classes(config.model_type)[1]
     dtype = resolve_dtype(dtype, config)
     device = torch.device("cpu" if device is None else device)
     with torch.device("meta"):
