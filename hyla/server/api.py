@@ -7,98 +7,28 @@ its state slots and KV pages.
 
 The handlers are module-level functions on one APIRouter; what they share (the engine, the
 AsyncEngine that drives it, the metrics, the settings) is one ServerState at `app.state.server`.
-Both generation endpoints answer through `_respond`: one path for a whole response, one
-streaming loop for server-sent events; an endpoint only says how an output becomes a choice.
+Both generation endpoints answer through `generate.respond` (the sequences of a request, whole or
+as server-sent events); an endpoint only says how an output becomes a choice (`choices`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
+from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.llm_engine import LLMEngine
-from hyla.engine.outputs import RequestOutput
-from hyla.engine.sampling_params import SamplingParams
 from hyla.server.async_engine import AsyncEngine
+from hyla.server.choices import ChatChoice, CompletionChoice
+from hyla.server.errors import APIError, parse, read_json
+from hyla.server.generate import respond
 from hyla.server.metrics import ServerMetrics
-from hyla.server.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameter
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-MAX_JSON_DEPTH = 32  # nesting of the request body (objects and arrays)
-DISCONNECT_CHECK_S = 0.25  # how often a running request asks whether its client is still there
-
-
-def _check_json_tree(data) -> None:
-    """Bound the nesting and refuse strings that are not valid Unicode (a lone surrogate such as
-    "\\ud800" parses as JSON but cannot be encoded or tokenised). Iterative: no recursion."""
-    stack = [(data, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, str):
-            try:
-                node.encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError(400, "a string in the body is not valid Unicode (a lone surrogate)") from None
-            continue
-        if isinstance(node, (dict, list)):
-            if depth > MAX_JSON_DEPTH:
-                raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels")
-            items = list(node.keys()) + list(node.values()) if isinstance(node, dict) else node
-            stack.extend((item, depth + 1) for item in items if isinstance(item, (str, dict, list)))
-
-
-async def _read_json(request: Request, limit: int) -> dict:
-    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if ctype != "application/json":
-        # a keyless local server must not take cross-site form posts (which cannot send this type)
-        raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
-    except RecursionError:
-        raise APIError(400, f"the JSON body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the JSON body must be an object")
-    _check_json_tree(data)
-    return data
-
-
-def _parse(model_cls, data: dict):
-    try:
-        return model_cls.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"])
-        raise APIError(400, f"invalid value for `{param}`: {err['msg']}", param=param) from None
+from hyla.server.protocol import ChatCompletionRequest, CompletionRequest, Plan, UnsupportedParameter
 
 
 @dataclass
@@ -180,132 +110,17 @@ def _check_model(state: ServerState, name) -> None:
                        param="model", code="model_not_found")
 
 
-def _prepare(state: ServerState, req, prompt) -> tuple[list[int], SamplingParams]:
+def _prepare(state: ServerState, req, prompt) -> tuple[list[int], Plan]:
     try:
-        params = req.to_params()
+        plan = req.plan()
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
     try:
         _, ids = state.engine.encode(prompt)
-        state.engine.validate(ids, params)
+        state.engine.validate(ids, plan.params[0])  # the sequences differ only in their seeds
     except ValueError as e:
         raise APIError(400, str(e), param="prompt" if "prompt" in str(e) or "token" in str(e) else None) from None
-    return ids, params
-
-
-async def _results(request: Request, state: ServerState, rid: str, ids, params) -> AsyncIterator[RequestOutput]:
-    """Yield the engine's outputs for one request; abort it if the client goes away."""
-    state.metrics.arrived(rid)
-    queue = state.async_engine.submit(rid, ids, params)
-    finished = False
-    checked = time.monotonic()
-    try:
-        while True:
-            try:
-                out = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
-            except asyncio.TimeoutError:
-                out = None
-            # asked also while outputs keep coming: a non-streamed request produces one per step
-            if time.monotonic() - checked >= DISCONNECT_CHECK_S:
-                checked = time.monotonic()
-                if await request.is_disconnected():
-                    return
-            if out is None:
-                continue
-            if out.error:  # the request was validated before it was submitted: a server failure
-                finished = True
-                raise APIError(500, f"the engine failed on this request: {out.error}", "server_error")
-            finished = out.finished
-            yield out
-            if finished:
-                return
-    finally:
-        if not finished:
-            state.async_engine.abort(rid)
-
-
-def _usage(ids, out: RequestOutput) -> dict:
-    n = len(out.outputs[0].token_ids) if out.outputs else 0
-    return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-
-
-def _sse(data) -> str:
-    return f"data: {json.dumps(data)}\n\n"
-
-
-# choice(output, text chars already sent, tokens already sent, streaming) -> the choice of this
-# response / chunk, or None when a streamed output brings nothing to send.
-Choice = Callable[[RequestOutput, int, int, bool], dict | None]
-
-
-async def _respond(request: Request, state: ServerState, req, ids, params, head: dict, choice: Choice,
-                   chunk_object: str, opening: tuple[dict, ...] = ()):
-    """Run one request and answer it: the whole response, or (req.stream) server-sent events:
-    `opening` choices, one chunk per engine output (choice's delta since the last chunk), the
-    usage when stream_options.include_usage, then `data: [DONE]`."""
-    rid = head["id"]
-    if not req.stream:
-        last = None
-        async for last in _results(request, state, rid, ids, params):
-            pass
-        if last is None:
-            raise APIError(499, "client closed the request")
-        return {**head, "choices": [choice(last, 0, 0, False)], "usage": _usage(ids, last)}
-    chunk_head = {**head, "object": chunk_object}
-
-    async def events():
-        for c in opening:
-            yield _sse({**chunk_head, "choices": [c]})
-        sent_text, sent_tokens, last = 0, 0, None
-        try:
-            async for out in _results(request, state, rid, ids, params):
-                last, c = out, choice(out, sent_text, sent_tokens, True)
-                sent_text, sent_tokens = len(out.outputs[0].text), len(out.outputs[0].token_ids)
-                if c is not None:
-                    yield _sse({**chunk_head, "choices": [c]})
-        except APIError as e:  # the status line is sent: an error event, then the end of the stream
-            yield _sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
-            yield "data: [DONE]\n\n"
-            return
-        if last is not None and req.stream_options and req.stream_options.include_usage:
-            yield _sse({**chunk_head, "choices": [], "usage": _usage(ids, last)})
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _logprob_tokens(engine, out: RequestOutput, start: int):
-    lps = out.outputs[0].logprobs or []
-    toks = out.outputs[0].token_ids
-    decode = engine.tokenizer.decode if engine.tokenizer is not None else (lambda ids: str(ids[0]))
-    return [(decode([t]), lp[t], [(decode([k]), v) for k, v in lp.items()]) for t, lp in
-            zip(toks[start:], lps[start:])]  # alternatives as pairs: two ids may decode alike
-
-
-def _completion_logprobs(engine, out: RequestOutput, start: int, n_top: int):
-    """The legacy completions logprobs of tokens start.. : per token its text, logprob, the
-    chosen token plus the top n_top, and its character offset in the completion's text."""
-    if out.outputs[0].logprobs is None:
-        return None
-    rows = _logprob_tokens(engine, out, 0)
-    offsets, at = [], 0
-    for text, _, _ in rows:
-        offsets.append(at)
-        at += len(text)
-    rows = rows[start:]
-    return {"tokens": [r[0] for r in rows], "token_logprobs": [r[1] for r in rows],
-            "top_logprobs": [dict(r[2][: n_top + 1]) for r in rows], "text_offset": offsets[start:]}
-
-
-def _chat_logprobs(engine, out: RequestOutput, start: int, n_top: int):
-    """Chat logprobs of tokens start.. : each token's logprob and exactly its n_top most likely
-    alternatives (OpenAI: none when top_logprobs is not set)."""
-    if out.outputs[0].logprobs is None:
-        return None
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                         "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())}
-                                          for k, v in sorted(top, key=lambda kv: -kv[1])[:n_top]]}
-                        for t, lp, top in _logprob_tokens(engine, out, start)]}
+    return ids, plan
 
 
 # ---- routes -----------------------------------------------------------------------------------
@@ -343,30 +158,31 @@ async def model(request: Request, model_id: str):
 @router.post("/v1/completions")
 async def completions(request: Request):
     state = _state(request)
-    req = _parse(CompletionRequest, await _read_json(request, state.max_body_bytes))
+    req = parse(CompletionRequest, await read_json(request, state.max_body_bytes))
     _check_model(state, req.model)
     try:
         prompt = req.prompt_value()
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
-    ids, params = _prepare(state, req, prompt)
+    ids, plan = _prepare(state, req, prompt)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
-    n_top = params.logprobs or 0
-
-    def choice(out: RequestOutput, sent_text: int, sent_tokens: int, _stream: bool) -> dict:
-        c = out.outputs[0]
-        return {"index": 0, "text": c.text[sent_text:], "finish_reason": c.finish_reason,
-                "logprobs": _completion_logprobs(state.engine, out, sent_tokens, n_top)}
-
-    return await _respond(request, state, req, ids, params, head, choice, chunk_object="text_completion")
+    tok = state.engine.tokenizer
+    echo = None
+    if req.echo:
+        echo = prompt if isinstance(prompt, str) else (tok.decode(ids, skip_special_tokens=False) if tok else None)
+        if echo is None:
+            raise APIError(400, "echo of a token-id prompt needs a tokenizer", param="echo")
+    n_top = None if plan.strip_logprobs else plan.params[0].logprobs
+    return await respond(request, state, req, ids, plan, head, lambda i: CompletionChoice(i, tok, n_top, echo),
+                         chunk_object="text_completion")
 
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request):
     state = _state(request)
     engine = state.engine
-    req = _parse(ChatCompletionRequest, await _read_json(request, state.max_body_bytes))
+    req = parse(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
     _check_model(state, req.model)
     if engine.tokenizer is None or not engine.tokenizer.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions")
@@ -377,22 +193,9 @@ async def chat(request: Request):
         raise APIError(400, str(e), param=e.param) from None
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages is a client error
         raise APIError(400, f"could not render the chat template: {e}", param="messages") from None
-    ids, params = _prepare(state, req, prompt_ids)
+    ids, plan = _prepare(state, req, prompt_ids)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": state.model_name}
-    n_top = req.top_logprobs or 0
-
-    def choice(out: RequestOutput, sent_text: int, sent_tokens: int, stream: bool) -> dict | None:
-        c = out.outputs[0]
-        if not stream:
-            return {"index": 0, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason, "logprobs": _chat_logprobs(engine, out, 0, n_top)}
-        delta = {"content": c.text[sent_text:]} if len(c.text) > sent_text else {}
-        if not (delta or c.finish_reason):
-            return None
-        return {"index": 0, "delta": delta, "finish_reason": c.finish_reason,
-                "logprobs": _chat_logprobs(engine, out, sent_tokens, n_top)}
-
-    opening = ({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None},)
-    return await _respond(request, state, req, ids, params, head, choice, chunk_object="chat.completion.chunk",
-                          opening=opening)
+    n_top = (req.top_logprobs or 0) if req.logprobs else None
+    return await respond(request, state, req, ids, plan, head, lambda i: ChatChoice(i, engine.tokenizer, n_top),
+                         chunk_object="chat.completion.chunk")

@@ -39,10 +39,12 @@ class AsyncEngine:
         self._commands.put(("wake",))
         self._thread.join(timeout=10)
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               out: asyncio.Queue | None = None) -> asyncio.Queue:
         """Queue a validated request; returns the asyncio queue its outputs arrive on (the last one
-        has .finished set)."""
-        out: asyncio.Queue = asyncio.Queue()
+        has .finished set): `out` when given, so that several requests (the n choices of one
+        HTTP request) share one queue, told apart by RequestOutput.request_id."""
+        out = out if out is not None else asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out)
         self._commands.put(("add", request_id, prompt_ids, params))
         return out

@@ -6,6 +6,8 @@ change the result in a way hyla does not implement: those are rejected with a 40
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,6 +15,31 @@ from pydantic import BaseModel, ConfigDict, Field
 from hyla.engine.sampling_params import SamplingParams
 
 MAX_STOP = 16
+MAX_CHOICES = 16  # n and best_of: sequences one request may run
+_SEED_RANGE = 1 << 64  # torch seeds are -2^63..2^64-1
+
+
+def child_seed(seed: int | None, i: int) -> int | None:
+    """Sequence i of a request with n > 1 draws with seed + i (vLLM's rule), wrapped into the
+    range torch takes: distinct, and reproducible from the one seed."""
+    if seed is None:
+        return None
+    s = seed + i
+    return s - _SEED_RANGE if s >= _SEED_RANGE else s
+
+
+@dataclass
+class Plan:
+    """What to run for one HTTP request: the sequences' params (one per choice or candidate) and,
+    for best_of, how many of the candidates to return (the highest cumulative logprob first)."""
+
+    params: list[SamplingParams]
+    keep: int | None = None
+    strip_logprobs: bool = False  # logprobs were switched on only to rank best_of candidates
+
+
+def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
+    return [dataclasses.replace(params, seed=child_seed(params.seed, i)) for i in range(n)]
 
 
 class UnsupportedParameter(ValueError):
@@ -73,8 +100,8 @@ class _Sampling(BaseModel):
         self._reject_unimplemented()
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options is only allowed when stream is true")
-        if self.n != 1:
-            raise UnsupportedParameter("n", f"n={self.n} is not supported: hyla returns one choice per request")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise UnsupportedParameter("n", f"n must be in 1..{MAX_CHOICES}, got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stop) > MAX_STOP:
             raise UnsupportedParameter("stop", f"at most {MAX_STOP} stop sequences are allowed")
@@ -108,15 +135,31 @@ class CompletionRequest(_Sampling):
         return self.prompt
 
     def to_params(self) -> SamplingParams:
-        if self.echo:
-            raise UnsupportedParameter("echo", "echo=true is not supported")
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedParameter("echo", "echo with logprobs needs the prompt's logprobs, which hyla does not "
+                                       "compute: send echo or logprobs, not both")
         if self.suffix:
             raise UnsupportedParameter("suffix", "suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise UnsupportedParameter("best_of", "best_of > 1 is not supported")
         if (self.model_extra or {}).get("response_format") is not None:
             raise UnsupportedParameter("response_format", "response_format is not supported on /v1/completions")
         return self.sampling_params(self.max_tokens, self.logprobs)
+
+    def plan(self) -> Plan:
+        """n sequences; with best_of, best_of candidates of which the n with the highest
+        cumulative logprob are returned (ranking needs each token's logprob: asked for
+        internally and dropped from the answer when the client did not ask)."""
+        params = self.to_params()
+        best_of = self.best_of if self.best_of is not None else self.n
+        if not self.n <= best_of <= MAX_CHOICES:
+            raise UnsupportedParameter("best_of", f"best_of must be in n..{MAX_CHOICES} (n={self.n}), got {best_of}")
+        if best_of == self.n:
+            return Plan(fan_out(params, self.n))
+        if self.stream:
+            raise UnsupportedParameter("best_of", "best_of > n cannot be streamed (the best are known only at the end)")
+        strip = params.logprobs is None
+        if strip:
+            params = dataclasses.replace(params, logprobs=0)
+        return Plan(fan_out(params, best_of), keep=self.n, strip_logprobs=strip)
 
 
 class ChatMessage(BaseModel):
@@ -155,3 +198,6 @@ class ChatCompletionRequest(_Sampling):
             raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs)
+
+    def plan(self) -> Plan:
+        return Plan(fan_out(self.to_params(), self.n))

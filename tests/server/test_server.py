@@ -2,75 +2,14 @@
 
 import concurrent.futures
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
-
-MAX_MODEL_LEN = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(model, *extra):
-    port = _free_port()
-    cmd = [sys.executable, "-m", "hyla.cli", "serve", "--model", str(model), "--port", str(port),
-           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--max-body-bytes", "20000", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_kimi_checkpoint(tmp_path_factory.mktemp("serve"), "moe", with_tokenizer=True)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    proc, base = _start(model_dir)
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
-
-
-NAME = "kimi-moe-0"
-PROMPT = "the cat sat on the mat and the dog"
-
-
-def _metric(base, name):
-    for line in httpx.get(base + "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
+from tests.server.live import MAX_MODEL_LEN, NAME, PROMPT, metric as _metric, start as _start
 
 def test_models_and_health(client, server):
     models = client.models.list()
@@ -145,8 +84,10 @@ BAD = [
     ("max_tokens too big", "/v1/completions", {"prompt": "a", "max_tokens": MAX_MODEL_LEN + 1}, 400),
     ("prompt too long", "/v1/completions", {"prompt": " the" * (MAX_MODEL_LEN + 10), "max_tokens": 1}, 400),
     ("bad token id", "/v1/completions", {"prompt": [5, 99999], "max_tokens": 2}, 400),
-    ("n > 1", "/v1/completions", {"prompt": "a", "n": 2}, 400),
-    ("echo", "/v1/completions", {"prompt": "a", "echo": True}, 400),
+    ("n too large", "/v1/completions", {"prompt": "a", "n": 17}, 400),
+    ("best_of < n", "/v1/completions", {"prompt": "a", "n": 3, "best_of": 2}, 400),
+    ("best_of streamed", "/v1/completions", {"prompt": "a", "n": 1, "best_of": 2, "stream": True}, 400),
+    ("echo with logprobs", "/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, 400),
     ("negative temperature", "/v1/completions", {"prompt": "a", "temperature": -0.5}, 400),
     ("top_p > 1", "/v1/completions", {"prompt": "a", "top_p": 1.5}, 400),
     ("logprobs too many", "/v1/completions", {"prompt": "a", "logprobs": 50}, 400),
