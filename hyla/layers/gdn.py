@@ -27,6 +27,9 @@ from ShortConvDeltaRule; this module supplies the projections, gate and output.
 official parameters become views of it). The head interleaving is then undone without copies:
 the decode conv reads q ++ k ++ v through a column map and writes q, k, v as separate contiguous
 tensors, the gate kernel reads b / a as strided views, and the output norm reads z in place.
+
+Qwen3_5GatedDeltaNet: the same layer with Qwen3.5's four separate, non-interleaved projections
+(in_proj_qkv, in_proj_z, in_proj_b, in_proj_a); only the projection hooks differ.
 """
 
 from __future__ import annotations
@@ -54,14 +57,18 @@ class GatedDeltaNet(ShortConvDeltaRule):
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, bias=False)
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.make_projections(hidden_size)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = SiLUGatedRMSNorm(head_v_dim, eps=norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
         self._packed: PackedLinears | None = None
         self._columns: dict = {}  # device -> the conv channels' columns in in_proj_qkvz's output
+
+    def make_projections(self, hidden_size: int) -> None:
+        """The input projections (Qwen3-Next's head-interleaved pair; see Qwen3_5GatedDeltaNet)."""
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
 
     def prepare_for_inference(self) -> None:
         """Pack in_proj_qkvz and in_proj_ba into one weight (one GEMM per step); state_dict unchanged."""
@@ -140,3 +147,40 @@ class GatedDeltaNet(ShortConvDeltaRule):
 
     def _recurrent(self, *args, **kwargs):  # decode, verify and replay's commit
         return dispatch.fused_recurrent_gated_delta_rule(*args, **kwargs)
+
+
+class Qwen3_5GatedDeltaNet(GatedDeltaNet):
+    """Gated DeltaNet with Qwen3.5's four separate input projections (transformers'
+    Qwen3_5GatedDeltaNet); the conv, gate, delta rule and output are Qwen3-Next's.
+
+        in_proj_qkv: [2*H*K + HV*V, hidden]   q of every key head, then k, then v: already the
+                                              conv's channel order, no head interleaving
+        in_proj_z:   [HV*V, hidden]           in_proj_b, in_proj_a: [HV, hidden]
+
+    Value head j reads key head j // r, as in Qwen3-Next. `prepare_for_inference()` packs the four
+    into one weight; the conv then reads the first 2*H*K + HV*V columns of that GEMM's output in
+    place, and z, b, a are views of the columns after them."""
+
+    def make_projections(self, hidden_size: int) -> None:
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+
+    def _linears(self) -> list[nn.Linear]:
+        return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+
+    def prepare_for_inference(self) -> None:
+        """Pack the four projections into one weight (one GEMM per step); state_dict unchanged."""
+        self._packed = PackedLinears(self._linears())
+
+    def project(self, x: torch.Tensor):
+        """x: [..., hidden] -> (q ++ k ++ v pre-conv [..., 2*H*K + HV*V], (z [..., HV, V], b [..., HV],
+        a [..., HV])). Packed: one GEMM, every piece a view of its output (the conv reads q ++ k ++ v
+        in place as a PackedConvInput)."""
+        packed = self._packed is not None and self._packed.weight() is not None
+        qkv, z, b, a = self._packed(x) if packed else [lin(x) for lin in self._linears()]
+        aux = (z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), b, a)
+        if packed:
+            return PackedConvInput(qkv, [[self.key_dim, self.key_dim, self.value_dim]]), aux
+        return [qkv], aux

@@ -1,8 +1,9 @@
 """HF-format models: configs, checkpoint loading, the model <-> engine API (hyla.models.base).
 
-Families (chosen by config.json's `model_type`): Kimi-Linear ("kimi_linear") and Qwen3-Next
-("qwen3_next"); `load_model` builds either. The layer contract (ForwardBatch, the layer caches)
-is hyla.contract.
+Families (chosen by config.json's `model_type`): Kimi-Linear ("kimi_linear"), Qwen3-Next
+("qwen3_next") and Qwen3.5 dense / MoE in the causal-LM layout ("qwen3_5_text", "qwen3_5_moe_text")
+or the released multimodal one, text only ("qwen3_5", "qwen3_5_moe"); `load_model` builds any.
+The layer contract (ForwardBatch, the layer caches) is hyla.contract.
 """
 
 from hyla.models.base import HybridForCausalLM
@@ -11,12 +12,15 @@ from hyla.models.default import default_model_path
 from hyla.models.kimi_linear import KimiLinearForCausalLM
 from hyla.models.loader import load_config, load_model
 from hyla.models.memory import MemoryReport, memory_report
+from hyla.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MultimodalForCausalLM
+from hyla.models.qwen3_5_config import Qwen3_5Config, Qwen3_5MoeConfig
 from hyla.models.qwen3_next import Qwen3NextForCausalLM
 from hyla.models.qwen3_next_config import Qwen3NextConfig
 from hyla.models.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "HybridForCausalLM", "KimiLinearConfig", "KimiLinearForCausalLM",
-    "Qwen3NextConfig", "Qwen3NextForCausalLM", "load_config", "load_model", "MemoryReport", "memory_report",
+    "Qwen3NextConfig", "Qwen3NextForCausalLM", "Qwen3_5Config", "Qwen3_5MoeConfig", "Qwen3_5ForCausalLM",
+    "Qwen3_5MultimodalForCausalLM", "load_config", "load_model", "MemoryReport", "memory_report",
     "Tokenizer", "load_tokenizer", "default_model_path",
 ]

@@ -32,12 +32,14 @@ from hyla.models.qwen3_next_config import Qwen3NextConfig
 class Qwen3NextDecoderLayer(nn.Module):
     """Pre-norm block: h += mixer(norm(h)); h += mlp(norm(h)). h: [..., hidden]."""
 
+    linear_attn_cls = GatedDeltaNet  # Qwen3.5 swaps in its split-projection GDN
+
     def __init__(self, config: Qwen3NextConfig, idx: int):
         super().__init__()
         c = config
         self.is_linear = c.layer_types[idx] == LINEAR
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(
+            self.linear_attn = self.linear_attn_cls(
                 c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                 c.linear_value_head_dim, c.linear_conv_kernel_dim, norm_eps=c.rms_norm_eps,
             )
@@ -80,10 +82,12 @@ class Qwen3NextDecoderLayer(nn.Module):
 
 
 class Qwen3NextModel(nn.Module):
+    decoder_layer_cls = Qwen3NextDecoderLayer
+
     def __init__(self, config: Qwen3NextConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward_layers(self, h: torch.Tensor, batch: ForwardBatch | None = None,
@@ -99,11 +103,12 @@ class Qwen3NextModel(nn.Module):
 class Qwen3NextForCausalLM(HybridForCausalLM):
     # Checkpoint tensors the model does not build (the MTP head), skipped by the loader.
     ignored_checkpoint_prefixes = ("mtp.",)
+    base_model_cls = Qwen3NextModel  # what `self.model` is (a subclass per family)
 
     def __init__(self, config: Qwen3NextConfig):
         super().__init__()
         self.config = config
-        self.model = Qwen3NextModel(config)
+        self.model = self.base_model_cls(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hyla.models.config import (
@@ -159,24 +160,7 @@ class Qwen3NextConfig:
         """Build from a parsed `config.json` (see the module docstring for the key precedence)."""
         if d.get("model_type") != MODEL_TYPE:
             raise ValueError(f"model_type {d.get('model_type')!r} is not {MODEL_TYPE!r}")
-        act = d.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"config field `hidden_act` must be 'silu', got {act!r}")
-        n = _req(d, "num_hidden_layers")
-        _check_int("num_hidden_layers", n, low=1)
-        kw = dict(vocab_size=_req(d, "vocab_size"), hidden_size=_req(d, "hidden_size"), num_hidden_layers=n,
-                  layer_types=_layer_types(d, n), mlp_layer_types=_mlp_layer_types(d, n),
-                  dtype=d.get("dtype", d.get("torch_dtype")), extra=dict(d), **_rope(d))
-        for name in (
-            "intermediate_size", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
-            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_conv_kernel_dim", "num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias",
-            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
-            "norm_topk_prob", "bos_token_id", "eos_token_id", "pad_token_id",
-        ):
-            if d.get(name) is not None:
-                kw[name] = d[name]
-        return cls(**kw)
+        return cls(**read_fields(d, _mlp_layer_types))
 
     TRANSFORMERS_NAMES = TransformersNames(
         model_class="Qwen3NextForCausalLM",
@@ -199,6 +183,41 @@ class Qwen3NextConfig:
     def from_file(cls, path: str | os.PathLike) -> Qwen3NextConfig:
         """Read `path` (a config.json, or a directory holding one)."""
         return cls.from_hf_dict(read_config_json(path))
+
+
+# Keys read as they are when present (each one a field of the config class).
+_PLAIN_KEYS = (
+    "intermediate_size", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim", "num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias",
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "norm_topk_prob", "bos_token_id", "eos_token_id", "pad_token_id",
+)
+
+
+def read_fields(d: dict, mlp_layer_types: Callable[[dict, int], list[str]], defaults: dict | None = None) -> dict:
+    """Keyword arguments of a Qwen3-Next-style config class from config.json contents `d` (shared
+    with Qwen3.5): `defaults` fills keys `d` lacks (a key with no default among vocab_size,
+    hidden_size, num_hidden_layers is required); `mlp_layer_types(d, n)` gives each layer's MLP
+    kind, the one schedule the families read differently."""
+    defaults = defaults or {}
+
+    def size(key):
+        return defaults[key] if key in defaults and d.get(key) is None else _req(d, key)
+
+    act = d.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"config field `hidden_act` must be 'silu', got {act!r}")
+    n = size("num_hidden_layers")
+    _check_int("num_hidden_layers", n, low=1)
+    kw = dict(defaults)
+    kw.update(vocab_size=size("vocab_size"), hidden_size=size("hidden_size"), num_hidden_layers=n,
+              layer_types=_layer_types(d, n), mlp_layer_types=mlp_layer_types(d, n),
+              dtype=d.get("dtype", d.get("torch_dtype")), extra=dict(d), **_rope(d))
+    for name in _PLAIN_KEYS:
+        if d.get(name) is not None:
+            kw[name] = d[name]
+    return kw
 
 
 def _layer_types(d: dict, n: int) -> list[str]:
