@@ -79,7 +79,8 @@ def _serve(args) -> None:
     config = _engine_config(args)
     engine = LLMEngine(config)
     name = args.served_model_name or os.path.basename(os.path.normpath(config.model))
-    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     logging.getLogger("hyla").info("serving %s on http://%s:%d", name, args.host, args.port)
     # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to the drain time,
     # then cancel them (their requests are aborted) and exit.
@@ -123,6 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--shutdown-drain-s", type=float, default=10.0,
                        help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen3_coder", "kimi_k2"],
+                       help="how tool calls are read from the model's text (vLLM's names)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto" (needs --tool-call-parser), as in vLLM')
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt and print tokens/s")
@@ -148,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     plot.set_defaults(func=_plot)
 
     args = parser.parse_args(argv)
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        serve.error("--enable-auto-tool-choice needs --tool-call-parser")
     args.func(args)
 
 

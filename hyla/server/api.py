@@ -24,11 +24,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.llm_engine import LLMEngine
 from hyla.server.async_engine import AsyncEngine
-from hyla.server.choices import ChatChoice, CompletionChoice
+from hyla.server.chat_protocol import ChatCompletionRequest
+from hyla.server.choices import ChatChoice, CompletionChoice, ToolChatChoice
 from hyla.server.errors import APIError, parse, read_json
 from hyla.server.generate import respond
 from hyla.server.metrics import ServerMetrics
-from hyla.server.protocol import ChatCompletionRequest, CompletionRequest, Plan, UnsupportedParameter
+from hyla.server.protocol import CompletionRequest, Plan, UnsupportedParameter
+from hyla.server.tool_parsers import make_parser
 
 
 @dataclass
@@ -41,12 +43,19 @@ class ServerState:
     model_name: str
     api_key: str | None
     max_body_bytes: int
+    tool_call_parser: str | None = None  # --tool-call-parser: how tool calls are read from the text
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" allowed
 
 
-def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20) -> FastAPI:
+def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
+    if tool_call_parser is not None:
+        make_parser(tool_call_parser)  # an unknown name fails at start-up, not on the first request
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     metrics = ServerMetrics(engine)
     state = ServerState(engine, AsyncEngine(engine, on_output=metrics.observe), metrics, model_name, api_key,
-                        max_body_bytes)
+                        max_body_bytes, tool_call_parser, enable_auto_tool_choice)
     app = FastAPI(title="hyla", lifespan=_lifespan)
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
@@ -115,12 +124,17 @@ def _prepare(state: ServerState, req, prompt) -> tuple[list[int], Plan]:
         plan = req.plan()
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
+    return _validate(state, prompt, plan), plan
+
+
+def _validate(state: ServerState, prompt, plan: Plan) -> list[int]:
+    """The prompt's ids, checked with the plan's params by the engine (before any work)."""
     try:
         _, ids = state.engine.encode(prompt)
         state.engine.validate(ids, plan.params[0])  # the sequences differ only in their seeds
     except ValueError as e:
         raise APIError(400, str(e), param="prompt" if "prompt" in str(e) or "token" in str(e) else None) from None
-    return ids, plan
+    return ids
 
 
 # ---- routes -----------------------------------------------------------------------------------
@@ -187,15 +201,39 @@ async def chat(request: Request):
     if engine.tokenizer is None or not engine.tokenizer.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions")
     try:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt_ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        mode = req.tool_mode()
+    except UnsupportedParameter as e:
+        raise APIError(400, str(e), param=e.param) from None
+    if mode == "auto" and not state.enable_auto_tool_choice:
+        raise APIError(400, '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
+                       "--tool-call-parser (or send tool_choice \"none\")", param="tool_choice")
+    if mode not in (None, "none", "auto"):
+        raise APIError(400, f"tool_choice {mode!r} is not supported", param="tool_choice")
+    tools = req.tool_dicts()
+    try:
+        template_kwargs = {"tools": tools} if tools else {}
+        prompt_ids = engine.tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True,
+                                                          tokenize=True, **template_kwargs)
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages is a client error
         raise APIError(400, f"could not render the chat template: {e}", param="messages") from None
-    ids, plan = _prepare(state, req, prompt_ids)
+    try:
+        plan = req.plan(parse_tools=mode == "auto")
+    except UnsupportedParameter as e:
+        raise APIError(400, str(e), param=e.param) from None
+    ids = _validate(state, prompt_ids, plan)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": state.model_name}
     n_top = (req.top_logprobs or 0) if req.logprobs else None
-    return await respond(request, state, req, ids, plan, head, lambda i: ChatChoice(i, engine.tokenizer, n_top),
-                         chunk_object="chat.completion.chunk")
+    tok = engine.tokenizer
+    if mode == "auto":
+        parser = make_parser(state.tool_call_parser)
+
+        def make_choice(i: int):
+            return ToolChatChoice(i, tok, n_top, parser, tools)
+    else:
+        def make_choice(i: int):
+            return ChatChoice(i, tok, n_top)
+
+    return await respond(request, state, req, ids, plan, head, make_choice, chunk_object="chat.completion.chunk")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict, Field
 
 from hyla.engine.sampling_params import SamplingParams
@@ -52,7 +50,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
     # strict: no coercion of loose types (`max_tokens: true`, `stream: "yes"`, `prompt: [true]`);
     # no NaN / Infinity in any number field (named in the 400)
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
@@ -119,7 +117,7 @@ class _Sampling(BaseModel):
             raise UnsupportedParameter(param, str(e)) from None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] = Field(...)
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -160,44 +158,3 @@ class CompletionRequest(_Sampling):
         if strip:
             params = dataclasses.replace(params, logprobs=0)
         return Plan(fan_out(params, best_of), keep=self.n, strip_logprobs=strip)
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            parts = []
-            for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise UnsupportedParameter("messages", "only text content parts are supported")
-                parts.append(part["text"])
-            return "".join(parts)
-        return self.content or ""
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    response_format: dict | None = None
-
-    def to_params(self) -> SamplingParams:
-        if self.tools:
-            raise UnsupportedParameter("tools", "tool calling is not supported")
-        if self.tool_choice not in (None, "none"):
-            raise UnsupportedParameter("tool_choice", "tool_choice needs tools (and tool calling is not supported)")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise UnsupportedParameter("response_format", "only response_format type 'text' is supported")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        if self.top_logprobs is not None and not self.logprobs:
-            raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs: true")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
-
-    def plan(self) -> Plan:
-        return Plan(fan_out(self.to_params(), self.n))
