@@ -86,6 +86,41 @@ def sync_sites(fn, top: int) -> str:
     return "\n# ".join(lines)
 
 
+def gap_profile(fn, min_us: float = 10.0, top: int = 25) -> str:
+    """Where the GPU idles during one call: the wall time, the span from the first kernel's start
+    to the last one's end, the summed kernel time, and the idle gaps longer than min_us between
+    consecutive kernels (largest first, with the kernels on each side). Idle at the start is the
+    host building the step before its first launch; gaps inside are syncs or a host that launches
+    slower than the GPU runs."""
+    import time
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+    ks = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0),
+                key=lambda e: e.time_range.start)
+    if not ks:
+        return "no kernels"
+    busy = sum(e.time_range.elapsed_us() for e in ks)
+    span = ks[-1].time_range.end - ks[0].time_range.start
+    gaps, end = [], ks[0].time_range.end
+    for prev, k in zip(ks, ks[1:]):
+        end = max(end, prev.time_range.end)
+        if k.time_range.start - end > min_us:
+            gaps.append((k.time_range.start - end, prev.name, k.name))
+    gaps.sort(reverse=True)
+    lines = [f"wall {wall:.2f} ms, kernel span {span / 1e3:.2f} ms, kernel time {busy / 1e3:.2f} ms, "
+             f"{len(gaps)} gaps > {min_us:.0f} us summing {sum(g[0] for g in gaps) / 1e3:.2f} ms:"]
+    lines += [f"  {us:8.1f} us after {a[:50]:<50} before {b[:50]}" for us, a, b in gaps[:top]]
+    return "\n# ".join(lines)
+
+
 def kernel_sequence(model, fn) -> str:
     """The kernels of one call in launch order, each under the decoder layer that launched it
     (each layer's forward is wrapped in a record_function range; a kernel belongs to the range
@@ -148,6 +183,7 @@ def main() -> None:
     print(f"# prefill by torch op:\n{op_profile(run, args.top)}")
     print(f"# prefill on the host: {host_profile(run, args.top)}")
     print(f"# prefill syncs: {sync_sites(run, args.top)}")
+    print(f"# prefill idle: {gap_profile(run, top=args.top)}")
     pages = -(-(args.context + 1) // 16)
     for b in args.decode_batch:
         tables = [list(range(i * pages, (i + 1) * pages)) for i in range(b)]
