@@ -21,13 +21,20 @@ Shapes (`RANDOM_CONFIGS`):
   shared expert 512 (sigmoid-gated), norm_topk_prob; every layer MoE; vocab 151936. All equal
   transformers 5.24's Qwen3NextConfig defaults except rope_theta (default 1e4) and
   intermediate_size (5120 vs 5632, unused: no dense layer).
+- `qwen3.5-35b-a3b`: Qwen/Qwen3.5-35B-A3B's text model in the causal-LM layout
+  (`qwen3_5_moe_text`; transformers 5.24's Qwen3_5MoeTextConfig defaults, whose docstring names
+  that checkpoint): 40 layers, full attention every 4th (30 GDN + 10), hidden 2048, GDN 16 key /
+  32 value heads x 128 (separate in_proj_qkv / z / b / a), gated attention 16 q / 2 kv heads x
+  256, partial_rotary_factor 0.25, mRoPE sections [11, 11, 10] (text positions: plain RoPE),
+  rope_theta 1e7 (the released Qwen3.5 value; transformers' default is 1e4); 256 experts top-8,
+  moe_intermediate 512, shared expert 512; every layer MoE; vocab 248320.
 - `tiny-kimi-moe`, `tiny-qwen3-next-moe`: small MoE shapes of both families for CPU tests: 16
   experts top-4, both layer kinds, a dense first layer, a shared expert of the routed width (as
   in both released shapes), fp32.
 
 `layers=N` keeps the first N layers of the schedule as they are in the full model (layer kinds,
-dense / MoE MLPs). For both released shapes N >= 4 keeps at least one attention layer (Kimi:
-MLA at 1-based 4; Qwen3-Next: attention at 1-based 4).
+dense / MoE MLPs). For the released shapes N >= 4 keeps at least one attention layer (Kimi:
+MLA at 1-based 4; Qwen3-Next and Qwen3.5: attention at 1-based 4).
 
 Weights: built on the meta device, cast, then materialised with `to_empty` on the target device
 and filled in place (never written to disk, never zeros, never a full-size fp32 copy): every
@@ -62,6 +69,19 @@ QWEN3_NEXT_80B = {
     "vocab_size": 151936,
 }
 
+# Qwen/Qwen3.5-35B-A3B's text_config, in the causal-LM layout (see the module docstring).
+QWEN3_5_35B = {
+    "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "dtype": "bfloat16",
+    "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40, "full_attention_interval": 4,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "attention_bias": False,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-06,
+    "max_position_embeddings": 262144, "tie_word_embeddings": False, "hidden_act": "silu",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+
 # Kimi-Linear shapes with dense SwiGLU MLPs: KDA : MLA 3:1 (MLA every 4th layer), NoPE MLA.
 _KIMI_DENSE = {
     "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -94,6 +114,7 @@ RANDOM_CONFIGS = {
     "1b": (None, 0.02),
     "kimi-linear-48b-a3b": (KIMI_LINEAR_48B, 0.02),
     "qwen3-next-80b-a3b": (QWEN3_NEXT_80B, 0.02),
+    "qwen3.5-35b-a3b": (QWEN3_5_35B, 0.02),
     "tiny-kimi-moe": (_TINY_KIMI_MOE, 0.1),
     "tiny-qwen3-next-moe": (_TINY_QWEN_MOE, 0.1),
 }
