@@ -6,7 +6,8 @@ hyla.engine all import it from below.
 - `ForwardBatch` (batch.py): one engine step's sequences, their new tokens packed along one axis,
   and the two indirections into the pools (block tables for pages, state slots);
 - the layer caches (cache.py): `LayerCache` and its two kinds, `LinearLayerCache` (state slots:
-  KDALayerCache, GDNLayerCache) and `PagedLayerCache` (KV pages: MLALayerCache, KVLayerCache),
+  KDALayerCache, GDNLayerCache) and `PagedLayerCache` (KV pages: MLALayerCache, DSALayerCache,
+  KVLayerCache),
   and `HybridCache`, a model's per-layer pools.
 
 A token mixer runs an engine step as `forward_batch(x [T_total, hidden], batch: ForwardBatch,
@@ -16,6 +17,7 @@ cache: <its LayerCache>) -> [T_total, hidden]`; a stateful one (ShortConvDeltaRu
 
 from hyla.contract.batch import ForwardBatch
 from hyla.contract.cache import (
+    DSALayerCache,
     GDNLayerCache,
     HybridCache,
     KDALayerCache,
@@ -28,5 +30,5 @@ from hyla.contract.cache import (
 
 __all__ = [
     "ForwardBatch", "LayerCache", "LinearLayerCache", "PagedLayerCache", "KDALayerCache", "GDNLayerCache",
-    "MLALayerCache", "KVLayerCache", "HybridCache",
+    "MLALayerCache", "DSALayerCache", "KVLayerCache", "HybridCache",
 ]

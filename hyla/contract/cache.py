@@ -9,7 +9,8 @@ every LinearLayerCache as linear and every PagedLayerCache as attention):
   KDA has three convs (q, k, v); Gated DeltaNet one, over the concatenated q|k|v channels.
 - PagedLayerCache: tensors `[num_pages, page_size, ...]`, one row per token.
   MLA: one compressed latent per token, `[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`,
-  shared by all heads. Full attention (GQA): keys and values, each `[num_pages, page_size, Hkv, D]`.
+  shared by all heads; with a DSA indexer (DSALayerCache) also per-token indexer keys and one
+  pooled key per kpool tokens, under the same page ids. Full attention (GQA): keys and values, each `[num_pages, page_size, Hkv, D]`.
 
 Replay inputs: a speculative verify step with rollback "replay" leaves, on each cache whose layer
 keeps state, the per-token inputs its layer's `commit_replay` needs afterwards. Whoever runs the
@@ -67,6 +68,11 @@ class LinearLayerCache(LayerCache):
 class PagedLayerCache(LayerCache):
     """A layer with per-token rows in pages: every tensor is [num_pages, page_size, ...]."""
 
+    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """Copy the first `rows` token rows of page src into page dst (copy-on-write)."""
+        for t in self.tensors():
+            t[dst, :rows].copy_(t[src, :rows])
+
 
 @dataclass
 class KDALayerCache(LinearLayerCache):
@@ -95,6 +101,27 @@ class MLALayerCache(PagedLayerCache):
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.kv]
+
+
+@dataclass
+class DSALayerCache(MLALayerCache):
+    """An MLA layer with a DSA indexer (GLM-5-Next), all paged with one page table:
+    kv: [num_pages, page_size, kv_lora_rank] latents; index_tokens: [num_pages, page_size, 2D]
+    each token's indexer key ++ pooling logits (read until its pool of kpool tokens is complete);
+    index_pooled: [num_pages, page_size // kpool, D] one pooled key per complete pool."""
+
+    index_tokens: torch.Tensor
+    index_pooled: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.kv, self.index_tokens, self.index_pooled]
+
+    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """Token rows as MLALayerCache; pooled keys of the pools complete within those rows."""
+        for t in (self.kv, self.index_tokens):
+            t[dst, :rows].copy_(t[src, :rows])
+        pools = rows * self.index_pooled.shape[1] // self.kv.shape[1]
+        self.index_pooled[dst, :pools].copy_(self.index_pooled[src, :pools])
 
 
 @dataclass
@@ -152,8 +179,7 @@ class HybridCache:
         if not 0 <= rows <= self.page_size:
             raise ValueError(f"rows must lie in 0..{self.page_size}, got {rows}")
         for layer in self.attention_layers:
-            for t in layer.tensors():
-                t[dst, :rows].copy_(t[src, :rows])
+            layer.copy_rows(src, dst, rows)
 
     def zero_slot(self, slot: int) -> None:
         """Reset slot `slot` of every linear layer (forward_batch does not need this: a sequence

@@ -34,7 +34,8 @@ class KimiDeltaAttention(ShortConvDeltaRule):
     ForwardBatch and a KDALayerCache (forward_batch, from ShortConvDeltaRule)."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_kernel_size: int = 4,
-                 lower_bound: float | None = None, full_rank_gate: bool = False, norm_eps: float = 1e-5):
+                 lower_bound: float | None = None, full_rank_gate: bool = False, norm_eps: float = 1e-5,
+                 a_log_shape: tuple[int, ...] | None = None):
         super().__init__()
         self.num_heads, self.head_dim = num_heads, head_dim
         self.conv_kernel_size = conv_kernel_size
@@ -49,7 +50,8 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
         self.f_b_proj = nn.Linear(head_dim, D, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(D, dtype=torch.float32))
-        self.A_log = nn.Parameter(torch.zeros(1, 1, num_heads, 1, dtype=torch.float32))
+        # Kimi stores A_log as [1, 1, H, 1], GLM-5-Next as [H]; the gate reads it by element count.
+        self.A_log = nn.Parameter(torch.zeros(a_log_shape or (1, 1, num_heads, 1), dtype=torch.float32))
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
         if full_rank_gate:
             self.g_proj = nn.Linear(hidden_size, D, bias=False)

@@ -32,7 +32,7 @@ from hyla.layers.norm import RMSNorm
 from hyla.ops import dispatch
 
 # transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
-# config.rms_norm_eps; the checkpoints were trained that way.
+# config.rms_norm_eps; the checkpoints were trained that way (GLM-5-Next passes its rms_norm_eps).
 LATENT_NORM_EPS = 1e-6
 
 
@@ -41,7 +41,8 @@ class MLAAttention(nn.Module):
     with a ForwardBatch and an MLALayerCache (forward_batch)."""
 
     def __init__(self, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
-                 qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, bias: bool = False):
+                 qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, bias: bool = False,
+                 latent_norm_eps: float = LATENT_NORM_EPS):
         super().__init__()
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
@@ -51,11 +52,11 @@ class MLAAttention(nn.Module):
             self.q_proj = nn.Linear(hidden_size, num_heads * qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=latent_norm_eps)
             self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
         self.q_lora_rank = q_lora_rank
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=latent_norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
         self._packed: PackedLinears | None = None

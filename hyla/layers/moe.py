@@ -7,6 +7,8 @@ Routing, for each token (in fp32, as transformers' KimiLinearTopkRouter; fp64 in
     pick the top-k experts by c inside them, weight them by s (not c),
     renormalise the k weights to sum to 1 (moe_renormalize), then scale by routed_scaling_factor.
 Output = sum_k w_k * expert_k(x) + shared_experts(x).
+`swiglu_limit` (GLM-5-Next) clamps every expert's gate / up pre-activations
+(hyla.layers.clamped_swiglu; the torch grouped GEMMs then, the fused kernels have no clamp).
 
 Everything runs on the device without reading a value back (routing, the expert-sorted grouped
 GEMMs of StackedExperts), so a decode step with MoE layers is captured as one CUDA graph.
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyla.layers.clamped_swiglu import ClampedMLP, clamped_moe_experts
 from hyla.layers.mlp import MLP
 from hyla.ops.moe import moe_experts, sigmoid_topk_route
 from hyla.ops.utils import work_dtype
@@ -52,8 +55,10 @@ class StackedExperts(nn.Module):
     forward(x [M, H], weights [M, k] fp32, ids [M, k] int64) -> [M, H] (hyla.ops.moe_experts:
     the Triton fused-MoE kernels on CUDA, sorted grouped GEMMs elsewhere; no host sync)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 swiglu_limit: float | None = None):
         super().__init__()
+        self.swiglu_limit = swiglu_limit  # GLM-5-Next: clamped SwiGLU (hyla.layers.clamped_swiglu)
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         for w in (self.gate_up_proj, self.down_proj):  # nn.Linear's default init, per expert
@@ -100,6 +105,8 @@ class StackedExperts(nn.Module):
         """shared: ids name expert E, the stacked shared expert (the caller checked
         `shared_is_stacked()` for this step)."""
         w13, w2 = self.with_shared[:2] if shared else (self.gate_up_proj, self.down_proj)
+        if self.swiglu_limit is not None:
+            return clamped_moe_experts(x, w13, w2, weights, ids, self.swiglu_limit)
         return moe_experts(x, w13, w2, weights, ids)
 
 
@@ -110,12 +117,14 @@ class MoE(nn.Module):
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  num_shared_experts: int = 1, num_group: int = 1, topk_group: int = 1, renormalize: bool = True,
-                 routed_scaling_factor: float = 1.0):
+                 routed_scaling_factor: float = 1.0, swiglu_limit: float | None = None):
         super().__init__()
         self.gate = Router(hidden_size, num_experts, top_k, num_group, topk_group, renormalize, routed_scaling_factor)
-        self.experts = StackedExperts(num_experts, hidden_size, moe_intermediate_size)
+        self.experts = StackedExperts(num_experts, hidden_size, moe_intermediate_size, swiglu_limit)
+        shared_width = moe_intermediate_size * num_shared_experts
         self.shared_experts = (
-            MLP(hidden_size, moe_intermediate_size * num_shared_experts) if num_shared_experts > 0 else None
+            (MLP(hidden_size, shared_width) if swiglu_limit is None else ClampedMLP(hidden_size, shared_width, swiglu_limit))
+            if num_shared_experts > 0 else None
         )
 
         self.shared_stacked = False

@@ -26,8 +26,10 @@ from hyla.models.config import FULL, LINEAR
 # and top-k choices where bf16 rounding changes results (transformers keeps the router's and
 # dt_bias in fp32 too; A_log is stored in fp32 by the released checkpoints). ".gate.weight" is
 # an MoE router (Kimi's block_sparse_moe.gate, Qwen3-Next's mlp.gate), not Qwen3-Next's
-# shared_expert_gate, which stays in the model dtype as in transformers.
-FP32_TENSORS = ("dt_bias", "A_log", ".gate.weight", ".gate.e_score_correction_bias")
+# shared_expert_gate, which stays in the model dtype as in transformers. GLM-5-Next keeps its
+# hyper-connections' base and scale in fp32 (transformers' _keep_in_fp32_modules_strict).
+FP32_TENSORS = ("dt_bias", "A_log", ".gate.weight", ".gate.e_score_correction_bias",
+                "hc_attn_base", "hc_attn_scale", "hc_ffn_base", "hc_ffn_scale")  # GLM-5-Next's mHC
 
 
 def _nbytes(dtype: torch.dtype) -> int:
@@ -40,6 +42,10 @@ def state_bytes_per_slot(config, state_dtype=torch.float32, dtype=torch.bfloat16
 
 
 def _num_layers(config, kind: str) -> int:
+    """Layers of `kind`; FULL counts every non-linear layer (GLM-5-Next calls its attention
+    layers "indexed_attention")."""
+    if kind == FULL:
+        return sum(t != LINEAR for t in config.layer_types)
     return sum(t == kind for t in config.layer_types)
 
 
