@@ -118,3 +118,51 @@ def load_qwen3_5_reference(path):
 
     arch = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
     return getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
+
+
+def add_mtp_shard(path, seed: int = 7) -> dict[str, torch.Tensor]:
+    """Give the checkpoint at `path` a random one-layer `mtp.*` head in its own shard
+    (model-mtp.safetensors, with an index), as released checkpoints store it; returns the tensors.
+    The layer's names and shapes are transformers' own full-attention decoder layer's."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config()
+    layer_cls = _decoder_layer_class(config)
+    idx = text.layer_types.index("full_attention")
+    layer = layer_cls(text, idx)
+    gen = torch.Generator().manual_seed(seed)
+    hid = text.hidden_size
+    tensors = {f"mtp.layers.0.{k}": v for k, v in layer.state_dict().items()}
+    tensors.update({"mtp.fc.weight": torch.empty(hid, 2 * hid), "mtp.norm.weight": torch.empty(hid),
+                    "mtp.pre_fc_norm_embedding.weight": torch.empty(hid),
+                    "mtp.pre_fc_norm_hidden.weight": torch.empty(hid)})
+    for name, t in tensors.items():
+        scale = 0.3 if name.endswith("norm.weight") else 0.1  # zero-centred norms: away from 0
+        tensors[name] = (scale * torch.randn(t.shape, generator=gen)).contiguous()
+    if layer_cls.__name__.startswith("Qwen3_5Moe"):  # stored per expert, as the released checkpoints
+        for base in ("gate_up_proj", "down_proj"):
+            fused = tensors.pop(f"mtp.layers.0.mlp.experts.{base}")
+            for e in range(fused.shape[0]):
+                if base == "down_proj":
+                    tensors[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = fused[e].contiguous()
+                else:
+                    g, u = fused[e].chunk(2, dim=0)
+                    tensors[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = g.contiguous()
+                    tensors[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = u.contiguous()
+    save_file(tensors, path / "model-mtp.safetensors", metadata={"format": "pt"})
+    names = load_file(path / "model.safetensors").keys()
+    weight_map = {**{k: "model.safetensors" for k in names}, **{k: "model-mtp.safetensors" for k in tensors}}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tensors
+
+
+def _decoder_layer_class(config):
+    import transformers.models.qwen3_5.modeling_qwen3_5 as dense
+    import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as moe
+
+    return moe.Qwen3_5MoeDecoderLayer if "moe" in config.model_type else dense.Qwen3_5DecoderLayer
