@@ -1,5 +1,6 @@
-"""The `mtp.*` head of Qwen3.5 checkpoints (stored in its own shard, as released): loading, a
-step computed by hand from the raw tensors, and the paged engine step against whole sequences."""
+"""The `mtp.*` head of Qwen3.5 and Qwen3-Next checkpoints (stored in its own shard, as released):
+loading, a step computed by hand from the raw tensors, and the paged engine step against whole
+sequences."""
 
 import shutil
 
@@ -77,6 +78,21 @@ def test_paged_steps_equal_the_whole_sequence(with_mtp):
             got.append(head.forward_batch(h[done:done + n], ids[done:done + n], model, batch, kv))
             done += n
     assert (torch.cat(got) - want).abs().max() < 1e-10
+
+
+def test_qwen3_next_head_is_moe_as_stored(tmp_path):
+    """Qwen3-Next's head (its layer MoE like the model's) loads beside the model and runs."""
+    from tests.oracles.qwen3_next_checkpoint import build_qwen3_next_checkpoint
+
+    path = build_qwen3_next_checkpoint(tmp_path, "moe")
+    t = add_mtp_shard(path)
+    model = load_model(path)
+    head = load_mtp_head(path, model)
+    assert type(head.layers[0].mlp).__name__ == "Qwen3NextSparseMoE"
+    assert torch.equal(head.layers[0].self_attn.q_proj.weight, t["mtp.layers.0.self_attn.q_proj.weight"])
+    with torch.no_grad():
+        y = head(torch.randn(2, 6, 64), torch.randint(0, 256, (2, 6)), model)
+    assert model.compute_logits(y).shape == (2, 6, 256)
 
 
 def test_checkpoint_without_mtp_is_a_clear_error(qwen3_5_checkpoint):

@@ -121,9 +121,9 @@ def load_qwen3_5_reference(path):
 
 
 def add_mtp_shard(path, seed: int = 7) -> dict[str, torch.Tensor]:
-    """Give the checkpoint at `path` a random one-layer `mtp.*` head in its own shard
-    (model-mtp.safetensors, with an index), as released checkpoints store it; returns the tensors.
-    The layer's names and shapes are transformers' own full-attention decoder layer's."""
+    """Give the checkpoint at `path` (Qwen3.5 or Qwen3-Next) a random one-layer `mtp.*` head in its
+    own shard (model-mtp.safetensors, with an index), as released checkpoints store it; returns the
+    tensors. The layer's names and shapes are transformers' own full-attention decoder layer's."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -144,7 +144,7 @@ def add_mtp_shard(path, seed: int = 7) -> dict[str, torch.Tensor]:
     for name, t in tensors.items():
         scale = 0.3 if name.endswith("norm.weight") else 0.1  # zero-centred norms: away from 0
         tensors[name] = (scale * torch.randn(t.shape, generator=gen)).contiguous()
-    if layer_cls.__name__.startswith("Qwen3_5Moe"):  # stored per expert, as the released checkpoints
+    if "mtp.layers.0.mlp.experts.gate_up_proj" in tensors:  # stored per expert, as the released checkpoints
         for base in ("gate_up_proj", "down_proj"):
             fused = tensors.pop(f"mtp.layers.0.mlp.experts.{base}")
             for e in range(fused.shape[0]):
@@ -162,7 +162,11 @@ def add_mtp_shard(path, seed: int = 7) -> dict[str, torch.Tensor]:
 
 
 def _decoder_layer_class(config):
+    """transformers' decoder layer of a Qwen3.5 or Qwen3-Next config."""
     import transformers.models.qwen3_5.modeling_qwen3_5 as dense
     import transformers.models.qwen3_5_moe.modeling_qwen3_5_moe as moe
+    import transformers.models.qwen3_next.modeling_qwen3_next as next_
 
+    if config.model_type == "qwen3_next":
+        return next_.Qwen3NextDecoderLayer
     return moe.Qwen3_5MoeDecoderLayer if "moe" in config.model_type else dense.Qwen3_5DecoderLayer
