@@ -114,6 +114,8 @@ class DSAAttention(MLAAttention):
     forward(x [B, T, hidden], selection=None) -> (out [B, T, hidden], selection bool [B, T, T]):
     a layer with an indexer computes the selection itself, a shared layer is handed one."""
 
+    graph_safe = False  # forward_batch walks the sequences on the host (no CUDA-graph capture yet)
+
     def __init__(self, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, v_head_dim: int,
                  q_lora_rank: int, indexer: DSAIndexer | None, bias: bool = False, norm_eps: float = 1e-5):
         super().__init__(hidden_size, num_heads, kv_lora_rank, qk_nope_head_dim, 0, v_head_dim,

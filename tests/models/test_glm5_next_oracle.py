@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from hyla.models import load_model
-from tests.oracles.glm5_next_checkpoint import glm5_next_checkpoint, load_reference  # noqa: F401
+from tests.oracles.glm5_next_checkpoint import one_thread, glm5_next_checkpoint, load_reference  # noqa: F401
 
 LENGTHS = (1, 6, 33, 90)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

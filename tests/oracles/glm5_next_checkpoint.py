@@ -73,9 +73,12 @@ def _randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
-def build_glm5_next_checkpoint(root, variant: str = "hc2", seed: int = 0) -> Path:
-    """Write a tiny random checkpoint under `root`/glm5-next-<variant>-<seed> (reused if present)."""
+def build_glm5_next_checkpoint(root, variant: str = "hc2", seed: int = 0, with_tokenizer: bool = False) -> Path:
+    """Write a tiny random checkpoint under `root`/glm5-next-<variant>-<seed> (reused if present);
+    with_tokenizer: also the word-level tokenizer of tests.oracles.kimi_checkpoint."""
     from transformers import Glm5NextForConditionalGeneration
+
+    from tests.oracles.kimi_checkpoint import write_tokenizer
 
     path = Path(root) / f"glm5-next-{variant}-{seed}"
     if not (path / "config.json").is_file():
@@ -83,6 +86,8 @@ def build_glm5_next_checkpoint(root, variant: str = "hc2", seed: int = 0) -> Pat
         model = Glm5NextForConditionalGeneration(hf_config(variant)).eval()
         _randomise(model, torch.Generator().manual_seed(seed + 1))
         model.save_pretrained(path)
+    if with_tokenizer and not (path / "tokenizer.json").is_file():
+        write_tokenizer(path)
     return path
 
 
@@ -98,3 +103,13 @@ def glm5_next_checkpoint(tmp_path_factory):
     """Factory fixture: glm5_next_checkpoint(variant="hc2", seed=0) -> path, built once per session."""
     root = tmp_path_factory.mktemp("glm5_next")
     return lambda variant="hc2", seed=0: build_glm5_next_checkpoint(root, variant, seed)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one intra-op thread: on a loaded machine, waking a second thread
+    for a [m, m] softmax costs milliseconds. Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
