@@ -129,7 +129,10 @@ class Glm5NextModel(nn.Module):
 
 
 class Glm5NextForCausalLM(HybridForCausalLM):
-    ignored_checkpoint_prefixes = ("model.visual.",)  # the vision tower: text serving only
+    # The vision tower (text serving only) and, as transformers skips them, the released
+    # checkpoint's multi-token-prediction layer 45 (with its shared_head). A config with more than
+    # 45 layers would then miss layer 45's tensors: the loader names them, nothing loads silently.
+    ignored_checkpoint_prefixes = ("model.visual.", "model.language_model.layers.45.")
 
     def __init__(self, config: Glm5NextConfig):
         super().__init__()

@@ -1,6 +1,6 @@
 """The engine runs GLM-5-Next (KDA + DSA-indexed MLA with its paged indexer cache, mHC, MoE) with
-no family-specific code: batching, chunked prefill, preemption, the prefix cache and n-gram
-speculation leave greedy output unchanged, and it equals the full-sequence model's greedy."""
+no family-specific code: batching, chunked prefill, preemption, the prefix cache and speculation
+(n-gram, a draft model) leave greedy output unchanged, and it equals the full-sequence model's greedy."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ from hyla import LLM, SamplingParams
 from hyla.models import load_model
 from tests.engine.spec_check import assert_spec_equals_greedy
 from tests.oracles.glm5_next_checkpoint import one_thread, build_glm5_next_checkpoint  # noqa: F401
+from tests.oracles.variants import noisy_lm_head_copy
 from tests.oracles.variants import rand_tokens as rand
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -81,8 +82,15 @@ SPEC_PROMPTS = [rand(12, 1) * 3, rand(5, 3) * 4 + [9], [7], rand(40, 4)]
 SPEC_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.mark.parametrize("rollback,prefix_cache", [("slots", False), ("replay", True)])
-def test_ngram_speculation_equals_plain_greedy(ckpt, rollback, prefix_cache):
-    reference = [o.outputs[0].token_ids
-                 for o in LLM(str(ckpt), dtype="float64").generate(SPEC_PROMPTS, SPEC_GREEDY, use_tqdm=False)]
-    assert_spec_equals_greedy(ckpt, None, SPEC_PROMPTS, SPEC_GREEDY, reference, rollback, "ngram", prefix_cache)
+@pytest.fixture(scope="module")
+def spec_reference(ckpt):
+    return [o.outputs[0].token_ids
+            for o in LLM(str(ckpt), dtype="float64").generate(SPEC_PROMPTS, SPEC_GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("method,rollback,prefix_cache", [
+    ("ngram", "slots", False), ("ngram", "replay", True), ("draft", "slots", True),
+])
+def test_speculation_equals_plain_greedy(ckpt, spec_reference, tmp_path, method, rollback, prefix_cache):
+    draft = noisy_lm_head_copy(ckpt, tmp_path / "draft", scale=0.05) if method == "draft" else None
+    assert_spec_equals_greedy(ckpt, draft, SPEC_PROMPTS, SPEC_GREEDY, spec_reference, rollback, method, prefix_cache)
