@@ -4,6 +4,9 @@ Everything runs batched on the logits' device, with per-row parameter tensors (o
 copy of them per step), and exactly one device->host copy per step (`_to_host`): token ids, a
 per-row failure flag and the requested logprobs, packed into one tensor.
 
+Structured outputs: a guided row's grammar masks the tokens it does not allow (`guide_mask`)
+after logit_bias and the penalties, before greedy or sampled choice.
+
 Draws use the exponential race: argmax(probs / E) with E ~ Exp(1) is a draw from probs, so no
 torch.multinomial is needed. A seeded request draws its E from its own generator (on the device),
 so it gives the same tokens whatever else is batched; the other rows share one batched draw from
@@ -61,6 +64,27 @@ def penalize_batch(x: torch.Tensor, params: list, token_ids: list[list[int]],
 def penalize(row: torch.Tensor, params, token_ids: list[int], output_ids: list[int]) -> torch.Tensor:
     """`penalize_batch` for one row of logits [V]."""
     return penalize_batch(row[None], [params], [token_ids], [output_ids])[0]
+
+
+def guide_mask(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Structured outputs: -inf on the tokens each guided row's grammar does not allow next, out
+    of place; unguided rows are untouched, so one request's grammar never affects another's.
+    The matchers fill one int32 bitmask [G, ceil(V / 32)] on the host, which goes to the device
+    without a sync and is unpacked there."""
+    guided = [i for i, s in enumerate(seqs) if getattr(s, "guide", None) is not None]  # rows may be light stand-ins
+    if not guided:
+        return x
+    V = x.shape[-1]
+    words = torch.full((len(guided), (V + 31) // 32), -1, dtype=torch.int32)
+    for j, i in enumerate(guided):
+        seqs[i].guide.fill_next_token_bitmask(words, j)
+    words = words.to(x.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :V]  # [G, V]
+    rows = torch.tensor(guided, dtype=torch.long).to(x.device, non_blocking=True)
+    x = x.clone()
+    x[rows] = x[rows].masked_fill(~allowed, _NEG_INF)
+    return x
 
 
 def probs_batch(x: torch.Tensor, params: list) -> torch.Tensor:
@@ -137,6 +161,7 @@ def _sample_on_device(logits: torch.Tensor, seqs: list[Sequence], generator: tor
     raw = logits.float()
     hist = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
     x = penalize_batch(raw, params, hist, [s.output_token_ids for s in seqs])
+    x = guide_mask(x, seqs)  # after logit_bias and the penalties, before any sampling rule (greedy too)
     tokens = x.argmax(-1)  # the greedy rows' answer; sampled rows are overwritten below
     failed = ~torch.isfinite(x.amax(-1))  # nan, +inf or no finite logit (max propagates nan)
     drawn = [i for i, p in enumerate(params) if not p.greedy]

@@ -4,8 +4,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
 
 GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy (see SamplingParams.greedy)
+
+
+class GuideMatcher(Protocol):
+    """One sequence's place in a grammar (structured outputs); used by the engine loop only."""
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write row `index` of bitmask (int32 [M, ceil(V / 32)] on the CPU): bit j of word w set
+        = token 32 w + j may come next (xgrammar's and llguidance's layout)."""
+
+    def accept_token(self, token: int) -> bool:
+        """Advance past `token`; False when the grammar does not allow it."""
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted: nothing may follow."""
+
+
+class Guide(Protocol):
+    """A compiled grammar that output must follow; every sequence gets its own matcher."""
+
+    def matcher(self) -> GuideMatcher: ...
 
 
 @dataclass
@@ -26,6 +49,9 @@ class SamplingParams:
     (additive, output only), as in vLLM / OpenAI.
     logit_bias: {token id: bias in [-100, 100]} added to the logits before any sampling rule
         (greedy too), as OpenAI's.
+    guide: a compiled grammar (structured outputs) the output must follow: the tokens it does not
+        allow are masked out of the logits before sampling, and the output ends when it is
+        complete. Not combined with min_tokens or ignore_eos (the grammar decides the end).
     """
 
     temperature: float = 1.0
@@ -45,6 +71,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    guide: Guide | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -96,6 +123,12 @@ class SamplingParams:
                 if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
                     raise ValueError(f"logit_bias values must be numbers in -100..100, got {b!r} for token {t}")
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
+        if self.guide is not None:
+            if not callable(getattr(self.guide, "matcher", None)):
+                raise ValueError(f"guide must be a compiled grammar with a matcher() method, got {self.guide!r}")
+            if self.min_tokens or self.ignore_eos:
+                raise ValueError("min_tokens and ignore_eos cannot be combined with structured outputs: the grammar "
+                                 "decides where the output ends")
 
     @property
     def greedy(self) -> bool:

@@ -43,6 +43,8 @@ class Sequence:
         # On the logits' device: the sampler draws a seeded request's noise there (no host sync).
         self.generator = (torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Structured outputs: this sequence's place in the grammar (the sampler masks by it).
+        self.guide = params.guide.matcher() if params.guide is not None else None
         self.text = ""
         # Incremental detokenisation: output tokens [_prefix_offset, _read_offset) are the last
         # ones already in `text`, decoded again as context for the next ones.
@@ -78,6 +80,10 @@ class Sequence:
         return self.status == Status.FINISHED
 
     def append_token(self, token: int, logprobs: dict[int, float] | None) -> None:
+        if self.guide is not None and not self.guide.accept_token(token):
+            # the sampler only draws allowed tokens, so this is a server bug: check_stop ends the
+            # request with the error (a server failure), the others go on
+            self.error = f"token {token} is not allowed by the request's grammar"
         self.output_token_ids.append(token)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
@@ -93,6 +99,10 @@ class Sequence:
         before = len(self.text)  # everything past this was decoded now (one token, or held-back ones)
         if tokenizer is not None:
             self._detokenize(tokenizer)
+        if self.error is not None:
+            return self.finish("error")
+        if self.guide is not None and self.guide.is_terminated():  # the grammar is complete (its stop token came)
+            return self.finish("stop", token, drop_text_of_last=True, tokenizer=tokenizer)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token == self.eos_token_id:
                 return self.finish("stop", token, drop_text_of_last=True, tokenizer=tokenizer)

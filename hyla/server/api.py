@@ -13,7 +13,9 @@ as server-sent events); an endpoint only says how an output becomes a choice (`c
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,11 +27,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hyla.engine.llm_engine import LLMEngine
 from hyla.server.async_engine import AsyncEngine
 from hyla.server.chat_protocol import ChatCompletionRequest
-from hyla.server.choices import ChatChoice, CompletionChoice, ToolChatChoice
-from hyla.server.errors import APIError, parse, read_json
+from hyla.server.choices import ChatChoice, CompletionChoice
+from hyla.server.errors import APIError, UnsupportedParameter, parse, read_json
 from hyla.server.generate import respond
 from hyla.server.metrics import ServerMetrics
-from hyla.server.protocol import CompletionRequest, Plan, UnsupportedParameter
+from hyla.server.protocol import CompletionRequest, Plan
+from hyla.server.structured import Grammars, GuideError, GuideSpec
+from hyla.server.tool_choices import NamedToolChoice, RequiredToolChoice, ToolChatChoice, forced_spec
 from hyla.server.tool_parsers import make_parser
 
 
@@ -45,6 +49,7 @@ class ServerState:
     max_body_bytes: int
     tool_call_parser: str | None = None  # --tool-call-parser: how tool calls are read from the text
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" allowed
+    grammars: Grammars | None = None  # compiles structured-output constraints for this engine
 
 
 def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
@@ -55,7 +60,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     metrics = ServerMetrics(engine)
     state = ServerState(engine, AsyncEngine(engine, on_output=metrics.observe), metrics, model_name, api_key,
-                        max_body_bytes, tool_call_parser, enable_auto_tool_choice)
+                        max_body_bytes, tool_call_parser, enable_auto_tool_choice, Grammars(engine))
     app = FastAPI(title="hyla", lifespan=_lifespan)
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
@@ -119,12 +124,27 @@ def _check_model(state: ServerState, name) -> None:
                        param="model", code="model_not_found")
 
 
-def _prepare(state: ServerState, req, prompt) -> tuple[list[int], Plan]:
+async def _prepare(state: ServerState, req, prompt) -> tuple[list[int], Plan]:
     try:
         plan = req.plan()
+        spec, any_whitespace = req.guide_spec()
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
+    plan = await _guided(state, plan, spec, any_whitespace, req.guide_param())
     return _validate(state, prompt, plan), plan
+
+
+async def _guided(state: ServerState, plan: Plan, spec: GuideSpec | None, any_whitespace: bool, param: str) -> Plan:
+    """The plan with every sequence following `spec` (compiled once, in a worker thread: a large
+    schema must not stall the event loop)."""
+    if spec is None:
+        return plan
+    try:
+        guide = await asyncio.to_thread(state.grammars.compile, spec, any_whitespace)
+        params = [dataclasses.replace(p, guide=guide) for p in plan.params]
+    except (GuideError, ValueError) as e:
+        raise APIError(400, str(e), param=param) from None
+    return dataclasses.replace(plan, params=params)
 
 
 def _validate(state: ServerState, prompt, plan: Plan) -> list[int]:
@@ -178,7 +198,7 @@ async def completions(request: Request):
         prompt = req.prompt_value()
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
-    ids, plan = _prepare(state, req, prompt)
+    ids, plan = await _prepare(state, req, prompt)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
     tok = state.engine.tokenizer
@@ -207,8 +227,6 @@ async def chat(request: Request):
     if mode == "auto" and not state.enable_auto_tool_choice:
         raise APIError(400, '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
                        "--tool-call-parser (or send tool_choice \"none\")", param="tool_choice")
-    if mode not in (None, "none", "auto"):
-        raise APIError(400, f"tool_choice {mode!r} is not supported", param="tool_choice")
     tools = req.tool_dicts()
     try:
         template_kwargs = {"tools": tools} if tools else {}
@@ -218,22 +236,34 @@ async def chat(request: Request):
         raise APIError(400, str(e), param=e.param) from None
     except Exception as e:  # noqa: BLE001 - a template that rejects these messages is a client error
         raise APIError(400, f"could not render the chat template: {e}", param="messages") from None
+    forced = mode in ("required", "named")  # the grammar writes the call
     try:
         plan = req.plan(parse_tools=mode == "auto")
+        spec, any_whitespace = req.guide_spec()
+        param = req.guide_param()
+        if forced:
+            if spec is not None:
+                forcing = "required" if mode == "required" else f"naming {req.forced_name!r}"
+                raise UnsupportedParameter(param, f"{param} cannot be combined with tool_choice {forcing}, which "
+                                           "constrains the output to the tools' schemas")
+            spec, param = forced_spec(tools, req.forced_name), "tools"
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
+    plan = await _guided(state, plan, spec, any_whitespace, param)
     ids = _validate(state, prompt_ids, plan)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": state.model_name}
     n_top = (req.top_logprobs or 0) if req.logprobs else None
     tok = engine.tokenizer
-    if mode == "auto":
-        parser = make_parser(state.tool_call_parser)
+    parser = make_parser(state.tool_call_parser) if mode == "auto" else None
 
-        def make_choice(i: int):
+    def make_choice(i: int):
+        if mode == "auto":
             return ToolChatChoice(i, tok, n_top, parser, tools)
-    else:
-        def make_choice(i: int):
-            return ChatChoice(i, tok, n_top)
+        if mode == "required":
+            return RequiredToolChoice(i, tok, n_top)
+        if mode == "named":
+            return NamedToolChoice(i, tok, n_top, req.forced_name)
+        return ChatChoice(i, tok, n_top)
 
     return await respond(request, state, req, ids, plan, head, make_choice, chunk_object="chat.completion.chunk")

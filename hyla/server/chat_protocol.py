@@ -9,7 +9,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hyla.engine.sampling_params import SamplingParams
-from hyla.server.protocol import Plan, UnsupportedParameter, SamplingRequest, fan_out
+from hyla.server.errors import UnsupportedParameter
+from hyla.server.protocol import Plan, SamplingRequest, fan_out
 
 
 class _Strict(BaseModel):
@@ -96,11 +97,10 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    response_format: dict | None = None
 
     def tool_mode(self) -> str | None:
-        """None (no tools), "none", "auto", "required" or the forced function's name. With tools
-        and no tool_choice the choice is "auto" (OpenAI's and vLLM's default)."""
+        """None (no tools), "none", "auto", "required" or "named" (`forced_name`). With tools and
+        no tool_choice the choice is "auto" (OpenAI's and vLLM's default)."""
         if not self.tools:
             if self.tool_choice not in (None, "none"):
                 raise UnsupportedParameter("tool_choice", "tool_choice needs tools")
@@ -109,8 +109,13 @@ class ChatCompletionRequest(SamplingRequest):
             name = self.tool_choice.function.name
             if name not in {t.function.name for t in self.tools}:
                 raise UnsupportedParameter("tool_choice", f"tool_choice names {name!r}, which is not in tools")
-            return name
+            return "named"
         return self.tool_choice or "auto"
+
+    @property
+    def forced_name(self) -> str | None:
+        """The function tool_choice names, if it names one."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def tool_dicts(self) -> list[dict] | None:
         """The tools as the chat template and the parsers see them."""
@@ -120,8 +125,6 @@ class ChatCompletionRequest(SamplingRequest):
         return [m.for_template() for m in self.messages]
 
     def to_params(self) -> SamplingParams:
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise UnsupportedParameter("response_format", "only response_format type 'text' is supported")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs: true")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from hyla.engine.outputs import CompletionOutput
 from hyla.server.logprobs import chat_logprobs, completion_logprobs
-from hyla.server.tool_parsers import ToolParseError, extract, marker_hold
 
 
 class CompletionChoice:
@@ -67,55 +66,3 @@ class ChatChoice:
     def opening(self) -> dict:
         return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
 
-
-class ToolChatChoice(ChatChoice):
-    """Chat with tool_choice "auto": the text goes through a tool-call parser. Streamed, the
-    content flows until a parser marker appears (a tail that may begin one is held back); each
-    tool call is sent whole in `delta.tool_calls` once it is complete; finish_reason is
-    "tool_calls" when there were calls (vLLM's rule)."""
-
-    def __init__(self, index: int, tokenizer, n_top: int | None, parser, tools: list[dict]):
-        super().__init__(index, tokenizer, n_top)
-        self.parser, self.tools = parser, tools
-        self.sent_calls = 0
-
-    def whole(self, c: CompletionOutput) -> dict:
-        content, calls = extract(self.parser, c.text, self.tools)
-        message = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [call.to_dict() for call in calls]
-        return {"index": self.index, "message": message, "finish_reason": "tool_calls" if calls else c.finish_reason,
-                "logprobs": self._logprobs(c, 0)}
-
-    def delta(self, c: CompletionOutput) -> dict | None:
-        text, start, finished = c.text, self.parser.start, c.finish_reason is not None
-        at = text.find(start)
-        calls = []
-        if at < 0:
-            content = text if finished else text[: len(text) - marker_hold(text, start)]
-        else:
-            content = text[:at]
-            if finished:
-                _, calls = extract(self.parser, text, self.tools)
-                if not calls:  # the calls do not parse: what was held back is content after all
-                    content = text
-            else:
-                try:
-                    calls = self.parser.calls(text[at:], self.tools, final=False)
-                except ToolParseError:
-                    calls = []
-        delta: dict = {}
-        if len(content) > self.sent_text:
-            delta["content"] = content[self.sent_text:]
-            self.sent_text = len(content)
-        new = calls[self.sent_calls:]
-        if new:
-            delta["tool_calls"] = [{"index": self.sent_calls + k, **call.to_dict()} for k, call in enumerate(new)]
-            self.sent_calls += len(new)
-        if not (delta or finished):
-            return None
-        reason = ("tool_calls" if self.sent_calls else c.finish_reason) if finished else None
-        choice = {"index": self.index, "delta": delta, "finish_reason": reason,
-                  "logprobs": self._logprobs(c, self.sent_tokens)}
-        self.sent_tokens = len(c.token_ids)
-        return choice

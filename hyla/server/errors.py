@@ -28,6 +28,14 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+class UnsupportedParameter(ValueError):
+    """A request field whose value hyla cannot honour (answered with a 400 naming `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def check_json_tree(data) -> None:
     """Bound the nesting and refuse strings that are not valid Unicode (a lone surrogate such as
     "\\ud800" parses as JSON but cannot be encoded or tokenised). Iterative: no recursion."""

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from hyla.engine.sampling_params import SamplingParams
+from hyla.server.errors import UnsupportedParameter
+from hyla.server.structured_protocol import StructuredFields
 
 MAX_STOP = 16
 MAX_CHOICES = 16  # n and best_of: sequences one request may run
@@ -40,17 +42,11 @@ def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=child_seed(params.seed, i)) for i in range(n)]
 
 
-class UnsupportedParameter(ValueError):
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(StructuredFields):
     # strict: no coercion of loose types (`max_tokens: true`, `stream: "yes"`, `prompt: [true]`);
     # no NaN / Infinity in any number field (named in the 400)
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
@@ -78,8 +74,7 @@ class SamplingRequest(BaseModel):
     user: str | None = None
 
     # accepted by OpenAI / vLLM, not implemented here: a 400 naming them rather than silence
-    _NOT_IMPLEMENTED = ("prompt_logprobs", "functions", "function_call", "guided_json", "guided_regex",
-                        "guided_choice", "guided_grammar", "structured_outputs")
+    _NOT_IMPLEMENTED = ("prompt_logprobs", "functions", "function_call", "guided_whitespace_pattern")
 
     def _reject_unimplemented(self) -> None:
         for name in self._NOT_IMPLEMENTED:
@@ -138,8 +133,6 @@ class CompletionRequest(SamplingRequest):
                                        "compute: send echo or logprobs, not both")
         if self.suffix:
             raise UnsupportedParameter("suffix", "suffix is not supported")
-        if (self.model_extra or {}).get("response_format") is not None:
-            raise UnsupportedParameter("response_format", "response_format is not supported on /v1/completions")
         return self.sampling_params(self.max_tokens, self.logprobs)
 
     def plan(self) -> Plan:

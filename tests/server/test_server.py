@@ -303,7 +303,7 @@ def test_logit_bias_min_tokens_and_include_stop_str_are_honoured(client, server)
 
 @pytest.mark.parametrize("path,extra,param", [
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
-    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
      "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
