@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hyla.ops.transfer import long_tensor, stage_long
 from hyla.ops.utils import remember_host_values
 
 
@@ -106,23 +107,34 @@ class ForwardBatch:
         cu = [0]
         for s in seq_lens:
             cu.append(cu[-1] + s)
-        positions = [c + i for s, c in zip(seq_lens, context_lens) for i in range(s)]
+        n, total = len(seq_lens), cu[-1]
+        # positions[cu[i] + j] = context_lens[i] + j, built with tensor ops (not per token in python)
+        host_lens = long_tensor(seq_lens)
+        positions = (torch.arange(total, dtype=torch.long)
+                     + torch.repeat_interleave(long_tensor(context_lens) - long_tensor(cu[:-1]), host_lens,
+                                               output_size=total)) if total else torch.empty(0, dtype=torch.long)
         host_tables = None
         if not isinstance(block_tables, torch.Tensor):
             width = max((len(b) for b in block_tables), default=0)
             host_tables = [list(b) + [-1] * (width - len(b)) for b in block_tables]
-            block_tables = torch.tensor(host_tables, dtype=torch.long).reshape(len(seq_lens), width)
+            block_tables = long_tensor([p for row in host_tables for p in row]).reshape(n, width)
+        # every host-built piece reaches the device in one pinned transfer (hyla.contract.host);
+        # tensors already on the device are used as they are
+        pieces = {"cu": cu, "ctx": list(context_lens), "pos": positions, "tables": block_tables,
+                  "slots": state_slots, "accepted": num_accepted_tokens}
+        staged = {k: v for k, v in pieces.items() if v is not None and not (isinstance(v, torch.Tensor)
+                                                                             and v.device.type != "cpu")}
+        dev = dict(zip(staged, stage_long(list(staged.values()), device)))
 
-        def as_long(x):  # host -> device without a stream sync (the driver stages pageable memory)
-            return torch.as_tensor(x, dtype=torch.long).to(device, non_blocking=True)
+        def placed(key):
+            v = dev.get(key, pieces[key])
+            return None if v is None else v.to(device=device, dtype=torch.long)
 
         batch = cls(
-            cu_seqlens=remember_host_values(as_long(cu), cu), context_lens=as_long(list(context_lens)), positions=as_long(positions),
-            block_tables=block_tables.to(device=device, dtype=torch.long, non_blocking=True),
-            state_slots=as_long(state_slots), checkpoints=checkpoints, seq_lens=list(seq_lens),
-            context_lens_list=list(context_lens),
-            num_accepted_tokens=None if num_accepted_tokens is None else as_long(num_accepted_tokens),
-            rollback=rollback,
+            cu_seqlens=remember_host_values(placed("cu"), cu), context_lens=placed("ctx"), positions=placed("pos"),
+            block_tables=placed("tables"), state_slots=placed("slots"), checkpoints=checkpoints,
+            seq_lens=list(seq_lens), context_lens_list=list(context_lens),
+            num_accepted_tokens=placed("accepted"), rollback=rollback,
         )
         if host_tables is not None:
             batch._memo["host_tables"] = host_tables  # page checks on the host, no device sync

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from hyla.contract import ForwardBatch
+from hyla.ops.transfer import to_device_long
 from hyla.engine.cuda_graph import SCRATCH, use_cuda_graphs
 from hyla.engine.cuda_graph_verify import CUDAGraphRunner
 
@@ -41,7 +42,7 @@ class ModelRunner:
             checkpoints=checkpoints,
             device=self.device,
         )
-        return torch.tensor(ids, dtype=torch.long, device=self.device), batch
+        return to_device_long(ids, self.device), batch
 
     @torch.inference_mode()
     def run(self, seqs, num_new_tokens, logit_rows: list[list[int]], checkpoints=None) -> torch.Tensor:
@@ -52,11 +53,11 @@ class ModelRunner:
             return self.graphs.run(seqs, logit_rows)
         ids, batch = self.build_batch(seqs, num_new_tokens, checkpoints)
         hidden = self.model.forward_batch(ids, batch, self.cache)
-        starts = batch.cu_seqlens[:-1].tolist()
+        starts = batch.cu_seqlens_list[:-1]  # host values: no sync before the logits
         index = [start + r for start, rows in zip(starts, logit_rows) for r in rows]
         if not index:
             return hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(index, device=hidden.device)])
+        return self.model.compute_logits(hidden[to_device_long(index, hidden.device)])
 
     @torch.inference_mode()
     def verify(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int | None = None) -> torch.Tensor:
@@ -85,7 +86,7 @@ class ModelRunner:
             seq_lens=[1 + len(d) for d in drafts], context_lens=[seq.num_computed_tokens for seq in seqs],
             block_tables=[seq.block_table for seq in seqs], state_slots=rows, device=self.device,
             num_accepted_tokens=accepted, rollback=rollback)
-        hidden = self.model.forward_batch(torch.tensor(ids, dtype=torch.long, device=self.device), batch, self.cache)
+        hidden = self.model.forward_batch(to_device_long(ids, self.device), batch, self.cache)
         return self.model.compute_logits(hidden)
 
     def commit_replay(self, accepted: list[int]) -> None:

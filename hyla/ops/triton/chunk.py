@@ -25,6 +25,7 @@ from hyla.ops.triton.chunk_scan import chunk_scan_kernel
 from hyla.ops.triton.params import gate_params, num_sms
 from hyla.ops import chunk as _reference
 from hyla.ops import utils
+from hyla.ops.transfer import stage_long
 from hyla.ops.utils import check_checkpoints, check_inputs
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -65,8 +66,9 @@ def _build_tables(cu_seqlens, device, lengths=None, cu=None, key=None):
     total = int(chunk_off[-1])
     chunk_seq = torch.repeat_interleave(torch.arange(len(lengths)), nch)
     chunk_pos = torch.arange(total) - chunk_off[:-1][chunk_seq]
-    to_dev = lambda t: t.to(dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731 - no stream sync
-    out = (cu, lengths, chunk_off.tolist(), to_dev(chunk_off), to_dev(chunk_seq), to_dev(chunk_pos))
+    # one pinned transfer for the three tables (the host goes on launching while it runs)
+    off_dev, seq_dev, pos_dev = stage_long([chunk_off, chunk_seq, chunk_pos], device, dtype=torch.int32)
+    out = (cu, lengths, chunk_off.tolist(), off_dev, seq_dev, pos_dev)
     if key is not None:
         if len(_TABLES) > 64:
             _TABLES.clear()
