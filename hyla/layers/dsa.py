@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.contract import ForwardBatch, MLALayerCache
+from hyla.layers.dsa_decode import attend_selected, select_uniform, write_pooled_keys
 from hyla.layers.mla import MLAAttention
 
 INDEXER_NORM_EPS = 1e-6  # transformers builds the indexer's k_norm with LayerNorm(eps=1e-6)
@@ -114,7 +115,8 @@ class DSAAttention(MLAAttention):
     forward(x [B, T, hidden], selection=None) -> (out [B, T, hidden], selection bool [B, T, T]):
     a layer with an indexer computes the selection itself, a shared layer is handed one."""
 
-    graph_safe = False  # forward_batch walks the sequences on the host (no CUDA-graph capture yet)
+    graph_safe = False  # prefill walks the sequences on the host; decode graphs are not yet checked on CUDA
+    uniform_path = True  # decode / verify through hyla.layers.dsa_decode (False: the per-sequence walk)
 
     def __init__(self, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, v_head_dim: int,
                  q_lora_rank: int, indexer: DSAIndexer | None, bias: bool = False, norm_eps: float = 1e-5):
@@ -144,17 +146,19 @@ class DSAAttention(MLAAttention):
     # -- engine step --------------------------------------------------------------------------
 
     def forward_batch(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache,
-                      selection: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                      selection=None) -> tuple[torch.Tensor, object]:
         """x: [T_total, hidden]; cache: DSALayerCache (a layer with an indexer) or MLALayerCache
-        (shared); selection: a shared layer's per-sequence masks from its full layer ->
-        (out [T_total, hidden], per sequence n a bool mask [new_n, context_n + new_n]).
+        (shared); selection: a shared layer's selection from its full layer -> (out [T_total,
+        hidden], the selection). Decode / verify batches (uniform width) run hyla.layers.dsa_decode
+        on the device (selection: positions [T, S] and valid [T, S]); other batches walk the
+        sequences (selection: per sequence n a bool mask [new_n, context_n + new_n]).
 
         Writes each new token's latent (and indexer row) into its page, then the pooled key of
         every pool this step completes, so a pooled row is final once its pool is: a prefix-cache
         hit restores the pooled keys with the latents of the same pages, and a rejected draft
-        token's rows are rewritten (pool included) before any query can see them. Per sequence
-        the indexer scores the cached pooled keys, and the queries attend densely under the
-        selection mask (the sparse gather on the device is issue 17, item 4)."""
+        token's rows are rewritten (pool included) before any query can see them. Prefill: per
+        sequence the indexer scores the cached pooled keys, and the queries attend densely under
+        the selection mask (expanded form)."""
         page_size = cache.kv.shape[1]
         batch.check_written_pages(page_size)
         rows = batch.kv_slot_mapping(page_size)  # [T_total] flat page rows of the new tokens
@@ -165,6 +169,12 @@ class DSAAttention(MLAAttention):
                 self.indexer.token_keys(x).to(cache.index_tokens.dtype)
         elif selection is None:
             raise ValueError("a shared DSA layer needs the selection of an earlier full indexer layer")
+        w = batch.uniform_width
+        if w is not None and self.uniform_path:
+            if self.indexer is not None:
+                write_pooled_keys(self.indexer, cache, batch, page_size)
+                selection = select_uniform(self.indexer, x, q_resid, cache, batch, w)
+            return self.o_proj(attend_selected(self, q, cache.kv, batch, selection)), selection
         out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
         masks = []
         cu = batch.cu_seqlens_list
