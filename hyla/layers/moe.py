@@ -17,13 +17,12 @@ GEMMs of StackedExperts), so a decode step with MoE layers is captured as one CU
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyla.layers.clamped_swiglu import ClampedMLP, clamped_moe_experts
 from hyla.layers.mlp import MLP
 from hyla.ops.moe import moe_experts, sigmoid_topk_route
-from hyla.ops.utils import work_dtype
+from hyla.ops.router import router_logits
 
 
 class Router(nn.Module):
@@ -40,8 +39,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [M, hidden] -> (weights [M, top_k] fp32 (fp64 for fp64 x), expert ids [M, top_k] int64).
         shared: one more slot per token, expert E with weight 1 (see StackedExperts.stack_shared)."""
-        work = work_dtype(x)  # fp64 stays exact
-        logits = F.linear(x.to(work), self.weight.to(work))  # [M, E]
+        logits = router_logits(x, self.weight)  # [M, E] fp32 (fp64 stays exact)
         return sigmoid_topk_route(logits, self.top_k, self.e_score_correction_bias, self.num_group,
                                   self.topk_group, self.renormalize, self.routed_scaling_factor, shared)
 

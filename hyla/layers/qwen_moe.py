@@ -19,13 +19,12 @@ choice is the one of the exact logits rather than of their bf16 rounding.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyla.layers.mlp import MLP
 from hyla.layers.moe import StackedExperts
 from hyla.ops.moe import softmax_topk_route
-from hyla.ops.utils import work_dtype
+from hyla.ops.router import router_logits
 
 
 class SoftmaxRouter(nn.Module):
@@ -38,8 +37,7 @@ class SoftmaxRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, shared_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """shared_logit [M]: one more slot per token, expert E with weight sigmoid(shared_logit)."""
-        work = work_dtype(x)
-        return softmax_topk_route(F.linear(x.to(work), self.weight.to(work)), self.top_k, self.norm_topk_prob,
+        return softmax_topk_route(router_logits(x, self.weight), self.top_k, self.norm_topk_prob,
                                   shared_logit)
 
 

@@ -180,3 +180,44 @@ def test_dispatched_chunk_never_runs_out_of_resources(dtype, D):
                                          use_qk_l2norm_in_kernel=True)
     check(f"chunk_kda {dtype} D={D} output", o, o_ref)
     check(f"chunk_kda {dtype} D={D} state", s, s_ref)
+
+
+def test_split_router_equals_the_fp32_product():
+    """hyla.ops.router at prefill size: three bf16 tensor-core GEMMs == the fp32 FFMA GEMM up to
+    the order of additions (relative 1e-6), and the same top-8 experts for every token."""
+    from hyla.ops.router import SPLIT_MIN_TOKENS, router_logits
+
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    x = torch.randn(max(SPLIT_MIN_TOKENS, 4096), 2304, generator=gen, device=DEV).to(torch.bfloat16)
+    w = torch.randn(256, 2304, generator=gen, device=DEV) * 0.02
+    fast = router_logits(x, w)
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    fp32 = torch.nn.functional.linear(x.float(), w)
+    err, err32 = rel(fast, ref), rel(fp32, ref)
+    print(f"  split router rel err {err:.2e} (fp32 GEMM {err32:.2e})")
+    assert fast.dtype == torch.float32 and err <= max(4 * err32, 1e-6)
+    top_fast, top_ref = fast.topk(8).indices.sort().values, ref.topk(8).indices.sort().values
+    assert (top_fast == top_ref).all(dim=1).float().mean() >= 0.999
+
+
+def test_fused_moe_bf16_full_size():
+    """The fused MoE at a prefill-sized batch of the Kimi-Linear-48B shape (8 of 256 experts,
+    hidden 2304, intermediate 1024), bf16 h and per-pair outputs: vs the fp64 loop on the same
+    bf16 values, within a few bf16 roundings (relative 1e-2)."""
+    from hyla.ops.triton.fused_moe import fused_moe
+
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    M, H, I, E, k = 2048, 2304, 1024, 256, 8
+    x = torch.randn(M, H, generator=gen, device=DEV).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen, device=DEV) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=gen, device=DEV) / I ** 0.5).to(torch.bfloat16)
+    ids = torch.rand(M, E, generator=gen, device=DEV).topk(k, dim=-1).indices
+    weights = torch.rand(M, k, generator=gen, device=DEV)
+    got = fused_moe(x, w13, w2, weights, ids)
+    want = torch.zeros(M, H, dtype=torch.float64, device=DEV)
+    for e in range(E):  # fp64, one expert at a time over the pairs that chose it
+        m, j = (ids == e).nonzero(as_tuple=True)
+        gu = x[m].double() @ w13[e].double().t()
+        h = F.silu(gu[:, :I]) * gu[:, I:]
+        want.index_add_(0, m, weights[m, j, None].double() * (h @ w2[e].double().t()))
+    check("fused MoE bf16", got, want, tol=1e-2)

@@ -12,7 +12,7 @@ ids [M, k] -> [M, H]). The scheme is the one vLLM and SGLang use for their fused
    one BLOCK_N slice of its expert's gate and up rows, and writes silu(gate) * up (fp32
    epilogue, rounded once) for the pairs: h [P, I].
 3. `_down_kernel`: the same over h (rows are pairs, not tokens) and w2, each row scaled by its
-   routing weight, written per pair in fp32: y [P, H].
+   routing weight in the fp32 epilogue and written per pair in x's dtype: y [P, H].
 4. `_sum_slots_kernel`: out[m] = sum_j y[m, j] in fp32, the k contributions of a token in slot
    order (no atomics, so the result does not depend on the run), rounded once to x's dtype.
 
@@ -209,7 +209,8 @@ def _down_kernel(h, w, y, weights, sorted_pairs, block_expert, P, H, I,
         b = tl.load(b_ptr + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
         acc += _dot(a, b, IEEE)
     scale = tl.load(weights + rows, mask=live, other=0.0).to(tl.float32)  # [BM] routing weights
-    tl.store(y + rows[:, None] * s_ym + o_n[None, :], acc * scale[:, None], mask=live[:, None] & m_n[None, :])
+    tl.store(y + rows[:, None] * s_ym + o_n[None, :], (acc * scale[:, None]).to(y.dtype.element_ty),
+             mask=live[:, None] & m_n[None, :])
 
 
 @triton.jit
@@ -220,7 +221,7 @@ def _sum_slots_kernel(y, out, H, top_k: tl.constexpr, BH: tl.constexpr):
     live = o < H
     acc = tl.zeros((BH,), dtype=tl.float32)
     for j in tl.static_range(top_k):
-        acc += tl.load(y + (m * top_k + j) * H + o, mask=live, other=0.0)
+        acc += tl.load(y + (m * top_k + j) * H + o, mask=live, other=0.0).to(tl.float32)
     tl.store(out + m * H + o, to_dtype(acc, out.dtype.element_ty), mask=live)
 
 
@@ -262,7 +263,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     _gate_up_kernel[(nb * nn_up,)](
         x, w13, h, sorted_pairs, block_expert, P, I, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         nb, nn_up, top_k=k, BM=BM, BN=BN, BK=BK, GM=GM, IEEE=ieee, **cfg)
-    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    # per-pair outputs in x's dtype (as vLLM / SGLang keep them): at prefill sizes y is the
+    # largest buffer of the layer (8K tokens x 8 slots x 2304), and fp32 doubled its traffic
+    y = torch.empty(P, H, dtype=x.dtype, device=x.device)
     _down_kernel[(nb * nn_down,)](
         h, w2, y, weights.reshape(-1).float(), sorted_pairs, block_expert, P, H, I, h.stride(0), w2.stride(0),
         w2.stride(1), y.stride(0), nb, nn_down, BM=BM, BN=BN, BK=BK, GM=GM, IEEE=ieee, **cfg)
