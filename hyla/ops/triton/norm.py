@@ -8,8 +8,8 @@ Same contracts (and the same order of roundings) as the torch references in hyla
     gated_rms_norm(x, z, w, act)   round_x(rms(x) * w * act(z))    KDA's output norm (all fp32)
     silu_gated_rms_norm(x, z, w)   round_x(round(w * round_x(rms(x))) * silu(z))   GDN's output norm
 
-with rms(x) = x / sqrt(mean(x^2) + eps) in fp32. One program normalises one row of D elements
-(D <= MAX_D). The gate z may be a strided view whose rows are addressed through up to three
+with rms(x) = x / sqrt(mean(x^2) + eps) in fp32. One program normalises one row of D elements,
+or several short rows (D <= MAX_D). The gate z may be a strided view whose rows are addressed through up to three
 (size, stride) levels, so a gate cut out of a fused projection (GDN's z inside in_proj_qkvz's
 head-interleaved output) is read in place, without a copy.
 """
@@ -53,33 +53,35 @@ def _sigmoid(x):
 
 
 @triton.jit
-def rms_norm_kernel(x, res, w, gate, y, h_out, D, sr, eps,
+def rms_norm_kernel(x, res, w, gate, y, h_out, R, D, sr, eps,
                     x_s0, x_s1, x_s2, X1, X2, g_s0, g_s1, g_s2, G1, G2,
-                    BD: tl.constexpr, STYLE: tl.constexpr, ACT: tl.constexpr, HAS_RES: tl.constexpr,
-                    HAS_W: tl.constexpr, ROUND_MID: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)
+                    BR: tl.constexpr, BD: tl.constexpr, STYLE: tl.constexpr, ACT: tl.constexpr,
+                    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ROUND_MID: tl.constexpr):
+    """BR rows of D elements per program (BR > 1 for short rows: a KDA output norm has 128-wide
+    rows, one per head and token, and one row per program left most of each program idle)."""
+    i = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)  # [BR] rows
     o = tl.arange(0, BD)
-    m = o < D
-    xv = tl.load(x + (i // (X1 * X2)) * x_s0 + ((i // X2) % X1) * x_s1 + (i % X2) * x_s2 + o, mask=m, other=0.0)
+    m = (i < R)[:, None] & (o < D)[None, :]  # [BR, BD]
+    x_row = (i // (X1 * X2)) * x_s0 + ((i // X2) % X1) * x_s1 + (i % X2) * x_s2
+    xv = tl.load(x + x_row[:, None] + o[None, :], mask=m, other=0.0)
     if HAS_RES:  # h = residual + x, rounded to x's dtype as torch's add
-        hv = to_dtype(tl.load(res + i * sr + o, mask=m, other=0.0).to(tl.float32) + xv.to(tl.float32), xv.dtype)
-        tl.store(h_out + i * D + o, hv, mask=m)
+        hv = to_dtype(tl.load(res + i[:, None] * sr + o[None, :], mask=m, other=0.0).to(tl.float32)
+                      + xv.to(tl.float32), xv.dtype)
+        tl.store(h_out + i[:, None] * D + o[None, :], hv, mask=m)
         xv = hv
     xf = xv.to(tl.float32)
-    n = xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    n = xf * tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
     if HAS_W:
-        wf = tl.load(w + o, mask=m, other=0.0).to(tl.float32)
+        wf = tl.load(w + o, mask=o < D, other=0.0).to(tl.float32)[None, :]
     else:
-        wf = tl.full([BD], 1.0, tl.float32)
+        wf = tl.full([1, BD], 1.0, tl.float32)
     if STYLE == 0:  # w * round_x(n), stored in y's dtype (promote(w, x))
         out = wf * to_dtype(n, xv.dtype).to(tl.float32)
     elif STYLE == 1:
         out = n * (1.0 + wf)
     else:
-        i0 = i // (G1 * G2)
-        i1 = (i // G2) % G1
-        i2 = i % G2
-        zf = tl.load(gate + i0 * g_s0 + i1 * g_s1 + i2 * g_s2 + o, mask=m, other=0.0).to(tl.float32)
+        g_row = (i // (G1 * G2)) * g_s0 + ((i // G2) % G1) * g_s1 + (i % G2) * g_s2
+        zf = tl.load(gate + g_row[:, None] + o[None, :], mask=m, other=0.0).to(tl.float32)
         if STYLE == 2:
             if ACT == 0:
                 a = _sigmoid(zf)
@@ -91,7 +93,7 @@ def rms_norm_kernel(x, res, w, gate, y, h_out, D, sr, eps,
             if ROUND_MID:
                 mid = to_dtype(mid, xv.dtype).to(tl.float32)
             out = mid * (zf / (1.0 + tl.exp(-zf)))
-    tl.store(y + i * D + o, to_dtype(out, y.dtype.element_ty), mask=m)
+    tl.store(y + i[:, None] * D + o[None, :], to_dtype(out, y.dtype.element_ty), mask=m)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -119,8 +121,11 @@ def _row_levels(t: torch.Tensor, d: int):
     return merged
 
 
-def _num_warps(bd: int) -> int:
-    return max(1, min(16, bd // 512))
+def _block(D: int) -> tuple[int, int, int]:
+    """(rows per program, padded row width, warps): ~2K elements per program for short rows."""
+    BD = triton.next_power_of_2(D)
+    BR = max(1, min(16, 2048 // BD))
+    return BR, BD, max(1, min(16, BR * BD // 512))
 
 
 def _launch(x, weight, eps, style, *, residual=None, gate=None, act=ACT_SIGMOID, out_dtype=None,
@@ -145,14 +150,14 @@ def _launch(x, weight, eps, style, *, residual=None, gate=None, act=ACT_SIGMOID,
             levels = [(1, 0), (1, 0), (R, D)]
     (_, g_s0), (G1, g_s1), (G2, g_s2) = levels
     if R and D:
-        BD = triton.next_power_of_2(D)
-        rms_norm_kernel[(R,)](
+        BR, BD, warps = _block(D)
+        rms_norm_kernel[(triton.cdiv(R, BR),)](
             x, r2 if r2 is not None else x, weight if weight is not None else x,
-            gate if gate is not None else x, y, h if h is not None else y, D,
+            gate if gate is not None else x, y, h if h is not None else y, R, D,
             r2.stride(0) if r2 is not None else 0, float(eps),
             x_s0, x_s1, x_s2, X1, X2, g_s0, g_s1, g_s2, G1, G2,
-            BD=BD, STYLE=style, ACT=act, HAS_RES=residual is not None, HAS_W=weight is not None,
-            ROUND_MID=bool(round_mid), num_warps=_num_warps(BD))
+            BR=BR, BD=BD, STYLE=style, ACT=act, HAS_RES=residual is not None, HAS_W=weight is not None,
+            ROUND_MID=bool(round_mid), num_warps=warps)
     y = y.view(x.shape)
     return y if h is None else (y, h.view(x.shape))  # both contiguous
 
