@@ -115,7 +115,9 @@ class DSAAttention(MLAAttention):
     forward(x [B, T, hidden], selection=None) -> (out [B, T, hidden], selection bool [B, T, T]):
     a layer with an indexer computes the selection itself, a shared layer is handed one."""
 
-    graph_safe = False  # prefill walks the sequences on the host; decode graphs are not yet checked on CUDA
+    # CUDA graphs capture decode / verify steps only, and those run hyla.layers.dsa_decode, which
+    # reads nothing back (replay == eager on an H200; the prefill walk is never captured).
+    graph_safe = True
     uniform_path = True  # decode / verify through hyla.layers.dsa_decode (False: the per-sequence walk)
 
     def __init__(self, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, v_head_dim: int,
