@@ -10,10 +10,11 @@ serves everything else (and answers such a request with a 400 saying what to ins
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -119,5 +120,6 @@ class Grammars:
         except GuideError:
             raise
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError for bad input
-            raise GuideError(f"the {spec.kind} does not compile: {e}") from None
+            reason = _LOG_PREFIX.sub("", str(e)).strip()  # "[12:00:00] /project/cpp/x.cc:94: " is noise
+            raise GuideError(f"the {spec.kind} does not compile: {reason}") from None
         return XGrammarGuide(compiled, self._stop)
