@@ -29,7 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.contract import ForwardBatch, MLALayerCache
-from hyla.layers.dsa_decode import attend_selected, select_uniform, write_pooled_keys
+from hyla.layers.dsa_paged import (
+    attend_selected, select_from_pooled, select_uniform, write_completed_pools, write_pooled_keys,
+)
 from hyla.layers.mla import MLAAttention
 
 INDEXER_NORM_EPS = 1e-6  # transformers builds the indexer's k_norm with LayerNorm(eps=1e-6)
@@ -115,10 +117,11 @@ class DSAAttention(MLAAttention):
     forward(x [B, T, hidden], selection=None) -> (out [B, T, hidden], selection bool [B, T, T]):
     a layer with an indexer computes the selection itself, a shared layer is handed one."""
 
-    # CUDA graphs capture decode / verify steps only, and those run hyla.layers.dsa_decode, which
-    # reads nothing back (replay == eager on an H200; the prefill walk is never captured).
+    # CUDA graphs capture decode / verify steps only, and their path (hyla.layers.dsa_paged) reads
+    # nothing back (replay == eager on an H200; the prefill walk is never captured).
     graph_safe = True
-    uniform_path = True  # decode / verify through hyla.layers.dsa_decode (False: the per-sequence walk)
+    uniform_path = True  # decode / verify all sequences at once (False: the prefill walk, for tests)
+    prefill_block = 256  # queries per block of the prefill walk
 
     def __init__(self, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, v_head_dim: int,
                  q_lora_rank: int, indexer: DSAIndexer | None, bias: bool = False, norm_eps: float = 1e-5):
@@ -148,19 +151,18 @@ class DSAAttention(MLAAttention):
     # -- engine step --------------------------------------------------------------------------
 
     def forward_batch(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache,
-                      selection=None) -> tuple[torch.Tensor, object]:
+                      selection: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x: [T_total, hidden]; cache: DSALayerCache (a layer with an indexer) or MLALayerCache
         (shared); selection: a shared layer's selection from its full layer -> (out [T_total,
-        hidden], the selection). Decode / verify batches (uniform width) run hyla.layers.dsa_decode
-        on the device (selection: positions [T, S] and valid [T, S]); other batches walk the
-        sequences (selection: per sequence n a bool mask [new_n, context_n + new_n]).
+        hidden], selection: positions [T_total, S] and valid [T_total, S]; hyla.layers.dsa_paged).
 
         Writes each new token's latent (and indexer row) into its page, then the pooled key of
         every pool this step completes, so a pooled row is final once its pool is: a prefix-cache
         hit restores the pooled keys with the latents of the same pages, and a rejected draft
-        token's rows are rewritten (pool included) before any query can see them. Prefill: per
-        sequence the indexer scores the cached pooled keys, and the queries attend densely under
-        the selection mask (expanded form)."""
+        token's rows are rewritten (pool included) before any query can see them. Decode /
+        verify batches run every sequence at once without a host sync; a prefill walks its
+        sequences in blocks of `prefill_block` queries."""
         page_size = cache.kv.shape[1]
         batch.check_written_pages(page_size)
         rows = batch.kv_slot_mapping(page_size)  # [T_total] flat page rows of the new tokens
@@ -176,40 +178,34 @@ class DSAAttention(MLAAttention):
             if self.indexer is not None:
                 write_pooled_keys(self.indexer, cache, batch, page_size)
                 selection = select_uniform(self.indexer, x, q_resid, cache, batch, w)
-            return self.o_proj(attend_selected(self, q, cache.kv, batch, selection)), selection
+            out = attend_selected(self, q, cache.kv, batch.block_tables, batch.token_seq_ids(), selection)
+            return self.o_proj(out), selection
+        return self._prefill(x, q, q_resid, batch, cache, selection)
+
+    def _prefill(self, x, q, q_resid, batch: ForwardBatch, cache, selection):
+        """Sequence by sequence, query block by query block (memory ~ block x S, not new x L)."""
+        page_size = cache.kv.shape[1]
         out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
-        masks = []
+        sels, valids = [], []
         cu = batch.cu_seqlens_list
         for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
             if new == 0:
-                masks.append(None)
                 continue
-            L, span = ctx + new, slice(cu[n], cu[n + 1])
+            L = ctx + new
             pages = batch.context_pages(n, L, page_size)
             if self.indexer is not None:
-                mask = self._select_cached(x[span], q_resid[span], cache, pages, ctx, L)
-            else:
-                mask = selection[n]
-            masks.append(mask)
-            lat = cache.kv[pages].flatten(0, 1)[:L]  # [L, r]
-            out[span] = self._attend(q[span][None], lat[None].to(q.dtype), mask[None, None], causal=False)[0]
-        return self.o_proj(out), masks
-
-    def _select_cached(self, x: torch.Tensor, q_resid: torch.Tensor, cache, pages: torch.Tensor, ctx: int,
-                       L: int) -> torch.Tensor:
-        """One sequence's new tokens x [new, hidden] at positions ctx..L-1 -> mask [new, L]; writes
-        the pooled keys of the pools that end in this step."""
-        idx = self.indexer
-        P = idx.kpool
-        per_page = cache.index_pooled.shape[1]
-        pooled_rows = cache.index_pooled[pages].flatten(0, 1)  # [pages * per_page, D] (a copy)
-        first, last = ctx // P, L // P  # pools [first, last) complete in this step
-        if last > first:
-            raw = cache.index_tokens[pages].flatten(0, 1)[first * P:last * P]  # [(last - first) * P, 2D]
-            fresh = idx.pool(raw.unflatten(0, (last - first, P))).to(cache.index_pooled.dtype)
-            j = torch.arange(first, last, device=x.device)
-            cache.index_pooled[pages[j // per_page], j % per_page] = fresh
-            pooled_rows[first:last] = fresh
-        scores = idx.scores(x, q_resid, pooled_rows[:last])  # [new, last]
-        positions = torch.arange(ctx, L, device=x.device)
-        return idx.select(scores, positions, L)
+                write_completed_pools(self.indexer, cache, pages, ctx, L)
+                pooled = cache.index_pooled[pages].flatten(0, 1)[None]  # [1, J, D]
+            for b in range(cu[n], cu[n + 1], self.prefill_block):
+                blk = slice(b, min(b + self.prefill_block, cu[n + 1]))
+                if self.indexer is not None:
+                    sel = select_from_pooled(self.indexer, x[blk][None], q_resid[blk][None], pooled,
+                                             batch.positions[blk][None])
+                else:
+                    sel = (selection[0][blk], selection[1][blk])
+                sels.append(sel)
+                seq0 = torch.zeros(blk.stop - blk.start, dtype=torch.long, device=x.device)
+                out[blk] = attend_selected(self, q[blk], cache.kv, pages[None], seq0, sel)
+        if self.indexer is not None:
+            selection = (torch.cat([s for s, _ in sels]), torch.cat([v for _, v in sels]))
+        return self.o_proj(out), selection

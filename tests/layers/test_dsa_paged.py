@@ -1,7 +1,7 @@
-"""The device-side DSA decode / verify path (hyla.layers.dsa_decode) equals the per-sequence
-walk over the same pages: prefill some context, then a decode step and a verify step with a
-full and a shared indexed layer, padded block tables, and contexts from 0 to past the top-k
-budget (selection drops positions)."""
+"""DSA over the engine's pages (hyla.layers.dsa_paged): the all-at-once decode / verify path
+equals the per-sequence walk on the same pages (a full and a shared indexed layer, padded block
+tables, contexts from 0 to past the top-k budget), and decode steps and chunked prefills in
+query blocks equal the full-sequence model position by position."""
 
 import copy
 
@@ -90,3 +90,28 @@ def test_decode_steps_equal_the_full_sequence_model():
         for s, t in zip(seqs, nxt):
             s.append(t)
         logits = model.compute_logits(_step(model, cache, torch.tensor(nxt), [1, 1], ctx, tables))
+
+
+def test_chunked_prefill_in_query_blocks_equals_the_full_sequence_model():
+    """Two prompts prefilled in three chunks, 8-query blocks: every position's logits equal the
+    full-sequence model's (the selection mask there, gathered position lists here)."""
+    model = _model()
+    for layer in model.model.layers:
+        layer.self_attn.prefill_block = 8
+    gen = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 256, (n,), generator=gen) for n in (70, 41)]
+    tables = _pages([70, 41])
+    cache = model.allocate_cache(num_slots=4, num_pages=12, page_size=16, dtype=torch.float64)
+    with torch.no_grad():
+        want = [model(s[None])[0] for s in seqs]
+    done = [0, 0]
+    for chunk in ((30, 17), (25, 0), (15, 24)):
+        live = [n for n in range(2) if chunk[n]]
+        ids = torch.cat([seqs[n][done[n]:done[n] + chunk[n]] for n in live])
+        h = _step(model, cache, ids, [chunk[n] for n in live], [done[n] for n in live], [tables[n] for n in live])
+        got = model.compute_logits(h)
+        o = 0
+        for n in live:
+            assert torch.allclose(got[o:o + chunk[n]], want[n][done[n]:done[n] + chunk[n]], atol=1e-9), (chunk, n)
+            o += chunk[n]
+            done[n] += chunk[n]
