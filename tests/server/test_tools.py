@@ -121,10 +121,18 @@ def test_earlier_calls_and_tool_results_render(engine):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
-def test_auto_tool_calls_whole_and_streamed(engine):
+QWEN3_CODER = ["Sure. <tool_call>\n<function=get_weather>\n<parameter=city>\nPar", "is\n</parameter>\n</function>\n",
+               "</tool_call>\n<tool_call><function=get_weather><parameter=city>Oslo</parameter></function></tool_call>"]
+KIMI_K2 = ["Sure. <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>",
+           '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1',
+           '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_calls_section_end|>']
+
+
+@pytest.mark.parametrize("parser,pieces", [("hermes", HERMES), ("qwen3_coder", QWEN3_CODER), ("kimi_k2", KIMI_K2)])
+def test_auto_tool_calls_whole_and_streamed(engine, parser, pieces):
     scripted = ScriptedEngine()
-    scripted.pieces = HERMES
-    with _client(engine, scripted, tool_call_parser="hermes", enable_auto_tool_choice=True) as http:
+    scripted.pieces = pieces
+    with _client(engine, scripted, tool_call_parser=parser, enable_auto_tool_choice=True) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
         whole = client.chat.completions.create(model="m", messages=MSGS, tools=TOOLS)
         choice = whole.choices[0]
@@ -135,7 +143,7 @@ def test_auto_tool_calls_whole_and_streamed(engine):
         for chunk in client.chat.completions.create(model="m", messages=MSGS, tools=TOOLS, stream=True):
             for c in chunk.choices:
                 content += c.delta.content or ""
-                assert "<tool" not in content  # the marker is never streamed as content
+                assert "<" not in content  # no marker is ever streamed as content
                 for tc in c.delta.tool_calls or []:
                     streamed.setdefault(tc.index, ["", ""])
                     streamed[tc.index][0] += tc.function.name or ""
