@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from hyla.engine.sampling_params import SamplingParams

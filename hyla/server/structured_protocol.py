@@ -80,7 +80,8 @@ class StructuredFields(BaseModel):
         so = self.structured_outputs
         if so is not None:
             if so.json_ is not None:
-                found.append(("structured_outputs.json", GuideSpec("json", _schema(so.json_, "structured_outputs.json"))))
+                schema = _schema(so.json_, "structured_outputs.json")
+                found.append(("structured_outputs.json", GuideSpec("json", schema)))
             if so.regex is not None:
                 found.append(("structured_outputs.regex", GuideSpec("regex", so.regex)))
             if so.choice is not None:

@@ -9,7 +9,10 @@ import httpx
 import openai
 import pytest
 
-from tests.server.live import MAX_MODEL_LEN, NAME, PROMPT, metric as _metric, start as _start
+from tests.server.live import MAX_MODEL_LEN, NAME, PROMPT
+from tests.server.live import metric as _metric
+from tests.server.live import start as _start
+
 
 def test_models_and_health(client, server):
     models = client.models.list()

@@ -124,7 +124,8 @@ def test_bad_constraints_are_400_naming_the_field(http, extra, param):
 
 
 def test_one_requests_grammar_never_touches_another(engine):
-    engine = LLM(default_model_path(), dtype="float32", max_model_len=512).engine  # not the server's (its thread steps it)
+    # not the server's engine: its loop thread steps that one
+    engine = LLM(default_model_path(), dtype="float32", max_model_len=512).engine
     grammars = Grammars(engine)
     guide = grammars.compile(GuideSpec("regex", "[0-9]+"))
     alone = engine_generate(engine, [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)])[0]
