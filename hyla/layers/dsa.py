@@ -115,7 +115,8 @@ class DSAAttention(MLAAttention):
     """NoPE MLA with q_lora whose queries attend to the positions an indexer selected.
 
     forward(x [B, T, hidden], selection=None) -> (out [B, T, hidden], selection bool [B, T, T]):
-    a layer with an indexer computes the selection itself, a shared layer is handed one."""
+    a layer with an indexer computes the selection itself, a shared layer is handed one.
+    forward_batch: one engine step over the paged caches (hyla.layers.dsa_paged)."""
 
     # CUDA graphs capture decode / verify steps only, and their path (hyla.layers.dsa_paged) reads
     # nothing back (replay == eager on an H200; the prefill walk is never captured).

@@ -17,6 +17,8 @@ norm(mean of the streams).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -31,6 +33,8 @@ from hyla.models import memory
 from hyla.models.base import HybridForCausalLM
 from hyla.models.config import LINEAR, SPARSE
 from hyla.models.glm5_next_config import FULL_INDEXER, Glm5NextConfig
+
+log = logging.getLogger(__name__)
 
 
 class Glm5NextDecoderLayer(nn.Module):
@@ -139,6 +143,8 @@ class Glm5NextForCausalLM(HybridForCausalLM):
         self.config = config
         self.model = Glm5NextModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.has_vision:  # once per model built (the loader builds one)
+            log.info("glm5_next: serving the text model; the vision tower's weights (model.visual.*) are skipped")
 
     def kv_bytes_per_token(self) -> int:
         """MLA latents plus the indexer's per-token rows and pooled keys (hyla.models.glm5_next_memory)."""

@@ -24,7 +24,6 @@ from the immediately preceding layer, so the two agree wherever transformers run
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -37,8 +36,6 @@ MODEL_TYPE = "glm5_next"
 TEXT_MODEL_TYPE = "glm5_next_text"
 INDEXED = "indexed_attention"
 FULL_INDEXER, SHARED_INDEXER = "full", "shared"
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -262,10 +259,7 @@ class Glm5NextConfig:
         if kw["tie_word_embeddings"]:
             raise ValueError("config field `tie_word_embeddings` is true: GLM-5-Next checkpoints keep their own "
                              "lm_head, tied embeddings are not supported")
-        config = cls(**kw)
-        if config.has_vision:
-            log.info("glm5_next: serving the text model; the vision tower's weights (model.visual.*) are skipped")
-        return config
+        return cls(**kw)
 
     TRANSFORMERS_NAMES = TransformersNames(
         model_class="Glm5NextForConditionalGeneration",

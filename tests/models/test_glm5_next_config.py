@@ -90,7 +90,7 @@ def test_bad_configs_name_the_field(over, field):
 
 
 def test_loader_skips_the_vision_tower_with_one_log_line(glm5_next_checkpoint, caplog):  # noqa: F811
-    with caplog.at_level(logging.INFO, logger="hyla.models.glm5_next_config"):
+    with caplog.at_level(logging.INFO, logger="hyla.models.glm5_next"):
         model = load_model(glm5_next_checkpoint("hc4"))
     assert sum("model.visual" in r.getMessage() for r in caplog.records) == 1
     names = model.state_dict().keys()
