@@ -184,7 +184,8 @@ def test_dispatched_chunk_never_runs_out_of_resources(dtype, D):
 
 def test_split_router_equals_the_fp32_product():
     """hyla.ops.router at prefill size: three bf16 tensor-core GEMMs == the fp32 FFMA GEMM up to
-    the order of additions (relative 1e-6), and the same top-8 experts for every token."""
+    the order of additions: both within 1e-5 of fp64 (an fp32 sum of K = 2304 terms in any order
+    errs by ~sqrt(K) * 2^-24 ~ 3e-6 relative), and the same top-8 experts for >= 99.9% of tokens."""
     from hyla.ops.router import SPLIT_MIN_TOKENS, router_logits
 
     gen = torch.Generator(device=DEV).manual_seed(11)
@@ -195,9 +196,10 @@ def test_split_router_equals_the_fp32_product():
     fp32 = torch.nn.functional.linear(x.float(), w)
     err, err32 = rel(fast, ref), rel(fp32, ref)
     print(f"  split router rel err {err:.2e} (fp32 GEMM {err32:.2e})")
-    assert fast.dtype == torch.float32 and err <= max(4 * err32, 1e-6)
+    assert fast.dtype == torch.float32 and err <= 1e-5, f"split {err:.2e}, fp32 GEMM {err32:.2e}"
     top_fast, top_ref = fast.topk(8).indices.sort().values, ref.topk(8).indices.sort().values
-    assert (top_fast == top_ref).all(dim=1).float().mean() >= 0.999
+    same = (top_fast == top_ref).all(dim=1).float().mean().item()
+    assert same >= 0.999, f"top-8 sets equal for {same:.4%} of tokens"
 
 
 def test_fused_moe_bf16_full_size():
