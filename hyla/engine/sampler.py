@@ -77,7 +77,10 @@ def guide_mask(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     V = x.shape[-1]
     words = torch.full((len(guided), (V + 31) // 32), -1, dtype=torch.int32)
     for j, i in enumerate(guided):
-        seqs[i].guide.fill_next_token_bitmask(words, j)
+        try:
+            seqs[i].guide.fill_next_token_bitmask(words, j)
+        except Exception:  # noqa: BLE001 - a broken matcher fails its own row (nothing allowed), not the step
+            words[j] = 0
     words = words.to(x.device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=x.device)
     allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :V]  # [G, V]

@@ -80,10 +80,15 @@ class Sequence:
         return self.status == Status.FINISHED
 
     def append_token(self, token: int, logprobs: dict[int, float] | None) -> None:
-        if self.guide is not None and not self.guide.accept_token(token):
-            # the sampler only draws allowed tokens, so this is a server bug: check_stop ends the
-            # request with the error (a server failure), the others go on
-            self.error = f"token {token} is not allowed by the request's grammar"
+        if self.guide is not None:
+            # the sampler only draws allowed tokens, so a refusal is a server bug: check_stop ends
+            # the request with the error (a server failure), the others go on
+            try:
+                accepted = self.guide.accept_token(token)
+            except Exception as e:  # noqa: BLE001 - the matcher's failure is this request's alone
+                accepted, self.error = False, f"the grammar matcher failed: {type(e).__name__}: {e}"
+            if not accepted and self.error is None:
+                self.error = f"token {token} is not allowed by the request's grammar"
         self.output_token_ids.append(token)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)

@@ -76,6 +76,7 @@ class Grammars:
         self.engine = engine
         self._compiler = None
         self._lock = threading.Lock()
+        self._compile_lock = threading.Lock()
 
     def _get_compiler(self):
         with self._lock:
@@ -103,6 +104,10 @@ class Grammars:
         """any_whitespace: JSON may have any whitespace between tokens (vLLM's default); False:
         compact separators only (weak models can otherwise loop on whitespace)."""
         compiler = self._get_compiler()
+        with self._compile_lock:  # one compile at a time: the compiler's cache is shared
+            return self._compile(compiler, spec, any_whitespace)
+
+    def _compile(self, compiler, spec: GuideSpec, any_whitespace: bool) -> XGrammarGuide:
         try:
             if spec.kind == "json":
                 compiled = compiler.compile_json_schema(json.dumps(spec.value), any_whitespace=any_whitespace)

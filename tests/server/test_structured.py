@@ -198,3 +198,28 @@ def test_guided_requests_do_not_speculate_and_still_follow_the_grammar():
     assert llm.get_metrics()["spec_num_verify_steps"] > 0  # the unguided one still speculated
     m = llm.get_metrics()
     assert m["kv_pages_running"] == 0 and m["state_slots_running"] == 0  # the draft pages went back
+
+
+class _BrokenGuide:
+    """A grammar whose matcher fails: it must fail its own request only."""
+
+    def matcher(self):
+        return self
+
+    def fill_next_token_bitmask(self, bitmask, index):
+        raise RuntimeError("matcher fell over")
+
+    def accept_token(self, token):
+        return True
+
+    def is_terminated(self):
+        return False
+
+
+def test_a_failing_grammar_fails_its_request_alone():
+    llm = LLM(default_model_path(), dtype="float32", max_model_len=128)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate("The answer is", plain)[0].outputs[0].text
+    outs = llm.generate(["The answer is", "The answer is"], [plain, SamplingParams(max_tokens=6, guide=_BrokenGuide())])
+    assert outs[0].outputs[0].text == alone and outs[0].error is None
+    assert outs[1].outputs[0].finish_reason == "error" and outs[1].error
