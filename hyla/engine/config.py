@@ -48,8 +48,8 @@ class SpecConfig:
             raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}")
         cfg = cls(**{"method": raw.get("method"), "num_speculative_tokens": raw.get("num_speculative_tokens"),
                      **{k: v for k, v in raw.items() if k not in ("method", "num_speculative_tokens")}})
-        if cfg.method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config method must be 'ngram' or 'draft_model', got {cfg.method!r}")
+        if cfg.method not in ("ngram", "draft_model", "mtp"):
+            raise ValueError(f"speculative_config method must be 'ngram', 'draft_model' or 'mtp', got {cfg.method!r}")
         k = cfg.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {k!r}")
@@ -60,6 +60,8 @@ class SpecConfig:
             raise ValueError(f"rollback must be 'slots' or 'replay', got {cfg.rollback!r}")
         if cfg.method == "draft_model" and not (isinstance(cfg.model, str) and cfg.model):
             raise ValueError("method 'draft_model' needs 'model': the draft checkpoint's path")
+        if cfg.method == "mtp" and cfg.model is not None:
+            raise ValueError("method 'mtp' takes no 'model': the head is read from the target checkpoint")
         return cfg
 
 
@@ -133,6 +135,14 @@ class EngineConfig:
             if draft.vocab_size != target.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
                                  f"({target.vocab_size}): it must share the tokenizer")
+        if spec is not None and spec.method == "mtp":
+            from hyla.models.loader import weight_files
+
+            if not any(name.startswith("mtp.") for name in weight_files(self.model)):
+                raise ValueError(f"speculative method 'mtp' needs a checkpoint with a multi-token-prediction head; "
+                                 f"{self.model} has no `mtp.*` tensors")
+            spec.model = self.model  # the drafter reads the head from there
+            self.enforce_eager = True  # the CUDA-graph verify returns no hidden states for the head
 
     @property
     def slots_per_seq(self) -> int:

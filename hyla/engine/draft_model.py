@@ -14,6 +14,7 @@ import torch
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.pools import Pools, size_pools
 from hyla.engine.sampler import distribution
+from hyla.engine.spec_decode import Drafter
 
 
 class _DraftView:
@@ -27,7 +28,7 @@ class _DraftView:
         self.committed, self.scratch = slot, scratch
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     def __init__(self, cfg, *, vocab_size: int, max_num_seqs: int, max_model_len: int, page_size: int,
                  state_dtype, dtype, device, enforce_eager: bool = False):
         from hyla.models import load_model

@@ -1,5 +1,6 @@
-"""Speculative decoding: two drafters, the acceptance rule and the SpecDecoder that runs them
-(the config, SpecConfig, is parsed and validated with EngineConfig in config.py).
+"""Speculative decoding: the drafters (prompt lookup here, a draft model in draft_model.py, the
+checkpoint's MTP head in mtp.py), the acceptance rule and the SpecDecoder that runs them (the
+config, SpecConfig, is parsed and validated with EngineConfig in config.py).
 
 Each decode step of a request feeds [x0, d1..dk] (x0 = its last token, d = drafts) through the
 target in one verify forward. Rejected drafts never reach a state anything starts from: with
@@ -17,7 +18,31 @@ from hyla.engine.config import SpecConfig
 from hyla.engine.sampler import choose, distribution, penalize
 
 
-class NgramDrafter:
+class Drafter:
+    """What SpecDecoder asks of a drafter: `propose` (required) and `release`; the other hooks
+    serve a drafter that reads the target (MTP): `bind` (the target model, once), `observe` (the
+    final-norm hidden states of each verify's rows, asked for with needs_hidden) and `commit`
+    (how many tokens of its verify each request kept)."""
+
+    needs_hidden = False
+
+    def bind(self, model) -> None:
+        pass
+
+    def propose(self, seqs, ks: list[int], generator=None) -> list[tuple[list[int], torch.Tensor | None]]:
+        raise NotImplementedError
+
+    def observe(self, seqs, drafts: list[list[int]], hidden: torch.Tensor | None) -> None:
+        pass
+
+    def commit(self, seqs, kept: list[int]) -> None:
+        pass
+
+    def release(self, seq) -> None:
+        pass
+
+
+class NgramDrafter(Drafter):
     """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n from
     prompt_lookup_max down to prompt_lookup_min) and propose the tokens that followed it."""
 
@@ -38,9 +63,6 @@ class NgramDrafter:
                 if tokens[start] == first and tokens[start : start + n] == suffix:
                     return tokens[start + n : start + n + k]
         return []
-
-    def release(self, seq) -> None:
-        pass
 
 
 def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq, generator) -> list[int]:
@@ -104,11 +126,34 @@ class Verified:
         return len(self.tokens) - 1
 
 
+class LMHeadInput:
+    """Within the block, `hidden` holds the input of model.lm_head's last call (the final-norm
+    hidden states of the rows whose logits were computed), or None if it was not called."""
+
+    def __init__(self, model):
+        self.model, self.hidden = model, None
+
+    def __enter__(self) -> LMHeadInput:
+        def hook(_module, inputs, _output):
+            self.hidden = inputs[0].detach()
+
+        self._handle = self.model.lm_head.register_forward_hook(hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+
 def make_drafter(cfg: SpecConfig, *, vocab_size: int, max_num_seqs: int, max_model_len: int, page_size: int,
                  state_dtype, dtype, device, enforce_eager: bool = False):
-    """The drafter `cfg` asks for: prompt lookup, or a draft model with its own pools."""
+    """The drafter `cfg` asks for: prompt lookup, a draft model with its own pools, or the
+    target's MTP head (bound to the target by SpecDecoder)."""
     if cfg.method == "ngram":
         return NgramDrafter(cfg)
+    if cfg.method == "mtp":
+        from hyla.engine.mtp import MTPDrafter
+
+        return MTPDrafter(cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size)
     from hyla.engine.draft_model import DraftModelDrafter
 
     return DraftModelDrafter(cfg, vocab_size=vocab_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -123,10 +168,11 @@ class SpecDecoder:
     touches no engine state: the engine appends the tokens, finishes requests, rolls back pages
     and recovers from a failed step."""
 
-    def __init__(self, cfg: SpecConfig, drafter, runner):
+    def __init__(self, cfg: SpecConfig, drafter: Drafter, runner):
         self.cfg = cfg
         self.drafter = drafter
         self.runner = runner
+        drafter.bind(runner.model)
 
     def step(self, seqs, max_drafts: list[int], generator: torch.Generator) -> list[Verified]:
         """Draft up to max_drafts[i] tokens for seqs[i], verify them all in one forward and
@@ -138,7 +184,12 @@ class SpecDecoder:
         # request near its token limits drafts fewer: padding positions are never accepted, and
         # where their KV has no page it lands in the runner's scratch page.
         pad_to = 1 + self.cfg.num_speculative_tokens
-        logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float()  # stays on the device
+        if self.drafter.needs_hidden:  # the rows' hidden states feed the drafter's next proposal
+            with LMHeadInput(self.runner.model) as seen:
+                logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float()
+            self.drafter.observe(seqs, drafts, seen.hidden)
+        else:
+            logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float()  # stays on the device
         results, start = [], 0
         for seq, d, (_, q) in zip(seqs, drafts, proposals):
             rows = logits[start : start + 1 + len(d)]
@@ -150,6 +201,7 @@ class SpecDecoder:
     def commit(self, seqs, kept: list[int]) -> None:
         """The engine kept kept[i] tokens of seqs[i]'s verify step (fewer than accepted when the
         request finished early): make the state after exactly those tokens the current one."""
+        self.drafter.commit(seqs, kept)
         if self.cfg.rollback == "replay":
             self.runner.commit_replay(kept)
         else:

@@ -1,0 +1,118 @@
+"""Speculative decoding with the checkpoint's MTP head (method "mtp") on tiny Qwen3.5 / Qwen3-Next
+checkpoints whose `mtp.*` head sits in its own shard: greedy output equals plain greedy for
+k = 1..3, both rollbacks, prefix cache on and off; the drafter's proposals are the head's."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hyla import LLM, SamplingParams
+from hyla.engine.config import EngineConfig
+from hyla.models import load_model
+from hyla.models.qwen3_5_mtp import load_mtp_head
+from tests.oracles.qwen3_5_checkpoint import add_mtp_shard, build_qwen3_5_checkpoint
+from tests.oracles.variants import rand_tokens as rand
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+PROMPTS = [rand(12, 1) * 3, rand(30, 2), [7], rand(5, 3) * 4]
+
+
+def _repeat_head(path) -> None:
+    """Make the head pass the target's hidden state through (fc picks its normed half, the layer
+    adds nothing): it then drafts the token the target just produced, so a target that repeats
+    itself accepts some drafts and rejects others."""
+    file = path / "model-mtp.safetensors"
+    t = load_file(file)
+    hid = t["mtp.norm.weight"].shape[0]
+    t["mtp.fc.weight"] = torch.cat([torch.zeros(hid, hid), torch.eye(hid)], dim=1)
+    for name in t:
+        if name.endswith(("pre_fc_norm_hidden.weight", "mtp.norm.weight", "o_proj.weight", "o_proj.bias",
+                          "down_proj.weight")):
+            t[name] = torch.zeros_like(t[name])
+    save_file(t, file, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = build_qwen3_5_checkpoint(tmp_path_factory.mktemp("mtp"), "moe", "multimodal", with_tokenizer=True)
+    add_mtp_shard(path)
+    _repeat_head(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    return [o.outputs[0].token_ids for o in LLM(str(ckpt), dtype="float64").generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("k,rollback,prefix_cache", [
+    (1, "slots", True), (2, "replay", False), (3, "slots", False), (3, "replay", True),
+])
+def test_mtp_greedy_equals_plain_greedy(ckpt, plain, k, rollback, prefix_cache):
+    cfg = {"method": "mtp", "num_speculative_tokens": k, "rollback": rollback}
+    llm = LLM(str(ckpt), dtype="float64", speculative_config=cfg, enable_prefix_caching=prefix_cache, max_num_seqs=3)
+    outs = llm.generate(PROMPTS + PROMPTS[:1], GREEDY, use_tqdm=False)  # a retry: a prefix-cache hit
+    assert [o.outputs[0].token_ids for o in outs] == plain + plain[:1]
+    m = llm.get_metrics()
+    assert 0 < m["spec_num_accepted_tokens"] < m["spec_num_draft_tokens"]  # partial acceptance
+    assert m["state_slots_free"] + m.get("cached_checkpoints", 0) == m["state_slots_total"]
+    assert m["kv_pages_free"] + m.get("cached_pages", 0) == m["kv_pages_total"]
+    drafter = llm.engine.spec.drafter
+    assert not drafter.views and drafter.pages.num_free == drafter.num_pages  # every request released
+
+
+def test_proposals_are_the_heads_tokens(ckpt):
+    """Each proposal equals the head run by hand over the target's whole-sequence hidden states
+    (from the request's first speculative step on, where the drafter's view starts)."""
+    llm = LLM(str(ckpt), dtype="float64", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    drafter = llm.engine.spec.drafter
+    seen, propose = [], drafter.propose
+
+    def record(seqs, ks, generator=None):
+        out = propose(seqs, ks, generator)
+        seen.extend((list(s.token_ids), drafter.views[s.request_id].start, d) for s, (d, _) in zip(seqs, out) if d)
+        return out
+
+    drafter.propose = record
+    prompt = rand(9, 5) * 2
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert len(seen) >= 3
+    model = load_model(ckpt, dtype="float64")
+    head = load_mtp_head(ckpt, model)
+    for tokens, start, drafts in seen:
+        ids = torch.tensor(tokens)
+        p = len(tokens) - 1  # x0's position
+        with torch.no_grad():
+            h = model.model.forward_layers(model.model.embed_tokens(ids[None]))[0]  # [T, hidden]
+            hs, ns, want = h[start:p], ids[start + 1:p + 1], []
+            while True:  # the head is causal: rerunning the whole input gives the step's new row last
+                y = head(hs[None], ns[None], model)[0, -1]
+                want.append(int(model.compute_logits(y).argmax()))
+                if len(want) == len(drafts):
+                    break
+                hs, ns = torch.cat([hs, y[None]]), torch.cat([ns, torch.tensor(want[-1:])])
+        assert drafts == want
+
+
+def test_qwen3_next_checkpoint(tmp_path):
+    from tests.oracles.qwen3_next_checkpoint import build_qwen3_next_checkpoint
+
+    path = build_qwen3_next_checkpoint(tmp_path, "moe", with_tokenizer=True)
+    add_mtp_shard(path)
+    _repeat_head(path)
+    want = [o.outputs[0].token_ids for o in LLM(str(path), dtype="float64").generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm = LLM(str(path), dtype="float64", speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+              enable_prefix_caching=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
+    assert llm.get_metrics()["spec_num_accepted_tokens"] > 0
+
+
+def test_a_checkpoint_without_a_head_fails_at_startup(tmp_path):
+    path = build_qwen3_5_checkpoint(tmp_path, "dense", "text")
+    with pytest.raises(ValueError, match=r"needs a checkpoint with a multi-token-prediction head.*no `mtp\.\*`"):
+        EngineConfig(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="method 'mtp' takes no 'model'"):
+        EngineConfig(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 2, "model": "x"})
+    shutil.rmtree(path)
