@@ -44,6 +44,7 @@ class StructuredOutputs(_Strict):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_fallback: bool = False  # there is one backend, so never a fallback: honoured as it is
 
 
 def _schema(value, param: str):
