@@ -33,6 +33,7 @@ from hyla.models import memory
 from hyla.models.base import HybridForCausalLM
 from hyla.models.config import LINEAR, SPARSE
 from hyla.models.glm5_next_config import FULL_INDEXER, Glm5NextConfig
+from hyla.models.glm5_next_memory import indexer_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +149,6 @@ class Glm5NextForCausalLM(HybridForCausalLM):
 
     def kv_bytes_per_token(self) -> int:
         """MLA latents plus the indexer's per-token rows and pooled keys (hyla.models.glm5_next_memory)."""
-        from hyla.models.glm5_next_memory import indexer_bytes_per_token
-
         return memory.kv_bytes_per_token(self.config, self.dtype) + indexer_bytes_per_token(self.config, self.dtype)
 
     def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
