@@ -1,6 +1,7 @@
 """The engine runs GLM-5-Next (KDA + DSA-indexed MLA with its paged indexer cache, mHC, MoE) with
 no family-specific code: batching, chunked prefill, preemption, the prefix cache and speculation
-(n-gram, a draft model) leave greedy output unchanged, and it equals the full-sequence model's greedy."""
+(n-gram, a draft model) leave greedy output unchanged, and it equals the full-sequence model's
+greedy and transformers' generate."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from hyla import LLM, SamplingParams
 from hyla.models import load_model
 from tests.engine.spec_check import assert_spec_equals_greedy
-from tests.oracles.glm5_next_checkpoint import one_thread, build_glm5_next_checkpoint  # noqa: F401
+from tests.oracles.glm5_next_checkpoint import one_thread, build_glm5_next_checkpoint, load_reference  # noqa: F401
 from tests.oracles.variants import noisy_lm_head_copy
 from tests.oracles.variants import rand_tokens as rand
 
@@ -42,6 +43,20 @@ def test_engine_greedy_equals_full_sequence_greedy(ckpt, prompts, alone):
             for _ in range(GREEDY.max_tokens):
                 ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
         assert got == ids[len(p):]
+
+
+def test_equals_transformers_generate(ckpt, prompts):
+    """fp32 greedy through hyla.LLM equals transformers' generate (its own indexer cache)."""
+    ref = load_reference(ckpt)
+    chosen = [prompts[i] for i in (0, 2, 6)]  # 1, 45 and 70 tokens
+    llm = LLM(str(ckpt), dtype="float32")
+    outs = llm.generate(chosen, GREEDY, use_tqdm=False)
+    for p, o in zip(chosen, outs):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
+                                do_sample=False, eos_token_id=None)
+        assert o.outputs[0].token_ids == want[0, len(p):].tolist()
 
 
 @pytest.mark.parametrize("kw", [
