@@ -116,3 +116,45 @@ def test_a_checkpoint_without_a_head_fails_at_startup(tmp_path):
     with pytest.raises(ValueError, match="method 'mtp' takes no 'model'"):
         EngineConfig(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 2, "model": "x"})
     shutil.rmtree(path)
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2.0, dtype=torch.float64),
+                                         stat.double() / 2))
+
+
+def test_sampling_with_mtp_drafts_keeps_the_target_distribution(tmp_path):
+    """Vocabulary 8, temperature 1: the third generated token (the first one a request can take
+    through an MTP draft: its first speculative step drafts nothing) is distributed as the
+    target's marginal."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from tests.oracles.qwen3_5_checkpoint import TINY, VARIANTS
+
+    torch.manual_seed(3)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY, **VARIANTS["dense"], "vocab_size": 8}))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)  # sharper, structured next-token distributions
+    path = tmp_path / "tiny8"
+    model.save_pretrained(path)
+    add_mtp_shard(path)
+    prompt = [3, 4, 5, 6, 7, 1, 0, 2, 3, 4, 5]
+    ref = load_model(path, dtype=torch.float64)
+    with torch.no_grad():  # p(c) = sum over a, b of p(a) p(b | a) p(c | a, b)
+        p1 = torch.softmax(ref(torch.tensor([prompt]))[0, -1], -1)
+        p2 = torch.softmax(ref(torch.tensor([prompt + [a] for a in range(8)]))[:, -1], -1)  # [a, b]
+        p3 = torch.softmax(ref(torch.tensor([prompt + [a, b] for a in range(8) for b in range(8)]))[:, -1], -1)
+        marginal = ((p1[:, None] * p2).reshape(64, 1) * p3).sum(0)
+    llm = LLM(str(path), dtype="float64", speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+              max_num_seqs=64)
+    n = 600
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=4, ignore_eos=True)
+                                       for s in range(n)], use_tqdm=False)
+    counts = torch.zeros(8)
+    for o in outs:
+        counts[o.outputs[0].token_ids[2]] += 1
+    assert llm.get_metrics()["spec_num_accepted_tokens"] > 0
+    assert _chi2_pvalue(counts, marginal) > 1e-3
