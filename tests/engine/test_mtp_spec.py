@@ -63,6 +63,21 @@ def test_mtp_greedy_equals_plain_greedy(ckpt, plain, k, rollback, prefix_cache):
     assert not drafter.views and drafter.pages.num_free == drafter.num_pages  # every request released
 
 
+def test_mtp_with_preemption(ckpt):
+    """Two running requests and pages for fewer tokens than they hold: requests are preempted and
+    recomputed; the head's views restart where needed and the output stays plain greedy."""
+    long = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = PROMPTS + [PROMPTS[1] + rand(6, 9)]
+    plain = LLM(str(ckpt), dtype="float64", max_model_len=96)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, long, use_tqdm=False)]
+    slot = plain.engine.model.state_bytes_per_slot()
+    llm = LLM(str(ckpt), dtype="float64", max_model_len=96, max_num_seqs=2, memory_budget=4 * slot,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "rollback": "replay"})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, long, use_tqdm=False)] == want
+    m = llm.get_metrics()
+    assert m["num_preemptions"] > 0 and m["spec_num_accepted_tokens"] > 0
+
+
 def test_proposals_are_the_heads_tokens(ckpt):
     """Each proposal equals the head run by hand over the target's whole-sequence hidden states
     (from the request's first speculative step on, where the drafter's view starts)."""
