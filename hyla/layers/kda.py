@@ -50,7 +50,7 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         self.f_a_proj = nn.Linear(hidden_size, head_dim, bias=False)
         self.f_b_proj = nn.Linear(head_dim, D, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(D, dtype=torch.float32))
-        # Kimi stores A_log as [1, 1, H, 1], GLM-5-Next as [H]; the gate reads it by element count.
+        # Kimi stores A_log as [1, 1, H, 1], GLM-5-Next as [H], Kimi K3 as [K] (first H used).
         self.A_log = nn.Parameter(torch.zeros(a_log_shape or (1, 1, num_heads, 1), dtype=torch.float32))
         self.b_proj = nn.Linear(hidden_size, num_heads, bias=False)
         if full_rank_gate:
@@ -125,7 +125,9 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         """aux: (f_a(x), b(x), ...) -> g [..., H, K] fp32 log-decay, beta [..., H] (one launch on CUDA)."""
         fa, b = aux[0], aux[1]
         f = self.f_b_proj(fa).unflatten(-1, (self.num_heads, self.head_dim))
-        return dispatch.kda_gate_beta(f, b, self.A_log, self.dt_bias, self.lower_bound)
+        # One A_log per head: Kimi K3 stores head_dim values and uses the first num_heads.
+        a_log = self.A_log.reshape(-1)[: self.num_heads]
+        return dispatch.kda_gate_beta(f, b, a_log, self.dt_bias, self.lower_bound)
 
     # The ops are looked up in this module's namespace at call time, so that tests can swap in
     # the loop oracle (monkeypatch hyla.layers.kda.chunk_kda).

@@ -114,7 +114,7 @@ class MLAAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden] whole sequences from position 0 -> [B, T, hidden]."""
         q_in, kv = self._project(x)
-        return self.o_proj(self._attend(self._query_from(q_in), self._latent_from(kv), None, causal=True))
+        return self.output(self._attend(self._query_from(q_in), self._latent_from(kv), None, causal=True), x)
 
     # -- engine step --------------------------------------------------------------------------
 
@@ -133,7 +133,7 @@ class MLAAttention(nn.Module):
         q = self._query_from(q_in)  # [T_total, H, D]
         if w is not None:  # no host -> device copies (CUDA-graph safe)
             # each query attends up to its own position: `positions` is that list already
-            return self.o_proj(self._absorbed(q, cache.kv, batch.block_tables, batch.positions))
+            return self.output(self._absorbed(q, cache.kv, batch.block_tables, batch.positions), x)
         out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
         single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
         if single:
@@ -147,7 +147,12 @@ class MLAAttention(nn.Module):
             pages = batch.context_pages(n, ctx + new, page_size)
             lat = cache.kv[pages].flatten(0, 1)[:ctx + new]  # [L, r + rope]
             out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], lat, ctx)
-        return self.o_proj(out)
+        return self.output(out, x)
+
+    def output(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """attn: [..., H * v_dim] attention output, x: the layer input [..., hidden] -> o_proj(attn)
+        (the hook an output-gated variant overrides, hyla.layers.gated_mla)."""
+        return self.o_proj(attn)
 
     def _attend_new(self, q: torch.Tensor, latent: torch.Tensor, ctx: int) -> torch.Tensor:
         """Expanded form for the new tokens of one sequence. q: [T, H, D] (positions ctx..ctx+T-1);

@@ -39,6 +39,7 @@ FAMILIES = {
     "kimi_linear": ("hyla.models.config:KimiLinearConfig", "hyla.models.kimi_linear:KimiLinearForCausalLM"),
     "qwen3_next": ("hyla.models.qwen3_next_config:Qwen3NextConfig", "hyla.models.qwen3_next:Qwen3NextForCausalLM"),
     "glm5_next": ("hyla.models.glm5_next_config:Glm5NextConfig", "hyla.models.glm5_next:Glm5NextForCausalLM"),
+    "kimi_k3": ("hyla.models.kimi_k3_config:KimiK3Config", "hyla.models.kimi_k3:KimiK3ForCausalLM"),
     "qwen3_5_text": ("hyla.models.qwen3_5_config:Qwen3_5Config", "hyla.models.qwen3_5:Qwen3_5ForCausalLM"),
     "qwen3_5_moe_text": ("hyla.models.qwen3_5_config:Qwen3_5MoeConfig", "hyla.models.qwen3_5:Qwen3_5ForCausalLM"),
     "qwen3_5": ("hyla.models.qwen3_5_config:Qwen3_5Config", "hyla.models.qwen3_5:Qwen3_5MultimodalForCausalLM"),
