@@ -25,7 +25,7 @@ import os
 import re
 
 import torch
-from safetensors import safe_open
+from hyla.models.mxfp4 import logical_weight_map, safe_open  # safetensors', MXFP4 pairs read as `.weight`
 
 import importlib
 
@@ -96,7 +96,7 @@ def weight_files(path: str) -> dict[str, str]:
         for shard in sorted(set(files.values())):
             if not os.path.isfile(shard):
                 raise ValueError(f"shard {os.path.basename(shard)} named in {index} does not exist")
-        return files
+        return logical_weight_map(files)
     if os.path.isfile(single):
         with safe_open(single, "pt") as f:
             return {name: single for name in f.keys()}
