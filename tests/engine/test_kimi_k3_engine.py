@@ -38,7 +38,7 @@ def test_greedy_equals_loop_oracle(ckpt, prompts):
     """fp32 engine greedy (chunked prefill, recurrent decode, paged MLA) == the fp64 oracle's."""
     state, text = random_state(config_dict(), 0), config_dict()["text_config"]
     llm = LLM(str(ckpt), dtype="float32")
-    chosen = [prompts[1], prompts[3]]
+    chosen = [prompts[1]]  # 5 tokens; the oracle re-runs the whole sequence for every new token
     outs = llm.generate(chosen, GREEDY, use_tqdm=False)
     for p, o in zip(chosen, outs):
         ids = list(p)
@@ -83,8 +83,31 @@ SPEC_PROMPTS = [rand(12, 1) * 3, rand(5, 3) * 4 + [9], [7]]
 SPEC_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
+@pytest.fixture(scope="module")
+def spec_reference(ckpt):
+    return [o.outputs[0].token_ids
+            for o in LLM(str(ckpt), dtype="float64").generate(SPEC_PROMPTS, SPEC_GREEDY, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("rollback,prefix_cache", [("slots", False), ("replay", True)])
-def test_ngram_speculation_equals_plain_greedy(ckpt, rollback, prefix_cache):
-    reference = [o.outputs[0].token_ids
-                 for o in LLM(str(ckpt), dtype="float64").generate(SPEC_PROMPTS, SPEC_GREEDY, use_tqdm=False)]
-    assert_spec_equals_greedy(ckpt, None, SPEC_PROMPTS, SPEC_GREEDY, reference, rollback, "ngram", prefix_cache)
+def test_ngram_speculation_equals_plain_greedy(ckpt, spec_reference, rollback, prefix_cache):
+    assert_spec_equals_greedy(ckpt, None, SPEC_PROMPTS, SPEC_GREEDY, spec_reference, rollback, "ngram", prefix_cache)
+
+
+def test_hyla_serve_answers_with_the_engine_greedy_tokens(ckpt):
+    """`hyla serve` on the K3 checkpoint: an OpenAI completion returns LLM's greedy continuation."""
+    import httpx
+
+    from tests.server.live import start, stop
+
+    prompt = "the cat sat on the mat"
+    want = LLM(str(ckpt), dtype="float32").generate([prompt], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                                ignore_eos=True), use_tqdm=False)
+    proc, base = start(ckpt)
+    try:
+        body = {"model": ckpt.name, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+        got = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+    finally:
+        stop(proc)
+    assert got["choices"][0]["text"] == want[0].outputs[0].text
+    assert got["usage"]["completion_tokens"] == 8
