@@ -31,6 +31,7 @@ from hyla.server.choices import ChatChoice, CompletionChoice
 from hyla.server.errors import APIError, UnsupportedParameter, parse, read_json
 from hyla.server.generate import respond
 from hyla.server.metrics import ServerMetrics
+from hyla.server.openapi import body_schema
 from hyla.server.protocol import CompletionRequest, Plan
 from hyla.server.structured import Grammars, GuideError, GuideSpec
 from hyla.server.tool_choices import NamedToolChoice, RequiredToolChoice, ToolChatChoice, forced_spec
@@ -189,7 +190,7 @@ async def model(request: Request, model_id: str):
     return _model_card(state)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
 async def completions(request: Request):
     state = _state(request)
     req = parse(CompletionRequest, await read_json(request, state.max_body_bytes))
@@ -212,7 +213,7 @@ async def completions(request: Request):
                          chunk_object="text_completion")
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
 async def chat(request: Request):
     state = _state(request)
     engine = state.engine

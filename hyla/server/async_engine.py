@@ -29,15 +29,22 @@ class AsyncEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="hyla-engine", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Start the loop thread; again after a shutdown too (an app whose lifespan runs twice,
+        as an in-process test client does per session)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="hyla-engine", daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(("wake",))
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                out: asyncio.Queue | None = None) -> asyncio.Queue:
