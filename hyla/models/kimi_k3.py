@@ -45,8 +45,11 @@ class KimiK3DecoderLayer(nn.Module):
             )
         else:
             mla = GatedMLAAttention if c.mla_use_output_gate else MLAAttention
+            # K3 is served on DeepSeek-V2's MLA (SGLang / vLLM): its latent norms use rms_norm_eps,
+            # not Kimi-Linear's 1e-6
             self.self_attn = mla(c.hidden_size, c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim,
-                                 c.qk_rope_head_dim, c.v_head_dim, q_lora_rank=c.q_lora_rank, bias=c.attention_bias)
+                                 c.qk_rope_head_dim, c.v_head_dim, q_lora_rank=c.q_lora_rank, bias=c.attention_bias,
+                                 latent_norm_eps=c.rms_norm_eps)
         self.is_sparse = c.mlp_layer_types[idx] == SPARSE
         if self.is_sparse:
             self.block_sparse_moe = LatentMoE(

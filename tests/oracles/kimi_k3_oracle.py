@@ -73,10 +73,10 @@ class _K3:
         H, nope, rope, vd, r = (c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"],
                                 c["v_head_dim"], c["kv_lora_rank"])
         T = x.shape[0]
-        q = _rms(x @ self.w(f"{p}q_a_proj.weight").T, self.w(f"{p}q_a_layernorm.weight"), 1e-6)
+        q = _rms(x @ self.w(f"{p}q_a_proj.weight").T, self.w(f"{p}q_a_layernorm.weight"), self.eps)
         q = (q @ self.w(f"{p}q_b_proj.weight").T).view(T, H, nope + rope)
         kv = x @ self.w(f"{p}kv_a_proj_with_mqa.weight").T
-        lat = _rms(kv[:, :r], self.w(f"{p}kv_a_layernorm.weight"), 1e-6)
+        lat = _rms(kv[:, :r], self.w(f"{p}kv_a_layernorm.weight"), self.eps)
         kpe = kv[:, r:]  # NoPE: never rotated
         kvb = (lat @ self.w(f"{p}kv_b_proj.weight").T).view(T, H, nope + vd)
         out = torch.zeros(T, H, vd, dtype=x.dtype)
