@@ -41,6 +41,10 @@ class KimiK3Config(KimiLinearConfig):
     mla_use_output_gate: bool = False
     quantization_config: dict | None = None
 
+    # transformers has no K3 class, so there is no transformers peer to benchmark against
+    # (hyla.bench.hf_peer); the tests' oracle is tests.oracles.kimi_k3_oracle.
+    TRANSFORMERS_NAMES = None
+
     @property
     def model_type(self) -> str:
         return "kimi_k3"
