@@ -115,6 +115,9 @@ class KimiK3LanguageModel(nn.Module):
 class KimiK3ForCausalLM(HybridForCausalLM):
     # A multimodal checkpoint's vision tower and projector are not built (text serving only).
     ignored_checkpoint_prefixes = ("vision_tower.", "multi_modal_projector.", "mm_projector.")
+    # The released checkpoint stores the KDA short-conv weights in fp32; the conv ops compute in
+    # fp32 and read any weight dtype, so they stay fp32 whatever the model dtype (hyla.models.loader).
+    fp32_tensors = ("_conv1d.weight",)
 
     def __init__(self, config: KimiK3Config):
         super().__init__()

@@ -75,12 +75,13 @@ class KimiK3Config(KimiLinearConfig):
 
     def kda_parameters(self) -> tuple[int, int]:
         """(model-dtype, fp32) parameters of one KDA layer's self_attn: q/k/v/g/o projections,
-        three depthwise convs, f_a/f_b, b_proj, o_norm; dt_bias [H*K] and A_log [K] in fp32."""
+        f_a/f_b, b_proj, o_norm; in fp32 the three depthwise convs [H*K, 1, W], dt_bias [H*K]
+        and A_log [K] (KimiK3ForCausalLM.fp32_tensors, hyla.models.memory.FP32_TENSORS)."""
         hid, h, k = self.hidden_size, self.linear_num_heads, self.linear_head_dim
         d = h * k
         gate = hid * d if self.use_full_rank_gate else hid * k + k * d
-        main = 3 * hid * d + 3 * d * self.conv_kernel_size + hid * k + k * d + hid * h + gate + k + d * hid
-        return main, d + k
+        main = 3 * hid * d + hid * k + k * d + hid * h + gate + k + d * hid
+        return main, 3 * d * self.conv_kernel_size + d + k
 
     def mla_parameters(self) -> int:
         """Parameters of one MLA layer's self_attn (with its output gate)."""

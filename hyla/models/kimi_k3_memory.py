@@ -6,7 +6,8 @@ Released config (K3_RELEASED): the published `moonshotai/Kimi-K3` config.json's 
 fields hyla reads). Seed 001 derives its KDA layer: 96 heads x 128, full-rank output gate, safe
 gate -5, 443,740,416 parameters per layer, 30,618,088,704 over its 69 KDA layers.
 
-Per GPU at degree d (TP = EP = d), bf16 weights, MXFP4 routed experts, fp32 recurrent state:
+Per GPU at degree d (TP = EP = d), bf16 weights (the fp32 ones at 4 bytes: KDA convs, dt_bias,
+A_log, the router), MXFP4 routed experts, fp32 recurrent state:
 - split by TP: KDA / MLA heads (q/k/v/g/o, convs, f_b, b, dt_bias, A_log's heads, the MLA
   projections after the latents), the dense MLP and the shared experts (by width), the vocabulary
   of embed_tokens and lm_head;
@@ -114,9 +115,9 @@ def per_gpu(config: KimiK3Config, d: int) -> PerGpu:
     dd = h * k // d
     n_kda = sum(t == LINEAR for t in c.layer_types)
     n_mla = c.num_hidden_layers - n_kda
-    # KDA: q/k/v/g/o, convs, f_b, b split by head; f_a, o_norm replicated; fp32 dt_bias split, the
-    # stored A_log [K] replicated (512 bytes)
-    kda = 2 * (5 * hid * dd + 3 * dd * w + k * dd + hid * h // d + hid * k + k) + 4 * (dd + k)
+    # KDA: q/k/v/g/o, f_b, b split by head; f_a, o_norm replicated; fp32: the convs and dt_bias
+    # split, the stored A_log [K] replicated (512 bytes)
+    kda = 2 * (5 * hid * dd + k * dd + hid * h // d + hid * k + k) + 4 * (3 * dd * w + dd + k)
     hm, qk, r, ql = c.num_attention_heads // d, c.qk_head_dim, c.kv_lora_rank, c.q_lora_rank
     mla = 2 * (hid * ql + ql + ql * hm * qk + hid * (r + c.qk_rope_head_dim) + r + r * hm * (c.qk_nope_head_dim + c.v_head_dim)
                + 2 * hm * c.v_head_dim * hid)  # q_a, kv_a replicated; q_b, kv_b, o_proj, g_proj split

@@ -227,8 +227,9 @@ def load_model(path, dtype=None, device=None) -> HybridForCausalLM:
     plan = _plan(files, expected, optional, getattr(model_cls, "ignored_checkpoint_prefixes", ()))
 
     model.to(dtype)
+    family_fp32 = getattr(model_cls, "fp32_tensors", ())  # a family's own fp32 tensors (name suffixes)
     for name, t in model.state_dict(keep_vars=True).items():
-        if _keeps_fp32(name):
+        if _keeps_fp32(name) or name.endswith(family_fp32):
             t.data = t.data.float()
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again

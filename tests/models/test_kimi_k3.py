@@ -59,8 +59,12 @@ def test_weights_load_with_k3_shapes_and_fp32_tensors(ckpt):
     sd = model.state_dict()
     assert sd["language_model.model.layers.0.self_attn.A_log"].shape == (16,)  # [head_dim], first H used
     for name in ("layers.0.self_attn.A_log", "layers.0.self_attn.dt_bias", "layers.1.block_sparse_moe.gate.weight",
-                 "layers.1.block_sparse_moe.gate.e_score_correction_bias"):
+                 "layers.1.block_sparse_moe.gate.e_score_correction_bias", "layers.0.self_attn.q_conv1d.weight",
+                 "layers.3.self_attn.v_conv1d.weight"):
         assert sd["language_model.model." + name].dtype == torch.float32
+    assert sd["language_model.model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert model.weight_bytes() == model.memory_report().weight_bytes == sum(
+        n * b for n, b in zip(model.config.parameter_counts(), (2, 4)))
     assert sd["language_model.model.layers.2.self_attn.g_proj.weight"].shape == (32, 64)
     assert sd["language_model.model.layers.1.block_sparse_moe.experts.gate_up_proj"].shape == (8, 64, 32)
 
