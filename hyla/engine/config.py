@@ -75,7 +75,11 @@ class EngineConfig:
     pools.size_pools). state_dtype: recurrent state precision (fp32 default, bf16 option).
     enable_prefix_caching: reuse KV pages + state checkpoints across requests (prefix_cache.py);
     checkpoint_interval: also export a state every that many prompt tokens (default off).
-    speculative_config: a dict (or its JSON text) of SpecConfig's fields, or None."""
+    speculative_config: a dict (or its JSON text) of SpecConfig's fields, or None.
+    tensor_parallel_size: ranks the model is split over (hyla.parallel: worker processes started
+    by the engine, one per device; memory_budget is then per rank); enable_expert_parallel:
+    whole experts per rank instead of every expert split along its width. load_format "dummy":
+    random weights, no safetensors read (benchmarks of released shapes from their config.json)."""
 
     model: str
     dtype: torch.dtype | str | None = None
@@ -91,6 +95,9 @@ class EngineConfig:
     state_dtype: torch.dtype | str = torch.float32
     page_size: int = 16
     checkpoint_interval: int | None = None
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    load_format: str = "auto"
     model_limit: int = field(init=False, default=0)  # the checkpoint's max_position_embeddings (or 2^20)
 
     def __post_init__(self):
@@ -100,7 +107,7 @@ class EngineConfig:
         self.state_dtype = parse_dtype(self.state_dtype, "state_dtype") or torch.float32
         if self.state_dtype not in (torch.float32, torch.bfloat16, torch.float64):
             raise ValueError(f"state_dtype must be float32, bfloat16 or float64, got {self.state_dtype}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -111,6 +118,8 @@ class EngineConfig:
         if self.checkpoint_interval is not None and (not isinstance(self.checkpoint_interval, int)
                                                      or self.checkpoint_interval < 1):
             raise ValueError(f"checkpoint_interval must be a positive integer, got {self.checkpoint_interval!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device is None:
@@ -122,6 +131,7 @@ class EngineConfig:
         from hyla.models.loader import load_config
 
         target = load_config(self.model)
+        self._check_parallel(target)
         self.model_limit = getattr(target, "max_position_embeddings", None) or 1 << 20
         # Without an explicit max_model_len: the model's limit, but at most 8192 tokens so that the
         # default pools stay small (raise it with max_model_len).
@@ -143,6 +153,23 @@ class EngineConfig:
                                  f"{self.model} has no `mtp.*` tensors")
             spec.model = self.model  # the drafter reads the head from there
             self.enforce_eager = True  # the CUDA-graph verify returns no hidden states for the head
+
+    def _check_parallel(self, target) -> None:
+        """tensor_parallel_size: enough devices, a family with a plan, sizes it divides (the
+        ValueError names the config field), and no MTP head (not sharded)."""
+        n = self.tensor_parallel_size
+        if n == 1:
+            return
+        if self.device.type == "cuda" and torch.cuda.device_count() < (self.device.index or 0) + n:
+            raise ValueError(f"tensor_parallel_size={n} needs {n} CUDA devices from {self.device}, "
+                             f"{torch.cuda.device_count()} are visible")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "mtp":
+            raise ValueError("speculative method 'mtp' is not available with tensor_parallel_size > 1 "
+                             "(use 'ngram' or 'draft_model')")
+        from hyla.parallel.plans import check_parallel
+
+        check_parallel(target, n, self.enable_expert_parallel)
 
     @property
     def slots_per_seq(self) -> int:

@@ -18,12 +18,14 @@ class LLM:
     def __init__(self, model: str, dtype=None, device=None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, max_model_len: int | None = None,
                  memory_budget: int | None = None, enable_prefix_caching: bool = False,
-                 speculative_config: dict | None = None, enforce_eager: bool = False, seed: int = 0, **kwargs):
+                 speculative_config: dict | None = None, enforce_eager: bool = False, seed: int = 0,
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, **kwargs):
         config = EngineConfig(model=str(model), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                               memory_budget=memory_budget, enable_prefix_caching=enable_prefix_caching,
                               speculative_config=speculative_config, enforce_eager=enforce_eager, seed=seed,
-                              **kwargs)
+                              tensor_parallel_size=tensor_parallel_size,
+                              enable_expert_parallel=enable_expert_parallel, **kwargs)
         self.engine = LLMEngine(config)
         self._counter = 0
 
@@ -71,3 +73,7 @@ class LLM:
 
     def get_metrics(self) -> dict:
         return self.engine.get_metrics()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (also done at interpreter exit)."""
+        self.engine.shutdown()

@@ -24,6 +24,7 @@ from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import ScheduledBatch, Scheduler
 from hyla.engine.sequence import Sequence, Status
 from hyla.engine.spec_decode import SpecDecoder, make_drafter
+from hyla.parallel.errors import TensorParallelError
 
 log = logging.getLogger("hyla.engine")
 
@@ -35,7 +36,14 @@ class LLMEngine:
         self.config = config
         # On the CPU, bf16 / fp16 matmuls are several times slower than fp32: default to fp32 there.
         dtype = config.dtype or (torch.float32 if config.device.type == "cpu" else None)
-        self.model = model if model is not None else load_model(config.model, dtype=dtype, device=config.device)
+        self.workers = None  # tensor parallel: the WorkerGroup (rank 0 is this process)
+        if model is None and config.tensor_parallel_size > 1:
+            from hyla.parallel.runner import start_tensor_parallel
+
+            self.workers = start_tensor_parallel(config, dtype)
+            model = self.workers.model  # rank 0's shard: its pools, sizes and bytes are per rank
+        self.model = model if model is not None else load_model(config.model, dtype=dtype, device=config.device,
+                                                                random_weights=config.load_format == "dummy")
         if tokenizer is None:
             try:
                 tokenizer = load_tokenizer(config.model)
@@ -54,8 +62,14 @@ class LLMEngine:
             max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
             device=self.model.device, extra_slots=extra, slots_per_seq=per_seq)
         self.pools = Pools(num_pages, num_slots, config.page_size)
-        self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype,
-                                  enforce_eager=config.enforce_eager)
+        if self.workers is not None:
+            from hyla.parallel.runner import tp_runner
+
+            self.runner = tp_runner(self.workers, num_slots, num_pages, config.page_size, config.state_dtype,
+                                    config.enforce_eager)
+        else:
+            self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype,
+                                      enforce_eager=config.enforce_eager)
         self.prefix_cache = (PrefixCache(self.pools, config.checkpoint_interval)
                              if config.enable_prefix_caching else None)
         self.scheduler = Scheduler(max(1, min(config.max_num_seqs, num_slots // per_seq)),
@@ -187,6 +201,8 @@ class LLMEngine:
                        for seq, e in zip(batch.seqs, batch.exports)] if any(batch.exports) else None
         try:
             logits = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints)
+        except TensorParallelError:
+            raise  # the worker group is gone: no request can run
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
             self.scheduler.drop_exports(batch)
             return self.recover(batch.seqs, err)
@@ -214,6 +230,8 @@ class LLMEngine:
         seqs = batch.seqs
         try:
             results = self.spec.step(seqs, batch.max_drafts, self.generator)
+        except TensorParallelError:
+            raise
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
             return self.recover(seqs, err)
         kept = []
@@ -281,6 +299,11 @@ class LLMEngine:
         self.scheduler.finish(seq, file_in_cache=True)
         self.requests.pop(seq.request_id, None)
         self.metrics["num_requests_finished"] += 1
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device); the engine is unusable after."""
+        if self.workers is not None:
+            self.workers.close()
 
     def get_metrics(self) -> dict:
         m = dict(self.metrics)

@@ -149,10 +149,12 @@ def _target(name: str, expected: dict) -> tuple[Target | None, tuple | None]:
 
 
 def _plan(files: dict[str, str], expected: dict[str, torch.Size], optional: set[str],
-          ignored: tuple[str, ...] = ()) -> dict[str, Target]:
+          ignored: tuple[str, ...] = (), shard=None) -> dict[str, Target]:
     """Map every checkpoint tensor to a model tensor or a slice of one, checking names and shapes
-    from the headers. Tensors whose names start with one of `ignored` are skipped. Returns
-    {checkpoint name: (model name, slice)}."""
+    from the headers. Tensors whose names start with one of `ignored` are skipped. shard: a
+    tensor-parallel plan (hyla.parallel.tensor.ShardPlan): names and shapes are this rank's
+    (`rename`, `shape`), tensors of other ranks' experts skipped. Returns {checkpoint name:
+    (model name, slice)}."""
     files = {name: file for name, file in files.items() if not name.startswith(ignored)}
     plan, shapes = {}, {}
     for file in sorted(set(files.values())):
@@ -163,6 +165,11 @@ def _plan(files: dict[str, str], expected: dict[str, torch.Size], optional: set[
     missing_in_files = sorted(set(files) - set(shapes))
     if missing_in_files:
         raise ValueError(f"tensors listed in the index are absent from their shard: {missing_in_files[:5]}")
+    local = {name: name for name in shapes}  # this rank's name -> the checkpoint's
+    if shard is not None:
+        local = {shard.rename(name): name for name in shapes}
+        local.pop(None, None)
+        shapes = {name: shard.shape(ckpt, shapes[ckpt]) for name, ckpt in local.items()}
     extra, filled = [], {}
     for name, shape in shapes.items():
         target, want = _target(name, expected)
@@ -174,7 +181,7 @@ def _plan(files: dict[str, str], expected: dict[str, torch.Size], optional: set[
                              f"twice (under two names)")
         if want != shape:
             raise ValueError(f"shape mismatch for {name}: checkpoint {list(shape)}, model expects {list(want)}")
-        plan[name] = filled[target] = target
+        plan[local[name]] = filled[target] = target
     if extra:
         raise ValueError(f"unexpected tensors in checkpoint ({len(extra)}): {sorted(extra)[:8]}")
     missing = []
@@ -205,26 +212,36 @@ def _copy_into(t: torch.Tensor, index: tuple | None, value: torch.Tensor) -> Non
     dst.copy_(value)
 
 
-def load_model(path, dtype=None, device=None) -> HybridForCausalLM:
+def load_model(path, dtype=None, device=None, shard=None, random_weights: bool = False) -> HybridForCausalLM:
     """Build the model described by `path`/config.json (the family its `model_type` names) and
     fill it from its safetensors.
 
     dtype: torch dtype (or name) of the weights; None = the checkpoint's `dtype`, else fp32.
     A few small tensors (FP32_TENSORS) stay fp32. device: where to put the model (default cpu).
+    shard: one rank's tensor-parallel plan (hyla.parallel.tensor.ShardPlan): the model is built
+    from its per-rank config and only this rank's part of each tensor is read.
+    random_weights: no safetensors are read (a config.json is enough); every tensor is drawn as
+    hyla.bench.random_models does (benchmarks of released shapes, vLLM's load_format="dummy").
     Returns the model in eval mode with gradients disabled."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint directory {path} does not exist")
     config = load_config(path)
+    if shard is not None:
+        config = shard.configure(config)
     model_cls = family_classes(config.model_type)[1]
     dtype = resolve_dtype(dtype, config)
     device = torch.device("cpu" if device is None else device)
     with torch.device("meta"):
         model = model_cls(config)
+        if shard is not None:
+            shard.prepare(model)
     expected = {name: t.shape for name, t in model.state_dict().items()}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    files = weight_files(path)
-    plan = _plan(files, expected, optional, getattr(model_cls, "ignored_checkpoint_prefixes", ()))
+    files, plan = {}, {}
+    if not random_weights:
+        files = weight_files(path)
+        plan = _plan(files, expected, optional, getattr(model_cls, "ignored_checkpoint_prefixes", ()), shard)
 
     model.to(dtype)
     family_fp32 = getattr(model_cls, "fp32_tensors", ())  # a family's own fp32 tensors (name suffixes)
@@ -234,6 +251,10 @@ def load_model(path, dtype=None, device=None) -> HybridForCausalLM:
     model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
+    if random_weights:
+        from hyla.bench.random_models import init_random_
+
+        init_random_(model, 0.02, seed=0 if shard is None else shard.rank)
     targets = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for file in sorted(set(files.values())):
@@ -241,7 +262,8 @@ def load_model(path, dtype=None, device=None) -> HybridForCausalLM:
                 for name in f.keys():
                     if files.get(name) == file and name in plan:  # not ignored (mtp.*)
                         target, index = plan[name]
-                        _copy_into(targets[target], index, f.get_tensor(name))
+                        value = f.get_tensor(name) if shard is None else shard.read(name, f)
+                        _copy_into(targets[target], index, value)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
     return model

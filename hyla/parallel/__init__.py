@@ -1,4 +1,11 @@
-"""hyla.parallel: context parallelism for linear-attention layers over torch.distributed.
+"""hyla.parallel: context and tensor parallelism over torch.distributed.
+
+Tensor / expert parallelism (`LLM(model, tensor_parallel_size=N, enable_expert_parallel=...)`):
+workers.py (the worker processes, rank 0 = the engine's process), worker.py (what each rank
+runs), runner.py (the engine's runner that broadcasts each step), tensor.py (sharding by hooks
+and per-rank configs), plans.py + tp_<family>.py (what each family splits how).
+
+Context parallelism:
 
 - `chunk_kda_cp`, `chunk_gated_delta_rule_cp`: KCP forward (one local chunked pass giving the
   slice's outputs from a zero state and its fixed-size (M, S~) summary, one all-gather, a prefix

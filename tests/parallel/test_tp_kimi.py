@@ -1,0 +1,81 @@
+"""Kimi-Linear over 2 ranks (gloo, fp32) == one process, token for token, through LLM.generate:
+plain; with the prefix cache, n-gram speculation and preemption together; expert parallel."""
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+from hyla import LLM
+from hyla.models import load_model
+from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
+from tests.parallel.tp_cases import assert_same, generate, prompts, rank_bytes
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return build_kimi_checkpoint(tmp_path_factory.mktemp("tp-kimi"), "moe")
+
+
+@pytest.fixture(scope="module")
+def first():
+    return prompts()
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, first):
+    return generate(LLM(str(ckpt), dtype="float32"), first)
+
+
+def _tp(ckpt, **kw) -> LLM:
+    return LLM(str(ckpt), dtype="float32", tensor_parallel_size=2, **kw)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_tp2_equals_tp1_and_holds_half_the_weights(ckpt, first, reference):
+    llm = _tp(ckpt)
+    try:
+        assert_same(generate(llm, first, [r[0] for r in reference]), reference)
+        shard, full = llm.engine.model, load_model(ckpt)
+        assert shard.model.embed_tokens.weight.shape[0] == full.config.vocab_size // 2
+        assert shard.model.layers[0].self_attn.q_proj.weight.shape[0] * 2 == \
+            full.model.layers[0].self_attn.q_proj.weight.shape[0]
+        assert shard.weight_bytes() < 0.6 * full.weight_bytes()  # only the small replicated parts twice
+        pids = llm.engine.workers.pids
+    finally:
+        llm.shutdown()
+    assert all(_gone(p) for p in pids) and not dist.is_initialized()
+
+
+def test_tp2_prefix_cache_ngram_preemption(ckpt, first, reference):
+    slot, token = rank_bytes(ckpt, 2)
+    assert 16 * token < slot < 2 * 16 * token  # so the budget below is 10 slots + 12 pages per rank
+    # 10 slots (2 requests x (1 + 3) + 2 checkpoints), the other half 12 pages: the two long
+    # prompts start together and outgrow them
+    llm = _tp(ckpt, enable_prefix_caching=True, speculative_config=NGRAM, max_num_seqs=2, max_model_len=128,
+              memory_budget=20 * slot)
+    try:
+        assert_same(generate(llm, first, [r[0] for r in reference]), reference)
+        m = llm.get_metrics()
+    finally:
+        llm.shutdown()
+    assert m["prefix_cache_hit_tokens"] > 0 and m["spec_num_draft_tokens"] > 0 and m["num_preemptions"] > 0
+
+
+def test_expert_parallel_equals_tensor_sharded_experts(ckpt, first, reference):
+    llm = _tp(ckpt, enable_expert_parallel=True)
+    try:
+        assert_same(generate(llm, first, [r[0] for r in reference]), reference)
+        moe = llm.engine.model.model.layers[1].block_sparse_moe
+        assert moe.experts.num_experts == 8 and moe.experts.gate_up_proj.shape[1] == 2 * 32  # whole experts
+    finally:
+        llm.shutdown()
