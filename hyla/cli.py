@@ -49,6 +49,11 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
                    '"num_speculative_tokens": 4}\'')
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N devices (worker processes started by the engine)")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="whole experts per rank (with -tp N)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights from config.json alone (benchmarks)")
 
 
 def _engine_config(args):
@@ -63,7 +68,8 @@ def _engine_config(args):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, memory_budget=args.memory_budget,
         enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
-        enforce_eager=args.enforce_eager, seed=args.seed)
+        enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format)
 
 
 def _serve(args) -> None:
@@ -82,10 +88,27 @@ def _serve(args) -> None:
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     logging.getLogger("hyla").info("serving %s on http://%s:%d", name, args.host, args.port)
+    failure = []
+    if engine.workers is not None:  # a dead tensor-parallel worker stops the server, exit code 1
+        import signal
+
+        def stop(err):  # called in the engine's loop thread, inside the failing step
+            failure.append(err)
+            logging.getLogger("hyla").error("%s: stopping the server", err)
+            for rid in list(engine.requests):  # nothing left to step: the loop idles until shutdown
+                engine.abort_request(rid)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        engine.workers.on_failure = stop
     # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to the drain time,
     # then cancel them (their requests are aborted) and exit.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.shutdown_drain_s)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=args.shutdown_drain_s)
+    finally:
+        engine.shutdown()
+    if failure:
+        raise SystemExit(f"hyla serve: {failure[0]}")
 
 
 def _generate(args) -> None:

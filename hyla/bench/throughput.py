@@ -46,6 +46,7 @@ scripts/bench_moe_gpu.sh runs the whole MoE benchmark in one command.
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import statistics
 import tempfile
@@ -71,7 +72,7 @@ def _median_s(fn, repeat: int) -> float:
 
 # ---- offline: hyla vs transformers ------------------------------------------------------------
 
-def _hyla_generate(path, prompts, new_tokens, dtype, device):
+def _hyla_generate(path, prompts, new_tokens, dtype, device, tp: int = 1, expert_parallel: bool = False):
     from hyla import LLM, SamplingParams
     from hyla.models import memory
 
@@ -81,8 +82,11 @@ def _hyla_generate(path, prompts, new_tokens, dtype, device):
     # most half the budget).
     per_seq = memory.state_bytes_per_slot(config, torch.float32, dtype) + (max_len + 16) * memory.kv_bytes_per_token(
         config, dtype)
+    # (per rank under tensor parallelism: the whole model's sizes, more than a rank needs)
+    dummy = not any((Path(path) / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json"))
     llm = LLM(str(path), dtype=dtype, device=device, max_num_seqs=len(prompts), max_model_len=max_len,
-              memory_budget=2 * len(prompts) * per_seq + (1 << 20))
+              memory_budget=2 * len(prompts) * per_seq + (1 << 20), tensor_parallel_size=tp,
+              enable_expert_parallel=expert_parallel, load_format="dummy" if dummy else "auto")
 
     def run(m):
         params = SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
@@ -118,7 +122,8 @@ def offline(path, args) -> list[dict]:
 
         print(f"# transformers {transformers.__version__}")
     for name, make in engines:
-        run = make(path, prompts, args.new_tokens, dtype, args.device)
+        tp = dict(tp=args.tensor_parallel_size, expert_parallel=args.enable_expert_parallel) if name == "hyla" else {}
+        run = make(path, prompts, args.new_tokens, dtype, args.device, **tp)
         outputs[name] = run(args.new_tokens)  # warm-up, and the tokens compared below
         t_first = _median_s(lambda: run(1), args.repeat)
         t_all = _median_s(lambda: run(args.new_tokens), args.repeat)
@@ -128,8 +133,9 @@ def offline(path, args) -> list[dict]:
     same = None
     if "transformers" in outputs:
         same = sum(a == b for a, b in zip(outputs["hyla"], outputs["transformers"]))
+    tp = f", tensor parallel {args.tensor_parallel_size}" + (" (experts whole)" if args.enable_expert_parallel else "")
     print(f"# offline: {args.num_prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, "
-          f"{args.dtype}, {args.device}; medians of {args.repeat}")
+          f"{args.dtype}, {args.device}{tp if args.tensor_parallel_size > 1 else ''}; medians of {args.repeat}")
     print(f"{'engine':<14} {'prefill tok/s':>14} {'decode tok/s':>13} {'total s':>9}")
     for r in rows:
         print(f"{r['engine']:<14} {r['prefill_tok_s']:>14.0f} {r['decode_tok_s']:>13.1f} {r['total_s']:>9.2f}")
@@ -159,6 +165,11 @@ def _resolve_model(args, tmp: str) -> tuple[Path | None, str]:
     label = f"random {args.random_config}" + (f", first {args.layers} layers" if args.layers else "")
     if "offline" not in args.mode:
         return None, label  # built straight on the device
+    if args.tensor_parallel_size > 1:  # a config.json only: every rank draws its shard's weights
+        path = Path(tmp) / f"random-{args.random_config}"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(random_config_dict(args.random_config, args.layers)))
+        return path, label + ", random weights drawn on each rank"
     return random_checkpoint(tmp, args.random_config, args.seed), label
 
 
@@ -227,6 +238,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--moe-repeat", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="list the kernels of one eager decode step (CUDA)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="offline through LLM over N ranks (random weights drawn on each rank with --random-config)")
+    p.add_argument("--enable-expert-parallel", action="store_true")
     args = p.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
     modes = set(args.mode or [])
@@ -237,8 +251,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.moe_layer:
         modes.add("moe-layer")
     if not modes - {"both"}:
-        modes.add("decode" if cuda else "offline")
+        modes.add("decode" if cuda and args.tensor_parallel_size == 1 else "offline")
     args.mode = modes - {"both"}
+    if args.tensor_parallel_size > 1:
+        if args.mode != {"offline"}:
+            p.error("--tensor-parallel-size runs the offline engine benchmark only (--mode offline)")
+        args.no_transformers = True  # transformers runs on one device
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     if "prefill" in args.mode and not args.prefill_tokens:
         args.prefill_tokens = [8192]
@@ -246,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--new-tokens must be >= 2 (prefill is timed with 1)")
     if args.layers is not None and args.random_config is None:
         p.error("--layers cuts a --random-config")
-    if "offline" in args.mode and args.random_config and RANDOM_CONFIGS[args.random_config][0] is not None:
+    if ("offline" in args.mode and args.random_config and RANDOM_CONFIGS[args.random_config][0] is not None
+            and args.tensor_parallel_size == 1):
         p.error("--mode offline writes a checkpoint: use --random-config tiny or 1b")
     print(f"# hyla bench throughput: torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}")
