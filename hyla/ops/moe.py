@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.utils import work_dtype
 
 # torch.nn.functional.grouped_mm is the public name from torch 2.10 on; older builds have the op only.
@@ -91,8 +92,9 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, ids_sorted: t
 
 
 def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
-    """Sorted pairs and grouped GEMMs on the device (see the module docstring)."""
+                      ids: torch.Tensor, activation: GatedActivation = SILU) -> torch.Tensor:
+    """Sorted pairs and grouped GEMMs on the device (see the module docstring); `activation`
+    between the two GEMMs (hyla.ops.gated_act)."""
     _check(x, w13, w2, weights, ids)
     M, k = ids.shape
     I = w13.shape[1] // 2
@@ -100,7 +102,7 @@ def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     ids_sorted = ids.reshape(-1)[order]
     xs = x[order // k]  # [P, H] the token of each sorted pair
     gu = _grouped(xs, w13, ends, ids_sorted)  # [P, 2I]
-    h = F.silu(gu[:, :I]) * gu[:, I:]
+    h = activation(gu[:, :I], gu[:, I:])
     y = _grouped(h, w2, ends, ids_sorted)  # [P, H]
     work = work_dtype(x)
     unsorted = torch.empty_like(y, dtype=work).index_copy_(0, order, y.to(work))  # back to [M*k] pair order
@@ -171,14 +173,15 @@ def softmax_topk_route(logits: torch.Tensor, top_k: int, renormalize: bool = Tru
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor) -> torch.Tensor:
+                ids: torch.Tensor, activation: GatedActivation = SILU) -> torch.Tensor:
     """x: [M, H]; w13: [E, 2I, H]; w2: [E, H, I]; weights: [M, k] fp32; ids: [M, k] int64 ->
-    [M, H] in x.dtype. The Triton fused-MoE kernels on CUDA (no grad, not fp64; HYLA_BACKEND
-    overrides as for the other ops), the sorted grouped GEMMs elsewhere."""
+    [M, H] in x.dtype; `activation`: the experts' gated activation (SwiGLU by default). The
+    Triton fused-MoE kernels on CUDA (no grad, not fp64; HYLA_BACKEND overrides as for the other
+    ops), the sorted grouped GEMMs elsewhere."""
     from hyla.ops import dispatch
 
     if dispatch.backend_for(x, x, [x, w13, w2], heads=False) == "triton":
         from hyla.ops.triton.fused_moe import fused_moe
 
-        return fused_moe(x, w13, w2, weights, ids)
-    return moe_experts_torch(x, w13, w2, weights, ids)
+        return fused_moe(x, w13, w2, weights, ids, activation=activation)
+    return moe_experts_torch(x, w13, w2, weights, ids, activation)

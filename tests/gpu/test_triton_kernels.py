@@ -202,11 +202,17 @@ def test_split_router_equals_the_fp32_product():
     assert same >= 0.999, f"top-8 sets equal for {same:.4%} of tokens"
 
 
-def test_fused_moe_bf16_full_size():
+@pytest.mark.parametrize("act", ["silu", "clamped_silu", "situ"])
+def test_fused_moe_bf16_full_size(act):
     """The fused MoE at a prefill-sized batch of the Kimi-Linear-48B shape (8 of 256 experts,
-    hidden 2304, intermediate 1024), bf16 h and per-pair outputs: vs the fp64 loop on the same
-    bf16 values, within a few bf16 roundings (relative 1e-2)."""
+    hidden 2304, intermediate 1024), bf16 h and per-pair outputs, with each gated activation
+    (SwiGLU; GLM's clamp at 0.5 and K3's SiTU at scales that bite on these activations): vs the
+    fp64 loop on the same bf16 values, within a few bf16 roundings (relative 1e-2)."""
+    from hyla.ops.gated_act import GatedActivation
     from hyla.ops.triton.fused_moe import fused_moe
+
+    activation = {"silu": GatedActivation(), "clamped_silu": GatedActivation("clamped_silu", limit=0.5),
+                  "situ": GatedActivation("situ", beta=0.5, linear_beta=0.5)}[act]
 
     gen = torch.Generator(device=DEV).manual_seed(5)
     M, H, I, E, k = 2048, 2304, 1024, 256, 8
@@ -215,11 +221,11 @@ def test_fused_moe_bf16_full_size():
     w2 = (torch.randn(E, H, I, generator=gen, device=DEV) / I ** 0.5).to(torch.bfloat16)
     ids = torch.rand(M, E, generator=gen, device=DEV).topk(k, dim=-1).indices
     weights = torch.rand(M, k, generator=gen, device=DEV)
-    got = fused_moe(x, w13, w2, weights, ids)
+    got = fused_moe(x, w13, w2, weights, ids, activation=activation)
     want = torch.zeros(M, H, dtype=torch.float64, device=DEV)
     for e in range(E):  # fp64, one expert at a time over the pairs that chose it
         m, j = (ids == e).nonzero(as_tuple=True)
         gu = x[m].double() @ w13[e].double().t()
-        h = F.silu(gu[:, :I]) * gu[:, I:]
+        h = activation(gu[:, :I], gu[:, I:])
         want.index_add_(0, m, weights[m, j, None].double() * (h @ w2[e].double().t()))
-    check("fused MoE bf16", got, want, tol=1e-2)
+    check(f"fused MoE bf16 {act}", got, want, tol=1e-2)

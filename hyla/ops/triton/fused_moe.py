@@ -9,8 +9,9 @@ ids [M, k] -> [M, H]). The scheme is the one vLLM and SGLang use for their fused
    buffer has its worst-case length P + min(E, P) * (BLOCK_M - 1) for a given M: shapes are
    fixed, nothing is read back on the host, so a CUDA graph can capture the step.
 2. `_gate_up_kernel`: each program multiplies one block of rows (gathered from x by token) by
-   one BLOCK_N slice of its expert's gate and up rows, and writes silu(gate) * up (fp32
-   epilogue, rounded once) for the pairs: h [P, I].
+   one BLOCK_N slice of its expert's gate and up rows, and writes the gated activation (fp32
+   epilogue, rounded once: silu(gate) * up, GLM's clamped SwiGLU or K3's SiTU) for the pairs:
+   h [P, I].
 3. `_down_kernel`: the same over h (rows are pairs, not tokens) and w2, each row scaled by its
    routing weight in the fp32 epilogue and written per pair in x's dtype: y [P, H].
 4. `_sum_slots_kernel`: out[m] = sum_j y[m, j] in fp32, the k contributions of a token in slot
@@ -29,11 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
+from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.moe import _check, sort_pairs_by_expert
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.norm import to_dtype
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
+
+_ACT = {"silu": 0, "clamped_silu": 1, "situ": 2}  # the ACT constexpr of _gate_up_kernel
 
 
 def aligned_rows(pairs: int, num_experts: int, block_m: int) -> int:
@@ -156,9 +160,30 @@ def _block_ids(NB, NN, GM: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 through exp (saturates to +-1 without overflow to nan)."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _gated(g, u, ACT: tl.constexpr, LIMIT, BETA, LBETA, HAS_LBETA: tl.constexpr):
+    """The gated activation (hyla.ops.gated_act) of fp32 gate / up tiles, in fp32."""
+    if ACT == 1:  # clamped_silu
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    if ACT == 2:  # situ
+        out = BETA * _tanh(g / BETA) * (1.0 / (1.0 + tl.exp(-g)))
+        if HAS_LBETA:
+            u = LBETA * _tanh(u / LBETA)
+        return out * u
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, P, I, H,
-                    s_xm, s_we, s_wn, s_hm, NB, NN, top_k: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
+                    s_xm, s_we, s_wn, s_hm, NB, NN, LIMIT, BETA, LBETA, top_k: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr,
+                    ACT: tl.constexpr, HAS_LBETA: tl.constexpr):
     i_m, i_n = _block_ids(NB, NN, GM)
     e = tl.load(block_expert + i_m).to(tl.int64)
     if e < 0:
@@ -181,7 +206,7 @@ def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, P, I, H,
         bu = tl.load(u_ptr + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
         acc_g += _dot(a, bg, IEEE)
         acc_u += _dot(a, bu, IEEE)
-    out = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, fp32
+    out = _gated(acc_g, acc_u, ACT, LIMIT, BETA, LBETA, HAS_LBETA)  # e.g. silu(gate) * up, fp32
     tl.store(h + pair[:, None].to(tl.int64) * s_hm + o_n[None, :], out.to(h.dtype.element_ty),
              mask=live[:, None] & m_n[None, :])
 
@@ -239,10 +264,11 @@ def _config(pairs: int, num_experts: int) -> dict:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+              ids: torch.Tensor, config: dict | None = None, activation: GatedActivation = SILU) -> torch.Tensor:
     """x: [M, H]; w13: [E, 2I, H]; w2: [E, H, I]; weights: [M, k] (fp32); ids: [M, k] int64 ->
     [M, H] in x.dtype. See the module docstring. config: block sizes and launch options (keys
-    of `_config`'s result) instead of the defaults (the benchmark's sweep)."""
+    of `_config`'s result) instead of the defaults (the benchmark's sweep). activation: the
+    experts' gated activation (hyla.ops.gated_act), computed in the first GEMM's epilogue."""
     _check(x, w13, w2, weights, ids)
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
@@ -262,7 +288,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     nn_up, nn_down = triton.cdiv(I, BN), triton.cdiv(H, BN)
     _gate_up_kernel[(nb * nn_up,)](
         x, w13, h, sorted_pairs, block_expert, P, I, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        nb, nn_up, top_k=k, BM=BM, BN=BN, BK=BK, GM=GM, IEEE=ieee, **cfg)
+        nb, nn_up, float(activation.limit or 0.0), float(activation.beta or 1.0), float(activation.linear_beta or 1.0),
+        top_k=k, BM=BM, BN=BN, BK=BK, GM=GM, IEEE=ieee, ACT=_ACT[activation.kind],
+        HAS_LBETA=activation.linear_beta is not None, **cfg)
     # per-pair outputs in x's dtype (as vLLM / SGLang keep them): at prefill sizes y is the
     # largest buffer of the layer (8K tokens x 8 slots x 2304), and fp32 doubled its traffic
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)
