@@ -173,25 +173,8 @@ class LLMEngine:
         self.metrics["num_steps"] += 1
         self.runner.apply_copies(batch.slot_copies, batch.page_copies)
         plain, spec = batch.split()
-        guided = [seq for seq in spec.seqs if seq.guide is not None]
-        if guided:
-            plain, spec = self._unspeculate(plain, spec)
         outputs = self._plain_step(plain) if plain.seqs else []
-        for seq in guided:
-            self.scheduler.trim(seq)  # the pages reserved for its drafts go back
         return outputs + (self._spec_step(spec) if spec.seqs else [])
-
-    @staticmethod
-    def _unspeculate(plain: ScheduledBatch, spec: ScheduledBatch) -> tuple[ScheduledBatch, ScheduledBatch]:
-        """Guided (structured-output) decodes run as plain decodes: the acceptance rule of the
-        drafts knows no grammar, so the sampler's grammar mask must choose their token."""
-        rest = ScheduledBatch()
-        for seq, n, e, k in zip(spec.seqs, spec.num_new_tokens, spec.exports, spec.max_drafts):
-            if seq.guide is not None:
-                plain.add(seq, n, e)
-            else:
-                rest.add(seq, n, e, k)
-        return plain, rest
 
     def _plain_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Prefill chunks and (non-speculative) decodes: one forward, one sample per finished prompt."""

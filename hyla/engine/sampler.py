@@ -5,7 +5,9 @@ copy of them per step), and exactly one device->host copy per step (`_to_host`):
 per-row failure flag and the requested logprobs, packed into one tensor.
 
 Structured outputs: a guided row's grammar masks the tokens it does not allow (`guide_mask`)
-after logit_bias and the penalties, before greedy or sampled choice.
+after logit_bias and the penalties, before greedy or sampled choice; under speculative decoding
+`guide_drafts` cuts a request's drafts where its grammar rejects one and gives the mask of every
+verify position, which the acceptance rule applies in the same place.
 
 Draws use the exponential race: argmax(probs / E) with E ~ Exp(1) is a draw from probs, so no
 torch.multinomial is needed. A seeded request draws its E from its own generator (on the device),
@@ -81,13 +83,53 @@ def guide_mask(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             seqs[i].guide.fill_next_token_bitmask(words, j)
         except Exception:  # noqa: BLE001 - a broken matcher fails its own row (nothing allowed), not the step
             words[j] = 0
-    words = words.to(x.device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
-    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :V]  # [G, V]
+    allowed = unpack_bitmask(words, V, x.device)  # [G, V]
     rows = torch.tensor(guided, dtype=torch.long).to(x.device, non_blocking=True)
     x = x.clone()
     x[rows] = x[rows].masked_fill(~allowed, _NEG_INF)
     return x
+
+
+def unpack_bitmask(words: torch.Tensor, V: int, device) -> torch.Tensor:
+    """int32 bitmask [G, ceil(V / 32)] on the host -> allowed [G, V] bool on `device` (no sync)."""
+    words = words.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :V]
+
+
+def guide_drafts(guide, drafts: list[int], keep_rejected: bool, V: int) -> tuple[list[int], torch.Tensor]:
+    """Speculative decoding with a grammar: walk the request's matcher over its drafts, filling
+    the grammar's mask at every verify position, and cut the drafts at the first token it rejects
+    (or after its stop token: nothing may follow). -> (the drafts kept, int32 bitmask
+    [1 + len(kept), ceil(V / 32)] on the host: row i = the mask after kept[:i], for the acceptance
+    rule). The matcher ends where it started (rolled back): the engine advances it by the tokens
+    the verify step emits, as for any sampled token.
+
+    keep_rejected: keep the rejected token as the last draft (q-drafters). The acceptance rule
+    then rejects it for certain (its target probability is 0 under the mask) and draws from the
+    residual max(p - q, 0), which an exact sampler needs: cutting before it would draw from p.
+    A point-mass draft (prompt lookup) has residual p there, so it is cut (one verify row fewer).
+    A matcher without rollback drafts nothing."""
+    words = torch.full((1 + len(drafts), (V + 31) // 32), -1, dtype=torch.int32)  # rows past a cut: never read
+    if not hasattr(guide, "rollback"):
+        drafts = []
+    cut, taken = len(drafts), 0
+    try:
+        for i, d in enumerate(drafts):
+            guide.fill_next_token_bitmask(words, i)
+            if not (int(words[i, d // 32]) >> (d % 32)) & 1 or not guide.accept_token(d):
+                cut = i + 1 if keep_rejected else i
+                break
+            taken += 1
+            if guide.is_terminated():
+                cut = i + 1
+                break
+        else:
+            guide.fill_next_token_bitmask(words, len(drafts))
+    finally:
+        if taken:
+            guide.rollback(taken)
+    return drafts[:cut], words[: 1 + cut]
 
 
 def probs_batch(x: torch.Tensor, params: list) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from hyla.engine.config import SpecConfig
-from hyla.engine.sampler import choose, distribution, penalize
+from hyla.engine.sampler import choose, distribution, guide_drafts, penalize, unpack_bitmask
 
 
 class Drafter:
@@ -65,11 +65,13 @@ class NgramDrafter(Drafter):
         return []
 
 
-def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq, generator) -> list[int]:
+def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq, generator,
+           allowed: torch.Tensor | None = None) -> list[int]:
     """The tokens a verify step appends: accepted drafts, then one token from the target.
 
     logits: [1 + k, V] raw target logits at x0, d1..dk; q: [k, V] draft probabilities (None: the
-    drafts were certain, as from prompt lookup).
+    drafts were certain, as from prompt lookup); allowed: [1 + k, V] bool, a guided request's
+    grammar mask at each position (guide_drafts), applied where the sampler applies it.
     Greedy: accept the longest prefix of drafts equal to the target's argmax, then emit the
     target's own token. Sampling (the standard rule, Leviathan et al. / Chen et al.):
       accept d_i with probability min(1, p(d_i) / q(d_i));
@@ -83,6 +85,8 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq,
     out: list[int] = []
     for i in range(len(drafts) + 1):
         row = penalize(logits[i].float(), params, history, out_hist)
+        if allowed is not None:  # p is the grammar-masked distribution the plain sampler draws from
+            row = row.masked_fill(~allowed[i], float("-inf"))
         if i == len(drafts):
             out.append(choose(row, params, generator))
             return out
@@ -180,6 +184,10 @@ class SpecDecoder:
         the verify forward raises (the engine isolates the failing request)."""
         proposals = self.drafter.propose(seqs, max_drafts, generator)
         drafts = [d for d, _ in proposals]
+        masks: list[torch.Tensor | None] = [None] * len(seqs)
+        for j, (seq, (d, q)) in enumerate(zip(seqs, proposals)):
+            if seq.guide is not None:  # drafts past the grammar's first rejection are never verified
+                drafts[j], masks[j] = guide_drafts(seq.guide, d, q is not None, self.runner.model.config.vocab_size)
         # Every row may be padded to 1 + k tokens (a fixed shape: a CUDA graph), also when a
         # request near its token limits drafts fewer: padding positions are never accepted, and
         # where their KV has no page it lands in the runner's scratch page.
@@ -191,11 +199,12 @@ class SpecDecoder:
         else:
             logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float()  # stays on the device
         results, start = [], 0
-        for seq, d, (_, q) in zip(seqs, drafts, proposals):
+        for seq, d, (_, q), words in zip(seqs, drafts, proposals, masks):
             rows = logits[start : start + 1 + len(d)]
             start += 1 + len(d)
             gen = seq.generator if seq.generator is not None else generator
-            results.append(Verified(accept(rows, d, q, seq, gen), rows, len(d)))
+            allowed = None if words is None else unpack_bitmask(words, rows.shape[-1], rows.device)
+            results.append(Verified(accept(rows, d, q, seq, gen, allowed), rows, len(d)))
         return results
 
     def commit(self, seqs, kept: list[int]) -> None:
