@@ -132,9 +132,17 @@ class Sequence:
         all of it. tokenizer: hyla's Tokenizer (DecodeStream wants the `tokenizers` one inside)
         or a `tokenizers.Tokenizer`."""
         hf = getattr(tokenizer, "tokenizer", tokenizer)
-        for token in self.output_token_ids[self._num_decoded:]:
-            self.text += self._decoder.step(hf, token) or ""
-        self._num_decoded = len(self.output_token_ids)
+        ids = self.output_token_ids
+        for i in range(self._num_decoded, len(ids)):
+            try:
+                self.text += self._decoder.step(hf, ids[i]) or ""
+            except Exception:  # noqa: BLE001 - its InvalidPrefix must not fail the engine's step
+                # A decoder whose clean-up rewrites text left of the new token (e.g. WordPiece's):
+                # take the full decode as the text, and go on from a stream primed with every id.
+                skip = self.params.skip_special_tokens
+                self.text = hf.decode(ids[: i + 1], skip_special_tokens=skip).rstrip("\ufffd")
+                self._decoder = DecodeStream(ids=ids[: i + 1], skip_special_tokens=skip)
+        self._num_decoded = len(ids)
 
     def finish(self, reason: str, stop_reason=None, drop_text_of_last: bool = False, tokenizer=None) -> None:
         self.finish_reason = reason

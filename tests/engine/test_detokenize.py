@@ -91,3 +91,29 @@ def test_a_stop_string_inside_one_long_token_is_found():
         if seq.is_finished:
             break
     assert seq.finish_reason == "stop" and seq.text == "x = 1"
+
+
+class _FailsOnce:
+    """Stands in for DecodeStream, raising as its InvalidPrefix does once, then decoding."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, 0
+
+    def step(self, tokenizer, token):
+        self.calls += 1
+        if self.calls == 3:
+            raise Exception("DecodeStream failed: InvalidPrefix")  # noqa: TRY002 - what tokenizers raises
+        return "?"  # never reached after the failure: the sequence replaces its stream
+
+
+def test_a_failing_stream_resyncs_to_the_full_decode():
+    """A decoder error must not fail the step (check_stop runs outside the engine's guards): the
+    text becomes the full decode and later tokens continue from there."""
+    tok = load_tokenizer(default_model_path())
+    ids = tok.encode("def f(x):\n    return 'héllo' + x\n", add_special_tokens=False)
+    seq = Sequence("r", None, [1, 2, 3], SamplingParams(max_tokens=100), max_tokens=100, eos_token_id=None)
+    seq._decoder = _FailsOnce(tok)
+    for t in ids:
+        seq.append_token(t, None)
+        seq.check_stop(tok)
+    assert seq.text == tok.decode(ids)
