@@ -14,6 +14,7 @@ PLANS = {
     "qwen3_5_moe_text": "hyla.parallel.tp_qwen3_next:Qwen3NextShardPlan",
     "qwen3_5": "hyla.parallel.tp_qwen3_next:Qwen3NextShardPlan",
     "qwen3_5_moe": "hyla.parallel.tp_qwen3_next:Qwen3NextShardPlan",
+    "glm5_next": "hyla.parallel.tp_glm5_next:Glm5NextShardPlan",
 }
 
 

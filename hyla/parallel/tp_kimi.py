@@ -15,12 +15,15 @@ Per rank (N ranks):
 
 from __future__ import annotations
 
+from hyla.layers.clamped_swiglu import ClampedMLP
 from hyla.layers.mlp import MLP
 from hyla.layers.moe import MoE, StackedExperts
 from hyla.parallel.tensor import ShardPlan, divide, shrink
 
 
 class KimiShardPlan(ShardPlan):
+    shared_field = "num_shared_experts"  # the config field counting the shared experts (GLM-5-Next: n_shared_experts)
+
     def local_config(self, config):
         n = self.world
         sizes = dict(linear_num_heads=divide(config, "linear_num_heads", n),
@@ -30,10 +33,11 @@ class KimiShardPlan(ShardPlan):
         if "sparse" in config.mlp_layer_types:
             if self.expert_parallel:
                 self.local_ep_experts(config.num_experts)
-                if (config.moe_intermediate_size * config.num_shared_experts) % n:
+                shared = getattr(config, self.shared_field)
+                if (config.moe_intermediate_size * shared) % n:
                     raise ValueError(f"tensor_parallel_size={n} does not divide the shared experts' width, config "
-                                     f"fields `moe_intermediate_size` x `num_shared_experts` "
-                                     f"({config.moe_intermediate_size} x {config.num_shared_experts})")
+                                     f"fields `moe_intermediate_size` x `{self.shared_field}` "
+                                     f"({config.moe_intermediate_size} x {shared})")
             else:
                 sizes["moe_intermediate_size"] = divide(config, "moe_intermediate_size", n)
         self.full = config
@@ -71,6 +75,8 @@ class KimiShardPlan(ShardPlan):
                 module.experts = StackedExperts(c.num_experts // self.world, c.hidden_size, c.moe_intermediate_size,
                                                 module.experts.swiglu_limit)
                 if module.shared_experts is not None:
-                    width = c.moe_intermediate_size * c.num_shared_experts // self.world
-                    module.shared_experts = MLP(c.hidden_size, width)
+                    width = c.moe_intermediate_size * getattr(c, self.shared_field) // self.world
+                    limit = module.experts.swiglu_limit
+                    module.shared_experts = (MLP(c.hidden_size, width) if limit is None
+                                             else ClampedMLP(c.hidden_size, width, limit))
                 module.gate.register_forward_hook(self.expert_parallel_hook(c.num_experts))
