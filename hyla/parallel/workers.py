@@ -50,6 +50,8 @@ class WorkerGroup:
                              "engine per process (shut the other one down first)")
         self.world, self.device = world, torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.device.index or 0)  # rank 0's NCCL communicators live on its device
         self.closed, self.dead = False, None  # dead: (rank, exit code) of the first worker seen to exit
         self.ctrl = None
         self.procs: list[subprocess.Popen] = []

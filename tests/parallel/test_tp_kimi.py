@@ -79,3 +79,18 @@ def test_expert_parallel_equals_tensor_sharded_experts(ckpt, first, reference):
         assert moe.experts.num_experts == 8 and moe.experts.gate_up_proj.shape[1] == 2 * 32  # whole experts
     finally:
         llm.shutdown()
+
+
+def test_tp4_with_a_draft_model(ckpt, tmp_path_factory):
+    """4 ranks (3 workers) on the dense variant (4 KDA / 4 MLA heads); the draft model (the MoE
+    checkpoint, unsharded) runs on rank 0 beside the scheduler."""
+    dense = build_kimi_checkpoint(tmp_path_factory.mktemp("tp-kimi-dense"), "dense")
+    first = prompts(seed=3, lengths=(40, 17, 1))
+    reference = generate(LLM(str(dense), dtype="float32"), first)
+    llm = LLM(str(dense), dtype="float32", tensor_parallel_size=4,
+              speculative_config={"method": "draft_model", "model": str(ckpt), "num_speculative_tokens": 2})
+    try:
+        assert_same(generate(llm, first, [r[0] for r in reference]), reference)
+        assert llm.get_metrics()["spec_num_draft_tokens"] > 0 and len(llm.engine.workers.pids) == 3
+    finally:
+        llm.shutdown()
