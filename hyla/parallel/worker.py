@@ -110,7 +110,7 @@ def serve(worker: Worker, ctrl) -> int:
         try:
             getattr(worker, name)(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - reported (reply) or logged; rank 0 decides
-            error = f"rank {worker.rank}: {type(err).__name__}: {err}"
+            error = (type(err).__name__, f"rank {worker.rank}: {type(err).__name__}: {err}")
             log.exception("rank %d: command %s failed", worker.rank, name)
         if reply:
             try:

@@ -134,7 +134,7 @@ class WorkerGroup:
             try:
                 result = getattr(self.worker, name)(*args, **kwargs)
             except Exception as err:  # noqa: BLE001 - gathered with the others' outcome below
-                error = f"rank 0: {type(err).__name__}: {err}"
+                error = (type(err).__name__, f"rank 0: {type(err).__name__}: {err}")
             errors = [None] * self.world
             dist.all_gather_object(errors, error, group=self.ctrl)
         except TensorParallelError:
@@ -144,8 +144,9 @@ class WorkerGroup:
                 self._fail(err)
             raise
         failed = [e for e in errors if e is not None]
-        if failed:
-            raise RuntimeError(f"{name} failed on {len(failed)} of {self.world} ranks: " + "; ".join(failed))
+        if failed:  # a ValueError everywhere (e.g. a checkpoint that does not match) stays one
+            kind = ValueError if all(k == "ValueError" for k, _ in failed) else RuntimeError
+            raise kind(f"{name} failed on {len(failed)} of {self.world} ranks: " + "; ".join(m for _, m in failed))
         return result
 
     def _broken(self, err: Exception) -> bool:

@@ -103,3 +103,27 @@ def test_killed_worker_ends_the_engine_without_orphans(kimi):
     assert all(_gone(p) for p in pids) and not dist.is_initialized()
     with pytest.raises(TensorParallelError):  # and it stays down
         engine.step()
+
+
+def test_worker_that_cannot_start(kimi, monkeypatch):
+    monkeypatch.setattr("sys.executable", "/bin/false")  # the worker command exits with 1 at once
+    with pytest.raises(TensorParallelError, match="worker 1 exited with code 1 during startup"):
+        LLM(str(kimi), dtype="float32", tensor_parallel_size=2)
+    assert not dist.is_initialized()
+
+
+def test_checkpoint_every_rank_rejects(tmp_path, kimi):
+    """A tensor of the wrong shape: every rank's loader refuses it; the engine raises that
+    ValueError and the workers are gone."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((kimi / "config.json").read_text())
+    tensors = load_file(kimi / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("q_proj.weight"))
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"load failed on 2 of 2 ranks: rank 0: ValueError: shape mismatch"):
+        LLM(str(bad), dtype="float32", tensor_parallel_size=2)
+    assert not dist.is_initialized()
