@@ -148,7 +148,7 @@ def main() -> int:
     ctrl = init_groups(backend, store, rank, world, timeout)
     torch.set_grad_enabled(False)
     code = serve(Worker(rank, world), ctrl)
-    if code == 0:
+    if code == 0 and backend != "nccl":  # NCCL's may hang after a CUDA-graph capture (pytorch#115388): just exit
         dist.destroy_process_group()
     return code
 

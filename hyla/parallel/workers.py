@@ -191,7 +191,14 @@ class WorkerGroup:
                     proc.kill()
                     proc.wait()
         if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                log.exception("leaving the process group failed")
+            # NCCL's destroy may hang after a CUDA-graph capture (pytorch#115388): bounded wait
+            leave = threading.Thread(target=self._leave, name="hyla-tp-leave", daemon=True)
+            leave.start()
+            leave.join(timeout=10.0)
+
+    @staticmethod
+    def _leave() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            log.exception("leaving the process group failed")
