@@ -57,8 +57,11 @@ class LLMEngine:
         # checkpoints live in state slots too: reserve as many again as running requests.
         per_seq = config.slots_per_seq
         extra = config.max_num_seqs if config.enable_prefix_caching else 0
+        budget = config.memory_budget
+        if budget is None and self.workers is not None and self.model.device.type == "cuda":
+            budget = self.workers.pool_budget()  # the tightest rank's free memory
         num_slots, num_pages = size_pools(
-            self.model, budget=config.memory_budget, max_num_seqs=config.max_num_seqs,
+            self.model, budget=budget, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
             device=self.model.device, extra_slots=extra, slots_per_seq=per_seq)
         self.pools = Pools(num_pages, num_slots, config.page_size)

@@ -67,6 +67,11 @@ class Worker:
         warm = torch.ones(1, device=device)
         dist.all_reduce(warm)  # the model group's communicators exist before any CUDA-graph capture
 
+    def free_memory(self) -> int:
+        """Free bytes on this rank's device (0 on the CPU): the pools are sized by the tightest rank."""
+        device = self.model.device
+        return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+
     def make_runner(self, num_slots: int, num_pages: int, page_size: int, state_dtype, enforce_eager: bool) -> None:
         from hyla.engine.model_runner import ModelRunner
 
@@ -106,15 +111,15 @@ def serve(worker: Worker, ctrl) -> int:
         name, args, kwargs, reply = box[0]
         if name == "exit":
             return 0
-        error = None
+        error, result = None, None
         try:
-            getattr(worker, name)(*args, **kwargs)
+            result = getattr(worker, name)(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - reported (reply) or logged; rank 0 decides
             error = (type(err).__name__, f"rank {worker.rank}: {type(err).__name__}: {err}")
             log.exception("rank %d: command %s failed", worker.rank, name)
         if reply:
             try:
-                dist.all_gather_object([None] * worker.world, error, group=ctrl)
+                dist.all_gather_object([None] * worker.world, (error, result), group=ctrl)
             except Exception:  # noqa: BLE001
                 return 1
 

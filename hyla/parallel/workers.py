@@ -54,6 +54,7 @@ class WorkerGroup:
             torch.cuda.set_device(self.device.index or 0)  # rank 0's NCCL communicators live on its device
         self.closed, self.dead = False, None  # dead: (rank, exit code) of the first worker seen to exit
         self.ctrl = None
+        self.replies: list = []  # every rank's result of the last reply call
         self.procs: list[subprocess.Popen] = []
         self.worker = Worker(0, world)
         self.on_failure = None  # callable(TensorParallelError), e.g. the server stopping itself
@@ -69,6 +70,12 @@ class WorkerGroup:
             raise
         for rank, proc in enumerate(self.procs, start=1):
             threading.Thread(target=self._watch, args=(rank, proc), name=f"hyla-tp-watch-{rank}", daemon=True).start()
+
+    def pool_budget(self) -> int:
+        """90% of the free memory of the tightest rank (the pools have the same counts on every
+        rank), as size_pools takes of one device."""
+        self.call("free_memory", reply=True)
+        return int(min(self.replies) * 0.9)
 
     @property
     def pids(self) -> list[int]:
@@ -120,8 +127,9 @@ class WorkerGroup:
     # -- commands -------------------------------------------------------------------------------
     def call(self, name: str, *args, reply: bool = False, **kwargs):
         """Run Worker.<name>(*args, **kwargs) on every rank: broadcast it, then run it here.
-        reply: wait for every rank's outcome and raise the first error (startup commands).
-        Returns rank 0's result. Raises TensorParallelError when the group is broken."""
+        reply: wait for every rank's outcome and raise the errors (startup commands); the
+        results of all ranks are then in `self.replies`. Returns rank 0's result. Raises
+        TensorParallelError when the group is broken."""
         if self.closed:
             raise TensorParallelError(self._death() if self.dead else "the tensor-parallel group is closed")
         if self.dead is not None:
@@ -135,15 +143,16 @@ class WorkerGroup:
                 result = getattr(self.worker, name)(*args, **kwargs)
             except Exception as err:  # noqa: BLE001 - gathered with the others' outcome below
                 error = (type(err).__name__, f"rank 0: {type(err).__name__}: {err}")
-            errors = [None] * self.world
-            dist.all_gather_object(errors, error, group=self.ctrl)
+            outcomes = [None] * self.world
+            dist.all_gather_object(outcomes, (error, result), group=self.ctrl)
         except TensorParallelError:
             raise
         except Exception as err:  # noqa: BLE001 - sorted out by _fail
             if self._broken(err):
                 self._fail(err)
             raise
-        failed = [e for e in errors if e is not None]
+        failed = [e for e, _ in outcomes if e is not None]
+        self.replies = [r for _, r in outcomes]
         if failed:  # a ValueError everywhere (e.g. a checkpoint that does not match) stays one
             kind = ValueError if all(k == "ValueError" for k, _ in failed) else RuntimeError
             raise kind(f"{name} failed on {len(failed)} of {self.world} ranks: " + "; ".join(m for _, m in failed))

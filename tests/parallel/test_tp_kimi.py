@@ -50,6 +50,7 @@ def test_tp2_equals_tp1_and_holds_half_the_weights(ckpt, first, reference):
         assert shard.model.layers[0].self_attn.q_proj.weight.shape[0] * 2 == \
             full.model.layers[0].self_attn.q_proj.weight.shape[0]
         assert shard.weight_bytes() < 0.6 * full.weight_bytes()  # only the small replicated parts twice
+        assert llm.engine.workers.pool_budget() == 0  # every rank answered; CPUs report no device memory
         pids = llm.engine.workers.pids
     finally:
         llm.shutdown()
