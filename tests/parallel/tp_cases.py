@@ -9,7 +9,7 @@ from hyla.models import memory
 from hyla.models.loader import load_config
 from hyla.parallel.plans import make_plan
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
 LOGPROB_TOL = 1e-4  # fp32: TP sums the row-parallel products in another order (~1e-6 seen)
 
 
@@ -23,8 +23,9 @@ def prompts(seed: int = 0, lengths: tuple[int, ...] = (95, 94, 1)) -> list[list[
 
 
 def follow_ups(first: list[list[int]], outputs: list[list[int]]) -> list[list[int]]:
-    """A second turn of some of `first`: prompt + its output + new tokens (prefix-cache hits)."""
-    return [first[i] + outputs[i] + [5, 6, 7][: i + 1] for i in (3, 2, 1)]
+    """A second turn of all but the first of `first`, the latest first (still cached under a
+    small budget): prompt + its output + new tokens (prefix-cache hits)."""
+    return [first[i] + outputs[i] + [5, 6, 7][: i % 3 + 1] for i in range(len(first) - 1, 0, -1)]
 
 
 def generate(llm: LLM, first: list[list[int]], ref_outputs: list[list[int]] | None = None):
