@@ -1,5 +1,6 @@
 """Kimi-Linear over 2 ranks (gloo, fp32) == one process, token for token, through LLM.generate:
-plain; with the prefix cache, n-gram speculation and preemption together; expert parallel."""
+plain; with the prefix cache, n-gram speculation, preemption and chunked prefill together;
+expert parallel; 4 ranks with a draft model."""
 
 import os
 
@@ -57,13 +58,13 @@ def test_tp2_equals_tp1_and_holds_half_the_weights(ckpt, first, reference):
     assert all(_gone(p) for p in pids) and not dist.is_initialized()
 
 
-def test_tp2_prefix_cache_ngram_preemption(ckpt, first, reference):
+def test_tp2_prefix_cache_ngram_preemption_chunked_prefill(ckpt, first, reference):
     slot, token = rank_bytes(ckpt, 2)
     assert 16 * token < slot < 2 * 16 * token  # so the budget below is 10 slots + 12 pages per rank
     # 10 slots (2 requests x (1 + 3) + 2 checkpoints), the other half 12 pages: the two long
     # prompts start together and outgrow them
     llm = _tp(ckpt, enable_prefix_caching=True, speculative_config=NGRAM, max_num_seqs=2, max_model_len=128,
-              memory_budget=20 * slot)
+              memory_budget=20 * slot, max_num_batched_tokens=64)  # and the long prompts prefill in chunks
     try:
         assert_same(generate(llm, first, [r[0] for r in reference]), reference)
         m = llm.get_metrics()
