@@ -143,6 +143,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     _die_with_parent(int(os.environ["HYLA_TP_PARENT"]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
     backend = os.environ.get("HYLA_TP_BACKEND", "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
