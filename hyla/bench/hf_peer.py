@@ -122,10 +122,15 @@ def build_peer(model, config_dict: dict, experts_implementation: str = "grouped_
         hf.set_experts_implementation(experts_implementation)
     sd = model.state_dict()
     num_experts = getattr(model.config, "num_experts", 0)
-    missing = []
+    # parts hyla does not build (a vision tower): allocated uninitialised, never run by a text forward
+    unused = tuple(getattr(type(model), "ignored_checkpoint_prefixes", ()))
+    missing, unbuilt = [], set()
     with torch.no_grad():
         for name, want in hf.state_dict(keep_vars=True).items():
             t = _source(name, sd, names, num_experts)
+            if t is None and name.startswith(unused):
+                unbuilt.add(next(p for p in unused if name.startswith(p)).rstrip("."))
+                continue
             if t is None:
                 missing.append(name)
                 continue
@@ -136,6 +141,8 @@ def build_peer(model, config_dict: dict, experts_implementation: str = "grouped_
             _set_tensor(hf, name, t)
     if missing:
         raise ValueError(f"no hyla tensor for {len(missing)} transformers tensors: {missing[:6]}")
+    for name in sorted(unbuilt):
+        hf.get_submodule(name).to_empty(device=model.device)
     if config.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     _rebuild_meta_buffers(hf, model.device)
@@ -190,13 +197,14 @@ def _cache_kwarg(hf) -> str:
 
 
 def _layer_tensors(layer) -> dict:
-    """{attribute: tensor or {state index: tensor}} of one transformers cache layer."""
+    """{attribute: tensor or {state index: tensor}} of one transformers cache layer: every tensor
+    it holds (keys / values, an indexer's keys, empty NoPE values included) and its dicts of
+    tensors (linear layers' conv and recurrent states)."""
     out = {}
-    for attr in ("keys", "values", "conv_states", "recurrent_states"):
-        v = getattr(layer, attr, None)
-        if isinstance(v, torch.Tensor) and v.numel():
+    for attr, v in vars(layer).items():
+        if isinstance(v, torch.Tensor):
             out[attr] = v
-        elif isinstance(v, dict):
+        elif isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values()):
             out[attr] = {k: t for k, t in v.items() if isinstance(t, torch.Tensor)}
     return out
 

@@ -21,6 +21,8 @@ Shapes (`RANDOM_CONFIGS`):
   shared expert 512 (sigmoid-gated), norm_topk_prob; every layer MoE; vocab 151936. All equal
   transformers 5.24's Qwen3NextConfig defaults except rope_theta (default 1e4) and
   intermediate_size (5120 vs 5632, unused: no dense layer).
+- `glm-5.3-flash`: GLM-5.3-Flash (`glm5_next`, hyla.models.glm5_next_memory.GLM_5_3_FLASH:
+  transformers 5.24's Glm5NextTextConfig defaults, the released sizes).
 - `qwen3.5-35b-a3b`: Qwen/Qwen3.5-35B-A3B's text model in the causal-LM layout
   (`qwen3_5_moe_text`; transformers 5.24's Qwen3_5MoeTextConfig defaults, whose docstring names
   that checkpoint): 40 layers, full attention every 4th (30 GDN + 10), hidden 2048, GDN 16 key /
@@ -53,6 +55,7 @@ from pathlib import Path
 import torch
 
 from hyla.bench.cache_sim.costs import KIMI_LINEAR_48B
+from hyla.models.glm5_next_memory import GLM_5_3_FLASH
 from hyla.models.memory import FP32_TENSORS
 
 # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (sizes and schedules).
@@ -108,6 +111,15 @@ _TINY_QWEN_MOE = dict(
     moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[0], rope_theta=10000.0,
     bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=4096, dtype="float32")
 
+_K, _I = "linear_attention", "indexed_attention"
+_TINY_GLM5_NEXT = {"model_type": "glm5_next", "dtype": "float32", "text_config": dict(
+    vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=2,
+    num_key_value_heads=2, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=2,
+    topk_group=1, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16,
+    index_head_dim=16, index_n_heads=4, linear_head_dim=16, linear_num_heads=2, swiglu_limit=1.5,
+    num_hidden_layers=5, layer_types=[_K, _K, _I, _K, _I], mlp_layer_types=["dense"] + ["sparse"] * 4,
+    hc_mult=2, index_kpool=4, index_topk=8, pad_token_id=0, bos_token_id=1, eos_token_id=2)}
+
 # name -> (config.json dict, weight std)
 RANDOM_CONFIGS = {
     "tiny": (None, 0.05),
@@ -115,8 +127,10 @@ RANDOM_CONFIGS = {
     "kimi-linear-48b-a3b": (KIMI_LINEAR_48B, 0.02),
     "qwen3-next-80b-a3b": (QWEN3_NEXT_80B, 0.02),
     "qwen3.5-35b-a3b": (QWEN3_5_35B, 0.02),
+    "glm-5.3-flash": (GLM_5_3_FLASH, 0.02),
     "tiny-kimi-moe": (_TINY_KIMI_MOE, 0.1),
     "tiny-qwen3-next-moe": (_TINY_QWEN_MOE, 0.1),
+    "tiny-glm5-next": (_TINY_GLM5_NEXT, 0.1),
 }
 
 
@@ -142,12 +156,13 @@ def random_config_dict(name: str, layers: int | None = None) -> dict:
     d = _kimi_dense_dict(name) if base is None else copy.deepcopy(base)
     if layers is None:
         return d
-    n = d["num_hidden_layers"]
-    if not 1 <= layers <= n:
-        raise ValueError(f"--layers must be in 1..{n} for {name}, got {layers}")
     from hyla.models.loader import family_classes
 
-    return family_classes(d["model_type"])[0].first_layers_hf_dict(d, layers)  # each family cuts its own keys
+    config_cls = family_classes(d["model_type"])[0]
+    n = config_cls.from_hf_dict(d).num_hidden_layers  # nested text configs and defaults included
+    if not 1 <= layers <= n:
+        raise ValueError(f"--layers must be in 1..{n} for {name}, got {layers}")
+    return config_cls.first_layers_hf_dict(d, layers)  # each family cuts its own keys
 
 
 def model_config(name: str, layers: int | None = None):

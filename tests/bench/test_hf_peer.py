@@ -97,3 +97,26 @@ def test_decode_step_from_a_chunked_prefill_matches_a_full_forward(pair):
         full = model(ids)[:, -1]
     assert torch.equal(steps[0], steps[1])
     assert _rel(steps[0], full) < 1e-4
+
+
+def test_glm5_next_peer_logits_equal_hyla_logits():
+    """GLM-5-Next's peer is the multimodal class: its vision tower is allocated but never run, the
+    text model gets hyla's tensors (renamed through TRANSFORMERS_NAMES); prompts past
+    index_topk * index_kpool tokens so the indexer really drops positions."""
+    model = random_model("tiny-glm5-next", dtype=torch.float32, seed=1)
+    hf = hf_peer.build_peer(model, random_config_dict("tiny-glm5-next"))
+    c = model.config
+    assert 41 > c.index_topk * c.index_kpool
+    ids = torch.randint(3, c.vocab_size, (2, 41), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(input_ids=ids).logits
+    assert ours.abs().max() > 1.0
+    assert _rel(ours, theirs) < 1e-4
+
+
+def test_glm5_next_peer_cache_restores_between_decode_steps():
+    """The decode timing restores transformers' cache before each step: an indexed layer's keys,
+    its empty NoPE values and its indexer keys included (a missed one grows every step)."""
+    model = random_model("tiny-glm5-next", dtype=torch.float32, seed=1)
+    hf = hf_peer.build_peer(model, random_config_dict("tiny-glm5-next"))
+    assert hf_peer.decode_step_ms(hf, batch=2, context=40, vocab=model.config.vocab_size, repeat=2) > 0
