@@ -24,6 +24,10 @@ class GuideMatcher(Protocol):
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: nothing may follow."""
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding checks a request's
+        drafts against its grammar, then keeps only the tokens the verify step emitted)."""
+
 
 class Guide(Protocol):
     """A compiled grammar that output must follow; every sequence gets its own matcher."""
