@@ -186,8 +186,8 @@ class WorkerGroup:
         if self.ctrl is not None and self.dead is None:
             try:
                 dist.broadcast_object_list([("exit", (), {}, False)], src=0, group=self.ctrl)
-            except Exception:  # noqa: BLE001 - a worker is gone: terminated below
-                pass
+            except Exception as err:  # noqa: BLE001 - a worker is gone: terminated below
+                log.debug("exit command not delivered: %s", err)
         grace = 5.0 if self.dead is None else 0.0  # survivors of a dead peer only wait in broken collectives
         for proc in self.procs:
             try:

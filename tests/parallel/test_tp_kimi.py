@@ -1,6 +1,6 @@
 """Kimi-Linear over 2 ranks (gloo, fp32) == one process, token for token, through LLM.generate:
 plain; with the prefix cache, n-gram speculation, preemption and chunked prefill together;
-expert parallel; 4 ranks with a draft model."""
+expert parallel with a draft model; 4 ranks."""
 
 import os
 
@@ -18,6 +18,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return build_kimi_checkpoint(tmp_path_factory.mktemp("tp-kimi"), "moe")
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return build_kimi_checkpoint(tmp_path_factory.mktemp("tp-kimi-dense"), "dense")
 
 
 @pytest.fixture(scope="module")
@@ -73,26 +78,27 @@ def test_tp2_prefix_cache_ngram_preemption_chunked_prefill(ckpt, first, referenc
     assert m["prefix_cache_hit_tokens"] > 0 and m["spec_num_draft_tokens"] > 0 and m["num_preemptions"] > 0
 
 
-def test_expert_parallel_equals_tensor_sharded_experts(ckpt, first, reference):
-    llm = _tp(ckpt, enable_expert_parallel=True)
+def test_expert_parallel_with_a_draft_model(ckpt, first, reference, dense):
+    """Whole experts per rank == tensor-sharded experts (both == TP = 1); the draft model (the
+    dense checkpoint, unsharded) runs on rank 0 beside the scheduler."""
+    llm = _tp(ckpt, enable_expert_parallel=True,
+              speculative_config={"method": "draft_model", "model": str(dense), "num_speculative_tokens": 2})
     try:
         assert_same(generate(llm, first, [r[0] for r in reference]), reference)
         moe = llm.engine.model.model.layers[1].block_sparse_moe
         assert moe.experts.num_experts == 8 and moe.experts.gate_up_proj.shape[1] == 2 * 32  # whole experts
+        assert llm.get_metrics()["spec_num_draft_tokens"] > 0
     finally:
         llm.shutdown()
 
 
-def test_tp4_with_a_draft_model(ckpt, tmp_path_factory):
-    """4 ranks (3 workers) on the dense variant (4 KDA / 4 MLA heads); the draft model (the MoE
-    checkpoint, unsharded) runs on rank 0 beside the scheduler."""
-    dense = build_kimi_checkpoint(tmp_path_factory.mktemp("tp-kimi-dense"), "dense")
+def test_tp4(dense):
+    """4 ranks (3 workers) on the dense variant (4 KDA / 4 MLA heads)."""
     first = prompts(seed=3, lengths=(17, 1))
     reference = generate(LLM(str(dense), dtype="float32"), first)
-    llm = LLM(str(dense), dtype="float32", tensor_parallel_size=4,
-              speculative_config={"method": "draft_model", "model": str(ckpt), "num_speculative_tokens": 2})
+    llm = LLM(str(dense), dtype="float32", tensor_parallel_size=4)
     try:
         assert_same(generate(llm, first, [r[0] for r in reference]), reference)
-        assert llm.get_metrics()["spec_num_draft_tokens"] > 0 and len(llm.engine.workers.pids) == 3
+        assert len(llm.engine.workers.pids) == 3
     finally:
         llm.shutdown()
