@@ -197,6 +197,29 @@ def test_gdn_gate_beta_reads_interleaved_ba(H, r, R, dtype):
     assert torch.equal(beta2, beta)
 
 
+@pytest.mark.parametrize("B,T", [(2, 3), (3, 1), (1, 4)])
+def test_gates_read_every_row_of_a_batch_of_sequences(B, T):
+    """[B, T, ...] inputs with B > 1 and T > 1 (a full-sequence forward of several prompts): row
+    b * T + t is at b * stride(0) + t * stride(1), one stride per row only because
+    stride(0) == T * stride(1); a wrong choice reads other sequences' rows."""
+    H, K, r = 2, 24, 2
+    f = _randn(B, T, H, K, seed=31, scale=4.0)
+    proj = _randn(B, T, H + 3, seed=32, scale=3.0)
+    b = proj[..., 1:1 + H]  # strided columns of a fused projection
+    A_log, dt_bias = _randn(1, 1, H, 1, seed=33), _randn(H * K, seed=34)
+    g, beta = hyla_triton.kda_gate_beta(f, b, A_log, dt_bias, -5.0)
+    g_ref, beta_ref = torch_gate.kda_gate_beta(f, b, A_log, dt_bias, -5.0)
+    torch.testing.assert_close(g.cpu(), g_ref.cpu(), rtol=2e-6, atol=1e-7)
+    assert_ulps(beta, beta_ref)
+    ba = _randn(B, T, H, 2 * r, seed=35, scale=4.0)
+    bb, a = ba.split([r, r], dim=-1)
+    A2, dt2 = _randn(H * r, seed=36), _randn(H * r, seed=37)
+    g, beta = hyla_triton.gdn_gate_beta(a, bb, A2, dt2)
+    g_ref, beta_ref = torch_gate.gdn_gate_beta(a, bb, A2, dt2)
+    torch.testing.assert_close(g.cpu(), g_ref.cpu(), rtol=2e-6, atol=1e-7)
+    assert_ulps(beta, beta_ref)
+
+
 # -- packed short convs --------------------------------------------------------------------------
 
 def _pools(sizes, slots, W, seed, dtype):

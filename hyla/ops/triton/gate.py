@@ -52,7 +52,7 @@ def _head_levels(t: torch.Tensor, lead: int):
     B, T = t.shape[:2]
     if B > 1 and T > 1 and t.stride(0) != T * t.stride(1):
         t = t.contiguous()
-    s0 = t.stride(1) if B == 1 else t.stride(0)
+    s0 = t.stride(0) if T == 1 else t.stride(1)  # rows b * T + t: one stride when T > 1 (checked above)
     if t.dim() == lead + 1:
         return t, s0, (t.stride(-1), 0, 1)
     return t, s0, (t.stride(-2), t.stride(-1), t.shape[-1])
@@ -83,7 +83,7 @@ def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias
     B, T, H, K = f.shape
     if f.stride(-1) != 1 or (B > 1 and T > 1 and f.stride(0) != T * f.stride(1)):
         f = f.contiguous()
-    s0 = f.stride(1) if B == 1 else f.stride(0)
+    s0 = f.stride(0) if T == 1 else f.stride(1)  # rows b * T + t (see _head_levels)
     levels = (f, s0, (f.stride(-2), 0, 1))
     return _launch(f, b, A_log, dt_bias, lower_bound, kd=K, hv=H, x_levels=levels,
                    gate_fn=1 if lower_bound is None else 2)
