@@ -218,7 +218,7 @@ def init_weights(model: KimiLinearForCausalLM, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-def save_checkpoint(model: KimiLinearForCausalLM, config: dict, data: Path, out: Path) -> None:
+def save_checkpoint(model, config: dict, data: Path, out: Path) -> None:
     """config.json + model.safetensors (bf16, FP32_TENSORS in fp32, hyla's = the official names) +
     the tokenizer files."""
     from safetensors.torch import save_file
@@ -266,9 +266,9 @@ def evaluate(model, tokens: torch.Tensor, seq_len: int, batch: int, max_windows:
     return total / count
 
 
-def bf16_roundtrip(model: KimiLinearForCausalLM) -> KimiLinearForCausalLM:
+def bf16_roundtrip(model):
     """A copy whose weights are what the bf16 checkpoint holds (computing in fp32)."""
-    twin = KimiLinearForCausalLM(model.config).to(model.device)
+    twin = type(model)(model.config).to(model.device)
     with torch.no_grad():
         for (name, p), q in zip(model.state_dict().items(), twin.state_dict().values()):
             keep = any(name.endswith(s) for s in FP32_TENSORS)
@@ -276,7 +276,30 @@ def bf16_roundtrip(model: KimiLinearForCausalLM) -> KimiLinearForCausalLM:
     return twin.eval()
 
 
-def train(args, preset: dict, data: Path, out: Path) -> dict:
+def next_token_loss(model, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """w: [B, T + 1] windows -> (mean next-token cross-entropy, {}): the plain LM objective."""
+    logits = model(w[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten()), {}
+
+
+class KimiRecipe:
+    """What `train` needs from a model family: its config.json, the trainable model, the init
+    and the loss. This one: the bundled Kimi-Linear model."""
+
+    def config(self, preset: dict, vocab_size: int, eot_id: int) -> dict:
+        return model_config(preset, vocab_size, eot_id)
+
+    def build(self, config: dict):
+        return KimiLinearForCausalLM(KimiLinearConfig.from_hf_dict(config))
+
+    def init(self, model, seed: int) -> None:
+        init_weights(model, seed)
+
+    def loss(self, model, w: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        return next_token_loss(model, w)
+
+
+def train(args, preset: dict, data: Path, out: Path, recipe=None) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     corpus = json.loads((data / "corpus.json").read_text())
     torch.manual_seed(args.seed)
@@ -285,9 +308,10 @@ def train(args, preset: dict, data: Path, out: Path) -> dict:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(data / "tokenizer.json"))
-    config = model_config(preset, tok.get_vocab_size(), tok.token_to_id(EOT))
-    model = KimiLinearForCausalLM(KimiLinearConfig.from_hf_dict(config))
-    init_weights(model, args.seed)
+    recipe = recipe or KimiRecipe()
+    config = recipe.config(preset, tok.get_vocab_size(), tok.token_to_id(EOT))
+    model = recipe.build(config)
+    recipe.init(model, args.seed)
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and not n.endswith("A_log")]
@@ -319,8 +343,7 @@ def train(args, preset: dict, data: Path, out: Path) -> dict:
             group["lr"] = lr
         starts = torch.randint(0, train_ids.numel() - seq_len - 1, (bsz,), device=device, generator=gen)
         w = batch_windows(train_ids, starts, seq_len)
-        logits = model(w[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten())
+        loss, parts = recipe.loss(model, w)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -329,13 +352,15 @@ def train(args, preset: dict, data: Path, out: Path) -> dict:
         if step % max(1, preset["eval_every"] // 4) == 0 or step == total:
             elapsed = time.perf_counter() - t0
             line = (f"step {step}/{total} loss {loss.item():.4f} lr {lr:.2e} gnorm {gnorm.item():.2f} "
-                    f"tok/s {step * bsz * seq_len / elapsed:,.0f} t {elapsed:.0f}s")
+                    f"tok/s {step * bsz * seq_len / elapsed:,.0f} t {elapsed:.0f}s"
+                    + "".join(f" {k} {v:.4f}" for k, v in parts.items()))
             if step % preset["eval_every"] == 0 or step == total:
                 model.eval()
                 val = evaluate(model, val_ids, seq_len, bsz)
                 model.train()
                 line += f" val {val:.4f}"
-                log.append({"step": step, "train_loss": round(loss.item(), 4), "val_loss": round(val, 4)})
+                log.append({"step": step, "train_loss": round(loss.item(), 4), "val_loss": round(val, 4),
+                            **{k: round(v, 4) for k, v in parts.items()}})
                 if val < best[0]:
                     best = (val, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
             print(line, flush=True)
@@ -377,10 +402,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main(argv: list[str] | None = None) -> dict | None:
+def main(argv: list[str] | None = None, recipe=None, default_out: Path = DEFAULT_OUT) -> dict | None:
+    """The command line; `recipe` / `default_out`: another model family's (scripts/train_mtp_model.py)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, help="prepared data folder (prepared here if it lacks corpus.json)")
-    parser.add_argument("--out", type=Path, help=f"checkpoint folder (default {DEFAULT_OUT}; required with --smoke)")
+    parser.add_argument("--out", type=Path, help=f"checkpoint folder (default {default_out}; required with --smoke)")
     parser.add_argument("--prepare-only", action="store_true", help="build corpus + tokenizer, do not train")
     parser.add_argument("--smoke", action="store_true", help="tiny corpus, model and step count (CPU, seconds)")
     parser.add_argument("--steps", type=int, help="training steps (default: the preset's; an upper bound "
@@ -400,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                   f"val {info['val']}", flush=True)
         if args.prepare_only:
             return None
-        return train(args, preset, data, args.out or DEFAULT_OUT)
+        return train(args, preset, data, args.out or default_out, recipe)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""scripts/train_mtp_model.py at CI size: a Qwen3.5 checkpoint with a jointly trained `mtp.*`
+head, in the official layout (transformers computes hyla's logits from it), that hyla serves with
+MTP speculation token for token as plain greedy."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyla import LLM, SamplingParams
+from hyla.models import load_model
+from hyla.models.qwen3_5_mtp import load_mtp_head
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("train_mtp_model", ROOT / "scripts" / "train_mtp_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp_model")
+    out = tmp / "model"
+    info = _script().main(["--smoke", "--device", "cpu", "--out", str(out), "--data", str(tmp / "data")])
+    return out, info
+
+
+def test_joint_training_learns_both_objectives(trained):
+    out, info = trained
+    vocab = info["tokenizer"]["vocab_size"]
+    assert info["final_val_loss"] < math.log(vocab)
+    last = info["log"][-1]
+    assert last["mtp"] < math.log(vocab) and last["next"] < math.log(vocab)  # the head learned too
+
+
+def test_checkpoint_is_the_official_layout(trained):
+    out, _ = trained
+    import transformers
+
+    model = load_model(out, dtype=torch.float32)
+    head = load_mtp_head(out, model)
+    assert sum(p.numel() for p in head.parameters()) > 0
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (1, 37), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(ids), ref(ids).logits
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
+
+
+def test_mtp_speculation_equals_plain_greedy(trained):
+    out, _ = trained
+    prompts = ["def read(path):", "import os\n\nclass"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(out, dtype="float32").generate(prompts, params)]
+    llm = LLM(out, dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert spec == plain
