@@ -63,3 +63,33 @@ def test_mtp_speculation_equals_plain_greedy(trained):
     llm = LLM(out, dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert spec == plain
+
+
+def test_hyla_serve_speculative_config_mtp(trained):
+    """`hyla serve --speculative-config '{"method": "mtp", ...}'`: the serve flags build an MTP
+    engine (the same parser and EngineConfig as the CLI) whose greedy completion equals the plain
+    engine's."""
+    import argparse
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from hyla import cli
+    from hyla.engine import LLMEngine
+    from hyla.server import create_app
+
+    out, _ = trained
+    body = {"model": "m", "prompt": "def read(path):", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    texts = []
+    for spec in (None, '{"method": "mtp", "num_speculative_tokens": 2}'):
+        p = argparse.ArgumentParser()
+        cli._add_engine_args(p, prefix_cache_default=True)
+        args = p.parse_args(["--model", str(out), "--dtype", "float32"]
+                            + (["--speculative-config", spec] if spec else []))
+        config = cli._engine_config(args)
+        assert (config.speculative_config.method if spec else config.speculative_config) == ("mtp" if spec else None)
+        with TestClient(create_app(LLMEngine(config), "m")) as client:
+            r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        texts.append(json.loads(r.text)["choices"][0]["text"])
+    assert texts[0] == texts[1]
