@@ -20,6 +20,35 @@ from hyla.contract import ForwardBatch, HybridCache
 from hyla.models import memory
 
 
+class LanguageModelHolder(nn.Module):
+    """`model` of a multimodal checkpoint layout (Qwen3.5, GLM-5-Next): the text model under
+    `language_model` (its tensors are model.language_model.*; the vision tower is not built),
+    seen by HybridForCausalLM through the attributes a text model has. Subclasses name the text
+    model's class in `text_model_cls`."""
+
+    text_model_cls: type[nn.Module]
+
+    def __init__(self, config):
+        super().__init__()
+        self.language_model = self.text_model_cls(config)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.language_model.embed_tokens
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.language_model.layers
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.language_model.norm
+
+    def forward_layers(self, h: torch.Tensor, batch: ForwardBatch | None = None, caches=None) -> torch.Tensor:
+        """h: [..., hidden] embeddings -> final-norm hidden states (the text model's forward_layers)."""
+        return self.language_model.forward_layers(h, batch, caches)
+
+
 class HybridForCausalLM(nn.Module):
     config: object
     model: nn.Module

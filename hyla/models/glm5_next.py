@@ -30,7 +30,7 @@ from hyla.layers.mhc import HyperConnection, expand_streams, hc_head
 from hyla.layers.moe import MoE
 from hyla.layers.norm import RMSNorm
 from hyla.models import memory
-from hyla.models.base import HybridForCausalLM
+from hyla.models.base import HybridForCausalLM, LanguageModelHolder
 from hyla.models.config import LINEAR, SPARSE
 from hyla.models.glm5_next_config import FULL_INDEXER, Glm5NextConfig
 from hyla.models.glm5_next_memory import indexer_bytes_per_token
@@ -113,24 +113,11 @@ class Glm5NextTextModel(nn.Module):
         return self.norm(hc_head(streams))
 
 
-class Glm5NextModel(nn.Module):
+class Glm5NextModel(LanguageModelHolder):
     """The checkpoint's `model.` level: `language_model` (the text model; the vision tower is
-    not built). embed_tokens / layers / forward_layers are the text model's, for HybridForCausalLM."""
+    not built)."""
 
-    def __init__(self, config: Glm5NextConfig):
-        super().__init__()
-        self.language_model = Glm5NextTextModel(config)
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.language_model.embed_tokens
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
-
-    def forward_layers(self, h, batch=None, caches=None):
-        return self.language_model.forward_layers(h, batch, caches)
+    text_model_cls = Glm5NextTextModel
 
 
 class Glm5NextForCausalLM(HybridForCausalLM):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyla.contract import ForwardBatch, HybridCache, KDALayerCache, LayerCache, MLALayerCache
+from hyla.contract import ForwardBatch, HybridCache, LayerCache
 from hyla.layers.attn_residual import BlockResidualStream, residual_scorer
 from hyla.layers.gated_mla import GatedMLAAttention
 from hyla.layers.kda import KimiDeltaAttention
@@ -26,6 +26,7 @@ from hyla.layers.mla import MLAAttention
 from hyla.layers.norm import RMSNorm
 from hyla.layers.situ import SituMLP
 from hyla.models.base import HybridForCausalLM
+from hyla.models.kimi_linear import kda_mla_pools
 from hyla.models.kimi_k3_config import LINEAR, SPARSE, KimiK3Config
 
 
@@ -134,21 +135,7 @@ class KimiK3ForCausalLM(HybridForCausalLM):
 
     def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
                        state_dtype: torch.dtype = torch.float32, device=None, dtype=None) -> HybridCache:
-        """Zeroed pools, as Kimi-Linear: per KDA layer a state [num_slots, H, K, K] (state_dtype)
-        and three conv windows [num_slots, H*K, W-1]; per MLA layer latents [num_pages, page_size,
-        kv_lora_rank + qk_rope_head_dim] (dtype). The residual bank needs no pool."""
+        """Zeroed pools, Kimi-Linear's (kimi_linear.kda_mla_pools): the residual bank needs none."""
         self._check_pool_sizes(num_slots, num_pages, page_size)
-        c = self.config
-        device = self.device if device is None else device
-        dtype = self.dtype if dtype is None else dtype
-        d, kk, w = c.linear_num_heads * c.linear_head_dim, c.linear_head_dim, c.conv_kernel_size - 1
-        layers = []
-        for kind in c.layer_types:
-            if kind == LINEAR:
-                state = torch.zeros(num_slots, c.linear_num_heads, kk, kk, dtype=state_dtype, device=device)
-                conv = tuple(torch.zeros(num_slots, d, w, dtype=dtype, device=device) for _ in range(3))
-                layers.append(KDALayerCache(state, conv))
-            else:
-                kv = torch.zeros(num_pages, page_size, c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype, device=device)
-                layers.append(MLALayerCache(kv))
-        return HybridCache(layers, num_slots, num_pages, page_size)
+        return kda_mla_pools(self.config, num_slots, num_pages, page_size, state_dtype,
+                             self.device if device is None else device, self.dtype if dtype is None else dtype)

@@ -108,21 +108,25 @@ class KimiLinearForCausalLM(HybridForCausalLM):
 
     def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
                        state_dtype: torch.dtype = torch.float32, device=None, dtype=None) -> HybridCache:
-        """Zeroed pools: per KDA layer a state [num_slots, H, K, K] (state_dtype) and three conv
-        windows [num_slots, H*K, W-1] (dtype); per MLA layer latents [num_pages, page_size,
-        kv_lora_rank + qk_rope_head_dim] (dtype). dtype / device default to the model's."""
+        """Zeroed pools (kda_mla_pools); dtype / device default to the model's."""
         self._check_pool_sizes(num_slots, num_pages, page_size)
-        c = self.config
-        device = self.device if device is None else device
-        dtype = self.dtype if dtype is None else dtype
-        d, kk, w = c.linear_num_heads * c.linear_head_dim, c.linear_head_dim, c.conv_kernel_size - 1
-        layers = []
-        for kind in c.layer_types:
-            if kind == LINEAR:
-                state = torch.zeros(num_slots, c.linear_num_heads, kk, kk, dtype=state_dtype, device=device)
-                conv = tuple(torch.zeros(num_slots, d, w, dtype=dtype, device=device) for _ in range(3))
-                layers.append(KDALayerCache(state, conv))
-            else:
-                kv = torch.zeros(num_pages, page_size, c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype, device=device)
-                layers.append(MLALayerCache(kv))
-        return HybridCache(layers, num_slots, num_pages, page_size)
+        return kda_mla_pools(self.config, num_slots, num_pages, page_size, state_dtype,
+                             self.device if device is None else device, self.dtype if dtype is None else dtype)
+
+
+def kda_mla_pools(c, num_slots: int, num_pages: int, page_size: int, state_dtype: torch.dtype,
+                  device, dtype: torch.dtype) -> HybridCache:
+    """The pools of a KDA + MLA layer stack (Kimi-Linear, Kimi K3): per KDA layer a state
+    [num_slots, H, K, K] (state_dtype) and three conv windows [num_slots, H*K, W-1] (dtype); per
+    MLA layer latents [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] (dtype)."""
+    d, kk, w = c.linear_num_heads * c.linear_head_dim, c.linear_head_dim, c.conv_kernel_size - 1
+    layers = []
+    for kind in c.layer_types:
+        if kind == LINEAR:
+            state = torch.zeros(num_slots, c.linear_num_heads, kk, kk, dtype=state_dtype, device=device)
+            conv = tuple(torch.zeros(num_slots, d, w, dtype=dtype, device=device) for _ in range(3))
+            layers.append(KDALayerCache(state, conv))
+        else:
+            kv = torch.zeros(num_pages, page_size, c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype, device=device)
+            layers.append(MLALayerCache(kv))
+    return HybridCache(layers, num_slots, num_pages, page_size)

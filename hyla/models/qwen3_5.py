@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-from torch import nn
 
-from hyla.contract import ForwardBatch, LayerCache
 from hyla.layers.gdn import Qwen3_5GatedDeltaNet
+from hyla.models.base import LanguageModelHolder
 from hyla.models.qwen3_5_config import Qwen3_5Config
 from hyla.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausalLM, Qwen3NextModel
 
@@ -46,30 +44,10 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     base_model_cls = Qwen3_5Model
 
 
-class Qwen3_5LanguageModelHolder(nn.Module):
-    """`model` of the multimodal layout: the text model under `language_model` (so its tensors are
-    model.language_model.*), seen by the engine API through the attributes a text model has."""
+class Qwen3_5LanguageModelHolder(LanguageModelHolder):
+    """`model` of the multimodal layout: the text model under `language_model`."""
 
-    def __init__(self, config: Qwen3_5Config):
-        super().__init__()
-        self.language_model = Qwen3_5Model(config)
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.language_model.embed_tokens
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.language_model.layers
-
-    @property
-    def norm(self) -> nn.Module:
-        return self.language_model.norm
-
-    def forward_layers(self, h: torch.Tensor, batch: ForwardBatch | None = None,
-                       caches: list[LayerCache] | None = None) -> torch.Tensor:
-        """h: [..., hidden] embeddings -> final-norm hidden states (Qwen3NextModel.forward_layers)."""
-        return self.language_model.forward_layers(h, batch, caches)
+    text_model_cls = Qwen3_5Model
 
 
 class Qwen3_5MultimodalForCausalLM(Qwen3_5ForCausalLM):
