@@ -39,7 +39,13 @@ SWEEP = [dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3), dict(BM=16, BN=1
          dict(BM=128, BN=128, BK=64, GM=8, num_warps=8, num_stages=4),
          dict(BM=128, BN=256, BK=64, GM=8, num_warps=8, num_stages=3),
          dict(BM=64, BN=128, BK=64, GM=8, num_warps=4, num_stages=4),
-         dict(BM=128, BN=64, BK=64, GM=16, num_warps=4, num_stages=4)]
+         dict(BM=128, BN=64, BK=64, GM=16, num_warps=4, num_stages=4),
+         dict(BM=128, BN=128, BK=128, GM=8, num_warps=8, num_stages=2),
+         dict(BM=128, BN=64, BK=128, GM=8, num_warps=8, num_stages=3),
+         dict(BM=64, BN=256, BK=64, GM=8, num_warps=8, num_stages=3),
+         dict(BM=256, BN=64, BK=64, GM=8, num_warps=8, num_stages=3),
+         dict(BM=128, BN=128, BK=64, GM=16, num_warps=8, num_stages=3),
+         dict(BM=128, BN=128, BK=64, GM=4, num_warps=8, num_stages=3)]
 
 
 def build_block(shape: dict, device, dtype=torch.bfloat16, seed: int = 0):
