@@ -9,6 +9,7 @@ from hyla.parallel.tensor import ShardPlan
 
 PLANS = {
     "kimi_linear": "hyla.parallel.tp_kimi:KimiShardPlan",
+    "kimi_k3": "hyla.parallel.tp_kimi_k3:KimiK3ShardPlan",
     "qwen3_next": "hyla.parallel.tp_qwen3_next:Qwen3NextShardPlan",
     "qwen3_5_text": "hyla.parallel.tp_qwen3_next:Qwen3NextShardPlan",
     "qwen3_5_moe_text": "hyla.parallel.tp_qwen3_next:Qwen3NextShardPlan",

@@ -112,7 +112,9 @@ class ShardPlan:
         vocab, hidden = model.model.embed_tokens.weight.shape
         model.set_submodule(embed, VocabParallelEmbedding(vocab, hidden, self))
         tied = model.lm_head.weight is model.model.embed_tokens.weight
-        model.lm_head = VocabParallelLMHead(vocab, hidden, self)
+        # by its module path: a family may expose `lm_head` as a read-only property (Kimi K3's
+        # language_model.lm_head), which an attribute assignment would shadow, not replace
+        model.set_submodule(_module_name(model, model.lm_head), VocabParallelLMHead(vocab, hidden, self))
         if tied:
             model.lm_head.weight = model.model.embed_tokens.weight
         self.prepare_family(model)

@@ -26,12 +26,15 @@ def rank_memory_report(config, world: int, dtype: torch.dtype = torch.bfloat16,
         return memory.memory_report(config, dtype, state_dtype)
     plan = make_plan(config.model_type, 0, world, None, expert_parallel)
     local = plan.configure(config)
+    model_cls = family_classes(config.model_type)[1]
+    # tensors the loader keeps in fp32: the common ones and the family's own (Kimi K3's short convs)
+    fp32_names = tuple(memory.FP32_TENSORS) + tuple(getattr(model_cls, "fp32_tensors", ()))
     with torch.device("meta"):
-        model = family_classes(config.model_type)[1](local)
+        model = model_cls(local)
         plan.prepare(model)
     seen = {}
     for name, t in model.state_dict(keep_vars=True).items():
-        fp32 = any(name.endswith(s) for s in memory.FP32_TENSORS)
+        fp32 = name.endswith(fp32_names)
         seen[id(t)] = t.numel() * (4 if fp32 else memory._nbytes(dtype))
     return memory.memory_report(local, dtype, state_dtype, weight_bytes=sum(seen.values()))
 
