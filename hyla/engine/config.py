@@ -152,7 +152,6 @@ class EngineConfig:
                 raise ValueError(f"speculative method 'mtp' needs a checkpoint with a multi-token-prediction head; "
                                  f"{self.model} has no `mtp.*` tensors")
             spec.model = self.model  # the drafter reads the head from there
-            self.enforce_eager = True  # the CUDA-graph verify returns no hidden states for the head
 
     def _check_parallel(self, target) -> None:
         """tensor_parallel_size: enough devices, a family with a plan, sizes it divides (the

@@ -8,7 +8,10 @@ token ids, the W state slots (rollback "slots"; "replay" reads the first only) a
 table. Padding positions write only what nobody reads: with "slots", the states after them go to
 the request's own spare slots (never the one the accepted count selects); their KV goes to rows
 past the request's length in its own last page, or to the scratch page where no page is
-allocated (-1). With "replay", the per-token inputs the layers keep for `commit_replay` are the
+allocated (-1). Every graph has two persistent outputs, logits `[bs, W, V]` and the final-norm
+hidden states `[bs, W, hidden]` of every row (what an MTP drafter reads: a replay refreshes
+both, so a verify in a graph hands the drafter the same rows as an eager one). With "replay",
+the per-token inputs the layers keep for `commit_replay` are the
 graph's buffers; the runner hands them back to the caches after every replay.
 
 A commit graph (rollback "replay" only) is captured with its verify graph: it advances every
@@ -43,7 +46,7 @@ class CUDAGraphRunner(DecodeGraphs):
     def __init__(self, model, cache, max_batch: int, capture: bool | None = None):
         super().__init__(model, cache, max_batch, capture)
         self.vmeta: dict[tuple[int, int], torch.Tensor] = {}  # (W, width) -> [max_batch, 2 + 2W + width]
-        # (bs, W, width, rollback) -> (graph, logits [bs, W, V], the layers' replay inputs)
+        # (bs, W, width, rollback) -> (graph, (logits [bs, W, V], hidden [bs, W, hidden]), the layers' replay inputs)
         self.verify_graphs: dict[tuple, tuple] = {}
         self.commit_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # same keys, rollback "replay"
         self.accepted = torch.ones(max_batch, dtype=torch.long, device=self.device)  # commit's input
@@ -54,12 +57,13 @@ class CUDAGraphRunner(DecodeGraphs):
 
     @torch.inference_mode()
     def run_verify(self, tokens: list[list[int]], context_lens: list[int], slots: list[list[int]],
-                   accepted: list[int], block_tables: list[list[int]], rollback: str) -> torch.Tensor:
+                   accepted: list[int], block_tables: list[list[int]], rollback: str,
+                   return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One verify step from python lists, every row W = len(tokens[n]) tokens (the same for
         all; pad missing drafts). slots[n]: the W per-position slots ("slots") or [slot]
         ("replay"); accepted[n]: 1 + the index in slots[n] of the slot holding the current state.
-        Returns logits [N, W, V] fp32, a view of the graph's output buffer (valid until the next
-        replay)."""
+        Returns logits [N, W, V] fp32, and with return_hidden also the final-norm hidden states
+        [N, W, hidden]: views of the graph's output buffers (valid until the next replay)."""
         n, W = len(tokens), len(tokens[0])
         if rollback not in ("slots", "replay"):
             raise ValueError(f"rollback must be 'slots' or 'replay', got {rollback!r}")
@@ -81,7 +85,8 @@ class CUDAGraphRunner(DecodeGraphs):
         else:
             graph.replay()
             self._restore_replay_inputs(replay)
-        return out[:n]
+        logits, hidden = out
+        return (logits[:n], hidden[:n]) if return_hidden else logits[:n]
 
     def pad_accepted(self, accepted: list[int]) -> list[int]:
         """Accepted counts for commit_replay after `run_verify`: padding rows advance by 1 (their
@@ -108,7 +113,9 @@ class CUDAGraphRunner(DecodeGraphs):
         for layer_cache, inputs in zip(self.cache.layers, replay, strict=True):
             layer_cache.set_replay_inputs(inputs)
 
-    def _verify_forward(self, bs: int, W: int, width: int, rollback: str) -> torch.Tensor:
+    def _verify_forward(self, bs: int, W: int, width: int, rollback: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded verify step over vmeta's first bs rows -> (logits [bs, W, V] fp32,
+        final-norm hidden states [bs, W, hidden]): both are graph outputs when captured."""
         meta = self.vmeta[(W, width)]
         ctx, acc = meta[:bs, 0], meta[:bs, 1]
         ids = meta[:bs, 2:2 + W].reshape(-1)
@@ -119,7 +126,7 @@ class CUDAGraphRunner(DecodeGraphs):
             block_tables=meta[:bs, 2 + 2 * W:], state_slots=slots, num_accepted_tokens=acc, rollback=rollback,
             seq_lens=[W] * bs, context_lens_list=[1] * bs, cuda_graph=True)
         hidden = self.model.forward_batch(ids, batch, self.cache)
-        return self.model.compute_logits(hidden).view(bs, W, -1)
+        return self.model.compute_logits(hidden).view(bs, W, -1), hidden.view(bs, W, -1)
 
     def _verify_graph(self, key: tuple):
         bs, W, width, rollback = key

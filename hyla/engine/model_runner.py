@@ -45,27 +45,36 @@ class ModelRunner:
         return to_device_long(ids, self.device), batch
 
     @torch.inference_mode()
-    def run(self, seqs, num_new_tokens, logit_rows: list[list[int]], checkpoints=None) -> torch.Tensor:
+    def run(self, seqs, num_new_tokens, logit_rows: list[list[int]], checkpoints=None, return_hidden: bool = False
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run one step. logit_rows[n]: offsets within sequence n's new tokens whose logits are
         wanted (usually [n_new - 1] when it finishes its prompt or decodes, [] mid-prompt).
-        Returns logits [sum(len(rows)), V] fp32 in that order."""
-        if self.graphs is not None and self.graphs.can_run(seqs, num_new_tokens, logit_rows, checkpoints):
+        Returns logits [sum(len(rows)), V] fp32 in that order; with return_hidden also the
+        final-norm hidden states of every new token [T_total, hidden] (packed as the tokens; an
+        MTP drafter reads the prompt's), and the step then runs eagerly."""
+        if (not return_hidden and self.graphs is not None
+                and self.graphs.can_run(seqs, num_new_tokens, logit_rows, checkpoints)):
             return self.graphs.run(seqs, logit_rows)
         ids, batch = self.build_batch(seqs, num_new_tokens, checkpoints)
         hidden = self.model.forward_batch(ids, batch, self.cache)
         starts = batch.cu_seqlens_list[:-1]  # host values: no sync before the logits
         index = [start + r for start, rows in zip(starts, logit_rows) for r in rows]
         if not index:
-            return hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[to_device_long(index, hidden.device)])
+            logits = hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
+        else:
+            logits = self.model.compute_logits(hidden[to_device_long(index, hidden.device)])
+        return (logits, hidden) if return_hidden else logits
 
     @torch.inference_mode()
-    def verify(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int | None = None) -> torch.Tensor:
+    def verify(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int | None = None,
+               return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One verify forward over [x0, d1..dk] per sequence -> logits at every position
-        [sum(1 + k_n), V] fp32. "slots": seq.spec_slots are the per-position slots and
-        seq.slot (one of them) holds the current state; "replay": seq.slot only.
-        pad_to: W = 1 + k when every row may be padded to W tokens (each request has W state
-        slots with "slots"): the step then replays a CUDA graph when the runner has them."""
+        [sum(1 + k_n), V] fp32, and with return_hidden also the final-norm hidden states of the
+        same rows [sum(1 + k_n), hidden] (on the device; what an MTP drafter reads). "slots":
+        seq.spec_slots are the per-position slots and seq.slot (one of them) holds the current
+        state; "replay": seq.slot only. pad_to: W = 1 + k when every row may be padded to W
+        tokens (each request has W state slots with "slots"): the step then replays a CUDA graph
+        when the runner has them."""
         if rollback == "slots":
             rows = [seq.spec_slots for seq in seqs]
             accepted = [seq.spec_slots.index(seq.slot) + 1 for seq in seqs]
@@ -75,19 +84,29 @@ class ModelRunner:
         if (self.graphs is not None and pad_to and self.graphs.can_verify(len(seqs))
                 and all(len(d) < pad_to for d in drafts)
                 and (rollback == "replay" or all(len(r) == pad_to for r in rows))):
-            tokens = [[seq.last_token_id, *d] + [0] * (pad_to - 1 - len(d)) for seq, d in zip(seqs, drafts)]
-            logits = self.graphs.run_verify(tokens, [seq.num_computed_tokens for seq in seqs], rows, accepted,
-                                            [seq.block_table for seq in seqs], rollback)  # [N, W, V]
-            self.verified_in_graph = True
-            logits = logits.cpu()  # one copy (the caller accepts on the host), then drop the padding
-            return torch.cat([logits[n, :1 + len(d)] for n, d in enumerate(drafts)])
+            return self._verify_in_graph(seqs, drafts, rows, accepted, rollback, pad_to, return_hidden)
         ids = [t for seq, d in zip(seqs, drafts) for t in [seq.last_token_id, *d]]
         batch = ForwardBatch.build(
             seq_lens=[1 + len(d) for d in drafts], context_lens=[seq.num_computed_tokens for seq in seqs],
             block_tables=[seq.block_table for seq in seqs], state_slots=rows, device=self.device,
             num_accepted_tokens=accepted, rollback=rollback)
         hidden = self.model.forward_batch(to_device_long(ids, self.device), batch, self.cache)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return (logits, hidden) if return_hidden else logits
+
+    def _verify_in_graph(self, seqs, drafts, rows, accepted, rollback, pad_to, return_hidden):
+        """verify's padded path: run_verify's [N, W, ...] outputs without their padding rows."""
+        tokens = [[seq.last_token_id, *d] + [0] * (pad_to - 1 - len(d)) for seq, d in zip(seqs, drafts)]
+        logits, hidden = self.graphs.run_verify(tokens, [seq.num_computed_tokens for seq in seqs], rows, accepted,
+                                                [seq.block_table for seq in seqs], rollback, return_hidden=True)
+        self.verified_in_graph = True
+        # the real rows, flat: row n's first 1 + len(d) positions of the [N, W] grid
+        keep = [n * pad_to + i for n, d in enumerate(drafts) for i in range(1 + len(d))]
+        logits = logits.cpu().flatten(0, 1)[keep]  # one copy (the caller accepts on the host)
+        if not return_hidden:
+            return logits
+        # a copy on the device: the graph's buffer is overwritten by the next replay
+        return logits, hidden.flatten(0, 1)[to_device_long(keep, hidden.device)]
 
     def commit_replay(self, accepted: list[int]) -> None:
         """After a "replay" verify: advance each sequence's state by its accepted tokens."""

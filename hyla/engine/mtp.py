@@ -58,12 +58,12 @@ class MTPDrafter(Drafter):
         self.views: dict[str, _View] = {}
         self._seen: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (x0's position, its verify rows)
 
-    def bind(self, model) -> None:
-        """Load the head from the target checkpoint, beside `model` (whose embeddings, lm_head,
-        dtype and device it shares)."""
+    def bind(self, runner) -> None:
+        """Load the head from the target checkpoint, beside runner.model (whose embeddings,
+        lm_head, dtype and device it shares)."""
         from hyla.models.qwen3_5_mtp import load_mtp_head
 
-        self.model = model
+        model = self.model = runner.model
         self.head = load_mtp_head(self.path, model)
         if len(self.head.layers) != 1:
             raise ValueError(f"the MTP head of {self.path} has {len(self.head.layers)} layers; hyla drafts with one")
@@ -72,14 +72,12 @@ class MTPDrafter(Drafter):
 
     # -- what the target's verify steps hand over -------------------------------------------
 
-    def observe(self, seqs, drafts: list[list[int]], hidden: torch.Tensor | None) -> None:
-        """hidden: [sum(1 + len(d)), hidden] the verify rows [x0, d1..dk] of each sequence, or None."""
-        if hidden is None:
-            return
+    def observe(self, seqs, positions: list[int], counts: list[int], hidden: torch.Tensor) -> None:
+        """hidden: [sum(counts), hidden] the rows of seqs[i] at positions[i] .. + counts[i] - 1."""
         start = 0
-        for seq, d in zip(seqs, drafts):
-            self._seen[seq.request_id] = (seq.num_computed_tokens, hidden[start : start + 1 + len(d)])
-            start += 1 + len(d)
+        for seq, p, n in zip(seqs, positions, counts):
+            self._seen[seq.request_id] = (p, hidden[start : start + n])
+            start += n
 
     def commit(self, seqs, kept: list[int]) -> None:
         """seqs[i] kept kept[i] tokens of its verify (already appended to its token_ids)."""

@@ -20,20 +20,22 @@ from hyla.engine.sampler import choose, distribution, guide_drafts, penalize, un
 
 class Drafter:
     """What SpecDecoder asks of a drafter: `propose` (required) and `release`; the other hooks
-    serve a drafter that reads the target (MTP): `bind` (the target model, once), `observe` (the
-    final-norm hidden states of each verify's rows, asked for with needs_hidden) and `commit`
-    (how many tokens of its verify each request kept)."""
+    serve a drafter that reads the target (MTP): `bind` (the target's runner, once), `observe`
+    (the final-norm hidden states of the rows of each target forward, asked for with
+    needs_hidden: verify steps and prefill chunks alike) and `commit` (how many of those rows
+    each request kept)."""
 
     needs_hidden = False
 
-    def bind(self, model) -> None:
+    def bind(self, runner) -> None:
         pass
 
     def propose(self, seqs, ks: list[int], generator=None) -> list[tuple[list[int], torch.Tensor | None]]:
         raise NotImplementedError
 
-    def observe(self, seqs, drafts: list[list[int]], hidden: torch.Tensor | None) -> None:
-        pass
+    def observe(self, seqs, positions: list[int], counts: list[int], hidden: torch.Tensor) -> None:
+        """hidden: [sum(counts), hidden] the target's final-norm states of seqs[i]'s rows at
+        positions[i] .. positions[i] + counts[i] - 1, packed in that order."""
 
     def commit(self, seqs, kept: list[int]) -> None:
         pass
@@ -130,24 +132,6 @@ class Verified:
         return len(self.tokens) - 1
 
 
-class LMHeadInput:
-    """Within the block, `hidden` holds the input of model.lm_head's last call (the final-norm
-    hidden states of the rows whose logits were computed), or None if it was not called."""
-
-    def __init__(self, model):
-        self.model, self.hidden = model, None
-
-    def __enter__(self) -> LMHeadInput:
-        def hook(_module, inputs, _output):
-            self.hidden = inputs[0].detach()
-
-        self._handle = self.model.lm_head.register_forward_hook(hook)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._handle.remove()
-
-
 def make_drafter(cfg: SpecConfig, *, vocab_size: int, max_num_seqs: int, max_model_len: int, page_size: int,
                  state_dtype, dtype, device, enforce_eager: bool = False):
     """The drafter `cfg` asks for: prompt lookup, a draft model with its own pools, or the
@@ -176,7 +160,7 @@ class SpecDecoder:
         self.cfg = cfg
         self.drafter = drafter
         self.runner = runner
-        drafter.bind(runner.model)
+        drafter.bind(runner)
 
     def step(self, seqs, max_drafts: list[int], generator: torch.Generator) -> list[Verified]:
         """Draft up to max_drafts[i] tokens for seqs[i], verify them all in one forward and
@@ -193,9 +177,10 @@ class SpecDecoder:
         # where their KV has no page it lands in the runner's scratch page.
         pad_to = 1 + self.cfg.num_speculative_tokens
         if self.drafter.needs_hidden:  # the rows' hidden states feed the drafter's next proposal
-            with LMHeadInput(self.runner.model) as seen:
-                logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float()
-            self.drafter.observe(seqs, drafts, seen.hidden)
+            logits, hidden = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to, return_hidden=True)
+            logits = logits.float()
+            self.drafter.observe(seqs, [seq.num_computed_tokens for seq in seqs], [1 + len(d) for d in drafts],
+                                 hidden)
         else:
             logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float()  # stays on the device
         results, start = [], 0
