@@ -12,6 +12,11 @@ Tensor names (under block_sparse_moe.): gate.weight, gate.e_score_correction_bia
 routed_expert_down_proj.weight [L, H], experts.gate_up_proj / experts.down_proj (stacked; loaded
 from experts.{e}.w1/w3/w2), routed_expert_norm.weight [L], routed_expert_up_proj.weight [H, L],
 shared_experts.{gate,up,down}_proj.weight. Without a latent width the projections are absent.
+
+`experts` is any holder of the contract (z [M, L], weights [M, k], ids [M, k]) -> [M, L]: the
+SiTU experts in the model dtype (hyla.layers.situ.SituExperts), or, for MXFP4 checkpoints kept
+packed, hyla.models.mxfp4.Mxfp4Experts (same stacked names, uint8 rows), whose forward runs the
+MXFP4 fused-MoE kernel (hyla.ops.triton.fused_moe_mxfp4) on CUDA; Kimi K3's model builds that one.
 """
 
 from __future__ import annotations

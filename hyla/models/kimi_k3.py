@@ -10,6 +10,12 @@ language_model.model.{output_attn_res_norm, output_attn_res_proj, norm}, languag
 The residual stream is hyla.layers.attn_residual.BlockResidualStream: built per forward pass
 (per engine step), it is activation memory, never part of the cache; the caches are
 Kimi-Linear's (KDA state slots, MLA latent pages).
+
+MXFP4 experts (a compressed-tensors `quantization_config`): while hyla.models.mxfp4.pack_at_load()
+the routed experts are built as hyla.models.mxfp4.Mxfp4Experts (uint8 rows of codes + scales,
+under the same stacked names), so the loader fills them packed and the latent MoE runs the MXFP4
+fused-MoE kernel; prepare_for_inference dequantises them once where they are not kept packed
+(mxfp4.keep_packed: by default, off CUDA). Otherwise they are dequantised as they load.
 """
 
 from __future__ import annotations
@@ -24,16 +30,18 @@ from hyla.layers.kda import KimiDeltaAttention
 from hyla.layers.latent_moe import LatentMoE
 from hyla.layers.mla import MLAAttention
 from hyla.layers.norm import RMSNorm
-from hyla.layers.situ import SituMLP
+from hyla.layers.situ import SituExperts, SituMLP
 from hyla.models.base import HybridForCausalLM
 from hyla.models.kimi_linear import kda_mla_pools
 from hyla.models.kimi_k3_config import LINEAR, SPARSE, KimiK3Config
+from hyla.models.mxfp4 import Mxfp4Experts, is_mxfp4, keep_packed, pack_at_load
+from hyla.ops.gated_act import GatedActivation
 
 
 class KimiK3DecoderLayer(nn.Module):
     """One block over a BlockResidualStream (see hyla.layers.attn_residual for the mixing)."""
 
-    def __init__(self, config: KimiK3Config, idx: int):
+    def __init__(self, config: KimiK3Config, idx: int, packed_experts: bool = False):
         super().__init__()
         c = config
         self.idx = idx
@@ -59,6 +67,11 @@ class KimiK3DecoderLayer(nn.Module):
                 c.routed_scaling_factor, c.latent_moe_use_norm, c.rms_norm_eps, c.activation_situ_beta,
                 c.activation_situ_linear_beta,
             )
+            if packed_experts:
+                width = c.routed_expert_hidden_size or c.hidden_size
+                self.block_sparse_moe.experts = Mxfp4Experts(
+                    c.num_experts, width, c.moe_intermediate_size,
+                    GatedActivation("situ", beta=c.activation_situ_beta, linear_beta=c.activation_situ_linear_beta))
         else:
             self.mlp = SituMLP(c.hidden_size, c.intermediate_size, c.activation_situ_beta,
                                c.activation_situ_linear_beta)
@@ -87,11 +100,12 @@ class KimiK3DecoderLayer(nn.Module):
 class KimiK3Model(nn.Module):
     """The checkpoint's `language_model.model` level."""
 
-    def __init__(self, config: KimiK3Config):
+    def __init__(self, config: KimiK3Config, packed_experts: bool = False):
         super().__init__()
         self.block_size = config.attn_res_block_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(KimiK3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(KimiK3DecoderLayer(config, i, packed_experts)
+                                    for i in range(config.num_hidden_layers))
         self.output_attn_res_norm, self.output_attn_res_proj = residual_scorer(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -107,9 +121,9 @@ class KimiK3Model(nn.Module):
 class KimiK3LanguageModel(nn.Module):
     """The checkpoint's `language_model` level: `model` and `lm_head`."""
 
-    def __init__(self, config: KimiK3Config):
+    def __init__(self, config: KimiK3Config, packed_experts: bool = False):
         super().__init__()
-        self.model = KimiK3Model(config)
+        self.model = KimiK3Model(config, packed_experts)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
 
@@ -120,10 +134,14 @@ class KimiK3ForCausalLM(HybridForCausalLM):
     # fp32 and read any weight dtype, so they stay fp32 whatever the model dtype (hyla.models.loader).
     fp32_tensors = ("_conv1d.weight",)
 
-    def __init__(self, config: KimiK3Config):
+    def __init__(self, config: KimiK3Config, packed_experts: bool | None = None):
+        """packed_experts: routed experts as Mxfp4Experts; None (the loader's call) = when the
+        checkpoint's experts are MXFP4 and hyla.models.mxfp4.pack_at_load()."""
         super().__init__()
         self.config = config
-        self.language_model = KimiK3LanguageModel(config)
+        if packed_experts is None:
+            packed_experts = is_mxfp4(config.quantization_config) and pack_at_load()
+        self.language_model = KimiK3LanguageModel(config, packed_experts)
 
     @property
     def model(self) -> KimiK3Model:
@@ -133,9 +151,29 @@ class KimiK3ForCausalLM(HybridForCausalLM):
     def lm_head(self) -> nn.Linear:
         return self.language_model.lm_head
 
+    def prepare_for_inference(self) -> None:
+        """Packed experts not kept packed where they are (mxfp4.keep_packed) are dequantised once
+        to the model dtype (exact) into SituExperts; then the layers' own preparation."""
+        for layer in self.model.layers:
+            experts = layer.block_sparse_moe.experts if layer.is_sparse else None
+            if isinstance(experts, Mxfp4Experts) and not keep_packed(experts.gate_up_proj.device):
+                layer.block_sparse_moe.experts = _dequantized(experts, self.dtype)
+        super().prepare_for_inference()
+
     def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
                        state_dtype: torch.dtype = torch.float32, device=None, dtype=None) -> HybridCache:
         """Zeroed pools, Kimi-Linear's (kimi_linear.kda_mla_pools): the residual bank needs none."""
         self._check_pool_sizes(num_slots, num_pages, page_size)
         return kda_mla_pools(self.config, num_slots, num_pages, page_size, state_dtype,
                              self.device if device is None else device, self.dtype if dtype is None else dtype)
+
+
+def _dequantized(packed: Mxfp4Experts, dtype: torch.dtype) -> SituExperts:
+    """The SiTU experts holding `packed`'s weights dequantised to dtype, on its device."""
+    act = packed.activation
+    with torch.device("meta"):  # no init of weights that are replaced at once
+        experts = SituExperts(packed.num_experts, packed.hidden_size, packed.intermediate_size, act.beta,
+                              act.linear_beta)
+    w13, w2 = packed.dequantized(dtype)
+    experts.gate_up_proj, experts.down_proj = nn.Parameter(w13, False), nn.Parameter(w2, False)
+    return experts

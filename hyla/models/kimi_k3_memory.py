@@ -55,11 +55,12 @@ def released_config() -> KimiK3Config:
 
 
 def meta_model(config: KimiK3Config | None = None):
-    """The K3 model on the meta device (shapes only)."""
+    """The K3 model on the meta device (shapes only), experts as the checkpoint's logical weights
+    (never Mxfp4Experts' packed rows, whose element count is bytes, not parameters)."""
     from hyla.models.kimi_k3 import KimiK3ForCausalLM
 
     with torch.device("meta"):
-        return KimiK3ForCausalLM(released_config() if config is None else config)
+        return KimiK3ForCausalLM(released_config() if config is None else config, packed_experts=False)
 
 
 @dataclass

@@ -229,3 +229,55 @@ def test_fused_moe_bf16_full_size(act):
         h = activation(gu[:, :I], gu[:, I:])
         want.index_add_(0, m, weights[m, j, None].double() * (h @ w2[e].double().t()))
     check(f"fused MoE bf16 {act}", got, want, tol=1e-2)
+
+
+@pytest.mark.parametrize("M", [256, 4096])
+def test_fused_moe_mxfp4_bf16_full_size(M):
+    """The MXFP4 fused MoE (hyla.ops.triton.fused_moe_mxfp4) at Kimi-Linear-like sizes (64 experts
+    top-8, hidden 2304, intermediate 1024), K3's SiTU at scales that bite, decode-sized (M = 256)
+    and prefill-sized (4096) batches: vs the fp64 loop over the dequantised weights within a few
+    bf16 roundings (relative 1e-2, as the bf16 fused MoE), and vs the bf16 kernel on the same
+    dequantised weights (the decoded weights are exact in bf16, so both compute the
+    same bf16 GEMMs; they differ only in summation order: 5e-3). Prints both kernels' times."""
+    from hyla.models.mxfp4 import dequantize_mxfp4
+    from hyla.ops.gated_act import GatedActivation
+    from hyla.ops.triton.fused_moe import fused_moe
+    from hyla.ops.triton.fused_moe_mxfp4 import fused_moe_mxfp4
+
+    act = GatedActivation("situ", beta=0.5, linear_beta=0.5)
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    H, I, E, k = 2304, 1024, 64, 8
+
+    def mxfp4(N, K):
+        packed = torch.randint(0, 256, (E, N, K // 2), generator=gen, device=DEV, dtype=torch.int32).to(torch.uint8)
+        base = 127 - round(0.5 * math.log2(K)) - 1  # outputs near unit size
+        return packed, (base - torch.randint(0, 3, (E, N, K // 32), generator=gen, device=DEV)).to(torch.uint8)
+
+    w13, w2 = mxfp4(2 * I, H), mxfp4(H, I)
+    x = torch.randn(M, H, generator=gen, device=DEV).to(torch.bfloat16)
+    ids = torch.rand(M, E, generator=gen, device=DEV).topk(k, dim=-1).indices
+    weights = torch.rand(M, k, generator=gen, device=DEV)
+    got = fused_moe_mxfp4(x, *w13, *w2, weights, ids, activation=act)
+    W13, W2 = dequantize_mxfp4(*w13, torch.bfloat16), dequantize_mxfp4(*w2, torch.bfloat16)
+    bf16 = fused_moe(x, W13, W2, weights, ids, activation=act)
+    want = torch.zeros(M, H, dtype=torch.float64, device=DEV)
+    for e in range(E):  # fp64, one expert at a time over the pairs that chose it
+        m, j = (ids == e).nonzero(as_tuple=True)
+        gu = x[m].double() @ W13[e].double().t()
+        want.index_add_(0, m, weights[m, j, None].double() * (act(gu[:, :I], gu[:, I:]) @ W2[e].double().t()))
+    check(f"fused MoE MXFP4 M={M}", got, want, tol=1e-2)
+    check(f"fused MoE MXFP4 vs bf16 kernel M={M}", got, bf16, tol=5e-3)
+
+    def ms(fn, reps=20):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    t4 = ms(lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, activation=act))
+    t16 = ms(lambda: fused_moe(x, W13, W2, weights, ids, activation=act))
+    print(f"  M={M}: MXFP4 {t4:.3f} ms, bf16 {t16:.3f} ms ({t16 / t4:.2f}x)")
