@@ -109,10 +109,11 @@ def test_mxfp4_kernel_nibble_order_is_the_loaders():
     scale2 = torch.full((1, H, 1), 127, dtype=torch.uint8)
     x = torch.zeros(1, H)
     x[0, 1] = 3.0  # only column 1 is nonzero: gate = up = 0 if the order is right
-    got = _run(mod, dev, x, (packed13, scale13), (packed2, scale2), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long))
+    route = torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long)  # the token's one slot: expert 0
+    got = _run(mod, dev, x, (packed13, scale13), (packed2, scale2), *route)
     assert torch.equal(got, torch.zeros(1, H))
     x[0, 0], x[0, 1] = 1.0, 0.0  # column 0 only: gate = up = 1, h = silu(1) * 1 per row
-    got = _run(mod, dev, x, (packed13, scale13), (packed2, scale2), torch.ones(1, 1), torch.zeros(1, 1, dtype=torch.long))
+    got = _run(mod, dev, x, (packed13, scale13), (packed2, scale2), *route)
     torch.testing.assert_close(got, torch.full((1, H), I * float(torch.nn.functional.silu(torch.tensor(1.0)))))
 
 

@@ -48,14 +48,12 @@ def _e2m1(code):
 
 
 @triton.jit
-def _dequant(q, s, dtype: tl.constexpr):
+def _dequant(q, s):
     """q: bytes [BKH, BN] (uint8), s: their E8M0 scales [BKH, BN] -> (even columns, odd columns)
-    [BKH, BN] each in `dtype` (exact: see the module docstring)."""
+    [BKH, BN] each in fp32 (exact; the caller casts to the activations' dtype, still exact)."""
     q = q.to(tl.int32)
     factor = tl.exp2(s.to(tl.float32) - 127.0)
-    lo = _e2m1(q & 15) * factor
-    hi = _e2m1(q >> 4) * factor
-    return lo.to(dtype), hi.to(dtype)
+    return _e2m1(q & 15) * factor, _e2m1(q >> 4) * factor
 
 
 @triton.jit
@@ -79,7 +77,7 @@ def _gate_up_kernel(x, wq, ws, h, sorted_pairs, block_expert, P, I, H,
     a_ptr = x + tok[:, None] * s_xm + 2 * o_b[None, :]  # [BM, BKH] even columns; + 1: odd
     rows = o_n[None, :].to(tl.int64)
     qg_ptr = wq + e * s_qe + rows * s_qn + o_b[:, None]  # [BKH, BN] gate rows' bytes
-    sg_ptr = ws + e * s_se + rows * s_sn + (o_b // 16)[:, None]  # [BKH, BN] their scales (16 bytes = 32 columns a group)
+    sg_ptr = ws + e * s_se + rows * s_sn + (o_b // 16)[:, None]  # [BKH, BN] scales (16 bytes a group)
     qu_ptr, su_ptr = qg_ptr + I * s_qn, sg_ptr + I * s_sn  # up rows
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
@@ -90,12 +88,10 @@ def _gate_up_kernel(x, wq, ws, h, sorted_pairs, block_expert, P, I, H,
         m_w = m_k[:, None] & m_n[None, :]
         a_even = tl.load(a_ptr + k0, mask=m_a, other=0.0)
         a_odd = tl.load(a_ptr + k0 + 1, mask=m_a, other=0.0)
-        g_lo, g_hi = _dequant(tl.load(qg_ptr + kb, mask=m_w, other=0), tl.load(sg_ptr + k0 // 32, mask=m_w, other=0),
-                              x.dtype.element_ty)
-        acc_g += _dot(a_even, g_lo, IEEE) + _dot(a_odd, g_hi, IEEE)
-        u_lo, u_hi = _dequant(tl.load(qu_ptr + kb, mask=m_w, other=0), tl.load(su_ptr + k0 // 32, mask=m_w, other=0),
-                              x.dtype.element_ty)
-        acc_u += _dot(a_even, u_lo, IEEE) + _dot(a_odd, u_hi, IEEE)
+        g_lo, g_hi = _dequant(tl.load(qg_ptr + kb, mask=m_w, other=0), tl.load(sg_ptr + k0 // 32, mask=m_w, other=0))
+        acc_g += _dot(a_even, g_lo.to(a_even.dtype), IEEE) + _dot(a_odd, g_hi.to(a_even.dtype), IEEE)
+        u_lo, u_hi = _dequant(tl.load(qu_ptr + kb, mask=m_w, other=0), tl.load(su_ptr + k0 // 32, mask=m_w, other=0))
+        acc_u += _dot(a_even, u_lo.to(a_even.dtype), IEEE) + _dot(a_odd, u_hi.to(a_even.dtype), IEEE)
     out = _gated(acc_g, acc_u, ACT, LIMIT, BETA, LBETA, HAS_LBETA)  # fp32 epilogue, rounded once
     tl.store(h + pair[:, None].to(tl.int64) * s_hm + o_n[None, :], out.to(h.dtype.element_ty),
              mask=live[:, None] & m_n[None, :])
@@ -129,9 +125,8 @@ def _down_kernel(h, wq, ws, y, weights, sorted_pairs, block_expert, P, H, I,
         m_w = m_k[:, None] & m_n[None, :]
         a_even = tl.load(a_ptr + k0, mask=m_a, other=0.0)
         a_odd = tl.load(a_ptr + k0 + 1, mask=m_a, other=0.0)
-        w_lo, w_hi = _dequant(tl.load(q_ptr + kb, mask=m_w, other=0), tl.load(s_ptr + k0 // 32, mask=m_w, other=0),
-                              h.dtype.element_ty)
-        acc += _dot(a_even, w_lo, IEEE) + _dot(a_odd, w_hi, IEEE)
+        w_lo, w_hi = _dequant(tl.load(q_ptr + kb, mask=m_w, other=0), tl.load(s_ptr + k0 // 32, mask=m_w, other=0))
+        acc += _dot(a_even, w_lo.to(a_even.dtype), IEEE) + _dot(a_odd, w_hi.to(a_even.dtype), IEEE)
     scale = tl.load(weights + prow, mask=live, other=0.0).to(tl.float32)  # [BM] routing weights
     tl.store(y + prow[:, None] * s_ym + o_n[None, :], (acc * scale[:, None]).to(y.dtype.element_ty),
              mask=live[:, None] & m_n[None, :])
