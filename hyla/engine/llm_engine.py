@@ -185,13 +185,20 @@ class LLMEngine:
         rows = [[n - 1] if s else [] for n, s in zip(batch.num_new_tokens, sampling)]
         checkpoints = [[(pos - seq.num_computed_tokens, slot) for pos, slot in e]
                        for seq, e in zip(batch.seqs, batch.exports)] if any(batch.exports) else None
+        to_drafter = self.spec is not None and self.spec.wants_prefill_hidden  # an MTP head reads the prompt too
         try:
-            logits = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints)
+            if to_drafter:
+                logits, hidden_rows = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints,
+                                                      return_hidden=True)
+            else:
+                logits = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints)
         except TensorParallelError:
             raise  # the worker group is gone: no request can run
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
             self.scheduler.drop_exports(batch)
             return self.recover(batch.seqs, err)
+        if to_drafter:
+            self.spec.observe_prefill(batch.seqs, batch.num_new_tokens, hidden_rows)
         for seq, n, e in zip(batch.seqs, batch.num_new_tokens, batch.exports):
             seq.num_computed_tokens += n
             self.scheduler.file_exports(seq, e)
@@ -207,6 +214,8 @@ class LLMEngine:
             if seq.is_finished:
                 self.on_finish(seq)
             outputs.append(seq.to_output())
+        if to_drafter:  # after sampling: a finished prompt's last row pairs with the token just sampled
+            self.spec.commit_prefill(batch.seqs, batch.num_new_tokens)
         return outputs
 
     def _spec_step(self, batch: ScheduledBatch) -> list[RequestOutput]:

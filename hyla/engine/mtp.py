@@ -35,18 +35,24 @@ from hyla.engine.spec_decode import Drafter
 
 
 class _View:
-    """One request's head state: KV rows for target positions start .. start + done - 1 and the
-    committed pairs after them, not yet run."""
+    """One request's head state: KV rows for target positions start .. start + done - 1, and the
+    committed pairs after them not yet run, in chunks (hidden [n, hidden], the n tokens at the
+    next positions). generation: the request's preemption count when the view began (a
+    preempted request loses its KV: its view starts over)."""
 
-    def __init__(self, start: int):
-        self.start, self.done = start, 0
+    def __init__(self, start: int, generation: int):
+        self.start, self.done, self.generation = start, 0, generation
         self.pages: list[int] = []
-        self.pending: list[tuple[torch.Tensor, int]] = []  # (hidden [hidden], token at the next position)
+        self.pending: list[tuple[torch.Tensor, list[int]]] = []
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(t) for _, t in self.pending)
 
     @property
     def next_position(self) -> int:
         """The target position the next committed pair must have."""
-        return self.start + self.done + len(self.pending)
+        return self.start + self.done + self.num_pending
 
 
 class MTPDrafter(Drafter):
@@ -80,17 +86,22 @@ class MTPDrafter(Drafter):
             start += n
 
     def commit(self, seqs, kept: list[int]) -> None:
-        """seqs[i] kept kept[i] tokens of its verify (already appended to its token_ids)."""
+        """seqs[i] kept the first kept[i] of its observed rows (a verify: the tokens it accepted,
+        already appended to its token_ids; a prefill chunk: all of them). Row j at position
+        p + j pairs with the token now at p + j + 1; a row whose next token does not exist yet
+        (none: the engine commits after sampling) is dropped."""
         for seq, n in zip(seqs, kept):
             seen = self._seen.pop(seq.request_id, None)
             if seen is None:
                 continue
             p, rows = seen
+            n = min(n, len(rows), len(seq.token_ids) - 1 - p)
             view = self.views.get(seq.request_id)
-            if view is None or view.next_position != p:  # a gap (first step, or rows lost): start over
-                self.release(seq)
-                view = self.views[seq.request_id] = _View(p)
-            view.pending += [(rows[i], seq.token_ids[p + 1 + i]) for i in range(n)]
+            if view is None or view.next_position != p or view.generation != seq.num_preemptions:
+                self.release(seq)  # its first rows, or the request was recomputed: start over at p
+                view = self.views[seq.request_id] = _View(p, seq.num_preemptions)
+            if n > 0:
+                view.pending.append((rows[:n], seq.token_ids[p + 1 : p + 1 + n]))
 
     def release(self, seq) -> None:
         view = self.views.pop(seq.request_id, None)
@@ -106,7 +117,7 @@ class MTPDrafter(Drafter):
         view = self.views.get(seq.request_id)
         if not k or view is None or not view.pending or view.next_position != len(seq.token_ids) - 1:
             return None
-        need = -(-(view.done + len(view.pending) + self.k - 1) // self.page_size) - len(view.pages)
+        need = -(-(view.done + view.num_pending + self.k - 1) // self.page_size) - len(view.pages)
         if need > self.pages.num_free:
             return None
         view.pages += self.pages.allocate(max(0, need))
@@ -129,12 +140,13 @@ class MTPDrafter(Drafter):
         if not live:
             return results
         views = [v for _, v in live]
-        lens = [len(v.pending) for v in views]
-        y = self._run(torch.stack([h for v in views for h, _ in v.pending]), [t for v in views for _, t in v.pending],
-                      views, lens, [v.done for v in views])
+        lens = [v.num_pending for v in views]
+        y = self._run(torch.cat([h for v in views for h, _ in v.pending]), [t for v in views for _, ts in v.pending
+                                                                          for t in ts], views, lens,
+                      [v.done for v in views])
         y = y[torch.tensor(lens, device=y.device).cumsum(0) - 1]  # each chunk's last row: position p - 1
         for v in views:
-            v.done += len(v.pending)
+            v.done += v.num_pending
             v.pending = []
         steps = max(ks[i] for i, _ in live)
         drafts, probs = [[] for _ in live], [[] for _ in live]

@@ -192,6 +192,21 @@ class SpecDecoder:
             results.append(Verified(accept(rows, d, q, seq, gen, allowed), rows, len(d)))
         return results
 
+    @property
+    def wants_prefill_hidden(self) -> bool:
+        """The drafter reads the prompt's hidden states (MTP): prefill chunks hand them over."""
+        return self.drafter.needs_hidden
+
+    def observe_prefill(self, seqs, num_new_tokens: list[int], hidden: torch.Tensor) -> None:
+        """hidden: [sum(num_new_tokens), hidden] the final-norm states of a plain step's new tokens
+        (before num_computed_tokens advances past them)."""
+        self.drafter.observe(seqs, [seq.num_computed_tokens for seq in seqs], list(num_new_tokens), hidden)
+
+    def commit_prefill(self, seqs, num_new_tokens: list[int]) -> None:
+        """After the plain step sampled: its rows pair with the tokens after them (the last row of
+        a finished prompt with the token just sampled)."""
+        self.drafter.commit(seqs, list(num_new_tokens))
+
     def commit(self, seqs, kept: list[int]) -> None:
         """The engine kept kept[i] tokens of seqs[i]'s verify step (fewer than accepted when the
         request finished early): make the state after exactly those tokens the current one."""
