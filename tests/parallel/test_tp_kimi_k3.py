@@ -2,8 +2,8 @@
 with the full-rank gate and A_log [K], gated NoPE MLA, attention residuals, latent SiTU MoE with
 the latent norm (experts split along their width, or whole per rank with expert parallelism),
 with the prefix cache, n-gram speculation, preemption and chunked prefill; the latent MoE
-variants without the norm and without the latent width; the per-rank memory report; and the
-fields a degree does not divide."""
+variants without the norm and without the latent width; the per-rank memory report; MXFP4
+experts cut per rank; and the fields a degree does not divide."""
 
 import dataclasses
 
@@ -14,6 +14,7 @@ from hyla import LLM
 from hyla.models import load_config, load_model
 from hyla.parallel.plans import check_parallel, make_plan
 from hyla.parallel.tp_memory import rank_memory_report
+from tests.models.test_kimi_k3_mxfp4 import checkpoints as mxfp4_checkpoints  # noqa: F401 (a fixture)
 from tests.oracles.kimi_k3_checkpoint import build_kimi_k3_checkpoint, config_dict, per_expert, random_state, \
     write_checkpoint
 from tests.parallel.tp_cases import assert_same, generate, prompts, rank_bytes
@@ -105,6 +106,19 @@ def test_memory_report_equals_loaded_shards(ckpt, expert_parallel):
         assert report.kv_bytes_per_token == shard.kv_bytes_per_token()
         a_log, ref = shard.model.layers[0].self_attn.A_log, full.model.layers[0].self_attn.A_log
         assert a_log.shape == ref.shape and a_log[0] == ref[rank] and not a_log[1:].any()
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_mxfp4_experts_shard_as_their_dequantised_weights(mxfp4_checkpoints, expert_parallel):
+    """A rank's part of the released MXFP4 experts (dequantised one expert at a time, then cut)
+    == its part of the same weights stored dequantised."""
+    mx, _, plain = mxfp4_checkpoints
+    model_type = load_config(mx).model_type
+    for rank in range(2):
+        got, want = (load_model(p, dtype=torch.float32, shard=make_plan(model_type, rank, 2, None, expert_parallel))
+                     for p in (mx, plain))
+        want = want.state_dict()
+        assert all(torch.equal(t, want[name]) for name, t in got.state_dict().items())
 
 
 @pytest.mark.parametrize("world,expert_parallel,overrides,field", [
