@@ -119,7 +119,9 @@ class DSAAttention(MLAAttention):
     forward_batch: one engine step over the paged caches (hyla.layers.dsa_paged)."""
 
     # CUDA graphs capture decode / verify steps only, and their path (hyla.layers.dsa_paged) reads
-    # nothing back (replay == eager on an H200; the prefill walk is never captured).
+    # nothing back and has fixed shapes: a top-k of min(index_topk / kpool, pools reached) with
+    # invisible pools at -inf, index gathers, no boolean compaction (replay == eager on an H200;
+    # tests/engine/test_glm5_next_graph.py runs it with syncs failing; the prefill walk is never captured).
     graph_safe = True
     uniform_path = True  # decode / verify all sequences at once (False: the prefill walk, for tests)
     prefill_block = 256  # queries per block of the prefill walk
