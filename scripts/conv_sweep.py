@@ -37,7 +37,7 @@ def main() -> None:
     floor_ms = 2 * T * D * 2 / bw * 1e3
     print(f"# conv prefill {T} x {D} (row stride {args.stride}), W={W}: floor {floor_ms:.4f} ms at {bw / 1e9:.0f} GB/s")
     rows = []
-    for BT, BD, nw in itertools.product([32, 64, 128], [64, 128], [4, 8]):
+    for BT, BD, nw in itertools.product([16, 32, 64, 128], [64, 128, 256], [2, 4, 8]):
         def run():
             _conv_prefill_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
                 x, x.stride(0), weight, weight, init, seq_of, cu, y, T, D, W=W, BT=BT, BD=BD,

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from pathlib import Path
 
 import torch
 
 from hyla.bench.floor import copy_bandwidth, moe_block_parts
+from hyla.ops.triton.moe_configs import config_file_name, write_configs
 
 SHAPES = {
     # hidden, moe_intermediate, experts, top-k, shared intermediate, family
@@ -46,6 +48,11 @@ SWEEP = [dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3), dict(BM=16, BN=1
          dict(BM=256, BN=64, BK=64, GM=8, num_warps=8, num_stages=3),
          dict(BM=128, BN=128, BK=64, GM=16, num_warps=8, num_stages=3),
          dict(BM=128, BN=128, BK=64, GM=4, num_warps=8, num_stages=3)]
+# second-GEMM overrides tried on top of the best SWEEP entry (its BM kept: the blocks are shared)
+DOWN_SWEEP = [dict(BN=256, BK=64, GM=4, num_warps=8, num_stages=3), dict(BN=256, BK=64, GM=8, num_warps=8, num_stages=3),
+              dict(BN=128, BK=128, GM=4, num_warps=8, num_stages=3), dict(BN=256, BK=32, GM=4, num_warps=8, num_stages=4),
+              dict(BN=128, BK=64, GM=4, num_warps=4, num_stages=4), dict(BN=64, BK=128, GM=4, num_warps=4, num_stages=3),
+              dict(BN=128, BK=64, GM=1, num_warps=8, num_stages=4)]
 
 
 def build_block(shape: dict, device, dtype=torch.bfloat16, seed: int = 0):
@@ -99,12 +106,40 @@ def floor_bytes(block, distinct: int, tokens: int) -> int:
     return distinct * expert + other + 2 * tokens * block.experts.gate_up_proj.shape[2] * 2
 
 
+def _sweep(run, repeat: int) -> tuple[dict, dict]:
+    """Time run(config) for every SWEEP entry ("0".."n-1"), then for the DOWN_SWEEP overrides on
+    the fastest ("d0".."dn") -> (ms by label, the fastest configuration). A configuration that
+    does not fit the device (too much shared memory) is timed as nan."""
+    def timed(cfg):
+        try:
+            return graph_ms(lambda: run(cfg), repeat)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
+            print(f"# config {cfg}: {type(e).__name__}")
+            return float("nan")
+
+    def fastest(ms: dict) -> str:
+        return min(ms, key=lambda i: ms[i] if ms[i] == ms[i] else float("inf"))
+
+    ms = {str(i): timed(cfg) for i, cfg in enumerate(SWEEP)}
+    best = dict(SWEEP[int(fastest(ms))])
+    configs = {str(i): cfg for i, cfg in enumerate(SWEEP)}
+    for j, down in enumerate(DOWN_SWEEP):
+        cfg = {**best, "down": down}
+        configs[f"d{j}"] = cfg
+        ms[f"d{j}"] = timed(cfg)
+    return ms, configs[fastest(ms)]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="hyla bench moe", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=sorted(SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192])
     p.add_argument("--repeat", type=int, default=50)
-    p.add_argument("--sweep", action="store_true", help="also time the Triton block configurations in SWEEP")
+    p.add_argument("--sweep", action="store_true", help="also time the Triton block configurations in SWEEP, "
+                   "then second-GEMM overrides (DOWN_SWEEP) on the best")
+    p.add_argument("--write-configs", type=Path, metavar="DIR",
+                   help="with --sweep: write the fastest configuration per shape and token count into DIR "
+                        "(hyla.ops.triton.moe_configs' file per shape and device)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("hyla bench moe needs a CUDA device")
@@ -115,7 +150,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     bw = copy_bandwidth(device)
     print(f"# hyla bench moe: torch {torch.__version__}, {torch.cuda.get_device_name()}, copy bandwidth "
           f"{bw / 1e9:.0f} GB/s (read + write); CUDA-graph replays, medians of {args.repeat}")
-    rows = []
+    rows, tuned = [], {}
     for name in args.shapes:
         shape = SHAPES[name]
         block = build_block(shape, device)
@@ -131,22 +166,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 t_block = graph_ms(lambda: block(x), args.repeat)
                 t_triton = graph_ms(lambda: fused_moe(x, w13, w2, weights, ids), args.repeat)
                 t_grouped = graph_ms(lambda: moe_experts_torch(x, w13, w2, weights, ids), args.repeat)
-                sweep = {}
+                sweep, best_cfg = {}, None
                 if args.sweep:
-                    for i, cfg in enumerate(SWEEP):
-                        try:
-                            sweep[i] = graph_ms(lambda: fused_moe(x, w13, w2, weights, ids, config=cfg), args.repeat)
-                        except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
-                            sweep[i] = float("nan")
-                            print(f"# config {cfg}: {type(e).__name__}")
+                    sweep, best_cfg = _sweep(lambda cfg: fused_moe(x, w13, w2, weights, ids, config=cfg),
+                                             args.repeat)
+                    tuned[(name, m)] = best_cfg
             floor = floor_bytes(block, distinct, m) / bw * 1e3
             row = dict(shape=name, tokens=m, distinct=distinct, block_ms=t_block, triton_ms=t_triton,
                        grouped_ms=t_grouped, floor_ms=floor, x_floor=t_block / floor, rel_err=err, sweep=sweep)
             rows.append(row)
             if sweep:
-                best = min(sweep, key=lambda i: sweep[i] if sweep[i] == sweep[i] else 1e9)
                 print(f"# {name} M={m}: sweep " + " ".join(f"{i}:{t:.3f}" for i, t in sweep.items())
-                      + f" -> best {SWEEP[best]}")
+                      + f" -> best {best_cfg} ({min(t for t in sweep.values() if t == t):.3f} ms; "
+                      f"default {t_triton:.3f} ms)")
+        if args.write_configs and any(n == name for n, _ in tuned):
+            path = args.write_configs / config_file_name(shape["experts"], shape["inter"], shape["hidden"],
+                                                         torch.cuda.get_device_name(device))
+            write_configs(path, {m: cfg for (n, m), cfg in tuned.items() if n == name})
+            print(f"# wrote {path}")
         del block, w13, w2
         torch.cuda.empty_cache()
     print(f"{'shape':<22} {'tokens':>6} {'experts':>7} {'block ms':>9} {'triton ms':>9} {'grouped ms':>10} "

@@ -30,6 +30,10 @@ from hyla.ops.triton.conv_prefill import causal_conv1d_fn  # noqa: E402
     ([5, 1, 0, 40, 2], 40, 4, True, True, "silu"),
     ([3, 70], 130, 3, True, False, None),
     ([1, 2], 17, 4, True, True, "silu"),
+    # 32-token blocks: the third starts W-1 past the second sequence's start (read from x alone)
+    # or W-2 past it (its first token still needs the initial window)
+    ([61, 40], 24, 4, True, True, "silu"),
+    ([62, 40], 24, 4, True, False, "silu"),
 ])
 def test_matches_torch_op(lens, D, W, init, bias, act):
     gen = torch.Generator().manual_seed(sum(lens) + D)

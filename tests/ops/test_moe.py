@@ -96,6 +96,36 @@ def test_triton_fused_moe_grouped_launch_order(gm):
     assert _rel(got.cpu(), want) < 1e-5
 
 
+def test_triton_fused_moe_second_gemm_takes_its_own_blocks():
+    """A "down" override (other column / depth blocks and launch order for the second GEMM,
+    the row blocks shared) computes the same product."""
+    mod, dev = _triton()
+    x, w13, w2, weights, ids = _inputs(37, 72, 40, 4, 2, dtype=torch.float32, seed=6, skew=True)
+    want = moe_experts_naive(x.double(), w13.double(), w2.double(), weights, ids)
+    cfg = dict(BM=16, BN=16, BK=32, GM=2, num_warps=4, num_stages=1, down=dict(BN=32, BK=16, GM=1))
+    got = mod.fused_moe(*(t.to(dev) for t in (x, w13, w2, weights, ids)), config=cfg)
+    assert _rel(got.cpu(), want) < 1e-5
+
+
+def test_tuned_table_is_used_near_its_token_counts(tmp_path, monkeypatch):
+    """A tuned entry applies within a factor of two of its key, never to far-off sizes (a table
+    tuned for prefill must not pick a decode step's blocks), and only on CUDA."""
+    from hyla.ops.triton import moe_configs as mc
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Fake GPU 1")
+    path = tmp_path / mc.config_file_name(8, 16, 32, "Fake GPU 1")
+    assert path.name == "E=8,N=16,H=32,device=Fake_GPU_1.json"
+    mc.write_configs(path, {8192: dict(BM=128, BN=128, BK=64, GM=4, down=dict(BN=256))})
+    mc.write_configs(path, {64: dict(BM=16, BN=64, BK=128)})  # merged, not replaced
+    cuda = torch.device("cuda")
+    assert mc.tuned_config(8192, 8, 16, 32, cuda, tmp_path)["down"] == {"BN": 256}
+    assert mc.tuned_config(5000, 8, 16, 32, cuda, tmp_path)["GM"] == 4
+    assert mc.tuned_config(100, 8, 16, 32, cuda, tmp_path)["BM"] == 16
+    assert mc.tuned_config(1024, 8, 16, 32, cuda, tmp_path) is None  # 8x from both keys
+    assert mc.tuned_config(8192, 8, 16, 64, cuda, tmp_path) is None  # another shape: no file
+    assert mc.tuned_config(8192, 8, 16, 32, torch.device("cpu"), tmp_path) is None
+
+
 @pytest.mark.parametrize("block_m,large", [(2, False), (4, False), (4, True)])
 def test_align_pairs_blocks_hold_one_expert(block_m, large, monkeypatch):
     mod, dev = _triton()

@@ -34,24 +34,36 @@ def _conv_prefill_kernel(x, s_x, weight, bias, init, seq_of, cu, y, T, D,
     o_d = i_d * BD + tl.arange(0, BD)
     m_t = o_t < T
     m_d = o_d < D
-    n = tl.load(seq_of + o_t, mask=m_t, other=0)  # [BT] sequence of each token
-    start = tl.load(cu + n, mask=m_t, other=0)  # [BT]
     acc = tl.zeros((BT, BD), dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)[None, :]
-    for j in tl.static_range(W):
-        s = o_t - (W - 1) + j  # [BT] source position
-        w_j = tl.load(weight + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)  # [BD]
-        inside = s >= start
-        v = tl.load(x + tl.maximum(s, 0).to(tl.int64)[:, None] * s_x + o_d[None, :],
-                    mask=(m_t & inside)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        if HAS_INIT:
-            col = (W - 1) + s - start  # [BT] column of the initial window (valid when not inside)
-            before = m_t & (s < start)
-            v0 = tl.load(init + n.to(tl.int64)[:, None] * D * (W - 1) + o_d[None, :] * (W - 1) + col[:, None],
-                         mask=before[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-            v = v + v0
-        acc += v * w_j[None, :]
+    # A block whose tokens all lie in one sequence, at least W-1 past its start, reads only x:
+    # the common case of a long prompt, taken without the per-token sequence bookkeeping.
+    t0 = i_t * BT
+    n_first = tl.load(seq_of + t0)
+    interior = (n_first == tl.load(seq_of + tl.minimum(t0 + BT, T) - 1)) & (t0 - (W - 1) >= tl.load(cu + n_first))
+    if interior:
+        for j in tl.static_range(W):
+            w_j = tl.load(weight + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+            v = tl.load(x + (o_t - (W - 1) + j).to(tl.int64)[:, None] * s_x + o_d[None, :],
+                        mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            acc += v * w_j[None, :]
+    else:
+        n = tl.load(seq_of + o_t, mask=m_t, other=0)  # [BT] sequence of each token
+        start = tl.load(cu + n, mask=m_t, other=0)  # [BT]
+        for j in tl.static_range(W):
+            s = o_t - (W - 1) + j  # [BT] source position
+            w_j = tl.load(weight + o_d * W + j, mask=m_d, other=0.0).to(tl.float32)  # [BD]
+            inside = s >= start
+            v = tl.load(x + tl.maximum(s, 0).to(tl.int64)[:, None] * s_x + o_d[None, :],
+                        mask=(m_t & inside)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            if HAS_INIT:
+                col = (W - 1) + s - start  # [BT] column of the initial window (valid when not inside)
+                before = m_t & (s < start)
+                v0 = tl.load(init + n.to(tl.int64)[:, None] * D * (W - 1) + o_d[None, :] * (W - 1) + col[:, None],
+                             mask=before[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+                v = v + v0
+            acc += v * w_j[None, :]
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
     tl.store(y + o_t.to(tl.int64)[:, None] * D + o_d[None, :], acc.to(y.dtype.element_ty),

@@ -33,6 +33,7 @@ import triton.language as tl
 from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.moe import _check, sort_pairs_by_expert
 from hyla.ops.triton import _interpreter
+from hyla.ops.triton.moe_configs import tuned_config
 from hyla.ops.triton.norm import to_dtype
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -267,7 +268,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
               ids: torch.Tensor, config: dict | None = None, activation: GatedActivation = SILU) -> torch.Tensor:
     """x: [M, H]; w13: [E, 2I, H]; w2: [E, H, I]; weights: [M, k] (fp32); ids: [M, k] int64 ->
     [M, H] in x.dtype. See the module docstring. config: block sizes and launch options (keys
-    of `_config`'s result) instead of the defaults (the benchmark's sweep). activation: the
+    of `_config`'s result, optionally a "down" dict overriding them for the second GEMM) instead
+    of the tuned table for this device and shape (hyla.ops.triton.moe_configs) or, without one,
+    the heuristic `_config`. activation: the
     experts' gated activation (hyla.ops.gated_act), computed in the first GEMM's epilogue."""
     _check(x, w13, w2, weights, ids)
     x = x.contiguous()
@@ -278,14 +281,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     P = M * k
     if P == 0:
         return x.new_zeros(M, H)
-    cfg = dict(config) if config is not None else _config(P, E)
+    if config is None:
+        config = tuned_config(M, E, I, H, x.device) or _config(P, E)
+    cfg = dict(config)
     BM = cfg.pop("BM")
+    down = {**cfg, **cfg.pop("down", {})}  # the second GEMM's blocks (BM is shared)
+    down.pop("BM", None)
     BN, BK, GM = cfg.pop("BN"), cfg.pop("BK"), cfg.pop("GM", 1)
+    dBN, dBK, dGM = down.pop("BN"), down.pop("BK"), down.pop("GM", 1)
     sorted_pairs, block_expert = align_pairs(ids, E, BM)
     nb = block_expert.shape[0]
     ieee = x.dtype == torch.float32
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    nn_up, nn_down = triton.cdiv(I, BN), triton.cdiv(H, BN)
+    nn_up, nn_down = triton.cdiv(I, BN), triton.cdiv(H, dBN)
     _gate_up_kernel[(nb * nn_up,)](
         x, w13, h, sorted_pairs, block_expert, P, I, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         nb, nn_up, float(activation.limit or 0.0), float(activation.beta or 1.0), float(activation.linear_beta or 1.0),
@@ -296,7 +304,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)
     _down_kernel[(nb * nn_down,)](
         h, w2, y, weights.reshape(-1).float(), sorted_pairs, block_expert, P, H, I, h.stride(0), w2.stride(0),
-        w2.stride(1), y.stride(0), nb, nn_down, BM=BM, BN=BN, BK=BK, GM=GM, IEEE=ieee, **cfg)
+        w2.stride(1), y.stride(0), nb, nn_down, BM=BM, BN=dBN, BK=dBK, GM=dGM, IEEE=ieee, **down)
     out = torch.empty(M, H, dtype=x.dtype, device=x.device)
     BH = min(1024, triton.next_power_of_2(H))
     _sum_slots_kernel[(M, triton.cdiv(H, BH))](y, out, H, top_k=k, BH=BH, num_warps=4)
