@@ -189,7 +189,7 @@ class DSAAttention(MLAAttention):
         """Sequence by sequence, query block by query block (memory ~ block x S, not new x L)."""
         page_size = cache.kv.shape[1]
         out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
-        sels, valids = [], []
+        sels = []
         cu = batch.cu_seqlens_list
         for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
             if new == 0:

@@ -15,8 +15,13 @@ from hyla.models import load_config, load_model
 from hyla.parallel.plans import check_parallel, make_plan
 from hyla.parallel.tp_memory import rank_memory_report
 from tests.models.test_kimi_k3_mxfp4 import checkpoints as mxfp4_checkpoints  # noqa: F401 (a fixture)
-from tests.oracles.kimi_k3_checkpoint import build_kimi_k3_checkpoint, config_dict, per_expert, random_state, \
-    write_checkpoint
+from tests.oracles.kimi_k3_checkpoint import (
+    build_kimi_k3_checkpoint,
+    config_dict,
+    per_expert,
+    random_state,
+    write_checkpoint,
+)
 from tests.parallel.tp_cases import assert_same, generate, prompts, rank_bytes
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
