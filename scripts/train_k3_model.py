@@ -43,7 +43,7 @@ from hyla.layers.situ import SituExperts, situ_mul  # noqa: E402
 from hyla.models.kimi_k3 import KimiK3ForCausalLM  # noqa: E402
 from hyla.models.kimi_k3_config import KimiK3Config  # noqa: E402
 
-DEFAULT_OUT = base.ROOT / "OUT" / "k3_model"  # not bundled: the comparison's checkpoint
+DEFAULT_OUT = base.ROOT / "out" / "k3_model"  # not bundled (git-ignored): the comparison's checkpoint
 BIAS_RATE = 1e-3  # DeepSeek-V3's bias update speed (gamma)
 # The K3 parts beyond the shared preset (base.PRESETS): expert count, top-k, latent width, the
 # routed / shared expert width, the attention-residual block size.

@@ -28,6 +28,9 @@ names), whose two column ranges are the fused-MoE kernel's packed and scale view
 experts packed on CUDA only (a CPU-loaded model gets dequantised experts in
 prepare_for_inference, as before); `packed` packs and keeps them packed on any device (CPU tests:
 the kernel under TRITON_INTERPRET=1, else dequantised per call); `dequantized` never packs.
+Packed experts are a single-device format for now: the tensor / expert-parallel plans
+(hyla.parallel) cut and rebuild the logical [N, K] expert weights, so a sharded load of an MXFP4
+checkpoint needs HYLA_MXFP4_EXPERTS=dequantized.
 """
 
 from __future__ import annotations

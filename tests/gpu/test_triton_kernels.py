@@ -281,3 +281,29 @@ def test_fused_moe_mxfp4_bf16_full_size(M):
     t4 = ms(lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, activation=act))
     t16 = ms(lambda: fused_moe(x, W13, W2, weights, ids, activation=act))
     print(f"  M={M}: MXFP4 {t4:.3f} ms, bf16 {t16:.3f} ms ({t16 / t4:.2f}x)")
+
+
+def test_k3_mxfp4_checkpoint_runs_packed_on_cuda(tmp_path, monkeypatch):
+    """A tiny K3 checkpoint with MXFP4 experts loaded to CUDA (HYLA_MXFP4_EXPERTS=auto): the
+    experts stay packed (Mxfp4Experts, uint8) and the model, whose MoE runs the MXFP4 kernel,
+    equals the same weights stored dequantised (fp32: IEEE dots over exact decoded weights,
+    1e-5 relative) and generates the same greedy tokens through the engine."""
+    from hyla import LLM, SamplingParams
+    from hyla.models import load_model
+    from hyla.models.mxfp4 import Mxfp4Experts
+    from tests.ops.test_fused_moe_mxfp4 import write_k3_checkpoints
+
+    monkeypatch.setenv("HYLA_MXFP4_EXPERTS", "auto")
+    mx, plain = write_k3_checkpoints(tmp_path)
+    model = load_model(mx, dtype=torch.float32, device=DEV)
+    experts = model.model.layers[1].block_sparse_moe.experts
+    assert isinstance(experts, Mxfp4Experts) and experts.gate_up_proj.device.type == "cuda"
+    ref = load_model(plain, dtype=torch.float32, device=DEV)
+    ids = torch.randint(3, 256, (2, 33), generator=torch.Generator().manual_seed(2)).to(DEV)
+    with torch.no_grad():
+        check("K3 MXFP4 packed logits", model(ids), ref(ids), tol=1e-5)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [[5, 17, 99, 3], [200, 4, 4, 31, 77, 8]]
+    outs = [[o.outputs[0].token_ids for o in LLM(p, dtype="float32", device=DEV).generate(prompts, params)]
+            for p in (mx, plain)]
+    assert outs[0] == outs[1]

@@ -155,13 +155,12 @@ def test_holder_memory_is_about_a_quarter_of_bf16():
     assert 0.25 < packed / bf16 < 0.27
 
 
-@pytest.fixture(scope="module")
-def k3_checkpoints(tmp_path_factory):
-    """(a tiny K3 checkpoint with MXFP4 experts, the same with the dequantised experts as .weight)."""
+def write_k3_checkpoints(root) -> tuple:
+    """(a tiny K3 checkpoint with MXFP4 experts, the same with the dequantised experts as .weight)
+    under `root` (also used by tests/gpu/test_triton_kernels.py)."""
     from tests.models.test_kimi_k3_mxfp4 import quantize
     from tests.oracles.kimi_k3_checkpoint import config_dict, per_expert, random_state, write_checkpoint
 
-    root = tmp_path_factory.mktemp("k3-packed")
     config = config_dict()
     plain, packed = {}, {}
     for name, t in per_expert(random_state(config, 4)).items():
@@ -175,6 +174,11 @@ def k3_checkpoints(tmp_path_factory):
     quant = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
     mx = write_checkpoint(root / "mxfp4", {**config, "quantization_config": quant}, packed, with_tokenizer=False)
     return mx, write_checkpoint(root / "plain", config, plain, with_tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def k3_checkpoints(tmp_path_factory):
+    return write_k3_checkpoints(tmp_path_factory.mktemp("k3-packed"))
 
 
 def test_k3_loads_mxfp4_experts_packed(k3_checkpoints, monkeypatch):
