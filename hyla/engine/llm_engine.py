@@ -60,10 +60,17 @@ class LLMEngine:
         budget = config.memory_budget
         if budget is None and self.workers is not None and self.model.device.type == "cuda":
             budget = self.workers.pool_budget()  # the tightest rank's free memory
+        # The drafter first: an MTP head keeps its KV in the engine's pages (one more layer per page).
+        drafter = None if spec_cfg is None else make_drafter(
+            spec_cfg, vocab_size=self.vocab_size, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
+            dtype=self.model.dtype, device=self.model.device, enforce_eager=config.enforce_eager)
+        extra_kv = drafter.kv_bytes_per_token(self.model) if drafter is not None else 0
+        self.kv_bytes_per_page = (self.model.kv_bytes_per_token() + extra_kv) * config.page_size
         num_slots, num_pages = size_pools(
             self.model, budget=budget, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
-            device=self.model.device, extra_slots=extra, slots_per_seq=per_seq)
+            device=self.model.device, extra_slots=extra, slots_per_seq=per_seq, extra_kv_bytes_per_token=extra_kv)
         self.pools = Pools(num_pages, num_slots, config.page_size)
         if self.workers is not None:
             from hyla.parallel.runner import tp_runner
@@ -86,13 +93,7 @@ class LLMEngine:
         self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_requests_failed": 0,
                         "prompt_tokens": 0, "generation_tokens": 0, "spec_num_draft_tokens": 0,
                         "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0, "num_steps": 0}
-        self.spec = None
-        if spec_cfg is not None:
-            drafter = make_drafter(spec_cfg, vocab_size=self.vocab_size, max_num_seqs=config.max_num_seqs,
-                                   max_model_len=self.max_model_len, page_size=config.page_size,
-                                   state_dtype=config.state_dtype, dtype=self.model.dtype, device=self.model.device,
-                                   enforce_eager=config.enforce_eager)
-            self.spec = SpecDecoder(spec_cfg, drafter, self.runner)
+        self.spec = SpecDecoder(spec_cfg, drafter, self.runner) if drafter is not None else None
 
     def _eos_token_id(self):
         eos = getattr(self.model.config, "eos_token_id", None)
@@ -309,7 +310,7 @@ class LLMEngine:
         if self.prefix_cache is not None:
             usage = self.prefix_cache.usage()
             m.update(usage)
-            m["prefix_cache_bytes"] = (usage["cached_pages"] * self.model.kv_bytes_per_token() * self.config.page_size
+            m["prefix_cache_bytes"] = (usage["cached_pages"] * self.kv_bytes_per_page
                                        + usage["cached_checkpoints"] * self.model.state_bytes_per_slot(
                                            self.config.state_dtype))
         running = self.scheduler.running

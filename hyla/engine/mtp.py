@@ -1,27 +1,42 @@
 """MTP drafter: the target checkpoint's own multi-token-prediction head (hyla.models.qwen3_5_mtp)
 proposes k tokens from the target's final-norm hidden states.
 
-Per request the drafter keeps a view: the head's KV pages (a page pool of its own, like the
-draft model's), how many committed positions the head has processed, and the committed
-(hidden state, next token) pairs it has not processed yet. The pairs come from the target's
-verify forwards: SpecDecoder hands over the hidden states of every verified row (`observe`);
-once the engine knows how many tokens a request kept, those rows become committed pairs
-(`commit`): row i of a verify at position p + i pairs with the token now at p + i + 1.
+What the head reads. Every target forward of a request hands the drafter the final-norm hidden
+states of its rows (`observe`): prefill chunks (ModelRunner.run with return_hidden) and verify
+steps (ModelRunner.verify, eager or a CUDA graph, whose hidden-state output buffer is sliced like
+its logits). Once the engine knows which tokens follow those rows (`commit`: after a prefill
+step sampled, after a verify step kept n tokens) they become committed pairs: row i at
+position p + i pairs with the token now at p + i + 1 (the last prompt row with the first
+sampled token; a verify's n kept rows with the n tokens kept), so the head's context covers the
+prompt and a request's first speculative step already drafts.
+
+Where its KV lives: in the engine's page pool, addressed by the request's own block table (the
+same page ids as the target; the head's attention layer is one more layer's worth of bytes per
+page, counted in the engine's memory budget through `kv_bytes_per_token`; the tensors are
+allocated at `bind` for every page of the runner's cache, scratch page included). Per request
+the drafter keeps a view: `start`, the first position the head processed; `done`, how many
+committed positions it has processed since; and the committed pairs not yet run.
+
+Prefix cache: a request that hits L cached tokens did not recompute their hidden states, so the
+head's attention for it starts at L (view start = L; RoPE scores depend on distances only, the
+head runs at positions relative to start). Head row j of a view (position start + j) is stored
+at row j of the block table from page start // page_size on: every head row lands in a page
+the request owns (the hit shares only pages wholly below L; the page holding L is its own,
+copy-on-write or fresh). So no head row is ever written into a page shared through the prefix
+cache, and nobody reads another request's head rows (copy_page_rows copies the target's
+layers only). A preempted request loses its pages: its view starts over when it is recomputed.
 
 propose, for a request whose last token x0 sits at position p:
     1. its pending pairs (h_t, x_{t+1}), t <= p - 1, run through the head as one chunk over its
-       KV (positions below the committed count only ever hold committed inputs);
+       KV (rows below start + done only ever hold committed inputs);
     2. the head state at p - 1 gives d1 (the token at p + 1); step j >= 2 feeds (the head state
        of step j - 1, d_{j-1}) at the next position, reusing the one head layer (as vLLM and
-       SGLang do). These speculative KV rows lie past the committed count: the next propose
-       overwrites them with committed inputs before anything reads them, so a rejected draft
-       leaves nothing behind. The target itself rolls back through its slots / replay.
-
-What the head does not see: positions before a request's first speculative step (the prompt's
-hidden states stay inside the plain prefill forward), so its attention starts there (at
-relative positions: RoPE scores depend on distances only), and that first step drafts nothing.
-Also a verify that ran as a CUDA graph returns no hidden states (EngineConfig runs MTP eagerly).
-Outputs are exact either way: the target verifies every draft.
+       SGLang do), for requests that asked for j drafts or more. These speculative rows (at most
+       position p + k - 2, inside the pages the Scheduler reserved for the verify) lie past the
+       committed ones: the next propose overwrites them with committed inputs before anything
+       reads them, so a rejected draft leaves nothing behind. The target itself rolls back
+       through its slots / replay.
+Outputs are exact whatever the head drafts: the target verifies every draft.
 """
 
 from __future__ import annotations
@@ -29,7 +44,6 @@ from __future__ import annotations
 import torch
 
 from hyla.contract import ForwardBatch
-from hyla.engine.pools import PagePool
 from hyla.engine.sampler import distribution
 from hyla.engine.spec_decode import Drafter
 
@@ -42,7 +56,6 @@ class _View:
 
     def __init__(self, start: int, generation: int):
         self.start, self.done, self.generation = start, 0, generation
-        self.pages: list[int] = []
         self.pending: list[tuple[torch.Tensor, list[int]]] = []
 
     @property
@@ -58,25 +71,29 @@ class _View:
 class MTPDrafter(Drafter):
     needs_hidden = True
 
-    def __init__(self, cfg, *, max_num_seqs: int, max_model_len: int, page_size: int):
+    def __init__(self, cfg, *, page_size: int):
         self.k, self.path, self.page_size = cfg.num_speculative_tokens, cfg.model, page_size
-        self.num_pages = max_num_seqs * -(-(max_model_len + self.k) // page_size)
         self.views: dict[str, _View] = {}
-        self._seen: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (x0's position, its verify rows)
+        self._seen: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (first row's position, rows)
+
+    @staticmethod
+    def kv_bytes_per_token(model) -> int:
+        """Bytes per token of the head's one attention layer (keys + values in the model dtype):
+        what each engine page holds for it, beside the target's layers."""
+        return model.config.layer_sizes().kv_per_token * torch.empty((), dtype=model.dtype).element_size()
 
     def bind(self, runner) -> None:
         """Load the head from the target checkpoint, beside runner.model (whose embeddings,
-        lm_head, dtype and device it shares)."""
+        lm_head, dtype and device it shares), and its KV for every page of runner.cache."""
         from hyla.models.qwen3_5_mtp import load_mtp_head
 
         model = self.model = runner.model
         self.head = load_mtp_head(self.path, model)
         if len(self.head.layers) != 1:
             raise ValueError(f"the MTP head of {self.path} has {len(self.head.layers)} layers; hyla drafts with one")
-        self.pages = PagePool(self.num_pages)
-        self.kv = self.head.allocate_kv(self.num_pages, self.page_size)
+        self.kv = self.head.allocate_kv(runner.cache.num_pages, runner.cache.page_size)
 
-    # -- what the target's verify steps hand over -------------------------------------------
+    # -- what the target's forwards hand over ------------------------------------------------
 
     def observe(self, seqs, positions: list[int], counts: list[int], hidden: torch.Tensor) -> None:
         """hidden: [sum(counts), hidden] the rows of seqs[i] at positions[i] .. + counts[i] - 1."""
@@ -98,37 +115,58 @@ class MTPDrafter(Drafter):
             n = min(n, len(rows), len(seq.token_ids) - 1 - p)
             view = self.views.get(seq.request_id)
             if view is None or view.next_position != p or view.generation != seq.num_preemptions:
-                self.release(seq)  # its first rows, or the request was recomputed: start over at p
+                # its first rows (p = the prefix-cache hit, or 0), or it was recomputed: start at p
                 view = self.views[seq.request_id] = _View(p, seq.num_preemptions)
             if n > 0:
                 view.pending.append((rows[:n], seq.token_ids[p + 1 : p + 1 + n]))
 
     def release(self, seq) -> None:
-        view = self.views.pop(seq.request_id, None)
-        if view is not None:
-            self.pages.release(view.pages)
+        self.views.pop(seq.request_id, None)
         self._seen.pop(seq.request_id, None)
 
     # -- drafting -------------------------------------------------------------------------
 
     def _ready(self, seq, k: int) -> _View | None:
-        """seq's view when it can draft now: pending pairs reaching its last token, and pages for
-        every row this propose writes (taken here)."""
+        """seq's view when it can draft now: pending pairs reaching its last token."""
         view = self.views.get(seq.request_id)
-        if not k or view is None or not view.pending or view.next_position != len(seq.token_ids) - 1:
+        if (not k or view is None or not view.pending or view.generation != seq.num_preemptions
+                or view.next_position != len(seq.token_ids) - 1):
             return None
-        need = -(-(view.done + view.num_pending + self.k - 1) // self.page_size) - len(view.pages)
-        if need > self.pages.num_free:
-            return None
-        view.pages += self.pages.allocate(max(0, need))
         return view
 
-    def _run(self, hidden: torch.Tensor, ids: list[int], views: list[_View], seq_lens: list[int],
+    def _pages(self, seq, view: _View) -> list[int]:
+        """The block table the head reads and writes for seq: the request's own, from the page
+        holding view.start on (head row j at its row j)."""
+        return seq.block_table[view.start // self.page_size:]
+
+    def _run(self, hidden: torch.Tensor, ids: list[int], tables: list[list[int]], seq_lens: list[int],
              context: list[int]) -> torch.Tensor:
-        batch = ForwardBatch.build(seq_lens=seq_lens, context_lens=context, block_tables=[v.pages for v in views],
-                                   state_slots=[0] * len(views), device=hidden.device)
+        """hidden: [sum(seq_lens), hidden], ids: the tokens after them; context[i]: head rows
+        already in tables[i] -> final-norm head states [sum(seq_lens), hidden]."""
+        batch = ForwardBatch.build(seq_lens=seq_lens, context_lens=context, block_tables=tables,
+                                   state_slots=[0] * len(tables), device=hidden.device)
         ids_t = torch.tensor(ids, dtype=torch.long, device=hidden.device)
         return self.head.forward_batch(hidden, ids_t, self.model, batch, self.kv)
+
+    def _catch_up(self, seqs, views: list[_View]) -> torch.Tensor:
+        """Run every view's pending pairs as one chunk each -> the head state at each request's
+        position p - 1 [len(views), hidden]."""
+        lens = [v.num_pending for v in views]
+        y = self._run(torch.cat([h for v in views for h, _ in v.pending]),
+                      [t for v in views for _, ts in v.pending for t in ts],
+                      [self._pages(s, v) for s, v in zip(seqs, views)], lens, [v.done for v in views])
+        for v in views:
+            v.done += v.num_pending
+            v.pending = []
+        return y[torch.tensor(lens, device=y.device).cumsum(0) - 1]  # each chunk's last row
+
+    def _draw(self, logits: torch.Tensor, seq, generator) -> tuple[int, torch.Tensor | None]:
+        """One draft from logits [V]: the argmax for a greedy request, else a draw from q (returned)."""
+        if seq.params.greedy:
+            return int(logits.argmax()), None
+        q = distribution(logits, seq.params)
+        gen = seq.generator if seq.generator is not None else generator
+        return int(torch.multinomial(q, 1, generator=gen)), q
 
     @torch.inference_mode()
     def propose(self, seqs, ks: list[int], generator: torch.Generator | None = None
@@ -139,30 +177,28 @@ class MTPDrafter(Drafter):
         live = [(i, v) for i, (seq, k) in enumerate(zip(seqs, ks)) if (v := self._ready(seq, k)) is not None]
         if not live:
             return results
-        views = [v for _, v in live]
-        lens = [v.num_pending for v in views]
-        y = self._run(torch.cat([h for v in views for h, _ in v.pending]), [t for v in views for _, ts in v.pending
-                                                                          for t in ts], views, lens,
-                      [v.done for v in views])
-        y = y[torch.tensor(lens, device=y.device).cumsum(0) - 1]  # each chunk's last row: position p - 1
-        for v in views:
-            v.done += v.num_pending
-            v.pending = []
-        steps = max(ks[i] for i, _ in live)
-        drafts, probs = [[] for _ in live], [[] for _ in live]
-        for step in range(steps):
+        idx, views = [i for i, _ in live], [v for _, v in live]
+        y = self._catch_up([seqs[i] for i in idx], views)
+        drafts, probs = {i: [] for i in idx}, {i: [] for i in idx}
+        active = list(range(len(idx)))  # rows of y: live requests still drafting
+        for step in range(max(ks[i] for i in idx)):
             logits = self.model.compute_logits(y)
-            for j, (i, _) in enumerate(live):
-                seq = seqs[i]
-                if seq.params.greedy:
-                    drafts[j].append(int(logits[j].argmax()))
-                else:
-                    q = distribution(logits[j], seq.params)
-                    gen = seq.generator if seq.generator is not None else generator
-                    drafts[j].append(int(torch.multinomial(q, 1, generator=gen)))
-                    probs[j].append(q)
-            if step + 1 < steps:  # (head state, newest draft) at the next position, past the committed rows
-                y = self._run(y, [d[-1] for d in drafts], views, [1] * len(views), [v.done + step for v in views])
-        for j, (i, _) in enumerate(live):
-            results[i] = (drafts[j][: ks[i]], torch.stack(probs[j][: ks[i]]) if probs[j] else None)
+            for row, j in enumerate(active):
+                i = idx[j]
+                d, q = self._draw(logits[row], seqs[i], generator)
+                drafts[i].append(d)
+                if q is not None:
+                    probs[i].append(q)
+            # (head state, newest draft) at the next position, past the committed rows; only for
+            # requests that draft more (their next row lies inside the pages reserved for them)
+            keep = [row for row, j in enumerate(active) if ks[idx[j]] > step + 1]
+            if not keep:
+                break
+            active = [active[row] for row in keep]
+            rows = [idx[j] for j in active]
+            y = self._run(y[torch.tensor(keep, device=y.device)], [drafts[i][-1] for i in rows],
+                          [self._pages(seqs[i], views[j]) for i, j in zip(rows, active)], [1] * len(active),
+                          [views[j].done + step for j in active])
+        for i in idx:
+            results[i] = (drafts[i], torch.stack(probs[i]) if probs[i] else None)
         return results

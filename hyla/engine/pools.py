@@ -108,8 +108,11 @@ class Pools:
 
 def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: int, page_size: int,
                state_dtype: torch.dtype, device: torch.device, extra_slots: int = 0,
-               slots_per_seq: int = 1) -> tuple[int, int]:
+               slots_per_seq: int = 1, extra_kv_bytes_per_token: int = 0) -> tuple[int, int]:
     """Split one byte budget into (num_slots, num_pages).
+
+    A page holds page_size tokens of every attention layer's KV plus extra_kv_bytes_per_token
+    per token (a drafter's layer kept in the same pages: the MTP head's attention).
 
     Slots first, slots_per_seq for each of up to max_num_seqs running requests (1 + k with
     speculative "slots" rollback) + extra_slots for checkpoints, but never
@@ -119,7 +122,7 @@ def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: i
     every wanted slot is granted).
     """
     slot_bytes = max(1, model.state_bytes_per_slot(state_dtype))
-    page_bytes = max(1, model.kv_bytes_per_token() * page_size)
+    page_bytes = max(1, (model.kv_bytes_per_token() + extra_kv_bytes_per_token) * page_size)
     pages_per_seq = -(-max_model_len // page_size)
     wanted_slots = max_num_seqs * slots_per_seq + extra_slots
     slot_cap = None

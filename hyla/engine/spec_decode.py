@@ -27,6 +27,12 @@ class Drafter:
 
     needs_hidden = False
 
+    @staticmethod
+    def kv_bytes_per_token(model) -> int:
+        """Bytes per token the drafter keeps in the engine's KV pages beside the target's layers
+        (sized into the engine's memory budget); 0: it keeps nothing there."""
+        return 0
+
     def bind(self, runner) -> None:
         pass
 
@@ -135,13 +141,13 @@ class Verified:
 def make_drafter(cfg: SpecConfig, *, vocab_size: int, max_num_seqs: int, max_model_len: int, page_size: int,
                  state_dtype, dtype, device, enforce_eager: bool = False):
     """The drafter `cfg` asks for: prompt lookup, a draft model with its own pools, or the
-    target's MTP head (bound to the target by SpecDecoder)."""
+    target's MTP head (bound to the target's runner by SpecDecoder; its KV in the engine's pages)."""
     if cfg.method == "ngram":
         return NgramDrafter(cfg)
     if cfg.method == "mtp":
         from hyla.engine.mtp import MTPDrafter
 
-        return MTPDrafter(cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, page_size=page_size)
+        return MTPDrafter(cfg, page_size=page_size)
     from hyla.engine.draft_model import DraftModelDrafter
 
     return DraftModelDrafter(cfg, vocab_size=vocab_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
