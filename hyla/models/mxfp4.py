@@ -29,8 +29,8 @@ experts packed on CUDA only (a CPU-loaded model gets dequantised experts in
 prepare_for_inference, as before); `packed` packs and keeps them packed on any device (CPU tests:
 the kernel under TRITON_INTERPRET=1, else dequantised per call); `dequantized` never packs.
 Packed experts are a single-device format for now: the tensor / expert-parallel plans
-(hyla.parallel) cut and rebuild the logical [N, K] expert weights, so a sharded load of an MXFP4
-checkpoint needs HYLA_MXFP4_EXPERTS=dequantized.
+(hyla.parallel) cut and rebuild the logical [N, K] expert weights, so `auto` does not pack inside
+a process group of several ranks (where those loads run), and `packed` must not be set for them.
 """
 
 from __future__ import annotations
@@ -61,10 +61,18 @@ def experts_mode() -> str:
     return mode
 
 
+def _sharded() -> bool:
+    """Inside a process group of several ranks: where hyla's tensor / expert-parallel loads run."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def pack_at_load() -> bool:
-    """Whether MXFP4 experts are loaded packed (Mxfp4Experts) rather than dequantised."""
+    """Whether MXFP4 experts are loaded packed (Mxfp4Experts) rather than dequantised: `packed`,
+    or `auto` with CUDA available outside a multi-rank process group (see the module docstring)."""
     mode = experts_mode()
-    return mode == "packed" or (mode == "auto" and torch.cuda.is_available())
+    return mode == "packed" or (mode == "auto" and torch.cuda.is_available() and not _sharded())
 
 
 def keep_packed(device: torch.device) -> bool:
