@@ -50,9 +50,12 @@ def _e2m1(code):
 @triton.jit
 def _dequant(q, s):
     """q: bytes [BKH, BN] (uint8), s: their E8M0 scales [BKH, BN] -> (even columns, odd columns)
-    [BKH, BN] each in fp32 (exact; the caller casts to the activations' dtype, still exact)."""
+    [BKH, BN] each in fp32 (exact; the caller casts to the activations' dtype, still exact).
+    2^(s - 127) is built as fp32 bits (s in the exponent field, as E8M0 is fp32's exponent): no
+    exp2 per element. s = 0 gives 0 where the format says 2^-127 (a GPU's exp2 flushes that
+    fp32 denormal to 0 too); s = 255 (E8M0's NaN) gives inf, and NaN once multiplied by 0."""
     q = q.to(tl.int32)
-    factor = tl.exp2(s.to(tl.float32) - 127.0)
+    factor = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     return _e2m1(q & 15) * factor, _e2m1(q >> 4) * factor
 
 
