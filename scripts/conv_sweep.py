@@ -3,7 +3,8 @@
     python scripts/conv_sweep.py --tokens 8192 --channels 4096 --stride 12576
 
 x is a column block of a wider projection output (row stride --stride), as in a KDA layer.
-Prints ms per conv for each (BT, BD, num_warps) and the bandwidth floor (x read once, y written once).
+Prints ms per conv (CUDA-graph replays) for each (BT, BD, num_warps) and the bandwidth floor (x read
+once, y written once).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import triton
 
 from hyla.bench import floor as fl
+from hyla.bench.moe import graph_ms
 from hyla.ops.triton.conv_prefill import _conv_prefill_kernel
 
 
@@ -37,13 +39,13 @@ def main() -> None:
     floor_ms = 2 * T * D * 2 / bw * 1e3
     print(f"# conv prefill {T} x {D} (row stride {args.stride}), W={W}: floor {floor_ms:.4f} ms at {bw / 1e9:.0f} GB/s")
     rows = []
-    for BT, BD, nw in itertools.product([16, 32, 64, 128], [64, 128, 256], [2, 4, 8]):
+    for BT, BD, nw in itertools.product([16, 32, 64, 128], [64, 128, 256], [4, 8]):
         def run():
             _conv_prefill_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
                 x, x.stride(0), weight, weight, init, seq_of, cu, y, T, D, W=W, BT=BT, BD=BD,
                 HAS_BIAS=False, HAS_INIT=True, SILU=True, num_warps=nw)
         try:
-            ms = fl.median_ms(run, 20, device=torch.device("cuda"))
+            ms = graph_ms(run, 50)  # CUDA-graph replays: kernel time, not launch latency
         except Exception as err:  # noqa: BLE001 - a tile that does not compile is skipped
             print(f"# BT={BT} BD={BD} warps={nw}: {type(err).__name__}")
             continue
