@@ -146,9 +146,9 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def test_sampling_with_mtp_drafts_keeps_the_target_distribution(tmp_path):
-    """Vocabulary 8, temperature 1: the third generated token (the first one a request can take
-    through an MTP draft: its first speculative step drafts nothing) is distributed as the
-    target's marginal."""
+    """Vocabulary 8, temperature 1: the second and third generated tokens (the first two a request
+    can take through MTP drafts: its first speculative step drafts from the prompt's hidden
+    states) are distributed as the target's marginals."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from tests.oracles.qwen3_5_checkpoint import TINY, VARIANTS
@@ -166,14 +166,33 @@ def test_sampling_with_mtp_drafts_keeps_the_target_distribution(tmp_path):
         p1 = torch.softmax(ref(torch.tensor([prompt]))[0, -1], -1)
         p2 = torch.softmax(ref(torch.tensor([prompt + [a] for a in range(8)]))[:, -1], -1)  # [a, b]
         p3 = torch.softmax(ref(torch.tensor([prompt + [a, b] for a in range(8) for b in range(8)]))[:, -1], -1)
-        marginal = ((p1[:, None] * p2).reshape(64, 1) * p3).sum(0)
+        second = (p1[:, None] * p2).sum(0)
+        third = ((p1[:, None] * p2).reshape(64, 1) * p3).sum(0)
     llm = LLM(str(path), dtype="float64", speculative_config={"method": "mtp", "num_speculative_tokens": 2},
               max_num_seqs=64)
+    drafter, first_drafts = llm.engine.spec.drafter, {}
+    propose = drafter.propose
+
+    def record(seqs, ks, generator=None):
+        out = propose(seqs, ks, generator)
+        for seq, (d, _) in zip(seqs, out):
+            if d and len(seq.token_ids) == len(prompt) + 1:  # the first speculative step: d1 is token 2's draft
+                first_drafts[seq.request_id] = d[0]
+        return out
+
+    drafter.propose = record
     n = 400
     outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=4, ignore_eos=True)
                                        for s in range(n)], use_tqdm=False)
-    counts = torch.zeros(8)
+    counts = torch.zeros(2, 8)
     for o in outs:
-        counts[o.outputs[0].token_ids[2]] += 1
-    assert llm.get_metrics()["spec_num_accepted_tokens"] > 0
-    assert _chi2_pvalue(counts, marginal) > 1e-3
+        for j in (0, 1):
+            counts[j, o.outputs[0].token_ids[1 + j]] += 1
+    m = llm.get_metrics()
+    assert len(first_drafts) == n  # every request's first speculative step drafted
+    assert m["spec_num_accepted_tokens"] > 0
+    assert _chi2_pvalue(counts[0], second) > 1e-3
+    assert _chi2_pvalue(counts[1], third) > 1e-3
+    # The power to reject a wrong rule: taking the head's draft as the second token fails the test.
+    naive = torch.bincount(torch.tensor(list(first_drafts.values())), minlength=8).double()
+    assert _chi2_pvalue(naive, second) < 1e-6
