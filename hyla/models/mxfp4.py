@@ -1,4 +1,5 @@
-"""MXFP4 weights in the compressed-tensors layout (Kimi K3's released experts), dequantised on load.
+"""MXFP4 weights in the compressed-tensors layout (Kimi K3's released experts): dequantised on load,
+or, for routed experts on the GPU, kept packed (Mxfp4Experts).
 
 A linear weight W [N, K] is stored as two uint8 tensors beside each other:
 
@@ -17,13 +18,14 @@ expert tensors (hyla.layers.moe.StackedExperts) and never holds a second copy of
 Any other tensor passes through unchanged; `logical_weight_map` does the same renaming for a
 sharded checkpoint's index.
 
-Packed experts (the GPU path). When a family keeps MXFP4 experts packed (`pack_at_load()`, and
-the family builds `Mxfp4Experts` for them: Kimi K3), each routed expert's pair is shown instead
+Packed experts (the GPU path). While `pack_at_load()`, each routed expert's pair is shown instead
 as one uint8 tensor `<name>.weight` [N, K/2 + K/32]: its K/2 code bytes, then its K/32 scale
 bytes, per row. The loader copies those rows, expert by expert, into the holder's stacked
 `gate_up_proj` [E, 2I, H/2 + H/32] / `down_proj` [E, H, I/2 + I/32] buffers (the official stacked
 names), whose two column ranges are the fused-MoE kernel's packed and scale views
-(hyla.ops.triton.fused_moe_mxfp4): 17/64 of bf16's bytes, never a dequantised copy.
+(hyla.ops.triton.fused_moe_mxfp4): 17/64 of bf16's bytes, never a dequantised copy. A family
+whose checkpoints have MXFP4 experts therefore builds Mxfp4Experts for them while
+`pack_at_load()` (Kimi K3, the only such family, does: hyla.models.kimi_k3).
 `HYLA_MXFP4_EXPERTS` chooses: `auto` (default) packs at load when CUDA is available and keeps the
 experts packed on CUDA only (a CPU-loaded model gets dequantised experts in
 prepare_for_inference, as before); `packed` packs and keeps them packed on any device (CPU tests:
