@@ -79,6 +79,16 @@ def test_mxfp4_kernel_matches_the_dequantised_loop(M, H, I, E, k, used):
     assert rel(got, want) < 1e-5
 
 
+def test_mxfp4_kernel_second_gemm_blocks_of_its_own():
+    """A "down" override (fused_moe's config format): the second GEMM with other column and K
+    tiles (BK = 32: one scale group a tile) computes the same."""
+    mod, dev = triton_module("fused_moe_mxfp4")
+    x, w13, w2, weights, ids = inputs(11, 64, 64, 4, 2, seed=9)
+    want = reference(x, w13, w2, weights, ids, SITU)
+    cfg = dict(SMALL, down=dict(BN=32, BK=32, GM=2))
+    assert rel(_run(mod, dev, x, w13, w2, weights, ids, config=cfg, activation=SITU), want) < 1e-5
+
+
 def test_mxfp4_kernel_default_config_and_swiglu():
     """The decode-size default blocks (BK = 128 > K: one masked K tile) and plain SwiGLU."""
     mod, dev = triton_module("fused_moe_mxfp4")

@@ -155,7 +155,8 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     (gate rows, then up rows); w2_packed: [E, H, I/2], w2_scale: [E, H, I/32]; weights: [M, k]
     fp32; ids: [M, k] int64 -> [M, H] in x.dtype: sum_j weights[m, j] * expert_{ids[m, j]}(x[m])
     with the weights decoded from MXFP4 (see the module docstring) to x's dtype inside the GEMMs.
-    config: block sizes (keys of hyla.ops.triton.fused_moe._config's result; BK a multiple of 32).
+    config: block sizes and launch options (keys of hyla.ops.triton.fused_moe._config's result,
+    optionally a "down" dict for the second GEMM, as fused_moe takes; BK a multiple of 32).
     activation: the experts' gated activation, in the first GEMM's fp32 epilogue."""
     if x.ndim != 2 or weights.shape != ids.shape or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"expected x [M, H], weights and ids [M, k]; got {tuple(x.shape)}, "
@@ -172,15 +173,20 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     P = M * k
     if P == 0:
         return x.new_zeros(M, H)
+    # the heuristic blocks, not fused_moe's tuned tables: those were measured for bf16 weights
     cfg = dict(config) if config is not None else _config(P, E)
-    BM, BN, BK, GM = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("BK"), cfg.pop("GM", 1)
-    if BK % GROUP:
-        raise ValueError(f"BK must be a multiple of {GROUP} (one scale per {GROUP} columns), got {BK}")
+    BM = cfg.pop("BM")
+    down = {**cfg, **cfg.pop("down", {})}  # the second GEMM's blocks (BM is shared), as fused_moe
+    down.pop("BM", None)
+    BN, BK, GM = cfg.pop("BN"), cfg.pop("BK"), cfg.pop("GM", 1)
+    dBN, dBK, dGM = down.pop("BN"), down.pop("BK"), down.pop("GM", 1)
+    if BK % GROUP or dBK % GROUP:
+        raise ValueError(f"BK must be a multiple of {GROUP} (one scale per {GROUP} columns), got {BK}, {dBK}")
     sorted_pairs, block_expert = align_pairs(ids, E, BM)
     nb = block_expert.shape[0]
     ieee = x.dtype == torch.float32
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    nn_up, nn_down = triton.cdiv(I, BN), triton.cdiv(H, BN)
+    nn_up, nn_down = triton.cdiv(I, BN), triton.cdiv(H, dBN)
     _gate_up_kernel[(nb * nn_up,)](
         x, w13_packed, w13_scale, h, sorted_pairs, block_expert, P, I, H, x.stride(0), w13_packed.stride(0),
         w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0), nb, nn_up,
@@ -191,7 +197,7 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     _down_kernel[(nb * nn_down,)](
         h, w2_packed, w2_scale, y, weights.reshape(-1).float(), sorted_pairs, block_expert, P, H, I, h.stride(0),
         w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0), nb, nn_down,
-        BM=BM, BN=BN, BK=BK, GM=GM, IEEE=ieee, **cfg)
+        BM=BM, BN=dBN, BK=dBK, GM=dGM, IEEE=ieee, **down)
     out = torch.empty(M, H, dtype=x.dtype, device=x.device)
     BH = min(1024, triton.next_power_of_2(H))
     _sum_slots_kernel[(M, triton.cdiv(H, BH))](y, out, H, top_k=k, BH=BH, num_warps=4)
