@@ -20,6 +20,13 @@ persistent buffer (`accepted [max_batch]`; padding rows accept 1, their slot is 
 
 CUDAGraphRunner = the decode graphs of hyla.engine.cuda_graph (buckets, buffers, scratch slot and
 page, capture) + these; ModelRunner holds one when CUDA graphs are on.
+
+HeadStepGraphs: the MTP head's draft steps after its first (hyla.engine.mtp: one row per
+drafting request, the head state and newest draft at the next position) as graphs of the same
+batch buckets and page widths, sharing the runner's memory pool: `hmeta [max_batch, 2 + width]`
+holds per row the token id, the head's context length and the head's block table, `hidden
+[max_batch, hidden]` the head states fed in; padding rows (token 0, context 0, pages -1) write
+only the head's scratch page.
 """
 
 from __future__ import annotations
@@ -157,3 +164,70 @@ class CUDAGraphRunner(DecodeGraphs):
         log.debug("captured a verify CUDA graph for batch %d, %d tokens, %d pages, %s", bs, W, width, rollback)
         self.verify_graphs[key] = (graph, out, replay)
         return self.verify_graphs[key]
+
+
+def _head_pad_row(width: int) -> list[int]:
+    """A padding row of the head-step buffer: token 0, context 0, no pages."""
+    return [0, 0] + [-1] * width
+
+
+class HeadStepGraphs:
+    """Replays the MTP head's one-row-per-request draft steps (`run`); `graphs` (the runner's
+    CUDAGraphRunner) lends its batch buckets, capture flag and memory pool. kv: the head's paged
+    KV, whose last page is scratch."""
+
+    def __init__(self, graphs: CUDAGraphRunner, head, model, kv):
+        self.graphs, self.head, self.model, self.kv = graphs, head, model, kv
+        self.page_size = kv.k.shape[1]
+        self.hidden = torch.zeros(graphs.max_batch, model.config.hidden_size, dtype=model.dtype,
+                                  device=graphs.device)
+        self.hmeta: dict[int, torch.Tensor] = {}  # width -> [max_batch, 2 + width]
+        self.steps: dict[tuple[int, int], tuple] = {}  # (bs, width) -> (graph or None, (y, logits))
+
+    def can_run(self, n: int) -> bool:
+        return 0 < n <= self.graphs.max_batch
+
+    @torch.inference_mode()
+    def run(self, hidden: torch.Tensor, ids: list[int], context: list[int], tables: list[list[int]]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [N, hidden] head states, ids[n]: the draft fed with hidden[n], context[n]: the
+        head rows already in tables[n] -> (y [N, hidden] final-norm head states, logits [N, V]
+        fp32), views of the graph's output buffers (valid until the next replay)."""
+        n = len(ids)
+        bs = next(b for b in self.graphs.buckets if b >= n)
+        width = width_bucket(max(-(-(c + 1) // self.page_size) for c in context))
+        rows = [[t, c] + list(table[:width]) + [-1] * (width - len(table[:width]))
+                for t, c, table in zip(ids, context, tables)]
+        rows += [_head_pad_row(width)] * (bs - n)
+        graph, out = self._graph(bs, width)
+        self.hmeta[width][:bs].copy_(torch.tensor(rows, dtype=torch.long))
+        self.hidden[:n].copy_(hidden)
+        if graph is None:
+            out = self._forward(bs, width)
+        else:
+            graph.replay()
+        y, logits = out
+        return y[:n], logits[:n]
+
+    def _forward(self, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        meta = self.hmeta[width]
+        batch = ForwardBatch(
+            cu_seqlens=self.graphs.cu[:bs + 1], context_lens=meta[:bs, 1], positions=meta[:bs, 1],
+            block_tables=meta[:bs, 2:], state_slots=torch.zeros_like(meta[:bs, 1]), seq_lens=[1] * bs,
+            context_lens_list=[1] * bs, cuda_graph=True)
+        y = self.head.forward_batch(self.hidden[:bs], meta[:bs, 0], self.model, batch, self.kv)
+        return y, self.model.compute_logits(y)
+
+    def _graph(self, bs: int, width: int):
+        if width not in self.hmeta:
+            self.hmeta[width] = torch.zeros(self.graphs.max_batch, 2 + width, dtype=torch.long,
+                                            device=self.graphs.device)
+        key = (bs, width)
+        if key not in self.steps:
+            if not self.graphs.capture:
+                self.steps[key] = (None, None)
+            else:
+                self.hmeta[width][:bs] = torch.tensor(_head_pad_row(width), device=self.graphs.device)
+                self.steps[key] = self.graphs._capture(lambda: self._forward(bs, width))
+                log.debug("captured an MTP head-step CUDA graph for batch %d, %d pages", bs, width)
+        return self.steps[key]

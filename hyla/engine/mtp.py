@@ -36,6 +36,9 @@ propose, for a request whose last token x0 sits at position p:
        committed ones: the next propose overwrites them with committed inputs before anything
        reads them, so a rejected draft leaves nothing behind. The target itself rolls back
        through its slots / replay.
+Step 1 (varlen chunks) runs eagerly; the steps after it (one row per request) replay CUDA
+graphs when the runner has them (hyla.engine.cuda_graph_verify.HeadStepGraphs: rows padded to
+a batch bucket, the head's block tables to a page width, padding writing the scratch page).
 Outputs are exact whatever the head drafts: the target verifies every draft.
 """
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 import torch
 
 from hyla.contract import ForwardBatch
+from hyla.engine.cuda_graph_verify import HeadStepGraphs
 from hyla.engine.sampler import distribution
 from hyla.engine.spec_decode import Drafter
 
@@ -92,6 +96,8 @@ class MTPDrafter(Drafter):
         if len(self.head.layers) != 1:
             raise ValueError(f"the MTP head of {self.path} has {len(self.head.layers)} layers; hyla drafts with one")
         self.kv = self.head.allocate_kv(runner.cache.num_pages, runner.cache.page_size)
+        graphs = getattr(runner, "graphs", None)  # the runner's CUDA graphs: the head's draft steps get some too
+        self.step_graphs = HeadStepGraphs(graphs, self.head, model, self.kv) if graphs is not None else None
 
     # -- what the target's forwards hand over ------------------------------------------------
 
@@ -160,10 +166,18 @@ class MTPDrafter(Drafter):
             v.pending = []
         return y[torch.tensor(lens, device=y.device).cumsum(0) - 1]  # each chunk's last row
 
-    def _draw(self, logits: torch.Tensor, seq, generator) -> tuple[int, torch.Tensor | None]:
-        """One draft from logits [V]: the argmax for a greedy request, else a draw from q (returned)."""
-        if seq.params.greedy:
-            return int(logits.argmax()), None
+    def _step(self, y: torch.Tensor, ids: list[int], tables: list[list[int]], context: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step, a row per request: y [N, hidden] head states, ids the drafts fed with
+        them at head context `context` -> (new head states [N, hidden], logits [N, V]); a CUDA
+        graph when the runner has them (its output buffers: used before the next step)."""
+        if self.step_graphs is not None and self.step_graphs.can_run(len(ids)):
+            return self.step_graphs.run(y, ids, context, tables)
+        y = self._run(y, ids, tables, [1] * len(ids), context)
+        return y, self.model.compute_logits(y)
+
+    def _draw(self, logits: torch.Tensor, seq, generator) -> tuple[int, torch.Tensor]:
+        """One draft of a sampling request from logits [V]: a draw from q, returned with q [V]."""
         q = distribution(logits, seq.params)
         gen = seq.generator if seq.generator is not None else generator
         return int(torch.multinomial(q, 1, generator=gen)), q
@@ -181,13 +195,16 @@ class MTPDrafter(Drafter):
         y = self._catch_up([seqs[i] for i in idx], views)
         drafts, probs = {i: [] for i in idx}, {i: [] for i in idx}
         active = list(range(len(idx)))  # rows of y: live requests still drafting
+        logits = self.model.compute_logits(y)
         for step in range(max(ks[i] for i in idx)):
-            logits = self.model.compute_logits(y)
+            top = logits.argmax(-1).tolist()  # the greedy requests' drafts, in one copy to the host
             for row, j in enumerate(active):
                 i = idx[j]
-                d, q = self._draw(logits[row], seqs[i], generator)
-                drafts[i].append(d)
-                if q is not None:
+                if seqs[i].params.greedy:
+                    drafts[i].append(top[row])
+                else:
+                    d, q = self._draw(logits[row], seqs[i], generator)
+                    drafts[i].append(d)
                     probs[i].append(q)
             # (head state, newest draft) at the next position, past the committed rows; only for
             # requests that draft more (their next row lies inside the pages reserved for them)
@@ -196,9 +213,9 @@ class MTPDrafter(Drafter):
                 break
             active = [active[row] for row in keep]
             rows = [idx[j] for j in active]
-            y = self._run(y[torch.tensor(keep, device=y.device)], [drafts[i][-1] for i in rows],
-                          [self._pages(seqs[i], views[j]) for i, j in zip(rows, active)], [1] * len(active),
-                          [views[j].done + step for j in active])
+            y, logits = self._step(y[torch.tensor(keep, device=y.device)], [drafts[i][-1] for i in rows],
+                                   [self._pages(seqs[i], views[j]) for i, j in zip(rows, active)],
+                                   [views[j].done + step for j in active])
         for i in idx:
             results[i] = (drafts[i], torch.stack(probs[i]) if probs[i] else None)
         return results

@@ -63,3 +63,59 @@ def test_mtp_in_the_graph_path_equals_eager_and_plain_greedy(ckpt, plain, k, rol
     assert graph_seen and [(p, c) for p, c, _ in graph_seen] == [(p, c) for p, c, _ in eager_seen]
     for (_, _, got), (_, _, want) in zip(graph_seen, eager_seen):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory):
+    path = build_qwen3_5_checkpoint(tmp_path_factory.mktemp("mtp-graph-random"), "dense", "text")
+    add_mtp_shard(path)  # a random head: its attention over the head's KV matters
+    return path
+
+
+@pytest.mark.parametrize("rollback", ["slots", "replay"])
+def test_head_draft_steps_in_graphs_equal_eager(random_head, rollback, monkeypatch):
+    """The head's draft steps after the first replay HeadStepGraphs (padded to a batch bucket and
+    a page width, with every host sync failing inside): the same proposals as eager head steps,
+    and the output stays plain greedy."""
+    from tests.engine.test_cuda_graph import _NoSync
+
+    prompts = PROMPTS + [rand(40, 5)]  # a context across page boundaries
+    # requests finish at different steps: the batch shrinks through the buckets
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
+    want = [o.outputs[0].token_ids for o in LLM(str(random_head), dtype="float64").generate(
+        prompts, params, use_tqdm=False)]
+    proposals = {}
+    for graphs in (False, True):
+        with monkeypatch.context() as m:
+            if graphs:
+                m.setattr(model_runner, "use_cuda_graphs", lambda model, eager: True)
+            llm = LLM(str(random_head), dtype="float64", max_num_seqs=5,
+                      speculative_config={"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback})
+        drafter, seen = llm.engine.spec.drafter, []
+        assert (drafter.step_graphs is not None) == graphs
+        propose = drafter.propose
+
+        def record(seqs, ks, generator=None):
+            out = propose(seqs, ks, generator)
+            seen.append([(s.request_id, d) for s, (d, _) in zip(seqs, out)])
+            return out
+
+        drafter.propose = record
+        if graphs:
+            nosync, forward = _NoSync(monkeypatch), drafter.step_graphs._forward
+
+            def guarded(*a):
+                nosync.on = True
+                try:
+                    return forward(*a)
+                finally:
+                    nosync.on = False
+            monkeypatch.setattr(drafter.step_graphs, "_forward", guarded)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        proposals[graphs] = seen
+        if graphs:
+            monkeypatch.undo()
+            used = drafter.step_graphs.steps
+            assert len({bs for bs, _ in used}) >= 2 and len({w for _, w in used}) >= 2, used
+    assert proposals[True] == proposals[False]
+    assert sum(len(d) for step in proposals[True] for _, d in step) > 0
