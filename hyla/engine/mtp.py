@@ -126,6 +126,26 @@ class MTPDrafter(Drafter):
             if n > 0:
                 view.pending.append((rows[:n], seq.token_ids[p + 1 : p + 1 + n]))
 
+    @torch.inference_mode()
+    def catch_up(self, seqs) -> None:
+        """After a prefill step: run seqs' committed pairs through the head now, all but the newest
+        (propose starts from it), so that a long prompt's head work is spread over its chunks as
+        the target's is."""
+        views, owners, newest = [], [], []
+        for seq in seqs:
+            view = self.views.get(seq.request_id)
+            if view is None or view.generation != seq.num_preemptions or view.num_pending < 2:
+                continue
+            h, t = view.pending[-1]
+            view.pending[-1:] = [(h[:-1], t[:-1])] if len(t) > 1 else []
+            views.append(view)
+            owners.append(seq)
+            newest.append((h[-1:], t[-1:]))
+        if views:
+            self._catch_up(owners, views)
+            for view, pair in zip(views, newest):
+                view.pending = [pair]
+
     def release(self, seq) -> None:
         self.views.pop(seq.request_id, None)
         self._seen.pop(seq.request_id, None)

@@ -46,6 +46,9 @@ class Drafter:
     def commit(self, seqs, kept: list[int]) -> None:
         pass
 
+    def catch_up(self, seqs) -> None:
+        """After a prefill step (its rows committed): work the drafter may do on them now."""
+
     def release(self, seq) -> None:
         pass
 
@@ -210,8 +213,9 @@ class SpecDecoder:
 
     def commit_prefill(self, seqs, num_new_tokens: list[int]) -> None:
         """After the plain step sampled: its rows pair with the tokens after them (the last row of
-        a finished prompt with the token just sampled)."""
+        a finished prompt with the token just sampled), and the drafter catches up on them."""
         self.drafter.commit(seqs, list(num_new_tokens))
+        self.drafter.catch_up(seqs)
 
     def commit(self, seqs, kept: list[int]) -> None:
         """The engine kept kept[i] tokens of seqs[i]'s verify step (fewer than accepted when the

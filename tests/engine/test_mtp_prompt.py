@@ -38,17 +38,18 @@ def repeat_head(tmp_path_factory):
     return _checkpoint(tmp_path_factory.mktemp("mtp-repeat"), repeat=True)
 
 
-def _record(llm) -> list[tuple[str, list[int], int, list[int], int]]:
+def _record(llm) -> list[tuple[str, list[int], int, list[int], int, int]]:
     """Wrap the drafter's propose: -> a list that fills with (request, its tokens, the head's view
-    start, drafts, drafts asked for) for every request of every call."""
+    start, drafts, drafts asked for, pairs pending before the call) for every request of every call."""
     drafter, seen = llm.engine.spec.drafter, []
     propose = drafter.propose
 
     def record(seqs, ks, generator=None):
+        pending = [getattr(drafter.views.get(s.request_id), "num_pending", None) for s in seqs]
         out = propose(seqs, ks, generator)
-        for s, k, (d, _) in zip(seqs, ks, out):
+        for s, k, (d, _), n in zip(seqs, ks, out, pending):
             view = drafter.views.get(s.request_id)
-            seen.append((s.request_id, list(s.token_ids), None if view is None else view.start, d, k))
+            seen.append((s.request_id, list(s.token_ids), None if view is None else view.start, d, k, n))
         return out
 
     drafter.propose = record
@@ -73,9 +74,11 @@ def test_first_speculative_step_drafts_and_output_is_plain_greedy(repeat_head, p
         seen.clear()
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == want
         first = {}
-        for rid, _, _, d, k in seen:
-            first.setdefault(rid, (d, k))
-        assert len(first) == len(PROMPTS) and all(len(d) == k == 3 for d, k in first.values()), first
+        for rid, _, _, d, k, n in seen:
+            first.setdefault(rid, (d, k, n))
+        assert len(first) == len(PROMPTS) and all(len(d) == k == 3 for d, k, _ in first.values()), first
+        # the prompt's pairs ran during prefill, chunk by chunk: only the newest waits for propose
+        assert all(n == 1 for _, _, n in first.values()), first
     m = llm.get_metrics()
     assert m["spec_num_accepted_tokens"] > 0
     assert (m["prefix_cache_hit_tokens"] > 0) == prefix_cache
@@ -92,7 +95,7 @@ def test_proposals_are_the_heads_over_the_whole_context(random_head, prefix_cach
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
         seen.clear()
     llm.generate(PROMPTS[1:], GREEDY, use_tqdm=False)
-    starts = {rid: start for rid, _, start, d, _ in seen if d}
+    starts = {rid: start for rid, _, start, d, _, _ in seen if d}
     assert len(starts) == 3
     if prefix_cache:
         assert sorted(starts.values()) == [0, 0, 18]  # the last prompt hits SHARED's checkpoint at 18
@@ -100,7 +103,7 @@ def test_proposals_are_the_heads_over_the_whole_context(random_head, prefix_cach
         assert set(starts.values()) == {0}
     model = load_model(random_head, dtype="float64")
     head = load_mtp_head(random_head, model)
-    for _, tokens, start, drafts, _ in seen:
+    for _, tokens, start, drafts, _, _ in seen:
         if not drafts:
             continue
         ids, p = torch.tensor(tokens), len(tokens) - 1
