@@ -8,7 +8,9 @@ its logits). Once the engine knows which tokens follow those rows (`commit`: aft
 step sampled, after a verify step kept n tokens) they become committed pairs: row i at
 position p + i pairs with the token now at p + i + 1 (the last prompt row with the first
 sampled token; a verify's n kept rows with the n tokens kept), so the head's context covers the
-prompt and a request's first speculative step already drafts.
+prompt and a request's first speculative step already drafts. After a prefill step the head
+runs that step's pairs at once (`catch_up`, all but the newest, which propose starts from): a
+long prompt's head work is spread over its chunks as the target's is.
 
 Where its KV lives: in the engine's page pool, addressed by the request's own block table (the
 same page ids as the target; the head's attention layer is one more layer's worth of bytes per
@@ -20,7 +22,8 @@ committed positions it has processed since; and the committed pairs not yet run.
 Prefix cache: a request that hits L cached tokens did not recompute their hidden states, so the
 head's attention for it starts at L (view start = L; RoPE scores depend on distances only, the
 head runs at positions relative to start). Head row j of a view (position start + j) is stored
-at row j of the block table from page start // page_size on: every head row lands in a page
+at row j of the block table from page start // page_size on (start % page_size rows below the
+target's row of that position, in the same page or the one before): every head row lands in a page
 the request owns (the hit shares only pages wholly below L; the page holding L is its own,
 copy-on-write or fresh). So no head row is ever written into a page shared through the prefix
 cache, and nobody reads another request's head rows (copy_page_rows copies the target's
