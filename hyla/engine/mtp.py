@@ -50,6 +50,7 @@ from __future__ import annotations
 import torch
 
 from hyla.contract import ForwardBatch
+from hyla.engine.cuda_graph import graph_safe
 from hyla.engine.cuda_graph_verify import HeadStepGraphs
 from hyla.engine.sampler import distribution
 from hyla.engine.spec_decode import Drafter
@@ -100,7 +101,8 @@ class MTPDrafter(Drafter):
             raise ValueError(f"the MTP head of {self.path} has {len(self.head.layers)} layers; hyla drafts with one")
         self.kv = self.head.allocate_kv(runner.cache.num_pages, runner.cache.page_size)
         graphs = getattr(runner, "graphs", None)  # the runner's CUDA graphs: the head's draft steps get some too
-        self.step_graphs = HeadStepGraphs(graphs, self.head, model, self.kv) if graphs is not None else None
+        self.step_graphs = (HeadStepGraphs(graphs, self.head, model, self.kv)
+                            if graphs is not None and graph_safe(self.head) else None)
 
     # -- what the target's forwards hand over ------------------------------------------------
 

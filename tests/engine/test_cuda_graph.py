@@ -286,3 +286,32 @@ def test_graph_verify_equals_plain_greedy_cuda(ckpt, qwen_ckpt, moe_ckpts, famil
         torch.cuda.empty_cache()
     plain = outs[True][0]
     assert outs[False] == [plain, plain]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("rollback", ["slots", "replay"])
+def test_graph_mtp_equals_plain_greedy_cuda(tmp_path, rollback):
+    """MTP speculation with verify graphs and head-step graphs (default) equals plain greedy
+    decoding, fp32, prefix cache on (a second pass hits); both kinds of graph were captured."""
+    from tests.oracles.qwen3_5_checkpoint import add_mtp_shard, build_qwen3_5_checkpoint
+
+    path = build_qwen3_5_checkpoint(tmp_path, "moe", "multimodal")
+    add_mtp_shard(path)
+    gen = torch.Generator().manual_seed(4)
+    motif = torch.randint(3, 250, (12,), generator=gen).tolist()
+    prompts = [motif * (1 + i % 3) + torch.randint(3, 250, (i,), generator=gen).tolist() for i in range(10)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    plain = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, memory_budget=256 << 20)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    del plain
+    llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, memory_budget=256 << 20,
+              enable_prefix_caching=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback})
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert any(g is not None for g, _, _ in llm.engine.runner.graphs.verify_graphs.values())
+    assert any(g is not None for g, _ in llm.engine.spec.drafter.step_graphs.steps.values())
+    m = llm.get_metrics()
+    assert m["spec_num_draft_tokens"] > 0 and m["prefix_cache_hit_tokens"] > 0
+    del llm
+    torch.cuda.empty_cache()
