@@ -37,7 +37,8 @@ def _demo(args) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--model", default=None, help="checkpoint directory, or a bundled model's name: "
+                   "default (the default), qwen3.5-mtp (with an MTP head)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -59,10 +60,9 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
 def _engine_config(args):
     from hyla.engine import EngineConfig
 
-    if args.model is None:
-        from hyla.models import default_model_path
+    from hyla.models.default import resolve_model
 
-        args.model = default_model_path()
+    args.model = resolve_model(args.model)
     return EngineConfig(
         model=str(args.model), dtype=args.dtype, device=args.device,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

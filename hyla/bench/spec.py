@@ -116,7 +116,7 @@ def _measure(llm, prompts, params, together: bool) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     from hyla import LLM, SamplingParams
-    from hyla.models import default_model_path
+    from hyla.models.default import resolve_model
 
     p = argparse.ArgumentParser(prog="hyla bench spec", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)
@@ -125,8 +125,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--device", default=None)
     p.add_argument("--profile", action="store_true", help="print where each configuration's step time goes")
     p.add_argument("--memory-budget", type=int, default=1 << 30, help="bytes of KV pages + state slots per engine")
+    p.add_argument("--method", nargs="+", choices=["ngram", "mtp"], default=["ngram"],
+                   help="drafters to time (mtp: the checkpoint's own MTP head, e.g. --model mtp)")
+    p.add_argument("--rollback", nargs="+", choices=["slots", "replay"], default=["slots", "replay"])
     args = p.parse_args(argv)
-    model = str(args.model or default_model_path())
+    model = resolve_model(args.model)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
     # Prefix caching off for every engine, so only speculation differs; a modest KV / state
@@ -138,15 +141,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     modes = (("alone", False), ("together", True))
     print(f"# {model}, device {base.engine.model.device}, greedy, {args.max_tokens} new tokens per request; "
           f"'alone': each prompt decoded by itself in turn (batch 1), 'together': the set at once")
-    print(f"{'prompts':<11} {'requests':<9} {'spec':<14} {'tok/s':>8} {'speed-up':>9} {'mean acc':>9} "
+    print(f"{'prompts':<11} {'requests':<9} {'spec':<20} {'tok/s':>8} {'speed-up':>9} {'mean acc':>9} "
           f"{'state KiB/req':>14}")
-    configs = [None] + [{"method": "ngram", "num_speculative_tokens": k, "rollback": rb}
-                        for k in args.k for rb in ("slots", "replay")]
+    configs = [None] + [{"method": method, "num_speculative_tokens": k, "rollback": rb}
+                        for method in args.method for k in args.k for rb in args.rollback]
     for name, prompts in (("repetitive", REPETITIVE), ("free text", FREE)):
         baseline = {}
         for cfg in configs:
             llm = base if cfg is None else LLM(model, speculative_config=cfg, **opts)
-            label = "off" if cfg is None else f"k={cfg['num_speculative_tokens']} {cfg['rollback']}"
+            label = "off" if cfg is None else f"{cfg['method']} k={cfg['num_speculative_tokens']} {cfg['rollback']}"
             k = 0 if cfg is None else cfg["num_speculative_tokens"]
             mem = slot if cfg is None else ((1 + k) * slot if cfg["rollback"] == "slots" else slot + (1 + k) * per_tok)
             for mode, together in modes:
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for mode, _ in modes:
             for r in rows:
                 if r["prompts"] == name and r["requests"] == mode:
-                    print(f"{r['prompts']:<11} {r['requests']:<9} {r['spec']:<14} {r['tok_s']:>8.1f} "
+                    print(f"{r['prompts']:<11} {r['requests']:<9} {r['spec']:<20} {r['tok_s']:>8.1f} "
                           f"{r['speedup']:>8.2f}x {r['mean_acc']:>9.2f} {r['state_bytes'] / 1024:>14.1f}")
     return rows
 

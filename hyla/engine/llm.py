@@ -1,6 +1,6 @@
 """LLM: the offline API, as vLLM users know it.
 
-    llm = LLM(model=path)
+    llm = LLM(model=path)          # or a bundled model's name: "default", "qwen3.5-mtp"
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
@@ -20,7 +20,9 @@ class LLM:
                  memory_budget: int | None = None, enable_prefix_caching: bool = False,
                  speculative_config: dict | None = None, enforce_eager: bool = False, seed: int = 0,
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, **kwargs):
-        config = EngineConfig(model=str(model), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+        from hyla.models.default import resolve_model
+
+        config = EngineConfig(model=resolve_model(model), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                               memory_budget=memory_budget, enable_prefix_caching=enable_prefix_caching,
                               speculative_config=speculative_config, enforce_eager=enforce_eager, seed=seed,
