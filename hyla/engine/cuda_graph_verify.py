@@ -21,12 +21,15 @@ persistent buffer (`accepted [max_batch]`; padding rows accept 1, their slot is 
 CUDAGraphRunner = the decode graphs of hyla.engine.cuda_graph (buckets, buffers, scratch slot and
 page, capture) + these; ModelRunner holds one when CUDA graphs are on.
 
-HeadStepGraphs: the MTP head's draft steps after its first (hyla.engine.mtp: one row per
-drafting request, the head state and newest draft at the next position) as graphs of the same
-batch buckets and page widths, sharing the runner's memory pool: `hmeta [max_batch, 2 + width]`
-holds per row the token id, the head's context length and the head's block table, `hidden
-[max_batch, hidden]` the head states fed in; padding rows (token 0, context 0, pages -1) write
-only the head's scratch page.
+HeadStepGraphs: the MTP head's steps (hyla.engine.mtp) as graphs of the same batch buckets and
+page widths, sharing the runner's memory pool, W rows per request: W = 1 for a draft step (the
+head state and newest draft at the next position), W = 1 + k for the catch-up on a verify's
+kept rows (1 .. 1 + k of them, the rest padding). `hmeta [max_batch, 2 + W + width]` holds per
+row the head's context length, the index of its last real row, its W token ids and the head's
+block table; `hidden [max_batch * W, hidden]` the states fed in. Padding rows past a request's
+real ones write head rows past its committed ones (overwritten before anything reads them, as
+speculative rows are) or, without a page, the head's scratch page; padding requests (context
+0, pages -1) write only the scratch page.
 """
 
 from __future__ import annotations
@@ -166,68 +169,85 @@ class CUDAGraphRunner(DecodeGraphs):
         return self.verify_graphs[key]
 
 
-def _head_pad_row(width: int) -> list[int]:
-    """A padding row of the head-step buffer: token 0, context 0, no pages."""
-    return [0, 0] + [-1] * width
+def _head_pad_row(W: int, width: int) -> list[int]:
+    """A padding row of the head-step buffer: context 0, last row 0, W tokens 0, no pages."""
+    return [0, 0] + [0] * W + [-1] * width
 
 
 class HeadStepGraphs:
-    """Replays the MTP head's one-row-per-request draft steps (`run`); `graphs` (the runner's
-    CUDAGraphRunner) lends its batch buckets, capture flag and memory pool. kv: the head's paged
-    KV, whose last page is scratch."""
+    """Replays the MTP head's steps (`run`); `graphs` (the runner's CUDAGraphRunner) lends its
+    batch buckets, capture flag and memory pool. kv: the head's paged KV, whose last page is
+    scratch; max_width: the widest step, 1 + k."""
 
-    def __init__(self, graphs: CUDAGraphRunner, head, model, kv):
+    def __init__(self, graphs: CUDAGraphRunner, head, model, kv, max_width: int):
         self.graphs, self.head, self.model, self.kv = graphs, head, model, kv
-        self.page_size = kv.k.shape[1]
-        self.hidden = torch.zeros(graphs.max_batch, model.config.hidden_size, dtype=model.dtype,
+        self.page_size, self.max_width = kv.k.shape[1], max_width
+        self.hidden = torch.zeros(graphs.max_batch * max_width, model.config.hidden_size, dtype=model.dtype,
                                   device=graphs.device)
-        self.hmeta: dict[int, torch.Tensor] = {}  # width -> [max_batch, 2 + width]
-        self.steps: dict[tuple[int, int], tuple] = {}  # (bs, width) -> (graph or None, (y, logits))
+        self.hmeta: dict[tuple[int, int], torch.Tensor] = {}  # (W, width) -> [max_batch, 2 + W + width]
+        # (bs, W, width) -> (graph or None, (last rows' head states [bs, hidden], their logits [bs, V]))
+        self.steps: dict[tuple[int, int, int], tuple] = {}
 
-    def can_run(self, n: int) -> bool:
-        return 0 < n <= self.graphs.max_batch
+    def can_run(self, counts: list[int]) -> bool:
+        return 0 < len(counts) <= self.graphs.max_batch and max(counts) <= self.max_width
 
     @torch.inference_mode()
-    def run(self, hidden: torch.Tensor, ids: list[int], context: list[int], tables: list[list[int]]
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden: [N, hidden] head states, ids[n]: the draft fed with hidden[n], context[n]: the
-        head rows already in tables[n] -> (y [N, hidden] final-norm head states, logits [N, V]
-        fp32), views of the graph's output buffers (valid until the next replay)."""
-        n = len(ids)
+    def run(self, hidden: torch.Tensor, ids: list[int], counts: list[int], context: list[int],
+            tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [sum(counts), hidden] head inputs packed per request, ids: the token fed with
+        each, context[n]: head rows already in tables[n] -> (the head state of each request's
+        last row [N, hidden], its logits [N, V] fp32), views of the graph's output buffers
+        (valid until the next replay)."""
+        n = len(counts)
+        W = 1 if max(counts) == 1 else self.max_width
         bs = next(b for b in self.graphs.buckets if b >= n)
-        width = width_bucket(max(-(-(c + 1) // self.page_size) for c in context))
-        rows = [[t, c] + list(table[:width]) + [-1] * (width - len(table[:width]))
-                for t, c, table in zip(ids, context, tables)]
-        rows += [_head_pad_row(width)] * (bs - n)
-        graph, out = self._graph(bs, width)
-        self.hmeta[width][:bs].copy_(torch.tensor(rows, dtype=torch.long))
-        self.hidden[:n].copy_(hidden)
+        width = width_bucket(max(-(-(c + W) // self.page_size) for c in context))
+        rows, first = [], 0
+        for c, m, table in zip(context, counts, tables):
+            tokens = ids[first:first + m] + [0] * (W - m)
+            rows.append([c, m - 1] + tokens + list(table[:width]) + [-1] * (width - len(table[:width])))
+            first += m
+        rows += [_head_pad_row(W, width)] * (bs - n)
+        graph, out = self._graph(bs, W, width)
+        self.hmeta[(W, width)][:bs].copy_(torch.tensor(rows, dtype=torch.long))
+        dest = [i * W + j for i, m in enumerate(counts) for j in range(m)]  # request i's rows start at i * W
+        self.hidden.index_copy_(0, torch.tensor(dest, device=self.hidden.device), hidden.to(self.hidden.dtype))
         if graph is None:
-            out = self._forward(bs, width)
+            out = self._forward(bs, W, width)
         else:
             graph.replay()
         y, logits = out
         return y[:n], logits[:n]
 
-    def _forward(self, bs: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = self.hmeta[width]
-        batch = ForwardBatch(
-            cu_seqlens=self.graphs.cu[:bs + 1], context_lens=meta[:bs, 1], positions=meta[:bs, 1],
-            block_tables=meta[:bs, 2:], state_slots=torch.zeros_like(meta[:bs, 1]), seq_lens=[1] * bs,
-            context_lens_list=[1] * bs, cuda_graph=True)
-        y = self.head.forward_batch(self.hidden[:bs], meta[:bs, 0], self.model, batch, self.kv)
+    def _forward(self, bs: int, W: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        meta = self.hmeta[(W, width)]
+        ctx, last, ids = meta[:bs, 0], meta[:bs, 1], meta[:bs, 2:2 + W].reshape(-1)
+        tables = meta[:bs, 2 + W:]
+        if W == 1:
+            batch = ForwardBatch(cu_seqlens=self.graphs.cu[:bs + 1], context_lens=ctx, positions=ctx,
+                                 block_tables=tables, state_slots=torch.zeros_like(ctx), seq_lens=[1] * bs,
+                                 context_lens_list=[1] * bs, cuda_graph=True)
+        else:  # verify-shaped (uniform width W): the form whose attention runs without host syncs
+            positions = (ctx[:, None] + torch.arange(W, device=ctx.device)).reshape(-1)
+            batch = ForwardBatch(cu_seqlens=self.graphs.cu[:bs + 1] * W, context_lens=ctx, positions=positions,
+                                 block_tables=tables, state_slots=torch.zeros(bs, W, dtype=torch.long,
+                                                                              device=ctx.device),
+                                 num_accepted_tokens=torch.ones_like(ctx), seq_lens=[W] * bs,
+                                 context_lens_list=[1] * bs, cuda_graph=True)
+        y = self.head.forward_batch(self.hidden[:bs * W], ids, self.model, batch, self.kv).view(bs, W, -1)
+        y = y[torch.arange(bs, device=y.device), last]  # each request's last real row
         return y, self.model.compute_logits(y)
 
-    def _graph(self, bs: int, width: int):
-        if width not in self.hmeta:
-            self.hmeta[width] = torch.zeros(self.graphs.max_batch, 2 + width, dtype=torch.long,
-                                            device=self.graphs.device)
-        key = (bs, width)
+    def _graph(self, bs: int, W: int, width: int):
+        if (W, width) not in self.hmeta:
+            self.hmeta[(W, width)] = torch.zeros(self.graphs.max_batch, 2 + W + width, dtype=torch.long,
+                                                 device=self.graphs.device)
+        key = (bs, W, width)
         if key not in self.steps:
             if not self.graphs.capture:
                 self.steps[key] = (None, None)
             else:
-                self.hmeta[width][:bs] = torch.tensor(_head_pad_row(width), device=self.graphs.device)
-                self.steps[key] = self.graphs._capture(lambda: self._forward(bs, width))
-                log.debug("captured an MTP head-step CUDA graph for batch %d, %d pages", bs, width)
+                self.hmeta[(W, width)][:bs] = torch.tensor(_head_pad_row(W, width), device=self.graphs.device)
+                self.steps[key] = self.graphs._capture(lambda: self._forward(bs, W, width))
+                log.debug("captured an MTP head CUDA graph for batch %d, %d rows, %d pages", bs, W, width)
         return self.steps[key]

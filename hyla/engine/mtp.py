@@ -39,9 +39,11 @@ propose, for a request whose last token x0 sits at position p:
        committed ones: the next propose overwrites them with committed inputs before anything
        reads them, so a rejected draft leaves nothing behind. The target itself rolls back
        through its slots / replay.
-Step 1 (varlen chunks) runs eagerly; the steps after it (one row per request) replay CUDA
-graphs when the runner has them (hyla.engine.cuda_graph_verify.HeadStepGraphs: rows padded to
-a batch bucket, the head's block tables to a page width, padding writing the scratch page).
+With CUDA graphs on in the runner, both steps replay graphs (hyla.engine.cuda_graph_verify.
+HeadStepGraphs: requests padded to a batch bucket, the head's block tables to a page width):
+step 1 with 1 + k rows per request (a verify kept 1 .. 1 + k; the padding rows land past the
+committed ones, like speculative rows), the steps after it with one. A prompt's chunks
+(catch_up, or a step 1 with more than 1 + k pending rows) run eagerly.
 Outputs are exact whatever the head drafts: the target verifies every draft.
 """
 
@@ -101,7 +103,7 @@ class MTPDrafter(Drafter):
             raise ValueError(f"the MTP head of {self.path} has {len(self.head.layers)} layers; hyla drafts with one")
         self.kv = self.head.allocate_kv(runner.cache.num_pages, runner.cache.page_size)
         graphs = getattr(runner, "graphs", None)  # the runner's CUDA graphs: the head's draft steps get some too
-        self.step_graphs = (HeadStepGraphs(graphs, self.head, model, self.kv)
+        self.step_graphs = (HeadStepGraphs(graphs, self.head, model, self.kv, max_width=1 + self.k)
                             if graphs is not None and graph_safe(self.head) else None)
 
     # -- what the target's forwards hand over ------------------------------------------------
@@ -179,25 +181,31 @@ class MTPDrafter(Drafter):
         ids_t = torch.tensor(ids, dtype=torch.long, device=hidden.device)
         return self.head.forward_batch(hidden, ids_t, self.model, batch, self.kv)
 
-    def _catch_up(self, seqs, views: list[_View]) -> torch.Tensor:
+    def _catch_up(self, seqs, views: list[_View], logits: bool = False):
         """Run every view's pending pairs as one chunk each -> the head state at each request's
-        position p - 1 [len(views), hidden]."""
+        position p - 1 [len(views), hidden], and with `logits` also its logits [len(views), V]
+        (then a CUDA graph when the runner has them and every chunk fits its width: after a
+        verify, the 1 .. 1 + k rows it kept)."""
         lens = [v.num_pending for v in views]
-        y = self._run(torch.cat([h for v in views for h, _ in v.pending]),
-                      [t for v in views for _, ts in v.pending for t in ts],
-                      [self._pages(s, v) for s, v in zip(seqs, views)], lens, [v.done for v in views])
+        hidden = torch.cat([h for v in views for h, _ in v.pending])
+        ids = [t for v in views for _, ts in v.pending for t in ts]
+        tables, context = [self._pages(s, v) for s, v in zip(seqs, views)], [v.done for v in views]
         for v in views:
             v.done += v.num_pending
             v.pending = []
-        return y[torch.tensor(lens, device=y.device).cumsum(0) - 1]  # each chunk's last row
+        if logits and self.step_graphs is not None and self.step_graphs.can_run(lens):
+            return self.step_graphs.run(hidden, ids, lens, context, tables)
+        y = self._run(hidden, ids, tables, lens, context)
+        y = y[torch.tensor(lens, device=y.device).cumsum(0) - 1]  # each chunk's last row
+        return (y, self.model.compute_logits(y)) if logits else y
 
     def _step(self, y: torch.Tensor, ids: list[int], tables: list[list[int]], context: list[int]
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step, a row per request: y [N, hidden] head states, ids the drafts fed with
         them at head context `context` -> (new head states [N, hidden], logits [N, V]); a CUDA
         graph when the runner has them (its output buffers: used before the next step)."""
-        if self.step_graphs is not None and self.step_graphs.can_run(len(ids)):
-            return self.step_graphs.run(y, ids, context, tables)
+        if self.step_graphs is not None and self.step_graphs.can_run([1] * len(ids)):
+            return self.step_graphs.run(y, ids, [1] * len(ids), context, tables)
         y = self._run(y, ids, tables, [1] * len(ids), context)
         return y, self.model.compute_logits(y)
 
@@ -217,10 +225,9 @@ class MTPDrafter(Drafter):
         if not live:
             return results
         idx, views = [i for i, _ in live], [v for _, v in live]
-        y = self._catch_up([seqs[i] for i in idx], views)
+        y, logits = self._catch_up([seqs[i] for i in idx], views, logits=True)
         drafts, probs = {i: [] for i in idx}, {i: [] for i in idx}
         active = list(range(len(idx)))  # rows of y: live requests still drafting
-        logits = self.model.compute_logits(y)
         for step in range(max(ks[i] for i in idx)):
             top = logits.argmax(-1).tolist()  # the greedy requests' drafts, in one copy to the host
             for row, j in enumerate(active):

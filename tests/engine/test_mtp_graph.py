@@ -66,30 +66,41 @@ def test_mtp_in_the_graph_path_equals_eager_and_plain_greedy(ckpt, plain, k, rol
 
 
 @pytest.fixture(scope="module")
-def random_head(tmp_path_factory):
-    path = build_qwen3_5_checkpoint(tmp_path_factory.mktemp("mtp-graph-random"), "dense", "text")
-    add_mtp_shard(path)  # a random head: its attention over the head's KV matters
+def leaky_head(tmp_path_factory):
+    """The repeat head (it drafts the last token) with its attention output let back in: the
+    drafts depend on the head's KV."""
+    from safetensors.torch import load_file, save_file
+
+    path = build_qwen3_5_checkpoint(tmp_path_factory.mktemp("mtp-graph-leaky"), "dense", "text")
+    add_mtp_shard(path)
+    _repeat_head(path)
+    file = path / "model-mtp.safetensors"
+    t = load_file(file)
+    gen = torch.Generator().manual_seed(5)
+    for name in [n for n in t if n.endswith("o_proj.weight")]:
+        t[name] = 0.5 * torch.randn(t[name].shape, generator=gen)
+    save_file(t, file, metadata={"format": "pt"})
     return path
 
 
 @pytest.mark.parametrize("rollback", ["slots", "replay"])
-def test_head_draft_steps_in_graphs_equal_eager(random_head, rollback, monkeypatch):
-    """The head's draft steps after the first replay HeadStepGraphs (padded to a batch bucket and
-    a page width, with every host sync failing inside): the same proposals as eager head steps,
-    and the output stays plain greedy."""
+def test_head_draft_steps_in_graphs_equal_eager(leaky_head, rollback, monkeypatch):
+    """The head's steps replay HeadStepGraphs (padded to a batch bucket and a page width, with
+    every host sync failing inside): catch-ups on a verify's kept rows (4 rows per request) and
+    draft steps (1 row) give the same proposals as eager head steps; output stays plain greedy."""
     from tests.engine.test_cuda_graph import _NoSync
 
     prompts = PROMPTS + [rand(40, 5)]  # a context across page boundaries
     # requests finish at different steps: the batch shrinks through the buckets
     params = [SamplingParams(temperature=0.0, max_tokens=6 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
-    want = [o.outputs[0].token_ids for o in LLM(str(random_head), dtype="float64").generate(
+    want = [o.outputs[0].token_ids for o in LLM(str(leaky_head), dtype="float64").generate(
         prompts, params, use_tqdm=False)]
     proposals = {}
     for graphs in (False, True):
         with monkeypatch.context() as m:
             if graphs:
                 m.setattr(model_runner, "use_cuda_graphs", lambda model, eager: True)
-            llm = LLM(str(random_head), dtype="float64", max_num_seqs=5,
+            llm = LLM(str(leaky_head), dtype="float64", max_num_seqs=5,
                       speculative_config={"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback})
         drafter, seen = llm.engine.spec.drafter, []
         assert (drafter.step_graphs is not None) == graphs
@@ -115,7 +126,54 @@ def test_head_draft_steps_in_graphs_equal_eager(random_head, rollback, monkeypat
         proposals[graphs] = seen
         if graphs:
             monkeypatch.undo()
-            used = drafter.step_graphs.steps
-            assert len({bs for bs, _ in used}) >= 2 and len({w for _, w in used}) >= 2, used
+            used = drafter.step_graphs.steps  # (batch bucket, rows per request, page width)
+            assert 1 in {W for _, W, _ in used}, used  # (W = 1 + k: test_head_steps_padded_equal_eager_cpu)
+            assert len({bs for bs, _, _ in used}) >= 2 and len({w for _, _, w in used}) >= 2, used
     assert proposals[True] == proposals[False]
     assert sum(len(d) for step in proposals[True] for _, d in step) > 0
+
+
+def test_head_steps_padded_equal_eager_cpu(leaky_head, monkeypatch):
+    """HeadStepGraphs' padded inputs (chunks of 3, 1 and 4 rows padded to W = 4, 3 requests to
+    bucket 4, ops in their capture paths, host syncs failing) give the eager head's last-row
+    states and logits and the same head KV rows at every committed position; then a one-row
+    draft step (W = 1) on top agrees too."""
+    from hyla.contract import ForwardBatch
+    from hyla.engine.cuda_graph import SCRATCH
+    from hyla.engine.cuda_graph_verify import CUDAGraphRunner, HeadStepGraphs
+    from hyla.models import load_model
+    from hyla.models.qwen3_5_mtp import load_mtp_head
+    from tests.engine.test_cuda_graph import _capture_mode
+
+    model = load_model(leaky_head, dtype=torch.float64)
+    head = load_mtp_head(leaky_head, model)
+    gen = torch.Generator().manual_seed(6)
+    pages, page = 8, 16
+    eager, graph = head.allocate_kv(pages, page), head.allocate_kv(pages + SCRATCH, page)
+    for a, b in zip(eager.tensors(), graph.tensors()):
+        b.copy_(torch.randn(b.shape, generator=gen, dtype=b.dtype))  # garbage, never zeros
+        a.copy_(b[:pages])
+    runner = CUDAGraphRunner(model, model.allocate_cache(4 + SCRATCH, pages + SCRATCH, page_size=page), max_batch=4,
+                             capture=False)
+    steps = HeadStepGraphs(runner, head, model, graph, max_width=4)
+    _capture_mode(monkeypatch, steps, "_forward", "fused_recurrent_gated_delta_rule")
+    counts, context, tables = [3, 1, 4], [5, 16, 29], [[1, 0], [3, 2], [6, 5, 4]]  # across page boundaries
+    for _ in range(2):  # a catch-up (W = 4), then a draft step (W = 1) after it
+        hidden = torch.randn(sum(counts), model.config.hidden_size, generator=gen, dtype=torch.float64)
+        ids = torch.randint(3, model.config.vocab_size, (sum(counts),), generator=gen).tolist()
+        batch = ForwardBatch.build(counts, context, tables, [0] * 3)
+        with torch.inference_mode():
+            y = head.forward_batch(hidden, torch.tensor(ids), model, batch, eager)
+            y = y[torch.tensor(counts).cumsum(0) - 1]
+            want = model.compute_logits(y)
+        got_y, got = steps.run(hidden, ids, counts, context, tables)
+        assert next(iter(steps.steps))[0] == 4  # three requests padded to the bucket of 4
+        torch.testing.assert_close(got_y, y, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        for table, c, n in zip(tables, context, counts):  # every committed head row, old and new
+            for pos in range(c + n):
+                for a, b in zip(eager.tensors(), graph.tensors()):
+                    torch.testing.assert_close(b[table[pos // page], pos % page], a[table[pos // page], pos % page])
+        context = [c + n for c, n in zip(context, counts)]
+        counts = [1, 1, 1]
+    assert {W for _, W, _ in steps.steps} == {1, 4}
