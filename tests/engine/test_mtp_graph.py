@@ -88,32 +88,44 @@ def test_head_draft_steps_in_graphs_equal_eager(leaky_head, rollback, monkeypatc
     """The head's steps replay HeadStepGraphs (padded to a batch bucket and a page width, with
     every host sync failing inside): catch-ups on a verify's kept rows (4 rows per request) and
     draft steps (1 row) give the same proposals as eager head steps; output stays plain greedy."""
-    from tests.engine.test_cuda_graph import _NoSync
-
     prompts = PROMPTS + [rand(40, 5)]  # a context across page boundaries
     # requests finish at different steps: the batch shrinks through the buckets
     params = [SamplingParams(temperature=0.0, max_tokens=6 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
     want = [o.outputs[0].token_ids for o in LLM(str(leaky_head), dtype="float64").generate(
         prompts, params, use_tqdm=False)]
-    proposals = {}
-    for graphs in (False, True):
-        with monkeypatch.context() as m:
-            if graphs:
-                m.setattr(model_runner, "use_cuda_graphs", lambda model, eager: True)
-            llm = LLM(str(leaky_head), dtype="float64", max_num_seqs=5,
-                      speculative_config={"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback})
-        drafter, seen = llm.engine.spec.drafter, []
-        assert (drafter.step_graphs is not None) == graphs
-        propose = drafter.propose
+    eager_outs, eager_proposals, _ = _proposals(leaky_head, prompts, params, rollback, False, monkeypatch)
+    graph_outs, graph_proposals, drafter = _proposals(leaky_head, prompts, params, rollback, True, monkeypatch)
+    assert graph_outs == eager_outs == want
+    used = drafter.step_graphs.steps  # (batch bucket, rows per request, page width)
+    assert 1 in {W for _, W, _ in used}, used  # (W = 1 + k: test_head_steps_padded_equal_eager_cpu)
+    assert len({bs for bs, _, _ in used}) >= 2 and len({w for _, _, w in used}) >= 2, used
+    assert graph_proposals == eager_proposals
+    assert sum(len(d) for step in graph_proposals for _, d in step) > 0
 
-        def record(seqs, ks, generator=None):
-            out = propose(seqs, ks, generator)
-            seen.append([(s.request_id, d) for s, (d, _) in zip(seqs, out)])
-            return out
 
-        drafter.propose = record
+def _proposals(path, prompts, params, rollback: str, graphs: bool, monkeypatch):
+    """-> (outputs, every propose call's [(request, drafts)], the drafter) of an MTP engine, k = 3,
+    whose head steps run in HeadStepGraphs with host syncs failing inside (graphs) or eagerly."""
+    from tests.engine.test_cuda_graph import _NoSync
+
+    with monkeypatch.context() as m:
         if graphs:
-            nosync, forward = _NoSync(monkeypatch), drafter.step_graphs._forward
+            m.setattr(model_runner, "use_cuda_graphs", lambda model, eager: True)
+        llm = LLM(str(path), dtype="float64", max_num_seqs=5,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback})
+    drafter, seen = llm.engine.spec.drafter, []
+    assert (drafter.step_graphs is not None) == graphs
+    propose = drafter.propose
+
+    def record(seqs, ks, generator=None):
+        out = propose(seqs, ks, generator)
+        seen.append([(s.request_id, d) for s, (d, _) in zip(seqs, out)])
+        return out
+
+    drafter.propose = record
+    with monkeypatch.context() as m:
+        if graphs:
+            nosync, forward = _NoSync(m), drafter.step_graphs._forward
 
             def guarded(*a):
                 nosync.on = True
@@ -121,16 +133,9 @@ def test_head_draft_steps_in_graphs_equal_eager(leaky_head, rollback, monkeypatc
                     return forward(*a)
                 finally:
                     nosync.on = False
-            monkeypatch.setattr(drafter.step_graphs, "_forward", guarded)
-        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
-        proposals[graphs] = seen
-        if graphs:
-            monkeypatch.undo()
-            used = drafter.step_graphs.steps  # (batch bucket, rows per request, page width)
-            assert 1 in {W for _, W, _ in used}, used  # (W = 1 + k: test_head_steps_padded_equal_eager_cpu)
-            assert len({bs for bs, _, _ in used}) >= 2 and len({w for _, _, w in used}) >= 2, used
-    assert proposals[True] == proposals[False]
-    assert sum(len(d) for step in proposals[True] for _, d in step) > 0
+            m.setattr(drafter.step_graphs, "_forward", guarded)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return outs, seen, drafter
 
 
 def test_head_steps_padded_equal_eager_cpu(leaky_head, monkeypatch):
