@@ -147,7 +147,7 @@ class MTPDrafter(Drafter):
             view.pending[-1:] = [(h[:-1], t[:-1])] if len(t) > 1 else []
             views.append(view)
             owners.append(seq)
-            newest.append((h[-1:], t[-1:]))
+            newest.append((h[-1:].clone(), t[-1:]))  # a copy: not the whole step's hidden states
         if views:
             self._catch_up(owners, views)
             for view, pair in zip(views, newest):
