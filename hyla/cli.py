@@ -60,8 +60,10 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
 def _engine_config(args):
     from hyla.engine import EngineConfig
 
-    from hyla.models.default import resolve_model
+    from hyla.models.default import BUNDLED_MODELS, resolve_model
 
+    if args.model in BUNDLED_MODELS and getattr(args, "served_model_name", "") is None:
+        args.served_model_name = args.model  # clients ask for the name they were given
     args.model = resolve_model(args.model)
     return EngineConfig(
         model=str(args.model), dtype=args.dtype, device=args.device,
