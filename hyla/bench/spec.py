@@ -35,12 +35,18 @@ FREE = [
 
 
 def replay_bytes_per_token(model) -> int:
-    """Per verify-window token, what replay keeps per KDA layer: k, v (model dtype), g (fp32 per
-    channel), beta (fp32 per head) and the three pre-conv inputs."""
+    """Per verify-window token, what replay keeps per linear-attention layer: k, v (model dtype),
+    the decay (fp32, per channel for KDA, per head for Gated DeltaNet), beta (fp32 per head) and
+    the pre-conv inputs (model dtype)."""
     c = model.config
-    d = c.linear_num_heads * c.linear_head_dim
     item = torch.finfo(model.dtype).bits // 8
-    per_layer = 2 * d * item + d * 4 + c.linear_num_heads * 4 + 3 * d * item
+    if c.layer_sizes().linear_kind == "GDN":
+        heads = c.linear_num_value_heads
+        k_dim, v_dim = c.linear_num_key_heads * c.linear_key_head_dim, heads * c.linear_value_head_dim
+        per_layer = (k_dim + v_dim) * item + 2 * heads * 4 + c.conv_dim * item
+    else:  # KDA: q, k, v of H x K each
+        heads, d = c.linear_num_heads, c.linear_num_heads * c.linear_head_dim
+        per_layer = 2 * d * item + d * 4 + heads * 4 + 3 * d * item
     n_linear = sum(1 for t in c.layer_types if t == "linear_attention")
     return per_layer * n_linear
 
