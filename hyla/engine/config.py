@@ -155,17 +155,14 @@ class EngineConfig:
 
     def _check_parallel(self, target) -> None:
         """tensor_parallel_size: enough devices, a family with a plan, sizes it divides (the
-        ValueError names the config field), and no MTP head (not sharded)."""
+        ValueError names the config field; an MTP head's layer has the target's attention and
+        MLP sizes, so it splits wherever the target does)."""
         n = self.tensor_parallel_size
         if n == 1:
             return
         if self.device.type == "cuda" and torch.cuda.device_count() < (self.device.index or 0) + n:
             raise ValueError(f"tensor_parallel_size={n} needs {n} CUDA devices from {self.device}, "
                              f"{torch.cuda.device_count()} are visible")
-        spec = self.speculative_config
-        if spec is not None and spec.method == "mtp":
-            raise ValueError("speculative method 'mtp' is not available with tensor_parallel_size > 1 "
-                             "(use 'ngram' or 'draft_model')")
         from hyla.parallel.plans import check_parallel
 
         check_parallel(target, n, self.enable_expert_parallel)

@@ -45,11 +45,17 @@ step 1 with 1 + k rows per request (a verify kept 1 .. 1 + k; the padding rows l
 committed ones, like speculative rows), the steps after it with one. A prompt's chunks
 (catch_up, or a step 1 with more than 1 + k pending rows) run eagerly.
 Outputs are exact whatever the head drafts: the target verifies every draft.
+
+Under tensor parallelism every rank holds such a drafter over its own ModelRunner (bound with the
+rank's ShardPlan: the head's layer split like the target's attention layers, its KV per rank) and
+runs the same calls in lockstep (hyla.parallel.drafter.TPDrafter sends them); rank 0 alone
+draws the drafts and broadcasts each step's tokens, so every rank feeds its head shard the same ids.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from hyla.contract import ForwardBatch
 from hyla.engine.cuda_graph import graph_safe
@@ -82,9 +88,11 @@ class MTPDrafter(Drafter):
     needs_hidden = True
 
     def __init__(self, cfg, *, page_size: int):
+        self.cfg = cfg
         self.k, self.path, self.page_size = cfg.num_speculative_tokens, cfg.model, page_size
         self.views: dict[str, _View] = {}
         self._seen: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (first row's position, rows)
+        self.leader, self.group = True, None  # tensor parallel: whether this is rank 0; the model group
 
     @staticmethod
     def kv_bytes_per_token(model) -> int:
@@ -92,13 +100,17 @@ class MTPDrafter(Drafter):
         what each engine page holds for it, beside the target's layers."""
         return model.config.layer_sizes().kv_per_token * torch.empty((), dtype=model.dtype).element_size()
 
-    def bind(self, runner) -> None:
+    def bind(self, runner, shard=None) -> None:
         """Load the head from the target checkpoint, beside runner.model (whose embeddings,
-        lm_head, dtype and device it shares), and its KV for every page of runner.cache."""
+        lm_head, dtype and device it shares), and its KV for every page of runner.cache.
+        shard: the rank's tensor-parallel plan (runner.model is that rank's shard): the head is
+        loaded split the same way and the drafts come from rank 0 (`_agree`)."""
         from hyla.models.qwen3_5_mtp import load_mtp_head
 
         model = self.model = runner.model
-        self.head = load_mtp_head(self.path, model)
+        if shard is not None and shard.world > 1:
+            self.leader, self.group = shard.rank == 0, shard.group
+        self.head = load_mtp_head(self.path, model, shard=shard)
         if len(self.head.layers) != 1:
             raise ValueError(f"the MTP head of {self.path} has {len(self.head.layers)} layers; hyla drafts with one")
         self.kv = self.head.allocate_kv(runner.cache.num_pages, runner.cache.page_size)
@@ -215,11 +227,39 @@ class MTPDrafter(Drafter):
         gen = seq.generator if seq.generator is not None else generator
         return int(torch.multinomial(q, 1, generator=gen)), q
 
+    def _choose(self, logits: torch.Tensor, seqs: list, generator) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One step's drafts, a row per request: logits [len(seqs), V] -> (tokens, q [V] of each
+        sampling request, None for greedy ones). Rank 0 only: it holds the requests' parameters
+        and generators."""
+        top = logits.argmax(-1).tolist()  # the greedy requests' drafts, in one copy to the host
+        tokens, qs = [], []
+        for row, seq in enumerate(seqs):
+            if seq.params.greedy:
+                tokens.append(top[row])
+                qs.append(None)
+            else:
+                d, q = self._draw(logits[row], seq, generator)
+                tokens.append(d)
+                qs.append(q)
+        return tokens, qs
+
+    def _agree(self, tokens: list[int] | None, n: int, device: torch.device) -> list[int]:
+        """The n draft tokens every rank feeds its head shard next: rank 0's (`tokens`), broadcast
+        over the model group under tensor parallelism (one [n] int64 tensor), so that a sampled
+        draft, or an argmax tie broken differently, never splits the ranks' heads apart."""
+        if self.group is None:
+            return tokens
+        t = (torch.tensor(tokens, dtype=torch.long, device=device) if self.leader
+             else torch.empty(n, dtype=torch.long, device=device))
+        dist.broadcast(t, src=0, group=self.group)
+        return tokens if self.leader else t.tolist()
+
     @torch.inference_mode()
     def propose(self, seqs, ks: list[int], generator: torch.Generator | None = None
                 ) -> list[tuple[list[int], torch.Tensor | None]]:
         """-> per sequence (drafts, q [len(drafts), V] or None for greedy requests), drawn as the
-        draft-model drafter draws them."""
+        draft-model drafter draws them. Under tensor parallelism every rank runs this in
+        lockstep; only rank 0's result (it drew the drafts) is meaningful."""
         results: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in seqs]
         live = [(i, v) for i, (seq, k) in enumerate(zip(seqs, ks)) if (v := self._ready(seq, k)) is not None]
         if not live:
@@ -229,24 +269,22 @@ class MTPDrafter(Drafter):
         drafts, probs = {i: [] for i in idx}, {i: [] for i in idx}
         active = list(range(len(idx)))  # rows of y: live requests still drafting
         for step in range(max(ks[i] for i in idx)):
-            top = logits.argmax(-1).tolist()  # the greedy requests' drafts, in one copy to the host
-            for row, j in enumerate(active):
-                i = idx[j]
-                if seqs[i].params.greedy:
-                    drafts[i].append(top[row])
-                else:
-                    d, q = self._draw(logits[row], seqs[i], generator)
+            rows = [idx[j] for j in active]
+            if self.leader:
+                tokens, qs = self._choose(logits, [seqs[i] for i in rows], generator)
+                for i, d, q in zip(rows, tokens, qs):
                     drafts[i].append(d)
-                    probs[i].append(q)
+                    if q is not None:
+                        probs[i].append(q)
             # (head state, newest draft) at the next position, past the committed rows; only for
             # requests that draft more (their next row lies inside the pages reserved for them)
             keep = [row for row, j in enumerate(active) if ks[idx[j]] > step + 1]
             if not keep:
                 break
+            fed = self._agree([drafts[rows[r]][-1] for r in keep] if self.leader else None, len(keep), y.device)
             active = [active[row] for row in keep]
-            rows = [idx[j] for j in active]
-            y, logits = self._step(y[torch.tensor(keep, device=y.device)], [drafts[i][-1] for i in rows],
-                                   [self._pages(seqs[i], views[j]) for i, j in zip(rows, active)],
+            y, logits = self._step(y[torch.tensor(keep, device=y.device)], fed,
+                                   [self._pages(seqs[idx[j]], views[j]) for j in active],
                                    [views[j].done + step for j in active])
         for i in idx:
             results[i] = (drafts[i], torch.stack(probs[i]) if probs[i] else None)

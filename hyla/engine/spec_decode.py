@@ -167,7 +167,10 @@ class SpecDecoder:
 
     def __init__(self, cfg: SpecConfig, drafter: Drafter, runner):
         self.cfg = cfg
-        self.drafter = drafter
+        # A tensor-parallel runner (hyla.parallel.runner.TPRunner) may stand a drafter in for it
+        # that runs on every rank (MTP: the head is sharded as the target is).
+        shard = getattr(runner, "shard_drafter", None)
+        self.drafter = drafter = shard(drafter) if shard is not None else drafter
         self.runner = runner
         drafter.bind(runner)
 

@@ -81,10 +81,16 @@ class MTPHead(nn.Module):
         return KVLayerCache(k, v)
 
 
-def load_mtp_head(path: str | os.PathLike, model) -> MTPHead:
+def load_mtp_head(path: str | os.PathLike, model, shard=None) -> MTPHead:
     """The `mtp.*` head of the checkpoint at `path`, for `model` (the target loaded from it: its
     config, dtype, device and decoder layer class). ValueError if the checkpoint holds none, or
-    a tensor is missing, unexpected or of the wrong shape."""
+    a tensor is missing, unexpected or of the wrong shape.
+
+    shard: the rank's tensor-parallel plan that `model` was loaded with (hyla.parallel.tensor.
+    ShardPlan): the head is built from the per-rank config (model.config already is), its layer
+    split as the target's attention layers (query / KV heads, o_proj row-parallel, the MLP or
+    experts split or distributed) with the same all-reduce hooks, and only this rank's slice of
+    each `mtp.*` tensor is read; fc and the norms are replicated."""
     from hyla.models import loader
 
     path = os.fspath(path)
@@ -99,8 +105,10 @@ def load_mtp_head(path: str | os.PathLike, model) -> MTPHead:
     layer_cls = type(model.model.layers[0])
     with torch.device("meta"):
         head = MTPHead(model.config, layer_cls, num_layers, moe)
+        if shard is not None:
+            shard.prepare_head(head)
     expected = {PREFIX + name: t.shape for name, t in head.state_dict().items()}
-    plan = loader._plan(files, expected, optional=set())
+    plan = loader._plan(files, expected, optional=set(), shard=shard)
     head.to(model.dtype)
     for name, t in head.state_dict(keep_vars=True).items():
         if loader._keeps_fp32(name):
@@ -113,9 +121,10 @@ def load_mtp_head(path: str | os.PathLike, model) -> MTPHead:
         for file in sorted(set(files.values())):
             with safe_open(file, "pt", device="cpu") as f:
                 for name in f.keys():
-                    if files.get(name) == file:
+                    if files.get(name) == file and name in plan:  # not another rank's expert
                         target, index = plan[name]
-                        loader._copy_into(targets[target[len(PREFIX):]], index, f.get_tensor(name))
+                        value = f.get_tensor(name) if shard is None else shard.read(name, f)
+                        loader._copy_into(targets[target[len(PREFIX):]], index, value)
     head.eval().requires_grad_(False)
     for module in head.modules():
         if module is not head and hasattr(module, "prepare_for_inference"):

@@ -6,7 +6,9 @@ cache's checkpoint copies and speculative rollback stay exactly as on one device
 
 A call carries SeqViews, not Sequences: the few fields a runner reads of a sequence, with only
 its new tokens (not the whole history). Logits come back all-gathered on every rank (the
-vocab-parallel lm_head); rank 0 samples.
+vocab-parallel lm_head); rank 0 samples. An MTP drafter runs on every rank
+(shard_drafter, hyla.parallel.drafter): its head steps are commands too, its bookkeeping rides
+along with the next command.
 
     tp = start_tensor_parallel(config, dtype)      # workers up, every rank's shard loaded
     runner = tp_runner(tp, num_slots, num_pages, page_size, state_dtype, enforce_eager)
@@ -56,12 +58,71 @@ class SeqView:
                    list(seq.spec_slots), seq.last_token_id)
 
 
+class _Tail(_Suffix):
+    """seq.token_ids from `start` to its end; len() is the whole sequence's length."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass
+class DraftView:
+    """What an MTPDrafter reads of a Sequence on ranks 1..N-1 (rank 0 reads the Sequence): its
+    id, preemption count, block table, and its tokens from `start` on (the ones a commit pairs
+    with hidden rows; none otherwise) with the sequence's full length."""
+
+    request_id: str
+    token_ids: _Tail
+    num_preemptions: int
+    block_table: list[int]
+
+    @classmethod
+    def of(cls, seq, start: int | None = None, pages: bool = True) -> DraftView:
+        """start: the first token carried (default: none, only the length); pages: with the
+        block table (the calls that run the head read it)."""
+        start = len(seq.token_ids) if start is None else min(start, len(seq.token_ids))
+        return cls(seq.request_id, _Tail(start, seq.token_ids[start:]), seq.num_preemptions,
+                   list(seq.block_table) if pages else [])
+
+
 class TPRunner:
     def __init__(self, group: WorkerGroup):
         self.group = group
         self.local = group.worker.runner  # rank 0's ModelRunner
         self.model = self.local.model
         self.device, self.page_size = self.local.device, self.local.page_size
+        # Drafter calls ranks 1..N-1 still owe (bookkeeping without collectives): they travel
+        # with the next command, in order (hyla.parallel.drafter.TPDrafter).
+        self.deferred: list[tuple[str, tuple]] = []
+
+    def _call(self, name: str, *args, **kwargs):
+        """group.call, with the deferred drafter calls run before it on ranks 1..N-1."""
+        if not self.deferred:
+            return self.group.call(name, *args, **kwargs)
+        ops, self.deferred = self.deferred, []
+        return self.group.call("with_drafter_ops", ops, name, args, kwargs)
+
+    def defer(self, method: str, args: tuple) -> None:
+        self.deferred.append((method, args))
+
+    def drafter_call(self, method: str, args: tuple, local):
+        """A drafter call that runs the head (collectives): ranks 1..N-1 run the deferred calls
+        and then `method` on their drafter, rank 0 runs `local()` -> rank 0's result."""
+        ops, self.deferred = self.deferred, []
+        return self.group.call("drafter_call", ops, method, args, local=local)
+
+    def shard_drafter(self, drafter):
+        """The drafter SpecDecoder drives under tensor parallelism: an MTP head runs on every rank
+        (hyla.parallel.drafter.TPDrafter); n-gram and draft-model drafters run on rank 0 alone."""
+        from hyla.engine.mtp import MTPDrafter
+
+        if isinstance(drafter, MTPDrafter):
+            from hyla.parallel.drafter import TPDrafter
+
+            return TPDrafter(drafter.cfg, drafter.page_size)
+        return drafter
 
     @property
     def cache(self):
@@ -75,26 +136,30 @@ class TPRunner:
     def verified_in_graph(self) -> bool:
         return self.local.verified_in_graph
 
-    def run(self, seqs, num_new_tokens, logit_rows: list[list[int]], checkpoints=None) -> torch.Tensor:
+    def run(self, seqs, num_new_tokens, logit_rows: list[list[int]], checkpoints=None, return_hidden: bool = False
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """ModelRunner.run on every rank; return_hidden: also rank 0's final-norm hidden states
+        (every rank keeps its own for its MTP drafter)."""
         views = [SeqView.of(s, n) for s, n in zip(seqs, num_new_tokens)]
-        return self.group.call("run", views, list(num_new_tokens), logit_rows, checkpoints)
+        return self._call("run", views, list(num_new_tokens), logit_rows, checkpoints, return_hidden=return_hidden)
 
-    def verify(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int | None = None) -> torch.Tensor:
+    def verify(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int | None = None,
+               return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         views = [SeqView.of(s, 0) for s in seqs]
-        return self.group.call("verify", views, drafts, rollback, pad_to=pad_to)
+        return self._call("verify", views, drafts, rollback, pad_to=pad_to, return_hidden=return_hidden)
 
     def commit_replay(self, accepted: list[int]) -> None:
-        self.group.call("commit_replay", list(accepted))
+        self._call("commit_replay", list(accepted))
 
     def copy_slot(self, src: int, dst: int) -> None:
-        self.group.call("copy_slot", src, dst)
+        self._call("copy_slot", src, dst)
 
     def copy_page_rows(self, src: int, dst: int, rows: int) -> None:
-        self.group.call("copy_page_rows", src, dst, rows)
+        self._call("copy_page_rows", src, dst, rows)
 
     def apply_copies(self, slot_copies, page_copies) -> None:
         if slot_copies or page_copies:  # most steps have none: no broadcast
-            self.group.call("apply_copies", list(slot_copies), list(page_copies))
+            self._call("apply_copies", list(slot_copies), list(page_copies))
 
     def close(self) -> None:
         self.group.close()

@@ -122,6 +122,16 @@ class ShardPlan:
             if self.reduce_modules.search(name):
                 module.register_forward_hook(self._all_reduce_hook)
 
+    def prepare_head(self, head: nn.Module) -> None:
+        """On a meta MTP head (hyla.models.qwen3_5_mtp.MTPHead) built from the per-rank config:
+        its decoder layer gets what the target's layers got (expert-parallel stacks and routing,
+        the all-reduce hooks on o_proj and the MLP / MoE). Its embeddings and lm_head are the
+        target's (vocab-parallel already); fc and the norms stay replicated."""
+        self.prepare_family(head)
+        for name, module in head.named_modules():
+            if self.reduce_modules.search(name):
+                module.register_forward_hook(self._all_reduce_hook)
+
     def rename(self, name: str) -> str | None:
         """A checkpoint tensor's name on this rank: per-expert tensors of other ranks' experts
         -> None (not loaded here), this rank's -> their local expert index (expert parallel)."""

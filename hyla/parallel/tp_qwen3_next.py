@@ -14,6 +14,9 @@ Per rank (N ranks):
 - MLPs and the MoE: as Kimi-Linear (hyla.parallel.tp_kimi): gate/up column-, down row-parallel;
   routed experts along their width, or whole experts with expert parallelism; the shared expert
   split along its width, its sigmoid gate replicated.
+- The MTP head (`mtp.*`, hyla.models.qwen3_5_mtp) is built from the same per-rank config, so its
+  one decoder layer splits by the rules above (the names match them); fc and its norms are
+  replicated.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class Qwen3NextShardPlan(ShardPlan):
                      num_key_value_heads=max(1, kv // n))
         if "dense" in config.mlp_layer_types:
             sizes["intermediate_size"] = divide(config, "intermediate_size", n)
+        elif getattr(config, "intermediate_size", 0) and config.intermediate_size % n == 0:
+            # no dense layer in the target, but an MTP head's layer may be dense: split it too
+            sizes["intermediate_size"] = config.intermediate_size // n
         if "sparse" in config.mlp_layer_types:
             sizes["shared_expert_intermediate_size"] = divide(config, "shared_expert_intermediate_size", n)
             if self.expert_parallel:

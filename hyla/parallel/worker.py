@@ -52,7 +52,10 @@ class Worker:
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
         self.model = None
+        self.plan = None  # the rank's ShardPlan (the MTP head is loaded with it too)
         self.runner = None
+        self.drafter = None  # the rank's MTPDrafter (mtp_bind)
+        self.hidden = None  # ranks 1..N-1: the last forward's hidden states, until the drafter observes them
 
     def load(self, spec: dict) -> None:
         """spec: model (checkpoint path), model_type, dtype, device (rank 0's), expert_parallel,
@@ -60,7 +63,8 @@ class Worker:
         from hyla.models.loader import load_model
         from hyla.parallel.plans import make_plan
 
-        plan = make_plan(spec["model_type"], self.rank, self.world, dist.group.WORLD, spec["expert_parallel"])
+        plan = self.plan = make_plan(spec["model_type"], self.rank, self.world, dist.group.WORLD,
+                                     spec["expert_parallel"])
         device = rank_device(torch.device(spec["device"]), self.rank)
         self.model = load_model(spec["model"], dtype=spec["dtype"], device=device, shard=plan,
                                 random_weights=spec.get("random_weights", False))
@@ -78,11 +82,55 @@ class Worker:
         self.runner = ModelRunner(self.model, num_slots, num_pages, page_size, state_dtype, enforce_eager)
 
     # The runner's calls (hyla.parallel.runner.TPRunner sends them).
-    def run(self, *args):
-        return self.runner.run(*args)
+    def run(self, *args, return_hidden: bool = False):
+        return self._keep_hidden(self.runner.run(*args, return_hidden=return_hidden), return_hidden)
 
-    def verify(self, *args, **kwargs):
-        return self.runner.verify(*args, **kwargs)
+    def verify(self, *args, return_hidden: bool = False, **kwargs):
+        return self._keep_hidden(self.runner.verify(*args, return_hidden=return_hidden, **kwargs), return_hidden)
+
+    def _keep_hidden(self, out, return_hidden: bool):
+        """A forward's result; with return_hidden ((logits, hidden [T, hidden]): the final-norm
+        states, the same on every rank) ranks 1..N-1 keep the hidden states for their drafter's
+        `observe`, which rank 0's engine sends next (rank 0 hands them over itself)."""
+        if return_hidden and self.rank:
+            self.hidden = out[1]
+        return out
+
+    # The MTP drafter's calls (hyla.parallel.drafter.TPDrafter sends them).
+    def mtp_bind(self, cfg, page_size: int) -> None:
+        """This rank's MTPDrafter: its shard of the head (the rank's plan) and its KV per page."""
+        from hyla.engine.mtp import MTPDrafter
+
+        self.drafter = MTPDrafter(cfg, page_size=page_size)
+        self.drafter.bind(self.runner, shard=self.plan)
+
+    def mtp_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The head's tensor shapes on this rank (its parameters, and "kv" of its key pool)."""
+        shapes = {name: tuple(t.shape) for name, t in self.drafter.head.state_dict().items()}
+        return {**shapes, "kv": tuple(self.drafter.kv.k.shape)}
+
+    def drafter_call(self, ops: list, method: str, args: tuple):
+        """Ranks 1..N-1 (rank 0 runs its own drafter directly): the deferred drafter calls, then
+        one that runs the head (its collectives line up with rank 0's)."""
+        self._drafter_ops(ops)
+        return getattr(self.drafter, method)(*args)
+
+    def with_drafter_ops(self, ops: list, name: str, args: tuple, kwargs: dict):
+        """The deferred drafter calls, then the runner call `name`: one broadcast for both."""
+        self._drafter_ops(ops)
+        return getattr(self, name)(*args, **kwargs)
+
+    def _drafter_ops(self, ops: list) -> None:
+        """Replay rank 0's drafter bookkeeping (observe / commit / release: no collectives) in its
+        order; rank 0 did it when the engine called it."""
+        if self.rank == 0:
+            return
+        for method, args in ops:
+            if method == "observe":  # the rows of the forward just run here
+                hidden, self.hidden = self.hidden, None
+                self.drafter.observe(*args, hidden)
+            else:
+                getattr(self.drafter, method)(*args)
 
     def commit_replay(self, accepted):
         self.runner.commit_replay(accepted)

@@ -125,22 +125,25 @@ class WorkerGroup:
                 "the engine stopped")
 
     # -- commands -------------------------------------------------------------------------------
-    def call(self, name: str, *args, reply: bool = False, **kwargs):
+    def call(self, name: str, *args, reply: bool = False, local=None, **kwargs):
         """Run Worker.<name>(*args, **kwargs) on every rank: broadcast it, then run it here.
         reply: wait for every rank's outcome and raise the errors (startup commands); the
-        results of all ranks are then in `self.replies`. Returns rank 0's result. Raises
-        TensorParallelError when the group is broken."""
+        results of all ranks are then in `self.replies`. local: what rank 0 runs instead (a
+        callable of no arguments), for a call whose rank-0 side needs objects that do not travel
+        (the engine's Sequences with their generators: the MTP drafter). Returns rank 0's result.
+        Raises TensorParallelError when the group is broken."""
         if self.closed:
             raise TensorParallelError(self._death() if self.dead else "the tensor-parallel group is closed")
         if self.dead is not None:
             self._fail(None)
         try:
             dist.broadcast_object_list([(name, args, kwargs, reply)], src=0, group=self.ctrl)
+            here = local if local is not None else (lambda: getattr(self.worker, name)(*args, **kwargs))
             if not reply:
-                return getattr(self.worker, name)(*args, **kwargs)
+                return here()
             error, result = None, None
             try:
-                result = getattr(self.worker, name)(*args, **kwargs)
+                result = here()
             except Exception as err:  # noqa: BLE001 - gathered with the others' outcome below
                 error = (type(err).__name__, f"rank 0: {type(err).__name__}: {err}")
             outcomes = [None] * self.world

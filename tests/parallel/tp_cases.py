@@ -28,12 +28,13 @@ def follow_ups(first: list[list[int]], outputs: list[list[int]]) -> list[list[in
     return [first[i] + outputs[i] + [5, 6, 7][: i % 3 + 1] for i in range(len(first) - 1, 0, -1)]
 
 
-def generate(llm: LLM, first: list[list[int]], ref_outputs: list[list[int]] | None = None):
+def generate(llm: LLM, first: list[list[int]], ref_outputs: list[list[int]] | None = None,
+             params: SamplingParams = GREEDY):
     """Both turns: -> [(token ids, logprobs)] for first + follow_ups(first, ...). The second turn
     is built from `ref_outputs` when given (the TP = 1 outputs), so both engines see the same prompts."""
-    out = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(first, GREEDY, use_tqdm=False)]
+    out = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(first, params, use_tqdm=False)]
     second = follow_ups(first, ref_outputs or [t for t, _ in out])
-    out += [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(second, GREEDY, use_tqdm=False)]
+    out += [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(second, params, use_tqdm=False)]
     return out
 
 
