@@ -244,15 +244,24 @@ class MTPDrafter(Drafter):
         return tokens, qs
 
     def _agree(self, tokens: list[int] | None, n: int, device: torch.device) -> list[int]:
-        """The n draft tokens every rank feeds its head shard next: rank 0's (`tokens`), broadcast
-        over the model group under tensor parallelism (one [n] int64 tensor), so that a sampled
-        draft, or an argmax tie broken differently, never splits the ranks' heads apart."""
+        """The n draft tokens every rank feeds its head shard next: rank 0's (`tokens`; None on
+        rank 0: its draw failed), broadcast over the model group under tensor parallelism (one
+        [n] int64 tensor), so that a sampled draft, or an argmax tie broken differently, never
+        splits the ranks' heads apart. A failed draw still broadcasts (-1s): the other ranks then
+        raise too instead of waiting for a step rank 0 abandoned."""
         if self.group is None:
             return tokens
-        t = (torch.tensor(tokens, dtype=torch.long, device=device) if self.leader
-             else torch.empty(n, dtype=torch.long, device=device))
+        if self.leader:
+            t = torch.tensor(tokens if tokens is not None else [-1] * n, dtype=torch.long, device=device)
+        else:
+            t = torch.empty(n, dtype=torch.long, device=device)
         dist.broadcast(t, src=0, group=self.group)
-        return tokens if self.leader else t.tolist()
+        if self.leader:
+            return tokens
+        fed = t.tolist()
+        if any(d < 0 for d in fed):
+            raise RuntimeError("rank 0 failed to draw this step's drafts")
+        return fed
 
     @torch.inference_mode()
     def propose(self, seqs, ks: list[int], generator: torch.Generator | None = None
@@ -268,24 +277,34 @@ class MTPDrafter(Drafter):
         y, logits = self._catch_up([seqs[i] for i in idx], views, logits=True)
         drafts, probs = {i: [] for i in idx}, {i: [] for i in idx}
         active = list(range(len(idx)))  # rows of y: live requests still drafting
+        failed = None  # rank 0's draw error: raised once the other ranks know (_agree)
         for step in range(max(ks[i] for i in idx)):
             rows = [idx[j] for j in active]
             if self.leader:
-                tokens, qs = self._choose(logits, [seqs[i] for i in rows], generator)
-                for i, d, q in zip(rows, tokens, qs):
-                    drafts[i].append(d)
-                    if q is not None:
-                        probs[i].append(q)
+                try:
+                    tokens, qs = self._choose(logits, [seqs[i] for i in rows], generator)
+                except Exception as err:  # noqa: BLE001 - re-raised below, after the broadcast
+                    failed = err
+                else:
+                    for i, d, q in zip(rows, tokens, qs):
+                        drafts[i].append(d)
+                        if q is not None:
+                            probs[i].append(q)
             # (head state, newest draft) at the next position, past the committed rows; only for
             # requests that draft more (their next row lies inside the pages reserved for them)
             keep = [row for row, j in enumerate(active) if ks[idx[j]] > step + 1]
             if not keep:
                 break
-            fed = self._agree([drafts[rows[r]][-1] for r in keep] if self.leader else None, len(keep), y.device)
+            fed = self._agree([drafts[rows[r]][-1] for r in keep] if self.leader and failed is None else None,
+                              len(keep), y.device)
+            if failed is not None:
+                break
             active = [active[row] for row in keep]
             y, logits = self._step(y[torch.tensor(keep, device=y.device)], fed,
                                    [self._pages(seqs[idx[j]], views[j]) for j in active],
                                    [views[j].done + step for j in active])
+        if failed is not None:
+            raise failed
         for i in idx:
             results[i] = (drafts[i], torch.stack(probs[i]) if probs[i] else None)
         return results

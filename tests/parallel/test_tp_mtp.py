@@ -21,12 +21,13 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprob
 def _echo_head(path) -> None:
     """Make the head draft mostly the token the target just produced (fc passes the target's
     normed hidden state on), so that a target repeating itself accepts some drafts; unlike
-    test_mtp_spec's head its attention and MLP still add a (smaller) random term, so the drafts
-    depend on the sharded layer computing what the whole one does."""
+    test_mtp_spec's head, the fed token's embedding, the attention and the MLP still add
+    (smaller) random terms, so the drafts depend on the sharded layer computing what the whole
+    one does and on every rank feeding it the same drafts."""
     file = path / "model-mtp.safetensors"
     t = load_file(file)
     hid = t["mtp.norm.weight"].shape[0]
-    t["mtp.fc.weight"] = torch.cat([torch.zeros(hid, hid), torch.eye(hid)], dim=1)
+    t["mtp.fc.weight"] = torch.cat([t["mtp.fc.weight"][:, :hid], torch.eye(hid)], dim=1)
     for name in t:
         if name.endswith(("pre_fc_norm_hidden.weight", "mtp.norm.weight")):
             t[name] = torch.zeros_like(t[name])
@@ -136,3 +137,28 @@ def test_tp2_mtp_equals_tp1_plain(root, family, rollback, kw):
             assert 2 * llm.engine.kv_bytes_per_page == one.engine.kv_bytes_per_page
     finally:
         llm.shutdown()
+
+
+def test_tp2_mtp_sampling_equals_tp1_mtp(root):
+    """Seeded sampling: rank 0 draws every draft from the requests' own generators and the other
+    ranks feed its tokens to their head shards, so TP = 2 draws what one process draws (drafts,
+    acceptances and tokens; a rank feeding another token would change the next drafts)."""
+    path = _checkpoint(root, "qwen3_5-dense")
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    params = [SamplingParams(temperature=0.7, seed=s, max_tokens=12, ignore_eos=True) for s in range(4)]
+    first = prompts(seed=5, lengths=(20, 7, 1))
+
+    def run(llm):
+        drafts = _recorded(llm)
+        out = [o.outputs[0].token_ids for o in llm.generate(first, params, use_tqdm=False)]
+        m = llm.get_metrics()
+        return out, drafts, (m["spec_num_draft_tokens"], m["spec_num_accepted_tokens"])
+
+    want = run(LLM(str(path), dtype="float32", speculative_config=mtp))
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, speculative_config=mtp)
+    try:
+        got = run(llm)
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert want[2][1] > 0
