@@ -19,11 +19,15 @@ block table and the few tokens a commit pairs with its hidden rows.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hyla.engine.mtp import MTPDrafter
 from hyla.engine.spec_decode import Drafter
 from hyla.parallel.runner import DraftView
+
+log = logging.getLogger("hyla.parallel")
 
 
 class TPDrafter(Drafter):
@@ -51,6 +55,8 @@ class TPDrafter(Drafter):
         self.runner = runner
         runner.group.call("mtp_bind", self.cfg, self.page_size, reply=True)
         self.local = runner.group.worker.drafter
+        weights, kv = max(runner.group.replies)
+        log.info("MTP head per rank: weights %.2f MiB, KV / token %d B (in the engine's pages)", weights / 2**20, kv)
 
     def observe(self, seqs, positions: list[int], counts: list[int], hidden: torch.Tensor) -> None:
         self.local.observe(seqs, positions, counts, hidden)

@@ -97,12 +97,15 @@ class Worker:
         return out
 
     # The MTP drafter's calls (hyla.parallel.drafter.TPDrafter sends them).
-    def mtp_bind(self, cfg, page_size: int) -> None:
-        """This rank's MTPDrafter: its shard of the head (the rank's plan) and its KV per page."""
+    def mtp_bind(self, cfg, page_size: int) -> tuple[int, int]:
+        """This rank's MTPDrafter: its shard of the head (the rank's plan) and its KV per page
+        -> (the head's weight bytes, its KV bytes per token) on this rank."""
         from hyla.engine.mtp import MTPDrafter
 
         self.drafter = MTPDrafter(cfg, page_size=page_size)
         self.drafter.bind(self.runner, shard=self.plan)
+        weights = sum(t.numel() * t.element_size() for t in self.drafter.head.state_dict().values())
+        return weights, MTPDrafter.kv_bytes_per_token(self.model)
 
     def mtp_shapes(self) -> dict[str, tuple[int, ...]]:
         """The head's tensor shapes on this rank (its parameters, and "kv" of its key pool)."""

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from hyla import LLM, SamplingParams
 from tests.oracles.qwen3_5_checkpoint import add_mtp_shard, build_qwen3_5_checkpoint
 from tests.oracles.qwen3_next_checkpoint import build_qwen3_next_checkpoint
-from tests.parallel.tp_cases import assert_same, generate, prompts
+from tests.parallel.tp_cases import assert_same, generate, prompts, rank_bytes
 
 SCALE = 3.0
 PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
@@ -86,9 +86,9 @@ def root(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family,rollback,kw", [
-    ("qwen3_5-dense", "slots", dict()),
-    ("qwen3_5-moe", "replay", dict()),
-    ("qwen3_next", "slots", dict(enable_expert_parallel=True)),
+    ("qwen3_5-dense", "slots", {}),
+    ("qwen3_5-moe", "replay", {}),
+    ("qwen3_next", "slots", {"enable_expert_parallel": True}),
 ], ids=["qwen3_5-dense-slots", "qwen3_5-moe-replay", "qwen3_next-expert_parallel-slots"])
 def test_tp2_mtp_equals_tp1_plain(root, family, rollback, kw):
     path = _checkpoint(root, family)
@@ -162,3 +162,25 @@ def test_tp2_mtp_sampling_equals_tp1_mtp(root):
         llm.shutdown()
     assert got == want
     assert want[2][1] > 0
+
+
+def test_tp2_mtp_preemption_chunked_prefill(root):
+    """A per-rank budget of 4 state slots and 5 pages (each page: the target's KV and this
+    rank's half of the head's): the two long prompts prefill in chunks of 16 tokens together,
+    outgrow the pages and are preempted; each rank's head views restart with the recomputation
+    and the output stays plain greedy."""
+    path = _checkpoint(root, "qwen3_5-dense")
+    first = prompts(seed=3, lengths=(40, 1))
+    reference = generate(LLM(str(path), dtype="float32", enable_prefix_caching=True), first, params=PARAMS)
+    slot, token = rank_bytes(path, 2)
+    head_token = 2 * 1 * 32 * 4  # one of the 2 KV heads (dim 32) per rank, keys + values, fp32
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, enable_prefix_caching=True, max_num_seqs=2,
+              max_model_len=64, max_num_batched_tokens=16, memory_budget=4 * slot + 5 * 16 * (token + head_token),
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "rollback": "replay"})
+    try:
+        assert llm.engine.pools.pages.num_pages == 5  # the head's share of a page is counted per rank
+        assert_same(generate(llm, first, [r[0] for r in reference], params=PARAMS), reference)
+        m = llm.get_metrics()
+    finally:
+        llm.shutdown()
+    assert m["num_preemptions"] > 0 and m["prefix_cache_hit_tokens"] > 0 and m["spec_num_accepted_tokens"] > 0
