@@ -4,8 +4,10 @@
     torchrun --standalone --nproc-per-node 4 examples/kcp_torchrun.py --tokens 65536 --heads 8
     # CPU smoke test
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 examples/kcp_torchrun.py --backend gloo
-    # the multi-GPU measurement: bf16, even slices, H = 32, D = 128
+    # the multi-GPU measurement: bf16, H = 32, D = 128, even slices or balanced ones (rank 0's
+    # plain pass takes 1.5x the tokens of the others' extended passes)
     torchrun --standalone --nproc-per-node 2 examples/kcp_torchrun.py --dtype bf16 --even-split --tokens 131072 --heads 32
+    torchrun --standalone --nproc-per-node 4 examples/kcp_torchrun.py --dtype bf16 --balanced-split 1.5 --tokens 524288 --heads 32
 
 Each rank builds only its own slice, from a generator seeded with (seed, rank), so any rank can
 rebuild any slice. Slice lengths are uneven on purpose (rank r holds about (r+1) parts). Rank 0
@@ -27,9 +29,11 @@ import torch.nn.functional as F
 from hyla.ops import chunk_gated_delta_rule, chunk_kda
 from hyla.parallel import (
     add_incoming,
+    balanced_slice_lengths,
     chunk_gated_delta_rule_cp,
     chunk_kda_cp,
     count_comm_bytes,
+    first_pass,
     kcp_comm_bytes,
     local_pass,
 )
@@ -94,6 +98,9 @@ def main() -> None:
     p.add_argument("--gate", choices=["kda", "gdn"], default="kda")
     p.add_argument("--dtype", choices=["fp32", "fp64", "bf16"], default="fp32")
     p.add_argument("--even-split", action="store_true", help="equal slices (default: rank r holds ~(r+1) parts)")
+    p.add_argument("--balanced-split", type=float, metavar="COST", default=None,
+                   help="rank 0 (plain pass) takes COST times the others' tokens (their pass carries K "
+                        "extra columns; ~1.5 on an H200): hyla.parallel.balanced_slice_lengths")
     p.add_argument("--repeat", type=int, default=5, help="timed runs (median reported)")
     p.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
     p.add_argument("--seed", type=int, default=0)
@@ -108,8 +115,12 @@ def main() -> None:
         device = torch.device("cpu")
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    lengths = [args.tokens // world + (r < args.tokens % world) for r in range(world)] if args.even_split \
-        else slice_lengths(args.tokens, world)
+    if args.balanced_split is not None:
+        lengths = balanced_slice_lengths(args.tokens, world, extended_cost=args.balanced_split)
+    elif args.even_split:
+        lengths = [args.tokens // world + (r < args.tokens % world) for r in range(world)]
+    else:
+        lengths = slice_lengths(args.tokens, world)
     cp_op, op = (chunk_kda_cp, chunk_kda) if args.gate == "kda" else (chunk_gated_delta_rule_cp, chunk_gated_delta_rule)
 
     q, k, v, g, beta = make_slice(rank, lengths[rank], args, device)
@@ -134,7 +145,10 @@ def main() -> None:
     # The two local halves alone: the chunk pass over K + V columns, and adding the incoming
     # state's share (one matmul per head).
     gate = args.gate
-    pass_ms = _median_ms(lambda: local_pass(q, k, v, g, beta, gate=gate), args.repeat, device)
+    if rank == 0:  # rank 0's plain pass from its known incoming state
+        pass_ms = _median_ms(lambda: first_pass(q, k, v, g, beta, gate=gate, initial_state=h0), args.repeat, device)
+    else:
+        pass_ms = _median_ms(lambda: local_pass(q, k, v, g, beta, gate=gate), args.repeat, device)
     o_zero, P, _, S_loc = local_pass(q, k, v, g, beta, gate=gate)
     add_ms = _median_ms(lambda: add_incoming(o_zero, P, S_loc), args.repeat, device)
     del o_zero, P

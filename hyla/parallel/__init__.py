@@ -18,9 +18,11 @@ Context parallelism:
 from hyla.parallel.kcp import (
     CommCounter,
     add_incoming,
+    balanced_slice_lengths,
     chunk_gated_delta_rule_cp,
     chunk_kda_cp,
     count_comm_bytes,
+    first_pass,
     kcp_comm_bytes,
     local_pass,
     scan_summaries,
@@ -29,6 +31,7 @@ from hyla.parallel.kcp import (
 )
 
 __all__ = [
-    "chunk_kda_cp", "chunk_gated_delta_rule_cp", "local_pass", "add_incoming", "count_comm_bytes",
+    "chunk_kda_cp", "chunk_gated_delta_rule_cp", "local_pass", "first_pass", "add_incoming",
+    "balanced_slice_lengths", "count_comm_bytes",
     "CommCounter", "kcp_comm_bytes", "softmax_cp_comm_bytes", "scan_summaries", "simulate_kcp",
 ]

@@ -28,6 +28,14 @@ final [S~ | A] is the summary (S~, M)), and the output is scale * q_t^T [S~_t | 
 one [T, K] x [K, V] matmul per head. Each rank thus costs one chunk pass over K + V columns
 instead of a summary pass plus a second pass from S_in.
 
+The first slice pays no summary. Rank 0 knows its incoming state (``initial_state``, or zeros)
+before anything is exchanged, so it runs the plain chunk pass over V columns from it: exact
+outputs at once, and its final state S_1, which is all later slices need from it. It sends
+(M, S~) = (0, S_1): the scan's first step 0 @ S_in(0) + S_1 gives S_1 as before, so the scan and
+the message size are unchanged. Only ranks 1.. carry the K extra columns (about 1.5x the cost
+of a plain pass per token on an H200, BENCHMARKS.md "KCP on two GPUs"); ``balanced_slice_lengths``
+gives rank 0 correspondingly more tokens so that every rank finishes at once.
+
 Why the states cannot simply be added, as for plain linear attention (S = sum_t k_t v_t^T):
 the (I - b k k^T) Diag(a) factors of later tokens act on everything written before them and do
 not commute, so sum_r S~_r drops every M_r acting on earlier slices. It is wrong by O(1)
@@ -62,7 +70,9 @@ __all__ = [
     "chunk_gated_delta_rule_cp",
     "scan_summaries",
     "local_pass",
+    "first_pass",
     "add_incoming",
+    "balanced_slice_lengths",
     "simulate_kcp",
     "count_comm_bytes",
     "CommCounter",
@@ -258,6 +268,48 @@ def local_pass(q, k, v, g, beta, *, gate, scale=None, use_qk_l2norm_in_kernel=Fa
     return o_ext[..., :V], o_ext[..., V:], final[..., V:].contiguous(), final[..., :V].contiguous()
 
 
+def first_pass(q, k, v, g, beta, *, gate, initial_state=None, scale=None, use_qk_l2norm_in_kernel=False,
+               chunk_size=64):
+    """The first slice's pass: its incoming state is known, so a plain chunk pass (V columns)
+    gives its outputs, and its summary is (M, S~) = (0, its final state).
+
+    Shapes as for ``local_pass``; initial_state: [B, HV, K, V] or None (zeros). Returns
+    (o [B, T, HV, V] in v.dtype, M = 0 [B, HV, K, K], S~ [B, HV, K, V] in fp32 / fp64).
+    """
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    work = work_dtype(v)
+    M = torch.zeros(B, HV, K, K, dtype=work, device=v.device)
+    if T == 0:
+        S = torch.zeros(B, HV, K, V, dtype=work, device=v.device) if initial_state is None else initial_state
+        return v.new_zeros(B, 0, HV, V), M, S.to(work)
+    op = chunk_kda if gate == "kda" else chunk_gated_delta_rule
+    h0 = None if initial_state is None else initial_state.to(work)
+    o, final = op(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+    return o, M, final.to(work)
+
+
+def balanced_slice_lengths(tokens: int, world: int, extended_cost: float = 1.5, multiple: int = 64) -> list[int]:
+    """Slice lengths (rank order, summing to `tokens`) under which every rank's pass takes about
+    the same time: rank 0 runs the plain pass (cost 1 per token), ranks 1.. the pass with K extra
+    value columns (`extended_cost` per token; ~1.5 for K = V on an H200). Lengths are multiples
+    of `multiple` (whole chunks) except the last slice's."""
+    for name, n in (("tokens", tokens), ("world", world), ("multiple", multiple)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < (0 if name == "tokens" else 1):
+            raise ValueError(f"{name} must be a {'non-negative' if name == 'tokens' else 'positive'} int, got {n!r}")
+    if not extended_cost >= 1.0:
+        raise ValueError(f"extended_cost must be >= 1 (the extended pass does more work), got {extended_cost!r}")
+    per_other = tokens / (extended_cost + world - 1)
+    lengths = [round(extended_cost * per_other / multiple) * multiple]
+    lengths += [round(per_other / multiple) * multiple for _ in range(world - 2)]
+    lengths = [min(n, tokens) for n in lengths]
+    while sum(lengths) > tokens:  # rounding up overshot: trim from the end
+        i = max(i for i, n in enumerate(lengths) if n)
+        lengths[i] -= min(lengths[i], sum(lengths) - tokens)
+    return lengths + [tokens - sum(lengths)] if world > 1 else [tokens]
+
+
 def add_incoming(o_zero: torch.Tensor, P: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
     """o = o_zero + P @ S_in per token and head.
 
@@ -281,9 +333,12 @@ def _cp_forward(q, k, v, g, beta, *, gate, group, scale, initial_state, use_qk_l
     HV, V = v.shape[2], v.shape[3]
 
     # 1. One pass: this slice's outputs up to the incoming state, and its summary (M, S~),
-    # whose shape does not depend on T_local.
-    o_zero, P, M, S = local_pass(q, k, v, g, beta, gate=gate, scale=scale,
-                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+    # whose shape does not depend on T_local. Rank 0 knows its incoming state: a plain pass.
+    opts = dict(gate=gate, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+    if rank == 0:
+        o, M, S = first_pass(q, k, v, g, beta, initial_state=initial_state, **opts)
+    else:
+        o_zero, P, M, S = local_pass(q, k, v, g, beta, **opts)
     # 2. One collective: M and S~ travel in a single flat buffer.
     buf = torch.cat([M.reshape(-1), S.reshape(-1)]).contiguous()  # [B*HV*(K*K + K*V)]
     gathered = _all_gather(buf, world, group)  # [W, B*HV*(K*K + K*V)]
@@ -293,8 +348,8 @@ def _cp_forward(q, k, v, g, beta, *, gate, group, scale, initial_state, use_qk_l
     # 3. Every rank scans all W summaries: W small matmuls, and the final state comes out the
     # same everywhere without a second collective.
     incoming, final = scan_summaries(M_all, S_all, initial_state)
-    # 4. The incoming state's share of the outputs.
-    return add_incoming(o_zero, P, incoming[rank]), final
+    # 4. The incoming state's share of the outputs (rank 0's are complete).
+    return (o if rank == 0 else add_incoming(o_zero, P, incoming[rank])), final
 
 
 _CP_DOC = """
@@ -361,11 +416,13 @@ def simulate_kcp(q, k, v, g, beta, lengths: Sequence[int], *, gate="kda", scale=
     if sum(lengths) != q.shape[1]:
         raise ValueError(f"lengths sum to {sum(lengths)} but the sequence has T={q.shape[1]} tokens")
     bounds = [(sum(lengths[:r]), sum(lengths[: r + 1])) for r in range(len(lengths))]
-    passes = [local_pass(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], gate=gate, scale=scale,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
-              for s, e in bounds]
-    M_all = torch.stack([p[2] for p in passes])
-    S_all = torch.stack([p[3] for p in passes])
+    opts = dict(gate=gate, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+    (s0, e0), rest = bounds[0], bounds[1:]
+    o_first, M0, S0 = first_pass(q[:, s0:e0], k[:, s0:e0], v[:, s0:e0], g[:, s0:e0], beta[:, s0:e0],
+                                 initial_state=initial_state, **opts)
+    passes = [local_pass(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], **opts) for s, e in rest]
+    M_all = torch.stack([M0] + [p[2] for p in passes])
+    S_all = torch.stack([S0] + [p[3] for p in passes])
     incoming, final = scan_summaries(M_all, S_all, initial_state)
-    outs = [add_incoming(o_zero, P, incoming[r]) for r, (o_zero, P, _, _) in enumerate(passes)]
+    outs = [o_first] + [add_incoming(o_zero, P, incoming[r + 1]) for r, (o_zero, P, _, _) in enumerate(passes)]
     return torch.cat(outs, dim=1), final, M_all, S_all, incoming

@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from hyla.ops import chunk_gated_delta_rule, chunk_kda, segment_affine
 from hyla.parallel import (
     add_incoming,
+    balanced_slice_lengths,
     chunk_gated_delta_rule_cp,
     chunk_kda_cp,
     local_pass,
+    first_pass,
     count_comm_bytes,
     kcp_comm_bytes,
     scan_summaries,
@@ -149,6 +151,41 @@ def test_local_pass_gives_outputs_and_summary_in_one_pass(gate, T):
     if T:
         o_ref, _ = op(q, k, v, g, beta, scale=0.3, initial_state=s_in, use_qk_l2norm_in_kernel=True)
         assert (add_incoming(o_zero, P, s_in) - o_ref).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("T,with_h0", [(0, True), (0, False), (45, True), (77, False)])
+def test_first_slice_runs_the_plain_pass_and_sends_its_final_state(gate, T, with_h0):
+    """Rank 0's summary is (0, its final state from the known incoming state), so the scan hands
+    rank 1 that state; its outputs are the chunk op's own."""
+    q, k, v, g, beta, h0 = make_inputs(2, T, 2, 12, 18, gate=gate, hv=4, seed=T + 5)
+    h0 = h0 if with_h0 else None
+    op = chunk_kda if gate == "kda" else chunk_gated_delta_rule
+    o, M, S = first_pass(q, k, v, g, beta, gate=gate, initial_state=h0, scale=0.3)
+    assert o.shape == (2, T, 4, 18) and M.shape == (2, 4, 12, 12) and not M.any()
+    want = h0 if h0 is not None else torch.zeros(2, 4, 12, 18, dtype=torch.float64)
+    if T:
+        o_ref, want = op(q, k, v, g, beta, scale=0.3, initial_state=h0, output_final_state=True)
+        assert (o - o_ref).abs().max() <= 1e-12
+    assert (S - want).abs().max() <= 1e-12
+    incoming, _ = scan_summaries(torch.stack([M, M]), torch.stack([S, S]), h0)
+    assert (incoming[1] - want).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("tokens,world,cost", [(131072, 2, 1.5), (524288, 4, 1.5), (524288, 8, 1.4), (1000, 3, 1.5),
+                                               (100, 4, 2.0), (0, 2, 1.5), (64, 1, 1.5)])
+def test_balanced_slice_lengths_equalise_the_ranks_passes(tokens, world, cost):
+    lengths = balanced_slice_lengths(tokens, world, extended_cost=cost)
+    assert len(lengths) == world and sum(lengths) == tokens and min(lengths) >= 0
+    assert all(n % 64 == 0 for n in lengths[:-1])
+    if tokens >= 64 * 8 * world:  # whole chunks leave at most one chunk of imbalance per rank
+        times = [lengths[0]] + [cost * n for n in lengths[1:]]
+        assert max(times) - min(times) <= 64 * cost * world, lengths
+        assert lengths[0] > lengths[1]  # the plain pass takes more tokens
+    with pytest.raises(ValueError, match="extended_cost"):
+        balanced_slice_lengths(10, 2, extended_cost=0.5)
+    with pytest.raises(ValueError, match="world"):
+        balanced_slice_lengths(10, 0)
 
 
 def test_direct_sum_is_wrong_and_scan_is_exact():
