@@ -116,12 +116,10 @@ class Scheduler:
         cache = self.prefix_cache
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hit = cache.match(seq) if cache is not None and seq.num_computed_tokens == 0 else None
-            n = min(seq.num_uncomputed, budget)
-            if not (self.free_slot_available(self.slots_per_seq) and self.make_room(seq, n)):
-                if cache is not None:
-                    cache.unmatch(seq, hit)
+            fit = self._fit(seq, budget, idle=not self.running and not batch.seqs)
+            if fit is None:
                 break
+            hit, n = fit
             self.waiting.popleft()
             self._admit(seq)
             self.pools.allocate(seq, n)
@@ -134,6 +132,30 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
         return self._plan_extras(batch)
+
+    def _fit(self, seq: Sequence, budget: int, idle: bool):
+        """(prefix-cache hit or None, tokens n) when the waiting seq can start now with n of its
+        tokens (free slots and pages found, evicting cache entries as needed), else None with
+        any match undone.
+
+        A hit pins what it uses: its shared pages, the partial page its rows are copied from,
+        its checkpoint. When those pinned entries are exactly what the request lacks room for
+        and nothing runs (idle), no later step would ever free anything, so the request starts
+        without the hit (recomputed from scratch, the cache's unpinned entries evictable)
+        instead of waiting forever."""
+        cache = self.prefix_cache
+        hit = cache.match(seq) if cache is not None and seq.num_computed_tokens == 0 else None
+        n = min(seq.num_uncomputed, budget)
+        if self.free_slot_available(self.slots_per_seq) and self.make_room(seq, n):
+            return hit, n
+        if cache is not None:
+            cache.unmatch(seq, hit)
+        if hit is None or not idle:
+            return None
+        n = min(seq.num_uncomputed, budget)
+        if self.free_slot_available(self.slots_per_seq) and self.make_room(seq, n):
+            return None, n
+        return None
 
     def _admit(self, seq: Sequence) -> None:
         """Hand a waiting sequence its state slots (the caller checked free_slot_available).

@@ -129,3 +129,25 @@ def test_exact_junction_is_exported_for_the_third_request(ckpt, reference):
     outs, got = hits(llm, prompts)
     assert outs == [reference(p) for p in prompts]
     assert got[2] >= 905
+
+
+def test_a_hit_pinning_the_room_it_needs_does_not_stall_an_idle_engine(ckpt):
+    """Four pages in all: the second turn's hit shares two cached pages and copies rows from the
+    cache's third, so with nothing running the only pages it could get are the ones its own hit
+    pins. The engine starts it without the hit (recomputed) instead of stepping empty forever."""
+    probe = LLM(str(ckpt), dtype="float64", max_model_len=64)
+    slot = probe.engine.model.state_bytes_per_slot()
+    page = probe.engine.model.kv_bytes_per_token() * 16
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = LLM(str(ckpt), dtype="float64", enable_prefix_caching=True, max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=16, memory_budget=4 * slot + 4 * page)
+    first = rand(36, 7)
+    second = first + llm.generate([first], sp, use_tqdm=False)[0].outputs[0].token_ids + [5, 6, 7]
+    engine = llm.engine
+    engine.add_request("second", second, sp)
+    for _ in range(100):
+        if not engine.scheduler.has_unfinished():
+            break
+        outs = engine.step()
+    assert not engine.scheduler.has_unfinished(), "the request never started"
+    assert outs[0].outputs[0].token_ids == probe.generate([second], sp, use_tqdm=False)[0].outputs[0].token_ids
