@@ -66,11 +66,15 @@ class LLMEngine:
             max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
             dtype=self.model.dtype, device=self.model.device, enforce_eager=config.enforce_eager)
         extra_kv = drafter.kv_bytes_per_token(self.model) if drafter is not None else 0
+        later = drafter.bind_weight_bytes(self.model) if drafter is not None else 0  # loaded by bind
+        if budget is not None and config.memory_budget is None:  # measured free memory, before bind
+            budget = max(0, budget - later)
         self.kv_bytes_per_page = (self.model.kv_bytes_per_token() + extra_kv) * config.page_size
         num_slots, num_pages = size_pools(
             self.model, budget=budget, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
-            device=self.model.device, extra_slots=extra, slots_per_seq=per_seq, extra_kv_bytes_per_token=extra_kv)
+            device=self.model.device, extra_slots=extra, slots_per_seq=per_seq, extra_kv_bytes_per_token=extra_kv,
+            reserved_bytes=later)
         self.pools = Pools(num_pages, num_slots, config.page_size)
         if self.workers is not None:
             from hyla.parallel.runner import tp_runner

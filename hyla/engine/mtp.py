@@ -100,6 +100,28 @@ class MTPDrafter(Drafter):
         what each engine page holds for it, beside the target's layers."""
         return model.config.layer_sizes().kv_per_token * torch.empty((), dtype=model.dtype).element_size()
 
+    def bind_weight_bytes(self, model) -> int:
+        """The whole `mtp.*` head at the target's dtype (fp32 tensors at 4 bytes), read from the
+        checkpoint's headers: an upper bound for a tensor-parallel rank, which loads a slice."""
+        from safetensors import safe_open
+
+        from hyla.models import loader
+
+        item = torch.empty((), dtype=model.dtype).element_size()
+        by_file: dict[str, list[str]] = {}
+        for name, file in loader.weight_files(self.path).items():
+            if name.startswith("mtp."):
+                by_file.setdefault(str(file), []).append(name)
+        total = 0
+        for file, names in by_file.items():
+            with safe_open(file, "pt") as f:
+                for name in names:
+                    numel = 1
+                    for d in f.get_slice(name).get_shape():
+                        numel *= d
+                    total += numel * (4 if loader._keeps_fp32(name) else item)
+        return total
+
     def bind(self, runner, shard=None) -> None:
         """Load the head from the target checkpoint, beside runner.model (whose embeddings,
         lm_head, dtype and device it shares), and its KV for every page of runner.cache.

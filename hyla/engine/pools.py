@@ -108,7 +108,8 @@ class Pools:
 
 def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: int, page_size: int,
                state_dtype: torch.dtype, device: torch.device, extra_slots: int = 0,
-               slots_per_seq: int = 1, extra_kv_bytes_per_token: int = 0) -> tuple[int, int]:
+               slots_per_seq: int = 1, extra_kv_bytes_per_token: int = 0,
+               reserved_bytes: int = 0) -> tuple[int, int]:
     """Split one byte budget into (num_slots, num_pages).
 
     A page holds page_size tokens of every attention layer's KV plus extra_kv_bytes_per_token
@@ -117,7 +118,8 @@ def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: i
     Slots first, slots_per_seq for each of up to max_num_seqs running requests (1 + k with
     speculative "slots" rollback) + extra_slots for checkpoints, but never
     more than half the budget; pages take the rest and must hold at least one request of
-    max_model_len tokens. budget None: on CUDA 90% of the free memory; on the CPU what the
+    max_model_len tokens. budget None: on CUDA 90% of the free memory less reserved_bytes (weights
+    loaded after the pools: an MTP head); on the CPU what the
     configuration needs at most (every request at full length), capped at 256 MiB (when it fits,
     every wanted slot is granted).
     """
@@ -129,7 +131,7 @@ def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: i
     if budget is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * 0.9)
+            budget = max(0, int(free * 0.9) - reserved_bytes)
         else:
             want = wanted_slots * slot_bytes + max_num_seqs * pages_per_seq * page_bytes
             if want <= 256 << 20:

@@ -33,6 +33,11 @@ class Drafter:
         (sized into the engine's memory budget); 0: it keeps nothing there."""
         return 0
 
+    def bind_weight_bytes(self, model) -> int:
+        """Bytes of weights `bind` will put on the device beside `model` (an upper bound), kept
+        out of the automatic memory budget, which is measured before bind runs; 0: none."""
+        return 0
+
     def bind(self, runner) -> None:
         pass
 
