@@ -8,6 +8,7 @@ sizes: experts that get no token, a token whose k slots repeat nothing, M = 1, b
 straddle experts, H and I not multiples of the block sizes.
 """
 
+import functools
 
 import pytest
 import torch
@@ -107,12 +108,26 @@ def test_triton_fused_moe_second_gemm_takes_its_own_blocks():
     assert _rel(got.cpu(), want) < 1e-5
 
 
+def test_split_config_gives_each_gemm_its_blocks_and_nothing_else():
+    from hyla.ops.triton.fused_moe import split_config
+
+    cfg = dict(BM=128, BN=128, BK=64, GM=4, num_warps=8, num_stages=3, down=dict(BN=256, GM=1))
+    bm, first, second = split_config(cfg)
+    assert bm == 128 and first == (128, 64, 4, {"num_warps": 8, "num_stages": 3})
+    assert second == (256, 64, 1, {"num_warps": 8, "num_stages": 3})  # no "down" among the launch options
+    assert "down" in cfg and cfg["BM"] == 128  # the caller's dict is left as it was
+    with pytest.raises(ValueError, match="cannot set BM"):
+        split_config(dict(BM=16, BN=16, BK=32, down=dict(BM=32)))
+
+
 def test_tuned_table_is_used_near_its_token_counts(tmp_path, monkeypatch):
     """A tuned entry applies within a factor of two of its key, never to far-off sizes (a table
     tuned for prefill must not pick a decode step's blocks), and only on CUDA."""
     from hyla.ops.triton import moe_configs as mc
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Fake GPU 1")
+    mc._device_name.cache_clear()  # the name is cached per device: forget the fake one afterwards too
+    monkeypatch.setattr(mc, "_device_name", functools.cache(mc._device_name.__wrapped__))
     path = tmp_path / mc.config_file_name(8, 16, 32, "Fake GPU 1")
     assert path.name == "E=8,N=16,H=32,device=Fake_GPU_1.json"
     mc.write_configs(path, {8192: dict(BM=128, BN=128, BK=64, GM=4, down=dict(BN=256))})

@@ -283,13 +283,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         return x.new_zeros(M, H)
     if config is None:
         config = tuned_config(M, E, I, H, x.device) or _config(P, E)
-    cfg = dict(config)
-    BM = cfg.pop("BM")
-    overrides = cfg.pop("down", {})
-    down = {**cfg, **overrides}  # the second GEMM's blocks (BM is shared)
-    down.pop("BM", None)
-    BN, BK, GM = cfg.pop("BN"), cfg.pop("BK"), cfg.pop("GM", 1)
-    dBN, dBK, dGM = down.pop("BN"), down.pop("BK"), down.pop("GM", 1)
+    BM, (BN, BK, GM, cfg), (dBN, dBK, dGM, down) = split_config(config)
     sorted_pairs, block_expert = align_pairs(ids, E, BM)
     nb = block_expert.shape[0]
     ieee = x.dtype == torch.float32
@@ -306,7 +300,29 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     _down_kernel[(nb * nn_down,)](
         h, w2, y, weights.reshape(-1).float(), sorted_pairs, block_expert, P, H, I, h.stride(0), w2.stride(0),
         w2.stride(1), y.stride(0), nb, nn_down, BM=BM, BN=dBN, BK=dBK, GM=dGM, IEEE=ieee, **down)
-    out = torch.empty(M, H, dtype=x.dtype, device=x.device)
+    return sum_slots(y, M, k)
+
+
+def split_config(config: dict) -> tuple[int, tuple, tuple]:
+    """A block configuration (keys of `_config`'s result, optionally a "down" dict overriding
+    them for the second GEMM) -> (BM, (BN, BK, GM, launch options) of the first GEMM, the same
+    of the second). BM is shared: both GEMMs walk the same expert-aligned row blocks."""
+    cfg = dict(config)
+    BM = cfg.pop("BM")
+    overrides = cfg.pop("down", {})  # first: "down" must not reach the launch options
+    if "BM" in overrides:
+        raise ValueError("a fused-MoE config's \"down\" blocks cannot set BM: both GEMMs share the row blocks")
+    down = {**cfg, **overrides}
+    first = (cfg.pop("BN"), cfg.pop("BK"), cfg.pop("GM", 1), cfg)
+    second = (down.pop("BN"), down.pop("BK"), down.pop("GM", 1), down)
+    return BM, first, second
+
+
+def sum_slots(y: torch.Tensor, M: int, k: int) -> torch.Tensor:
+    """y: [M * k, H] per-pair outputs (slot-major per token) -> [M, H] in y's dtype, the k slots
+    of each token summed in fp32 in slot order."""
+    H = y.shape[1]
+    out = torch.empty(M, H, dtype=y.dtype, device=y.device)
     BH = min(1024, triton.next_power_of_2(H))
     _sum_slots_kernel[(M, triton.cdiv(H, BH))](y, out, H, top_k=k, BH=BH, num_warps=4)
     return out

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.triton import _interpreter
-from hyla.ops.triton.fused_moe import _ACT, _block_ids, _config, _dot, _gated, _sum_slots_kernel, align_pairs
+from hyla.ops.triton.fused_moe import _ACT, _block_ids, _config, _dot, _gated, align_pairs, split_config, sum_slots
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -174,12 +174,7 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     if P == 0:
         return x.new_zeros(M, H)
     # the heuristic blocks, not fused_moe's tuned tables: those were measured for bf16 weights
-    cfg = dict(config) if config is not None else _config(P, E)
-    BM = cfg.pop("BM")
-    down = {**cfg, **cfg.pop("down", {})}  # the second GEMM's blocks (BM is shared), as fused_moe
-    down.pop("BM", None)
-    BN, BK, GM = cfg.pop("BN"), cfg.pop("BK"), cfg.pop("GM", 1)
-    dBN, dBK, dGM = down.pop("BN"), down.pop("BK"), down.pop("GM", 1)
+    BM, (BN, BK, GM, cfg), (dBN, dBK, dGM, down) = split_config(config if config is not None else _config(P, E))
     if BK % GROUP or dBK % GROUP:
         raise ValueError(f"BK must be a multiple of {GROUP} (one scale per {GROUP} columns), got {BK}, {dBK}")
     sorted_pairs, block_expert = align_pairs(ids, E, BM)
@@ -198,7 +193,4 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         h, w2_packed, w2_scale, y, weights.reshape(-1).float(), sorted_pairs, block_expert, P, H, I, h.stride(0),
         w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0), nb, nn_down,
         BM=BM, BN=dBN, BK=dBK, GM=dGM, IEEE=ieee, **down)
-    out = torch.empty(M, H, dtype=x.dtype, device=x.device)
-    BH = min(1024, triton.next_power_of_2(H))
-    _sum_slots_kernel[(M, triton.cdiv(H, BH))](y, out, H, top_k=k, BH=BH, num_warps=4)
-    return out
+    return sum_slots(y, M, k)

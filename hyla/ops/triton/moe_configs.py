@@ -31,7 +31,17 @@ def config_file_name(num_experts: int, intermediate: int, hidden: int, device_na
     return f"E={num_experts},N={intermediate},H={hidden},device={device_name.replace(' ', '_')}.json"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
+def _table(num_experts: int, intermediate: int, hidden: int, device_name: str, directory: Path) -> dict[int, dict]:
+    """The table of one shape on one device kind, read once (every MoE layer call asks)."""
+    return _load(directory / config_file_name(num_experts, intermediate, hidden, device_name))
+
+
 def _load(path: Path) -> dict[int, dict]:
     if not path.is_file():
         return {}
@@ -43,8 +53,7 @@ def tuned_config(tokens: int, num_experts: int, intermediate: int, hidden: int,
     """The tuned configuration for `tokens` rows on `device` (a copy), or None."""
     if device.type != "cuda" or tokens <= 0:
         return None
-    name = config_file_name(num_experts, intermediate, hidden, torch.cuda.get_device_name(device))
-    table = _load(directory / name)
+    table = _table(num_experts, intermediate, hidden, _device_name(device.index), directory)
     if not table:
         return None
     key = min(table, key=lambda m: abs(math.log(m / tokens)))
@@ -62,4 +71,4 @@ def write_configs(path: Path, table: dict[int, dict]) -> None:
     old.update(table)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({str(k): old[k] for k in sorted(old)}, indent=2) + "\n")
-    _load.cache_clear()
+    _table.cache_clear()
