@@ -11,7 +11,7 @@ import torch
 from hyla import LLM, SamplingParams
 from hyla.models import load_model
 from hyla.models.qwen3_5_mtp import load_mtp_head
-from tests.engine.test_mtp_spec import _repeat_head
+from tests.engine.test_mtp_spec import _repeat_head, head_drafts_by_hand
 from tests.oracles.qwen3_5_checkpoint import add_mtp_shard, build_qwen3_5_checkpoint
 from tests.oracles.variants import rand_tokens as rand
 
@@ -104,16 +104,5 @@ def test_proposals_are_the_heads_over_the_whole_context(random_head, prefix_cach
     model = load_model(random_head, dtype="float64")
     head = load_mtp_head(random_head, model)
     for _, tokens, start, drafts, _, _ in seen:
-        if not drafts:
-            continue
-        ids, p = torch.tensor(tokens), len(tokens) - 1
-        with torch.no_grad():
-            h = model.model.forward_layers(model.model.embed_tokens(ids[None]))[0]  # [T, hidden]
-            hs, ns, want = h[start:p], ids[start + 1:p + 1], []
-            while True:  # the head is causal: rerunning the whole input gives the step's new row last
-                y = head(hs[None], ns[None], model)[0, -1]
-                want.append(int(model.compute_logits(y).argmax()))
-                if len(want) == len(drafts):
-                    break
-                hs, ns = torch.cat([hs, y[None]]), torch.cat([ns, torch.tensor(want[-1:])])
-        assert drafts == want
+        if drafts:
+            assert drafts == head_drafts_by_hand(model, head, tokens, start, len(drafts))

@@ -63,6 +63,23 @@ def test_mtp_greedy_equals_plain_greedy(ckpt, plain, k, rollback, prefix_cache):
     assert not drafter.views and not drafter._seen  # every request released
 
 
+def head_drafts_by_hand(model, head, tokens: list[int], start: int, n: int) -> list[int]:
+    """The n greedy drafts of an MTP head for a request whose last token sits at len(tokens) - 1,
+    the head attending from position `start` on: the target's final-norm states by a plain
+    forward, then the head rerun over its whole input each step (it is causal, so the new row
+    comes last)."""
+    ids, p = torch.tensor(tokens), len(tokens) - 1
+    with torch.no_grad():
+        h = model.model.forward_layers(model.model.embed_tokens(ids[None]))[0]  # [T, hidden]
+        hs, ns, want = h[start:p], ids[start + 1:p + 1], []
+        while True:
+            y = head(hs[None], ns[None], model)[0, -1]
+            want.append(int(model.compute_logits(y).argmax()))
+            if len(want) == n:
+                return want
+            hs, ns = torch.cat([hs, y[None]]), torch.cat([ns, torch.tensor(want[-1:])])
+
+
 def test_mtp_with_preemption(ckpt):
     """Two running requests and pages for fewer tokens than they hold: requests are preempted and
     recomputed; the head's views restart where needed and the output stays plain greedy."""
@@ -100,18 +117,7 @@ def test_proposals_are_the_heads_tokens(ckpt):
     model = load_model(ckpt, dtype="float64")
     head = load_mtp_head(ckpt, model)
     for tokens, start, drafts in seen:
-        ids = torch.tensor(tokens)
-        p = len(tokens) - 1  # x0's position
-        with torch.no_grad():
-            h = model.model.forward_layers(model.model.embed_tokens(ids[None]))[0]  # [T, hidden]
-            hs, ns, want = h[start:p], ids[start + 1:p + 1], []
-            while True:  # the head is causal: rerunning the whole input gives the step's new row last
-                y = head(hs[None], ns[None], model)[0, -1]
-                want.append(int(model.compute_logits(y).argmax()))
-                if len(want) == len(drafts):
-                    break
-                hs, ns = torch.cat([hs, y[None]]), torch.cat([ns, torch.tensor(want[-1:])])
-        assert drafts == want
+        assert drafts == head_drafts_by_hand(model, head, tokens, start, len(drafts))
 
 
 def test_qwen3_next_checkpoint(tmp_path):

@@ -43,13 +43,11 @@ def test_dequantize_known_bytes():
         dequantize_mxfp4(packed, torch.zeros(2, 2, dtype=torch.uint8))
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(MXFP4 checkpoint, sharded MXFP4 checkpoint, plain checkpoint with the dequantised experts)."""
-    root = tmp_path_factory.mktemp("k3-mxfp4")
-    config = config_dict()
+def pack_experts(state: dict) -> tuple[dict, dict]:
+    """A per-expert state dict -> (the same with every expert weight as MXFP4 weight_packed /
+    weight_scale, the same with every expert weight replaced by its dequantised value)."""
     plain, packed = {}, {}
-    for name, t in per_expert(random_state(config, 3)).items():
+    for name, t in state.items():
         if ".experts." in name:
             q, s, value = quantize(t)
             base = name[: -len(".weight")]
@@ -57,6 +55,15 @@ def checkpoints(tmp_path_factory):
             plain[name] = value
         else:
             plain[name] = packed[name] = t
+    return packed, plain
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(MXFP4 checkpoint, sharded MXFP4 checkpoint, plain checkpoint with the dequantised experts)."""
+    root = tmp_path_factory.mktemp("k3-mxfp4")
+    config = config_dict()
+    packed, plain = pack_experts(per_expert(random_state(config, 3)))
     quant = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
              "config_groups": {"experts": {"targets": ["re:.*experts.*"], "weights": {"num_bits": 4, "type": "float",
                                                                                         "group_size": 32}}}}

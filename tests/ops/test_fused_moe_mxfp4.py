@@ -168,19 +168,11 @@ def test_holder_memory_is_about_a_quarter_of_bf16():
 def write_k3_checkpoints(root) -> tuple:
     """(a tiny K3 checkpoint with MXFP4 experts, the same with the dequantised experts as .weight)
     under `root` (also used by tests/gpu/test_triton_kernels.py)."""
-    from tests.models.test_kimi_k3_mxfp4 import quantize
+    from tests.models.test_kimi_k3_mxfp4 import pack_experts
     from tests.oracles.kimi_k3_checkpoint import config_dict, per_expert, random_state, write_checkpoint
 
     config = config_dict()
-    plain, packed = {}, {}
-    for name, t in per_expert(random_state(config, 4)).items():
-        if ".experts." in name:
-            q, s, value = quantize(t)
-            base = name[: -len(".weight")]
-            packed[base + ".weight_packed"], packed[base + ".weight_scale"] = q, s
-            plain[name] = value
-        else:
-            plain[name] = packed[name] = t
+    packed, plain = pack_experts(per_expert(random_state(config, 4)))
     quant = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
     mx = write_checkpoint(root / "mxfp4", {**config, "quantization_config": quant}, packed, with_tokenizer=False)
     return mx, write_checkpoint(root / "plain", config, plain, with_tokenizer=False)
