@@ -6,7 +6,6 @@ position). Checked against the head run by hand over the target's whole-sequence
 (a random head, whose attention matters), and against plain greedy decoding."""
 
 import pytest
-import torch
 
 from hyla import LLM, SamplingParams
 from hyla.models import load_model
