@@ -60,6 +60,14 @@ def _dequant(q, s):
 
 
 @triton.jit
+def _mx_dot(a_even, a_odd, q_ptr, s_ptr, m_w, IEEE: tl.constexpr):
+    """[BM, BK] activations (their even / odd columns [BM, BKH] each) times one MXFP4 weight tile
+    (bytes at q_ptr, scales at s_ptr: [BKH, BN], decoded here) -> [BM, BN] fp32."""
+    lo, hi = _dequant(tl.load(q_ptr, mask=m_w, other=0), tl.load(s_ptr, mask=m_w, other=0))
+    return _dot(a_even, lo.to(a_even.dtype), IEEE) + _dot(a_odd, hi.to(a_even.dtype), IEEE)
+
+
+@triton.jit
 def _gate_up_kernel(x, wq, ws, h, sorted_pairs, block_expert, P, I, H,
                     s_xm, s_qe, s_qn, s_se, s_sn, s_hm, NB, NN, LIMIT, BETA, LBETA, top_k: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr,
@@ -91,10 +99,8 @@ def _gate_up_kernel(x, wq, ws, h, sorted_pairs, block_expert, P, I, H,
         m_w = m_k[:, None] & m_n[None, :]
         a_even = tl.load(a_ptr + k0, mask=m_a, other=0.0)
         a_odd = tl.load(a_ptr + k0 + 1, mask=m_a, other=0.0)
-        g_lo, g_hi = _dequant(tl.load(qg_ptr + kb, mask=m_w, other=0), tl.load(sg_ptr + k0 // 32, mask=m_w, other=0))
-        acc_g += _dot(a_even, g_lo.to(a_even.dtype), IEEE) + _dot(a_odd, g_hi.to(a_even.dtype), IEEE)
-        u_lo, u_hi = _dequant(tl.load(qu_ptr + kb, mask=m_w, other=0), tl.load(su_ptr + k0 // 32, mask=m_w, other=0))
-        acc_u += _dot(a_even, u_lo.to(a_even.dtype), IEEE) + _dot(a_odd, u_hi.to(a_even.dtype), IEEE)
+        acc_g += _mx_dot(a_even, a_odd, qg_ptr + kb, sg_ptr + k0 // 32, m_w, IEEE)
+        acc_u += _mx_dot(a_even, a_odd, qu_ptr + kb, su_ptr + k0 // 32, m_w, IEEE)
     out = _gated(acc_g, acc_u, ACT, LIMIT, BETA, LBETA, HAS_LBETA)  # fp32 epilogue, rounded once
     tl.store(h + pair[:, None].to(tl.int64) * s_hm + o_n[None, :], out.to(h.dtype.element_ty),
              mask=live[:, None] & m_n[None, :])
@@ -128,8 +134,7 @@ def _down_kernel(h, wq, ws, y, weights, sorted_pairs, block_expert, P, H, I,
         m_w = m_k[:, None] & m_n[None, :]
         a_even = tl.load(a_ptr + k0, mask=m_a, other=0.0)
         a_odd = tl.load(a_ptr + k0 + 1, mask=m_a, other=0.0)
-        w_lo, w_hi = _dequant(tl.load(q_ptr + kb, mask=m_w, other=0), tl.load(s_ptr + k0 // 32, mask=m_w, other=0))
-        acc += _dot(a_even, w_lo.to(a_even.dtype), IEEE) + _dot(a_odd, w_hi.to(a_even.dtype), IEEE)
+        acc += _mx_dot(a_even, a_odd, q_ptr + kb, s_ptr + k0 // 32, m_w, IEEE)
     scale = tl.load(weights + prow, mask=live, other=0.0).to(tl.float32)  # [BM] routing weights
     tl.store(y + prow[:, None] * s_ym + o_n[None, :], (acc * scale[:, None]).to(y.dtype.element_ty),
              mask=live[:, None] & m_n[None, :])
