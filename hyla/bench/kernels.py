@@ -29,6 +29,9 @@ import torch.nn.functional as F
 
 PREFILL_SHAPES = [(1, 32768, 32, 128), (8, 4096, 32, 128), (32, 1024, 32, 128)]
 DECODE_N = [1, 8, 64, 256, 512]
+# (persistent, value block, warps, programs per SM) timed by --tune for decode
+DECODE_CONFIGS = [(False, bv, nw, 0) for bv, nw in ((32, 4), (64, 4), (64, 8))] + [
+    (True, bv, nw, pps) for bv in (32, 64) for nw in (4, 8) for pps in (2, 4, 8) if not (bv == 32 and nw == 8)]
 CHUNK = 64
 
 
@@ -103,6 +106,36 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+# Launch configurations timed by --tune: the chunk-local work fused into one kernel or split in
+# two (Gram + L^-1, then per-slice factors), its warps and slice widths, and the scan's blocks.
+PREFILL_CONFIGS = [
+    dict(split_intra=False),
+    dict(split_intra=True),
+    dict(split_intra=True, intra_warps=8),
+    dict(split_intra=True, slice_k=16),
+    dict(split_intra=True, slice_k=16, intra_warps=8),
+    dict(split_intra=True, factor_slice=64),
+    dict(split_intra=True, factor_slice=64, factor_warps=8),
+    dict(split_intra=True, scan_narrowest=16),
+    dict(split_intra=True, scan_block_v=64, scan_warps=8),
+]
+
+
+def _tune_prefill(q, k, v, g, beta, gate, kw):
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    out = []
+    for cfg in PREFILL_CONFIGS:
+        try:
+            t = _bench(lambda: chunk_fwd(q, k, v, g, beta, gate=gate, **kw, **cfg))
+        except Exception as err:  # noqa: BLE001 - a config that does not compile
+            print(f"    {cfg}: failed ({type(err).__name__})")
+            continue
+        print(f"    {cfg}: {t:.3f} ms", flush=True)
+        out.append(dict(cfg, ms=t))
+    return out
+
+
 def run_prefill(shapes, variants, copy_bw, mm_rate, vs_fla, tune=False):
     from hyla.ops import triton as ht
 
@@ -114,21 +147,9 @@ def run_prefill(shapes, variants, copy_bw, mm_rate, vs_fla, tune=False):
             q, k, v, g, beta, kw = _prefill_inputs(B, T, H, D, gate, variant, gen)
             ours = ht.chunk_kda if gate == "kda" else ht.chunk_gated_delta_rule
             row = dict(op=f"chunk_{gate}", B=B, T=T, H=H, D=D, variant=variant)
-            if tune and variant == "gate" and (gate == "kda" or (B, T) == tuple(shapes[0][:2])):
-                from hyla.ops.triton.chunk import chunk_fwd
-
-                best = None
-                for iw, sk, bv, sw in ((4, 32, 32, 4), (8, 32, 32, 4), (4, 16, 32, 4), (4, 32, 64, 8)):
-                    cfg = dict(intra_warps=iw, slice_k=sk, scan_block_v=bv, scan_warps=sw)
-                    try:
-                        t = _bench(lambda: chunk_fwd(q, k, v, g, beta, gate=gate, **kw, **cfg))
-                    except Exception as err:  # noqa: BLE001 - a config that does not compile
-                        print(f"    {cfg}: failed ({type(err).__name__})")
-                        continue
-                    print(f"    {cfg}: {t:.3f} ms", flush=True)
-                    if best is None or t < best[0]:
-                        best = (t, cfg)
-                row["best_config"] = best[1]
+            if tune and (variant == "gate" or (B, T) == tuple(shapes[0][:2])):
+                row["configs"] = _tune_prefill(q, k, v, g, beta, gate, kw)
+                row["best_config"] = min(row["configs"], key=lambda c: c["ms"])
             o, _ = ours(q, k, v, g, beta, **kw)
             row["hyla_ms"] = _bench(lambda: ours(q, k, v, g, beta, **kw))
             if fla:
@@ -161,15 +182,20 @@ def run_decode(ns, copy_bw, vs_fla, H=32, D=128, tune=False):
         idx = torch.randperm(slots, device="cuda", generator=gen)[:N].to(torch.int32)
         nbytes = N * H * D * D * 4 * 2 + N * H * D * (2 * 3 + 4 + 2) + N * H * 2
         row = dict(op="fused_recurrent_kda", N=N, H=H, D=D)
-        if tune and N in (64, 256):
+        if tune and N in (64, 256, 512):
             from hyla.ops.triton.recurrent import recurrent_fwd
 
-            for bv in (16, 32, 64):
-                for nw in (2, 4, 8):
-                    t = _bench(lambda: recurrent_fwd(q, k, v, g, beta, gate="kda", initial_state=pool,
-                                                     ssm_state_indices=idx, use_qk_l2norm_in_kernel=True,
-                                                     block_v=bv, num_warps=nw), graph=True)
-                    print(f"    N={N} BV={bv} warps={nw}: {t * 1e3:.1f} us", flush=True)
+            row["configs"] = []
+            for persistent, bv, nw, pps in DECODE_CONFIGS:
+                t = _bench(lambda: recurrent_fwd(q, k, v, g, beta, gate="kda", initial_state=pool,
+                                                 ssm_state_indices=idx, use_qk_l2norm_in_kernel=True,
+                                                 block_v=bv, num_warps=nw, persistent=persistent,
+                                                 programs_per_sm=pps), graph=True)
+                frac = nbytes / (t * 1e-3) / copy_bw
+                print(f"    N={N} persistent={persistent} BV={bv} warps={nw} programs/SM={pps}: "
+                      f"{t * 1e3:.1f} us ({100 * frac:.0f}% copy)", flush=True)
+                row["configs"].append(dict(persistent=persistent, block_v=bv, num_warps=nw, programs_per_sm=pps,
+                                           us=t * 1e3, frac_copy=frac))
         call = lambda: ht.fused_recurrent_kda(q, k, v, g, beta, initial_state=pool,  # noqa: E731
                                               ssm_state_indices=idx, use_qk_l2norm_in_kernel=True)
         row["hyla_ms"] = _bench(call, graph=True)
@@ -287,7 +313,8 @@ def main(argv=None):
     ns = [1, 64, 256] if args.quick else DECODE_N
     with torch.inference_mode():
         if args.profile:
-            profile_kernels(shapes[0], "kda", "gate", args.vs == "fla")
+            for i, (gate, variant) in enumerate(variants):
+                profile_kernels(shapes[0], gate, variant, args.vs == "fla" and variant in ("gate", "fused-v1"))
         prefill = [] if args.only == "decode" else run_prefill(shapes, variants, copy_bw, mm_rate,
                                                               args.vs == "fla", tune=args.tune)
         decode = [] if args.only == "prefill" else run_decode(ns, copy_bw, args.vs == "fla", tune=args.tune)

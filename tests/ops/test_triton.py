@@ -143,6 +143,64 @@ def test_chunk_steep_decays_take_the_exact_diagonal_path():
     _check(c[0], c_ref[0], "checkpoints")
 
 
+@pytest.mark.parametrize("variant", ["kda_v1", "kda_v2", "gdn", "gdn_gate"])
+@pytest.mark.parametrize("split", [True, False])
+def test_chunk_local_kernels_split_or_fused_agree_with_torch(variant, split):
+    """The chunk-local work as one launch (chunk_prepare_kernel) or two (chunk_gram_kernel, then
+    chunk_factors_kernel with narrow slices so one chunk has several slice programs per kind),
+    varlen with checkpoints and grouped value heads: both equal the fp64 torch path."""
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    gate = "kda" if variant.startswith("kda") else "gdn"
+    _, ref = _chunk_pair(gate)
+    lens, H, HV, K = [70, 1, 129], 1, 2, 32
+    cu = torch.tensor([0, 70, 71, 200])
+    gen = torch.Generator().manual_seed(71)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    T = sum(lens)
+    q, k, v = r(1, T, H, K) * 2, r(1, T, H, K) * 2, r(1, T, HV, K)
+    beta_logit = r(1, T, HV)
+    h0 = r(3, HV, K, K)
+    kw = dict(use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True, output_final_state=True,
+              checkpoint_positions=[[1, 64, 69], [1], [65, 128, 3]])
+    if variant == "gdn_gate":
+        raw = -torch.rand(1, T, HV, generator=gen, dtype=torch.float64)
+    else:
+        raw = r(1, T, HV, K) if gate == "kda" else r(1, T, HV)
+        A_log = torch.rand(HV, generator=gen, dtype=torch.float64) * 2.7
+        dt_bias = r(HV * K) if gate == "kda" else r(HV)
+        kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+        if variant == "kda_v2":
+            kw["lower_bound"] = -5.0
+    o_ref, s_ref, c_ref = ref(q, k, v, raw, beta_logit, initial_state=h0, cu_seqlens=cu, **kw)
+    if "A_log" in kw:
+        kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
+    o, s, c = chunk_fwd(*_f32(q, k, v, raw, beta_logit), gate=gate, initial_state=h0.float().to(DEV),
+                        cu_seqlens=cu.to(DEV), split_intra=split, slice_k=16, factor_slice=16, **kw)
+    _check(o, o_ref, "o")
+    _check(s, s_ref, "final state")
+    for n in range(3):
+        _check(c[n], c_ref[n], f"checkpoints of sequence {n}")
+
+
+def test_chunk_steep_scalar_decays():
+    """GDN decays of -30 .. -3000 per token on some tokens: the scalar-gate Gram assembles its
+    pairwise exponents from sub-block pieces, so steep chunks stay exact (no overflow, no
+    cancellation between large cumulative sums)."""
+    fast, ref = _chunk_pair("gdn")
+    q, k, v, g, beta, h0 = make_inputs(1, 150, 2, 32, 32, gate="gdn", seed=13)
+    steep = torch.rand(1, 150, 2, dtype=torch.float64) < 0.2
+    g = torch.where(steep, g * 100.0, g)
+    g[:, 20:24] = -3000.0
+    o_ref, s_ref, c_ref = ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                              checkpoint_positions=[[22, 150]])
+    o, s, c = fast(*_f32(q, k, v, g, beta), initial_state=h0.float().to(DEV), output_final_state=True,
+                   checkpoint_positions=[[22, 150]])
+    _check(o, o_ref, "o")
+    _check(s, s_ref, "final state")
+    _check(c[0], c_ref[0], "checkpoints")
+
+
 # ---- decode / verify ------------------------------------------------------------------------
 
 
@@ -162,6 +220,52 @@ def test_decode_over_a_pool_with_padding_rows(gate):
     _check(o, o_ref, "o")
     assert torch.all(o[2] == 0), "a padding row's output is 0"
     _check(pool_fast, pool_ref, "pool")
+
+
+@pytest.mark.parametrize("variant", ["kda", "kda_v1", "gdn", "gdn_v1"])
+def test_persistent_decode_equals_torch(variant):
+    """The persistent decode kernel with few programs (each walks several tiles, prefetching the
+    next one's state), padding rows and value blocks narrower than V: same outputs and pool."""
+    from hyla.ops.triton.recurrent import recurrent_fwd
+
+    gate = variant[:3]
+    _, ref = REC[gate]
+    N, H, HV, K, V = 6, 1, 2, 32, 48
+    gen = torch.Generator().manual_seed(81)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(N, 1, H, K), r(N, 1, H, K), r(N, 1, HV, V)
+    beta = torch.rand(N, 1, HV, generator=gen, dtype=torch.float64)
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    if variant.endswith("v1"):
+        g = r(N, 1, HV, K) if gate == "kda" else r(N, 1, HV)
+        A_log = torch.rand(HV, generator=gen, dtype=torch.float64)
+        dt_bias = r(HV * K) if gate == "kda" else r(HV)
+        kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    else:
+        g = -torch.rand(N, 1, HV, K, generator=gen, dtype=torch.float64) if gate == "kda" else \
+            -torch.rand(N, 1, HV, generator=gen, dtype=torch.float64)
+    pool = r(11, HV, K, V)
+    idx = torch.tensor([7, 2, -1, 0, 10, 5])
+    pool_ref = pool.clone()
+    o_ref, _ = ref(q, k, v, g, beta, initial_state=pool_ref, ssm_state_indices=idx, **kw)
+    if "A_log" in kw:
+        kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
+    pool_fast = pool.float().to(DEV)
+    o, _ = recurrent_fwd(*_f32(q, k, v, g, beta), gate=gate, initial_state=pool_fast,
+                         ssm_state_indices=idx.to(DEV), persistent=True, block_v=16, programs_per_sm=1, **kw)
+    _check(o, o_ref, "o")
+    assert torch.all(o[2] == 0), "a padding row's output is 0"
+    _check(pool_fast, pool_ref, "pool")
+    assert torch.equal(pool_fast[[1, 3, 4, 6, 8, 9]].cpu(), pool[[1, 3, 4, 6, 8, 9]].float()), "unaddressed slots"
+
+
+def test_persistent_decode_rejects_other_calls():
+    from hyla.ops.triton.recurrent import recurrent_fwd
+
+    q, k, v, g, beta, _ = make_inputs(2, 2, 2, 32, 32, seed=3)
+    with pytest.raises(ValueError, match="persistent"):
+        recurrent_fwd(*_f32(q, k, v, g, beta), gate="kda", initial_state=torch.zeros(4, 2, 32, 32, device=DEV),
+                      ssm_state_indices=torch.tensor([0, 1], device=DEV), persistent=True)
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])

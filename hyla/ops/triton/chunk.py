@@ -20,7 +20,7 @@ import torch
 import triton
 
 from hyla.ops.triton import _interpreter
-from hyla.ops.triton.chunk_intra import chunk_prepare_kernel
+from hyla.ops.triton.chunk_intra import chunk_factors_kernel, chunk_gram_kernel, chunk_prepare_kernel
 from hyla.ops.triton.chunk_scan import chunk_scan_kernel
 from hyla.ops.triton.params import gate_params, num_sms
 from hyla.ops import chunk as _reference
@@ -102,24 +102,36 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
 
 
 
-def _scan_block(n_programs_per_block: int, bvf: int, device) -> int:
+def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32) -> int:
     """Value-block width of the scan: 64 unless that leaves the GPU under two programs per SM
-    (one 64-token chunk step is a fixed latency, so a short grid wants narrower blocks)."""
+    (one 64-token chunk step is a fixed latency, so a short grid wants narrower blocks), down to
+    `narrowest`."""
     sms = num_sms(device)
     bv = min(64, bvf)
-    while bv > 32 and n_programs_per_block * (bvf // bv) < 2 * sms:
+    while bv > narrowest and n_programs_per_block * (bvf // bv) < 2 * sms:
         bv //= 2
     return bv
+
+
+def _scan_stages(st: torch.dtype) -> int:
+    """Software-pipelining depth of the scan's loop. Each stage buffers one chunk's w, u, qg, kg and
+    aqk in shared memory: with fp32 factors three stages need 278 KB at K = V = 128 (the H200
+    has 227 KB per block), so fp32 runs unpipelined (it is the accuracy path, not the fast one)."""
+    return 1 if st == torch.float32 else 3
 
 
 def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
-              use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None):
+              use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
+              split_intra=True, factor_slice=32, factor_warps=4, scan_stages=None, scan_narrowest=32):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
-    chunk_delta_rule (None). The last four arguments are launch parameters (the defaults were the
-    fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice width of the
-    chunk-local kernel, value-block width (default: by grid size) and warps of the scan."""
+    chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
+    (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
+    width of the chunk-local Gram kernel; value-block width (default: by grid size, down to
+    scan_narrowest), warps and pipeline stages of the scan; split_intra: the chunk-local work as
+    two launches (chunk_gram_kernel, then chunk_factors_kernel with factor_slice-wide slices and
+    factor_warps) instead of the one chunk_prepare_kernel."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -170,7 +182,28 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     else:
         ck_ptr = ck_pos = kr = dr = ck_out = chunk_off  # unused placeholders
 
-    if NCH:
+    if NCH and split_intra:
+        li = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=torch.float32)
+        row_factors = torch.empty(NCH, HV, 3, CHUNK, device=dev, dtype=torch.float32)
+        common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec)
+        chunk_gram_kernel[(NCH, HV)](
+            qc, kc, gc, bc,
+            a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
+            lb, scale, cu, chunk_seq, chunk_pos, aqk, li, row_factors,
+            H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
+            USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+            num_warps=intra_warps, **common,
+        )
+        bks, bvs = min(BK, factor_slice), min(BVF, factor_slice)
+        chunk_factors_kernel[(BK // bks + BVF // bvs, NCH, HV)](
+            qc, kc, vc, gc,
+            a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off, lb,
+            cu, chunk_seq, chunk_pos, li, row_factors,
+            w, u, qg, kg, gam, ck_ptr, ck_pos, kr, dr,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=bks, BVS=bvs, HAS_CKPT=has_ck,
+            num_warps=factor_warps, **common,
+        )
+    elif NCH:
         chunk_prepare_kernel[(NCH, HV)](
             qc, kc, vc, gc, bc,
             a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
@@ -188,7 +221,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
     final = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    BV = scan_block_v or _scan_block(N * HV, BVF, dev)
+    BV = scan_block_v or _scan_block(N * HV, BVF, dev, scan_narrowest)
     if N:
         chunk_scan_kernel[(triton.cdiv(V, BV), N * HV)](
             w, u, qg, kg, aqk, gam,
@@ -197,7 +230,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             ck_ptr, kr, dr, ck_out,
             HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
             HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
-            num_warps=scan_warps or (4 if BV <= 32 else 8),
+            num_warps=scan_warps or (4 if BV <= 32 else 8), num_stages=scan_stages or _scan_stages(st),
         )
     if ckpts is None:
         return o, final

@@ -350,3 +350,187 @@ def chunk_prepare_kernel(
         b_v = tl.load(v + (o_b[:, None] * HV + i_hv) * V + o_v[None, :],
                       mask=(o_b < eos)[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
         _store_rows(u + head * BT * BV + vs, tl.dot(li, b_v * b_b[:, None], input_precision=PREC), BV)
+
+
+# ---- the same work in two launches (chunk_gram_kernel, then chunk_factors_kernel) ------------------
+# The fused kernel above keeps both [64, 64] Gram accumulators, L^-1 and a channel slice's operands
+# live at once (255 registers: two 4-warp programs per SM, spills). Split, the Gram + inverse part
+# holds only the matrices, and the per-slice products run as one small program per channel slice
+# (grid slices x chunks x heads) at several programs per SM. The price: L^-1 (fp32, 16 KB per chunk
+# and head) goes through memory, read by the chunk's slice programs, which run side by side (the
+# slice is the fastest grid axis), so mostly from L2.
+
+
+@triton.jit
+def _gram_scalar(q, k, g, t0, eos, i_h, i_hv, a_log, bias, lower_bound,
+                 H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                 GATE: tl.constexpr, GATE_FN: tl.constexpr, PREC: tl.constexpr):
+    """The Gram matrices of a chunk whose decay is one scalar per token (GDN, or none):
+    A_xk = (X K^T) * e^(G_i - G_j), so the products need no per-channel factors: one dot each
+    over all channels on the operands as loaded (bf16 products are exact in the fp32
+    accumulator), then the [64, 64] decay. Its exponent is assembled from same-sign sub-block
+    pieces (as _gram_steep does per channel), so no chunk is too steep for it.
+    -> (a_qk, a_kk [64, 64] fp32, lower triangles valid; row sums of squares of q and k [64])."""
+    rows = tl.arange(0, BT)
+    o_t = t0 + rows
+    o_k = tl.arange(0, BK)
+    m_t = o_t < eos
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+    qf = b_q.to(tl.float32)
+    sq = tl.sum(qf * qf, axis=1)
+    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+    a_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
+    a_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
+    lower = rows[:, None] >= rows[None, :]
+    sk = tl.sum(tl.where(rows[:, None] == rows[None, :], a_kk, 0.0), axis=1)  # |k_i|^2: the diagonal
+    if GATE == 1:
+        b_g = tl.load(g + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+        b_g = tl.where(m_t, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)
+        gl, tot = _decays(b_g, GATE)  # [64, 1], [4, 1]
+        gl = tl.sum(gl, axis=1)  # [64]
+        tot = tl.sum(tot, axis=1)  # [4]
+        blk = rows // BC
+        tot_j = tl.sum(tl.where((blk[:, None] == tl.arange(0, 4)[None, :]), tot[None, :], 0.0), axis=1)  # [64]
+        between = tl.zeros([BT, BT], dtype=tl.float32)  # totals of the sub-blocks strictly between j's and i's
+        for c in tl.static_range(4):
+            t_c = tl.sum(tl.where(tl.arange(0, 4) == c, tot, 0.0), axis=0)
+            between += tl.where((blk[None, :] < c) & (blk[:, None] > c), t_c, 0.0)
+        e = tl.where(blk[:, None] == blk[None, :], gl[:, None] - gl[None, :],
+                     gl[:, None] + between + (tot_j - gl)[None, :])
+        dec = tl.where(lower, tl.exp(tl.minimum(e, MAX_SPAN)), 0.0)
+    else:
+        dec = tl.where(lower, 1.0, 0.0)
+    return a_qk * dec, a_kk * dec, sq, sk
+
+
+@triton.jit(do_not_specialize=["lower_bound", "scale"])
+def chunk_gram_kernel(
+    q, k, g, beta, A_log, dt_bias, lower_bound, scale,
+    cu_seqlens, chunk_seq, chunk_pos,
+    aqk, li_out, rows_out,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+    BK: tl.constexpr, BKS: tl.constexpr,
+    GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr,
+):
+    """Per (chunk, value head): aqk [64, 64] (as in chunk_prepare_kernel), L^-1 [64, 64] fp32 and
+    the row factors rows_out [3, 64] fp32: scale * |q_i|^-1, |k_i|^-1 and beta_i."""
+    i_c = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(chunk_seq + i_c)
+    c = tl.load(chunk_pos + i_c)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + c.to(tl.int64) * BT
+    rows = tl.arange(0, BT)
+    head = i_c.to(tl.int64) * HV + i_hv
+
+    a_log = 0.0
+    bias = 0.0
+    if GATE_FN > 0:
+        a_log = tl.load(A_log + i_hv).to(tl.float32)
+        if HAS_BIAS:
+            if GATE == 1:
+                bias = tl.load(dt_bias + i_hv).to(tl.float32)
+    if GATE == 2:
+        a_qk = tl.zeros([BT, BT], dtype=tl.float32)
+        a_kk = tl.zeros([BT, BT], dtype=tl.float32)
+        sq = tl.zeros([BT], dtype=tl.float32)
+        sk = tl.zeros([BT], dtype=tl.float32)
+        for ks in range(0, BK, BKS):
+            o_k = ks + tl.arange(0, BKS)
+            if GATE_FN > 0 and HAS_BIAS:
+                bias_s = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+            else:
+                bias_s = bias
+            b_q, b_k, b_g = _load_slice(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound,
+                                        H, HV, K, GATE, GATE_FN)
+            sq += tl.sum(b_q * b_q, axis=1)
+            sk += tl.sum(b_k * b_k, axis=1)
+            a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE, PREC)
+    else:
+        a_qk, a_kk, sq, sk = _gram_scalar(q, k, g, t0, eos, i_h, i_hv, a_log, bias, lower_bound,
+                                          H, HV, K, BK, GATE, GATE_FN, PREC)
+    if USE_L2NORM:
+        nq = 1.0 / tl.sqrt(sq + 1e-6)
+        nk = 1.0 / tl.sqrt(sk + 1e-6)
+    else:
+        nq = tl.full([BT], 1.0, dtype=tl.float32)
+        nk = nq
+    o_b = t0 + rows
+    b_b = tl.load(beta + o_b * HV + i_hv, mask=o_b < eos, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        b_b = tl.where(o_b < eos, sigmoid(b_b), 0.0)
+    a_qk = tl.where(rows[:, None] >= rows[None, :], a_qk * (scale * nq[:, None] * nk[None, :]), 0.0)
+    _store_rows(aqk + head * BT * BT, a_qk, BT)
+    n = tl.where(rows[:, None] > rows[None, :], a_kk * ((b_b * nk)[:, None] * nk[None, :]), 0.0)
+    _store_rows(li_out + head * BT * BT, _inv_unit_lower(n, PREC), BT)
+    tl.store(rows_out + head * 3 * BT + rows, scale * nq)
+    tl.store(rows_out + head * 3 * BT + BT + rows, nk)
+    tl.store(rows_out + head * 3 * BT + 2 * BT + rows, b_b)
+
+
+@triton.jit(do_not_specialize=["lower_bound"])
+def chunk_factors_kernel(
+    q, k, v, g, A_log, dt_bias, lower_bound,
+    cu_seqlens, chunk_seq, chunk_pos, li_in, rows_in,
+    w, u, qg, kg, gam,
+    ck_ptr, ck_pos, kr, dr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
+    GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CKPT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Per (channel slice, chunk, value head), from chunk_gram_kernel's L^-1 and row factors:
+    slices s < BK / BKS write qg, kg, w, gam (and checkpoint factors) for channels s * BKS ...;
+    the others write u for value columns (s - BK / BKS) * BVS ... ."""
+    i_s = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(chunk_seq + i_c)
+    c = tl.load(chunk_pos + i_c)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = bos + c.to(tl.int64) * BT
+    rows = tl.arange(0, BT)
+    head = i_c.to(tl.int64) * HV + i_hv
+    li = tl.load(li_in + head * BT * BT + rows[:, None] * BT + rows[None, :])  # [64, 64] fp32
+    b_b = tl.load(rows_in + head * 3 * BT + 2 * BT + rows)  # [64] beta (0 on padding rows)
+    NKS: tl.constexpr = BK // BKS
+    if i_s < NKS:
+        ks = i_s * BKS
+        o_k = ks + tl.arange(0, BKS)
+        a_log = 0.0
+        bias_s = 0.0
+        if GATE_FN > 0:
+            a_log = tl.load(A_log + i_hv).to(tl.float32)
+            if HAS_BIAS:
+                if GATE == 2:
+                    bias_s = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
+                else:
+                    bias_s = tl.load(dt_bias + i_hv).to(tl.float32)
+        b_q, b_k, b_g = _load_slice(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound,
+                                    H, HV, K, GATE, GATE_FN)
+        sq = tl.load(rows_in + head * 3 * BT + rows)  # scale / |q_i|
+        nk = tl.load(rows_in + head * 3 * BT + BT + rows)
+        b_k = b_k * nk[:, None]
+        eg, e_end, gam_s = _boundary_decays(b_g, GATE)
+        _store_rows(qg + head * BT * BK + ks, b_q * sq[:, None] * eg, BK)
+        _store_rows(kg + head * BT * BK + ks, b_k * e_end, BK)
+        tl.store(gam + head * BK + o_k, tl.zeros([BKS], dtype=tl.float32) + gam_s)
+        _store_rows(w + head * BT * BK + ks, tl.dot(li, b_k * b_b[:, None] * eg, input_precision=PREC), BK)
+        if HAS_CKPT:
+            for ci in range(tl.load(ck_ptr + i_c), tl.load(ck_ptr + i_c + 1)):
+                ck_head = tl.cast(ci, tl.int64) * HV + i_hv
+                _checkpoint_factors(kr + ck_head * BT * BK + ks, dr + ck_head * BK + ks, tl.load(ck_pos + ci),
+                                    b_k, b_g, GATE, BK)
+    else:
+        vs = (i_s - NKS) * BVS
+        o_v = vs + tl.arange(0, BVS)
+        o_b = t0 + rows
+        b_v = tl.load(v + (o_b[:, None] * HV + i_hv) * V + o_v[None, :],
+                      mask=(o_b < eos)[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
+        _store_rows(u + head * BT * BV + vs, tl.dot(li, b_v * b_b[:, None], input_precision=PREC), BV)

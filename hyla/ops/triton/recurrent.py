@@ -20,6 +20,7 @@ import triton.language as tl
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import apply_gate, sigmoid
 from hyla.ops.triton.params import gate_params, num_sms
+from hyla.ops.triton.recurrent_decode import decode_persistent_kernel
 from hyla.ops import recurrent as _reference
 from hyla.ops import utils
 from hyla.ops.utils import check_inputs
@@ -149,6 +150,11 @@ def _check_pool_shapes(idx, n_acc, pool, n):
 
 
 
+# The persistent decode kernel is the default from this many (value block, sequence, head) tiles
+# per SM on (a large number until it is measured faster: then the measured crossover).
+_PERSISTENT_MIN_PROGRAMS_PER_SM = 1 << 30
+
+
 def _block_v(n_heads_total: int, V: int, device) -> int:
     """Value-block width: 64 columns (256 B rows of the fp32 state, 4 warps) when that still
     gives every SM four programs, else 32, else 16 (measured on an H200: at N = 64 and 256
@@ -164,7 +170,8 @@ def _block_v(n_heads_total: int, V: int, device) -> int:
 def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, ssm_state_indices=None,
                   num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                  lower_bound=None, use_beta_sigmoid_in_kernel=False, block_v=None, num_warps=None):
+                  lower_bound=None, use_beta_sigmoid_in_kernel=False, block_v=None, num_warps=None,
+                  persistent=None, programs_per_sm=4):
     pooled = ssm_state_indices is not None
     # Shape checks only: this path never reads device values on the host (no synchronisation),
     # so it can be captured in a CUDA graph. Slot ranges are the caller's contract.
@@ -214,7 +221,25 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
         store_ht = ht is not None
     BK = max(16, triton.next_power_of_2(K))
     BV = block_v or _block_v(n * HV, V, dev)
-    if n:
+    # Plain decode (one token per sequence, pool in place): the persistent prefetching kernel
+    # when the grid is large enough for its schedule to matter (recurrent_decode.py).
+    one_token = pooled and not spec and cu_seqlens is None and T == 1
+    if persistent is None:
+        persistent = one_token and n * HV * triton.cdiv(V, BV) >= _PERSISTENT_MIN_PROGRAMS_PER_SM * num_sms(dev)
+    elif persistent and not one_token:
+        raise ValueError("persistent=True needs a plain decode step: a 1-D pool index and one token per sequence")
+    if n and persistent:
+        n_tiles = n * HV * triton.cdiv(V, BV)
+        decode_persistent_kernel[(min(n_tiles, programs_per_sm * num_sms(dev)),)](
+            qc, kc, vc, gc, bc,
+            a_log if a_log is not None else o, dtb if dtb is not None else o,
+            lb, scale, o, initial_state, idx, n_tiles,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+            GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
+            USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+            num_warps=num_warps or 4,
+        )
+    elif n:
         recurrent_kernel[(triton.cdiv(V, BV), n * HV)](
             qc, kc, vc, gc, bc,
             a_log if a_log is not None else o, dtb if dtb is not None else o,
