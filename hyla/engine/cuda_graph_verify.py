@@ -19,7 +19,9 @@ row's state by the accepted tokens (`model.commit_replay`), reading the accepted
 persistent buffer (`accepted [max_batch]`; padding rows accept 1, their slot is the scratch one).
 
 CUDAGraphRunner = the decode graphs of hyla.engine.cuda_graph (buckets, buffers, scratch slot and
-page, capture) + these; ModelRunner holds one when CUDA graphs are on.
+page, capture) + these; ModelRunner holds one when CUDA graphs are on. The buffers here are
+filled from pinned host memory asynchronously (`_fill`): a copy from pageable memory would wait
+for every kernel queued before it, so a step's host work could not overlap the replays before it.
 
 HeadStepGraphs: the MTP head's steps (hyla.engine.mtp) as graphs of the same batch buckets and
 page widths, sharing the runner's memory pool, W rows per request: W = 1 for a draft step (the
@@ -30,6 +32,19 @@ block table; `hidden [max_batch * W, hidden]` the states fed in. Padding rows pa
 real ones write head rows past its committed ones (overwritten before anything reads them, as
 speculative rows are) or, without a page, the head's scratch page; padding requests (context
 0, pages -1) write only the scratch page.
+
+Chained greedy drafts (`run_chain`): the k - 1 draft steps after a catch-up as ONE graph per
+(batch bucket, k, page width), for batches whose every request drafts greedily. Each step's
+argmax is written by a device op straight into the ids the next step embeds, and its head
+states are what the next step reads, so a propose needs no host round trip between steps; the
+k drafts of every request come back in one copy. Inputs: `chain_hidden [max_batch, hidden]` (the
+catch-up's head states), `drafts [max_k, max_batch]` (row 0: the catch-up's argmax, d1; row j:
+d_{j+1}, the graph's output) and `cmeta [max_batch, 1 + width]` per width: the head context of
+the first draft step (step j runs at context + j - 1) and the head's block table. Every request
+runs all k - 1 steps; one that asked for fewer drafts has its extra rows land in pages it owns
+(past its committed rows, as speculative rows) or, past its block table (-1), in the scratch
+page, and its extra drafts are dropped by the caller: they never influence its kept drafts
+(attention is causal, and its kept rows lie inside the pages reserved for its verify).
 """
 
 from __future__ import annotations
@@ -40,8 +55,21 @@ import torch
 
 from hyla.contract import ForwardBatch
 from hyla.engine.cuda_graph import DecodeGraphs, width_bucket
+from hyla.ops.transfer import long_tensor, to_device_long
 
 log = logging.getLogger("hyla.engine")
+
+
+def _fill(dst: torch.Tensor, rows: list) -> None:
+    """Copy python ints ([n] or equal rows [n, w]) into the device buffer dst without stalling
+    the host: from pinned memory, asynchronously. (A copy from pageable memory synchronises the
+    stream: the host would wait for every kernel queued before it, e.g. the previous replay.)
+    The caching host allocator keeps the pinned block until the copy has run."""
+    host = long_tensor(rows)
+    if dst.device.type == "cuda":
+        dst.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(host)
 
 
 def _verify_pad_row(W: int, width: int) -> list[int]:
@@ -88,7 +116,7 @@ class CUDAGraphRunner(DecodeGraphs):
         rows += [_verify_pad_row(W, width)] * (bs - n)
         key = (bs, W, width, rollback)
         graph, out, replay = self._verify_graph(key)
-        self.vmeta[(W, width)][:bs].copy_(torch.tensor(rows, dtype=torch.long))
+        _fill(self.vmeta[(W, width)][:bs], rows)
         self.verify_key = key
         if graph is None:
             out = self._verify_forward(*key)
@@ -109,7 +137,7 @@ class CUDAGraphRunner(DecodeGraphs):
         (model.commit_replay), replaying the commit graph captured with the verify graph."""
         padded = self.pad_accepted(accepted)
         bs = len(padded)
-        self.accepted[:bs].copy_(torch.tensor(padded, dtype=torch.long))
+        _fill(self.accepted[:bs], padded)
         graph = self.commit_graphs.get(self.verify_key)
         if graph is None:
             self.model.commit_replay(self.cache, self.accepted[:bs])
@@ -169,15 +197,20 @@ class CUDAGraphRunner(DecodeGraphs):
         return self.verify_graphs[key]
 
 
+def _table_row(table: list[int], width: int) -> list[int]:
+    """A block table cut or padded (-1: the scratch page) to `width` columns."""
+    return list(table[:width]) + [-1] * (width - len(table[:width]))
+
+
 def _head_pad_row(W: int, width: int) -> list[int]:
     """A padding row of the head-step buffer: context 0, last row 0, W tokens 0, no pages."""
     return [0, 0] + [0] * W + [-1] * width
 
 
 class HeadStepGraphs:
-    """Replays the MTP head's steps (`run`); `graphs` (the runner's CUDAGraphRunner) lends its
-    batch buckets, capture flag and memory pool. kv: the head's paged KV, whose last page is
-    scratch; max_width: the widest step, 1 + k."""
+    """Replays the MTP head's steps (`run`) and chained greedy draft steps (`run_chain`);
+    `graphs` (the runner's CUDAGraphRunner) lends its batch buckets, capture flag and memory
+    pool. kv: the head's paged KV, whose last page is scratch; max_width: the widest step, 1 + k."""
 
     def __init__(self, graphs: CUDAGraphRunner, head, model, kv, max_width: int):
         self.graphs, self.head, self.model, self.kv = graphs, head, model, kv
@@ -187,9 +220,19 @@ class HeadStepGraphs:
         self.hmeta: dict[tuple[int, int], torch.Tensor] = {}  # (W, width) -> [max_batch, 2 + W + width]
         # (bs, W, width) -> (graph or None, (last rows' head states [bs, hidden], their logits [bs, V]))
         self.steps: dict[tuple[int, int, int], tuple] = {}
+        # run_chain's inputs and output (see the module docstring) and its graphs, (bs, k, width) -> graph or None
+        self.chain_hidden = torch.zeros(graphs.max_batch, model.config.hidden_size, dtype=model.dtype,
+                                        device=graphs.device)
+        self.drafts = torch.zeros(max_width - 1, graphs.max_batch, dtype=torch.long, device=graphs.device)
+        self.cmeta: dict[int, torch.Tensor] = {}  # width -> [max_batch, 1 + width]
+        self.chains: dict[tuple[int, int, int], torch.cuda.CUDAGraph | None] = {}
 
     def can_run(self, counts: list[int]) -> bool:
         return 0 < len(counts) <= self.graphs.max_batch and max(counts) <= self.max_width
+
+    def can_chain(self, n: int, k: int) -> bool:
+        """Whether run_chain takes n requests drafting k tokens each."""
+        return 0 < n <= self.graphs.max_batch and 1 <= k < self.max_width
 
     @torch.inference_mode()
     def run(self, hidden: torch.Tensor, ids: list[int], counts: list[int], context: list[int],
@@ -205,13 +248,13 @@ class HeadStepGraphs:
         rows, first = [], 0
         for c, m, table in zip(context, counts, tables):
             tokens = ids[first:first + m] + [0] * (W - m)
-            rows.append([c, m - 1] + tokens + list(table[:width]) + [-1] * (width - len(table[:width])))
+            rows.append([c, m - 1] + tokens + _table_row(table, width))
             first += m
         rows += [_head_pad_row(W, width)] * (bs - n)
         graph, out = self._graph(bs, W, width)
-        self.hmeta[(W, width)][:bs].copy_(torch.tensor(rows, dtype=torch.long))
+        _fill(self.hmeta[(W, width)][:bs], rows)
         dest = [i * W + j for i, m in enumerate(counts) for j in range(m)]  # request i's rows start at i * W
-        self.hidden.index_copy_(0, torch.tensor(dest, device=self.hidden.device), hidden.to(self.hidden.dtype))
+        self.hidden.index_copy_(0, to_device_long(dest, self.hidden.device), hidden.to(self.hidden.dtype))
         if graph is None:
             out = self._forward(bs, W, width)
         else:
@@ -224,9 +267,7 @@ class HeadStepGraphs:
         ctx, last, ids = meta[:bs, 0], meta[:bs, 1], meta[:bs, 2:2 + W].reshape(-1)
         tables = meta[:bs, 2 + W:]
         if W == 1:
-            batch = ForwardBatch(cu_seqlens=self.graphs.cu[:bs + 1], context_lens=ctx, positions=ctx,
-                                 block_tables=tables, state_slots=torch.zeros_like(ctx), seq_lens=[1] * bs,
-                                 context_lens_list=[1] * bs, cuda_graph=True)
+            batch = self._one_row_batch(ctx, tables)
         else:  # verify-shaped (uniform width W): the form whose attention runs without host syncs
             positions = (ctx[:, None] + torch.arange(W, device=ctx.device)).reshape(-1)
             batch = ForwardBatch(cu_seqlens=self.graphs.cu[:bs + 1] * W, context_lens=ctx, positions=positions,
@@ -237,6 +278,15 @@ class HeadStepGraphs:
         y = self.head.forward_batch(self.hidden[:bs * W], ids, self.model, batch, self.kv).view(bs, W, -1)
         y = y[torch.arange(bs, device=y.device), last]  # each request's last real row
         return y, self.model.compute_logits(y)
+
+    def _one_row_batch(self, ctx: torch.Tensor, tables: torch.Tensor) -> ForwardBatch:
+        """A draft step's batch: one row per request at head context ctx [bs] (its position),
+        block tables [bs, width]. A fresh one per step: what it memoises (slot mapping) must be
+        computed inside a capture."""
+        bs = ctx.shape[0]
+        return ForwardBatch(cu_seqlens=self.graphs.cu[:bs + 1], context_lens=ctx, positions=ctx, block_tables=tables,
+                            state_slots=torch.zeros_like(ctx), seq_lens=[1] * bs, context_lens_list=[1] * bs,
+                            cuda_graph=True)
 
     def _graph(self, bs: int, W: int, width: int):
         if (W, width) not in self.hmeta:
@@ -251,3 +301,60 @@ class HeadStepGraphs:
                 self.steps[key] = self.graphs._capture(lambda: self._forward(bs, W, width))
                 log.debug("captured an MTP head CUDA graph for batch %d, %d rows, %d pages", bs, W, width)
         return self.steps[key]
+
+    @torch.inference_mode()
+    def run_chain(self, y: torch.Tensor, logits: torch.Tensor, k: int, context: list[int],
+                  tables: list[list[int]]) -> torch.Tensor:
+        """k greedy drafts per request, the k - 1 draft steps chained on the device: y [N, hidden]
+        the head state at each request's newest committed row and logits [N, V] its logits (a
+        catch-up's); context[n]: head rows in tables[n] after that catch-up -> drafts [N, k] int64
+        on the device (d1 = argmax(logits), then one per step): a view of a persistent buffer,
+        valid until the next run_chain. The host builds one metadata row per request, once."""
+        n = len(context)
+        torch.argmax(logits, -1, out=self.drafts[0, :n])  # d1
+        if k > 1:
+            self.chain_hidden[:n].copy_(y)
+            self._replay_chain(k, context, tables)
+        return self.drafts[:k, :n].T
+
+    def _replay_chain(self, k: int, context: list[int], tables: list[list[int]]) -> None:
+        """Draft steps 1 .. k - 1 of run_chain: one metadata row per request to the device (one
+        copy), then the chained graph (captured on first use, on padding rows)."""
+        n = len(context)
+        bs = next(b for b in self.graphs.buckets if b >= n)
+        # the last step (j = k - 1) writes head row context + k - 2
+        width = width_bucket(max(-(-(c + k - 1) // self.page_size) for c in context))
+        graph = self._chain_graph(bs, k, width)
+        rows = [[c] + _table_row(table, width) for c, table in zip(context, tables)]
+        rows += [[0] + [-1] * width] * (bs - n)
+        _fill(self.cmeta[width][:bs], rows)
+        if graph is None:
+            self._chain_forward(bs, k, width)
+        else:
+            graph.replay()
+
+    def _chain_forward(self, bs: int, k: int, width: int) -> None:
+        """Draft steps 1 .. k - 1 over the first bs rows: step j feeds (the head state of step
+        j - 1, d_j) at head context cmeta[:, 0] + j - 1 and writes d_{j + 1} = argmax into
+        drafts[j]. Nothing reads the host: capturable as one graph."""
+        meta = self.cmeta[width]
+        ctx, tables = meta[:bs, 0], meta[:bs, 1:]
+        y = self.chain_hidden[:bs]
+        for j in range(1, k):
+            batch = self._one_row_batch(ctx + (j - 1), tables)
+            y = self.head.forward_batch(y, self.drafts[j - 1, :bs], self.model, batch, self.kv)
+            self.drafts[j, :bs] = self.model.compute_logits(y).argmax(-1)
+
+    def _chain_graph(self, bs: int, k: int, width: int) -> torch.cuda.CUDAGraph | None:
+        if width not in self.cmeta:
+            self.cmeta[width] = torch.zeros(self.graphs.max_batch, 1 + width, dtype=torch.long,
+                                            device=self.graphs.device)
+        key = (bs, k, width)
+        if key not in self.chains:
+            if not self.graphs.capture:
+                self.chains[key] = None
+            else:
+                self.cmeta[width][:bs] = torch.tensor([0] + [-1] * width, device=self.graphs.device)
+                self.chains[key], _ = self.graphs._capture(lambda: self._chain_forward(bs, k, width))
+                log.debug("captured a chained MTP draft CUDA graph for batch %d, %d drafts, %d pages", bs, k, width)
+        return self.chains[key]

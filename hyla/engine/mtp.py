@@ -44,6 +44,13 @@ HeadStepGraphs: requests padded to a batch bucket, the head's block tables to a 
 step 1 with 1 + k rows per request (a verify kept 1 .. 1 + k; the padding rows land past the
 committed ones, like speculative rows), the steps after it with one. A prompt's chunks
 (catch_up, or a step 1 with more than 1 + k pending rows) run eagerly.
+When every request drafting in a propose is greedy and there is no tensor parallelism, the
+steps after step 1 are chained on the device (`_chains`; HeadStepGraphs.run_chain, one graph
+for all of them): each step's argmax feeds the next without a trip to the host, and the drafts
+of every request come back in one copy. Every request then runs the batch's most steps; the
+rows of one that asked for fewer land past its reserved positions, in its own pages or (no page
+there) the scratch page, and its extra drafts are dropped. Sampling requests, and every step
+under tensor parallelism or without graphs, draft one step at a time (`_stepped_drafts`).
 Outputs are exact whatever the head drafts: the target verifies every draft.
 
 Under tensor parallelism every rank holds such a drafter over its own ModelRunner (bound with the
@@ -62,6 +69,7 @@ from hyla.engine.cuda_graph import graph_safe
 from hyla.engine.cuda_graph_verify import HeadStepGraphs
 from hyla.engine.sampler import distribution
 from hyla.engine.spec_decode import Drafter
+from hyla.ops.transfer import to_device_long
 
 
 class _View:
@@ -212,7 +220,7 @@ class MTPDrafter(Drafter):
         already in tables[i] -> final-norm head states [sum(seq_lens), hidden]."""
         batch = ForwardBatch.build(seq_lens=seq_lens, context_lens=context, block_tables=tables,
                                    state_slots=[0] * len(tables), device=hidden.device)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=hidden.device)
+        ids_t = to_device_long(ids, hidden.device)
         return self.head.forward_batch(hidden, ids_t, self.model, batch, self.kv)
 
     def _catch_up(self, seqs, views: list[_View], logits: bool = False):
@@ -230,7 +238,7 @@ class MTPDrafter(Drafter):
         if logits and self.step_graphs is not None and self.step_graphs.can_run(lens):
             return self.step_graphs.run(hidden, ids, lens, context, tables)
         y = self._run(hidden, ids, tables, lens, context)
-        y = y[torch.tensor(lens, device=y.device).cumsum(0) - 1]  # each chunk's last row
+        y = y[to_device_long(lens, y.device).cumsum(0) - 1]  # each chunk's last row
         return (y, self.model.compute_logits(y)) if logits else y
 
     def _step(self, y: torch.Tensor, ids: list[int], tables: list[list[int]], context: list[int]
@@ -242,6 +250,18 @@ class MTPDrafter(Drafter):
             return self.step_graphs.run(y, ids, [1] * len(ids), context, tables)
         y = self._run(y, ids, tables, [1] * len(ids), context)
         return y, self.model.compute_logits(y)
+
+    def _chains(self, seqs, k: int) -> bool:
+        """Whether seqs (the requests drafting now, the most drafts k) draft on the device:
+        HeadStepGraphs.run_chain, the draft steps chained in one graph, one copy to the host.
+        Every request must draft greedily (a draw needs its q and generator on the host; a
+        guided request drafts as an unguided one: its grammar cuts the drafts after propose) and
+        no tensor parallelism (each step's tokens are broadcast, `_agree`). A request asking for
+        fewer than k drafts runs all k - 1 steps: its extra rows land past its committed ones, in
+        pages it holds (overwritten before anything reads them, as any speculative row) or, past
+        its block table (-1), in the scratch page; its extra drafts are dropped."""
+        return (self.group is None and self.step_graphs is not None and self.step_graphs.can_chain(len(seqs), k)
+                and all(seq.params.greedy for seq in seqs))
 
     def _draw(self, logits: torch.Tensor, seq, generator) -> tuple[int, torch.Tensor]:
         """One draft of a sampling request from logits [V]: a draw from q, returned with q [V]."""
@@ -296,37 +316,56 @@ class MTPDrafter(Drafter):
         if not live:
             return results
         idx, views = [i for i, _ in live], [v for _, v in live]
-        y, logits = self._catch_up([seqs[i] for i in idx], views, logits=True)
-        drafts, probs = {i: [] for i in idx}, {i: [] for i in idx}
-        active = list(range(len(idx)))  # rows of y: live requests still drafting
+        live_seqs, live_ks = [seqs[i] for i in idx], [ks[i] for i in idx]
+        y, logits = self._catch_up(live_seqs, views, logits=True)
+        if self._chains(live_seqs, max(live_ks)):
+            drafts = self._chained_drafts(y, logits, live_seqs, views, live_ks)
+        else:
+            drafts = self._stepped_drafts(y, logits, live_seqs, views, live_ks, generator)
+        for i, d in zip(idx, drafts):
+            results[i] = d
+        return results
+
+    def _chained_drafts(self, y: torch.Tensor, logits: torch.Tensor, seqs, views: list[_View], ks: list[int]
+                        ) -> list[tuple[list[int], None]]:
+        """Greedy drafts with every draft step on the device (see `_chains`): y [N, hidden],
+        logits [N, V] the catch-up's -> per request (its ks[n] drafts, None)."""
+        tables = [self._pages(s, v) for s, v in zip(seqs, views)]
+        drafts = self.step_graphs.run_chain(y, logits, max(ks), [v.done for v in views], tables).tolist()  # one copy
+        return [(d[:k], None) for d, k in zip(drafts, ks)]  # drafts past ks[n]: dropped
+
+    def _stepped_drafts(self, y: torch.Tensor, logits: torch.Tensor, seqs, views: list[_View], ks: list[int],
+                        generator) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Drafts one step at a time, each step's tokens chosen on the host (drawn for sampling
+        requests, agreed over the ranks under tensor parallelism): y [N, hidden], logits [N, V]
+        the catch-up's -> per request (its ks[n] drafts, q [ks[n], V] or None when greedy)."""
+        drafts, probs = [[] for _ in seqs], [[] for _ in seqs]
+        active = list(range(len(seqs)))  # rows of y: requests still drafting
         failed = None  # rank 0's draw error: raised once the other ranks know (_agree)
-        for step in range(max(ks[i] for i in idx)):
-            rows = [idx[j] for j in active]
+        for step in range(max(ks)):
             if self.leader:
                 try:
-                    tokens, qs = self._choose(logits, [seqs[i] for i in rows], generator)
+                    tokens, qs = self._choose(logits, [seqs[j] for j in active], generator)
                 except Exception as err:  # noqa: BLE001 - re-raised below, after the broadcast
                     failed = err
                 else:
-                    for i, d, q in zip(rows, tokens, qs):
-                        drafts[i].append(d)
+                    for j, d, q in zip(active, tokens, qs):
+                        drafts[j].append(d)
                         if q is not None:
-                            probs[i].append(q)
+                            probs[j].append(q)
             # (head state, newest draft) at the next position, past the committed rows; only for
             # requests that draft more (their next row lies inside the pages reserved for them)
-            keep = [row for row, j in enumerate(active) if ks[idx[j]] > step + 1]
+            keep = [row for row, j in enumerate(active) if ks[j] > step + 1]
             if not keep:
                 break
-            fed = self._agree([drafts[rows[r]][-1] for r in keep] if self.leader and failed is None else None,
+            fed = self._agree([drafts[active[r]][-1] for r in keep] if self.leader and failed is None else None,
                               len(keep), y.device)
             if failed is not None:
                 break
             active = [active[row] for row in keep]
-            y, logits = self._step(y[torch.tensor(keep, device=y.device)], fed,
-                                   [self._pages(seqs[idx[j]], views[j]) for j in active],
+            y, logits = self._step(y[to_device_long(keep, y.device)], fed,
+                                   [self._pages(seqs[j], views[j]) for j in active],
                                    [views[j].done + step for j in active])
         if failed is not None:
             raise failed
-        for i in idx:
-            results[i] = (drafts[i], torch.stack(probs[i]) if probs[i] else None)
-        return results
+        return [(d, torch.stack(q) if q else None) for d, q in zip(drafts, probs)]

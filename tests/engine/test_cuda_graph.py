@@ -292,7 +292,8 @@ def test_graph_verify_equals_plain_greedy_cuda(ckpt, qwen_ckpt, moe_ckpts, famil
 @pytest.mark.parametrize("rollback", ["slots", "replay"])
 def test_graph_mtp_equals_plain_greedy_cuda(tmp_path, rollback):
     """MTP speculation with verify graphs and head-step graphs (default) equals plain greedy
-    decoding, fp32, prefix cache on (a second pass hits); both kinds of graph were captured."""
+    decoding, fp32, prefix cache on (a second pass hits); every kind of graph was captured, the
+    chained greedy draft steps (HeadStepGraphs.run_chain) too, and the drafts came from them."""
     from tests.oracles.qwen3_5_checkpoint import add_mtp_shard, build_qwen3_5_checkpoint
 
     path = build_qwen3_5_checkpoint(tmp_path, "moe", "multimodal")
@@ -307,10 +308,14 @@ def test_graph_mtp_equals_plain_greedy_cuda(tmp_path, rollback):
     llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, memory_budget=256 << 20,
               enable_prefix_caching=True,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback})
+    drafter, stepped, per_step = llm.engine.spec.drafter, [], llm.engine.spec.drafter._stepped_drafts
+    drafter._stepped_drafts = lambda *a, **k: stepped.append(1) or per_step(*a, **k)  # greedy: never taken
     for _ in range(2):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
     assert any(g is not None for g, _, _ in llm.engine.runner.graphs.verify_graphs.values())
-    assert any(g is not None for g, _ in llm.engine.spec.drafter.step_graphs.steps.values())
+    assert any(g is not None for g, _ in drafter.step_graphs.steps.values())
+    assert any(g is not None for g in drafter.step_graphs.chains.values()) and not stepped
+    assert {k for _, k, _ in drafter.step_graphs.chains} >= {2, 3}  # requests near their end draft fewer
     m = llm.get_metrics()
     assert m["spec_num_draft_tokens"] > 0 and m["prefix_cache_hit_tokens"] > 0
     del llm

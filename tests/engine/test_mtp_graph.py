@@ -67,18 +67,23 @@ def test_mtp_in_the_graph_path_equals_eager_and_plain_greedy(ckpt, plain, k, rol
 
 @pytest.fixture(scope="module")
 def leaky_head(tmp_path_factory):
-    """The repeat head (it drafts the last token) with its attention output let back in: the
-    drafts depend on the head's KV."""
+    return build_leaky_head(tmp_path_factory.mktemp("mtp-graph-leaky"))
+
+
+def build_leaky_head(tmp, scale: float = 0.5, variant: tuple[str, str] = ("dense", "text")):
+    """The repeat head (it drafts the last token) with its attention output let back in (o_proj
+    random, `scale` times a standard normal): the drafts depend on the head's KV. variant: the
+    checkpoint's (MLP, modality) as build_qwen3_5_checkpoint takes them."""
     from safetensors.torch import load_file, save_file
 
-    path = build_qwen3_5_checkpoint(tmp_path_factory.mktemp("mtp-graph-leaky"), "dense", "text")
+    path = build_qwen3_5_checkpoint(tmp, *variant)
     add_mtp_shard(path)
     _repeat_head(path)
     file = path / "model-mtp.safetensors"
     t = load_file(file)
     gen = torch.Generator().manual_seed(5)
     for name in [n for n in t if n.endswith("o_proj.weight")]:
-        t[name] = 0.5 * torch.randn(t[name].shape, generator=gen)
+        t[name] = scale * torch.randn(t[name].shape, generator=gen)
     save_file(t, file, metadata={"format": "pt"})
     return path
 
@@ -87,7 +92,8 @@ def leaky_head(tmp_path_factory):
 def test_head_draft_steps_in_graphs_equal_eager(leaky_head, rollback, monkeypatch):
     """The head's steps replay HeadStepGraphs (padded to a batch bucket and a page width, with
     every host sync failing inside): catch-ups on a verify's kept rows (4 rows per request) and
-    draft steps (1 row) give the same proposals as eager head steps; output stays plain greedy."""
+    the chained draft steps (greedy: HeadStepGraphs.run_chain) give the same proposals as eager
+    head steps; output stays plain greedy."""
     prompts = PROMPTS + [rand(40, 5)]  # a context across page boundaries
     # requests finish at different steps: the batch shrinks through the buckets
     params = [SamplingParams(temperature=0.0, max_tokens=6 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
@@ -99,6 +105,7 @@ def test_head_draft_steps_in_graphs_equal_eager(leaky_head, rollback, monkeypatc
     used = drafter.step_graphs.steps  # (batch bucket, rows per request, page width)
     assert 1 in {W for _, W, _ in used}, used  # (W = 1 + k: test_head_steps_padded_equal_eager_cpu)
     assert len({bs for bs, _, _ in used}) >= 2 and len({w for _, _, w in used}) >= 2, used
+    assert {k for _, k, _ in drafter.step_graphs.chains} >= {2, 3}  # greedy: the draft steps chained
     assert graph_proposals == eager_proposals
     assert sum(len(d) for step in graph_proposals for _, d in step) > 0
 
@@ -124,18 +131,23 @@ def _proposals(path, prompts, params, rollback: str, graphs: bool, monkeypatch):
 
     drafter.propose = record
     with monkeypatch.context() as m:
-        if graphs:
-            nosync, forward = _NoSync(m), drafter.step_graphs._forward
-
-            def guarded(*a):
-                nosync.on = True
-                try:
-                    return forward(*a)
-                finally:
-                    nosync.on = False
-            m.setattr(drafter.step_graphs, "_forward", guarded)
+        if graphs:  # the head steps and the chained draft steps, as a capture runs them
+            nosync = _NoSync(m)
+            for name in ("_forward", "_chain_forward"):
+                m.setattr(drafter.step_graphs, name, _guarded(nosync, getattr(drafter.step_graphs, name)))
         outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     return outs, seen, drafter
+
+
+def _guarded(nosync, forward):
+    """forward with every host sync failing inside it."""
+    def guarded(*a):
+        nosync.on = True
+        try:
+            return forward(*a)
+        finally:
+            nosync.on = False
+    return guarded
 
 
 def test_head_steps_padded_equal_eager_cpu(leaky_head, monkeypatch):
