@@ -58,20 +58,33 @@ def _release_device_memory() -> None:
 
 
 class StepProfile:
-    """Wall time (device-synchronised) of an engine's forward calls, by kind: plain steps (prefill /
-    decode, graph or eager), verify steps in a CUDA graph or eager, and the rest of `step`
-    (scheduling, drafting, acceptance, bookkeeping) -- where a speculative step's time goes."""
+    """Wall time (device-synchronised) of an engine's calls, by kind: plain steps (prefill /
+    decode, graph or eager), the whole engine step, and the parts of a speculative step: the
+    drafter's propose, the verify forward (in a CUDA graph or eager), the acceptance rule (what
+    SpecDecoder.step spends besides the two), the commit (the drafter's bookkeeping, picking the
+    slot or the replay) and the engine's own bookkeeping (emitting tokens, stop checks, trimming
+    pages: the rest of the speculative step) -- where a speculative step's time goes. With MTP
+    head-step graphs, `propose: chained drafts` is the part of propose after the catch-up on the
+    greedy fast path (hyla.engine.mtp, HeadStepGraphs.run_chain)."""
 
     def __init__(self, llm):
         self.times: dict[str, list[float]] = {}
         self._wrapped: list[tuple[object, str]] = []
-        runner = llm.engine.runner
-        self._wrap(runner, "run", lambda *a, **k: "plain step")
-        self._wrap(runner, "verify", lambda *a, **k: "verify")
-        self._wrap(llm.engine, "step", lambda *a, **k: "engine step (all)")
-        self.runner = runner
+        engine = llm.engine
+        runner = self.runner = engine.runner
+        self._wrap(runner, "run", "plain step")
+        self._wrap(runner, "verify", "verify")
+        self._wrap(engine, "step", "engine step (all)")
+        if engine.spec is not None:
+            self._wrap(engine, "_spec_step", "spec step (all)")
+            self._wrap(engine.spec, "step", "spec: draft+verify+accept")
+            self._wrap(engine.spec.drafter, "propose", "propose")
+            self._wrap(engine.spec, "commit", "commit")
+            graphs = getattr(engine.spec.drafter, "step_graphs", None)  # MTP's head steps in CUDA graphs
+            if graphs is not None:
+                self._wrap(graphs, "run_chain", "propose: chained drafts")
 
-    def _wrap(self, obj, name, label):
+    def _wrap(self, obj, name, label: str):
         inner = getattr(obj, name)
 
         def timed(*a, **k):
@@ -79,7 +92,7 @@ class StepProfile:
             t = time.perf_counter()
             out = inner(*a, **k)
             _sync()
-            key = label(*a, **k)
+            key = label
             if key == "verify":
                 key = "verify (graph)" if self.runner.verified_in_graph else "verify (eager)"
             self.times.setdefault(key, []).append(time.perf_counter() - t)
@@ -91,11 +104,32 @@ class StepProfile:
         for obj, name in self._wrapped:
             delattr(obj, name)  # the instance attribute shadowed the method
 
+    def total(self, key: str) -> float:
+        return sum(self.times.get(key, []))
+
+    def split(self) -> dict[str, float]:
+        """A speculative step's mean host time (seconds) by part: propose, verify, accept, commit
+        and bookkeeping (the last two of `spec step (all)` besides SpecDecoder.step); {} when no
+        speculative step ran."""
+        steps = len(self.times.get("spec step (all)", []))
+        if not steps:
+            return {}
+        verify = self.total("verify (graph)") + self.total("verify (eager)")
+        inner = self.total("spec: draft+verify+accept")
+        parts = {"propose": self.total("propose"), "verify": verify,
+                 "accept": inner - self.total("propose") - verify, "commit": self.total("commit")}
+        parts["bookkeeping"] = self.total("spec step (all)") - inner - parts["commit"]
+        return {key: t / steps for key, t in parts.items()}
+
     def report(self) -> str:
         lines = []
         for key, ts in sorted(self.times.items()):
-            lines.append(f"    {key:<18} {len(ts):>6} calls  {1e3 * sum(ts) / len(ts):8.3f} ms mean  "
+            lines.append(f"    {key:<26} {len(ts):>6} calls  {1e3 * sum(ts) / len(ts):8.3f} ms mean  "
                          f"{sum(ts):7.3f} s total")
+        split = self.split()
+        if split:
+            lines.append("    per speculative step: " + "  ".join(f"{key} {1e3 * t:.3f} ms" for key, t in split.items())
+                         + f"  (sum {1e3 * sum(split.values()):.3f} ms)")
         return "\n".join(lines)
 
 

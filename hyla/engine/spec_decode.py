@@ -11,6 +11,7 @@ by index; with "replay" the state is only advanced by the accepted tokens (see t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -132,6 +133,31 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq,
     return out
 
 
+def argmax_accepts(seq) -> bool:
+    """Whether `accept` reduces to comparing drafts with the target's argmax for seq: greedy,
+    no grammar, and nothing that `penalize` would change (no logit bias, no repetition,
+    presence or frequency penalty)."""
+    p = seq.params
+    return (p.greedy and getattr(seq, "guide", None) is None and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and not p.logit_bias)
+
+
+def accept_argmax(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+    """`accept` for a batch of requests for which `argmax_accepts` holds: logits [sum(1 + k_n),
+    V] the verify rows of every request, packed in order; drafts[n] its k_n drafts -> the tokens
+    each appends: its drafts up to the first that differs from the target's argmax, then the
+    argmax there (after k_n accepted drafts: the bonus token, the argmax at the last row). One
+    argmax over all rows and one copy of it to the host, for the whole batch."""
+    top = logits.argmax(-1).tolist()
+    out, start = [], 0
+    for d in drafts:
+        row = top[start : start + 1 + len(d)]
+        n = next((i for i, (t, x) in enumerate(zip(row, d)) if t != x), len(d))  # drafts accepted
+        out.append(row[: n + 1])
+        start += 1 + len(d)
+    return out
+
+
 @dataclass
 class Verified:
     """One request's verify step: the tokens to append (accepted drafts + one from the target),
@@ -200,14 +226,31 @@ class SpecDecoder:
                                  hidden)
         else:
             logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float()  # stays on the device
-        results, start = [], 0
-        for seq, d, (_, q), words in zip(seqs, drafts, proposals, masks):
-            rows = logits[start : start + 1 + len(d)]
-            start += 1 + len(d)
-            gen = seq.generator if seq.generator is not None else generator
-            allowed = None if words is None else unpack_bitmask(words, rows.shape[-1], rows.device)
-            results.append(Verified(accept(rows, d, q, seq, gen, allowed), rows, len(d)))
-        return results
+        return self._accept(seqs, drafts, [q for _, q in proposals], masks, logits, generator)
+
+    @staticmethod
+    def _accept(seqs, drafts: list[list[int]], qs: list, masks: list, logits: torch.Tensor, generator
+                ) -> list[Verified]:
+        """The acceptance rule per request over logits [sum(1 + len(drafts[n])), V] (the verify
+        rows, packed): the requests for which `argmax_accepts` holds together, in one copy to the
+        host (accept_argmax), the rest one by one (accept)."""
+        starts = [0]
+        for d in drafts:
+            starts.append(starts[-1] + 1 + len(d))
+        rows = [logits[a:b] for a, b in pairwise(starts)]
+        tokens: list[list[int] | None] = [None] * len(seqs)
+        plain = [n for n, seq in enumerate(seqs) if argmax_accepts(seq)]
+        if plain:
+            flat = logits if len(plain) == len(seqs) else torch.cat([rows[n] for n in plain])
+            for n, t in zip(plain, accept_argmax(flat, [drafts[n] for n in plain])):
+                tokens[n] = t
+        for n, seq in enumerate(seqs):
+            if tokens[n] is None:
+                gen = seq.generator if seq.generator is not None else generator
+                words = masks[n]
+                allowed = None if words is None else unpack_bitmask(words, rows[n].shape[-1], rows[n].device)
+                tokens[n] = accept(rows[n], drafts[n], qs[n], seq, gen, allowed)
+        return [Verified(t, r, len(d)) for t, r, d in zip(tokens, rows, drafts)]
 
     @property
     def wants_prefill_hidden(self) -> bool:

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from hyla import LLM, SamplingParams
-from hyla.engine.spec_decode import SpecConfig, accept
+from hyla.engine.spec_decode import (
+    SpecConfig,
+    SpecDecoder,
+    accept,
+    accept_argmax,
+    argmax_accepts,
+)
 from tests.engine.spec_check import assert_spec_equals_greedy
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
 from tests.oracles.variants import noisy_lm_head_copy
@@ -178,3 +184,99 @@ def test_seeded_speculative_sampling_is_reproducible(ckpt, near_draft):
         runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp, use_tqdm=False)])
         assert llm.get_metrics()["spec_num_draft_tokens"] > 0
     assert runs[0] == runs[1]
+
+
+def _stand_in(params, tokens=(1, 2), guide=None):
+    """A request as the acceptance rule reads it."""
+    return type("S", (), {"params": params, "token_ids": list(tokens), "output_token_ids": [tokens[-1]],
+                          "guide": guide, "generator": None})()
+
+
+def test_batched_argmax_acceptance_equals_accept():
+    """accept_argmax (one argmax over every request's rows, one copy) gives accept's tokens for
+    greedy requests: every draft accepted (+ the bonus token), the first or a middle one
+    rejected, no drafts, ties (the first maximum, as argmax)."""
+    V = 7
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(14, V, generator=gen, dtype=torch.float64)
+    logits[10, :] = 0.5  # a tie everywhere: the request without drafts emits token 0
+    top = logits.argmax(-1).tolist()
+    # rows 0-3: 3 drafts, all accepted; 4-7: the second of 3 rejected; 8-9: the only one
+    # rejected; 10: no drafts; 11-13: 2 drafts, all accepted
+    drafts = [top[0:3], [top[4], (top[5] + 1) % V, top[6]], [(top[8] + 1) % V], [], top[11:13]]
+    seqs = [_stand_in(SamplingParams(temperature=0.0)) for _ in drafts]
+    start, want = 0, []
+    for seq, d in zip(seqs, drafts):
+        want.append(accept(logits[start:start + 1 + len(d)], d, None, seq, gen))
+        start += 1 + len(d)
+    assert start == 14
+    assert accept_argmax(logits, drafts) == want
+    assert [len(t) for t in want] == [4, 2, 1, 1, 3]
+
+
+def test_argmax_acceptance_only_where_it_is_accept():
+    greedy = SamplingParams(temperature=0.0)
+    assert argmax_accepts(_stand_in(greedy))
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, repetition_penalty=1.2),
+                   SamplingParams(temperature=0.0, presence_penalty=0.5),
+                   SamplingParams(temperature=0.0, frequency_penalty=0.5),
+                   SamplingParams(temperature=0.0, logit_bias={3: 5.0})):
+        assert not argmax_accepts(_stand_in(params)), params
+    assert not argmax_accepts(_stand_in(greedy, guide=object()))
+
+
+def test_spec_decoder_accepts_a_mixed_batch_as_accept_does():
+    """SpecDecoder._accept: plain greedy requests batched, a penalised greedy one and a sampling
+    one by accept, each with its own rows; the same tokens and rows as accept request by request."""
+    V = 9
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(10, V, generator=gen, dtype=torch.float64) * 3
+    top = logits.argmax(-1).tolist()  # rows 0-2, 3-5, 6-7 and 8-9 are the four requests'
+    seqs = [_stand_in(SamplingParams(temperature=0.0)),
+            _stand_in(SamplingParams(temperature=0.0, repetition_penalty=1.5), tokens=tuple(range(V))),
+            _stand_in(SamplingParams(temperature=1.0)), _stand_in(SamplingParams(temperature=0.0))]
+    drafts = [top[0:2], [top[3], top[4]], [1], [(top[8] + 1) % V]]
+    got = SpecDecoder._accept(seqs, drafts, [None] * 4, [None] * 4, logits, torch.Generator().manual_seed(3))
+    start, want, ref_gen = 0, [], torch.Generator().manual_seed(3)
+    for seq, d in zip(seqs, drafts):
+        rows = logits[start:start + 1 + len(d)]
+        want.append((accept(rows, d, None, seq, ref_gen), rows))
+        start += 1 + len(d)
+    assert start == 10
+    assert [r.tokens for r in got] == [t for t, _ in want]
+    assert len(want[0][0]) == 3 and len(want[3][0]) == 1  # all accepted + the bonus; the first rejected
+    assert [r.num_drafted for r in got] == [len(d) for d in drafts]
+    for r, (_, rows) in zip(got, want):
+        assert torch.equal(r.logits, rows)
+
+
+def test_profile_splits_a_speculative_step(ckpt):
+    """hyla bench spec --profile: a speculative step's mean time by part (propose, verify,
+    accept, commit, bookkeeping) adds up to the whole speculative step."""
+    from hyla.bench.spec import StepProfile
+
+    llm = LLM(str(ckpt), dtype="float64", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    prof = StepProfile(llm)
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    split = prof.split()
+    assert list(split) == ["propose", "verify", "accept", "commit", "bookkeeping"]
+    steps = prof.times["spec step (all)"]
+    assert sum(split.values()) == pytest.approx(sum(steps) / len(steps))
+    assert all(t >= 0 for t in split.values()) and "per speculative step" in prof.report()
+    prof.unwrap()
+    assert "step" not in vars(llm.engine.spec)  # the methods are back
+
+
+def test_a_greedy_batch_accepts_without_the_per_request_rule(ckpt, reference, monkeypatch):
+    """Plain greedy requests never go through `accept` (one batched argmax instead); a request
+    with a repetition penalty does. Output stays plain greedy."""
+    from hyla.engine import spec_decode
+
+    calls = []
+    monkeypatch.setattr(spec_decode, "accept", lambda *a, **k: calls.append(1) or accept(*a, **k))
+    llm = LLM(str(ckpt), dtype="float64", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+    assert llm.get_metrics()["spec_num_verify_steps"] > 0 and not calls
+    penalised = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3)
+    llm.generate(PROMPTS[:1], penalised, use_tqdm=False)
+    assert calls
