@@ -30,8 +30,8 @@ import torch.nn.functional as F
 PREFILL_SHAPES = [(1, 32768, 32, 128), (8, 4096, 32, 128), (32, 1024, 32, 128)]
 DECODE_N = [1, 8, 64, 256, 512]
 # (persistent, value block, warps, programs per SM) timed by --tune for decode
-DECODE_CONFIGS = [(False, bv, nw, 0) for bv, nw in ((32, 4), (64, 4), (64, 8))] + [
-    (True, bv, nw, pps) for bv in (32, 64) for nw in (4, 8) for pps in (2, 4, 8) if not (bv == 32 and nw == 8)]
+DECODE_CONFIGS = [(False, bv, nw, 0) for bv, nw in ((32, 4), (64, 4), (32, 2), (16, 1))] + [
+    (True, bv, nw, pps) for bv, nw in ((32, 2), (64, 4), (32, 4)) for pps in (2, 4, 8)]
 CHUNK = 64
 
 
@@ -115,9 +115,8 @@ PREFILL_CONFIGS = [
     dict(split_intra=True, slice_k=16),
     dict(split_intra=True, slice_k=16, intra_warps=8),
     dict(split_intra=True, factor_slice=64),
-    dict(split_intra=True, factor_slice=64, factor_warps=8),
-    dict(split_intra=True, scan_narrowest=16),
-    dict(split_intra=True, scan_block_v=64, scan_warps=8),
+    dict(split_intra=True, precompute_gate=True),
+    dict(split_intra=True, precompute_gate=True, factor_slice=64),
 ]
 
 

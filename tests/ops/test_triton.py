@@ -143,12 +143,14 @@ def test_chunk_steep_decays_take_the_exact_diagonal_path():
     _check(c[0], c_ref[0], "checkpoints")
 
 
-@pytest.mark.parametrize("variant", ["kda_v1", "kda_v2", "gdn", "gdn_gate"])
-@pytest.mark.parametrize("split", [True, False])
-def test_chunk_local_kernels_split_or_fused_agree_with_torch(variant, split):
+@pytest.mark.parametrize("variant,mode", [("kda_v1", "split"), ("kda_v1", "fused"), ("kda_v1", "precompute"),
+                                          ("kda_v2", "split"), ("gdn", "split"), ("gdn", "fused"),
+                                          ("gdn", "precompute"), ("gdn_gate", "split")])
+def test_chunk_local_kernels_split_or_fused_agree_with_torch(variant, mode):
     """The chunk-local work as one launch (chunk_prepare_kernel) or two (chunk_gram_kernel, then
     chunk_factors_kernel with narrow slices so one chunk has several slice programs per kind),
-    varlen with checkpoints and grouped value heads: both equal the fp64 torch path."""
+    with a fused gate's activation in the kernels or launched before them, varlen with
+    checkpoints and grouped value heads: all equal the fp64 torch path."""
     from hyla.ops.triton.chunk import chunk_fwd
 
     gate = "kda" if variant.startswith("kda") else "gdn"
@@ -176,7 +178,8 @@ def test_chunk_local_kernels_split_or_fused_agree_with_torch(variant, split):
     if "A_log" in kw:
         kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
     o, s, c = chunk_fwd(*_f32(q, k, v, raw, beta_logit), gate=gate, initial_state=h0.float().to(DEV),
-                        cu_seqlens=cu.to(DEV), split_intra=split, slice_k=16, factor_slice=16, **kw)
+                        cu_seqlens=cu.to(DEV), split_intra=mode != "fused", precompute_gate=mode == "precompute",
+                        slice_k=16, factor_slice=16, **kw)
     _check(o, o_ref, "o")
     _check(s, s_ref, "final state")
     for n in range(3):

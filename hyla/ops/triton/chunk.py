@@ -124,14 +124,16 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
-              split_intra=True, factor_slice=32, factor_warps=4, scan_stages=None, scan_narrowest=32):
+              split_intra=True, factor_slice=32, factor_warps=4, scan_stages=None, scan_narrowest=32,
+              precompute_gate=False):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
     (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
     width of the chunk-local Gram kernel; value-block width (default: by grid size, down to
     scan_narrowest), warps and pipeline stages of the scan; split_intra: the chunk-local work as
     two launches (chunk_gram_kernel, then chunk_factors_kernel with factor_slice-wide slices and
-    factor_warps) instead of the one chunk_prepare_kernel."""
+    factor_warps) instead of the one chunk_prepare_kernel; precompute_gate: a fused gate's
+    activation as a separate elementwise launch (hyla.ops.triton.gate) before them."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -148,6 +150,16 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     scale = K ** -0.5 if scale is None else float(scale)
     BK, BVF = _pow2(K), _pow2(V)
 
+    if precompute_gate and use_gate_in_kernel and g is not None:
+        # the gate activation as its own elementwise launch: fp32 log-decays, then the
+        # precomputed-gate kernels (one activation per element instead of one per kernel pass)
+        from hyla.ops.triton.gate import gdn_gate_beta, kda_gate_beta
+
+        if gate == "kda":
+            g, _ = kda_gate_beta(g, beta, A_log.reshape(-1).float(), dt_bias, lower_bound)
+        else:
+            g, _ = gdn_gate_beta(g, beta, A_log.reshape(-1).float(), dt_bias)
+        use_gate_in_kernel = False
     gate_fn, a_log, dtb, lb = gate_params(gate, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, dev)
 
     cu, lengths, off_list, chunk_off, chunk_seq, chunk_pos = _chunk_tables(cu_seqlens, B, T, dev)
@@ -165,9 +177,11 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     gc = qc if g is None else g.contiguous()
     bc = beta.contiguous()
 
+    # Scalar decays on the split path: qg and kg are rows of q and k scaled, applied in the scan.
+    row_qk = split_intra and gate != "kda"
     w = torch.empty(NCH, HV, CHUNK, BK, device=dev, dtype=st)
-    qg = torch.empty_like(w)
-    kg = torch.empty_like(w)
+    qg = w if row_qk else torch.empty_like(w)
+    kg = w if row_qk else torch.empty_like(w)
     u = torch.empty(NCH, HV, CHUNK, BVF, device=dev, dtype=st)
     aqk = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=st)
     gam = torch.empty(NCH, HV, BK, device=dev, dtype=torch.float32)
@@ -182,10 +196,11 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     else:
         ck_ptr = ck_pos = kr = dr = ck_out = chunk_off  # unused placeholders
 
+    row_factors = gam  # placeholder unless the split path writes them
     if NCH and split_intra:
         li = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=torch.float32)
-        row_factors = torch.empty(NCH, HV, 3, CHUNK, device=dev, dtype=torch.float32)
-        common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec)
+        row_factors = torch.empty(NCH, HV, 5, CHUNK, device=dev, dtype=torch.float32)
+        common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec, ROW_QK=row_qk)
         chunk_gram_kernel[(NCH, HV)](
             qc, kc, gc, bc,
             a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
@@ -228,8 +243,9 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             h0 if h0 is not None else gam, final if final is not None else gam, o,
             cu, chunk_off,
             ck_ptr, kr, dr, ck_out,
-            HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
-            HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
+            qc, kc, row_factors,
+            H=H, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
+            HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec, ROW_QK=row_qk,
             num_warps=scan_warps or (4 if BV <= 32 else 8), num_stages=scan_stages or _scan_stages(st),
         )
     if ckpts is None:

@@ -12,6 +12,9 @@ The output is produced here rather than by a third chunk-parallel kernel: that w
 chunk-start state written to memory and read back (K * V per chunk, about as many bytes as q, k
 and v together), while here the state is already in registers.
 
+With scalar decays (GDN, or none; ROW_QK) qg and kg are q and k times a factor per row, so
+they are not materialised: the scan reads q and k and chunk_gram_kernel's row factors instead.
+
 A checkpoint at in-chunk offset r is exported from the same pass: S_r = Diag(dr) S + kr^T u'
 (kr, dr from pass 1), so the state after any token count costs one extra matmul, not a split.
 """
@@ -28,9 +31,11 @@ def chunk_scan_kernel(
     h0, ht, o,
     cu_seqlens, chunk_off,
     ck_ptr, kr, dr, ck_out,
-    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
-    BV: tl.constexpr,
+    q, k, row_factors,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BVF: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_CKPT: tl.constexpr, PREC: tl.constexpr,
+    ROW_QK: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -53,18 +58,28 @@ def chunk_scan_kernel(
 
     for cid in range(c_lo, c_hi):
         head = tl.cast(cid, tl.int64) * HV + i_hv
+        tok = bos + tl.cast(cid - c_lo, tl.int64) * BT + o_t
         b_w = tl.load(w + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
         b_u = tl.load(u + head * BT * BVF + o_t[:, None] * BVF + o_v[None, :]).to(tl.float32)  # [BT, BV]
-        b_q = tl.load(qg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
         b_a = tl.load(aqk + head * BT * BT + o_t[:, None] * BT + o_t[None, :])  # [BT, BT]
-        b_kg = tl.load(kg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
+        if ROW_QK:
+            # scalar decays: qg, kg are q, k scaled per row, so they are read from the inputs
+            m_tk = (tok < eos)[:, None] & (o_k < K)[None, :]
+            i_h = i_hv // (HV // H)
+            p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+            f_q = tl.load(row_factors + head * 5 * BT + 3 * BT + o_t)  # [BT]
+            f_k = tl.load(row_factors + head * 5 * BT + 4 * BT + o_t)
+            b_q = (tl.load(q + p_qk, mask=m_tk, other=0.0).to(tl.float32) * f_q[:, None]).to(b_w.dtype)
+            b_kg = (tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32) * f_k[:, None]).to(b_w.dtype)
+        else:
+            b_q = tl.load(qg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
+            b_kg = tl.load(kg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
         b_gam = tl.load(gam + head * BK + o_k)  # [BK] fp32
 
         s_mm = b_s.to(b_w.dtype)
         b_vn = b_u - tl.dot(b_w, s_mm, input_precision=PREC)  # [BT, BV]
         vn_mm = b_vn.to(b_w.dtype)
         b_o = tl.dot(b_q, s_mm, input_precision=PREC) + tl.dot(b_a, vn_mm, input_precision=PREC)
-        tok = bos + tl.cast(cid - c_lo, tl.int64) * BT + o_t
         p_o = o + (tok[:, None] * HV + i_hv) * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(tok < eos)[:, None] & (o_v < V)[None, :])
 
