@@ -63,14 +63,16 @@ def chunk_scan_kernel(
         b_u = tl.load(u + head * BT * BVF + o_t[:, None] * BVF + o_v[None, :]).to(tl.float32)  # [BT, BV]
         b_a = tl.load(aqk + head * BT * BT + o_t[:, None] * BT + o_t[None, :])  # [BT, BT]
         if ROW_QK:
-            # scalar decays: qg, kg are q, k scaled per row, so they are read from the inputs
+            # scalar decays: qg = Diag(f_q) Q and kg = Diag(f_k) K, so the raw q, k tiles go into
+            # the products and the row factors scale their [BT, BV] sides instead (qg S = f_q * (Q S),
+            # kg^T u' = K^T (f_k * u')): the operands stay plain loads the loop can prefetch
             m_tk = (tok < eos)[:, None] & (o_k < K)[None, :]
             i_h = i_hv // (HV // H)
             p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
             f_q = tl.load(row_factors + head * 5 * BT + 3 * BT + o_t)  # [BT]
             f_k = tl.load(row_factors + head * 5 * BT + 4 * BT + o_t)
-            b_q = (tl.load(q + p_qk, mask=m_tk, other=0.0).to(tl.float32) * f_q[:, None]).to(b_w.dtype)
-            b_kg = (tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32) * f_k[:, None]).to(b_w.dtype)
+            b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(b_w.dtype)  # [BT, BK]
+            b_kg = tl.load(k + p_qk, mask=m_tk, other=0.0).to(b_w.dtype)  # [BT, BK]
         else:
             b_q = tl.load(qg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
             b_kg = tl.load(kg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
@@ -79,7 +81,13 @@ def chunk_scan_kernel(
         s_mm = b_s.to(b_w.dtype)
         b_vn = b_u - tl.dot(b_w, s_mm, input_precision=PREC)  # [BT, BV]
         vn_mm = b_vn.to(b_w.dtype)
-        b_o = tl.dot(b_q, s_mm, input_precision=PREC) + tl.dot(b_a, vn_mm, input_precision=PREC)
+        b_inter = tl.dot(b_q, s_mm, input_precision=PREC)
+        if ROW_QK:
+            b_inter = b_inter * f_q[:, None]
+            kv_mm = (b_vn * f_k[:, None]).to(b_w.dtype)
+        else:
+            kv_mm = vn_mm
+        b_o = b_inter + tl.dot(b_a, vn_mm, input_precision=PREC)
         p_o = o + (tok[:, None] * HV + i_hv) * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(tok < eos)[:, None] & (o_v < V)[None, :])
 
@@ -92,7 +100,7 @@ def chunk_scan_kernel(
                 p_ck = ck_out + ck_head * K * V + o_k[:, None] * V + o_v[None, :]
                 tl.store(p_ck, b_sr.to(ck_out.dtype.element_ty), mask=m_kv)
 
-        b_s = b_gam[:, None] * b_s + tl.dot(tl.trans(b_kg), vn_mm, input_precision=PREC)
+        b_s = b_gam[:, None] * b_s + tl.dot(tl.trans(b_kg), kv_mm, input_precision=PREC)
 
     if STORE_HT:
         tl.store(ht + state_off, b_s.to(ht.dtype.element_ty), mask=m_kv)

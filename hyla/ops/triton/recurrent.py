@@ -150,9 +150,11 @@ def _check_pool_shapes(idx, n_acc, pool, n):
 
 
 
-# The persistent decode kernel is the default from this many (value block, sequence, head) tiles
-# per SM on (a large number until it is measured faster: then the measured crossover).
-_PERSISTENT_MIN_PROGRAMS_PER_SM = 1 << 30
+# The persistent decode kernel (32-column tiles, 2 warps, 4 programs per SM) is the default from
+# this many (value block, sequence, head) tiles per SM on: on an H200 it beat the one-program-per-
+# tile kernel's best block at N = 64, 256 and 512 sequences x 32 heads (62+ tiles per SM), see
+# BENCHMARKS.md; a short grid gains nothing from its loop.
+_PERSISTENT_MIN_TILES_PER_SM = 32
 
 
 def _block_v(n_heads_total: int, V: int, device) -> int:
@@ -225,10 +227,11 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
     # when the grid is large enough for its schedule to matter (recurrent_decode.py).
     one_token = pooled and not spec and cu_seqlens is None and T == 1
     if persistent is None:
-        persistent = one_token and n * HV * triton.cdiv(V, BV) >= _PERSISTENT_MIN_PROGRAMS_PER_SM * num_sms(dev)
+        persistent = one_token and n * HV * triton.cdiv(V, 32) >= _PERSISTENT_MIN_TILES_PER_SM * num_sms(dev)
     elif persistent and not one_token:
         raise ValueError("persistent=True needs a plain decode step: a 1-D pool index and one token per sequence")
     if n and persistent:
+        BV = block_v or 32
         n_tiles = n * HV * triton.cdiv(V, BV)
         decode_persistent_kernel[(min(n_tiles, programs_per_sm * num_sms(dev)),)](
             qc, kc, vc, gc, bc,
@@ -237,7 +240,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            num_warps=num_warps or 4,
+            num_warps=num_warps or 2,
         )
     elif n:
         recurrent_kernel[(triton.cdiv(V, BV), n * HV)](
