@@ -124,8 +124,8 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
-              split_intra=True, factor_slice=32, factor_warps=4, scan_stages=None, scan_narrowest=32,
-              precompute_gate=False):
+              split_intra=True, factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
+              precompute_gate=None):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
     (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
@@ -150,6 +150,10 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     scale = K ** -0.5 if scale is None else float(scale)
     BK, BVF = _pow2(K), _pow2(V)
 
+    if precompute_gate is None:  # measured on an H200 (BENCHMARKS.md): faster for KDA's channel gates
+        precompute_gate = gate == "kda"
+    if factor_slice is None:  # 64-wide slices for scalar decays (fewer, larger programs), 32 for KDA
+        factor_slice = 32 if gate == "kda" else 64
     if precompute_gate and use_gate_in_kernel and g is not None:
         # the gate activation as its own elementwise launch: fp32 log-decays, then the
         # precomputed-gate kernels (one activation per element instead of one per kernel pass)

@@ -150,11 +150,12 @@ def _check_pool_shapes(idx, n_acc, pool, n):
 
 
 
-# The persistent decode kernel (32-column tiles, 2 warps, 4 programs per SM) is the default from
-# this many (value block, sequence, head) tiles per SM on: on an H200 it beat the one-program-per-
-# tile kernel's best block at N = 64, 256 and 512 sequences x 32 heads (62+ tiles per SM), see
-# BENCHMARKS.md; a short grid gains nothing from its loop.
-_PERSISTENT_MIN_TILES_PER_SM = 32
+# The persistent decode kernel (16-column tiles, one warp each, so the K reduction never leaves
+# the warp; 8 programs per SM) is the default from this many (value block, sequence, head) tiles
+# per SM on: on an H200 it beat every one-program-per-tile configuration at N = 64, 256 and 512
+# sequences x 32 heads (124+ tiles per SM), see BENCHMARKS.md; a short grid gains nothing from
+# its loop.
+_PERSISTENT_MIN_TILES_PER_SM = 64
 
 
 def _block_v(n_heads_total: int, V: int, device) -> int:
@@ -173,7 +174,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, ssm_state_indices=None,
                   num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                   lower_bound=None, use_beta_sigmoid_in_kernel=False, block_v=None, num_warps=None,
-                  persistent=None, programs_per_sm=4):
+                  persistent=None, programs_per_sm=8):
     pooled = ssm_state_indices is not None
     # Shape checks only: this path never reads device values on the host (no synchronisation),
     # so it can be captured in a CUDA graph. Slot ranges are the caller's contract.
@@ -227,11 +228,11 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
     # when the grid is large enough for its schedule to matter (recurrent_decode.py).
     one_token = pooled and not spec and cu_seqlens is None and T == 1
     if persistent is None:
-        persistent = one_token and n * HV * triton.cdiv(V, 32) >= _PERSISTENT_MIN_TILES_PER_SM * num_sms(dev)
+        persistent = one_token and n * HV * triton.cdiv(V, 16) >= _PERSISTENT_MIN_TILES_PER_SM * num_sms(dev)
     elif persistent and not one_token:
         raise ValueError("persistent=True needs a plain decode step: a 1-D pool index and one token per sequence")
     if n and persistent:
-        BV = block_v or 32
+        BV = block_v or 16
         n_tiles = n * HV * triton.cdiv(V, BV)
         decode_persistent_kernel[(min(n_tiles, programs_per_sm * num_sms(dev)),)](
             qc, kc, vc, gc, bc,
@@ -240,7 +241,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            num_warps=num_warps or 2,
+            num_warps=num_warps or 1,
         )
     elif n:
         recurrent_kernel[(triton.cdiv(V, BV), n * HV)](
