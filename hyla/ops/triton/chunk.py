@@ -181,11 +181,9 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     gc = qc if g is None else g.contiguous()
     bc = beta.contiguous()
 
-    # Scalar decays on the split path: qg and kg are rows of q and k scaled, applied in the scan.
-    row_qk = split_intra and gate != "kda"
     w = torch.empty(NCH, HV, CHUNK, BK, device=dev, dtype=st)
-    qg = w if row_qk else torch.empty_like(w)
-    kg = w if row_qk else torch.empty_like(w)
+    qg = torch.empty_like(w)
+    kg = torch.empty_like(w)
     u = torch.empty(NCH, HV, CHUNK, BVF, device=dev, dtype=st)
     aqk = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=st)
     gam = torch.empty(NCH, HV, BK, device=dev, dtype=torch.float32)
@@ -200,11 +198,10 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     else:
         ck_ptr = ck_pos = kr = dr = ck_out = chunk_off  # unused placeholders
 
-    row_factors = gam  # placeholder unless the split path writes them
     if NCH and split_intra:
         li = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=torch.float32)
-        row_factors = torch.empty(NCH, HV, 5, CHUNK, device=dev, dtype=torch.float32)
-        common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec, ROW_QK=row_qk)
+        row_factors = torch.empty(NCH, HV, 3, CHUNK, device=dev, dtype=torch.float32)
+        common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec)
         chunk_gram_kernel[(NCH, HV)](
             qc, kc, gc, bc,
             a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
@@ -247,9 +244,8 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             h0 if h0 is not None else gam, final if final is not None else gam, o,
             cu, chunk_off,
             ck_ptr, kr, dr, ck_out,
-            qc, kc, row_factors,
-            H=H, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
-            HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec, ROW_QK=row_qk,
+            HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
+            HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
             num_warps=scan_warps or (4 if BV <= 32 else 8), num_stages=scan_stages or _scan_stages(st),
         )
     if ckpts is None:

@@ -370,8 +370,7 @@ def _gram_scalar(q, k, g, t0, eos, i_h, i_hv, a_log, bias, lower_bound,
     over all channels on the operands as loaded (bf16 products are exact in the fp32
     accumulator), then the [64, 64] decay. Its exponent is assembled from same-sign sub-block
     pieces (as _gram_steep does per channel), so no chunk is too steep for it.
-    -> (a_qk, a_kk [64, 64] fp32, lower triangles valid; row sums of squares of q and k [64];
-    the per-token log-decays [64])."""
+    -> (a_qk, a_kk [64, 64] fp32, lower triangles valid; row sums of squares of q and k [64])."""
     rows = tl.arange(0, BT)
     o_t = t0 + rows
     o_k = tl.arange(0, BK)
@@ -401,9 +400,8 @@ def _gram_scalar(q, k, g, t0, eos, i_h, i_hv, a_log, bias, lower_bound,
                      gl[:, None] + between + (tot_j - gl)[None, :])
         dec = tl.where(lower, tl.exp(tl.minimum(e, MAX_SPAN)), 0.0)
     else:
-        b_g = tl.zeros([BT], dtype=tl.float32)
         dec = tl.where(lower, 1.0, 0.0)
-    return a_qk * dec, a_kk * dec, sq, sk, b_g
+    return a_qk * dec, a_kk * dec, sq, sk
 
 
 @triton.jit(do_not_specialize=["lower_bound", "scale"])
@@ -414,12 +412,10 @@ def chunk_gram_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr, ROW_QK: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr,
 ):
     """Per (chunk, value head): aqk [64, 64] (as in chunk_prepare_kernel), L^-1 [64, 64] fp32 and
-    the row factors rows_out [5, 64] fp32: scale * |q_i|^-1, |k_i|^-1, beta_i and, with ROW_QK
-    (scalar gates only), the rows of qg = Diag(.) Q and kg = Diag(.) K: scale |q_i|^-1 e^(G_i)
-    and |k_j|^-1 e^(G_C - G_j)."""
+    the row factors rows_out [3, 64] fp32: scale * |q_i|^-1, |k_i|^-1 and beta_i."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -455,8 +451,8 @@ def chunk_gram_kernel(
             sk += tl.sum(b_k * b_k, axis=1)
             a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE, PREC)
     else:
-        a_qk, a_kk, sq, sk, b_g = _gram_scalar(q, k, g, t0, eos, i_h, i_hv, a_log, bias, lower_bound,
-                                               H, HV, K, BK, GATE, GATE_FN, PREC)
+        a_qk, a_kk, sq, sk = _gram_scalar(q, k, g, t0, eos, i_h, i_hv, a_log, bias, lower_bound,
+                                          H, HV, K, BK, GATE, GATE_FN, PREC)
     if USE_L2NORM:
         nq = 1.0 / tl.sqrt(sq + 1e-6)
         nk = 1.0 / tl.sqrt(sk + 1e-6)
@@ -471,13 +467,9 @@ def chunk_gram_kernel(
     _store_rows(aqk + head * BT * BT, a_qk, BT)
     n = tl.where(rows[:, None] > rows[None, :], a_kk * ((b_b * nk)[:, None] * nk[None, :]), 0.0)
     _store_rows(li_out + head * BT * BT, _inv_unit_lower(n, PREC), BT)
-    tl.store(rows_out + head * 5 * BT + rows, scale * nq)
-    tl.store(rows_out + head * 5 * BT + BT + rows, nk)
-    tl.store(rows_out + head * 5 * BT + 2 * BT + rows, b_b)
-    if ROW_QK:  # scalar decays: qg and kg are q and k with these row factors (the scan applies them)
-        eg, e_end, _ = _boundary_decays(b_g, 1)  # [64, 1] each
-        tl.store(rows_out + head * 5 * BT + 3 * BT + rows, tl.sum(eg, axis=1) * scale * nq)
-        tl.store(rows_out + head * 5 * BT + 4 * BT + rows, tl.sum(e_end, axis=1) * nk)
+    tl.store(rows_out + head * 3 * BT + rows, scale * nq)
+    tl.store(rows_out + head * 3 * BT + BT + rows, nk)
+    tl.store(rows_out + head * 3 * BT + 2 * BT + rows, b_b)
 
 
 @triton.jit(do_not_specialize=["lower_bound"])
@@ -489,12 +481,11 @@ def chunk_factors_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CKPT: tl.constexpr,
-    PREC: tl.constexpr, ROW_QK: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Per (channel slice, chunk, value head), from chunk_gram_kernel's L^-1 and row factors:
     slices s < BK / BKS write qg, kg, w, gam (and checkpoint factors) for channels s * BKS ...;
-    the others write u for value columns (s - BK / BKS) * BVS ... . With ROW_QK, qg and kg are
-    left to the scan (it scales q and k by chunk_gram_kernel's row factors)."""
+    the others write u for value columns (s - BK / BKS) * BVS ... ."""
     i_s = tl.program_id(0)
     i_c = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -507,7 +498,7 @@ def chunk_factors_kernel(
     rows = tl.arange(0, BT)
     head = i_c.to(tl.int64) * HV + i_hv
     li = tl.load(li_in + head * BT * BT + rows[:, None] * BT + rows[None, :])  # [64, 64] fp32
-    b_b = tl.load(rows_in + head * 5 * BT + 2 * BT + rows)  # [64] beta (0 on padding rows)
+    b_b = tl.load(rows_in + head * 3 * BT + 2 * BT + rows)  # [64] beta (0 on padding rows)
     NKS: tl.constexpr = BK // BKS
     if i_s < NKS:
         ks = i_s * BKS
@@ -523,13 +514,12 @@ def chunk_factors_kernel(
                     bias_s = tl.load(dt_bias + i_hv).to(tl.float32)
         b_q, b_k, b_g = _load_slice(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound,
                                     H, HV, K, GATE, GATE_FN)
-        nk = tl.load(rows_in + head * 5 * BT + BT + rows)
+        nk = tl.load(rows_in + head * 3 * BT + BT + rows)
         b_k = b_k * nk[:, None]
         eg, e_end, gam_s = _boundary_decays(b_g, GATE)
-        if not ROW_QK:
-            sq = tl.load(rows_in + head * 5 * BT + rows)  # scale / |q_i|
-            _store_rows(qg + head * BT * BK + ks, b_q * sq[:, None] * eg, BK)
-            _store_rows(kg + head * BT * BK + ks, b_k * e_end, BK)
+        sq = tl.load(rows_in + head * 3 * BT + rows)  # scale / |q_i|
+        _store_rows(qg + head * BT * BK + ks, b_q * sq[:, None] * eg, BK)
+        _store_rows(kg + head * BT * BK + ks, b_k * e_end, BK)
         tl.store(gam + head * BK + o_k, tl.zeros([BKS], dtype=tl.float32) + gam_s)
         _store_rows(w + head * BT * BK + ks, tl.dot(li, b_k * b_b[:, None] * eg, input_precision=PREC), BK)
         if HAS_CKPT:

@@ -12,9 +12,6 @@ The output is produced here rather than by a third chunk-parallel kernel: that w
 chunk-start state written to memory and read back (K * V per chunk, about as many bytes as q, k
 and v together), while here the state is already in registers.
 
-With scalar decays (GDN, or none; ROW_QK) qg and kg are q and k times a factor per row, so
-they are not materialised: the scan reads q and k and chunk_gram_kernel's row factors instead.
-
 A checkpoint at in-chunk offset r is exported from the same pass: S_r = Diag(dr) S + kr^T u'
 (kr, dr from pass 1), so the state after any token count costs one extra matmul, not a split.
 """
@@ -31,11 +28,9 @@ def chunk_scan_kernel(
     h0, ht, o,
     cu_seqlens, chunk_off,
     ck_ptr, kr, dr, ck_out,
-    q, k, row_factors,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-    BVF: tl.constexpr, BV: tl.constexpr,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+    BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_CKPT: tl.constexpr, PREC: tl.constexpr,
-    ROW_QK: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -58,36 +53,18 @@ def chunk_scan_kernel(
 
     for cid in range(c_lo, c_hi):
         head = tl.cast(cid, tl.int64) * HV + i_hv
-        tok = bos + tl.cast(cid - c_lo, tl.int64) * BT + o_t
         b_w = tl.load(w + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
         b_u = tl.load(u + head * BT * BVF + o_t[:, None] * BVF + o_v[None, :]).to(tl.float32)  # [BT, BV]
+        b_q = tl.load(qg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
         b_a = tl.load(aqk + head * BT * BT + o_t[:, None] * BT + o_t[None, :])  # [BT, BT]
-        if ROW_QK:
-            # scalar decays: qg = Diag(f_q) Q and kg = Diag(f_k) K, so the raw q, k tiles go into
-            # the products and the row factors scale their [BT, BV] sides instead (qg S = f_q * (Q S),
-            # kg^T u' = K^T (f_k * u')): the operands stay plain loads the loop can prefetch
-            m_tk = (tok < eos)[:, None] & (o_k < K)[None, :]
-            i_h = i_hv // (HV // H)
-            p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
-            f_q = tl.load(row_factors + head * 5 * BT + 3 * BT + o_t)  # [BT]
-            f_k = tl.load(row_factors + head * 5 * BT + 4 * BT + o_t)
-            b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(b_w.dtype)  # [BT, BK]
-            b_kg = tl.load(k + p_qk, mask=m_tk, other=0.0).to(b_w.dtype)  # [BT, BK]
-        else:
-            b_q = tl.load(qg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
-            b_kg = tl.load(kg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
+        b_kg = tl.load(kg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
         b_gam = tl.load(gam + head * BK + o_k)  # [BK] fp32
 
         s_mm = b_s.to(b_w.dtype)
         b_vn = b_u - tl.dot(b_w, s_mm, input_precision=PREC)  # [BT, BV]
         vn_mm = b_vn.to(b_w.dtype)
-        b_inter = tl.dot(b_q, s_mm, input_precision=PREC)
-        if ROW_QK:
-            b_inter = b_inter * f_q[:, None]
-            kv_mm = (b_vn * f_k[:, None]).to(b_w.dtype)
-        else:
-            kv_mm = vn_mm
-        b_o = b_inter + tl.dot(b_a, vn_mm, input_precision=PREC)
+        b_o = tl.dot(b_q, s_mm, input_precision=PREC) + tl.dot(b_a, vn_mm, input_precision=PREC)
+        tok = bos + tl.cast(cid - c_lo, tl.int64) * BT + o_t
         p_o = o + (tok[:, None] * HV + i_hv) * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(tok < eos)[:, None] & (o_v < V)[None, :])
 
@@ -100,7 +77,7 @@ def chunk_scan_kernel(
                 p_ck = ck_out + ck_head * K * V + o_k[:, None] * V + o_v[None, :]
                 tl.store(p_ck, b_sr.to(ck_out.dtype.element_ty), mask=m_kv)
 
-        b_s = b_gam[:, None] * b_s + tl.dot(tl.trans(b_kg), kv_mm, input_precision=PREC)
+        b_s = b_gam[:, None] * b_s + tl.dot(tl.trans(b_kg), vn_mm, input_precision=PREC)
 
     if STORE_HT:
         tl.store(ht + state_off, b_s.to(ht.dtype.element_ty), mask=m_kv)
