@@ -24,7 +24,7 @@ def main() -> None:
     from hyla.ops.triton.recurrent import recurrent_fwd
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cfgs = [dict(split_intra=False), dict(split_intra=True), dict(split_intra=True, factor_slice=64)]
+    cfgs = [dict(factor_slice=32), dict(factor_slice=64), dict(precompute_gate=True), dict(precompute_gate=False)]
     with torch.inference_mode():
         for shape in args.shapes:
             B, T = map(int, shape.split("x"))

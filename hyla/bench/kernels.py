@@ -106,17 +106,17 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-# Launch configurations timed by --tune: the chunk-local work fused into one kernel or split in
-# two (Gram + L^-1, then per-slice factors), its warps and slice widths, and the scan's blocks.
+# Launch configurations timed by --tune (changes from the defaults): the Gram kernel's warps and
+# channel slices, the factor kernel's slice width, a fused gate's activation in the kernels or
+# launched first.
 PREFILL_CONFIGS = [
-    dict(split_intra=False),
-    dict(split_intra=True),
-    dict(split_intra=True, intra_warps=8),
-    dict(split_intra=True, slice_k=16),
-    dict(split_intra=True, slice_k=16, intra_warps=8),
-    dict(split_intra=True, factor_slice=64),
-    dict(split_intra=True, precompute_gate=True),
-    dict(split_intra=True, precompute_gate=True, factor_slice=64),
+    dict(),
+    dict(intra_warps=8),
+    dict(slice_k=16),
+    dict(factor_slice=32),
+    dict(factor_slice=64),
+    dict(precompute_gate=False),
+    dict(precompute_gate=True),
 ]
 
 

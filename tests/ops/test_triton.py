@@ -143,14 +143,13 @@ def test_chunk_steep_decays_take_the_exact_diagonal_path():
     _check(c[0], c_ref[0], "checkpoints")
 
 
-@pytest.mark.parametrize("variant,mode", [("kda_v1", "split"), ("kda_v1", "fused"), ("kda_v1", "precompute"),
-                                          ("kda_v2", "split"), ("gdn", "split"), ("gdn", "fused"),
-                                          ("gdn", "precompute"), ("gdn_gate", "split")])
-def test_chunk_local_kernels_split_or_fused_agree_with_torch(variant, mode):
-    """The chunk-local work as one launch (chunk_prepare_kernel) or two (chunk_gram_kernel, then
-    chunk_factors_kernel with narrow slices so one chunk has several slice programs per kind),
-    with a fused gate's activation in the kernels or launched before them, varlen with
-    checkpoints and grouped value heads: all equal the fp64 torch path."""
+@pytest.mark.parametrize("variant,mode", [("kda_v1", "in_kernel"), ("kda_v1", "precompute"), ("kda_v2", "in_kernel"),
+                                          ("kda_v2", "precompute"), ("gdn", "in_kernel"), ("gdn", "precompute"),
+                                          ("gdn_gate", "in_kernel")])
+def test_chunk_local_kernels_agree_with_torch(variant, mode):
+    """chunk_gram_kernel, then chunk_factors_kernel with narrow slices (one chunk has several
+    slice programs of each kind), a fused gate's activation in the kernels or launched before
+    them, varlen with checkpoints and grouped value heads: equal to the fp64 torch path."""
     from hyla.ops.triton.chunk import chunk_fwd
 
     gate = "kda" if variant.startswith("kda") else "gdn"
@@ -178,7 +177,7 @@ def test_chunk_local_kernels_split_or_fused_agree_with_torch(variant, mode):
     if "A_log" in kw:
         kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
     o, s, c = chunk_fwd(*_f32(q, k, v, raw, beta_logit), gate=gate, initial_state=h0.float().to(DEV),
-                        cu_seqlens=cu.to(DEV), split_intra=mode != "fused", precompute_gate=mode == "precompute",
+                        cu_seqlens=cu.to(DEV), precompute_gate=mode == "precompute",
                         slice_k=16, factor_slice=16, **kw)
     _check(o, o_ref, "o")
     _check(s, s_ref, "final state")

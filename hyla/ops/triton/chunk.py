@@ -1,8 +1,9 @@
 """Chunkwise prefill on the GPU (Triton, forward only): same contract as hyla.ops.chunk.
 
-Two launches per call:
-  1. chunk_intra.chunk_prepare_kernel, grid (chunks, HV): per-chunk factors w, u, qg, kg, aqk,
-     gam (and checkpoint factors), with gate, beta sigmoid and q/k L2 norm fused.
+Three launches per call (four with a separate gate activation, see precompute_gate):
+  1. chunk_intra.chunk_gram_kernel, grid (chunks, HV), then chunk_intra.chunk_factors_kernel,
+     grid (slices, chunks, HV): per-chunk factors w, u, qg, kg, aqk, gam (and checkpoint factors),
+     with gate, beta sigmoid and q/k L2 norm fused.
   2. chunk_scan.chunk_scan_kernel, grid (V / BV, N * HV): the sequential state scan, writing
      o, the final state and every requested checkpoint state in the same pass.
 
@@ -20,7 +21,7 @@ import torch
 import triton
 
 from hyla.ops.triton import _interpreter
-from hyla.ops.triton.chunk_intra import chunk_factors_kernel, chunk_gram_kernel, chunk_prepare_kernel
+from hyla.ops.triton.chunk_intra import chunk_factors_kernel, chunk_gram_kernel
 from hyla.ops.triton.chunk_scan import chunk_scan_kernel
 from hyla.ops.triton.params import gate_params, num_sms
 from hyla.ops import chunk as _reference
@@ -124,15 +125,14 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
-              split_intra=True, factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
+              factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
               precompute_gate=None):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
     (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
     width of the chunk-local Gram kernel; value-block width (default: by grid size, down to
-    scan_narrowest), warps and pipeline stages of the scan; split_intra: the chunk-local work as
-    two launches (chunk_gram_kernel, then chunk_factors_kernel with factor_slice-wide slices and
-    factor_warps) instead of the one chunk_prepare_kernel; precompute_gate: a fused gate's
+    scan_narrowest), warps and pipeline stages of the scan; width and warps of the slice programs
+    of chunk_factors_kernel (factor_slice, factor_warps); precompute_gate: a fused gate's
     activation as a separate elementwise launch (hyla.ops.triton.gate) before them."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
@@ -198,7 +198,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     else:
         ck_ptr = ck_pos = kr = dr = ck_out = chunk_off  # unused placeholders
 
-    if NCH and split_intra:
+    if NCH:
         li = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=torch.float32)
         row_factors = torch.empty(NCH, HV, 3, CHUNK, device=dev, dtype=torch.float32)
         common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec)
@@ -218,20 +218,6 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             w, u, qg, kg, gam, ck_ptr, ck_pos, kr, dr,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=bks, BVS=bvs, HAS_CKPT=has_ck,
             num_warps=factor_warps, **common,
-        )
-    elif NCH:
-        chunk_prepare_kernel[(NCH, HV)](
-            qc, kc, vc, gc, bc,
-            a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
-            lb, scale,
-            cu, chunk_seq, chunk_pos,
-            w, u, qg, kg, aqk, gam,
-            ck_ptr, ck_pos, kr, dr,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=min(BK, slice_k), BVS=min(BVF, slice_k),
-            GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
-            USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            HAS_CKPT=has_ck, PREC=prec,
-            num_warps=intra_warps,
         )
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)

@@ -1,8 +1,12 @@
 """Chunk prefill, pass 1 of 2: everything that depends on one 64-token chunk only (Triton).
 
-One program per (chunk, value head). It reads q, k, v, the gate and beta of its 64 tokens,
-applies the fused pieces (gate activation, beta sigmoid, q/k L2 norm), and writes what the
-sequential pass (chunk_scan.py) needs, so that pass is four matmuls per chunk:
+Two launches. chunk_gram_kernel, one program per (chunk, value head), reads q, k, the gate and
+beta of its 64 tokens, applies the fused pieces (gate activation, beta sigmoid, q/k L2 norm) and
+writes aqk, L^-1 and three row factors. chunk_factors_kernel, one small program per (channel or
+value slice, chunk, value head), turns them into the rest. (One kernel doing both held both
+[64, 64] Gram accumulators, L^-1 and a slice's operands at once: 255 registers, two 4-warp
+programs per SM; split, the slice programs run at 112-161 registers, several per SM.) Together
+they write what the sequential pass (chunk_scan.py) needs, so that pass is four matmuls per chunk:
 
     w   = L^-1 Diag(b) (K * e^G)            [64, K]   u   = L^-1 Diag(b) V       [64, V]
     qg  = scale * Q * e^G                    [64, K]   kg  = K * e^(G_C - G)      [64, K]
@@ -254,113 +258,6 @@ def _checkpoint_factors(kr_ptr, dr_ptr, r, b_k, b_g, GATE: tl.constexpr, BK: tl.
     tl.store(dr_ptr + o_c, tl.zeros([b_k.shape[1]], dtype=tl.float32) + d)
 
 
-@triton.jit(do_not_specialize=["lower_bound", "scale"])
-def chunk_prepare_kernel(
-    q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-    cu_seqlens, chunk_seq, chunk_pos,
-    w, u, qg, kg, aqk, gam,
-    ck_ptr, ck_pos, kr, dr,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
-    GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, HAS_CKPT: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    i_c = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_seq + i_c)
-    c = tl.load(chunk_pos + i_c)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + c.to(tl.int64) * BT
-    rows = tl.arange(0, BT)
-    head = i_c.to(tl.int64) * HV + i_hv
-
-    a_log = 0.0
-    bias = 0.0
-    if GATE_FN > 0:
-        a_log = tl.load(A_log + i_hv).to(tl.float32)
-        if HAS_BIAS:
-            if GATE == 1:
-                bias = tl.load(dt_bias + i_hv).to(tl.float32)
-
-    # ---- pass 1: decayed Gram matrices [64, 64], summed over channel slices ---------------------
-    a_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    a_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    sq = tl.zeros([BT], dtype=tl.float32)  # row sums of squares, for the L2 norm
-    sk = tl.zeros([BT], dtype=tl.float32)
-    for ks in range(0, BK, BKS):
-        o_k = ks + tl.arange(0, BKS)
-        if GATE == 2 and GATE_FN > 0 and HAS_BIAS:
-            bias_s = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-        else:
-            bias_s = bias
-        b_q, b_k, b_g = _load_slice(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound,
-                                    H, HV, K, GATE, GATE_FN)
-        if USE_L2NORM:
-            sq += tl.sum(b_q * b_q, axis=1)
-            sk += tl.sum(b_k * b_k, axis=1)
-        a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE, PREC)
-
-    # The L2 norm scales rows and columns of the (bilinear) Gram matrices.
-    if USE_L2NORM:
-        nq = 1.0 / tl.sqrt(sq + 1e-6)
-        nk = 1.0 / tl.sqrt(sk + 1e-6)
-    else:
-        nq = tl.full([BT], 1.0, dtype=tl.float32)
-        nk = nq
-    o_b = t0 + rows
-    b_b = tl.load(beta + o_b * HV + i_hv, mask=o_b < eos, other=0.0).to(tl.float32)
-    if BETA_SIGMOID:
-        b_b = tl.where(o_b < eos, sigmoid(b_b), 0.0)  # padding rows keep beta = 0: they write nothing
-    a_qk = tl.where(rows[:, None] >= rows[None, :], a_qk * (scale * nq[:, None] * nk[None, :]), 0.0)
-    _store_rows(aqk + head * BT * BT, a_qk, BT)
-    n = tl.where(rows[:, None] > rows[None, :], a_kk * ((b_b * nk)[:, None] * nk[None, :]), 0.0)
-    li = _inv_unit_lower(n, PREC)  # [64, 64] L^-1
-
-    # ---- pass 2: qg, kg, w = L^-1 Diag(b) (K * e^G), gam, checkpoint factors, per channel slice --
-    if HAS_CKPT:
-        ck_lo = tl.load(ck_ptr + i_c)
-        ck_hi = tl.load(ck_ptr + i_c + 1)
-    for ks in range(0, BK, BKS):
-        o_k = ks + tl.arange(0, BKS)
-        if GATE == 2 and GATE_FN > 0 and HAS_BIAS:
-            bias_s = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-        else:
-            bias_s = bias
-        b_q, b_k, b_g = _load_slice(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound,
-                                    H, HV, K, GATE, GATE_FN)
-        b_k = b_k * nk[:, None]
-        eg, e_end, gam_s = _boundary_decays(b_g, GATE)
-        _store_rows(qg + head * BT * BK + ks, b_q * (scale * nq)[:, None] * eg, BK)
-        _store_rows(kg + head * BT * BK + ks, b_k * e_end, BK)
-        tl.store(gam + head * BK + o_k, tl.zeros([BKS], dtype=tl.float32) + gam_s)
-        x = b_k * b_b[:, None] * eg  # [64, BKS]
-        _store_rows(w + head * BT * BK + ks, tl.dot(li, x, input_precision=PREC), BK)
-        if HAS_CKPT:
-            for ci in range(ck_lo, ck_hi):
-                ck_head = tl.cast(ci, tl.int64) * HV + i_hv
-                _checkpoint_factors(kr + ck_head * BT * BK + ks, dr + ck_head * BK + ks, tl.load(ck_pos + ci),
-                                    b_k, b_g, GATE, BK)
-
-    # ---- pass 3: u = L^-1 Diag(b) V, per value slice ---------------------------------------------
-    for vs in range(0, BV, BVS):
-        o_v = vs + tl.arange(0, BVS)
-        b_v = tl.load(v + (o_b[:, None] * HV + i_hv) * V + o_v[None, :],
-                      mask=(o_b < eos)[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
-        _store_rows(u + head * BT * BV + vs, tl.dot(li, b_v * b_b[:, None], input_precision=PREC), BV)
-
-
-# ---- the same work in two launches (chunk_gram_kernel, then chunk_factors_kernel) ------------------
-# The fused kernel above keeps both [64, 64] Gram accumulators, L^-1 and a channel slice's operands
-# live at once (255 registers: two 4-warp programs per SM, spills). Split, the Gram + inverse part
-# holds only the matrices, and the per-slice products run as one small program per channel slice
-# (grid slices x chunks x heads) at several programs per SM. The price: L^-1 (fp32, 16 KB per chunk
-# and head) goes through memory, read by the chunk's slice programs, which run side by side (the
-# slice is the fastest grid axis), so mostly from L2.
-
-
 @triton.jit
 def _gram_scalar(q, k, g, t0, eos, i_h, i_hv, a_log, bias, lower_bound,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
@@ -414,7 +311,7 @@ def chunk_gram_kernel(
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per (chunk, value head): aqk [64, 64] (as in chunk_prepare_kernel), L^-1 [64, 64] fp32 and
+    """Per (chunk, value head): aqk [64, 64] (scale * tril(A_qk)), L^-1 [64, 64] fp32 and
     the row factors rows_out [3, 64] fp32: scale * |q_i|^-1, |k_i|^-1 and beta_i."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
