@@ -39,6 +39,7 @@ import logging
 import torch
 
 from hyla.contract import ForwardBatch
+from hyla.ops.transfer import fill_long
 
 log = logging.getLogger("hyla.engine")
 
@@ -146,7 +147,7 @@ class DecodeGraphs:
             if ctx == 0:  # a one-token prompt: its slot may hold an old request's state
                 self.cache.zero_slot(slot)
         graph, out = self._graph(bs, width)
-        self.meta[width][:bs].copy_(torch.tensor(rows, dtype=torch.long))
+        fill_long(self.meta[width][:bs], rows)  # asynchronous: no wait for the previous replay
         self._key = (bs, width)
         return graph, out, n
 

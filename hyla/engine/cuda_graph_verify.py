@@ -19,9 +19,10 @@ row's state by the accepted tokens (`model.commit_replay`), reading the accepted
 persistent buffer (`accepted [max_batch]`; padding rows accept 1, their slot is the scratch one).
 
 CUDAGraphRunner = the decode graphs of hyla.engine.cuda_graph (buckets, buffers, scratch slot and
-page, capture) + these; ModelRunner holds one when CUDA graphs are on. The buffers here are
-filled from pinned host memory asynchronously (`_fill`): a copy from pageable memory would wait
-for every kernel queued before it, so a step's host work could not overlap the replays before it.
+page, capture) + these; ModelRunner holds one when CUDA graphs are on. Like the decode buffers,
+the buffers here are filled from pinned host memory asynchronously (hyla.ops.transfer.fill_long):
+a copy from pageable memory would wait for every kernel queued before it, so a step's host work
+could not overlap the replays before it.
 
 HeadStepGraphs: the MTP head's steps (hyla.engine.mtp) as graphs of the same batch buckets and
 page widths, sharing the runner's memory pool, W rows per request: W = 1 for a draft step (the
@@ -55,21 +56,9 @@ import torch
 
 from hyla.contract import ForwardBatch
 from hyla.engine.cuda_graph import DecodeGraphs, width_bucket
-from hyla.ops.transfer import long_tensor, to_device_long
+from hyla.ops.transfer import fill_long, to_device_long
 
 log = logging.getLogger("hyla.engine")
-
-
-def _fill(dst: torch.Tensor, rows: list) -> None:
-    """Copy python ints ([n] or equal rows [n, w]) into the device buffer dst without stalling
-    the host: from pinned memory, asynchronously. (A copy from pageable memory synchronises the
-    stream: the host would wait for every kernel queued before it, e.g. the previous replay.)
-    The caching host allocator keeps the pinned block until the copy has run."""
-    host = long_tensor(rows)
-    if dst.device.type == "cuda":
-        dst.copy_(host.pin_memory(), non_blocking=True)
-    else:
-        dst.copy_(host)
 
 
 def _verify_pad_row(W: int, width: int) -> list[int]:
@@ -116,7 +105,7 @@ class CUDAGraphRunner(DecodeGraphs):
         rows += [_verify_pad_row(W, width)] * (bs - n)
         key = (bs, W, width, rollback)
         graph, out, replay = self._verify_graph(key)
-        _fill(self.vmeta[(W, width)][:bs], rows)
+        fill_long(self.vmeta[(W, width)][:bs], rows)
         self.verify_key = key
         if graph is None:
             out = self._verify_forward(*key)
@@ -137,7 +126,7 @@ class CUDAGraphRunner(DecodeGraphs):
         (model.commit_replay), replaying the commit graph captured with the verify graph."""
         padded = self.pad_accepted(accepted)
         bs = len(padded)
-        _fill(self.accepted[:bs], padded)
+        fill_long(self.accepted[:bs], padded)
         graph = self.commit_graphs.get(self.verify_key)
         if graph is None:
             self.model.commit_replay(self.cache, self.accepted[:bs])
@@ -252,7 +241,7 @@ class HeadStepGraphs:
             first += m
         rows += [_head_pad_row(W, width)] * (bs - n)
         graph, out = self._graph(bs, W, width)
-        _fill(self.hmeta[(W, width)][:bs], rows)
+        fill_long(self.hmeta[(W, width)][:bs], rows)
         dest = [i * W + j for i, m in enumerate(counts) for j in range(m)]  # request i's rows start at i * W
         self.hidden.index_copy_(0, to_device_long(dest, self.hidden.device), hidden.to(self.hidden.dtype))
         if graph is None:
@@ -327,7 +316,7 @@ class HeadStepGraphs:
         graph = self._chain_graph(bs, k, width)
         rows = [[c] + _table_row(table, width) for c, table in zip(context, tables)]
         rows += [[0] + [-1] * width] * (bs - n)
-        _fill(self.cmeta[width][:bs], rows)
+        fill_long(self.cmeta[width][:bs], rows)
         if graph is None:
             self._chain_forward(bs, k, width)
         else:

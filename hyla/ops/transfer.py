@@ -53,3 +53,16 @@ def stage_long(pieces: list, device, dtype: torch.dtype = torch.long) -> list[to
 def to_device_long(values, device) -> torch.Tensor:
     """One int64 tensor on `device` from a python list, through a pinned buffer (no stall)."""
     return stage_long([values], device)[0]
+
+
+def fill_long(dst: torch.Tensor, values) -> None:
+    """Copy python ints ([n] or equal rows [n, w]) into the existing int64 tensor dst (a CUDA
+    graph's input buffer) without stalling the host: from pinned memory, asynchronously. (A copy
+    from pageable memory synchronises the stream: the host would wait for every kernel queued
+    before it, e.g. the previous replay.) The caching host allocator keeps the pinned block until
+    the copy has run."""
+    host = long_tensor(values)
+    if dst.device.type == "cuda":
+        dst.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(host)

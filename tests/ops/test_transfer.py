@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hyla.ops.transfer import long_tensor, stage_long, to_device_long
+from hyla.ops.transfer import fill_long, long_tensor, stage_long, to_device_long
 
 
 def test_long_tensor_from_lists_rows_and_tensors():
@@ -28,3 +28,13 @@ def test_stage_keeps_values_and_shapes(dtype):
 
 def test_to_device_long():
     assert to_device_long(list(range(5)), None).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_fill_long_writes_rows_into_an_existing_buffer():
+    buf = torch.full((4, 3), -9, dtype=torch.long)
+    fill_long(buf[:2], [[1, 2, 3], [4, 5, 6]])
+    assert buf.tolist() == [[1, 2, 3], [4, 5, 6], [-9, -9, -9], [-9, -9, -9]]
+    fill_long(buf[3], [7, 8, 9])
+    assert buf[3].tolist() == [7, 8, 9]
+    with pytest.raises(ValueError, match="equal lengths"):
+        fill_long(buf[:2], [[1, 2, 3], [4]])

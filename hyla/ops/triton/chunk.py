@@ -23,6 +23,7 @@ import triton
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.chunk_intra import chunk_factors_kernel, chunk_gram_kernel
 from hyla.ops.triton.chunk_scan import chunk_scan_kernel
+from hyla.ops.triton.gate import gdn_gate_beta, kda_gate_beta
 from hyla.ops.triton.params import gate_params, num_sms
 from hyla.ops import chunk as _reference
 from hyla.ops import utils
@@ -157,8 +158,6 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     if precompute_gate and use_gate_in_kernel and g is not None:
         # the gate activation as its own elementwise launch: fp32 log-decays, then the
         # precomputed-gate kernels (one activation per element instead of one per kernel pass)
-        from hyla.ops.triton.gate import gdn_gate_beta, kda_gate_beta
-
         if gate == "kda":
             g, _ = kda_gate_beta(g, beta, A_log.reshape(-1).float(), dt_bias, lower_bound)
         else:

@@ -42,7 +42,7 @@ the whole 64x64 block would not do: its terms grow like binomials for correlated
 import triton
 import triton.language as tl
 
-from hyla.ops.triton.common import apply_gate, sigmoid
+from hyla.ops.triton.common import apply_gate, head_gate_params, sigmoid
 
 BT = tl.constexpr(64)  # chunk
 BC = tl.constexpr(16)  # sub-block
@@ -75,16 +75,28 @@ def _between(tot, a):
 
 
 @triton.jit
-def _load_slice(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias, lower_bound,
-                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr):
-    """Raw q, k [64, BKS] of the chunk's channel slice o_k and its log-decay g: [64, BKS] per
-    channel (GATE 2) or [64] per head. Rows at or past eos are 0 (g = 0: no decay)."""
+def _chunk_start(chunk_seq, chunk_pos, cu_seqlens, i_c):
+    """Chunk i_c -> (its first token row t0, the end row eos of its sequence), both int64."""
+    i_n = tl.load(chunk_seq + i_c)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return bos + tl.load(chunk_pos + i_c).to(tl.int64) * BT, eos
+
+
+@triton.jit
+def _load_decays(g, A_log, dt_bias, lower_bound, t0, eos, i_hv, o_k,
+                 HV: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """The chunk's log-decays, the fused activation applied: [64, len(o_k)] for the channels o_k
+    of a per-channel gate (GATE 2), [64] for a per-head gate, zeros [64] without a gate. Rows at
+    or past eos are 0 (no decay)."""
     o_t = t0 + tl.arange(0, BT)  # [64] int64 token rows
     m_t = o_t < eos
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
     if GATE == 2:
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        if GATE_FN > 0 and HAS_BIAS:
+            bias = bias[None, :]
         b_g = tl.load(g + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_g = tl.where(m_tk, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)
     elif GATE == 1:
@@ -92,7 +104,26 @@ def _load_slice(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias, lower_bound,
         b_g = tl.where(m_t, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)
     else:
         b_g = tl.zeros([BT], dtype=tl.float32)
-    return b_q, b_k, b_g
+    return b_g
+
+
+@triton.jit
+def _load_qk(q, k, t0, eos, i_h, o_k, H: tl.constexpr, K: tl.constexpr):
+    """q, k [64, len(o_k)] of the chunk's channels o_k, in their stored dtype; rows past eos 0."""
+    o_t = t0 + tl.arange(0, BT)
+    m_tk = (o_t < eos)[:, None] & (o_k < K)[None, :]
+    off = (o_t[:, None] * H + i_h) * K + o_k[None, :]
+    return tl.load(q + off, mask=m_tk, other=0.0), tl.load(k + off, mask=m_tk, other=0.0)
+
+
+@triton.jit
+def _load_slice(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv, o_k,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """q, k [64, BKS] (fp32) of the chunk's channel slice o_k and its log-decays (_load_decays)."""
+    b_q, b_k = _load_qk(q, k, t0, eos, i_h, o_k, H, K)
+    b_g = _load_decays(g, A_log, dt_bias, lower_bound, t0, eos, i_hv, o_k, HV, K, GATE, GATE_FN, HAS_BIAS)
+    return b_q.to(tl.float32), b_k.to(tl.float32), b_g
 
 
 @triton.jit
@@ -259,9 +290,9 @@ def _checkpoint_factors(kr_ptr, dr_ptr, r, b_k, b_g, GATE: tl.constexpr, BK: tl.
 
 
 @triton.jit
-def _gram_scalar(q, k, g, t0, eos, i_h, i_hv, a_log, bias, lower_bound,
+def _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                 GATE: tl.constexpr, GATE_FN: tl.constexpr, PREC: tl.constexpr):
+                 GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     """The Gram matrices of a chunk whose decay is one scalar per token (GDN, or none):
     A_xk = (X K^T) * e^(G_i - G_j), so the products need no per-channel factors: one dot each
     over all channels on the operands as loaded (bf16 products are exact in the fp32
@@ -269,21 +300,16 @@ def _gram_scalar(q, k, g, t0, eos, i_h, i_hv, a_log, bias, lower_bound,
     pieces (as _gram_steep does per channel), so no chunk is too steep for it.
     -> (a_qk, a_kk [64, 64] fp32, lower triangles valid; row sums of squares of q and k [64])."""
     rows = tl.arange(0, BT)
-    o_t = t0 + rows
     o_k = tl.arange(0, BK)
-    m_t = o_t < eos
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_q = tl.load(q + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_q, b_k = _load_qk(q, k, t0, eos, i_h, o_k, H, K)
     qf = b_q.to(tl.float32)
     sq = tl.sum(qf * qf, axis=1)
-    b_k = tl.load(k + (o_t[:, None] * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0)
     a_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC)
     a_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
     lower = rows[:, None] >= rows[None, :]
     sk = tl.sum(tl.where(rows[:, None] == rows[None, :], a_kk, 0.0), axis=1)  # |k_i|^2: the diagonal
     if GATE == 1:
-        b_g = tl.load(g + o_t * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-        b_g = tl.where(m_t, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)
+        b_g = _load_decays(g, A_log, dt_bias, lower_bound, t0, eos, i_hv, o_k, HV, K, GATE, GATE_FN, HAS_BIAS)
         gl, tot = _decays(b_g, GATE)  # [64, 1], [4, 1]
         gl = tl.sum(gl, axis=1)  # [64]
         tot = tl.sum(tot, axis=1)  # [4]
@@ -316,21 +342,10 @@ def chunk_gram_kernel(
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_seq + i_c)
-    c = tl.load(chunk_pos + i_c)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + c.to(tl.int64) * BT
+    t0, eos = _chunk_start(chunk_seq, chunk_pos, cu_seqlens, i_c)
     rows = tl.arange(0, BT)
     head = i_c.to(tl.int64) * HV + i_hv
 
-    a_log = 0.0
-    bias = 0.0
-    if GATE_FN > 0:
-        a_log = tl.load(A_log + i_hv).to(tl.float32)
-        if HAS_BIAS:
-            if GATE == 1:
-                bias = tl.load(dt_bias + i_hv).to(tl.float32)
     if GATE == 2:
         a_qk = tl.zeros([BT, BT], dtype=tl.float32)
         a_kk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -338,18 +353,14 @@ def chunk_gram_kernel(
         sk = tl.zeros([BT], dtype=tl.float32)
         for ks in range(0, BK, BKS):
             o_k = ks + tl.arange(0, BKS)
-            if GATE_FN > 0 and HAS_BIAS:
-                bias_s = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-            else:
-                bias_s = bias
-            b_q, b_k, b_g = _load_slice(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound,
-                                        H, HV, K, GATE, GATE_FN)
+            b_q, b_k, b_g = _load_slice(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv, o_k,
+                                        H, HV, K, GATE, GATE_FN, HAS_BIAS)
             sq += tl.sum(b_q * b_q, axis=1)
             sk += tl.sum(b_k * b_k, axis=1)
             a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE, PREC)
     else:
-        a_qk, a_kk, sq, sk = _gram_scalar(q, k, g, t0, eos, i_h, i_hv, a_log, bias, lower_bound,
-                                          H, HV, K, BK, GATE, GATE_FN, PREC)
+        a_qk, a_kk, sq, sk = _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
+                                          H, HV, K, BK, GATE, GATE_FN, HAS_BIAS, PREC)
     if USE_L2NORM:
         nq = 1.0 / tl.sqrt(sq + 1e-6)
         nk = 1.0 / tl.sqrt(sk + 1e-6)
@@ -387,11 +398,7 @@ def chunk_factors_kernel(
     i_c = tl.program_id(1)
     i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)
-    i_n = tl.load(chunk_seq + i_c)
-    c = tl.load(chunk_pos + i_c)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = bos + c.to(tl.int64) * BT
+    t0, eos = _chunk_start(chunk_seq, chunk_pos, cu_seqlens, i_c)
     rows = tl.arange(0, BT)
     head = i_c.to(tl.int64) * HV + i_hv
     li = tl.load(li_in + head * BT * BT + rows[:, None] * BT + rows[None, :])  # [64, 64] fp32
@@ -400,17 +407,8 @@ def chunk_factors_kernel(
     if i_s < NKS:
         ks = i_s * BKS
         o_k = ks + tl.arange(0, BKS)
-        a_log = 0.0
-        bias_s = 0.0
-        if GATE_FN > 0:
-            a_log = tl.load(A_log + i_hv).to(tl.float32)
-            if HAS_BIAS:
-                if GATE == 2:
-                    bias_s = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)[None, :]
-                else:
-                    bias_s = tl.load(dt_bias + i_hv).to(tl.float32)
-        b_q, b_k, b_g = _load_slice(q, k, g, t0, eos, i_h, i_hv, o_k, a_log, bias_s, lower_bound,
-                                    H, HV, K, GATE, GATE_FN)
+        b_q, b_k, b_g = _load_slice(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv, o_k,
+                                    H, HV, K, GATE, GATE_FN, HAS_BIAS)
         nk = tl.load(rows_in + head * 3 * BT + BT + rows)
         b_k = b_k * nk[:, None]
         eg, e_end, gam_s = _boundary_decays(b_g, GATE)

@@ -5,6 +5,8 @@ Everything here runs in fp32 on register tiles and mirrors hyla.ops.gate:
     gate v1 (GATE_FN = 1):  g = -exp(A_log) * softplus(x + dt_bias)
     gate v2 (GATE_FN = 2):  g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias))
     precomputed (GATE_FN = 0): g = x
+
+and the per-head gate parameters every kernel with a fused gate loads (head_gate_params).
 """
 
 import triton
@@ -50,3 +52,20 @@ def apply_gate(x, a_log, bias, lower_bound, GATE_FN: tl.constexpr):
         return lower_bound * sigmoid(tl.exp(a_log) * (x + bias))
     else:
         return x
+
+
+@triton.jit
+def head_gate_params(A_log, dt_bias, i_hv, o_k, K: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    """The fused gate's parameters of value head i_hv -> (A_log scalar, dt_bias: the channels o_k
+    [len(o_k)] of a per-channel gate (GATE 2), one scalar of a per-head gate); 0.0 where unused."""
+    a_log = 0.0
+    bias = 0.0
+    if GATE_FN > 0:
+        a_log = tl.load(A_log + i_hv).to(tl.float32)
+        if HAS_BIAS:
+            if GATE == 2:
+                bias = tl.load(dt_bias + i_hv * K + o_k, mask=o_k < K, other=0.0).to(tl.float32)
+            else:
+                bias = tl.load(dt_bias + i_hv).to(tl.float32)
+    return a_log, bias

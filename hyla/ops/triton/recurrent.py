@@ -18,9 +18,10 @@ import triton
 import triton.language as tl
 
 from hyla.ops.triton import _interpreter
-from hyla.ops.triton.common import apply_gate, sigmoid
+from hyla.ops.triton.common import head_gate_params
 from hyla.ops.triton.params import gate_params, num_sms
 from hyla.ops.triton.recurrent_decode import decode_persistent_kernel
+from hyla.ops.triton.recurrent_step import token_step
 from hyla.ops import recurrent as _reference
 from hyla.ops import utils
 from hyla.ops.utils import check_inputs
@@ -79,41 +80,10 @@ def recurrent_kernel(
     if HAS_H0:
         b_s += tl.load(h0 + slot0 * HV * K * V + tile, mask=m_kv, other=0.0).to(tl.float32)
 
-    a_log = 0.0
-    bias = 0.0
-    if GATE_FN > 0:
-        a_log = tl.load(A_log + i_hv).to(tl.float32)
-        if HAS_BIAS:
-            if GATE == 2:
-                bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            else:
-                bias = tl.load(dt_bias + i_hv).to(tl.float32)
-
+    a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
     for t in range(bos, eos):
-        b_q = tl.load(q + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-        b_k = tl.load(k + (t * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-        b_v = tl.load(v + (t * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
-        b_b = tl.load(beta + t * HV + i_hv).to(tl.float32)
-        if BETA_SIGMOID:
-            b_b = sigmoid(b_b)
-        if USE_L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
-        # decay first, then predict with the decayed state, then write the error, then read.
-        if GATE == 2:
-            b_g = tl.load(g + (t * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_g = tl.where(m_k, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)
-            b_s = b_s * tl.exp(b_g)[:, None]
-        elif GATE == 1:
-            b_g = apply_gate(tl.load(g + t * HV + i_hv).to(tl.float32), a_log, bias, lower_bound, GATE_FN)
-            b_s = b_s * tl.exp(b_g)
-        # Both products with the decayed state are independent (one pass over S, no second
-        # dependent reduction): o = S_new^T q = S_dec^T q + (k . q) err.
-        pred = tl.sum(b_s * b_k[:, None], axis=0)  # [BV] S_dec^T k
-        read = tl.sum(b_s * b_q[:, None], axis=0)  # [BV] S_dec^T q
-        b_err = b_b * (b_v - pred)
-        b_s = b_s + b_k[:, None] * b_err[None, :]
-        b_o = (read + tl.sum(b_q * b_k, axis=0) * b_err) * scale
+        b_s, b_o = token_step(b_s, q, k, v, g, beta, t, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
+                              H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
         tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if SPEC:
             # the state after token j goes to idx[n, j]; a rejected draft only reaches slots the
@@ -223,7 +193,6 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
         idx_w = 1
         store_ht = ht is not None
     BK = max(16, triton.next_power_of_2(K))
-    BV = block_v or _block_v(n * HV, V, dev)
     # Plain decode (one token per sequence, pool in place): the persistent prefetching kernel
     # when the grid is large enough for its schedule to matter (recurrent_decode.py).
     one_token = pooled and not spec and cu_seqlens is None and T == 1
@@ -244,6 +213,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             num_warps=num_warps or 1,
         )
     elif n:
+        BV = block_v or _block_v(n * HV, V, dev)
         recurrent_kernel[(triton.cdiv(V, BV), n * HV)](
             qc, kc, vc, gc, bc,
             a_log if a_log is not None else o, dtb if dtb is not None else o,

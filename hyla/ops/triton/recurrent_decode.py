@@ -2,7 +2,7 @@
 
 The serving decode step: N sequences of one token, sequence n's state read from and written back
 to pool slot idx[n] (negative: a padding row, nothing read or written, output 0). Same results
-as recurrent.recurrent_kernel with POOL and T = 1; only the schedule differs.
+as recurrent.recurrent_kernel with POOL and T = 1 (the same token_step); only the schedule differs.
 
 Why a second kernel. The step is bound by the pool traffic (K * V * 4 bytes read and written per
 head), and one program per (value block, sequence, head) spends most of its life waiting: it
@@ -18,7 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hyla.ops.triton.common import apply_gate, sigmoid
+from hyla.ops.triton.common import head_gate_params
+from hyla.ops.triton.recurrent_step import token_step
 
 
 @triton.jit
@@ -62,41 +63,10 @@ def decode_persistent_kernel(
         i_h = i_hv // (HV // H)
         m_v = o_v < V
         live = slot >= 0
-        b_q = tl.load(q + (i_n * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(k + (i_n * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(v + (i_n * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b_b = tl.load(beta + i_n * HV + i_hv).to(tl.float32)
-        if BETA_SIGMOID:
-            b_b = sigmoid(b_b)
-        if USE_L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
-        b_s = cur
-        if GATE == 2:
-            a_log = 0.0
-            bias = 0.0
-            if GATE_FN > 0:
-                a_log = tl.load(A_log + i_hv).to(tl.float32)
-                if HAS_BIAS:
-                    bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_g = tl.load(g + (i_n * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_g = tl.where(m_k, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)
-            b_s = b_s * tl.exp(b_g)[:, None]
-        elif GATE == 1:
-            a_log = 0.0
-            bias = 0.0
-            if GATE_FN > 0:
-                a_log = tl.load(A_log + i_hv).to(tl.float32)
-                if HAS_BIAS:
-                    bias = tl.load(dt_bias + i_hv).to(tl.float32)
-            b_g = apply_gate(tl.load(g + i_n * HV + i_hv).to(tl.float32), a_log, bias, lower_bound, GATE_FN)
-            b_s = b_s * tl.exp(b_g)
-        # as recurrent_kernel: both products with the decayed state in one pass over it
-        pred = tl.sum(b_s * b_k[:, None], axis=0)  # [BV]
-        read = tl.sum(b_s * b_q[:, None], axis=0)  # [BV]
-        b_err = b_b * (b_v - pred)
-        b_s = b_s + b_k[:, None] * b_err[None, :]
-        b_o = tl.where(live, (read + tl.sum(b_q * b_k, axis=0) * b_err) * scale, 0.0)
+        a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
+        b_s, b_o = token_step(cur, q, k, v, g, beta, i_n, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
+                              H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
+        b_o = tl.where(live, b_o, 0.0)
         tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(pool + off, b_s.to(pool.dtype.element_ty), mask=m_k[:, None] & m_v[None, :] & live)
