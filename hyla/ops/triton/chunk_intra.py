@@ -33,10 +33,11 @@ matrices are computed per channel slice in one of three ways, chosen at run time
   - exact: otherwise (unbounded gates): e^(min(G_i - G_j, 0)) row by row. Slow, but only taken
     where a channel loses more than e^-80 within 16 tokens.
 
-L^-1 is built from tensor-core products whose terms stay bounded: the 4x4 diagonal blocks as
-(I - D)(I + D^2) (D^4 = 0), then merged twice, 4 -> 16 -> 64, as (I + E)^-1 = (I - E)(I + E^2)
-with E = (block-diagonal inverse) x (next off-diagonal band), E^4 = 0. (A Neumann series over
-the whole 64x64 block would not do: its terms grow like binomials for correlated keys.)
+L^-1 by block forward substitution on 16 x 16 blocks (_invert_in_place): the four diagonal
+blocks inverted as a batch from tensor-core products whose terms stay bounded ((I - D)(I + D^2)
+for their 4x4 blocks, D^4 = 0, merged as (I + E)^-1 = (I - E)(I + E^2), E^4 = 0), then one
+sub-diagonal of blocks at a time. (Forming the inverse from ten full [64, 64] products, as an
+earlier version did, cost ~60x the arithmetic and kept the kernel at 255 registers.)
 """
 
 import triton
@@ -226,20 +227,83 @@ def _gram_steep(a_qk, a_kk, b_q, b_k, gl, tot, PREC: tl.constexpr):
 
 
 @triton.jit
-def _inv_unit_lower(n, PREC: tl.constexpr):
-    """(I + n)^-1 for strictly lower-triangular n [64, 64]; see the module docstring."""
-    r = tl.arange(0, BT)
-    eye = (r[:, None] == r[None, :]).to(tl.float32)
-    b4 = (r[:, None] // 4) == (r[None, :] // 4)
-    b16 = (r[:, None] // BC) == (r[None, :] // BC)
+def _inv16(n, PREC: tl.constexpr):
+    """(I + n)^-1 for a batch of strictly lower-triangular 16 x 16 blocks n [NB, 16, 16]: the 4x4
+    diagonal blocks as (I - d)(I + d^2) (d^4 = 0), merged as (I + e)^-1 = (I - e)(I + e^2) with
+    e = (4x4 block-diagonal inverse) x (the rest of n), e^4 = 0. Every term stays bounded (a
+    Neumann series over the whole block would not: its terms grow like binomials for correlated
+    keys). One batched matmul per product: with 4 warps each warp takes one block."""
+    r = tl.arange(0, BC)
+    eye = (r[:, None] == r[None, :]).to(tl.float32)[None, :, :]
+    b4 = ((r[:, None] // 4) == (r[None, :] // 4))[None, :, :]
     d = tl.where(b4, n, 0.0)
     inv = tl.dot(eye - d, eye + tl.dot(d, d, input_precision=PREC), input_precision=PREC)
-    e = tl.dot(inv, tl.where(b16 & ~b4, n, 0.0), input_precision=PREC)
-    inv = tl.dot(tl.dot(eye - e, eye + tl.dot(e, e, input_precision=PREC), input_precision=PREC), inv,
-                 input_precision=PREC)
-    e = tl.dot(inv, tl.where(b16, 0.0, n), input_precision=PREC)
+    e = tl.dot(inv, tl.where(b4, 0.0, n), input_precision=PREC)
     return tl.dot(tl.dot(eye - e, eye + tl.dot(e, e, input_precision=PREC), input_precision=PREC), inv,
                   input_precision=PREC)
+
+
+@triton.jit
+def _block_offsets(rb, cb):
+    """Element offsets of the 16 x 16 blocks (rb[i], cb[i]) of a row-major [64, 64] matrix: [NB, 16, 16]."""
+    r = tl.arange(0, BC)
+    return (rb[:, None, None] * BC + r[None, :, None]) * BT + cb[:, None, None] * BC + r[None, None, :]
+
+
+@triton.jit
+def _load_blocks(ptr, rb, cb, NB: tl.constexpr):
+    """Blocks (rb[i], cb[i]) of the fp32 [64, 64] matrix at ptr, [NB, 16, 16]; rb >= 4 reads zeros."""
+    m = tl.broadcast_to((rb < 4)[:, None, None], (NB, BC, BC))
+    return tl.load(ptr + _block_offsets(rb, cb), mask=m, other=0.0)
+
+
+@triton.jit
+def _store_blocks(ptr, rb, cb, x, NB: tl.constexpr):
+    m = tl.broadcast_to((rb < 4)[:, None, None], (NB, BC, BC))
+    tl.store(ptr + _block_offsets(rb, cb), x, mask=m)
+
+
+@triton.jit
+def _invert_in_place(ptr, PREC: tl.constexpr):
+    """ptr: fp32 [64, 64] holding a strictly lower-triangular n (zeros above the diagonal) ->
+    (I + n)^-1, in place, by block forward substitution on 16 x 16 blocks (X = that inverse):
+
+        X_aa = (I + n_aa)^-1                       (_inv16, the four at once)
+        X_ab = -X_aa sum_{b <= c < a} n_ac X_cb    (a > b, one sub-diagonal at a time)
+
+    About 1/64 of the arithmetic of forming the inverse from full [64, 64] products, and only
+    [.., 16, 16] tiles live at a time. The blocks are written back and re-read between the
+    steps (the program's own 16 KB, in L1 / L2): register tiles cannot be sliced into blocks.
+    Every thread's stores are visible to the others after a barrier."""
+    i4 = tl.arange(0, 4)
+    i2 = tl.arange(0, 2)
+    # every n block the substitution reads, before any of them is overwritten
+    n_d = _load_blocks(ptr, i4, i4, 4)  # n_aa
+    n_1 = _load_blocks(ptr, i4 + 1, i4, 4)  # n_{a+1,a}, a = 0..2 (a = 3: zeros)
+    n_2 = _load_blocks(ptr, i2 + 2, i2, 2)  # n_{a+2,a}, a = 0, 1
+    n_21 = _load_blocks(ptr, i2 + 2, i2 + 1, 2)  # n_{a+2,a+1}
+    n_3 = _load_blocks(ptr, i4 * 0 + 3, i4, 4)  # n_30, n_31, n_32 (and n_33, unused)
+    x_d = _inv16(n_d, PREC)
+    tl.debug_barrier()
+    _store_blocks(ptr, i4, i4, x_d, 4)
+    tl.debug_barrier()
+    # first sub-diagonal: X_{a+1,a} = -X_{a+1,a+1} n_{a+1,a} X_aa
+    x_up = _load_blocks(ptr, i4 + 1, i4 + 1, 4)
+    x_1 = -tl.dot(x_up, tl.dot(n_1, x_d, input_precision=PREC), input_precision=PREC)
+    _store_blocks(ptr, i4 + 1, i4, x_1, 4)
+    tl.debug_barrier()
+    # second: X_{a+2,a} = -X_{a+2,a+2} (n_{a+2,a} X_aa + n_{a+2,a+1} X_{a+1,a})
+    acc = tl.dot(n_2, _load_blocks(ptr, i2, i2, 2), input_precision=PREC)
+    acc = tl.dot(n_21, _load_blocks(ptr, i2 + 1, i2, 2), acc, input_precision=PREC)
+    x_2 = -tl.dot(_load_blocks(ptr, i2 + 2, i2 + 2, 2), acc, input_precision=PREC)
+    _store_blocks(ptr, i2 + 2, i2, x_2, 2)
+    tl.debug_barrier()
+    # third: X_30 = -X_33 (n_30 X_00 + n_31 X_10 + n_32 X_20), as a sum over a batch of three
+    x_c0 = _load_blocks(ptr, tl.where(i4 < 3, i4, 4), i4 * 0, 4)  # X_00, X_10, X_20, 0
+    part = tl.sum(tl.dot(n_3, x_c0, input_precision=PREC), axis=0)  # [16, 16]
+    x_33 = tl.sum(tl.where((i4 == 3)[:, None, None], x_d, 0.0), axis=0)
+    r = tl.arange(0, BC)
+    tl.store(ptr + (3 * BC + r[:, None]) * BT + r[None, :], -tl.dot(x_33, part, input_precision=PREC))
 
 
 @triton.jit
@@ -374,7 +438,10 @@ def chunk_gram_kernel(
     a_qk = tl.where(rows[:, None] >= rows[None, :], a_qk * (scale * nq[:, None] * nk[None, :]), 0.0)
     _store_rows(aqk + head * BT * BT, a_qk, BT)
     n = tl.where(rows[:, None] > rows[None, :], a_kk * ((b_b * nk)[:, None] * nk[None, :]), 0.0)
-    _store_rows(li_out + head * BT * BT, _inv_unit_lower(n, PREC), BT)
+    li = li_out + head * BT * BT
+    _store_rows(li, n, BT)
+    tl.debug_barrier()
+    _invert_in_place(li, PREC)
     tl.store(rows_out + head * 3 * BT + rows, scale * nq)
     tl.store(rows_out + head * 3 * BT + BT + rows, nk)
     tl.store(rows_out + head * 3 * BT + 2 * BT + rows, b_b)
