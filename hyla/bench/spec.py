@@ -65,7 +65,9 @@ class StepProfile:
     slot or the replay) and the engine's own bookkeeping (emitting tokens, stop checks, trimming
     pages: the rest of the speculative step) -- where a speculative step's time goes. With MTP
     head-step graphs, `propose: chained drafts` is the part of propose after the catch-up on the
-    greedy fast path (hyla.engine.mtp, HeadStepGraphs.run_chain)."""
+    greedy fast path (hyla.engine.mtp, HeadStepGraphs.run_chain); `verify (fused graph)` is MTP's
+    fused greedy step (hyla.engine.mtp_fused: the verify, the acceptance, the head's catch-up and
+    the next drafts in one graph), after which propose has nothing left to run."""
 
     def __init__(self, llm):
         self.times: dict[str, list[float]] = {}
@@ -74,6 +76,8 @@ class StepProfile:
         runner = self.runner = engine.runner
         self._wrap(runner, "run", "plain step")
         self._wrap(runner, "verify", "verify")
+        if hasattr(runner, "verify_extended"):  # MTP's fused greedy step: verify + head in one graph
+            self._wrap(runner, "verify_extended", "verify (fused graph)")
         self._wrap(engine, "step", "engine step (all)")
         if engine.spec is not None:
             self._wrap(engine, "_spec_step", "spec step (all)")
@@ -114,7 +118,7 @@ class StepProfile:
         steps = len(self.times.get("spec step (all)", []))
         if not steps:
             return {}
-        verify = self.total("verify (graph)") + self.total("verify (eager)")
+        verify = self.total("verify (graph)") + self.total("verify (eager)") + self.total("verify (fused graph)")
         inner = self.total("spec: draft+verify+accept")
         parts = {"propose": self.total("propose"), "verify": verify,
                  "accept": inner - self.total("propose") - verify, "commit": self.total("commit")}

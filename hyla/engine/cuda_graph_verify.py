@@ -91,6 +91,16 @@ class CUDAGraphRunner(DecodeGraphs):
         ("replay"); accepted[n]: 1 + the index in slots[n] of the slot holding the current state.
         Returns logits [N, W, V] fp32, and with return_hidden also the final-norm hidden states
         [N, W, hidden]: views of the graph's output buffers (valid until the next replay)."""
+        key, rows = self.verify_rows(tokens, context_lens, slots, accepted, block_tables, rollback)
+        logits, hidden = self.replay_verify(key, rows)
+        n = len(tokens)
+        return (logits[:n], hidden[:n]) if return_hidden else logits[:n]
+
+    def verify_rows(self, tokens: list[list[int]], context_lens: list[int], slots: list[list[int]],
+                    accepted: list[int], block_tables: list[list[int]], rollback: str
+                    ) -> tuple[tuple[int, int, int, str], list[list[int]]]:
+        """run_verify's arguments -> (the graph key (batch bucket, W, page width, rollback), the
+        vmeta rows of the step, padding rows included)."""
         n, W = len(tokens), len(tokens[0])
         if rollback not in ("slots", "replay"):
             raise ValueError(f"rollback must be 'slots' or 'replay', got {rollback!r}")
@@ -103,17 +113,32 @@ class CUDAGraphRunner(DecodeGraphs):
         rows = [[c, a] + list(t) + pad_slots(sl) + list(table[:width]) + [-1] * (width - len(table[:width]))
                 for t, c, sl, a, table in zip(tokens, context_lens, slots, accepted, block_tables)]
         rows += [_verify_pad_row(W, width)] * (bs - n)
-        key = (bs, W, width, rollback)
-        graph, out, replay = self._verify_graph(key)
-        fill_long(self.vmeta[(W, width)][:bs], rows)
+        return (bs, W, width, rollback), rows
+
+    def replay_verify(self, key: tuple[int, int, int, str], rows: list[list[int]], extension=None) -> tuple:
+        """Fill vmeta with `rows` and run the verify graph of `key` (captured on first use) ->
+        its outputs (logits [bs, W, V], hidden [bs, W, hidden], + what the extension returns).
+        extension: more work folded into the same graph after the verify forward (see
+        VerifyExtension; hyla.engine.mtp_fused): its graph is keyed by key + (extension.tag,),
+        its commit graph ("replay") too, so that commit_replay finds it through verify_key."""
+        if extension is not None:
+            key = key + (extension.tag,)
+        graph, out, replay = self._verify_graph(key, extension)
+        fill_long(self.vmeta[key[1:3]][:key[0]], rows)
+        if extension is not None:
+            extension.fill()
         self.verify_key = key
         if graph is None:
-            out = self._verify_forward(*key)
+            out = self._verify_step(key, extension)
         else:
             graph.replay()
             self._restore_replay_inputs(replay)
-        logits, hidden = out
-        return (logits[:n], hidden[:n]) if return_hidden else logits[:n]
+        return out
+
+    def _verify_step(self, key: tuple, extension) -> tuple:
+        """What a verify graph of `key` runs: the verify forward, then the extension's work on its outputs."""
+        out = self._verify_forward(*key[:4])
+        return out if extension is None else (*out, *extension.forward(*out))
 
     def pad_accepted(self, accepted: list[int]) -> list[int]:
         """Accepted counts for commit_replay after `run_verify`: padding rows advance by 1 (their
@@ -155,8 +180,8 @@ class CUDAGraphRunner(DecodeGraphs):
         hidden = self.model.forward_batch(ids, batch, self.cache)
         return self.model.compute_logits(hidden).view(bs, W, -1), hidden.view(bs, W, -1)
 
-    def _verify_graph(self, key: tuple):
-        bs, W, width, rollback = key
+    def _verify_graph(self, key: tuple, extension=None):
+        bs, W, width, rollback = key[:4]
         if (W, width) not in self.vmeta:
             self.vmeta[(W, width)] = torch.zeros(self.max_batch, 2 + 2 * W + width, dtype=torch.long,
                                                  device=self.device)
@@ -168,7 +193,9 @@ class CUDAGraphRunner(DecodeGraphs):
         meta = self.vmeta[(W, width)]
         # Warm up on padding rows only: every write lands in scratch.
         meta[:bs] = torch.tensor(_verify_pad_row(W, width), device=self.device)
-        graph, out = self._capture(lambda: self._verify_forward(*key))
+        if extension is not None:
+            extension.pad()
+        graph, out = self._capture(lambda: self._verify_step(key, extension))
         replay = [layer_cache.replay_inputs() for layer_cache in self.cache.layers]
         if rollback == "replay":
             # The commit reads the verify graph's buffers: fill them once from the padding rows
@@ -181,7 +208,7 @@ class CUDAGraphRunner(DecodeGraphs):
                 self.model.commit_replay(self.cache, self.accepted[:bs])
             self.commit_graphs[key], _ = self._capture(commit)
         self._restore_replay_inputs([None] * len(self.cache.layers))  # the capture's inputs are no step to commit
-        log.debug("captured a verify CUDA graph for batch %d, %d tokens, %d pages, %s", bs, W, width, rollback)
+        log.debug("captured a verify CUDA graph for %s", key)
         self.verify_graphs[key] = (graph, out, replay)
         return self.verify_graphs[key]
 
@@ -255,18 +282,21 @@ class HeadStepGraphs:
         meta = self.hmeta[(W, width)]
         ctx, last, ids = meta[:bs, 0], meta[:bs, 1], meta[:bs, 2:2 + W].reshape(-1)
         tables = meta[:bs, 2 + W:]
-        if W == 1:
-            batch = self._one_row_batch(ctx, tables)
-        else:  # verify-shaped (uniform width W): the form whose attention runs without host syncs
-            positions = (ctx[:, None] + torch.arange(W, device=ctx.device)).reshape(-1)
-            batch = ForwardBatch(cu_seqlens=self.graphs.cu[:bs + 1] * W, context_lens=ctx, positions=positions,
-                                 block_tables=tables, state_slots=torch.zeros(bs, W, dtype=torch.long,
-                                                                              device=ctx.device),
-                                 num_accepted_tokens=torch.ones_like(ctx), seq_lens=[W] * bs,
-                                 context_lens_list=[1] * bs, cuda_graph=True)
+        batch = self._one_row_batch(ctx, tables) if W == 1 else self.rows_batch(ctx, tables, W)
         y = self.head.forward_batch(self.hidden[:bs * W], ids, self.model, batch, self.kv).view(bs, W, -1)
         y = y[torch.arange(bs, device=y.device), last]  # each request's last real row
         return y, self.model.compute_logits(y)
+
+    def rows_batch(self, ctx: torch.Tensor, tables: torch.Tensor, W: int) -> ForwardBatch:
+        """A head step of W rows per request at head context ctx [bs] (rows ctx .. ctx + W - 1),
+        block tables [bs, width]: verify-shaped (uniform width W), the form whose attention runs
+        without host syncs. A fresh one per step, as `_one_row_batch`."""
+        bs = ctx.shape[0]
+        positions = (ctx[:, None] + torch.arange(W, device=ctx.device)).reshape(-1)
+        return ForwardBatch(cu_seqlens=self.graphs.cu[:bs + 1] * W, context_lens=ctx, positions=positions,
+                            block_tables=tables, state_slots=torch.zeros(bs, W, dtype=torch.long, device=ctx.device),
+                            num_accepted_tokens=torch.ones_like(ctx), seq_lens=[W] * bs,
+                            context_lens_list=[1] * bs, cuda_graph=True)
 
     def _one_row_batch(self, ctx: torch.Tensor, tables: torch.Tensor) -> ForwardBatch:
         """A draft step's batch: one row per request at head context ctx [bs] (its position),

@@ -75,15 +75,9 @@ class ModelRunner:
         state; "replay": seq.slot only. pad_to: W = 1 + k when every row may be padded to W
         tokens (each request has W state slots with "slots"): the step then replays a CUDA graph
         when the runner has them."""
-        if rollback == "slots":
-            rows = [seq.spec_slots for seq in seqs]
-            accepted = [seq.spec_slots.index(seq.slot) + 1 for seq in seqs]
-        else:
-            rows, accepted = [[seq.slot] for seq in seqs], [1] * len(seqs)
+        rows, accepted = self._verify_slots(seqs, rollback)
         self.verified_in_graph = False
-        if (self.graphs is not None and pad_to and self.graphs.can_verify(len(seqs))
-                and all(len(d) < pad_to for d in drafts)
-                and (rollback == "replay" or all(len(r) == pad_to for r in rows))):
+        if self._graph_verifies(seqs, drafts, rows, rollback, pad_to):
             return self._verify_in_graph(seqs, drafts, rows, accepted, rollback, pad_to, return_hidden)
         ids = [t for seq, d in zip(seqs, drafts) for t in [seq.last_token_id, *d]]
         batch = ForwardBatch.build(
@@ -93,6 +87,36 @@ class ModelRunner:
         hidden = self.model.forward_batch(to_device_long(ids, self.device), batch, self.cache)
         logits = self.model.compute_logits(hidden)
         return (logits, hidden) if return_hidden else logits
+
+    @staticmethod
+    def _verify_slots(seqs, rollback: str) -> tuple[list[list[int]], list[int]]:
+        """Per sequence (its state slots, 1 + the index of the one holding the current state)."""
+        if rollback == "slots":
+            return [seq.spec_slots for seq in seqs], [seq.spec_slots.index(seq.slot) + 1 for seq in seqs]
+        return [[seq.slot] for seq in seqs], [1] * len(seqs)
+
+    def _graph_verifies(self, seqs, drafts, rows, rollback: str, pad_to: int | None) -> bool:
+        """Whether the verify of seqs runs padded to pad_to tokens per row in a graph."""
+        return bool(self.graphs is not None and pad_to and self.graphs.can_verify(len(seqs))
+                    and all(len(d) < pad_to for d in drafts)
+                    and (rollback == "replay" or all(len(r) == pad_to for r in rows)))
+
+    @torch.inference_mode()
+    def verify_extended(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int, extension) -> tuple | None:
+        """verify in a graph with `extension` (CUDAGraphRunner.replay_verify) folded into the same
+        graph -> the graph's outputs for the batch bucket ([bs, W, V] logits, [bs, W, hidden] hidden
+        states, then the extension's: views of its buffers, valid until the next replay); None
+        (nothing ran) when the step cannot run padded in a graph."""
+        rows, accepted = self._verify_slots(seqs, rollback)
+        self.verified_in_graph = False
+        if not self._graph_verifies(seqs, drafts, rows, rollback, pad_to):
+            return None
+        tokens = [[seq.last_token_id, *d] + [0] * (pad_to - 1 - len(d)) for seq, d in zip(seqs, drafts)]
+        key, vrows = self.graphs.verify_rows(tokens, [seq.num_computed_tokens for seq in seqs], rows, accepted,
+                                             [seq.block_table for seq in seqs], rollback)
+        out = self.graphs.replay_verify(key, vrows, extension)
+        self.verified_in_graph = True  # commit_replay: the commit graph captured with it
+        return out
 
     def _verify_in_graph(self, seqs, drafts, rows, accepted, rollback, pad_to, return_hidden):
         """verify's padded path: run_verify's [N, W, ...] outputs without their padding rows."""

@@ -53,6 +53,20 @@ there) the scratch page, and its extra drafts are dropped. Sampling requests, an
 under tensor parallelism or without graphs, draft one step at a time (`_stepped_drafts`).
 Outputs are exact whatever the head drafts: the target verifies every draft.
 
+Fused greedy step (hyla.engine.mtp_fused; `verify`, the SpecDecoder hook). When every request of
+a verify is argmax-accepting (greedy, no grammar, no penalties, no logprobs), there is no tensor
+parallelism and the verify runs in a graph, the verify forward, the acceptance (argmax, drafts
+accepted n per request on the device), the head's catch-up over all W = 1 + k verify rows (the
+token after row i is argmax_i for every kept row i <= n) and the next step's k - 1 chained draft
+steps from the head state at row n run as ONE graph with one readback (argmax ids, n, next
+drafts). It applies when each request's view has consumed everything before its last token
+(pending empty, next_position = its x0's position: after any propose that drafted for it). At
+commit, a request that kept all n + 1 tokens advances its view's done by n + 1 and keeps the
+next drafts as `prefetched`: the next propose returns them without running the head. A request
+that kept fewer (it finished mid-step) commits its kept rows as pending pairs, the drafts
+dropped, as after an unfused verify. Anything else (a sampling, guided or logprobs request in
+the batch, a view with pending pairs, an eager verify) runs the unfused path above.
+
 Under tensor parallelism every rank holds such a drafter over its own ModelRunner (bound with the
 rank's ShardPlan: the head's layer split like the target's attention layers, its KV per rank) and
 runs the same calls in lockstep (hyla.parallel.drafter.TPDrafter sends them); rank 0 alone
@@ -67,6 +81,7 @@ import torch.distributed as dist
 from hyla.contract import ForwardBatch
 from hyla.engine.cuda_graph import graph_safe
 from hyla.engine.cuda_graph_verify import HeadStepGraphs
+from hyla.engine.mtp_fused import FusedResult, FusedVerify, commit_fused, fused_verify
 from hyla.engine.sampler import distribution
 from hyla.engine.spec_decode import Drafter
 from hyla.ops.transfer import to_device_long
@@ -76,11 +91,13 @@ class _View:
     """One request's head state: KV rows for target positions start .. start + done - 1, and the
     committed pairs after them not yet run, in chunks (hidden [n, hidden], the n tokens at the
     next positions). generation: the request's preemption count when the view began (a
-    preempted request loses its KV: its view starts over)."""
+    preempted request loses its KV: its view starts over). prefetched: the drafts a fused step
+    (hyla.engine.mtp_fused) made for the next propose, valid while nothing else is committed."""
 
     def __init__(self, start: int, generation: int):
         self.start, self.done, self.generation = start, 0, generation
         self.pending: list[tuple[torch.Tensor, list[int]]] = []
+        self.prefetched: list[int] | None = None
 
     @property
     def num_pending(self) -> int:
@@ -100,6 +117,8 @@ class MTPDrafter(Drafter):
         self.k, self.path, self.page_size = cfg.num_speculative_tokens, cfg.model, page_size
         self.views: dict[str, _View] = {}
         self._seen: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (first row's position, rows)
+        self._fused: dict[str, FusedResult] = {}  # request -> its fused verify step, until commit
+        self.fused: FusedVerify | None = None
         self.leader, self.group = True, None  # tensor parallel: whether this is rank 0; the model group
 
     @staticmethod
@@ -147,6 +166,7 @@ class MTPDrafter(Drafter):
         graphs = getattr(runner, "graphs", None)  # the runner's CUDA graphs: the head's draft steps get some too
         self.step_graphs = (HeadStepGraphs(graphs, self.head, model, self.kv, max_width=1 + self.k)
                             if graphs is not None and graph_safe(self.head) else None)
+        self.fused = FusedVerify(self.step_graphs, self.k) if self.step_graphs is not None else None
 
     # -- what the target's forwards hand over ------------------------------------------------
 
@@ -163,6 +183,12 @@ class MTPDrafter(Drafter):
         p + j pairs with the token now at p + j + 1; a row whose next token does not exist yet
         (none: the engine commits after sampling) is dropped."""
         for seq, n in zip(seqs, kept):
+            fused = self._fused.pop(seq.request_id, None)
+            if fused is not None and commit_fused(self, seq, n, fused):
+                continue
+            view = self.views.get(seq.request_id)
+            if view is not None:
+                view.prefetched = None  # something else is committed: the fused step's drafts are stale
             seen = self._seen.pop(seq.request_id, None)
             if seen is None:
                 continue
@@ -198,6 +224,11 @@ class MTPDrafter(Drafter):
     def release(self, seq) -> None:
         self.views.pop(seq.request_id, None)
         self._seen.pop(seq.request_id, None)
+        self._fused.pop(seq.request_id, None)
+
+    def verify(self, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int):
+        """The fused greedy step (hyla.engine.mtp_fused) when it applies, else None."""
+        return fused_verify(self, seqs, drafts, runner, rollback, pad_to)
 
     # -- drafting -------------------------------------------------------------------------
 
@@ -208,6 +239,17 @@ class MTPDrafter(Drafter):
                 or view.next_position != len(seq.token_ids) - 1):
             return None
         return view
+
+    def _prefetched(self, seq) -> list[int] | None:
+        """The drafts a fused step made for seq's next propose (taken: used once), when its view
+        is still where that step left it (nothing pending, its last token next)."""
+        view = self.views.get(seq.request_id)
+        if view is None or view.prefetched is None:
+            return None
+        drafts, view.prefetched = view.prefetched, None
+        if view.pending or view.generation != seq.num_preemptions or view.next_position != seq.num_tokens - 1:
+            return None
+        return drafts
 
     def _pages(self, seq, view: _View) -> list[int]:
         """The block table the head reads and writes for seq: the request's own, from the page
@@ -312,6 +354,10 @@ class MTPDrafter(Drafter):
         draft-model drafter draws them. Under tensor parallelism every rank runs this in
         lockstep; only rank 0's result (it drew the drafts) is meaningful."""
         results: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in seqs]
+        self._fused.clear()  # a new step: a failed step's fused results are no one's
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            if (d := self._prefetched(seq)) is not None:
+                results[i] = (d[:k], None)
         live = [(i, v) for i, (seq, k) in enumerate(zip(seqs, ks)) if (v := self._ready(seq, k)) is not None]
         if not live:
             return results

@@ -58,6 +58,11 @@ class Drafter:
     def release(self, seq) -> None:
         pass
 
+    def verify(self, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int) -> list[Verified] | None:
+        """A drafter that folds its next proposal into the verify (MTP's fused greedy step) runs
+        the verify and the acceptance here -> the Verified results; None: SpecDecoder runs them."""
+        return None
+
 
 class NgramDrafter(Drafter):
     """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n from
@@ -219,6 +224,9 @@ class SpecDecoder:
         # request near its token limits drafts fewer: padding positions are never accepted, and
         # where their KV has no page it lands in the runner's scratch page.
         pad_to = 1 + self.cfg.num_speculative_tokens
+        fused = self.drafter.verify(seqs, drafts, self.runner, self.cfg.rollback, pad_to)
+        if fused is not None:
+            return fused
         if self.drafter.needs_hidden:  # the rows' hidden states feed the drafter's next proposal
             logits, hidden = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to, return_hidden=True)
             logits = logits.float()

@@ -309,6 +309,7 @@ def test_graph_mtp_equals_plain_greedy_cuda(tmp_path, rollback):
               enable_prefix_caching=True,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback})
     drafter, stepped, per_step = llm.engine.spec.drafter, [], llm.engine.spec.drafter._stepped_drafts
+    drafter.fused = None  # the unfused step's graphs (the fused one: test_graph_mtp_fused_equals_plain_greedy_cuda)
     drafter._stepped_drafts = lambda *a, **k: stepped.append(1) or per_step(*a, **k)  # greedy: never taken
     for _ in range(2):
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
@@ -318,5 +319,42 @@ def test_graph_mtp_equals_plain_greedy_cuda(tmp_path, rollback):
     assert {k for _, k, _ in drafter.step_graphs.chains} >= {2, 3}  # requests near their end draft fewer
     m = llm.get_metrics()
     assert m["spec_num_draft_tokens"] > 0 and m["prefix_cache_hit_tokens"] > 0
+    del llm
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("k,rollback", [(1, "slots"), (2, "replay"), (3, "slots"), (3, "replay")])
+def test_graph_mtp_fused_equals_plain_greedy_cuda(tmp_path, k, rollback):
+    """MTP's fused greedy step (hyla.engine.mtp_fused: verify + acceptance + the head's catch-up
+    + the next draft chain in one captured graph) equals plain greedy decoding, fp32, prefix
+    cache on (a second pass hits), requests finishing at different steps; the fused graph (and
+    with "replay" its commit graph) was captured and replayed, the prefetched drafts used."""
+    from tests.oracles.qwen3_5_checkpoint import add_mtp_shard, build_qwen3_5_checkpoint
+
+    path = build_qwen3_5_checkpoint(tmp_path, "moe", "multimodal")
+    add_mtp_shard(path)
+    gen = torch.Generator().manual_seed(4)
+    motif = torch.randint(3, 250, (12,), generator=gen).tolist()
+    prompts = [motif * (1 + i % 3) + torch.randint(3, 250, (i,), generator=gen).tolist() for i in range(10)]
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+    plain = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, memory_budget=256 << 20)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    del plain
+    llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, memory_budget=256 << 20,
+              enable_prefix_caching=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": k, "rollback": rollback})
+    drafter = llm.engine.spec.drafter
+    taken, prefetched = [], drafter._prefetched
+    drafter._prefetched = lambda seq: (d := prefetched(seq)) is not None and taken.append(1) or d
+    for _ in range(2):
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    graphs = llm.engine.runner.graphs
+    fused_keys = [key for key, (g, _, _) in graphs.verify_graphs.items() if len(key) > 4 and g is not None]
+    assert fused_keys and drafter.fused.runs > 0 and taken
+    if rollback == "replay":
+        assert all(key in graphs.commit_graphs for key in fused_keys)
+    m = llm.get_metrics()
+    assert m["spec_num_accepted_tokens"] > 0 and m["prefix_cache_hit_tokens"] > 0
     del llm
     torch.cuda.empty_cache()

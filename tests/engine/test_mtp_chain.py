@@ -34,8 +34,10 @@ def _engine(ckpt, k: int, rollback: str, prefix_cache: bool, monkeypatch, graphs
     with monkeypatch.context() as m:
         if graphs:  # a CUDAGraphRunner with capture off: HeadStepGraphs run eagerly
             m.setattr(model_runner, "use_cuda_graphs", lambda model, eager: True)
-        return LLM(str(ckpt), dtype="float64", max_num_seqs=len(PROMPTS), enable_prefix_caching=prefix_cache,
-                   speculative_config={"method": "mtp", "num_speculative_tokens": k, "rollback": rollback})
+        llm = LLM(str(ckpt), dtype="float64", max_num_seqs=len(PROMPTS), enable_prefix_caching=prefix_cache,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": k, "rollback": rollback})
+    llm.engine.spec.drafter.fused = None  # the unfused step (the fused one: test_mtp_fused.py)
+    return llm
 
 
 def _record(drafter) -> list:

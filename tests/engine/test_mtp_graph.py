@@ -38,6 +38,7 @@ def _run(ckpt, k: int, rollback: str, graphs: bool, monkeypatch):
         llm = LLM(str(ckpt), dtype="float64", max_num_seqs=4,
                   speculative_config={"method": "mtp", "num_speculative_tokens": k, "rollback": rollback})
     drafter, seen = llm.engine.spec.drafter, []
+    drafter.fused = None  # the unfused verify, which hands the rows over (fused: test_mtp_fused.py)
     observe = drafter.observe
 
     def record(seqs, positions, counts, hidden):
@@ -122,6 +123,7 @@ def _proposals(path, prompts, params, rollback: str, graphs: bool, monkeypatch):
                   speculative_config={"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback})
     drafter, seen = llm.engine.spec.drafter, []
     assert (drafter.step_graphs is not None) == graphs
+    drafter.fused = None  # the head's own steps (fused into the verify: test_mtp_fused.py)
     propose = drafter.propose
 
     def record(seqs, ks, generator=None):

@@ -1,0 +1,181 @@
+"""MTP's fused greedy step: the verify forward, the acceptance, the head's catch-up and the next
+step's draft chain in ONE CUDA graph, with one readback.
+
+A speculative step of the unfused path runs, for a greedy batch: the head's catch-up over the
+previous verify's kept rows (one head graph), the k - 1 chained draft steps (a second graph,
+one copy of the drafts to the host), the verify (a third graph, its logits to the host), then
+the acceptance on the host. For a tiny model every one of those replays and syncs costs more
+than its kernels. When the acceptance is a plain argmax comparison (`argmax_accepts`), the
+head's inputs for the next step are known on the device as soon as the verify's logits are:
+the token after verify row i is the target's argmax a_i for every kept row i <= n (n: the
+drafts accepted; the drafts d_1 .. d_n equal a_0 .. a_{n-1} and a_n is the bonus token). So the
+graph goes on, with no host sync in between:
+
+    verify forward            -> logits [bs, W, V], hidden [bs, W, hidden]   (W = 1 + k)
+    a = argmax(logits)        -> [bs, W]
+    n = cumprod(d_i == a_{i-1}, i <= num drafts).sum()                       -> [bs]
+    head over all W rows (h_i, a_i) at head rows done .. done + W - 1        -> head states [bs, W, hidden]
+    head state at row n       -> d'_1 = argmax(its logits); d'_2 .. d'_k: one-row head steps at
+                                 head rows done + n + 1 .., each step's argmax feeding the next
+    readback (a [N, W], n [N], d' [N, k]): ONE copy
+
+Rows n + 1 .. W - 1 of the head's catch-up are garbage (their input token is not the one that
+follows), as are the chain's rows: all lie past the committed head rows (done + n + 1 after the
+step), so the next catch-up overwrites them before anything reads them, exactly like the
+speculative rows of the unfused path. The chain's rows past the pages reserved for this verify
+land in the head's scratch page (block table -1): they shape only the drafts d'_2 .., which the
+target verifies anyway.
+
+Host bookkeeping (`commit`): when the engine keeps all n + 1 tokens, the head has consumed
+the pairs of rows 0 .. n: the view's `done` advances by n + 1 (no pending pairs) and d' is kept
+as the view's `prefetched` drafts, which the next propose returns without running the head
+(cut to what the request asks for then). When the request keeps fewer (it finished mid-step)
+the drafts are dropped and the kept rows become pending pairs, as after an unfused verify: the
+next propose, if any, runs the normal path.
+
+When it runs (`fused_verify`, else None and SpecDecoder runs the unfused step): CUDA graphs on,
+no tensor parallelism, every request argmax-accepting (greedy, no grammar, no penalties or logit
+bias) and asking no logprobs, every request's view having consumed everything before its last
+token (after any propose that drafted for it, or a prefetch), and the verify running padded in
+a graph. On the CPU (capture off) the same function runs eagerly on the same buffers: what the
+CPU tests check is exactly what the graph captures.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyla.engine.cuda_graph import width_bucket
+from hyla.engine.cuda_graph_verify import HeadStepGraphs, _table_row
+from hyla.engine.spec_decode import Verified, argmax_accepts
+
+
+class FusedVerify:
+    """The fused steps' head-side inputs and graphs' extension (see the module docstring).
+    `meta[width] [max_batch, 2 + k + width]` holds per request its head context (the view's
+    done), its number of drafts, the k drafts (0-padded) and the head's block table."""
+
+    def __init__(self, steps: HeadStepGraphs, k: int):
+        self.steps, self.k = steps, k
+        self.meta: dict[int, torch.Tensor] = {}
+        self.runs = 0  # fused steps run (the tests assert the path was taken)
+
+    def extension(self, done: list[int], drafts: list[list[int]], tables: list[list[int]]) -> _Extension:
+        """The head's part of one fused step for N requests: done[n] head rows already in
+        tables[n], drafts[n] the tokens this verify checks."""
+        graphs, k = self.steps.graphs, self.k
+        bs = next(b for b in graphs.buckets if b >= len(done))
+        # the catch-up writes head rows done .. done + k, the chain up to done + 2k - 1
+        width = width_bucket(max(-(-(c + 2 * k) // self.steps.page_size) for c in done))
+        rows = [[c, len(d)] + list(d) + [0] * (k - len(d)) + _table_row(t, width)
+                for c, d, t in zip(done, drafts, tables)]
+        rows += [[0, 0] + [0] * k + [-1] * width] * (bs - len(done))
+        if width not in self.meta:
+            self.meta[width] = torch.zeros(graphs.max_batch, 2 + k + width, dtype=torch.long, device=graphs.device)
+        return _Extension(self, bs, width, rows)
+
+    def forward(self, bs: int, width: int, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The device part after the verify forward: logits [bs, W, V], hidden [bs, W, hidden]
+        -> packed [bs, W + 1 + k] int64: the argmax a [W], the drafts accepted n, the next
+        drafts d' [k]. Nothing reads the host: capturable."""
+        steps, k, W = self.steps, self.k, self.k + 1
+        meta = self.meta[width][:bs]
+        ctx, num, drafts, tables = meta[:, 0], meta[:, 1], meta[:, 2:2 + k], meta[:, 2 + k:]
+        top = logits.argmax(-1)  # [bs, W]
+        real = torch.arange(k, device=top.device) < num[:, None]
+        n = ((drafts == top[:, :k]) & real).long().cumprod(-1).sum(-1)  # [bs]
+        y = steps.head.forward_batch(hidden.reshape(bs * W, -1).to(steps.hidden.dtype), top.reshape(-1), steps.model,
+                                     steps.rows_batch(ctx, tables, W), steps.kv).view(bs, W, -1)
+        y = y[torch.arange(bs, device=y.device), n]  # the head state at each request's newest kept row
+        nxt = [steps.model.compute_logits(y).argmax(-1)]
+        ctx = ctx + n + 1  # the head's context after the step: rows done .. done + n are committed
+        for j in range(1, k):
+            y = steps.head.forward_batch(y, nxt[-1], steps.model, steps._one_row_batch(ctx + (j - 1), tables),
+                                         steps.kv)
+            nxt.append(steps.model.compute_logits(y).argmax(-1))
+        return torch.cat([top, n[:, None], torch.stack(nxt, 1)], 1)
+
+
+class _Extension:
+    """One fused step's extension of the verify graph (CUDAGraphRunner.replay_verify's protocol:
+    tag, pad, fill, forward)."""
+
+    def __init__(self, fused: FusedVerify, bs: int, width: int, rows: list[list[int]]):
+        self.fused, self.bs, self.width, self.rows = fused, bs, width, rows
+        self.tag = ("mtp", width)
+
+    def pad(self) -> None:
+        """Padding rows before a capture's warm-up: every head write lands in the scratch page."""
+        k = self.fused.k
+        self.fused.meta[self.width][:self.bs] = torch.tensor([0, 0] + [0] * k + [-1] * self.width,
+                                                             device=self.fused.meta[self.width].device)
+
+    def fill(self) -> None:
+        from hyla.ops.transfer import fill_long
+
+        fill_long(self.fused.meta[self.width][:self.bs], self.rows)
+
+    def forward(self, logits: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.fused.forward(self.bs, self.width, logits, hidden),)
+
+
+class FusedResult:
+    """What commit needs of a request's fused step: the drafts it accepted, the next drafts,
+    the verify's hidden rows [W, hidden] (a view of the graph's buffer: used, copied, before
+    the next replay), the position of x0 and the request's preemption count."""
+
+    __slots__ = ("accepted", "drafts", "hidden", "position", "generation")
+
+    def __init__(self, accepted: int, drafts: list[int], hidden: torch.Tensor, position: int, generation: int):
+        self.accepted, self.drafts, self.hidden = accepted, drafts, hidden
+        self.position, self.generation = position, generation
+
+
+def fused_verify(drafter, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int
+                 ) -> list[Verified] | None:
+    """The fused step for seqs (drafter: the MTPDrafter) -> their Verified results, the next
+    drafts kept in drafter._fused until commit; None (nothing ran) when it does not apply."""
+    fused = drafter.fused
+    if (fused is None or drafter.group is not None or pad_to != 1 + fused.k
+            or not all(argmax_accepts(s) and s.params.logprobs is None for s in seqs)):
+        return None
+    views = []
+    for seq in seqs:
+        view = drafter.views.get(seq.request_id)
+        if (view is None or view.pending or view.generation != seq.num_preemptions
+                or view.next_position != seq.num_computed_tokens):
+            return None  # its head has not consumed everything before x0: the unfused path
+        views.append(view)
+    ext = fused.extension([v.done for v in views], drafts,
+                          [drafter._pages(s, v) for s, v in zip(seqs, views)])
+    out = runner.verify_extended(seqs, drafts, rollback, pad_to, ext)
+    if out is None:
+        return None
+    logits, hidden, packed = out
+    W, n = pad_to, len(seqs)
+    host = packed[:n].tolist()  # the step's one readback
+    fused.runs += 1
+    results = []
+    for i, (seq, d, row) in enumerate(zip(seqs, drafts, host)):
+        acc = row[W]
+        drafter._fused[seq.request_id] = FusedResult(acc, row[W + 1:], hidden[i], seq.num_computed_tokens,
+                                                     seq.num_preemptions)
+        results.append(Verified(row[:acc + 1], logits[i, :1 + len(d)], len(d)))
+    return results
+
+
+def commit_fused(drafter, seq, kept: int, result: FusedResult) -> bool:
+    """commit for a request whose verify ran fused -> True when done (the head consumed the kept
+    rows, the next drafts are prefetched); False: the caller commits the kept rows as pending
+    pairs (drafter._seen holds them), as after an unfused verify."""
+    view = drafter.views.get(seq.request_id)
+    consistent = (view is not None and result.generation == seq.num_preemptions == view.generation
+                  and not view.pending and view.next_position == result.position)
+    if consistent and kept == result.accepted + 1:
+        view.done += kept
+        view.prefetched = result.drafts
+        return True
+    # it kept fewer (finished mid-step): the kept rows as pending pairs; the head's rows past
+    # them are speculative rows, overwritten by the next catch-up before anything reads them
+    drafter._seen[seq.request_id] = (result.position, result.hidden.clone())
+    return False
