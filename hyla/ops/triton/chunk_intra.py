@@ -24,14 +24,16 @@ same-sign pieces (Gl, Tot_a - Gl, sums of whole totals), so no fp32 cancellation
 large cumulative sums occurs (the torch path gets the same effect from fp64). The decayed Gram
 matrices are computed per channel slice in one of three ways, chosen at run time:
 
-  - fast: every channel of the slice decays by at most e^-80 over the chunk. Factor at the
-    chunk midpoint m = G_C / 2: e^(G_i - G_j) = e^(G_i - m) e^(m - G_j), both within e^(+-40),
-    so the whole [64, 64] block is one tensor-core matmul; the upper triangle (finite, <= e^80)
-    is masked off. Typical gates (and the safe gate, lower_bound >= -5, over most chunks).
-  - medium: every 16-token sub-block decays by at most e^-80: the same factoring with one
+  - fast: every channel of the slice decays by at most e^-140 over the chunk. Factor at the
+    chunk midpoint m = G_C / 2: e^(G_i - G_j) = e^(G_i - m) e^(m - G_j), both within e^(+-70),
+    so the whole [64, 64] block is one tensor-core matmul; the upper triangle (which may
+    overflow) is masked off. e^(+-70) leaves the factored operands normal fp32 numbers for any
+    |q|, |k| in [1e-7, 1e7] (fp32 spans e^(+-87)); the exponent differences G_i - G_j lose at
+    most ~1e-5 to fp32 rounding at |G| <= 140. Typical gates (and the safe gate, lower_bound >= -5, over most chunks).
+  - medium: every 16-token sub-block decays by at most e^-140: the same factoring with one
     midpoint per 16-row block (four matmuls).
   - exact: otherwise (unbounded gates): e^(min(G_i - G_j, 0)) row by row. Slow, but only taken
-    where a channel loses more than e^-80 within 16 tokens.
+    where a channel loses more than e^-140 within 16 tokens.
 
 L^-1 by block forward substitution on 16 x 16 blocks (_invert_in_place): the four diagonal
 blocks inverted as a batch from tensor-core products whose terms stay bounded ((I - D)(I + D^2)
@@ -47,8 +49,12 @@ from hyla.ops.triton.common import apply_gate, head_gate_params, sigmoid
 
 BT = tl.constexpr(64)  # chunk
 BC = tl.constexpr(16)  # sub-block
-# Largest decay (in log units) a factored product may span: the factors stay within e^(+-40).
-MAX_SPAN = tl.constexpr(80.0)
+# Largest decay (in log units) a factored product may span: the factors stay within e^(+-70).
+# (An H200 run with Kimi-Linear-like gates, A = e^A_log up to 16, found a quarter of the heads'
+# chunks past e^-80 and on the slower sub-block path, 0.5 ms of a 32K-token prefill.)
+MAX_SPAN = tl.constexpr(140.0)
+# Cap of exponents that only masked-off entries can reach (keeps them finite).
+EXP_CAP = tl.constexpr(80.0)
 
 
 @triton.jit
@@ -156,7 +162,7 @@ def _decays(b_g, GATE: tl.constexpr):
 @triton.jit
 def _chunk_cumsum(b_g, GATE: tl.constexpr):
     """Plain cumulative decay from the chunk start, G [64, GK], and the chunk total gc [GK].
-    Used only when every channel's chunk total is >= -MAX_SPAN: then all |G| <= 80 and the
+    Used only when every channel's chunk total is >= -MAX_SPAN: then all |G| <= 140 and the
     differences G_i - G_j lose at most ~1e-5 to fp32 rounding."""
     if GATE == 2:
         return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
@@ -195,7 +201,7 @@ def _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE: tl.constexpr, PREC: tl.constexp
 
 @triton.jit
 def _gram_steep(a_qk, a_kk, b_q, b_k, gl, tot, PREC: tl.constexpr):
-    """_gram_slice for a slice whose chunk decays past e^-80 somewhere: sub-block references."""
+    """_gram_slice for a slice whose chunk decays past e^-MAX_SPAN somewhere: sub-block references."""
     rows = tl.arange(0, BT)
     blk = rows // BC
     tot_r = _rows(tot)
@@ -206,7 +212,7 @@ def _gram_steep(a_qk, a_kk, b_q, b_k, gl, tot, PREC: tl.constexpr):
         for a in tl.static_range(4):
             half = 0.5 * _pick(tot, a)[None, :]  # [1, GK]
             e = tl.where((blk < a)[:, None], half + _rows(_between(tot, a)) + rem, half - gl)
-            ck = b_k * tl.where((blk <= a)[:, None], tl.exp(tl.minimum(e, MAX_SPAN)), 0.0)
+            ck = b_k * tl.where((blk <= a)[:, None], tl.exp(tl.minimum(e, EXP_CAP)), 0.0)
             in_a = (blk == a)[:, None]
             a_qk = tl.dot(tl.where(in_a, b_q * rf, 0.0), tl.trans(ck), a_qk, input_precision=PREC)
             a_kk = tl.dot(tl.where(in_a, b_k * rf, 0.0), tl.trans(ck), a_kk, input_precision=PREC)
@@ -385,7 +391,7 @@ def _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
             between += tl.where((blk[None, :] < c) & (blk[:, None] > c), t_c, 0.0)
         e = tl.where(blk[:, None] == blk[None, :], gl[:, None] - gl[None, :],
                      gl[:, None] + between + (tot_j - gl)[None, :])
-        dec = tl.where(lower, tl.exp(tl.minimum(e, MAX_SPAN)), 0.0)
+        dec = tl.where(lower, tl.exp(tl.minimum(e, EXP_CAP)), 0.0)
     else:
         dec = tl.where(lower, 1.0, 0.0)
     return a_qk * dec, a_kk * dec, sq, sk
