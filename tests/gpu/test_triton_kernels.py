@@ -79,6 +79,21 @@ def test_chunk_bf16_vs_fp32_reference(gate, B, T, H):
     check("final state", s, s_ref)
 
 
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_chunk_low_precision_inverse_full_size(gate):
+    """chunk_fwd(low_precision_inverse=True): L^-1 in bf16 for the factor kernel, same bound."""
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    _, ref = FNS[gate]
+    q, k, v, g, beta, _ = inputs(1, 32768, 2, 128, gate=gate, seed=5)
+    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, s = chunk_fwd(q, k, v, g, beta, gate=gate, low_precision_inverse=True, **kw)
+    o_ref, s_ref = reference(ref, q, k, v, g, beta, **kw)
+    print(f"\n{gate} bf16 L^-1 T=32768")
+    check("o", o, o_ref)
+    check("final state", s, s_ref)
+
+
 @pytest.mark.parametrize("variant", ["kda_v1", "kda_v2", "gdn"])
 def test_chunk_fused_gate_full_size(variant):
     gate = variant[:3]

@@ -185,6 +185,29 @@ def test_chunk_local_kernels_agree_with_torch(variant, mode):
         _check(c[n], c_ref[n], f"checkpoints of sequence {n}")
 
 
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_chunk_low_precision_inverse(gate):
+    """low_precision_inverse with fp16 inputs: L^-1 goes to the factor kernel in fp16 and its
+    products run in fp16. Same function as the fp32-inverse path up to fp16 rounding (the
+    outputs are fp16: 2^-11 ~ 5e-4 per element, summed over the chunk's 64 tokens); the fp32
+    L^-1 copy would be bit-identical whichever path, so a wrong copy or a dropped dot fails."""
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    _, ref = _chunk_pair(gate)
+    q, k, v, g, beta, h0 = make_inputs(2, 100, 2, 32, 32, gate=gate, seed=23)
+    o_ref, s_ref = ref(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    half = [x.to(torch.float16).to(DEV) for x in (q, k, v)]
+    outs = {}
+    for low in (False, True):
+        outs[low] = chunk_fwd(*half, g.float().to(DEV), beta.to(torch.float16).to(DEV), gate=gate,
+                              initial_state=h0.float().to(DEV), output_final_state=True,
+                              low_precision_inverse=low)
+    for low, (o, s) in outs.items():
+        assert rel_err(o.float().cpu(), o_ref.cpu()) <= 5e-3, (low, rel_err(o.float().cpu(), o_ref.cpu()))
+        assert rel_err(s.cpu(), s_ref.cpu()) <= 5e-3
+    assert rel_err(outs[True][0].float().cpu(), outs[False][0].float().cpu()) <= 3e-3
+
+
 def test_chunk_steep_scalar_decays():
     """GDN decays of -30 .. -3000 per token on some tokens: the scalar-gate Gram assembles its
     pairwise exponents from sub-block pieces, so steep chunks stay exact (no overflow, no

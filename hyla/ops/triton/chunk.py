@@ -127,14 +127,16 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
               factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
-              precompute_gate=None):
+              precompute_gate=None, low_precision_inverse=False):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
     (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
     width of the chunk-local Gram kernel; value-block width (default: by grid size, down to
     scan_narrowest), warps and pipeline stages of the scan; width and warps of the slice programs
     of chunk_factors_kernel (factor_slice, factor_warps); precompute_gate: a fused gate's
-    activation as a separate elementwise launch (hyla.ops.triton.gate) before them."""
+    activation as a separate elementwise launch (hyla.ops.triton.gate) before them;
+    low_precision_inverse: with bf16 / fp16 inputs, hand L^-1 to the factor kernel in that
+    precision (its two products then run as bf16 / fp16 matmuls) instead of fp32."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -199,12 +201,13 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
 
     if NCH:
         li = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=torch.float32)
+        li_low = torch.empty_like(li, dtype=st) if low_precision_inverse and st != torch.float32 else li
         row_factors = torch.empty(NCH, HV, 3, CHUNK, device=dev, dtype=torch.float32)
         common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec)
         chunk_gram_kernel[(NCH, HV)](
             qc, kc, gc, bc,
             a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
-            lb, scale, cu, chunk_seq, chunk_pos, aqk, li, row_factors,
+            lb, scale, cu, chunk_seq, chunk_pos, aqk, li, li_low, row_factors,
             H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
             num_warps=intra_warps, **common,
@@ -213,7 +216,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         chunk_factors_kernel[(BK // bks + BVF // bvs, NCH, HV)](
             qc, kc, vc, gc,
             a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off, lb,
-            cu, chunk_seq, chunk_pos, li, row_factors,
+            cu, chunk_seq, chunk_pos, li_low, row_factors,
             w, u, qg, kg, gam, ck_ptr, ck_pos, kr, dr,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=bks, BVS=bvs, HAS_CKPT=has_ck,
             num_warps=factor_warps, **common,

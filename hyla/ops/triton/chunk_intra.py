@@ -401,13 +401,14 @@ def _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
 def chunk_gram_kernel(
     q, k, g, beta, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, chunk_seq, chunk_pos,
-    aqk, li_out, rows_out,
+    aqk, li_scratch, li_out, rows_out,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Per (chunk, value head): aqk [64, 64] (scale * tril(A_qk)), L^-1 [64, 64] fp32 and
+    """Per (chunk, value head): aqk [64, 64] (scale * tril(A_qk)), L^-1 [64, 64] (built in the fp32
+    li_scratch; li_out is li_scratch, or a bf16 / fp16 copy of it) and
     the row factors rows_out [3, 64] fp32: scale * |q_i|^-1, |k_i|^-1 and beta_i."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -444,13 +445,26 @@ def chunk_gram_kernel(
     a_qk = tl.where(rows[:, None] >= rows[None, :], a_qk * (scale * nq[:, None] * nk[None, :]), 0.0)
     _store_rows(aqk + head * BT * BT, a_qk, BT)
     n = tl.where(rows[:, None] > rows[None, :], a_kk * ((b_b * nk)[:, None] * nk[None, :]), 0.0)
-    li = li_out + head * BT * BT
+    li = li_scratch + head * BT * BT
     _store_rows(li, n, BT)
     tl.debug_barrier()
     _invert_in_place(li, PREC)
+    if li_out.dtype.element_ty != tl.float32:  # a low-precision copy for chunk_factors_kernel
+        tl.debug_barrier()
+        _store_rows(li_out + head * BT * BT, tl.load(li + rows[:, None] * BT + rows[None, :]), BT)
     tl.store(rows_out + head * 3 * BT + rows, scale * nq)
     tl.store(rows_out + head * 3 * BT + BT + rows, nk)
     tl.store(rows_out + head * 3 * BT + 2 * BT + rows, b_b)
+
+
+@triton.jit
+def _li_dot(li, x, PREC: tl.constexpr):
+    """L^-1 [64, 64] @ x [64, N] (fp32 x): tf32 products for an fp32 L^-1, else both operands in
+    L^-1's precision (one bf16 / fp16 tensor-core product, as fla's WY kernels do)."""
+    if li.dtype == tl.float32:
+        return tl.dot(li, x, input_precision=PREC)
+    else:
+        return tl.dot(li, x.to(li.dtype))
 
 
 @triton.jit(do_not_specialize=["lower_bound"])
@@ -474,7 +488,7 @@ def chunk_factors_kernel(
     t0, eos = _chunk_start(chunk_seq, chunk_pos, cu_seqlens, i_c)
     rows = tl.arange(0, BT)
     head = i_c.to(tl.int64) * HV + i_hv
-    li = tl.load(li_in + head * BT * BT + rows[:, None] * BT + rows[None, :])  # [64, 64] fp32
+    li = tl.load(li_in + head * BT * BT + rows[:, None] * BT + rows[None, :])  # [64, 64] fp32 or bf16 / fp16
     b_b = tl.load(rows_in + head * 3 * BT + 2 * BT + rows)  # [64] beta (0 on padding rows)
     NKS: tl.constexpr = BK // BKS
     if i_s < NKS:
@@ -489,7 +503,7 @@ def chunk_factors_kernel(
         _store_rows(qg + head * BT * BK + ks, b_q * sq[:, None] * eg, BK)
         _store_rows(kg + head * BT * BK + ks, b_k * e_end, BK)
         tl.store(gam + head * BK + o_k, tl.zeros([BKS], dtype=tl.float32) + gam_s)
-        _store_rows(w + head * BT * BK + ks, tl.dot(li, b_k * b_b[:, None] * eg, input_precision=PREC), BK)
+        _store_rows(w + head * BT * BK + ks, _li_dot(li, b_k * b_b[:, None] * eg, PREC), BK)
         if HAS_CKPT:
             for ci in range(tl.load(ck_ptr + i_c), tl.load(ck_ptr + i_c + 1)):
                 ck_head = tl.cast(ci, tl.int64) * HV + i_hv
@@ -501,4 +515,4 @@ def chunk_factors_kernel(
         o_b = t0 + rows
         b_v = tl.load(v + (o_b[:, None] * HV + i_hv) * V + o_v[None, :],
                       mask=(o_b < eos)[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)
-        _store_rows(u + head * BT * BV + vs, tl.dot(li, b_v * b_b[:, None], input_precision=PREC), BV)
+        _store_rows(u + head * BT * BV + vs, _li_dot(li, b_v * b_b[:, None], PREC), BV)
