@@ -67,18 +67,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int | None = None,
-               return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               return_hidden: bool = False, device_logits: bool = False
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One verify forward over [x0, d1..dk] per sequence -> logits at every position
         [sum(1 + k_n), V] fp32, and with return_hidden also the final-norm hidden states of the
         same rows [sum(1 + k_n), hidden] (on the device; what an MTP drafter reads). "slots":
         seq.spec_slots are the per-position slots and seq.slot (one of them) holds the current
         state; "replay": seq.slot only. pad_to: W = 1 + k when every row may be padded to W
         tokens (each request has W state slots with "slots"): the step then replays a CUDA graph
-        when the runner has them."""
+        when the runner has them. device_logits: the caller accepts on the device (every request
+        argmax-accepting: one argmax, a copy of ids), so a graph's logits stay there too; else they
+        come to the host in one copy (a sampling acceptance reads them row by row)."""
         rows, accepted = self._verify_slots(seqs, rollback)
         self.verified_in_graph = False
         if self._graph_verifies(seqs, drafts, rows, rollback, pad_to):
-            return self._verify_in_graph(seqs, drafts, rows, accepted, rollback, pad_to, return_hidden)
+            return self._verify_in_graph(seqs, drafts, rows, accepted, rollback, pad_to, return_hidden,
+                                         device_logits)
         ids = [t for seq, d in zip(seqs, drafts) for t in [seq.last_token_id, *d]]
         batch = ForwardBatch.build(
             seq_lens=[1 + len(d) for d in drafts], context_lens=[seq.num_computed_tokens for seq in seqs],
@@ -118,7 +122,7 @@ class ModelRunner:
         self.verified_in_graph = True  # commit_replay: the commit graph captured with it
         return out
 
-    def _verify_in_graph(self, seqs, drafts, rows, accepted, rollback, pad_to, return_hidden):
+    def _verify_in_graph(self, seqs, drafts, rows, accepted, rollback, pad_to, return_hidden, device_logits=False):
         """verify's padded path: run_verify's [N, W, ...] outputs without their padding rows."""
         tokens = [[seq.last_token_id, *d] + [0] * (pad_to - 1 - len(d)) for seq, d in zip(seqs, drafts)]
         logits, hidden = self.graphs.run_verify(tokens, [seq.num_computed_tokens for seq in seqs], rows, accepted,
@@ -126,11 +130,16 @@ class ModelRunner:
         self.verified_in_graph = True
         # the real rows, flat: row n's first 1 + len(d) positions of the [N, W] grid
         keep = [n * pad_to + i for n, d in enumerate(drafts) for i in range(1 + len(d))]
-        logits = logits.cpu().flatten(0, 1)[keep]  # one copy (the caller accepts on the host)
+        if device_logits:  # a gather on the device: the graph's buffer is overwritten by the next replay
+            index = to_device_long(keep, logits.device)
+            logits = logits.flatten(0, 1)[index]
+        else:
+            logits = logits.cpu().flatten(0, 1)[keep]  # one copy (the caller accepts on the host)
+            index = to_device_long(keep, hidden.device) if return_hidden else None
         if not return_hidden:
             return logits
         # a copy on the device: the graph's buffer is overwritten by the next replay
-        return logits, hidden.flatten(0, 1)[to_device_long(keep, hidden.device)]
+        return logits, hidden.flatten(0, 1)[index]
 
     def commit_replay(self, accepted: list[int]) -> None:
         """After a "replay" verify: advance each sequence's state by its accepted tokens."""

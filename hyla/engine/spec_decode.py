@@ -227,13 +227,17 @@ class SpecDecoder:
         fused = self.drafter.verify(seqs, drafts, self.runner, self.cfg.rollback, pad_to)
         if fused is not None:
             return fused
+        # every request argmax-accepting: the acceptance is one argmax on the device (accept_argmax)
+        on_device = all(argmax_accepts(seq) for seq in seqs)
         if self.drafter.needs_hidden:  # the rows' hidden states feed the drafter's next proposal
-            logits, hidden = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to, return_hidden=True)
+            logits, hidden = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to, return_hidden=True,
+                                                device_logits=on_device)
             logits = logits.float()
             self.drafter.observe(seqs, [seq.num_computed_tokens for seq in seqs], [1 + len(d) for d in drafts],
                                  hidden)
         else:
-            logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to).float()  # stays on the device
+            logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to,
+                                        device_logits=on_device).float()
         return self._accept(seqs, drafts, [q for _, q in proposals], masks, logits, generator)
 
     @staticmethod

@@ -144,9 +144,11 @@ class TPRunner:
         return self._call("run", views, list(num_new_tokens), logit_rows, checkpoints, return_hidden=return_hidden)
 
     def verify(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int | None = None,
-               return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               return_hidden: bool = False, device_logits: bool = False
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         views = [SeqView.of(s, 0) for s in seqs]
-        return self._call("verify", views, drafts, rollback, pad_to=pad_to, return_hidden=return_hidden)
+        return self._call("verify", views, drafts, rollback, pad_to=pad_to, return_hidden=return_hidden,
+                          device_logits=device_logits)
 
     def commit_replay(self, accepted: list[int]) -> None:
         self._call("commit_replay", list(accepted))
