@@ -117,7 +117,7 @@ PREFILL_CONFIGS = [
     dict(factor_slice=64),
     dict(precompute_gate=False),
     dict(precompute_gate=True),
-    dict(low_precision_inverse=True),
+    dict(low_precision_inverse=False),
 ]
 
 
