@@ -24,7 +24,9 @@ def main() -> None:
     from hyla.ops.triton.recurrent import recurrent_fwd
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cfgs = [dict(factor_slice=32), dict(factor_slice=64), dict(precompute_gate=True), dict(precompute_gate=False)]
+    cfgs = [dict(), dict(factor_slice=32), dict(factor_slice=64), dict(low_precision_inverse=False),
+            dict(gram_maxnreg=168), dict(gram_maxnreg=128), dict(factor_maxnreg=128),
+            dict(gram_maxnreg=168, factor_maxnreg=128)]
     with torch.inference_mode():
         for shape in args.shapes:
             B, T = map(int, shape.split("x"))

@@ -115,6 +115,11 @@ def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32
     return bv
 
 
+def _cap(maxnreg: int | None) -> dict:
+    """The launch option capping registers per thread (only when asked: the interpreter has none)."""
+    return {} if maxnreg is None else {"maxnreg": int(maxnreg)}
+
+
 def _scan_stages(st: torch.dtype) -> int:
     """Software-pipelining depth of the scan's loop. Each stage buffers one chunk's w, u, qg, kg and
     aqk in shared memory: with fp32 factors three stages need 278 KB at K = V = 128 (the H200
@@ -127,7 +132,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
               factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
-              precompute_gate=None, low_precision_inverse=True):
+              precompute_gate=None, low_precision_inverse=True, gram_maxnreg=None, factor_maxnreg=None):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
     (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
@@ -137,7 +142,9 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     activation as a separate elementwise launch (hyla.ops.triton.gate) before them;
     low_precision_inverse: with bf16 / fp16 inputs, hand L^-1 to the factor kernel in that
     precision (its two products then run as bf16 / fp16 matmuls) instead of fp32 (measured
-    5-7% faster on an H200, output error vs the fp32 path 3.1e-3 -> 3.4e-3; BENCHMARKS.md)."""
+    5-7% faster on an H200, output error vs the fp32 path 3.1e-3 -> 3.4e-3; BENCHMARKS.md);
+    gram_maxnreg / factor_maxnreg: a register cap per thread for the two chunk-local kernels
+    (more programs per SM, some spilled to L1)."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -211,7 +218,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             lb, scale, cu, chunk_seq, chunk_pos, aqk, li, li_low, row_factors,
             H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            num_warps=intra_warps, **common,
+            num_warps=intra_warps, **common, **_cap(gram_maxnreg),
         )
         bks, bvs = min(BK, factor_slice), min(BVF, factor_slice)
         chunk_factors_kernel[(BK // bks + BVF // bvs, NCH, HV)](
@@ -220,7 +227,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             cu, chunk_seq, chunk_pos, li_low, row_factors,
             w, u, qg, kg, gam, ck_ptr, ck_pos, kr, dr,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=bks, BVS=bvs, HAS_CKPT=has_ck,
-            num_warps=factor_warps, **common,
+            num_warps=factor_warps, **common, **_cap(factor_maxnreg),
         )
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
