@@ -27,6 +27,12 @@ class _DraftView:
         self.slot = slot
         self.committed, self.scratch = slot, scratch
 
+    def token_range(self, start: int, stop: int) -> list[int]:
+        return self.token_ids[start:stop]
+
+    def token_at(self, i: int) -> int:
+        return self.token_ids[i]
+
 
 class DraftModelDrafter(Drafter):
     def __init__(self, cfg, *, vocab_size: int, max_num_seqs: int, max_model_len: int, page_size: int,

@@ -193,13 +193,13 @@ class MTPDrafter(Drafter):
             if seen is None:
                 continue
             p, rows = seen
-            n = min(n, len(rows), len(seq.token_ids) - 1 - p)
+            n = min(n, len(rows), seq.num_tokens - 1 - p)
             view = self.views.get(seq.request_id)
             if view is None or view.next_position != p or view.generation != seq.num_preemptions:
                 # its first rows (p = the prefix-cache hit, or 0), or it was recomputed: start at p
                 view = self.views[seq.request_id] = _View(p, seq.num_preemptions)
             if n > 0:
-                view.pending.append((rows[:n], seq.token_ids[p + 1 : p + 1 + n]))
+                view.pending.append((rows[:n], seq.token_range(p + 1, p + 1 + n)))
 
     @torch.inference_mode()
     def catch_up(self, seqs) -> None:
@@ -236,7 +236,7 @@ class MTPDrafter(Drafter):
         """seq's view when it can draft now: pending pairs reaching its last token."""
         view = self.views.get(seq.request_id)
         if (not k or view is None or not view.pending or view.generation != seq.num_preemptions
-                or view.next_position != len(seq.token_ids) - 1):
+                or view.next_position != seq.num_tokens - 1):
             return None
         return view
 

@@ -62,6 +62,21 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_range(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop] (0 <= start <= stop) without building token_ids: a step's
+        bookkeeping reads a few tokens of a long context."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+    def token_at(self, i: int) -> int:
+        """token_ids[i] (0 <= i < num_tokens) without building token_ids."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
     @property
     def last_token_id(self) -> int:
         """The newest token (without building token_ids)."""

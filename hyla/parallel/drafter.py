@@ -67,7 +67,7 @@ class TPDrafter(Drafter):
     def commit(self, seqs, kept: list[int]) -> None:
         """Ranks 1..N-1 get the tokens after each request's observed rows (what they pair with)."""
         self.local.commit(seqs, kept)
-        views = [DraftView.of(s, self._first.pop(s.request_id, len(s.token_ids)) + 1, pages=False) for s in seqs]
+        views = [DraftView.of(s, self._first.pop(s.request_id, s.num_tokens) + 1, pages=False) for s in seqs]
         self.runner.defer("commit", (views, list(kept)))
 
     def catch_up(self, seqs) -> None:

@@ -54,8 +54,14 @@ class SeqView:
     @classmethod
     def of(cls, seq, num_new: int) -> SeqView:
         start = seq.num_computed_tokens
-        return cls(_Suffix(start, seq.token_ids[start:start + num_new]), start, list(seq.block_table), seq.slot,
+        return cls(_Suffix(start, seq.token_range(start, start + num_new)), start, list(seq.block_table), seq.slot,
                    list(seq.spec_slots), seq.last_token_id)
+
+    def token_range(self, start: int, stop: int) -> list[int]:
+        return self.token_ids[start:stop]
+
+    def token_at(self, i: int) -> int:
+        return self.token_ids[i]
 
 
 class _Tail(_Suffix):
@@ -82,9 +88,17 @@ class DraftView:
     def of(cls, seq, start: int | None = None, pages: bool = True) -> DraftView:
         """start: the first token carried (default: none, only the length); pages: with the
         block table (the calls that run the head read it)."""
-        start = len(seq.token_ids) if start is None else min(start, len(seq.token_ids))
-        return cls(seq.request_id, _Tail(start, seq.token_ids[start:]), seq.num_preemptions,
+        n = seq.num_tokens
+        start = n if start is None else min(start, n)
+        return cls(seq.request_id, _Tail(start, seq.token_range(start, n)), seq.num_preemptions,
                    list(seq.block_table) if pages else [])
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def token_range(self, start: int, stop: int) -> list[int]:
+        return self.token_ids[start:stop]
 
 
 class TPRunner:

@@ -1,0 +1,24 @@
+"""Sequence.token_range / token_at (and the tensor-parallel views' same calls) equal slicing and
+indexing token_ids, across the prompt / output boundary."""
+
+from hyla.engine.sampling_params import SamplingParams
+from hyla.engine.sequence import Sequence
+from hyla.parallel.runner import DraftView, SeqView
+
+
+def test_token_range_and_token_at_equal_token_ids():
+    seq = Sequence("r", None, [5, 6, 7, 8], SamplingParams(max_tokens=8), 8, None)
+    for t in (9, 10, 11):
+        seq.output_token_ids.append(t)
+    ids = seq.token_ids
+    n = len(ids)
+    for a in range(n + 1):
+        for b in range(a, n + 1):
+            assert seq.token_range(a, b) == ids[a:b]
+    assert [seq.token_at(i) for i in range(n)] == ids
+    seq.num_computed_tokens = 2
+    view = SeqView.of(seq, 3)
+    assert view.token_range(2, 5) == ids[2:5] and view.token_at(4) == ids[4]
+    draft = DraftView.of(seq, 3)
+    assert draft.num_tokens == n and draft.token_range(3, n) == ids[3:] and draft.token_range(4, 6) == ids[4:6]
+    assert DraftView.of(seq).num_tokens == n
