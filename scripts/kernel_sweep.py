@@ -25,6 +25,7 @@ def main() -> None:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cfgs = [dict(), dict(factor_slice=32), dict(factor_slice=64), dict(low_precision_inverse=False),
+            dict(low_precision_inverse=True),
             dict(gram_maxnreg=168), dict(gram_maxnreg=128), dict(factor_maxnreg=128),
             dict(gram_maxnreg=168, factor_maxnreg=128)]
     with torch.inference_mode():

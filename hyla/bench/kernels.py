@@ -118,6 +118,7 @@ PREFILL_CONFIGS = [
     dict(precompute_gate=False),
     dict(precompute_gate=True),
     dict(low_precision_inverse=False),
+    dict(low_precision_inverse=True),
     dict(gram_maxnreg=168),
     dict(gram_maxnreg=128),
     dict(factor_maxnreg=128),

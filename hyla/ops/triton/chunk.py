@@ -132,7 +132,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
               factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
-              precompute_gate=None, low_precision_inverse=True, gram_maxnreg=None, factor_maxnreg=None):
+              precompute_gate=None, low_precision_inverse=None, gram_maxnreg=None, factor_maxnreg=None):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
     (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
@@ -141,10 +141,12 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     of chunk_factors_kernel (factor_slice, factor_warps); precompute_gate: a fused gate's
     activation as a separate elementwise launch (hyla.ops.triton.gate) before them;
     low_precision_inverse: with bf16 / fp16 inputs, hand L^-1 to the factor kernel in that
-    precision (its two products then run as bf16 / fp16 matmuls) instead of fp32 (measured
-    5-7% faster on an H200, output error vs the fp32 path 3.1e-3 -> 3.4e-3; BENCHMARKS.md);
+    precision (its two products then run as bf16 / fp16 matmuls) instead of fp32; default for
+    scalar decays (GDN: 7% faster on an H200, o error vs the fp32 path 2.9e-3 -> 3.3e-3), not
+    for KDA (3% faster, but the safe gate's error rose to 4.9e-3 of the 5e-3 budget);
     gram_maxnreg / factor_maxnreg: a register cap per thread for the two chunk-local kernels
-    (more programs per SM, some spilled to L1)."""
+    (more programs per SM, some spills to L1; default for the Gram kernel: 168 for KDA, 128
+    otherwise, the fastest of the H200 sweep in BENCHMARKS.md)."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -165,6 +167,10 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         precompute_gate = gate == "kda"
     if factor_slice is None:  # 64-wide slices for scalar decays (fewer, larger programs), 32 for KDA
         factor_slice = 32 if gate == "kda" else 64
+    if low_precision_inverse is None:
+        low_precision_inverse = gate != "kda"
+    if gram_maxnreg is None:
+        gram_maxnreg = 168 if gate == "kda" else 128
     if precompute_gate and use_gate_in_kernel and g is not None:
         # the gate activation as its own elementwise launch: fp32 log-decays, then the
         # precomputed-gate kernels (one activation per element instead of one per kernel pass)
