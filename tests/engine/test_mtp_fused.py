@@ -237,3 +237,48 @@ def test_fused_off_without_graphs_or_under_tensor_parallelism(ckpt, monkeypatch)
     assert isinstance(drafter.fused, FusedVerify)
     drafter.group = object()  # a model group: each step's tokens would be broadcast
     assert drafter.verify([], [], llm.engine.runner, "slots", 3) is None
+
+
+def test_a_fused_step_reads_the_host_once(bundled, monkeypatch):
+    """Outside the captured part (what a graph replay stands for), a steady-state fused step
+    (propose returning the prefetched drafts, the fused verify, the bookkeeping) reads the
+    device once: the readback of (argmax ids, accepted counts, next drafts)."""
+    import torch
+
+    path, prompts, params, want = bundled
+    llm = _engine(path, 3, "slots", monkeypatch)
+    engine, graphs = llm.engine, llm.engine.runner.graphs
+    reads, state = [], {"inside": False, "on": False}
+    for name in ("item", "tolist", "cpu", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(t, *a, _original=original, _name=name, **k):
+            if state["on"] and not state["inside"]:
+                reads.append(_name)
+            return _original(t, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    verify_step = graphs._verify_step
+
+    def captured(*a):  # a graph replay on a GPU: no host reads counted inside
+        state["inside"] = True
+        try:
+            return verify_step(*a)
+        finally:
+            state["inside"] = False
+    graphs._verify_step = captured
+    spec_step, per_step = engine._spec_step, []
+
+    def counted_step(batch):
+        runs = engine.spec.drafter.fused.runs
+        del reads[:]
+        state["on"] = True
+        try:
+            return spec_step(batch)
+        finally:
+            state["on"] = False
+            if engine.spec.drafter.fused.runs > runs:
+                per_step.append(list(reads))
+    engine._spec_step = counted_step
+    assert _generate(llm, prompts[:1], params) == want[:1]
+    # the first fused step's propose ran the head (its chain's readback): the request's first drafts
+    assert len(per_step) > 3 and all(r == ["tolist"] for r in per_step[1:]), per_step
