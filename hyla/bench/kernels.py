@@ -7,7 +7,8 @@ plus written; a bf16 8192^3 matmul), then:
   - prefill: chunk_kda / chunk_gated_delta_rule, bf16 q/k/v/beta, L2 norm of q/k in the kernel,
     final state out; precomputed fp32 log-decays and the fused-gate variants (raw bf16 gate input
     with A_log, dt_bias; KDA gate v1 softplus and v2 safe gate, lower_bound=-5);
-    (B, T, H, D) in {(1, 32768, 32, 128), (8, 4096, 32, 128), (32, 1024, 32, 128)};
+    (B, T, H, D) in {(1, 32768, 32, 128), (8, 4096, 32, 128), (32, 1024, 32, 128)}, then the
+    released models' head layouts (RELEASED_LAYOUTS: 64 KDA heads; GDN 16 k / 32 v heads);
   - decode: fused_recurrent_kda over an fp32 state pool with random slot indices, N sequences of
     one token, H = 32, D = 128, timed as CUDA-graph replays (how a serving engine runs decode).
 Every time is a `triton.testing.do_bench` median after warm-up, on fresh random inputs (never
@@ -28,6 +29,10 @@ import torch
 import torch.nn.functional as F
 
 PREFILL_SHAPES = [(1, 32768, 32, 128), (8, 4096, 32, 128), (32, 1024, 32, 128)]
+# The released models' head layouts, at 32K tokens, each with its model's gate (B, T, H, D, HV):
+# GLM-5-Next's 64 KDA heads with the safe gate, Qwen3-Next / Qwen3.5's GDN with 16 k-heads and
+# 32 v-heads (GVA). (Kimi-Linear's 32 KDA heads with gate v1 are PREFILL_SHAPES' first row.)
+RELEASED_LAYOUTS = [((1, 32768, 64, 128, 64), ("kda", "fused-v2")), ((1, 32768, 16, 128, 32), ("gdn", "fused-v1"))]
 DECODE_N = [1, 8, 64, 256, 512]
 # (persistent, value block, warps, programs per SM) timed by --tune for decode
 DECODE_CONFIGS = [(False, bv, nw, 0) for bv, nw in ((32, 4), (64, 4), (32, 2), (16, 1))] + [
@@ -58,11 +63,14 @@ def _ceilings():
     return copy_bw, 2 * m ** 3 / (t * 1e-3)
 
 
-def _prefill_inputs(B, T, H, D, gate, variant, gen):
+def _prefill_inputs(B, T, H, D, gate, variant, gen, HV=None):
+    """q, k with H heads; v, beta and the gate with HV (default H; HV > H is GVA)."""
+    HV = HV or H
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-    q, k, v = (r(B, T, H, D).bfloat16() for _ in range(3))
-    beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16()
-    gshape = (B, T, H, D) if gate == "kda" else (B, T, H)
+    q, k, v = r(B, T, H, D).bfloat16(), r(B, T, H, D).bfloat16(), r(B, T, HV, D).bfloat16()
+    beta = torch.rand(B, T, HV, device="cuda", generator=gen).bfloat16()
+    gshape = (B, T, HV, D) if gate == "kda" else (B, T, HV)
+    H = HV  # the gate parameters below are per value head
     kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
     if variant == "gate":
         g = F.logsigmoid(r(*gshape))  # fp32 log-decays, as a gate projection + activation produces
@@ -76,10 +84,11 @@ def _prefill_inputs(B, T, H, D, gate, variant, gen):
     return q, k, v, g, beta, kw
 
 
-def _prefill_floor(B, T, H, D, g, copy_bw, mm_rate):
-    """(floor ms, bytes, flops): bytes = q, k, v, g, beta in + o, final state out."""
-    tok = B * T * H
-    nbytes = tok * D * 2 * 4 + g.numel() * g.element_size() + tok * 2 + B * H * D * D * 4
+def _prefill_floor(B, T, H, D, g, copy_bw, mm_rate, HV=None):
+    """(floor ms, bytes, flops): bytes = q, k (H heads), v, g, beta in + o, final state out (HV)."""
+    HV = HV or H
+    tok = B * T * HV
+    nbytes = B * T * D * 2 * (2 * H + 2 * HV) + g.numel() * g.element_size() + tok * 2 + B * HV * D * D * 4
     # per token-head: Gram blocks (lower triangles) C*D, WY solve C/2*(K+V), state 3*K*V + C/2*V
     macs = tok * (CHUNK * D + CHUNK // 2 * 2 * D + 3 * D * D + CHUNK // 2 * D)
     flops = 2 * macs
@@ -140,34 +149,36 @@ def _tune_prefill(q, k, v, g, beta, gate, kw):
     return out
 
 
-def run_prefill(shapes, variants, copy_bw, mm_rate, vs_fla, tune=False):
+def run_prefill(shapes, variants, copy_bw, mm_rate, vs_fla, tune=False, layouts=()):
+    """Every variant at every shape, then the `layouts` cells ((B, T, H, D, HV), (gate, variant))."""
     from hyla.ops import triton as ht
 
     fla = _fla_fns() if vs_fla else None
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    for B, T, H, D in shapes:
-        for gate, variant in variants:
-            q, k, v, g, beta, kw = _prefill_inputs(B, T, H, D, gate, variant, gen)
-            ours = ht.chunk_kda if gate == "kda" else ht.chunk_gated_delta_rule
-            row = dict(op=f"chunk_{gate}", B=B, T=T, H=H, D=D, variant=variant)
-            if tune and (variant == "gate" or (B, T) == tuple(shapes[0][:2])):
-                row["configs"] = _tune_prefill(q, k, v, g, beta, gate, kw)
-                row["best_config"] = min(row["configs"], key=lambda c: c["ms"])
-            o, _ = ours(q, k, v, g, beta, **kw)
-            row["hyla_ms"] = _bench(lambda: ours(q, k, v, g, beta, **kw))
-            if fla:
-                fn = fla[0] if gate == "kda" else fla[1]
-                fkw = _fla_prefill_kwargs(gate, kw)
-                o_f, _ = fn(q, k, v, g, beta, **fkw)
-                row["fla_ms"] = _bench(lambda: fn(q, k, v, g, beta, **fkw))
-                row["ratio"] = row["fla_ms"] / row["hyla_ms"]
-                row["rel_diff_vs_fla"] = _rel(o, o_f)
-            row["floor_ms"], row["bytes"], row["flops"] = _prefill_floor(B, T, H, D, g, copy_bw, mm_rate)
-            rows.append(row)
-            print("  " + _prefill_line(row), flush=True)
-            q = k = v = g = beta = o = None
-            torch.cuda.empty_cache()
+    cells = [(shape, gv) for shape in shapes for gv in variants] + list(layouts)
+    for (B, T, H, D, *hv), (gate, variant) in cells:
+        HV = hv[0] if hv else H
+        q, k, v, g, beta, kw = _prefill_inputs(B, T, H, D, gate, variant, gen, HV)
+        ours = ht.chunk_kda if gate == "kda" else ht.chunk_gated_delta_rule
+        row = dict(op=f"chunk_{gate}", B=B, T=T, H=H, HV=HV, D=D, variant=variant)
+        if tune and (variant == "gate" or (B, T) == tuple(shapes[0][:2])):
+            row["configs"] = _tune_prefill(q, k, v, g, beta, gate, kw)
+            row["best_config"] = min(row["configs"], key=lambda c: c["ms"])
+        o, _ = ours(q, k, v, g, beta, **kw)
+        row["hyla_ms"] = _bench(lambda: ours(q, k, v, g, beta, **kw))
+        if fla:
+            fn = fla[0] if gate == "kda" else fla[1]
+            fkw = _fla_prefill_kwargs(gate, kw)
+            o_f, _ = fn(q, k, v, g, beta, **fkw)
+            row["fla_ms"] = _bench(lambda: fn(q, k, v, g, beta, **fkw))
+            row["ratio"] = row["fla_ms"] / row["hyla_ms"]
+            row["rel_diff_vs_fla"] = _rel(o, o_f)
+        row["floor_ms"], row["bytes"], row["flops"] = _prefill_floor(B, T, H, D, g, copy_bw, mm_rate, HV)
+        rows.append(row)
+        print("  " + _prefill_line(row), flush=True)
+        q = k = v = g = beta = o = None
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -250,7 +261,8 @@ def profile_kernels(shape, gate, variant, vs_fla):
 
 
 def _prefill_line(r):
-    s = f"{r['op']:<24} {r['B']:>2}x{r['T']:<6} H{r['H']} {r['variant']:<9} hyla {r['hyla_ms']:7.3f} ms"
+    heads = f"H{r['H']}" + (f"/{r['HV']}" if r.get("HV", r["H"]) != r["H"] else "")
+    s = f"{r['op']:<24} {r['B']:>2}x{r['T']:<6} {heads:<6} {r['variant']:<9} hyla {r['hyla_ms']:7.3f} ms"
     if "fla_ms" in r:
         s += f"  fla {r['fla_ms']:7.3f} ms  x{r['ratio']:.2f}  diff {r['rel_diff_vs_fla']:.1e}"
     return s + f"  floor {r['floor_ms']:.3f} ms"
@@ -271,10 +283,11 @@ def markdown(meta, prefill, decode):
            f"fla {meta.get('fla', '-')}; {meta['date']}  ",
            f"Measured ceilings: copy {meta['copy_tbs']:.2f} TB/s (read + write), "
            f"bf16 matmul {meta['mm_tflops']:.0f} TFLOP/s", "",
-           "| op | B x T | variant | hyla ms | fla ms | fla / hyla | floor ms | hyla / floor | o diff vs fla |",
+           "| op | B x T x heads (k / v) | variant | hyla ms | fla ms | fla / hyla | floor ms | hyla / floor | o diff vs fla |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in prefill:
-        out.append(f"| {r['op']} | {r['B']} x {r['T']} | {r['variant']} | {r['hyla_ms']:.3f} | "
+        heads = f"{r['H']}" + (f" / {r['HV']}" if r.get("HV", r["H"]) != r["H"] else "")
+        out.append(f"| {r['op']} | {r['B']} x {r['T']} x {heads} | {r['variant']} | {r['hyla_ms']:.3f} | "
                    f"{r.get('fla_ms', float('nan')):.3f} | {r.get('ratio', float('nan')):.2f}x | "
                    f"{r['floor_ms']:.3f} | {r['hyla_ms'] / r['floor_ms']:.1f}x | "
                    f"{r.get('rel_diff_vs_fla', float('nan')):.1e} |")
@@ -319,8 +332,9 @@ def main(argv=None):
         if args.profile:
             for i, (gate, variant) in enumerate(variants):
                 profile_kernels(shapes[0], gate, variant, args.vs == "fla" and variant in ("gate", "fused-v1"))
-        prefill = [] if args.only == "decode" else run_prefill(shapes, variants, copy_bw, mm_rate,
-                                                              args.vs == "fla", tune=args.tune)
+        prefill = [] if args.only == "decode" else run_prefill(
+            shapes, variants, copy_bw, mm_rate, args.vs == "fla", tune=args.tune,
+            layouts=() if args.quick else RELEASED_LAYOUTS)
         decode = [] if args.only == "prefill" else run_decode(ns, copy_bw, args.vs == "fla", tune=args.tune)
     table = markdown(meta, prefill, decode)
     if args.out:
