@@ -112,7 +112,7 @@ class DecodeGraphs:
 
     def run(self, seqs, logit_rows) -> torch.Tensor:
         """A pure-decode step for `seqs` (one new token each) -> fp32 logits of the rows asked for."""
-        logits = self.run_decode([s.token_at(s.num_computed_tokens) for s in seqs],
+        logits = self.run_decode([s.token_ids[s.num_computed_tokens] for s in seqs],
                                  [s.num_computed_tokens for s in seqs], [s.slot for s in seqs],
                                  [s.block_table for s in seqs])
         keep = [n for n, rows in enumerate(logit_rows) if rows]

@@ -33,7 +33,7 @@ class ModelRunner:
         """Pack the new tokens of every scheduled sequence: ids [T_total] and the ForwardBatch."""
         ids: list[int] = []
         for seq, n in zip(seqs, num_new_tokens):
-            ids.extend(seq.token_range(seq.num_computed_tokens, seq.num_computed_tokens + n))
+            ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
         batch = ForwardBatch.build(
             seq_lens=list(num_new_tokens),
             context_lens=[seq.num_computed_tokens for seq in seqs],

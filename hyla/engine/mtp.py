@@ -53,19 +53,12 @@ there) the scratch page, and its extra drafts are dropped. Sampling requests, an
 under tensor parallelism or without graphs, draft one step at a time (`_stepped_drafts`).
 Outputs are exact whatever the head drafts: the target verifies every draft.
 
-Fused greedy step (hyla.engine.mtp_fused; `verify`, the SpecDecoder hook). When every request of
-a verify is argmax-accepting (greedy, no grammar, no penalties, no logprobs), there is no tensor
-parallelism and the verify runs in a graph, the verify forward, the acceptance (argmax, drafts
-accepted n per request on the device), the head's catch-up over all W = 1 + k verify rows (the
-token after row i is argmax_i for every kept row i <= n) and the next step's k - 1 chained draft
-steps from the head state at row n run as ONE graph with one readback (argmax ids, n, next
-drafts). It applies when each request's view has consumed everything before its last token
-(pending empty, next_position = its x0's position: after any propose that drafted for it). At
-commit, a request that kept all n + 1 tokens advances its view's done by n + 1 and keeps the
-next drafts as `prefetched`: the next propose returns them without running the head. A request
-that kept fewer (it finished mid-step) commits its kept rows as pending pairs, the drafts
-dropped, as after an unfused verify. Anything else (a sampling, guided or logprobs request in
-the batch, a view with pending pairs, an eager verify) runs the unfused path above.
+Fused greedy step (hyla.engine.mtp_fused; `verify`, the SpecDecoder hook): for a batch of
+argmax-accepting requests (no logprobs, no tensor parallelism, graphs on) whose views consumed
+everything before x0, the verify, the acceptance, the head's catch-up over the W verify rows and
+the next draft chain run as one graph with one readback; commit advances `done` by the kept
+n + 1 rows and keeps the next drafts as `prefetched`, which the next propose returns without
+running the head. Anything else runs the unfused path above.
 
 Under tensor parallelism every rank holds such a drafter over its own ModelRunner (bound with the
 rank's ShardPlan: the head's layer split like the target's attention layers, its KV per rank) and
