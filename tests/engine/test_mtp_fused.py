@@ -27,7 +27,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(ckpt):
-    llm = LLM(str(ckpt), dtype="float64")
+    llm = LLM(str(ckpt), dtype="float64", device="cpu")
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
@@ -35,7 +35,7 @@ def _engine(ckpt, k: int, rollback: str, monkeypatch, fused: bool = True, graphs
     with monkeypatch.context() as m:
         if graphs:  # a CUDAGraphRunner with capture off: the verify (and fused) graphs run eagerly
             m.setattr(model_runner, "use_cuda_graphs", lambda model, eager: True)
-        llm = LLM(str(ckpt), dtype="float64", max_num_seqs=kw.pop("max_num_seqs", len(PROMPTS)),
+        llm = LLM(str(ckpt), dtype="float64", device="cpu", max_num_seqs=kw.pop("max_num_seqs", len(PROMPTS)),
                   speculative_config={"method": "mtp", "num_speculative_tokens": k, "rollback": rollback}, **kw)
     drafter = llm.engine.spec.drafter
     assert (drafter.fused is not None) == graphs
@@ -103,7 +103,7 @@ def bundled():
     path = resolve_model("qwen3.5-mtp")
     prompts = REPETITIVE + FREE
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    return path, prompts, params, _generate(LLM(str(path), dtype="float64"), prompts, params)
+    return path, prompts, params, _generate(LLM(str(path), dtype="float64", device="cpu"), prompts, params)
 
 
 @pytest.mark.parametrize("k,rollback", [(1, "slots"), (2, "replay"), (3, "slots"), (3, "replay")])
@@ -183,7 +183,7 @@ def test_logprobs_fall_back_and_stay_exact(ckpt, plain, monkeypatch):
     """A greedy request asking for logprobs runs the unfused step (its logits are read on the
     host); its logprobs equal the plain engine's."""
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)]
-    base = LLM(str(ckpt), dtype="float64").generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    base = LLM(str(ckpt), dtype="float64", device="cpu").generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
     llm = _engine(ckpt, 3, "replay", monkeypatch)
     out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == base.token_ids and llm.engine.spec.drafter.fused.runs == 0
@@ -199,7 +199,7 @@ def test_fused_under_eviction_and_preemption(k, rollback, tmp_path, monkeypatch)
     from tests.engine.test_mtp_prompt import _checkpoint
 
     path = _checkpoint(tmp_path, repeat=True)
-    probe = LLM(str(path), dtype="float64", max_model_len=80)
+    probe = LLM(str(path), dtype="float64", device="cpu", max_model_len=80)
     want = _generate(probe, EPROMPTS, EPARAMS)
     model = probe.engine.model
     page = probe.engine.kv_bytes_per_page + model.config.layer_sizes().kv_per_token * 8 * 16  # + the head's layer

@@ -27,7 +27,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(ckpt):
-    return [o.outputs[0].token_ids for o in LLM(str(ckpt), dtype="float64").generate(PROMPTS, GREEDY, use_tqdm=False)]
+    return [o.outputs[0].token_ids for o in LLM(str(ckpt), dtype="float64", device="cpu").generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
 def _run(ckpt, k: int, rollback: str, graphs: bool, monkeypatch):
@@ -35,7 +35,7 @@ def _run(ckpt, k: int, rollback: str, graphs: bool, monkeypatch):
     with monkeypatch.context() as m:
         if graphs:  # the runner then allocates scratch rows and a CUDAGraphRunner (capture off on the CPU)
             m.setattr(model_runner, "use_cuda_graphs", lambda model, eager: True)
-        llm = LLM(str(ckpt), dtype="float64", max_num_seqs=4,
+        llm = LLM(str(ckpt), dtype="float64", device="cpu", max_num_seqs=4,
                   speculative_config={"method": "mtp", "num_speculative_tokens": k, "rollback": rollback})
     drafter, seen = llm.engine.spec.drafter, []
     drafter.fused = None  # the unfused verify, which hands the rows over (fused: test_mtp_fused.py)
@@ -98,7 +98,7 @@ def test_head_draft_steps_in_graphs_equal_eager(leaky_head, rollback, monkeypatc
     prompts = PROMPTS + [rand(40, 5)]  # a context across page boundaries
     # requests finish at different steps: the batch shrinks through the buckets
     params = [SamplingParams(temperature=0.0, max_tokens=6 + 6 * i, ignore_eos=True) for i in range(len(prompts))]
-    want = [o.outputs[0].token_ids for o in LLM(str(leaky_head), dtype="float64").generate(
+    want = [o.outputs[0].token_ids for o in LLM(str(leaky_head), dtype="float64", device="cpu").generate(
         prompts, params, use_tqdm=False)]
     eager_outs, eager_proposals, _ = _proposals(leaky_head, prompts, params, rollback, False, monkeypatch)
     graph_outs, graph_proposals, drafter = _proposals(leaky_head, prompts, params, rollback, True, monkeypatch)
@@ -119,7 +119,7 @@ def _proposals(path, prompts, params, rollback: str, graphs: bool, monkeypatch):
     with monkeypatch.context() as m:
         if graphs:
             m.setattr(model_runner, "use_cuda_graphs", lambda model, eager: True)
-        llm = LLM(str(path), dtype="float64", max_num_seqs=5,
+        llm = LLM(str(path), dtype="float64", device="cpu", max_num_seqs=5,
                   speculative_config={"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback})
     drafter, seen = llm.engine.spec.drafter, []
     assert (drafter.step_graphs is not None) == graphs

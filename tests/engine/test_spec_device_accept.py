@@ -24,8 +24,8 @@ def test_greedy_verify_keeps_logits_on_the_device(ckpt, rollback, monkeypatch):
     sampled = SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True)
     params = [greedy, sampled, greedy]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback}
-    plain = [o.outputs[0].token_ids for o in LLM(str(ckpt), dtype="float64").generate(PROMPTS, greedy, use_tqdm=False)]
-    eager = LLM(str(ckpt), dtype="float64", speculative_config=spec).generate(PROMPTS, params, use_tqdm=False)
+    plain = [o.outputs[0].token_ids for o in LLM(str(ckpt), dtype="float64", device="cpu").generate(PROMPTS, greedy, use_tqdm=False)]
+    eager = LLM(str(ckpt), dtype="float64", device="cpu", speculative_config=spec).generate(PROMPTS, params, use_tqdm=False)
     seen = []
     inner = ModelRunner._verify_in_graph
 
@@ -35,7 +35,7 @@ def test_greedy_verify_keeps_logits_on_the_device(ckpt, rollback, monkeypatch):
     monkeypatch.setattr(ModelRunner, "_verify_in_graph", record)
     with monkeypatch.context() as m:
         m.setattr(model_runner, "use_cuda_graphs", lambda model, e: True)
-        llm = LLM(str(ckpt), dtype="float64", speculative_config=spec)
+        llm = LLM(str(ckpt), dtype="float64", device="cpu", speculative_config=spec)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in eager]
     assert [got[i].outputs[0].token_ids for i in (0, 2)] == [plain[i] for i in (0, 2)]
