@@ -70,14 +70,13 @@ def _prefill_inputs(B, T, H, D, gate, variant, gen, HV=None):
     q, k, v = r(B, T, H, D).bfloat16(), r(B, T, H, D).bfloat16(), r(B, T, HV, D).bfloat16()
     beta = torch.rand(B, T, HV, device="cuda", generator=gen).bfloat16()
     gshape = (B, T, HV, D) if gate == "kda" else (B, T, HV)
-    H = HV  # the gate parameters below are per value head
     kw = dict(use_qk_l2norm_in_kernel=True, output_final_state=True)
     if variant == "gate":
         g = F.logsigmoid(r(*gshape))  # fp32 log-decays, as a gate projection + activation produces
     else:
         g = r(*gshape).bfloat16()  # raw gate projection
-        A_log = torch.empty(H, device="cuda").uniform_(0, math.log(16), generator=gen)
-        dt = torch.empty(gshape[-1] * H if gate == "kda" else H, device="cuda").uniform_(0.001, 0.1, generator=gen)
+        A_log = torch.empty(HV, device="cuda").uniform_(0, math.log(16), generator=gen)  # per value head
+        dt = torch.empty(D * HV if gate == "kda" else HV, device="cuda").uniform_(0.001, 0.1, generator=gen)
         kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt + torch.log(-torch.expm1(-dt)))
         if variant == "fused-v2":
             kw["lower_bound"] = -5.0

@@ -357,12 +357,22 @@ class HeadStepGraphs:
         j - 1, d_j) at head context cmeta[:, 0] + j - 1 and writes d_{j + 1} = argmax into
         drafts[j]. Nothing reads the host: capturable as one graph."""
         meta = self.cmeta[width]
-        ctx, tables = meta[:bs, 0], meta[:bs, 1:]
-        y = self.chain_hidden[:bs]
-        for j in range(1, k):
-            batch = self._one_row_batch(ctx + (j - 1), tables)
-            y = self.head.forward_batch(y, self.drafts[j - 1, :bs], self.model, batch, self.kv)
-            self.drafts[j, :bs] = self.model.compute_logits(y).argmax(-1)
+        for j, d in enumerate(self.chain_steps(self.chain_hidden[:bs], self.drafts[0, :bs], meta[:bs, 0],
+                                               meta[:bs, 1:], k - 1), 1):
+            self.drafts[j, :bs] = d
+
+    def chain_steps(self, y: torch.Tensor, ids: torch.Tensor, ctx: torch.Tensor, tables: torch.Tensor,
+                    steps: int) -> list[torch.Tensor]:
+        """`steps` one-row head steps: step j feeds (head state, ids) at head context ctx + j
+        (y [bs, hidden], ids / ctx [bs], tables [bs, width]) and its argmax is the next step's ids
+        -> every step's argmax [bs]. Nothing reads the host: capturable (the draft chain, and
+        the fused step's, hyla.engine.mtp_fused)."""
+        out = []
+        for j in range(steps):
+            y = self.head.forward_batch(y, ids, self.model, self._one_row_batch(ctx + j, tables), self.kv)
+            ids = self.model.compute_logits(y).argmax(-1)
+            out.append(ids)
+        return out
 
     def _chain_graph(self, bs: int, k: int, width: int) -> torch.cuda.CUDAGraph | None:
         if width not in self.cmeta:

@@ -92,6 +92,11 @@ class _View:
         self.pending: list[tuple[torch.Tensor, list[int]]] = []
         self.prefetched: list[int] | None = None
 
+    def at(self, seq, position: int) -> bool:
+        """Whether this view is still seq's (no preemption since it began) and its next head row
+        is the target's `position`."""
+        return self.generation == seq.num_preemptions and self.next_position == position
+
     @property
     def num_pending(self) -> int:
         return sum(len(t) for _, t in self.pending)
@@ -188,7 +193,7 @@ class MTPDrafter(Drafter):
             p, rows = seen
             n = min(n, len(rows), seq.num_tokens - 1 - p)
             view = self.views.get(seq.request_id)
-            if view is None or view.next_position != p or view.generation != seq.num_preemptions:
+            if view is None or not view.at(seq, p):
                 # its first rows (p = the prefix-cache hit, or 0), or it was recomputed: start at p
                 view = self.views[seq.request_id] = _View(p, seq.num_preemptions)
             if n > 0:
@@ -228,8 +233,7 @@ class MTPDrafter(Drafter):
     def _ready(self, seq, k: int) -> _View | None:
         """seq's view when it can draft now: pending pairs reaching its last token."""
         view = self.views.get(seq.request_id)
-        if (not k or view is None or not view.pending or view.generation != seq.num_preemptions
-                or view.next_position != seq.num_tokens - 1):
+        if not k or view is None or not view.pending or not view.at(seq, seq.num_tokens - 1):
             return None
         return view
 
@@ -240,7 +244,7 @@ class MTPDrafter(Drafter):
         if view is None or view.prefetched is None:
             return None
         drafts, view.prefetched = view.prefetched, None
-        if view.pending or view.generation != seq.num_preemptions or view.next_position != seq.num_tokens - 1:
+        if view.pending or not view.at(seq, seq.num_tokens - 1):
             return None
         return drafts
 

@@ -48,6 +48,12 @@ import torch
 from hyla.engine.cuda_graph import width_bucket
 from hyla.engine.cuda_graph_verify import HeadStepGraphs, _table_row
 from hyla.engine.spec_decode import Verified, argmax_accepts
+from hyla.ops.transfer import fill_long
+
+
+def _pad_row(k: int, width: int) -> list[int]:
+    """A padding row of FusedVerify.meta: no context, no drafts, no pages (writes go to scratch)."""
+    return [0, 0] + [0] * k + [-1] * width
 
 
 class FusedVerify:
@@ -69,7 +75,7 @@ class FusedVerify:
         width = width_bucket(max(-(-(c + 2 * k) // self.steps.page_size) for c in done))
         rows = [[c, len(d)] + list(d) + [0] * (k - len(d)) + _table_row(t, width)
                 for c, d, t in zip(done, drafts, tables)]
-        rows += [[0, 0] + [0] * k + [-1] * width] * (bs - len(done))
+        rows += [_pad_row(k, width)] * (bs - len(done))
         if width not in self.meta:
             self.meta[width] = torch.zeros(graphs.max_batch, 2 + k + width, dtype=torch.long, device=graphs.device)
         return _Extension(self, bs, width, rows)
@@ -87,12 +93,9 @@ class FusedVerify:
         y = steps.head.forward_batch(hidden.reshape(bs * W, -1).to(steps.hidden.dtype), top.reshape(-1), steps.model,
                                      steps.rows_batch(ctx, tables, W), steps.kv).view(bs, W, -1)
         y = y[torch.arange(bs, device=y.device), n]  # the head state at each request's newest kept row
-        nxt = [steps.model.compute_logits(y).argmax(-1)]
-        ctx = ctx + n + 1  # the head's context after the step: rows done .. done + n are committed
-        for j in range(1, k):
-            y = steps.head.forward_batch(y, nxt[-1], steps.model, steps._one_row_batch(ctx + (j - 1), tables),
-                                         steps.kv)
-            nxt.append(steps.model.compute_logits(y).argmax(-1))
+        first = steps.model.compute_logits(y).argmax(-1)
+        # the head's context after the step: rows done .. done + n are committed
+        nxt = [first, *steps.chain_steps(y, first, ctx + n + 1, tables, k - 1)]
         return torch.cat([top, n[:, None], torch.stack(nxt, 1)], 1)
 
 
@@ -106,13 +109,10 @@ class _Extension:
 
     def pad(self) -> None:
         """Padding rows before a capture's warm-up: every head write lands in the scratch page."""
-        k = self.fused.k
-        self.fused.meta[self.width][:self.bs] = torch.tensor([0, 0] + [0] * k + [-1] * self.width,
-                                                             device=self.fused.meta[self.width].device)
+        meta = self.fused.meta[self.width]
+        meta[:self.bs] = torch.tensor(_pad_row(self.fused.k, self.width), device=meta.device)
 
     def fill(self) -> None:
-        from hyla.ops.transfer import fill_long
-
         fill_long(self.fused.meta[self.width][:self.bs], self.rows)
 
     def forward(self, logits: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor]:
@@ -142,8 +142,7 @@ def fused_verify(drafter, seqs, drafts: list[list[int]], runner, rollback: str, 
     views = []
     for seq in seqs:
         view = drafter.views.get(seq.request_id)
-        if (view is None or view.pending or view.generation != seq.num_preemptions
-                or view.next_position != seq.num_computed_tokens):
+        if view is None or view.pending or not view.at(seq, seq.num_computed_tokens):
             return None  # its head has not consumed everything before x0: the unfused path
         views.append(view)
     ext = fused.extension([v.done for v in views], drafts,
@@ -169,8 +168,8 @@ def commit_fused(drafter, seq, kept: int, result: FusedResult) -> bool:
     rows, the next drafts are prefetched); False: the caller commits the kept rows as pending
     pairs (drafter._seen holds them), as after an unfused verify."""
     view = drafter.views.get(seq.request_id)
-    consistent = (view is not None and result.generation == seq.num_preemptions == view.generation
-                  and not view.pending and view.next_position == result.position)
+    consistent = (view is not None and result.generation == seq.num_preemptions and not view.pending
+                  and view.at(seq, result.position))
     if consistent and kept == result.accepted + 1:
         view.done += kept
         view.prefetched = result.drafts

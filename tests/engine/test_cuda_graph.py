@@ -288,12 +288,10 @@ def test_graph_verify_equals_plain_greedy_cuda(ckpt, qwen_ckpt, moe_ckpts, famil
     assert outs[False] == [plain, plain]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("rollback", ["slots", "replay"])
-def test_graph_mtp_equals_plain_greedy_cuda(tmp_path, rollback):
-    """MTP speculation with verify graphs and head-step graphs (default) equals plain greedy
-    decoding, fp32, prefix cache on (a second pass hits); every kind of graph was captured, the
-    chained greedy draft steps (HeadStepGraphs.run_chain) too, and the drafts came from them."""
+def _mtp_case(tmp_path):
+    """A tiny Qwen3.5 MoE checkpoint with an MTP shard, ten greedy requests that repeat a motif
+    and finish at different steps, and their plain greedy output on the GPU (fp32)
+    -> (path, prompts, params, wanted token ids)."""
     from tests.oracles.qwen3_5_checkpoint import add_mtp_shard, build_qwen3_5_checkpoint
 
     path = build_qwen3_5_checkpoint(tmp_path, "moe", "multimodal")
@@ -305,6 +303,16 @@ def test_graph_mtp_equals_plain_greedy_cuda(tmp_path, rollback):
     plain = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, memory_budget=256 << 20)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     del plain
+    return path, prompts, params, want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("rollback", ["slots", "replay"])
+def test_graph_mtp_equals_plain_greedy_cuda(tmp_path, rollback):
+    """MTP speculation with verify graphs and head-step graphs (default) equals plain greedy
+    decoding, fp32, prefix cache on (a second pass hits); every kind of graph was captured, the
+    chained greedy draft steps (HeadStepGraphs.run_chain) too, and the drafts came from them."""
+    path, prompts, params, want = _mtp_case(tmp_path)
     llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, memory_budget=256 << 20,
               enable_prefix_caching=True,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback})
@@ -330,17 +338,7 @@ def test_graph_mtp_fused_equals_plain_greedy_cuda(tmp_path, k, rollback):
     + the next draft chain in one captured graph) equals plain greedy decoding, fp32, prefix
     cache on (a second pass hits), requests finishing at different steps; the fused graph (and
     with "replay" its commit graph) was captured and replayed, the prefetched drafts used."""
-    from tests.oracles.qwen3_5_checkpoint import add_mtp_shard, build_qwen3_5_checkpoint
-
-    path = build_qwen3_5_checkpoint(tmp_path, "moe", "multimodal")
-    add_mtp_shard(path)
-    gen = torch.Generator().manual_seed(4)
-    motif = torch.randint(3, 250, (12,), generator=gen).tolist()
-    prompts = [motif * (1 + i % 3) + torch.randint(3, 250, (i,), generator=gen).tolist() for i in range(10)]
-    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
-    plain = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, memory_budget=256 << 20)
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    del plain
+    path, prompts, params, want = _mtp_case(tmp_path)
     llm = LLM(str(path), dtype="float32", device="cuda", max_num_seqs=8, memory_budget=256 << 20,
               enable_prefix_caching=True,
               speculative_config={"method": "mtp", "num_speculative_tokens": k, "rollback": rollback})
