@@ -208,6 +208,17 @@ def test_chunk_low_precision_inverse(gate):
     assert rel_err(outs[True][0].float().cpu(), outs[False][0].float().cpu()) <= 3e-3
 
 
+@pytest.mark.parametrize("bad", [0, 300, 128.0, True, "168"])
+def test_chunk_rejects_bad_register_caps(bad):
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    q, k, v, g, beta, _ = make_inputs(1, 20, 1, 16, 16, gate="gdn", seed=2)
+    args = _f32(q, k, v, g, beta)
+    for name in ("gram_maxnreg", "factor_maxnreg"):
+        with pytest.raises(ValueError, match=name):
+            chunk_fwd(*args, gate="gdn", **{name: bad})
+
+
 def test_chunk_steep_scalar_decays():
     """GDN decays of -30 .. -3000 per token on some tokens: the scalar-gate Gram assembles its
     pairwise exponents from sub-block pieces, so steep chunks stay exact (no overflow, no

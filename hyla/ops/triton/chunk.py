@@ -115,9 +115,11 @@ def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32
     return bv
 
 
-def _cap(maxnreg: int | None) -> dict:
-    """The launch option capping registers per thread (only when asked: the interpreter has none)."""
-    return {} if maxnreg is None else {"maxnreg": int(maxnreg)}
+def _register_cap(name: str, value) -> int | None:
+    """A kernel's registers-per-thread cap (Triton's maxnreg launch option): None or 24 .. 255."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 24 <= value <= 255):
+        raise ValueError(f"`{name}` must be None or an int in 24 .. 255, got {value!r}")
+    return value
 
 
 def _scan_stages(st: torch.dtype) -> int:
@@ -171,6 +173,8 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         low_precision_inverse = gate != "kda"
     if gram_maxnreg is None:
         gram_maxnreg = 168 if gate == "kda" else 128
+    gram_maxnreg = _register_cap("gram_maxnreg", gram_maxnreg)
+    factor_maxnreg = _register_cap("factor_maxnreg", factor_maxnreg)
     if precompute_gate and use_gate_in_kernel and g is not None:
         # the gate activation as its own elementwise launch: fp32 log-decays, then the
         # precomputed-gate kernels (one activation per element instead of one per kernel pass)
@@ -224,7 +228,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             lb, scale, cu, chunk_seq, chunk_pos, aqk, li, li_low, row_factors,
             H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            num_warps=intra_warps, **common, **_cap(gram_maxnreg),
+            num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
         )
         bks, bvs = min(BK, factor_slice), min(BVF, factor_slice)
         chunk_factors_kernel[(BK // bks + BVF // bvs, NCH, HV)](
@@ -233,7 +237,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             cu, chunk_seq, chunk_pos, li_low, row_factors,
             w, u, qg, kg, gam, ck_ptr, ck_pos, kr, dr,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=bks, BVS=bvs, HAS_CKPT=has_ck,
-            num_warps=factor_warps, **common, **_cap(factor_maxnreg),
+            num_warps=factor_warps, maxnreg=factor_maxnreg, **common,
         )
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
