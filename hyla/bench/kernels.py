@@ -303,7 +303,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m hyla.bench kernels", description=__doc__.split("\n\n")[0])
     ap.add_argument("--vs", choices=["fla", "none"], default="none", help="run fla 0.6's kernels side by side")
     ap.add_argument("--quick", action="store_true", help="one prefill shape, three decode sizes")
-    ap.add_argument("--only", choices=["prefill", "decode"], help="run one half")
+    ap.add_argument("--only", choices=["prefill", "decode", "layouts"],
+                    help="run one half, or only the released head layouts' prefill cells")
     ap.add_argument("--tune", action="store_true", help="also time kernel configurations")
     ap.add_argument("--profile", action="store_true", help="per-kernel times of one large prefill")
     ap.add_argument("--out", help="write the markdown table and JSON rows to FILE(.md/.json)")
@@ -331,10 +332,11 @@ def main(argv=None):
         if args.profile:
             for i, (gate, variant) in enumerate(variants):
                 profile_kernels(shapes[0], gate, variant, args.vs == "fla" and variant in ("gate", "fused-v1"))
+        only_layouts = args.only == "layouts"
         prefill = [] if args.only == "decode" else run_prefill(
-            shapes, variants, copy_bw, mm_rate, args.vs == "fla", tune=args.tune,
-            layouts=() if args.quick else RELEASED_LAYOUTS)
-        decode = [] if args.only == "prefill" else run_decode(ns, copy_bw, args.vs == "fla", tune=args.tune)
+            [] if only_layouts else shapes, [] if only_layouts else variants, copy_bw, mm_rate,
+            args.vs == "fla", tune=args.tune, layouts=() if args.quick else RELEASED_LAYOUTS)
+        decode = [] if args.only in ("prefill", "layouts") else run_decode(ns, copy_bw, args.vs == "fla", tune=args.tune)
     table = markdown(meta, prefill, decode)
     if args.out:
         with open(args.out + ".md", "w") as f:
