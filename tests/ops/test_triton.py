@@ -143,13 +143,13 @@ def test_chunk_steep_decays_take_the_exact_diagonal_path():
     _check(c[0], c_ref[0], "checkpoints")
 
 
-@pytest.mark.parametrize("variant,mode", [("kda_v1", "in_kernel"), ("kda_v1", "gram"), ("kda_v1", "launch"),
-                                          ("kda_v2", "in_kernel"), ("kda_v2", "gram"), ("kda_v2", "launch"),
-                                          ("gdn", "in_kernel"), ("gdn", "launch"), ("gdn_gate", "in_kernel")])
+@pytest.mark.parametrize("variant,mode", [("kda_v1", "in_kernel"), ("kda_v1", "precompute"), ("kda_v2", "in_kernel"),
+                                          ("kda_v2", "precompute"), ("gdn", "in_kernel"), ("gdn", "precompute"),
+                                          ("gdn_gate", "in_kernel")])
 def test_chunk_local_kernels_agree_with_torch(variant, mode):
     """chunk_gram_kernel, then chunk_factors_kernel with narrow slices (one chunk has several
-    slice programs of each kind), a fused gate's activation in both kernels, written once by the
-    Gram kernel ("gram") or launched before them ("launch"), varlen with checkpoints and grouped value heads: equal to the fp64 torch path."""
+    slice programs of each kind), a fused gate's activation in the kernels or launched before
+    them, varlen with checkpoints and grouped value heads: equal to the fp64 torch path."""
     from hyla.ops.triton.chunk import chunk_fwd
 
     gate = "kda" if variant.startswith("kda") else "gdn"
@@ -177,7 +177,7 @@ def test_chunk_local_kernels_agree_with_torch(variant, mode):
     if "A_log" in kw:
         kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
     o, s, c = chunk_fwd(*_f32(q, k, v, raw, beta_logit), gate=gate, initial_state=h0.float().to(DEV),
-                        cu_seqlens=cu.to(DEV), precompute_gate=False if mode == "in_kernel" else mode,
+                        cu_seqlens=cu.to(DEV), precompute_gate=mode == "precompute",
                         slice_k=16, factor_slice=16, **kw)
     _check(o, o_ref, "o")
     _check(s, s_ref, "final state")
@@ -217,16 +217,6 @@ def test_chunk_rejects_bad_register_caps(bad):
     for name in ("gram_maxnreg", "factor_maxnreg"):
         with pytest.raises(ValueError, match=name):
             chunk_fwd(*args, gate="gdn", **{name: bad})
-
-
-@pytest.mark.parametrize("gate,bad,match", [("kda", "once", "precompute_gate"), ("kda", 1.0, "precompute_gate"),
-                                            ("gdn", "gram", "per-channel")])
-def test_chunk_rejects_bad_precompute_gate(gate, bad, match):
-    from hyla.ops.triton.chunk import chunk_fwd
-
-    q, k, v, g, beta, _ = make_inputs(1, 20, 1, 16, 16, gate=gate, seed=2)
-    with pytest.raises(ValueError, match=match):
-        chunk_fwd(*_f32(q, k, v, g, beta), gate=gate, precompute_gate=bad)
 
 
 def test_chunk_steep_scalar_decays():

@@ -141,10 +141,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     width of the chunk-local Gram kernel; value-block width (default: by grid size, down to
     scan_narrowest), warps and pipeline stages of the scan; width and warps of the slice programs
     of chunk_factors_kernel (factor_slice, factor_warps); precompute_gate: a fused gate's
-    activation computed once per element instead of in both chunk-local kernels: "gram" (or True)
-    by chunk_gram_kernel, which writes the fp32 log-decays that chunk_factors_kernel then reads
-    (per-channel gates only; scalar gates take "launch"), "launch" by a separate elementwise
-    launch (hyla.ops.triton.gate) before them, False in both kernels;
+    activation as a separate elementwise launch (hyla.ops.triton.gate) before them;
     low_precision_inverse: with bf16 / fp16 inputs, hand L^-1 to the factor kernel in that
     precision (its two products then run as bf16 / fp16 matmuls) instead of fp32; default for
     scalar decays (GDN: 7% faster on an H200, o error vs the fp32 path 2.9e-3 -> 3.3e-3), not
@@ -170,12 +167,6 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
 
     if precompute_gate is None:  # measured on an H200 (BENCHMARKS.md): faster for KDA's channel gates
         precompute_gate = gate == "kda"
-    if not (isinstance(precompute_gate, bool) or precompute_gate in ("gram", "launch")):
-        raise ValueError(f"`precompute_gate` must be None, a bool, 'gram' or 'launch', got {precompute_gate!r}")
-    if precompute_gate is True:
-        precompute_gate = "gram" if gate == "kda" else "launch"
-    elif precompute_gate == "gram" and gate != "kda":
-        raise ValueError("precompute_gate='gram' needs a per-channel gate (gate='kda'); use 'launch'")
     if factor_slice is None:  # 64-wide slices for scalar decays (fewer, larger programs), 32 for KDA
         factor_slice = 32 if gate == "kda" else 64
     if low_precision_inverse is None:
@@ -184,8 +175,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         gram_maxnreg = 168 if gate == "kda" else 128
     gram_maxnreg = _register_cap("gram_maxnreg", gram_maxnreg)
     factor_maxnreg = _register_cap("factor_maxnreg", factor_maxnreg)
-    g_act = None
-    if precompute_gate == "launch" and use_gate_in_kernel and g is not None:
+    if precompute_gate and use_gate_in_kernel and g is not None:
         # the gate activation as its own elementwise launch: fp32 log-decays, then the
         # precomputed-gate kernels (one activation per element instead of one per kernel pass)
         if gate == "kda":
@@ -193,8 +183,6 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         else:
             g, _ = gdn_gate_beta(g, beta, A_log.reshape(-1).float(), dt_bias)
         use_gate_in_kernel = False
-    elif precompute_gate == "gram" and use_gate_in_kernel and g is not None:
-        g_act = torch.empty(B, T, HV, K, device=dev, dtype=torch.float32)  # written by chunk_gram_kernel
     gate_fn, a_log, dtb, lb = gate_params(gate, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, dev)
 
     cu, lengths, off_list, chunk_off, chunk_seq, chunk_pos = _chunk_tables(cu_seqlens, B, T, dev)
@@ -238,14 +226,10 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             qc, kc, gc, bc,
             a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
             lb, scale, cu, chunk_seq, chunk_pos, aqk, li, li_low, row_factors,
-            g_act if g_act is not None else li,
             H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            STORE_G=g_act is not None, num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
+            num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
         )
-        if g_act is not None:  # the factor kernel reads the activated log-decays
-            gc = g_act
-            common.update(GATE_FN=0, HAS_BIAS=False)
         bks, bvs = min(BK, factor_slice), min(BVF, factor_slice)
         chunk_factors_kernel[(BK // bks + BVF // bvs, NCH, HV)](
             qc, kc, vc, gc,

@@ -401,17 +401,15 @@ def _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
 def chunk_gram_kernel(
     q, k, g, beta, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, chunk_seq, chunk_pos,
-    aqk, li_scratch, li_out, rows_out, g_out,
+    aqk, li_scratch, li_out, rows_out,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr, STORE_G: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr,
 ):
     """Per (chunk, value head): aqk [64, 64] (scale * tril(A_qk)), L^-1 [64, 64] (built in the fp32
     li_scratch; li_out is li_scratch, or a bf16 / fp16 copy of it) and
-    the row factors rows_out [3, 64] fp32: scale * |q_i|^-1, |k_i|^-1 and beta_i. With STORE_G (a
-    fused per-channel gate) also the activated log-decays g_out [T, HV, K] fp32 of its rows, so
-    chunk_factors_kernel reads them instead of applying the activation a second time."""
+    the row factors rows_out [3, 64] fp32: scale * |q_i|^-1, |k_i|^-1 and beta_i."""
     i_c = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
@@ -428,10 +426,6 @@ def chunk_gram_kernel(
             o_k = ks + tl.arange(0, BKS)
             b_q, b_k, b_g = _load_slice(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv, o_k,
                                         H, HV, K, GATE, GATE_FN, HAS_BIAS)
-            if STORE_G:
-                o_t = t0 + rows
-                tl.store(g_out + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], b_g,
-                         mask=(o_t < eos)[:, None] & (o_k < K)[None, :])
             sq += tl.sum(b_q * b_q, axis=1)
             sk += tl.sum(b_k * b_k, axis=1)
             a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE, PREC)
