@@ -144,7 +144,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, ssm_state_indices=None,
                   num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                   lower_bound=None, use_beta_sigmoid_in_kernel=False, block_v=None, num_warps=None,
-                  persistent=None, programs_per_sm=8, prefetch_inputs=True):
+                  persistent=None, programs_per_sm=8):
     pooled = ssm_state_indices is not None
     # Shape checks only: this path never reads device values on the host (no synchronisation),
     # so it can be captured in a CUDA graph. Slot ranges are the caller's contract.
@@ -210,7 +210,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            PREFETCH_INPUTS=bool(prefetch_inputs), num_warps=num_warps or 1,
+            num_warps=num_warps or 1,
         )
     elif n:
         BV = block_v or _block_v(n * HV, V, dev)

@@ -10,9 +10,7 @@ loads its state tile, then reduces over K across warps, then stores, and at 120-
 per thread too few programs fit on an SM to keep DRAM busy through those phases (BENCHMARKS.md:
 67-74% of copy bandwidth). Here a fixed grid of programs walks the (value block, sequence, head)
 tiles with a stride, and each loads the *next* tile's state before it works on the current one,
-so a tile's DRAM latency overlaps the previous tile's reduction and store. The token's q, k,
-v, gate and beta of the next tile are loaded one tile ahead as well (PREFETCH_INPUTS): they are
-L2 hits, but each is a dependent ~1 us round trip at the start of a tile's work otherwise.
+so a tile's DRAM latency overlaps the previous tile's reduction and store.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import triton
 import triton.language as tl
 
 from hyla.ops.triton.common import head_gate_params
-from hyla.ops.triton.recurrent_step import apply_token, token_inputs, token_step
+from hyla.ops.triton.recurrent_step import token_step
 
 
 @triton.jit
@@ -51,7 +49,7 @@ def decode_persistent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREFETCH_INPUTS: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
 ):
     NVB: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
@@ -59,9 +57,6 @@ def decode_persistent_kernel(
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, BK, BV)
-    if PREFETCH_INPUTS:
-        x_q, x_k, x_v, x_b, x_g = token_inputs(q, k, v, g, beta, i_n, i_hv // (HV // H), i_hv, o_k, o_v,
-                                               H, HV, K, V, GATE)
     for tile in range(pid, n_tiles, step):
         # issue the next tile's state load first: it is in flight while this tile is worked on
         nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, BK, BV)
@@ -69,16 +64,8 @@ def decode_persistent_kernel(
         m_v = o_v < V
         live = slot >= 0
         a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
-        if PREFETCH_INPUTS:
-            # the next tile's token inputs (past the end _state_tile names row 0: valid, unused)
-            y_q, y_k, y_v, y_b, y_g = token_inputs(q, k, v, g, beta, n_n, n_hv // (HV // H), n_hv, o_k, n_v,
-                                                   H, HV, K, V, GATE)
-            b_s, b_o = apply_token(cur, x_q, x_k, x_v, x_b, x_g, o_k, a_log, bias, lower_bound, scale,
-                                   K, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
-            x_q, x_k, x_v, x_b, x_g = y_q, y_k, y_v, y_b, y_g
-        else:
-            b_s, b_o = token_step(cur, q, k, v, g, beta, i_n, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound,
-                                  scale, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
+        b_s, b_o = token_step(cur, q, k, v, g, beta, i_n, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
+                              H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
         b_o = tl.where(live, b_o, 0.0)
         tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
