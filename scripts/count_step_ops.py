@@ -1,0 +1,261 @@
+"""How many ops one engine step dispatches, plain decoding vs MTP's fused greedy step, on the CPU.
+
+    python scripts/count_step_ops.py [--model qwen3.5-mtp] [--k 3] [--tokens 24] [--by-op [--sites]] [--aten]
+
+A proxy for the kernels a CUDA graph of the step replays on the GPU (where a step of a tiny model
+is bound by kernel count): every aten op the step dispatches is counted (a TorchDispatchMode),
+except pure view / metadata ops (no kernel). By default each call of a fused hyla.ops.dispatch op
+(the norms, gates, short convs and recurrences: one Triton launch on CUDA) counts as ONE op, the
+aten ops it runs on the CPU not counted; --aten counts those too.
+
+Both engines run with a CUDAGraphRunner whose capture is off (as tests/engine/test_mtp_fused.py
+builds them): the decode graph's and the fused verify graph's functions run eagerly on the CPU,
+which is exactly what a capture records. The step reported is a steady-state one (the most common
+count among decode steps; for MTP among fused steps whose drafts came prefetched), split into
+parts: the verify forward, the acceptance, the head's catch-up over the verify rows (with its
+lm_head and argmax: the first next draft), each chained draft step, and what runs outside the
+graph (input buffers, readbacks). Also `count_step(engine)`: the same counts for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import traceback
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# ops that launch nothing: views, aliases, metadata
+_VIEWS = {"view", "_unsafe_view", "t", "expand", "as_strided", "detach", "slice", "select", "unsqueeze",
+          "squeeze", "permute", "transpose", "alias", "split", "split_with_sizes", "chunk", "unbind", "unflatten",
+          "view_as", "reshape", "flatten", "_reshape_alias", "lift_fresh", "diagonal", "narrow", "expand_as",
+          "unfold", "sym_size", "sym_stride", "sym_numel", "dim", "is_same_size",
+          "_to_copy_noop", "real", "conj", "resolve_conj", "resolve_neg", "_neg_view", "_conj"}
+
+# hyla.ops.dispatch ops that are one Triton launch each on CUDA
+FUSED = ("rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm", "silu_gated_rms_norm",
+         "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update", "causal_conv1d_update_packed",
+         "causal_conv1d_verify", "fused_recurrent_kda", "fused_recurrent_gated_delta_rule")
+
+
+def _name(func) -> str:
+    return func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+
+
+def _site() -> str:
+    """file:line of the innermost hyla frame calling the op (hyla/ops excluded: who called it)."""
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename.replace(os.sep, "/")
+        if "/hyla/" in path and "/hyla/ops/" not in path:
+            return f"{path.rsplit('/hyla/', 1)[1]}:{frame.lineno}"
+    return "?"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts dispatched ops per part (`part`, set by the wrappers of `count_step`) and op name."""
+
+    def __init__(self, aten: bool = False, sites: bool = False):
+        super().__init__()
+        self.aten, self.sites = aten, sites
+        self.part = "outside graph"
+        self.fused_depth = 0
+        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = _name(func)
+        out = func(*args, **(kwargs or {}))
+        # an op that returns one of its inputs untouched (`to` / `contiguous` with nothing to do)
+        # launches nothing; in-place ops (name_) return their input and do launch
+        noop = not name.endswith("_") and any(out is a for a in args if isinstance(a, torch.Tensor))
+        if name not in _VIEWS and not noop and (self.aten or not self.fused_depth):
+            self.counts[self.part][f"{name} @ {_site()}" if self.sites else name] += 1
+        return out
+
+    def fused(self, name: str, fn):
+        """fn (a hyla.ops.dispatch op) counted as one op, its inner aten ops not (unless aten)."""
+        @functools.wraps(fn)
+        def counted(*a, **k):
+            self.counts[self.part][f"hyla.{name}"] += 1
+            self.fused_depth += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                self.fused_depth -= 1
+        return counted
+
+    def labelled(self, label, fn):
+        """fn run with `part` = label (a string, or a callable -> string evaluated per call), the
+        previous part restored after it."""
+        @functools.wraps(fn)
+        def run(*a, **k):
+            prev, self.part = self.part, label() if callable(label) else label
+            try:
+                return fn(*a, **k)
+            finally:
+                self.part = prev
+        return run
+
+
+@contextmanager
+def _patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def count_step(engine, aten: bool = False, sites: bool = False):
+    """A context manager wrapping engine.step: it yields the list to which every step's counts
+    (part -> Counter of op names, and "_fused": whether a fused MTP step ran) are appended while
+    it is active."""
+    return _Recorder(engine, aten, sites)
+
+
+class _Recorder:
+    def __init__(self, engine, aten: bool, sites: bool):
+        self.engine, self.aten, self.sites, self.steps = engine, aten, sites, []
+
+    def __enter__(self):
+        from hyla.ops import dispatch
+
+        engine, stack = self.engine, ExitStack()
+        self.stack = stack
+        counter = OpCounter(self.aten, self.sites)
+        for name in FUSED:
+            stack.enter_context(_patched(dispatch, name, counter.fused(name, getattr(dispatch, name))))
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            stack.enter_context(_patched(graphs, "_forward", counter.labelled("decode forward", graphs._forward)))
+            stack.enter_context(_patched(graphs, "_verify_forward",
+                                         counter.labelled("verify forward", graphs._verify_forward)))
+        drafter = getattr(engine.spec, "drafter", None) if engine.spec is not None else None
+        fused = getattr(drafter, "fused", None)
+        if fused is not None:
+            head, calls = fused.steps.head, [0]
+
+            def head_part():
+                calls[0] += 1
+                return "head catch-up" if calls[0] == 1 else f"draft step {calls[0] - 1}"
+
+            def head_call(fn):  # the label stays set after the call: its lm_head and argmax belong to it
+                @functools.wraps(fn)
+                def run(*a, **k):
+                    counter.part = head_part()
+                    return fn(*a, **k)
+                return run
+
+            def fused_forward(fn):
+                @functools.wraps(fn)
+                def run(*a, **k):
+                    calls[0] = 0
+                    prev, counter.part = counter.part, "acceptance"
+                    try:
+                        return fn(*a, **k)
+                    finally:
+                        counter.part = prev
+                return run
+            stack.enter_context(_patched(head, "forward_batch", head_call(head.forward_batch)))
+            stack.enter_context(_patched(fused, "forward", fused_forward(fused.forward)))
+        inner = engine.step
+
+        def step(*a, **k):
+            counter.counts = collections.defaultdict(collections.Counter)
+            counter.part = "outside graph"
+            runs = fused.runs if fused is not None else 0
+            with counter:
+                out = inner(*a, **k)
+            info = dict(counter.counts)
+            info["_fused"] = fused is not None and fused.runs > runs
+            self.steps.append(info)
+            return out
+        stack.enter_context(_patched(engine, "step", step))
+        return self.steps
+
+    def __exit__(self, *exc):
+        self.stack.close()
+        return False
+
+
+def total(step: dict) -> int:
+    return sum(sum(c.values()) for part, c in step.items() if not part.startswith("_"))
+
+
+def steady(steps: list[dict], fused: bool) -> dict:
+    """The most common step among decode steps (MTP: fused ones; their first is left out: its
+    drafts came from an unfused propose)."""
+    pool = [s for s in steps if s["_fused"]][1:] if fused else [s for s in steps if "decode forward" in s]
+    if not pool:
+        raise RuntimeError("no steady-state step was recorded")
+    common = collections.Counter(total(s) for s in pool).most_common(1)[0][0]
+    return next(s for s in pool if total(s) == common)
+
+
+def build(model: str, k: int | None, dtype: str | None, **kw):
+    """An LLM on the CPU whose runner has graphs with capture off (the graphs' functions run eagerly)."""
+    from hyla import LLM
+    from hyla.engine import model_runner
+
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": k, "rollback": "slots"}} if k else {}
+    with _patched(model_runner, "use_cuda_graphs", lambda model, eager: True):
+        return LLM(model, device="cpu", dtype=dtype, enable_prefix_caching=False, **spec, **kw)
+
+
+def measure(llm, prompt, params, fused: bool, aten: bool = False, sites: bool = False) -> dict:
+    llm.generate([prompt], params, use_tqdm=False)  # warm-up
+    with count_step(llm.engine, aten, sites) as steps:
+        llm.generate([prompt], params, use_tqdm=False)
+    return steady(steps, fused)
+
+
+def _report(title: str, step: dict, by_op: bool) -> str:
+    lines = [f"# {title}: {total(step)} ops"]
+    for part, c in step.items():
+        if part.startswith("_"):
+            continue
+        lines.append(f"  {part:<16} {sum(c.values()):5d}")
+        if by_op:
+            for name, n in c.most_common():
+                lines.append(f"      {name:<48} {n:4d}")
+    if by_op:
+        allc = collections.Counter()
+        for part, c in step.items():
+            if not part.startswith("_"):
+                allc.update(c)
+        lines.append("  all parts by op:")
+        lines += [f"      {name:<48} {n:4d}" for name, n in allc.most_common()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from hyla import SamplingParams
+    from hyla.bench.spec import FREE
+    from hyla.models.default import resolve_model
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3.5-mtp")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--dtype", default="bfloat16", help="the model dtype (bfloat16: the casts the GPU runs)")
+    p.add_argument("--by-op", action="store_true", help="counts by op name in every part")
+    p.add_argument("--aten", action="store_true", help="count the aten ops inside fused dispatch ops too")
+    p.add_argument("--sites", action="store_true", help="with --by-op: by op name and calling line of hyla")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    model = str(resolve_model(args.model))
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    prompt = FREE[0]
+    plain = measure(build(model, None, args.dtype), prompt, params, fused=False, aten=args.aten, sites=args.sites)
+    print(_report("plain decode step", plain, args.by_op))
+    mtp = measure(build(model, args.k, args.dtype), prompt, params, fused=True, aten=args.aten, sites=args.sites)
+    print(_report(f"MTP fused step (k={args.k})", mtp, args.by_op))
+    print(f"# MTP / plain: {total(mtp) / total(plain):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
