@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hyla.ops import constants
 from hyla.ops.transfer import long_tensor, stage_long
 from hyla.ops.utils import remember_host_values
 
@@ -177,13 +178,23 @@ class ForwardBatch:
             self._memo["width"] = w if w is not None and all(s == w for s in self.seq_lens) else None
         return self._memo["width"]
 
+    def shared(self, key, build):
+        """build() once per step: what every layer of the step would compute alike from the
+        batch (RoPE tables, attention masks), keyed by `key` (what it depends on besides the
+        batch). A fresh batch per step (the CUDA-graph runners build one inside each capture)
+        never carries a value over."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
     def token_seq_ids(self) -> torch.Tensor:
         """[T_total] index of the sequence each new token belongs to."""
         if "seq_ids" not in self._memo:
             device = self.positions.device
             w = self.seq_lens[0] if self.seq_lens else 1
             if w > 0 and all(s == w for s in self.seq_lens):  # no counts copied from the host (graph-safe)
-                seqs = torch.arange(self.num_tokens, device=device) // w
+                seqs = constants.constant(("seq_ids", self.num_tokens, w), device,
+                                          lambda d: torch.arange(self.num_tokens, device=d) // w)
             else:
                 seqs = torch.repeat_interleave(torch.arange(self.num_seqs, device=device),
                                                torch.as_tensor(self.seq_lens, device=device))
@@ -241,39 +252,46 @@ class ForwardBatch:
             raise ValueError(f"block table of sequence {n} lacks a page for a position below {length}")
         return pages
 
-    def decode_window(self, seqs: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pages and validity mask for one-query-token attention of sequences `seqs` (those of a
-        mixed batch that bring one new token). Covers the first ceil(longest length / page_size)
-        pages of each block table. Returns pages [S, P] (padding pages clamped to 0: masked out)
-        and valid [S, 1, P * page_size] (token t of the window is within the sequence)."""
+    def decode_window(self, seqs: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pages and masks for one-query-token attention of sequences `seqs` (those of a mixed
+        batch that bring one new token), as query_window's. Covers the first ceil(longest length
+        / page_size) pages of each block table. Returns pages [S, P] (padding pages clamped to 0:
+        masked out), masked [S, 1, P * page_size] (token t of the window is past the sequence)
+        and unread [S, P * page_size] (the same, per sequence)."""
         device = self.block_tables.device
         host_lens = [self.context_lens_list[n] + 1 for n in seqs]
         tables = self.block_tables[torch.tensor(seqs, device=device)]
         lens = torch.tensor(host_lens, device=device)
         n_pages = -(-max(host_lens) // page_size)
         pages = tables[:, :n_pages].clamp(min=0)
-        valid = torch.arange(n_pages * page_size, device=device)[None, :] < lens[:, None]
-        return pages, valid[:, None, :]
+        unread = constants.arange(n_pages * page_size, device)[None, :] >= lens[:, None]
+        return pages, unread[:, None, :], unread
 
-    def query_window(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """For a batch with `uniform_width` W: pages and causal mask of every sequence's W new
-        tokens. Covers the first ceil((longest context + W) / page_size) pages of each block
-        table, or every column for a CUDA-graph batch (whose shapes must not depend on the
-        lengths). Returns pages [N, P] (padding pages clamped to 0: masked out) and
-        valid [N, W, P * page_size]: new token i of sequence n (position context + i) may attend
-        to token t iff t <= context + i."""
+    def query_window(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a batch with `uniform_width` W: pages and causal masks of every sequence's W new
+        tokens, once per step (every attention layer of the step reads them). Covers the first
+        ceil((longest context + W) / page_size) pages of each block table, or every column for a
+        CUDA-graph batch (whose shapes must not depend on the lengths). Returns pages [N, P]
+        (padding pages clamped to 0: masked out), masked [N, W, P * page_size] (new token i of
+        sequence n, at position context + i, may not attend to token t: t > context + i) and
+        unread [N, P * page_size] (no new token of sequence n attends to t; its last one sees the
+        most: t > context + W - 1)."""
         w = self.uniform_width
         if w is None:
             raise ValueError("query_window needs a decode / verify batch with equal new-token counts")
+        return self.shared(("query_window", page_size), lambda: self._query_window(w, page_size))
+
+    def _query_window(self, w: int, page_size: int):
         device = self.block_tables.device
         if self.cuda_graph:
             n_pages = self.block_tables.shape[1]
         else:
             n_pages = -(-(max(self.context_lens_list) + w) // page_size)
         pages = self.block_tables[:, :n_pages].clamp(min=0)
-        last = self.context_lens[:, None] + torch.arange(w, device=device)  # [N, W] each query's position
-        valid = torch.arange(n_pages * page_size, device=device)[None, None, :] <= last[:, :, None]
-        return pages, valid
+        last = self.context_lens[:, None] + constants.arange(w, device)  # [N, W] each query's position
+        t = constants.arange(n_pages * page_size, device)
+        masked = t[None, None, :] > last[:, :, None]
+        return pages, masked, masked[:, -1]
 
     def has_context(self) -> torch.Tensor:
         """[N] bool: sequence n resumes from cached state (context_lens[n] > 0)."""

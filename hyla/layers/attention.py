@@ -35,42 +35,67 @@ from hyla.ops.dtypes import work_dtype
 
 
 class RotaryEmbedding(nn.Module):
-    """Default RoPE on the first `rotary_dim` channels.
+    """Default RoPE on the first `rotary_dim` of head_dim channels.
 
     The inverse frequencies [rotary_dim / 2] are computed once, in fp32 on the CPU exactly as
     transformers does, and kept as a plain attribute rather than a buffer: they are not in the
-    checkpoint, and neither meta-device construction nor `model.to(bf16)` may touch them. A copy
-    per device is made on first use (outside any CUDA-graph capture: the runner warms up first)."""
+    checkpoint, and neither meta-device construction nor `model.to(bf16)` may touch them. Their
+    per-device tables (below) are made on first use (outside any CUDA-graph capture: the runner
+    warms up first).
+
+    The rotation runs over all head_dim channels at once, with no split and no concatenation
+    (a handful of kernels, not a dozen):
+
+        out = x * cos + x[..., perm] * sin
+
+    with cos, sin [..., head_dim] (`cos_sin`): channel i < rotary_dim / 2 pairs with
+    i + rotary_dim / 2 (perm swaps the two halves) and has its sin negated (rotate-half's -x2);
+    the channels past rotary_dim have cos 1, sin 0 and perm the identity (x * 1 + x * 0 = x:
+    they pass through, as long as x is finite). Every rotated channel is the product-and-sum
+    transformers computes, in the same order and roundings."""
 
     def __init__(self, head_dim: int, partial_rotary_factor: float = 1.0, theta: float = 10000.0):
         super().__init__()
+        self.head_dim = head_dim
         self.rotary_dim = int(head_dim * partial_rotary_factor)
         if self.rotary_dim % 2 or self.rotary_dim < 2:
             raise ValueError(f"rotary_dim = int(head_dim * partial_rotary_factor) must be even and >= 2, "
                              f"got {self.rotary_dim}")
         self.theta = theta
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device="cpu") / self.rotary_dim
-        self._inv_freq = {torch.device("cpu"): 1.0 / (theta ** exponents)}
+        inv = 1.0 / (theta ** exponents)
+        half, rest = self.rotary_dim // 2, head_dim - self.rotary_dim
+        # per channel of a head: its inverse frequency (0 past rotary_dim: cos 1, sin 0), the sign
+        # of its sin and the channel it pairs with
+        cpu = dict(device="cpu")  # not the meta device a model may be built under
+        freq = torch.cat([inv, inv, torch.zeros(rest, **cpu)])
+        sign = torch.cat([-torch.ones(half, **cpu), torch.ones(half + rest, **cpu)])
+        perm = torch.cat([torch.arange(half, 2 * half, **cpu), torch.arange(half, **cpu),
+                          torch.arange(2 * half, head_dim, **cpu)])
+        self._tables = {torch.device("cpu"): (inv, freq, sign, perm)}
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(inverse frequencies [rotary_dim / 2], per-channel frequency, sin sign [head_dim] fp32,
+        pair index [head_dim] int64) on device."""
+        if device not in self._tables:
+            self._tables[device] = tuple(t.to(device) for t in self._tables[torch.device("cpu")])
+        return self._tables[device]
 
     def inv_freq(self, device: torch.device) -> torch.Tensor:
-        if device not in self._inv_freq:
-            self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
-        return self._inv_freq[device]
+        return self.tables(device)[0]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [...] int -> cos, sin: [..., rotary_dim] in dtype."""
-        freqs = positions[..., None].float() * self.inv_freq(positions.device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """positions: [...] int -> cos, sin: [..., head_dim] in dtype (see the class docstring:
+        sin signed, 1 / 0 past rotary_dim)."""
+        _, freq, sign, _ = self.tables(positions.device)
+        angles = positions[..., None].float() * freq
+        return angles.cos().to(dtype), (angles.sin() * sign).to(dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [..., T, heads, D]; cos, sin: [..., T, rotary_dim] -> x with its first rotary_dim
-        channels rotated."""
-        rot, rest = x[..., :self.rotary_dim], x[..., self.rotary_dim:]
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        half = self.rotary_dim // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+        """x: [..., T, heads, head_dim]; cos, sin: [..., T, head_dim] (cos_sin) -> x with its first
+        rotary_dim channels rotated."""
+        perm = self.tables(x.device)[3]
+        return x * cos.unsqueeze(-2) + x.index_select(-1, perm) * sin.unsqueeze(-2)
 
 
 class GatedAttention(nn.Module):
@@ -102,9 +127,10 @@ class GatedAttention(nn.Module):
     def groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None = None):
         """x: [..., T, hidden]; positions: [..., T] -> q [..., T, H, D], k, v [..., T, Hkv, D]
-        (q, k normed and rotated), gate [..., T, H * D]."""
+        (q, k normed and rotated), gate [..., T, H * D]. batch: the engine step's, whose RoPE
+        tables every attention layer of the step shares (computed once)."""
         if self._packed is not None:
             q_out, k_out, v_out = self._packed(x)  # one GEMM
         else:
@@ -112,8 +138,14 @@ class GatedAttention(nn.Module):
         q, gate = q_out.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
         k = k_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        q, k = self.rotary(self.q_norm(q), cos, sin), self.rotary(self.k_norm(k), cos, sin)
+        rope = self.rotary
+        if batch is None:
+            cos, sin = rope.cos_sin(positions, x.dtype)
+        else:
+            cos, sin = batch.shared(("rope", rope.head_dim, rope.rotary_dim, rope.theta, x.dtype),
+                                    lambda: rope.cos_sin(positions, x.dtype))
+        qk = rope(torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2), cos, sin)  # one rotation for both
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
         return q, k, v, gate.flatten(-2)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -139,7 +171,7 @@ class GatedAttention(nn.Module):
         and verify batches with equal new-token counts all at once over their page windows;
         otherwise sequences with one new token batched, the others one by one with a causal mask
         offset by their context length."""
-        q, k, v, gate = self.qkv(x, batch.positions)  # [T_total, H | Hkv, D]
+        q, k, v, gate = self.qkv(x, batch.positions, batch)  # [T_total, H | Hkv, D]
         page_size = cache.k.shape[1]
         rows = batch.kv_slot_mapping(page_size)
         cache.k.view(-1, self.num_kv_heads, self.head_dim)[rows] = k.to(cache.k.dtype)
@@ -152,8 +184,8 @@ class GatedAttention(nn.Module):
         single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
         if single:
             idx = torch.tensor([batch.cu_seqlens_list[n] for n in single], device=x.device)
-            pages, valid = batch.decode_window(single, page_size)
-            out[idx] = self._windowed(q[idx][:, None], cache, pages, valid)[:, 0].to(out.dtype)
+            out[idx] = self._windowed(q[idx][:, None], cache, *batch.decode_window(single, page_size))[:, 0].to(
+                out.dtype)
         cu = batch.cu_seqlens_list
         for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
             if new <= 1:
@@ -167,15 +199,16 @@ class GatedAttention(nn.Module):
                                                 causal=ctx == 0)[0]
         return self.o_proj(out * torch.sigmoid(gate))
 
-    def _windowed(self, q: torch.Tensor, cache: KVLayerCache, pages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _windowed(self, q: torch.Tensor, cache: KVLayerCache, pages: torch.Tensor, masked: torch.Tensor,
+                  unread: torch.Tensor) -> torch.Tensor:
         """W query tokens of each of S sequences over their page windows, batched.
-        q: [S, W, H, D]; pages: [S, P]; valid: [S, W, P * page_size] which window tokens each
-        query may attend to -> [S, W, H * D]."""
+        q: [S, W, H, D]; pages: [S, P]; masked: [S, W, P * page_size] which window tokens each
+        query may not attend to; unread: [S, P * page_size] those no query attends to
+        (ForwardBatch.query_window / decode_window) -> [S, W, H * D]."""
         ks, vs = (t[pages].flatten(1, 2) for t in (cache.k, cache.v))  # [S, L, Hkv, D]
         qg = q.unflatten(2, (self.num_kv_heads, self.groups))  # [S, W, Hkv, G, D]
         work = work_dtype(ks)  # softmax in >= fp32
         scores = torch.einsum("swkgd,sjkd->swkgj", qg, ks).to(work) * self.scaling  # [S, W, Hkv, G, L]
-        probs = scores.masked_fill(~valid[:, :, None, None, :], float("-inf")).softmax(-1).to(vs.dtype)
-        seen = valid.any(dim=1)  # [S, L] rows some query may read
-        vs = vs.masked_fill(~seen[:, :, None, None], 0)  # rows past a length may hold anything (0 * NaN)
+        probs = scores.masked_fill(masked[:, :, None, None, :], float("-inf")).softmax(-1).to(vs.dtype)
+        vs = vs.masked_fill(unread[:, :, None, None], 0)  # rows past a length may hold anything (0 * NaN)
         return torch.einsum("swkgj,sjkd->swkgd", probs, vs).flatten(2)  # [S, W, H * D]

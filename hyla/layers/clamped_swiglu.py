@@ -34,7 +34,7 @@ class ClampedMLP(MLP):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_silu_mul(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(clamped_silu_mul(*self.gate_up(x), self.limit))
 
 
 def clamped_moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -45,7 +45,11 @@ class PackedLinears:
     the packed tensor: `state_dict()` keeps its names, shapes and values, and in-place updates
     (load_state_dict) reach the packed tensor. `weight()` returns the packed tensor only while
     every Linear still aliases it (e.g. not after `.to()` re-created the parameters) and no
-    gradient is wanted; callers fall back to the separate Linears otherwise."""
+    gradient is wanted; callers fall back to the separate Linears otherwise.
+
+    Weights that already lie one after the other in one tensor (a shared expert's gate and up
+    projections, views of the MoE's stacked experts: StackedExperts.stack_shared) are packed in
+    place: the packed weight is a view over them, nothing is copied or re-pointed."""
 
     def __init__(self, linears):
         self.linears = list(linears)
@@ -57,7 +61,14 @@ class PackedLinears:
         if any(has_bias) and not all(has_bias):
             raise ValueError("packed linears must all have a bias or none")
         self.sizes = [w.shape[0] for w in ws]
+        adjacent = _adjacent(ws) and (not any(has_bias) or _adjacent(biases))
         with torch.no_grad():
+            if adjacent:
+                first = ws[0].detach()
+                self.packed = first.as_strided((sum(self.sizes), first.shape[1]), first.stride())
+                self.packed_bias = (biases[0].detach().as_strided((sum(self.sizes),), (1,))
+                                    if any(has_bias) else None)
+                return
             self.packed = torch.cat([w.detach() for w in ws], 0)
             self.packed_bias = torch.cat([b.detach() for b in biases], 0) if all(has_bias) and biases else None
         o = 0
@@ -92,6 +103,13 @@ class PackedLinears:
         if packed is None:
             return [lin(x) for lin in self.linears]
         return list(F.linear(x, *packed).split(self.sizes, dim=-1))
+
+
+def _adjacent(ts) -> bool:
+    """Whether the contiguous tensors ts lie one after the other in one storage."""
+    if not all(t.is_contiguous() for t in ts) or len({t.untyped_storage().data_ptr() for t in ts}) != 1:
+        return False
+    return all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(ts, ts[1:]))
 
 
 class PackedConvInput:
