@@ -56,6 +56,7 @@ import torch
 
 from hyla.contract import ForwardBatch
 from hyla.engine.cuda_graph import DecodeGraphs, width_bucket
+from hyla.ops import constants
 from hyla.ops.transfer import fill_long, to_device_long
 
 log = logging.getLogger("hyla.engine")
@@ -172,9 +173,9 @@ class CUDAGraphRunner(DecodeGraphs):
         ctx, acc = meta[:bs, 0], meta[:bs, 1]
         ids = meta[:bs, 2:2 + W].reshape(-1)
         slots = meta[:bs, 2 + W:2 + 2 * W] if rollback == "slots" else meta[:bs, 2 + W:3 + W]
-        positions = (ctx[:, None] + torch.arange(W, device=self.device)).reshape(-1)
+        positions = (ctx[:, None] + constants.arange(W, self.device)).reshape(-1)
         batch = ForwardBatch(
-            cu_seqlens=self.cu[:bs + 1] * W, context_lens=ctx, positions=positions,
+            cu_seqlens=constants.arange(bs + 1, self.device, step=W), context_lens=ctx, positions=positions,
             block_tables=meta[:bs, 2 + 2 * W:], state_slots=slots, num_accepted_tokens=acc, rollback=rollback,
             seq_lens=[W] * bs, context_lens_list=[1] * bs, cuda_graph=True)
         hidden = self.model.forward_batch(ids, batch, self.cache)
@@ -284,18 +285,19 @@ class HeadStepGraphs:
         tables = meta[:bs, 2 + W:]
         batch = self._one_row_batch(ctx, tables) if W == 1 else self.rows_batch(ctx, tables, W)
         y = self.head.forward_batch(self.hidden[:bs * W], ids, self.model, batch, self.kv).view(bs, W, -1)
-        y = y[torch.arange(bs, device=y.device), last]  # each request's last real row
+        y = y[constants.arange(bs, y.device), last]  # each request's last real row
         return y, self.model.compute_logits(y)
 
     def rows_batch(self, ctx: torch.Tensor, tables: torch.Tensor, W: int) -> ForwardBatch:
         """A head step of W rows per request at head context ctx [bs] (rows ctx .. ctx + W - 1),
         block tables [bs, width]: verify-shaped (uniform width W), the form whose attention runs
         without host syncs. A fresh one per step, as `_one_row_batch`."""
-        bs = ctx.shape[0]
-        positions = (ctx[:, None] + torch.arange(W, device=ctx.device)).reshape(-1)
-        return ForwardBatch(cu_seqlens=self.graphs.cu[:bs + 1] * W, context_lens=ctx, positions=positions,
-                            block_tables=tables, state_slots=torch.zeros(bs, W, dtype=torch.long, device=ctx.device),
-                            num_accepted_tokens=torch.ones_like(ctx), seq_lens=[W] * bs,
+        bs, dev = ctx.shape[0], ctx.device
+        positions = (ctx[:, None] + constants.arange(W, dev)).reshape(-1)
+        # the head has no state: its slots and accepted counts are placeholders (constants, no kernels)
+        return ForwardBatch(cu_seqlens=constants.arange(bs + 1, dev, step=W), context_lens=ctx, positions=positions,
+                            block_tables=tables, state_slots=constants.full((bs, W), 0, dev),
+                            num_accepted_tokens=constants.full((bs,), 1, dev), seq_lens=[W] * bs,
                             context_lens_list=[1] * bs, cuda_graph=True)
 
     def _one_row_batch(self, ctx: torch.Tensor, tables: torch.Tensor) -> ForwardBatch:
@@ -304,8 +306,8 @@ class HeadStepGraphs:
         computed inside a capture."""
         bs = ctx.shape[0]
         return ForwardBatch(cu_seqlens=self.graphs.cu[:bs + 1], context_lens=ctx, positions=ctx, block_tables=tables,
-                            state_slots=torch.zeros_like(ctx), seq_lens=[1] * bs, context_lens_list=[1] * bs,
-                            cuda_graph=True)
+                            state_slots=constants.full((bs,), 0, ctx.device), seq_lens=[1] * bs,
+                            context_lens_list=[1] * bs, cuda_graph=True)
 
     def _graph(self, bs: int, W: int, width: int):
         if (W, width) not in self.hmeta:

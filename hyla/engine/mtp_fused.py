@@ -48,6 +48,7 @@ import torch
 from hyla.engine.cuda_graph import width_bucket
 from hyla.engine.cuda_graph_verify import HeadStepGraphs, _table_row
 from hyla.engine.spec_decode import Verified, argmax_accepts
+from hyla.ops import constants
 from hyla.ops.transfer import fill_long
 
 
@@ -88,11 +89,11 @@ class FusedVerify:
         meta = self.meta[width][:bs]
         ctx, num, drafts, tables = meta[:, 0], meta[:, 1], meta[:, 2:2 + k], meta[:, 2 + k:]
         top = logits.argmax(-1)  # [bs, W]
-        real = torch.arange(k, device=top.device) < num[:, None]
+        real = constants.arange(k, top.device) < num[:, None]
         n = ((drafts == top[:, :k]) & real).long().cumprod(-1).sum(-1)  # [bs]
         y = steps.head.forward_batch(hidden.reshape(bs * W, -1).to(steps.hidden.dtype), top.reshape(-1), steps.model,
                                      steps.rows_batch(ctx, tables, W), steps.kv).view(bs, W, -1)
-        y = y[torch.arange(bs, device=y.device), n]  # the head state at each request's newest kept row
+        y = y[constants.arange(bs, y.device), n]  # the head state at each request's newest kept row
         first = steps.model.compute_logits(y).argmax(-1)
         # the head's context after the step: rows done .. done + n are committed
         nxt = [first, *steps.chain_steps(y, first, ctx + n + 1, tables, k - 1)]

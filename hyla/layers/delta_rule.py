@@ -198,7 +198,8 @@ class ShortConvDeltaRule(nn.Module):
         `commit_replay` advances the state by the accepted tokens only."""
         idx, acc = batch.state_slots, batch.num_accepted_tokens
         N, S = idx.shape[0], max(batch.seq_lens)  # S: padded width of the per-sequence token rows
-        start = idx.gather(1, (acc - 1)[:, None])[:, 0]  # [N] slot holding each sequence's state
+        # [N] slot holding each sequence's state: the same for every layer of the step
+        start = batch.shared("verify_start", lambda: idx.gather(1, (acc - 1)[:, None])[:, 0])
         # Token rows as an [N, S] grid: already so when every sequence brings S tokens (the
         # CUDA-graph runner pads to that), else scattered into a zero-padded grid.
         uniform = batch.uniform_width == S

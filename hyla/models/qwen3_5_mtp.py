@@ -61,7 +61,7 @@ class MTPHead(nn.Module):
         [B, T] the tokens at 1..T -> [B, T, hidden] final-norm head states (model.compute_logits
         gives the logits of the tokens at 2..T+1). step: which layer (step % num_layers)."""
         layer = self.layers[step % len(self.layers)]
-        return self.norm(layer(self._input(hidden, next_ids, model)))
+        return self._out(*layer.forward_residual(self._input(hidden, next_ids, model), None))
 
     def forward_batch(self, hidden: torch.Tensor, next_ids: torch.Tensor, model, batch: ForwardBatch,
                       cache: KVLayerCache, step: int = 0) -> torch.Tensor:
@@ -69,7 +69,11 @@ class MTPHead(nn.Module):
         are the target's positions t of the hidden states); cache: the head layer's paged KV
         ([num_pages, page_size, Hkv, head_dim] keys and values) -> [T_total, hidden]."""
         layer = self.layers[step % len(self.layers)]
-        return self.norm(layer(self._input(hidden, next_ids, model), batch, cache))
+        return self._out(*layer.forward_residual(self._input(hidden, next_ids, model), None, batch, cache))
+
+    def _out(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """norm(residual + x): the layer's last residual add fused into the output norm."""
+        return self.norm.add_forward(x, residual)[0]
 
     def allocate_kv(self, num_pages: int, page_size: int, device=None, dtype=None) -> KVLayerCache:
         """Zeroed paged KV for the head's attention layer (each layer's keys and values share

@@ -39,9 +39,9 @@ def constant(key: tuple, device, build) -> torch.Tensor:
     return t
 
 
-def arange(n: int, device) -> torch.Tensor:
-    """torch.arange(n) int64 on device."""
-    return constant(("arange", n), device, lambda d: torch.arange(n, device=d))
+def arange(n: int, device, step: int = 1) -> torch.Tensor:
+    """[0, step, .., (n - 1) * step] int64 on device (step W: the cu_seqlens of rows of W tokens)."""
+    return constant(("arange", n, step), device, lambda d: torch.arange(n, device=d) * step)
 
 
 def full(shape: tuple[int, ...], value: int, device) -> torch.Tensor:
