@@ -134,8 +134,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
               factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
-              precompute_gate=None, low_precision_inverse=None, gram_maxnreg=None, factor_maxnreg=None,
-              gram_fast_first=True, cumsum_by_dot=False):
+              precompute_gate=None, low_precision_inverse=None, gram_maxnreg=None, factor_maxnreg=None):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
     (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
@@ -229,7 +228,6 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             lb, scale, cu, chunk_seq, chunk_pos, aqk, li, li_low, row_factors,
             H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            FAST_FIRST=bool(gram_fast_first), CUMSUM_DOT=bool(cumsum_by_dot),
             num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
         )
         bks, bvs = min(BK, factor_slice), min(BVF, factor_slice)
@@ -239,7 +237,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             cu, chunk_seq, chunk_pos, li_low, row_factors,
             w, u, qg, kg, gam, ck_ptr, ck_pos, kr, dr,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=bks, BVS=bvs, HAS_CKPT=has_ck,
-            CUMSUM_DOT=bool(cumsum_by_dot), num_warps=factor_warps, maxnreg=factor_maxnreg, **common,
+            num_warps=factor_warps, maxnreg=factor_maxnreg, **common,
         )
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)

@@ -160,12 +160,12 @@ def _decays(b_g, GATE: tl.constexpr):
 
 
 @triton.jit
-def _chunk_cumsum(b_g, GATE: tl.constexpr, BY_DOT: tl.constexpr = False):
+def _chunk_cumsum(b_g, GATE: tl.constexpr):
     """Plain cumulative decay from the chunk start, G [64, GK], and the chunk total gc [GK].
     Used only when every channel's chunk total is >= -MAX_SPAN: then all |G| <= 140 and the
     differences G_i - G_j lose at most ~1e-5 to fp32 rounding."""
     if GATE == 2:
-        return _cumsum_rows(b_g, BY_DOT), tl.sum(b_g, axis=0)
+        return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
     else:
         return tl.cumsum(b_g, axis=0)[:, None], tl.zeros([1], dtype=tl.float32) + tl.sum(b_g, axis=0)
 
@@ -179,34 +179,6 @@ def _prefix_suffix(tot):
     p = tl.sum(tl.where((i4[None, :] < i4[:, None])[:, :, None], t3, 0.0), axis=1)
     s = tl.sum(tl.where((i4[None, :] > i4[:, None])[:, :, None], t3, 0.0), axis=1)
     return p, s
-
-
-@triton.jit
-def _cumsum_rows(b_g, BY_DOT: tl.constexpr):
-    """Inclusive cumsum over the 64 rows of b_g [64, N] fp32: tl.cumsum, or BY_DOT one product with
-    the lower-triangular ones on the tensor cores in 3-pass tf32 (the ones are exact tf32 values
-    and g's split into two tf32 parts keeps ~2^-22 of it: fp32-level sums, no cross-warp scan)."""
-    if BY_DOT:
-        rows = tl.arange(0, BT)
-        tri = (rows[:, None] >= rows[None, :]).to(tl.float32)
-        return tl.dot(tri, b_g, input_precision="tf32x3")
-    else:
-        return tl.cumsum(b_g, axis=0)
-
-
-@triton.jit
-def _gram_fast(a_qk, a_kk, b_q, b_k, b_g, CUMSUM_DOT: tl.constexpr, PREC: tl.constexpr):
-    """One channel slice's decayed Gram products on the fast path only (per-channel gate, the
-    chunk factored at its midpoint) -> (a_qk, a_kk, whether the slice may take that path: every
-    channel's chunk total >= -MAX_SPAN; if not, the products added are garbage)."""
-    gg = _cumsum_rows(b_g, CUMSUM_DOT)  # [64, BKS]
-    gc = tl.sum(b_g, axis=0)
-    m = 0.5 * gc[None, :]
-    ck = b_k * tl.exp(m - gg)
-    rf = tl.exp(gg - m)
-    a_qk = tl.dot(b_q * rf, tl.trans(ck), a_qk, input_precision=PREC)
-    a_kk = tl.dot(b_k * rf, tl.trans(ck), a_kk, input_precision=PREC)
-    return a_qk, a_kk, tl.min(gc, axis=0) >= -MAX_SPAN
 
 
 @triton.jit
@@ -349,10 +321,10 @@ def _store_rows(ptr, x, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _boundary_decays(b_g, GATE: tl.constexpr, CUMSUM_DOT: tl.constexpr):
+def _boundary_decays(b_g, GATE: tl.constexpr):
     """e^G (chunk start -> token i), e^(G_C - G) (token j -> chunk end), both [64, GK], and
     e^(G_C) [GK], for one channel slice of log-decays b_g."""
-    gg, gc = _chunk_cumsum(b_g, GATE, CUMSUM_DOT)
+    gg, gc = _chunk_cumsum(b_g, GATE)
     if tl.min(gc, axis=0) >= -MAX_SPAN:
         eg = tl.exp(gg)
         e_end = tl.exp(gc[None, :] - gg)
@@ -434,7 +406,6 @@ def chunk_gram_kernel(
     BK: tl.constexpr, BKS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr,
-    FAST_FIRST: tl.constexpr, CUMSUM_DOT: tl.constexpr,
 ):
     """Per (chunk, value head): aqk [64, 64] (scale * tril(A_qk)), L^-1 [64, 64] (built in the fp32
     li_scratch; li_out is li_scratch, or a bf16 / fp16 copy of it) and
@@ -451,33 +422,13 @@ def chunk_gram_kernel(
         a_kk = tl.zeros([BT, BT], dtype=tl.float32)
         sq = tl.zeros([BT], dtype=tl.float32)
         sk = tl.zeros([BT], dtype=tl.float32)
-        if FAST_FIRST:
-            # Optimistic: every slice on the fast path, a loop with no branch inside (a per-slice
-            # choice inside the loop costs the common case ~8% of the whole prefill on an H200);
-            # a chunk with a steep slice is redone below with the per-slice choice.
-            fast = True
-            for ks in range(0, BK, BKS):
-                o_k = ks + tl.arange(0, BKS)
-                b_q, b_k, b_g = _load_slice(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv, o_k,
-                                            H, HV, K, GATE, GATE_FN, HAS_BIAS)
-                sq += tl.sum(b_q * b_q, axis=1)
-                sk += tl.sum(b_k * b_k, axis=1)
-                a_qk, a_kk, ok = _gram_fast(a_qk, a_kk, b_q, b_k, b_g, CUMSUM_DOT, PREC)
-                fast = fast & ok
-        else:
-            fast = False
-        if not fast:
-            a_qk = tl.zeros([BT, BT], dtype=tl.float32)
-            a_kk = tl.zeros([BT, BT], dtype=tl.float32)
-            sq = tl.zeros([BT], dtype=tl.float32)
-            sk = tl.zeros([BT], dtype=tl.float32)
-            for ks in range(0, BK, BKS):
-                o_k = ks + tl.arange(0, BKS)
-                b_q, b_k, b_g = _load_slice(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv, o_k,
-                                            H, HV, K, GATE, GATE_FN, HAS_BIAS)
-                sq += tl.sum(b_q * b_q, axis=1)
-                sk += tl.sum(b_k * b_k, axis=1)
-                a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE, PREC)
+        for ks in range(0, BK, BKS):
+            o_k = ks + tl.arange(0, BKS)
+            b_q, b_k, b_g = _load_slice(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv, o_k,
+                                        H, HV, K, GATE, GATE_FN, HAS_BIAS)
+            sq += tl.sum(b_q * b_q, axis=1)
+            sk += tl.sum(b_k * b_k, axis=1)
+            a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE, PREC)
     else:
         a_qk, a_kk, sq, sk = _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
                                           H, HV, K, BK, GATE, GATE_FN, HAS_BIAS, PREC)
@@ -525,7 +476,7 @@ def chunk_factors_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CKPT: tl.constexpr,
-    PREC: tl.constexpr, CUMSUM_DOT: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """Per (channel slice, chunk, value head), from chunk_gram_kernel's L^-1 and row factors:
     slices s < BK / BKS write qg, kg, w, gam (and checkpoint factors) for channels s * BKS ...;
@@ -547,7 +498,7 @@ def chunk_factors_kernel(
                                     H, HV, K, GATE, GATE_FN, HAS_BIAS)
         nk = tl.load(rows_in + head * 3 * BT + BT + rows)
         b_k = b_k * nk[:, None]
-        eg, e_end, gam_s = _boundary_decays(b_g, GATE, CUMSUM_DOT)
+        eg, e_end, gam_s = _boundary_decays(b_g, GATE)
         sq = tl.load(rows_in + head * 3 * BT + rows)  # scale / |q_i|
         _store_rows(qg + head * BT * BK + ks, b_q * sq[:, None] * eg, BK)
         _store_rows(kg + head * BT * BK + ks, b_k * e_end, BK)
