@@ -1,7 +1,9 @@
 """Chunkwise prefill on the GPU (Triton, forward only): same contract as hyla.ops.chunk.
 
-Three launches per call (four with a separate gate activation, see precompute_gate):
-  1. chunk_intra.chunk_gram_kernel, grid (chunks, HV), then chunk_intra.chunk_factors_kernel,
+Three launches per call (four for a per-channel gate, five with a separate gate activation, see
+precompute_gate):
+  1. chunk_intra.chunk_gram_kernel, grid (chunks, HV) (for a per-channel gate: a fast pass, then
+     a second over the chunks it flagged as steep), then chunk_intra.chunk_factors_kernel,
      grid (slices, chunks, HV): per-chunk factors w, u, qg, kg, aqk, gam (and checkpoint factors),
      with gate, beta sigmoid and q/k L2 norm fused.
   2. chunk_scan.chunk_scan_kernel, grid (V / BV, N * HV): the sequential state scan, writing
@@ -222,14 +224,17 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         li_low = torch.empty_like(li, dtype=st) if low_precision_inverse and st != torch.float32 else li
         row_factors = torch.empty(NCH, HV, 3, CHUNK, device=dev, dtype=torch.float32)
         common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec)
-        chunk_gram_kernel[(NCH, HV)](
-            qc, kc, gc, bc,
-            a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
-            lb, scale, cu, chunk_seq, chunk_pos, aqk, li, li_low, row_factors,
-            H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
-            USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
-        )
+        # a per-channel gate: the fast pass, then the steep chunks it flagged (chunk_gram_kernel)
+        steep = torch.empty(NCH, HV, device=dev, dtype=torch.int32) if gate == "kda" else chunk_off
+        for gram_pass in ((1, 2) if gate == "kda" else (0,)):
+            chunk_gram_kernel[(NCH, HV)](
+                qc, kc, gc, bc,
+                a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
+                lb, scale, cu, chunk_seq, chunk_pos, aqk, li, li_low, row_factors, steep,
+                H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
+                USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+                PASS=gram_pass, num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
+            )
         bks, bvs = min(BK, factor_slice), min(BVF, factor_slice)
         chunk_factors_kernel[(BK // bks + BVF // bvs, NCH, HV)](
             qc, kc, vc, gc,
