@@ -59,6 +59,7 @@ class ForwardBatch:
     context_lens_list: list[int] | None = None
     cuda_graph: bool = False
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
+    _grid: tuple | None = field(default=None, repr=False, compare=False)  # (grid batch, j) of a `column`
 
     def __post_init__(self):
         n = self.context_lens.shape[0] if self.context_lens.ndim == 1 else -1
@@ -178,14 +179,44 @@ class ForwardBatch:
             self._memo["width"] = w if w is not None and all(s == w for s in self.seq_lens) else None
         return self._memo["width"]
 
-    def shared(self, key, build):
-        """build() once per step: what every layer of the step would compute alike from the
-        batch (RoPE tables, attention masks), keyed by `key` (what it depends on besides the
+    def shared(self, key, build, per_token: bool = False):
+        """build(batch) once per step: what every layer of the step would compute alike from
+        the batch (RoPE tables, attention masks), keyed by `key` (what it depends on besides the
         batch). A fresh batch per step (the CUDA-graph runners build one inside each capture)
-        never carries a value over."""
+        never carries a value over. per_token: the value is a tensor, or a tuple of tensors,
+        with one row per new token ([T_total, ...]); a `column` then takes its rows of its
+        grid's value, computed once for all the columns."""
         if key not in self._memo:
-            self._memo[key] = build()
+            if per_token and self._grid is not None:
+                grid, j = self._grid
+                value = grid.shared(key, build, per_token=True)
+                self._memo[key] = tuple(grid.column_rows(t, j) for t in value) if isinstance(value, tuple) \
+                    else grid.column_rows(value, j)
+            else:
+                self._memo[key] = build(self)
         return self._memo[key]
+
+    def column(self, j: int) -> ForwardBatch:
+        """For a batch of W new tokens per sequence (uniform_width; the grid): its token j of
+        every sequence, at position context + j, as a batch of one new token per sequence. A
+        chain of one-row steps (the MTP head's draft steps) runs as the columns 0 .. W - 1 of one
+        grid: their KV rows, attention masks and per-token shared values (RoPE tables) are the
+        grid's, computed once for all the columns. Column j attends to the grid's positions
+        before it, which the earlier columns wrote. Only for layers without recurrent state
+        (attention): its state_slots are the grid's column j, read as a decode step's."""
+        w, n = self.uniform_width, self.num_seqs
+        if w is None or not 0 <= j < w:
+            raise ValueError(f"column {j} of a batch needs a uniform width above it, got {w}")
+        pos = self.column_rows(self.positions, j)
+        slots = self.state_slots[:, j] if self.state_slots.ndim == 2 else self.state_slots
+        return ForwardBatch(cu_seqlens=constants.arange(n + 1, pos.device), context_lens=pos, positions=pos,
+                            block_tables=self.block_tables, state_slots=slots, seq_lens=[1] * n,
+                            context_lens_list=[c + j for c in self.context_lens_list], cuda_graph=self.cuda_graph,
+                            _grid=(self, j))
+
+    def column_rows(self, t: torch.Tensor, j: int) -> torch.Tensor:
+        """t [T_total, ...] (a row per new token) -> its rows of column j [N, ...] (a view)."""
+        return t.view(self.num_seqs, self.uniform_width, *t.shape[1:])[:, j]
 
     def token_seq_ids(self) -> torch.Tensor:
         """[T_total] index of the sequence each new token belongs to."""
@@ -204,6 +235,9 @@ class ForwardBatch:
     def kv_slot_mapping(self, page_size: int) -> torch.Tensor:
         """[T_total] flat row (page * page_size + offset) of every new token in a paged KV pool."""
         key = ("slots", page_size)
+        if key not in self._memo and self._grid is not None:
+            grid, j = self._grid
+            self._memo[key] = grid.column_rows(grid.kv_slot_mapping(page_size), j)
         if key not in self._memo:
             self.check_written_pages(page_size)
             pos = self.positions
@@ -279,7 +313,11 @@ class ForwardBatch:
         w = self.uniform_width
         if w is None:
             raise ValueError("query_window needs a decode / verify batch with equal new-token counts")
-        return self.shared(("query_window", page_size), lambda: self._query_window(w, page_size))
+        if self._grid is not None:  # a column: its rows of the grid's masks
+            grid, j = self._grid
+            pages, masked, _ = grid.query_window(page_size)
+            return self.shared(("query_window", page_size), lambda b: (pages, masked[:, j:j + 1], masked[:, j]))
+        return self.shared(("query_window", page_size), lambda b: b._query_window(w, page_size))
 
     def _query_window(self, w: int, page_size: int):
         device = self.block_tables.device

@@ -370,9 +370,12 @@ class HeadStepGraphs:
         -> every step's argmax [bs]. Nothing reads the host: capturable (the draft chain, and
         the fused step's, hyla.engine.mtp_fused)."""
         out = []
+        # the chain's rows, one per step, as the columns of one grid: their KV rows, masks and
+        # RoPE tables computed once for all the steps
+        grid = self.rows_batch(ctx, tables, steps) if steps else None
         for j in range(steps):
-            y = self.head.forward_batch(y, ids, self.model, self._one_row_batch(ctx + j, tables), self.kv)
-            ids = self.model.compute_logits(y).argmax(-1)
+            y = self.head.forward_batch(y, ids, self.model, grid.column(j), self.kv)
+            ids = self.model.greedy_tokens(y)
             out.append(ids)
         return out
 

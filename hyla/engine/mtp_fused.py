@@ -94,7 +94,7 @@ class FusedVerify:
         y = steps.head.forward_batch(hidden.reshape(bs * W, -1).to(steps.hidden.dtype), top.reshape(-1), steps.model,
                                      steps.rows_batch(ctx, tables, W), steps.kv).view(bs, W, -1)
         y = y[constants.arange(bs, y.device), n]  # the head state at each request's newest kept row
-        first = steps.model.compute_logits(y).argmax(-1)
+        first = steps.model.greedy_tokens(y)
         # the head's context after the step: rows done .. done + n are committed
         nxt = [first, *steps.chain_steps(y, first, ctx + n + 1, tables, k - 1)]
         return torch.cat([top, n[:, None], torch.stack(nxt, 1)], 1)

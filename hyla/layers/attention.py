@@ -143,7 +143,7 @@ class GatedAttention(nn.Module):
             cos, sin = rope.cos_sin(positions, x.dtype)
         else:
             cos, sin = batch.shared(("rope", rope.head_dim, rope.rotary_dim, rope.theta, x.dtype),
-                                    lambda: rope.cos_sin(positions, x.dtype))
+                                    lambda b: rope.cos_sin(b.positions, x.dtype), per_token=True)
         qk = rope(torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2), cos, sin)  # one rotation for both
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
         return q, k, v, gate.flatten(-2)

@@ -199,7 +199,7 @@ class ShortConvDeltaRule(nn.Module):
         idx, acc = batch.state_slots, batch.num_accepted_tokens
         N, S = idx.shape[0], max(batch.seq_lens)  # S: padded width of the per-sequence token rows
         # [N] slot holding each sequence's state: the same for every layer of the step
-        start = batch.shared("verify_start", lambda: idx.gather(1, (acc - 1)[:, None])[:, 0])
+        start = batch.shared("verify_start", lambda b: idx.gather(1, (acc - 1)[:, None])[:, 0])
         # Token rows as an [N, S] grid: already so when every sequence brings S tokens (the
         # CUDA-graph runner pads to that), else scattered into a zero-padded grid.
         uniform = batch.uniform_width == S

@@ -100,6 +100,12 @@ class HybridForCausalLM(nn.Module):
         """hidden: [..., hidden] final-norm states -> [..., V] fp32 (lm_head in the model dtype)."""
         return self.lm_head(hidden).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., hidden] final-norm states -> [...] int64, the argmax of compute_logits
+        (an MTP head's greedy drafts), without the fp32 copy of the logits: widening the model
+        dtype to fp32 is exact, so the argmax is the same, ties included."""
+        return self.lm_head(hidden).argmax(-1)
+
     def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
                        state_dtype: torch.dtype = torch.float32, device=None, dtype=None) -> HybridCache:
         raise NotImplementedError

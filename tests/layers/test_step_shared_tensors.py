@@ -52,9 +52,9 @@ def _batch(ctx, w):
 def test_batch_shared_values_are_per_batch():
     b, calls = _batch([3, 5], 1), []
     for _ in range(3):
-        b.shared("x", lambda: calls.append(1) or len(calls))
+        b.shared("x", lambda _: calls.append(1) or len(calls))
     assert calls == [1]
-    assert _batch([3, 5], 1).shared("x", lambda: "fresh") == "fresh"  # a new step computes it anew
+    assert _batch([3, 5], 1).shared("x", lambda _: "fresh") == "fresh"  # a new step computes it anew
 
 
 @pytest.mark.parametrize("w", [1, 3])
@@ -132,3 +132,51 @@ def test_packing_a_stacked_shared_expert_keeps_it_stacked():
     assert (shared.gate_proj.weight.data_ptr(), shared.up_proj.weight.data_ptr()) == (gate, up)
     assert shared._packed.weight()[0].data_ptr() == gate
     torch.testing.assert_close(shared(x), want, rtol=1e-6, atol=1e-6)
+
+
+def test_columns_of_a_grid_equal_one_row_batches():
+    """A chain of one-row attention steps run as the columns of one grid batch (the MTP head's
+    draft steps) writes the same KV rows and gives the same outputs as one fresh one-row batch
+    per step; the grid's tables are computed once."""
+    from hyla.contract import KVLayerCache
+
+    torch.manual_seed(0)
+    layer = GatedAttention(16, 2, 1, 8, partial_rotary_factor=0.5).double()
+    page, ctx, steps = 4, [3, 6], 3
+    tables = [[0, 1, 2], [3, 4, 5]]
+
+    def pools():
+        torch.manual_seed(1)
+        return KVLayerCache(*(torch.randn(6, page, 1, 8, dtype=torch.float64) for _ in range(2)))
+
+    xs = [torch.randn(2, 16, dtype=torch.float64) for _ in range(steps)]
+    a, b = pools(), pools()
+    want = [layer.forward_batch(x, ForwardBatch.build(seq_lens=[1, 1], context_lens=[c + j for c in ctx],
+                                                      block_tables=tables, state_slots=[0, 0]), a)
+            for j, x in enumerate(xs)]
+    grid = ForwardBatch.build(seq_lens=[steps] * 2, context_lens=ctx, block_tables=tables,
+                              state_slots=[[0] * steps] * 2, num_accepted_tokens=[1, 1])
+    got = [layer.forward_batch(x, grid.column(j), b) for j, x in enumerate(xs)]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    assert sum(isinstance(k, tuple) and k[0] == "rope" for k in grid._memo) == 1  # computed once, on the grid
+    assert ("slots", page) in grid._memo and ("query_window", page) in grid._memo
+    with pytest.raises(ValueError):
+        grid.column(steps)
+
+
+def test_greedy_tokens_is_the_argmax_of_the_logits():
+    """Without the fp32 copy of the logits, ties included (duplicate lm_head rows)."""
+    from types import SimpleNamespace
+
+    from hyla.models.base import HybridForCausalLM
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        head.weight[7] = head.weight[3]
+    model = SimpleNamespace(lm_head=head)
+    h = torch.randn(64, 16, dtype=torch.bfloat16)
+    want = HybridForCausalLM.compute_logits(model, h).argmax(-1)
+    assert torch.equal(HybridForCausalLM.greedy_tokens(model, h), want)
