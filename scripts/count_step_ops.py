@@ -1,6 +1,7 @@
 """How many ops one engine step dispatches, plain decoding vs MTP's fused greedy step, on the CPU.
 
     python scripts/count_step_ops.py [--model qwen3.5-mtp] [--k 3] [--tokens 24] [--by-op [--sites]] [--aten]
+                                     [--host [--profile]]
 
 A proxy for the kernels a CUDA graph of the step replays on the GPU (where a step of a tiny model
 is bound by kernel count): every aten op the step dispatches is counted (a TorchDispatchMode),
@@ -15,6 +16,9 @@ count among decode steps; for MTP among fused steps whose drafts came prefetched
 parts: the verify forward, the acceptance, the head's catch-up over the verify rows (with its
 lm_head and argmax: the first next draft), each chained draft step, and what runs outside the
 graph (input buffers, readbacks). Also `count_step(engine)`: the same counts for tests.
+
+--host: the host time of a decode step, i.e. engine.step's wall time minus the graph's function
+(on a GPU a replay, asynchronous): scheduling, input buffers, acceptance, bookkeeping, outputs.
 """
 
 from __future__ import annotations
@@ -213,6 +217,57 @@ def measure(llm, prompt, params, fused: bool, aten: bool = False, sites: bool = 
     return steady(steps, fused)
 
 
+def host_times(llm, prompt, params, repeat: int = 5, profile: bool = False) -> dict[str, float]:
+    """Median host time per decode step in ms: engine.step minus what a CUDA graph replay stands
+    for (the decode / verify graph's function, run eagerly here) -> {"step", "graph", "host"}.
+    profile: also print cProfile's top functions of the steps (the graph's function included)."""
+    import cProfile
+    import pstats
+    import statistics
+    import time
+
+    engine = llm.engine
+    graphs = engine.runner.graphs
+    llm.generate([prompt], params, use_tqdm=False)  # warm-up
+    inside, steps = [0.0], []
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                inside[0] += time.perf_counter() - t
+        return run
+    inner = engine.step
+
+    def step(*a, **k):
+        inside[0] = 0.0
+        t = time.perf_counter()
+        out = inner(*a, **k)
+        if engine.metrics["num_steps"] > 1 and inside[0]:  # a decode / spec step (the prompt's is eager)
+            steps.append((time.perf_counter() - t, inside[0]))
+        return out
+    prof = cProfile.Profile() if profile else None
+    with ExitStack() as stack:
+        for name in ("_forward", "_verify_step"):
+            stack.enter_context(_patched(graphs, name, timed(getattr(graphs, name))))
+        stack.enter_context(_patched(engine, "step", step))
+        for _ in range(repeat):
+            if prof:
+                prof.enable()
+            llm.generate([prompt], params, use_tqdm=False)
+            if prof:
+                prof.disable()
+    if prof:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+    step_ms = statistics.median(a for a, _ in steps) * 1e3
+    graph_ms = statistics.median(b for _, b in steps) * 1e3
+    host_ms = statistics.median(a - b for a, b in steps) * 1e3
+    return {"step": step_ms, "graph": graph_ms, "host": host_ms}
+
+
 def _report(title: str, step: dict, by_op: bool) -> str:
     lines = [f"# {title}: {total(step)} ops"]
     for part, c in step.items():
@@ -245,16 +300,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--by-op", action="store_true", help="counts by op name in every part")
     p.add_argument("--aten", action="store_true", help="count the aten ops inside fused dispatch ops too")
     p.add_argument("--sites", action="store_true", help="with --by-op: by op name and calling line of hyla")
+    p.add_argument("--host", action="store_true", help="also the host time per step (what is not the graph)")
+    p.add_argument("--profile", action="store_true", help="with --host: cProfile's top functions")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     model = str(resolve_model(args.model))
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     prompt = FREE[0]
-    plain = measure(build(model, None, args.dtype), prompt, params, fused=False, aten=args.aten, sites=args.sites)
-    print(_report("plain decode step", plain, args.by_op))
-    mtp = measure(build(model, args.k, args.dtype), prompt, params, fused=True, aten=args.aten, sites=args.sites)
-    print(_report(f"MTP fused step (k={args.k})", mtp, args.by_op))
-    print(f"# MTP / plain: {total(mtp) / total(plain):.2f}x")
+    engines = {"plain decode step": build(model, None, args.dtype),
+               f"MTP fused step (k={args.k})": build(model, args.k, args.dtype)}
+    counts = [measure(llm, prompt, params, fused=bool(i), aten=args.aten, sites=args.sites)
+              for i, llm in enumerate(engines.values())]
+    for title, step in zip(engines, counts):
+        print(_report(title, step, args.by_op))
+    print(f"# MTP / plain: {total(counts[1]) / total(counts[0]):.2f}x")
+    if args.host:
+        for title, llm in engines.items():
+            t = host_times(llm, prompt, params, profile=args.profile)
+            print(f"# {title}: host {t['host']:.3f} ms per step (step {t['step']:.3f} ms, graph's function "
+                  f"{t['graph']:.3f} ms, eager on the CPU)")
 
 
 if __name__ == "__main__":
