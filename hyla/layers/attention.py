@@ -67,7 +67,7 @@ class RotaryEmbedding(nn.Module):
         half, rest = self.rotary_dim // 2, head_dim - self.rotary_dim
         # per channel of a head: its inverse frequency (0 past rotary_dim: cos 1, sin 0), the sign
         # of its sin and the channel it pairs with
-        cpu = dict(device="cpu")  # not the meta device a model may be built under
+        cpu = {"device": "cpu"}  # not the meta device a model may be built under
         freq = torch.cat([inv, inv, torch.zeros(rest, **cpu)])
         sign = torch.cat([-torch.ones(half, **cpu), torch.ones(half + rest, **cpu)])
         perm = torch.cat([torch.arange(half, 2 * half, **cpu), torch.arange(half, **cpu),
@@ -88,7 +88,10 @@ class RotaryEmbedding(nn.Module):
         """positions: [...] int -> cos, sin: [..., head_dim] in dtype (see the class docstring:
         sin signed, 1 / 0 past rotary_dim)."""
         _, freq, sign, _ = self.tables(positions.device)
-        angles = positions[..., None].float() * freq
+        # int64 * fp32 promotes to fp32 inside the one kernel: float(position) * freq, as
+        # transformers' fp32 positions times inverse frequencies
+        p = positions[..., None]
+        angles = (p if not p.is_floating_point() else p.float()) * freq
         return angles.cos().to(dtype), (angles.sin() * sign).to(dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,8 @@ beta in one launch (dispatch.kda_gate_beta / gdn_gate_beta) and the output norm 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,7 +111,7 @@ def _adjacent(ts) -> bool:
     """Whether the contiguous tensors ts lie one after the other in one storage."""
     if not all(t.is_contiguous() for t in ts) or len({t.untyped_storage().data_ptr() for t in ts}) != 1:
         return False
-    return all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(ts, ts[1:]))
+    return all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in itertools.pairwise(ts))
 
 
 class PackedConvInput:

@@ -60,7 +60,8 @@ def test_batch_shared_values_are_per_batch():
 @pytest.mark.parametrize("w", [1, 3])
 def test_query_window_masks(w):
     ctx, page = [3, 9], 8
-    verify = dict(state_slots=[[0] * w, [1] * w], num_accepted_tokens=[1, 1]) if w > 1 else dict(state_slots=[0, 1])
+    verify = ({"state_slots": [[0] * w, [1] * w], "num_accepted_tokens": [1, 1]} if w > 1
+              else {"state_slots": [0, 1]})
     b = ForwardBatch.build(seq_lens=[w] * 2, context_lens=ctx, block_tables=[[0, 1], [2, -1]], **verify)
     pages, masked, unread = b.query_window(page)
     assert b.query_window(page)[1] is masked  # once per step
