@@ -219,6 +219,20 @@ def test_chunk_rejects_bad_register_caps(bad):
             chunk_fwd(*args, gate="gdn", **{name: bad})
 
 
+def test_chunk_two_pass_gram_mixes_fast_and_steep_chunks():
+    """A per-channel gate's Gram kernel runs a fast pass that skips the chunks where a channel
+    decays past e^-140, then a pass over those only: one steep (chunk, head) among fast ones,
+    in a sequence whose other chunks and other head stay on the fast path, is exact."""
+    fast, ref = _chunk_pair("kda")
+    q, k, v, g, beta, h0 = make_inputs(1, 200, 2, 32, 32, seed=5)
+    g = -g.abs() * 0.05
+    g[:, 70:80, 1, :5] = -40.0  # chunk 1, head 1: five channels lose e^-400
+    o_ref, s_ref = ref(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o, s = fast(*_f32(q, k, v, g, beta), initial_state=h0.float().to(DEV), output_final_state=True, slice_k=16)
+    _check(o, o_ref, "o")
+    _check(s, s_ref, "final state")
+
+
 def test_chunk_steep_scalar_decays():
     """GDN decays of -30 .. -3000 per token on some tokens: the scalar-gate Gram assembles its
     pairwise exponents from sub-block pieces, so steep chunks stay exact (no overflow, no
