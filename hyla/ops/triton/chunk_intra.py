@@ -1,7 +1,8 @@
 """Chunk prefill, pass 1 of 2: everything that depends on one 64-token chunk only (Triton).
 
-Two launches. chunk_gram_kernel, one program per (chunk, value head), reads q, k, the gate and
-beta of its 64 tokens, applies the fused pieces (gate activation, beta sigmoid, q/k L2 norm) and
+Two launches (three for a per-channel gate: chunk_gram_kernel's fast pass, then its pass over
+the steep chunks the first flagged). chunk_gram_kernel, one program per (chunk, value head),
+reads q, k, the gate and beta of its 64 tokens, applies the fused pieces (gate activation, beta sigmoid, q/k L2 norm) and
 writes aqk, L^-1 and three row factors. chunk_factors_kernel, one small program per (channel or
 value slice, chunk, value head), turns them into the rest. (One kernel doing both held both
 [64, 64] Gram accumulators, L^-1 and a slice's operands at once: 255 registers, two 4-warp
