@@ -240,10 +240,19 @@ class ForwardBatch:
             self._memo[key] = grid.column_rows(grid.kv_slot_mapping(page_size), j)
         if key not in self._memo:
             self.check_written_pages(page_size)
-            pos = self.positions
-            pages = self.block_tables[self.token_seq_ids(), pos // page_size]
-            self._memo[key] = pages * page_size + pos % page_size
+            rows, pos = self.page_rows(page_size), self.positions
+            w = self.uniform_width
+            self._memo[key] = (rows.gather(1, pos.view(self.num_seqs, w)).view(-1) if w is not None
+                               else rows[self.token_seq_ids(), pos])
         return self._memo[key]
+
+    def page_rows(self, page_size: int) -> torch.Tensor:
+        """[N, max_pages * page_size] the flat pool row (page * page_size + offset) of every
+        position covered by each block table, once per step: what the new tokens' KV rows
+        (kv_slot_mapping) and the attention windows (query_window) index. Page -1 gives rows
+        -page_size .. -1, which index the pool's last page (the CUDA-graph runners' scratch
+        page), as page -1 does."""
+        return self.shared(("page_rows", page_size), lambda b: _page_rows(b.block_tables, page_size))
 
     def check_written_pages(self, page_size: int) -> None:
         """Raise ValueError unless every position written in this step has a page: once per step,
@@ -289,24 +298,25 @@ class ForwardBatch:
     def decode_window(self, seqs: list[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pages and masks for one-query-token attention of sequences `seqs` (those of a mixed
         batch that bring one new token), as query_window's. Covers the first ceil(longest length
-        / page_size) pages of each block table. Returns pages [S, P] (padding pages clamped to 0:
-        masked out), masked [S, 1, P * page_size] (token t of the window is past the sequence)
-        and unread [S, P * page_size] (the same, per sequence)."""
+        / page_size) pages of each block table. Returns the window's flat pool rows
+        [S, P * page_size] (padding pages masked out), masked [S, 1, P * page_size] (token t of
+        the window is past the sequence) and unread [S, P * page_size] (the same, per sequence)."""
         device = self.block_tables.device
         host_lens = [self.context_lens_list[n] + 1 for n in seqs]
         tables = self.block_tables[torch.tensor(seqs, device=device)]
         lens = torch.tensor(host_lens, device=device)
         n_pages = -(-max(host_lens) // page_size)
-        pages = tables[:, :n_pages].clamp(min=0)
+        pages = tables[:, :n_pages]
         unread = constants.arange(n_pages * page_size, device)[None, :] >= lens[:, None]
-        return pages, unread[:, None, :], unread
+        return _page_rows(pages, page_size), unread[:, None, :], unread
 
     def query_window(self, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a batch with `uniform_width` W: pages and causal masks of every sequence's W new
         tokens, once per step (every attention layer of the step reads them). Covers the first
         ceil((longest context + W) / page_size) pages of each block table, or every column for a
-        CUDA-graph batch (whose shapes must not depend on the lengths). Returns pages [N, P]
-        (padding pages clamped to 0: masked out), masked [N, W, P * page_size] (new token i of
+        CUDA-graph batch (whose shapes must not depend on the lengths). Returns the window's
+        flat pool rows [N, P * page_size] (page_rows; padding pages masked out), masked
+        [N, W, P * page_size] (new token i of
         sequence n, at position context + i, may not attend to token t: t > context + i) and
         unread [N, P * page_size] (no new token of sequence n attends to t; its last one sees the
         most: t > context + W - 1)."""
@@ -325,12 +335,17 @@ class ForwardBatch:
             n_pages = self.block_tables.shape[1]
         else:
             n_pages = -(-(max(self.context_lens_list) + w) // page_size)
-        pages = self.block_tables[:, :n_pages].clamp(min=0)
+        rows = self.page_rows(page_size)[:, :n_pages * page_size]
         last = self.context_lens[:, None] + constants.arange(w, device)  # [N, W] each query's position
         t = constants.arange(n_pages * page_size, device)
         masked = t[None, None, :] > last[:, :, None]
-        return pages, masked, masked[:, -1]
+        return rows, masked, masked[:, -1]
 
     def has_context(self) -> torch.Tensor:
         """[N] bool: sequence n resumes from cached state (context_lens[n] > 0)."""
         return self.context_lens > 0
+
+
+def _page_rows(tables: torch.Tensor, page_size: int) -> torch.Tensor:
+    """tables [N, P] page ids -> [N, P * page_size] flat pool rows page * page_size + offset."""
+    return (tables[:, :, None] * page_size + constants.arange(page_size, tables.device)).flatten(1)

@@ -202,13 +202,13 @@ class GatedAttention(nn.Module):
                                                 causal=ctx == 0)[0]
         return self.o_proj(out * torch.sigmoid(gate))
 
-    def _windowed(self, q: torch.Tensor, cache: KVLayerCache, pages: torch.Tensor, masked: torch.Tensor,
+    def _windowed(self, q: torch.Tensor, cache: KVLayerCache, rows: torch.Tensor, masked: torch.Tensor,
                   unread: torch.Tensor) -> torch.Tensor:
         """W query tokens of each of S sequences over their page windows, batched.
-        q: [S, W, H, D]; pages: [S, P]; masked: [S, W, P * page_size] which window tokens each
-        query may not attend to; unread: [S, P * page_size] those no query attends to
+        q: [S, W, H, D]; rows: [S, L] the windows' flat pool rows; masked: [S, W, L] which
+        window tokens each query may not attend to; unread: [S, L] those no query attends to
         (ForwardBatch.query_window / decode_window) -> [S, W, H * D]."""
-        ks, vs = (t[pages].flatten(1, 2) for t in (cache.k, cache.v))  # [S, L, Hkv, D]
+        ks, vs = (t.view(-1, *t.shape[2:])[rows] for t in (cache.k, cache.v))  # [S, L, Hkv, D]
         qg = q.unflatten(2, (self.num_kv_heads, self.groups))  # [S, W, Hkv, G, D]
         work = work_dtype(ks)  # softmax in >= fp32
         scores = torch.einsum("swkgd,sjkd->swkgj", qg, ks).to(work) * self.scaling  # [S, W, Hkv, G, L]

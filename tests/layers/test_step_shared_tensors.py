@@ -63,9 +63,11 @@ def test_query_window_masks(w):
     verify = ({"state_slots": [[0] * w, [1] * w], "num_accepted_tokens": [1, 1]} if w > 1
               else {"state_slots": [0, 1]})
     b = ForwardBatch.build(seq_lens=[w] * 2, context_lens=ctx, block_tables=[[0, 1], [2, -1]], **verify)
-    pages, masked, unread = b.query_window(page)
+    rows, masked, unread = b.query_window(page)
     assert b.query_window(page)[1] is masked  # once per step
-    t = torch.arange(pages.shape[1] * page)
+    t = torch.arange(rows.shape[1])
+    tables = torch.tensor([[0, 1], [2, -1]])[:, :rows.shape[1] // page]
+    assert torch.equal(rows, (tables[:, :, None] * page + torch.arange(page)).flatten(1))  # page -1: the last page
     for n, c in enumerate(ctx):
         for i in range(w):
             assert torch.equal(masked[n, i], t > c + i)
