@@ -13,7 +13,7 @@ graph goes on, with no host sync in between:
 
     verify forward            -> logits [bs, W, V], hidden [bs, W, hidden]   (W = 1 + k)
     a = argmax(logits)        -> [bs, W]
-    n = cumprod(d_i == a_{i-1}, i <= num drafts).sum()                       -> [bs]
+    n = cumprod(d_i == a_{i-1}).sum()  (missing drafts are -1: never equal)  -> [bs]
     head over all W rows (h_i, a_i) at head rows done .. done + W - 1        -> head states [bs, W, hidden]
     head state at row n       -> d'_1 = argmax(its logits); d'_2 .. d'_k: one-row head steps at
                                  head rows done + n + 1 .., each step's argmax feeding the next
@@ -54,13 +54,14 @@ from hyla.ops.transfer import fill_long
 
 def _pad_row(k: int, width: int) -> list[int]:
     """A padding row of FusedVerify.meta: no context, no drafts, no pages (writes go to scratch)."""
-    return [0, 0] + [0] * k + [-1] * width
+    return [0] + [-1] * k + [-1] * width
 
 
 class FusedVerify:
     """The fused steps' head-side inputs and graphs' extension (see the module docstring).
-    `meta[width] [max_batch, 2 + k + width]` holds per request its head context (the view's
-    done), its number of drafts, the k drafts (0-padded) and the head's block table."""
+    `meta[width] [max_batch, 1 + k + width]` holds per request its head context (the view's
+    done), the k drafts (-1 past its drafts: no argmax equals it, so the acceptance needs no
+    count of them) and the head's block table."""
 
     def __init__(self, steps: HeadStepGraphs, k: int):
         self.steps, self.k = steps, k
@@ -74,11 +75,11 @@ class FusedVerify:
         bs = next(b for b in graphs.buckets if b >= len(done))
         # the catch-up writes head rows done .. done + k, the chain up to done + 2k - 1
         width = width_bucket(max(-(-(c + 2 * k) // self.steps.page_size) for c in done))
-        rows = [[c, len(d)] + list(d) + [0] * (k - len(d)) + _table_row(t, width)
+        rows = [[c] + list(d) + [-1] * (k - len(d)) + _table_row(t, width)
                 for c, d, t in zip(done, drafts, tables)]
         rows += [_pad_row(k, width)] * (bs - len(done))
         if width not in self.meta:
-            self.meta[width] = torch.zeros(graphs.max_batch, 2 + k + width, dtype=torch.long, device=graphs.device)
+            self.meta[width] = torch.zeros(graphs.max_batch, 1 + k + width, dtype=torch.long, device=graphs.device)
         return _Extension(self, bs, width, rows)
 
     def forward(self, bs: int, width: int, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -87,17 +88,16 @@ class FusedVerify:
         drafts d' [k]. Nothing reads the host: capturable."""
         steps, k, W = self.steps, self.k, self.k + 1
         meta = self.meta[width][:bs]
-        ctx, num, drafts, tables = meta[:, 0], meta[:, 1], meta[:, 2:2 + k], meta[:, 2 + k:]
+        ctx, drafts, tables = meta[:, 0], meta[:, 1:1 + k], meta[:, 1 + k:]
         top = logits.argmax(-1)  # [bs, W]
-        real = constants.arange(k, top.device) < num[:, None]
-        n = ((drafts == top[:, :k]) & real).long().cumprod(-1).sum(-1)  # [bs]
+        n = (drafts == top[:, :k]).cumprod(-1).sum(-1)  # [bs] (cumprod of bools: int64)
         y = steps.head.forward_batch(hidden.reshape(bs * W, -1).to(steps.hidden.dtype), top.reshape(-1), steps.model,
                                      steps.rows_batch(ctx, tables, W), steps.kv).view(bs, W, -1)
         y = y[constants.arange(bs, y.device), n]  # the head state at each request's newest kept row
         first = steps.model.greedy_tokens(y)
         # the head's context after the step: rows done .. done + n are committed
         nxt = [first, *steps.chain_steps(y, first, ctx + n + 1, tables, k - 1)]
-        return torch.cat([top, n[:, None], torch.stack(nxt, 1)], 1)
+        return torch.cat([top, n[:, None], *(d[:, None] for d in nxt)], 1)
 
 
 class _Extension:
