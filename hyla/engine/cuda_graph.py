@@ -39,6 +39,7 @@ import logging
 import torch
 
 from hyla.contract import ForwardBatch
+from hyla.ops import constants
 from hyla.ops.transfer import fill_long
 
 log = logging.getLogger("hyla.engine")
@@ -101,7 +102,6 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.page_size = cache.page_size
         self.has_attention = bool(cache.attention_layers)
-        self.cu = torch.arange(max_batch + 1, device=self.device)
         self.meta: dict[int, torch.Tensor] = {}  # width -> [max_batch, 3 + width]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
@@ -156,7 +156,7 @@ class DecodeGraphs:
         # A fresh ForwardBatch each call: what it memoises (slot mapping) must be computed inside
         # the capture, never carried over from the warm-up.
         batch = ForwardBatch(
-            cu_seqlens=self.cu[:bs + 1], context_lens=meta[:bs, 1], positions=meta[:bs, 1],
+            cu_seqlens=constants.arange(bs + 1, self.device), context_lens=meta[:bs, 1], positions=meta[:bs, 1],
             block_tables=meta[:bs, 3:], state_slots=meta[:bs, 2], seq_lens=[1] * bs,
             context_lens_list=[1] * bs, cuda_graph=True)
         hidden = self.model.forward_batch(meta[:bs, 0], batch, self.cache)

@@ -305,7 +305,7 @@ class HeadStepGraphs:
         block tables [bs, width]. A fresh one per step: what it memoises (slot mapping) must be
         computed inside a capture."""
         bs = ctx.shape[0]
-        return ForwardBatch(cu_seqlens=self.graphs.cu[:bs + 1], context_lens=ctx, positions=ctx, block_tables=tables,
+        return ForwardBatch(cu_seqlens=constants.arange(bs + 1, ctx.device), context_lens=ctx, positions=ctx, block_tables=tables,
                             state_slots=constants.full((bs,), 0, ctx.device), seq_lens=[1] * bs,
                             context_lens_list=[1] * bs, cuda_graph=True)
 

@@ -5,22 +5,16 @@ Upper bounds a few ops above today's counts, so that a change adding kernels to 
 MTP path is noticed; and no per-step arange / zeros / bitwise_not / any inside the graphs (the
 constants and per-step tables are built once)."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from hyla import SamplingParams
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def counter():
-    spec = importlib.util.spec_from_file_location("count_step_ops", ROOT / "scripts" / "count_step_ops.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("count_step_ops")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """The bundled default model (hyla/assets/default_model) and the script that trains it."""
 
 import bisect
-import importlib.util
 import json
 import keyword
 import math
@@ -15,8 +14,8 @@ import torch.nn.functional as F
 
 from hyla.models import default_model_path, load_model, load_tokenizer
 from hyla.models.config import DENSE, FULL, LINEAR
+from tests.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 PYTHON_SOURCE = 'import os\n\n\ndef read(path, mode="r"):\n    """Read a file."""\n    with open(path) as f:\n'
 
 
@@ -99,10 +98,7 @@ def test_greedy_generation_is_python(path):
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("train_default_model", ROOT / "scripts" / "train_default_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_default_model")
 
 
 def test_training_script_smoke(tmp_path):

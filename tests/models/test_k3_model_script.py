@@ -8,11 +8,9 @@ Tolerances: the training forward (a loop over experts) and hyla's inference path
 grouped GEMMs, the chunked KDA of the loader's model) compute the same fp32 function in other
 summation orders: 1e-5 relative on the logits; the recorded loss is rounded to 4 decimals."""
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,17 +20,13 @@ from safetensors.torch import load_file
 from hyla import LLM, SamplingParams
 from hyla.layers.latent_moe import LatentMoE
 from hyla.models import load_model
+from tests.scripts import load_script
 
 torch.set_num_threads(1)  # CI's few cores are shared: threads only contend
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("train_k3_model", ROOT / "scripts" / "train_k3_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_k3_model")
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,7 @@
 head, in the official layout (transformers computes hyla's logits from it), that hyla serves with
 MTP speculation token for token as plain greedy."""
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,16 +10,11 @@ import torch
 from hyla import LLM, SamplingParams
 from hyla.models import load_model
 from hyla.models.qwen3_5_mtp import load_mtp_head
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.scripts import load_script
 
 
 def _script():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("train_mtp_model", ROOT / "scripts" / "train_mtp_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_mtp_model")
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,11 @@
 
 Two launches (three for a per-channel gate: chunk_gram_kernel's fast pass, then its pass over
 the steep chunks the first flagged). chunk_gram_kernel, one program per (chunk, value head),
-reads q, k, the gate and beta of its 64 tokens, applies the fused pieces (gate activation, beta sigmoid, q/k L2 norm) and
-writes aqk, L^-1 and three row factors. chunk_factors_kernel, one small program per (channel or
-value slice, chunk, value head), turns them into the rest. (One kernel doing both held both
-[64, 64] Gram accumulators, L^-1 and a slice's operands at once: 255 registers, two 4-warp
-programs per SM; split, the slice programs run at 112-161 registers, several per SM.) Together
+reads q, k, the gate and beta of its 64 tokens, applies the fused pieces (gate activation,
+beta sigmoid, q/k L2 norm) and writes aqk, L^-1 and three row factors. chunk_factors_kernel,
+one small program per (channel or value slice, chunk, value head), turns them into the rest.
+(One kernel doing both held both [64, 64] Gram accumulators, L^-1 and a slice's operands at
+once: 255 registers, two 4-warp programs per SM; split, the slice programs run at 112-161 registers, several per SM.) Together
 they write what the sequential pass (chunk_scan.py) needs, so that pass is four matmuls per chunk:
 
     w   = L^-1 Diag(b) (K * e^G)            [64, K]   u   = L^-1 Diag(b) V       [64, V]
@@ -183,27 +183,22 @@ def _prefix_suffix(tot):
 
 
 @triton.jit
-def _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE: tl.constexpr, PREC: tl.constexpr):
-    """Add one channel slice's decayed Gram products to a_qk, a_kk [64, 64] (lower triangle valid).
-    b_g: the slice's log-decays, [64, BKS] or [64]."""
-    gg, gc = _chunk_cumsum(b_g, GATE)  # [64, GK], [GK]
-    if tl.min(gc, axis=0) >= -MAX_SPAN:
-        # fast: one midpoint for the chunk
-        m = 0.5 * gc[None, :]
-        ck = b_k * tl.exp(m - gg)
-        rf = tl.exp(gg - m)
-        a_qk = tl.dot(b_q * rf, tl.trans(ck), a_qk, input_precision=PREC)
-        a_kk = tl.dot(b_k * rf, tl.trans(ck), a_kk, input_precision=PREC)
+def _gram_slice(a_qk, a_kk, b_q, b_k, b_g, PREC: tl.constexpr):
+    """Add one channel slice's decayed Gram products to a_qk, a_kk [64, 64] (lower triangle valid),
+    the path chosen for the slice. b_g: its log-decays [64, BKS] (a per-channel gate)."""
+    if tl.min(tl.sum(b_g, axis=0), axis=0) >= -MAX_SPAN:
+        a_qk, a_kk, _ = _gram_fast(a_qk, a_kk, b_q, b_k, b_g, PREC)
     else:
-        gl, tot = _decays(b_g, GATE)
+        gl, tot = _decays(b_g, 2)
         a_qk, a_kk = _gram_steep(a_qk, a_kk, b_q, b_k, gl, tot, PREC)
     return a_qk, a_kk
 
 
 @triton.jit
 def _gram_fast(a_qk, a_kk, b_q, b_k, b_g, PREC: tl.constexpr):
-    """_gram_slice's fast path alone, for a per-channel gate -> (a_qk, a_kk, whether the slice may
-    take it: every channel's chunk total >= -MAX_SPAN; if not, what it added is garbage)."""
+    """The fast path of a per-channel gate's slice: one midpoint for the chunk, the whole block one
+    matmul -> (a_qk, a_kk, whether the slice may take it: every channel's chunk total >= -MAX_SPAN;
+    if not, what it added is garbage)."""
     gg, gc = _chunk_cumsum(b_g, 2)
     m = 0.5 * gc[None, :]
     ck = b_k * tl.exp(m - gg)
@@ -457,7 +452,7 @@ def chunk_gram_kernel(
                 a_qk, a_kk, ok = _gram_fast(a_qk, a_kk, b_q, b_k, b_g, PREC)
                 fast = fast & ok
             else:
-                a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, b_g, GATE, PREC)
+                a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, b_g, PREC)
         if PASS == 1:
             flag = tl.where(fast, 0, 1)
             tl.store(steep + head, flag)
