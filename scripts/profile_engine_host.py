@@ -1,0 +1,87 @@
+"""Where an engine step's host time goes, plain decoding vs MTP speculation, without added syncs.
+
+    python scripts/profile_engine_host.py --model qwen3.5-mtp --k 2 3 --tokens 128 [--cprofile 30]
+
+For each configuration: decode one free-text prompt once (graph capture), then again with only
+perf_counter around engine.step (each step ends at its own readback, so no sync is added): the
+prefill step, the mean later step, tokens/s with and without the prefill. With --cprofile N, a
+third decode under cProfile prints the N functions with the most own time (host hot spots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+from hyla import LLM, SamplingParams
+from hyla.bench.spec import FREE
+from hyla.models.default import resolve_model
+
+
+def _timed_decode(llm: LLM, prompt: str, params: SamplingParams) -> dict:
+    engine = llm.engine
+    inner, times = engine.step, []
+
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        out = inner(*a, **kw)
+        times.append(time.perf_counter() - t)
+        return out
+
+    engine.step = timed
+    start = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)
+    total = time.perf_counter() - start
+    del engine.step
+    n = len(out[0].outputs[0].token_ids)
+    later = times[1:]
+    return {"tokens": n, "steps": len(times), "total_ms": 1e3 * total, "first_ms": 1e3 * times[0],
+            "step_ms": 1e3 * sum(later) / max(1, len(later)), "outside_ms": 1e3 * (total - sum(times)),
+            "tok_s": n / total, "decode_tok_s": (n - 1) / max(1e-9, sum(later))}
+
+
+def _hot_spots(llm: LLM, prompt: str, params: SamplingParams, top: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate([prompt], params, use_tqdm=False)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3.5-mtp")
+    p.add_argument("--k", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--cprofile", type=int, default=0, help="print the N functions with most own time")
+    args = p.parse_args(argv)
+    model = resolve_model(args.model)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    opts = dict(device=args.device, enable_prefix_caching=False, memory_budget=1 << 30)
+    configs = [("plain", None)] + [(f"mtp k={k}", {"method": "mtp", "num_speculative_tokens": k,
+                                                   "rollback": "slots"}) for k in args.k]
+    rows = []
+    for label, spec in configs:
+        llm = LLM(model, speculative_config=spec, **opts)
+        for prompt in FREE:
+            llm.generate([prompt], params, use_tqdm=False)  # warm-up: every graph bucket
+        stats = [_timed_decode(llm, prompt, params) for prompt in FREE]
+        rows.append((label, {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}))
+        if args.cprofile:
+            print(f"## {label}\n" + _hot_spots(llm, FREE[0], params, args.cprofile))
+        del llm
+    print(f"{'config':<9} {'steps':>6} {'prefill ms':>11} {'step ms':>8} {'outside ms':>11} "
+          f"{'tok/s':>8} {'decode tok/s':>13}")
+    for label, r in rows:
+        print(f"{label:<9} {r['steps']:>6.1f} {r['first_ms']:>11.3f} {r['step_ms']:>8.3f} {r['outside_ms']:>11.3f} "
+              f"{r['tok_s']:>8.1f} {r['decode_tok_s']:>13.1f}")
+
+
+if __name__ == "__main__":
+    main()
