@@ -43,14 +43,35 @@ def _timed_decode(llm: LLM, prompt: str, params: SamplingParams) -> dict:
             "tok_s": n / total, "decode_tok_s": (n - 1) / max(1e-9, sum(later))}
 
 
-def _hot_spots(llm: LLM, prompt: str, params: SamplingParams, top: int) -> str:
+def _hot_spots(llm: LLM, prompt: str, params: SamplingParams, top: int, key: str = "tottime") -> str:
     prof = cProfile.Profile()
     prof.enable()
     llm.generate([prompt], params, use_tqdm=False)
     prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
     return buf.getvalue()
+
+
+def _replay_ms(llm: LLM, reps: int = 200) -> dict[str, float]:
+    """Mean GPU time (ms) of one replay of each batch-1 graph the engine captured (decode,
+    verify), replayed back to back: what a step costs when the host never waits on it. The
+    states they write are garbage afterwards: the engine is discarded after this."""
+    import torch
+
+    graphs = llm.engine.runner.graphs
+    found = {f"decode {key}": g for key, (g, _) in graphs.graphs.items() if key[0] == 1 and g is not None}
+    found.update({f"verify {key}": v[0] for key, v in graphs.verify_graphs.items() if key[0] == 1 and v[0] is not None})
+    out = {}
+    for name, graph in found.items():
+        graph.replay()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+        out[name] = 1e3 * (time.perf_counter() - t) / reps
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--device", default="cuda")
     p.add_argument("--cprofile", type=int, default=0, help="print the N functions with most own time")
+    p.add_argument("--replay", action="store_true", help="time the batch-1 graphs replayed back to back")
+    p.add_argument("--prefill", type=int, default=0,
+                   help="print the N functions with most cumulative time of a prefill (max_tokens=1)")
     args = p.parse_args(argv)
     model = resolve_model(args.model)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
@@ -75,6 +99,12 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((label, {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}))
         if args.cprofile:
             print(f"## {label}\n" + _hot_spots(llm, FREE[0], params, args.cprofile))
+        if args.replay:
+            for name, ms in _replay_ms(llm).items():
+                print(f"## {label}: graph {name}: {ms:.3f} ms per replay")
+        if args.prefill:
+            one = SamplingParams(temperature=0.0, max_tokens=1)
+            print(f"## {label}: prefill\n" + _hot_spots(llm, FREE[0], one, args.prefill, "cumulative"))
         del llm
     print(f"{'config':<9} {'steps':>6} {'prefill ms':>11} {'step ms':>8} {'outside ms':>11} "
           f"{'tok/s':>8} {'decode tok/s':>13}")
