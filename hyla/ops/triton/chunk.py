@@ -1,6 +1,7 @@
 """Chunkwise prefill on the GPU (Triton, forward only): same contract as hyla.ops.chunk.
 
-Three launches per call (four for a per-channel gate, five with a separate gate activation, see
+Three launches per call without a gate; with one, the chunk-local kernels run in two passes each
+(a fast pass, then the chunks it flagged as steep), plus a separate gate activation for KDA (see
 precompute_gate):
   1. chunk_intra.chunk_gram_kernel, grid (chunks, HV) (for a per-channel gate: a fast pass, then
      a second over the chunks it flagged as steep), then chunk_intra.chunk_factors_kernel,
@@ -225,7 +226,8 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         row_factors = torch.empty(NCH, HV, 3, CHUNK, device=dev, dtype=torch.float32)
         common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec)
         # a per-channel gate: the fast pass, then the steep chunks it flagged (chunk_gram_kernel)
-        steep = torch.empty(NCH, HV, device=dev, dtype=torch.int32) if gate == "kda" else chunk_off
+        # with a gate, the factor kernel's fast pass skips the flagged chunks' channel slices
+        steep = torch.empty(NCH, HV, device=dev, dtype=torch.int32) if gate is not None else chunk_off
         for gram_pass in ((1, 2) if gate == "kda" else (0,)):
             chunk_gram_kernel[(NCH, HV)](
                 qc, kc, gc, bc,
@@ -236,14 +238,17 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
                 PASS=gram_pass, num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
             )
         bks, bvs = min(BK, factor_slice), min(BVF, factor_slice)
-        chunk_factors_kernel[(BK // bks + BVF // bvs, NCH, HV)](
-            qc, kc, vc, gc,
-            a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off, lb,
-            cu, chunk_seq, chunk_pos, li_low, row_factors,
-            w, u, qg, kg, gam, ck_ptr, ck_pos, kr, dr,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=bks, BVS=bvs, HAS_CKPT=has_ck,
-            num_warps=factor_warps, maxnreg=factor_maxnreg, **common,
-        )
+        # pass 1: all u slices and the unflagged chunks' channel slices; pass 2: the flagged ones
+        for factor_pass, slices in (((1, BK // bks + BVF // bvs), (2, BK // bks)) if gate is not None
+                                    else ((0, BK // bks + BVF // bvs),)):
+            chunk_factors_kernel[(slices, NCH, HV)](
+                qc, kc, vc, gc,
+                a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off, lb,
+                cu, chunk_seq, chunk_pos, li_low, row_factors, steep,
+                w, u, qg, kg, gam, ck_ptr, ck_pos, kr, dr,
+                H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=bks, BVS=bvs, HAS_CKPT=has_ck,
+                PASS=factor_pass, num_warps=factor_warps, maxnreg=factor_maxnreg, **common,
+            )
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
     final = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None

@@ -1,7 +1,8 @@
 """Chunk prefill, pass 1 of 2: everything that depends on one 64-token chunk only (Triton).
 
-Two launches (three for a per-channel gate: chunk_gram_kernel's fast pass, then its pass over
-the steep chunks the first flagged). chunk_gram_kernel, one program per (chunk, value head),
+Two launches without a gate, four with one: each kernel's fast pass, then a pass over the steep
+chunks the Gram kernel flagged (a channel, or a head's scalar gate, decaying past e^-MAX_SPAN
+within the chunk). chunk_gram_kernel, one program per (chunk, value head),
 reads q, k, the gate and beta of its 64 tokens, applies the fused pieces (gate activation,
 beta sigmoid, q/k L2 norm) and writes aqk, L^-1 and three row factors. chunk_factors_kernel,
 one small program per (channel or value slice, chunk, value head), turns them into the rest.
@@ -330,11 +331,15 @@ def _store_rows(ptr, x, STRIDE: tl.constexpr):
 
 
 @triton.jit
-def _boundary_decays(b_g, GATE: tl.constexpr):
+def _boundary_decays(b_g, GATE: tl.constexpr, FAST: tl.constexpr):
     """e^G (chunk start -> token i), e^(G_C - G) (token j -> chunk end), both [64, GK], and
-    e^(G_C) [GK], for one channel slice of log-decays b_g."""
+    e^(G_C) [GK], for one channel slice of log-decays b_g. FAST: the chunk is known not to be
+    steep (the Gram kernel did not flag it), so only the plain cumsum form is compiled."""
     gg, gc = _chunk_cumsum(b_g, GATE)
-    if tl.min(gc, axis=0) >= -MAX_SPAN:
+    if FAST:
+        eg = tl.exp(gg)
+        e_end = tl.exp(gc[None, :] - gg)
+    elif tl.min(gc, axis=0) >= -MAX_SPAN:
         eg = tl.exp(gg)
         e_end = tl.exp(gc[None, :] - gg)
     else:
@@ -377,7 +382,8 @@ def _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
     over all channels on the operands as loaded (bf16 products are exact in the fp32
     accumulator), then the [64, 64] decay. Its exponent is assembled from same-sign sub-block
     pieces (as _gram_steep does per channel), so no chunk is too steep for it.
-    -> (a_qk, a_kk [64, 64] fp32, lower triangles valid; row sums of squares of q and k [64])."""
+    -> (a_qk, a_kk [64, 64] fp32, lower triangles valid; row sums of squares of q and k [64];
+    the chunk's total log-decay)."""
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     b_q, b_k = _load_qk(q, k, t0, eos, i_h, o_k, H, K)
@@ -401,9 +407,11 @@ def _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
         e = tl.where(blk[:, None] == blk[None, :], gl[:, None] - gl[None, :],
                      gl[:, None] + between + (tot_j - gl)[None, :])
         dec = tl.where(lower, tl.exp(tl.minimum(e, EXP_CAP)), 0.0)
+        total = tl.sum(tot, axis=0)
     else:
         dec = tl.where(lower, 1.0, 0.0)
-    return a_qk * dec, a_kk * dec, sq, sk
+        total = 0.0
+    return a_qk * dec, a_kk * dec, sq, sk, total
 
 
 @triton.jit(do_not_specialize=["lower_bound", "scale"])
@@ -459,8 +467,10 @@ def chunk_gram_kernel(
             if flag != 0:
                 return
     else:
-        a_qk, a_kk, sq, sk = _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
-                                          H, HV, K, BK, GATE, GATE_FN, HAS_BIAS, PREC)
+        a_qk, a_kk, sq, sk, total = _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
+                                                 H, HV, K, BK, GATE, GATE_FN, HAS_BIAS, PREC)
+        if GATE == 1:  # for chunk_factors_kernel's split: the chunk's decay passes e^-MAX_SPAN
+            tl.store(steep + head, tl.where(total >= -MAX_SPAN, 0, 1))
     if USE_L2NORM:
         nq = 1.0 / tl.sqrt(sq + 1e-6)
         nk = 1.0 / tl.sqrt(sk + 1e-6)
@@ -499,27 +509,39 @@ def _li_dot(li, x, PREC: tl.constexpr):
 @triton.jit(do_not_specialize=["lower_bound"])
 def chunk_factors_kernel(
     q, k, v, g, A_log, dt_bias, lower_bound,
-    cu_seqlens, chunk_seq, chunk_pos, li_in, rows_in,
+    cu_seqlens, chunk_seq, chunk_pos, li_in, rows_in, steep,
     w, u, qg, kg, gam,
     ck_ptr, ck_pos, kr, dr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CKPT: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, PASS: tl.constexpr,
 ):
     """Per (channel slice, chunk, value head), from chunk_gram_kernel's L^-1 and row factors:
     slices s < BK / BKS write qg, kg, w, gam (and checkpoint factors) for channels s * BKS ...;
-    the others write u for value columns (s - BK / BKS) * BVS ... ."""
+    the others write u for value columns (s - BK / BKS) * BVS ... .
+
+    With a gate, two launches, as the Gram kernel (steep[chunk, head]: its flags): PASS 1 does
+    every u slice and the channel slices of unflagged chunks, compiled with the fast boundary
+    decays only; PASS 2 (a grid of channel slices only) the flagged chunks' channel slices.
+    PASS 0: one launch, the choice per slice (no gate)."""
     i_s = tl.program_id(0)
     i_c = tl.program_id(1)
     i_hv = tl.program_id(2)
     i_h = i_hv // (HV // H)
+    head = i_c.to(tl.int64) * HV + i_hv
+    NKS: tl.constexpr = BK // BKS
+    if PASS == 1:
+        if i_s < NKS:
+            if tl.load(steep + head) != 0:
+                return
+    if PASS == 2:
+        if tl.load(steep + head) == 0:
+            return
     t0, eos = _chunk_start(chunk_seq, chunk_pos, cu_seqlens, i_c)
     rows = tl.arange(0, BT)
-    head = i_c.to(tl.int64) * HV + i_hv
     li = tl.load(li_in + head * BT * BT + rows[:, None] * BT + rows[None, :])  # [64, 64] fp32 or bf16 / fp16
     b_b = tl.load(rows_in + head * 3 * BT + 2 * BT + rows)  # [64] beta (0 on padding rows)
-    NKS: tl.constexpr = BK // BKS
     if i_s < NKS:
         ks = i_s * BKS
         o_k = ks + tl.arange(0, BKS)
@@ -527,7 +549,7 @@ def chunk_factors_kernel(
                                     H, HV, K, GATE, GATE_FN, HAS_BIAS)
         nk = tl.load(rows_in + head * 3 * BT + BT + rows)
         b_k = b_k * nk[:, None]
-        eg, e_end, gam_s = _boundary_decays(b_g, GATE)
+        eg, e_end, gam_s = _boundary_decays(b_g, GATE, PASS == 1)
         sq = tl.load(rows_in + head * 3 * BT + rows)  # scale / |q_i|
         _store_rows(qg + head * BT * BK + ks, b_q * sq[:, None] * eg, BK)
         _store_rows(kg + head * BT * BK + ks, b_k * e_end, BK)
