@@ -1,6 +1,6 @@
 """Chunk prefill, pass 1 of 2: everything that depends on one 64-token chunk only (Triton).
 
-Two launches without a gate, four with one: each kernel's fast pass, then a pass over the steep
+Two launches without a gate, three with a scalar one (GDN), four with a per-channel one (KDA): each kernel's fast pass, then a pass over the steep
 chunks the Gram kernel flagged (a channel, or a head's scalar gate, decaying past e^-MAX_SPAN
 within the chunk). chunk_gram_kernel, one program per (chunk, value head),
 reads q, k, the gate and beta of its 64 tokens, applies the fused pieces (gate activation,
