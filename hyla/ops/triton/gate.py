@@ -7,7 +7,7 @@ Same contracts as hyla.ops.gate.kda_gate_beta / gdn_gate_beta:
     GDN:  g = -exp(A_log) * softplus(a + dt_bias)  per value head;  beta = sigmoid(b)
 
 g is fp32, beta is rounded to b's dtype (as torch.sigmoid(b)). One program handles one token
-row of a decode step, eight of a prefill (also the separate gate activation of chunk prefill). The per-head inputs (b, GDN's a) may be strided views [rows, H, r] -- e.g. cut out of
+row. The per-head inputs (b, GDN's a) may be strided views [rows, H, r] -- e.g. cut out of
 in_proj_ba's head-interleaved output -- and are read in place.
 """
 
@@ -20,37 +20,30 @@ import triton.language as tl
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import apply_gate, sigmoid
 from hyla.ops.triton.norm import to_dtype
-from hyla.ops.triton.params import num_sms
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
 
 @triton.jit
-def gate_beta_kernel(f, b, A_log, dt_bias, g, beta, lower_bound, R,
+def gate_beta_kernel(f, b, A_log, dt_bias, g, beta, lower_bound,
                      f_s0, f_s1, f_s2, F_R, b_s0, b_s1, b_s2, B_R,
                      HV: tl.constexpr, KD: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
-                     GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr):
-    """ROWS consecutive token rows per program (of R): the per-channel parameters are gathered
-    once per program, not once per row."""
+                     GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)  # channel of g: head c // KD, channel c % KD
     m = c < HV * KD
     j = c // KD
-    f_off = (j // F_R) * f_s1 + (j % F_R) * f_s2 + c % KD
+    x = tl.load(f + n * f_s0 + (j // F_R) * f_s1 + (j % F_R) * f_s2 + c % KD, mask=m, other=0.0).to(tl.float32)
     a_log = tl.load(A_log + j, mask=m, other=0.0).to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(dt_bias + c, mask=m, other=0.0).to(tl.float32)
     else:
         bias = tl.zeros([BC], tl.float32)
+    tl.store(g + n * HV * KD + c, apply_gate(x, a_log, bias, lower_bound, GATE_FN), mask=m)
     h = tl.arange(0, BH)
     mh = h < HV
-    b_off = (h // B_R) * b_s1 + (h % B_R) * b_s2
-    for r in tl.static_range(ROWS):
-        n = tl.program_id(0).to(tl.int64) * ROWS + r
-        ok = n < R
-        x = tl.load(f + n * f_s0 + f_off, mask=m & ok, other=0.0).to(tl.float32)
-        tl.store(g + n * HV * KD + c, apply_gate(x, a_log, bias, lower_bound, GATE_FN), mask=m & ok)
-        bv = tl.load(b + n * b_s0 + b_off, mask=mh & ok, other=0.0).to(tl.float32)
-        tl.store(beta + n * HV + h, to_dtype(sigmoid(bv), beta.dtype.element_ty), mask=mh & ok)
+    bv = tl.load(b + n * b_s0 + (h // B_R) * b_s1 + (h % B_R) * b_s2, mask=mh, other=0.0).to(tl.float32)
+    tl.store(beta + n * HV + h, to_dtype(sigmoid(bv), beta.dtype.element_ty), mask=mh)
 
 
 def _head_levels(t: torch.Tensor, lead: int):
@@ -76,13 +69,11 @@ def _launch(x, b, A_log, dt_bias, lower_bound, *, kd: int, hv: int, x_levels, ga
     a_log = A_log.reshape(-1)
     dtb = dt_bias.reshape(-1) if dt_bias is not None else None
     if R and hv:
-        # a prefill: several rows per program (the parameters gathered once); a decode step: one
-        rows = 8 if R >= 8 * 4 * num_sms(dev) else 1
-        gate_beta_kernel[(triton.cdiv(R, rows),)](
-            x, b, a_log, dtb if dtb is not None else a_log, g, beta, float(lower_bound or 0.0), R,
+        gate_beta_kernel[(R,)](
+            x, b, a_log, dtb if dtb is not None else a_log, g, beta, float(lower_bound or 0.0),
             f_s0, f_s1, f_s2, f_r, b_s0, b_s1, b_s2, b_r,
             HV=hv, KD=kd, BC=triton.next_power_of_2(hv * kd), BH=max(2, triton.next_power_of_2(hv)),
-            GATE_FN=gate_fn, HAS_BIAS=dtb is not None, ROWS=rows, num_warps=4)
+            GATE_FN=gate_fn, HAS_BIAS=dtb is not None, num_warps=4)
     return g, beta
 
 
