@@ -98,6 +98,14 @@ class LLMEngine:
                         "prompt_tokens": 0, "generation_tokens": 0, "spec_num_draft_tokens": 0,
                         "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0, "num_steps": 0}
         self.spec = SpecDecoder(spec_cfg, drafter, self.runner) if drafter is not None else None
+        # MTP's fused greedy steps in CUDA graphs: the next one launched before this one is read
+        self.chain = None
+        if (self.spec is not None and getattr(self.spec.drafter, "fused", None) is not None
+                and self.workers is None and spec_cfg.rollback == "slots" and self.runner.graphs is not None):
+            from hyla.engine.mtp_overlap import OverlapChain
+
+            self.chain = self.spec.drafter.chain = OverlapChain(self, self.spec.drafter)
+        self._drained: list[RequestOutput] = []  # outputs of a step collected outside `step` (drain)
 
     def _eos_token_id(self):
         eos = getattr(self.model.config, "eos_token_id", None)
@@ -160,8 +168,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its slots and pages; returns False if it is unknown."""
+        if request_id not in self.requests:
+            return False
+        self.drain()  # a step in flight still writes its requests' pages and slots
         seq = self.requests.pop(request_id, None)
-        if seq is None:
+        if seq is None:  # it finished in the step just collected
             return False
         self.scheduler.finish(seq)
         if self.spec is not None:
@@ -175,14 +186,38 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        outputs, self._drained = self._drained, []
+        if self.chain is not None and self.chain.flight is not None:
+            # a step launched during the previous one (hyla.engine.mtp_overlap): no scheduling
+            self.metrics["num_steps"] += 1
+            return outputs + self._collect_flight(launch=True)
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            return outputs
         self.metrics["num_steps"] += 1
         self.runner.apply_copies(batch.slot_copies, batch.page_copies)
         plain, spec = batch.split()
-        outputs = self._plain_step(plain) if plain.seqs else []
+        outputs += self._plain_step(plain) if plain.seqs else []
         return outputs + (self._spec_step(spec) if spec.seqs else [])
+
+    def _collect_flight(self, launch: bool) -> list[RequestOutput]:
+        """Read the MTP step in flight and emit its tokens, after launching the step behind it
+        when that applies (launch)."""
+        seqs = self.chain.flight.seqs
+        try:
+            results = self.chain.advance(launch)
+        except TensorParallelError:
+            raise
+        except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
+            return self.recover([s for s in seqs if s.status is Status.RUNNING], err)
+        live = [i for i, r in enumerate(results) if r is not None]  # the rest finished the step before
+        return self._emit_verified([seqs[i] for i in live], [results[i] for i in live])
+
+    def drain(self) -> None:
+        """Collect a step in flight now (its outputs come with the next `step`): before anything
+        changes its requests from outside the step loop."""
+        if self.chain is not None and self.chain.flight is not None:
+            self._drained += self._collect_flight(launch=False)
 
     def _plain_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Prefill chunks and (non-speculative) decodes: one forward, one sample per finished prompt."""
@@ -234,6 +269,12 @@ class LLMEngine:
             raise
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
             return self.recover(seqs, err)
+        return self._emit_verified(seqs, results)
+
+    def _emit_verified(self, seqs: list[Sequence], results) -> list[RequestOutput]:
+        """Emit a verify step's tokens, commit the states to the kept ones, trim the rejected
+        positions' pages (not while a later step is in flight: its block tables are fixed)."""
+        trim = self.chain is None or self.chain.flight is None
         kept = []
         for seq, r in zip(seqs, results):
             seq.suspect = False
@@ -245,7 +286,8 @@ class LLMEngine:
         outputs = []
         for seq, n in zip(seqs, kept):
             seq.num_computed_tokens += n
-            self.scheduler.trim(seq)
+            if trim:
+                self.scheduler.trim(seq)
             if seq.is_finished:
                 self.on_finish(seq)
             outputs.append(seq.to_output())

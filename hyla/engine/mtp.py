@@ -117,6 +117,7 @@ class MTPDrafter(Drafter):
         self._seen: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (first row's position, rows)
         self._fused: dict[str, FusedResult] = {}  # request -> its fused verify step, until commit
         self.fused: FusedVerify | None = None
+        self.chain = None  # hyla.engine.mtp_overlap.OverlapChain, bound by the engine when it applies
         self.leader, self.group = True, None  # tensor parallel: whether this is rank 0; the model group
 
     @staticmethod

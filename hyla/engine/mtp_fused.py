@@ -46,10 +46,11 @@ from __future__ import annotations
 import torch
 
 from hyla.engine.cuda_graph import width_bucket
-from hyla.engine.cuda_graph_verify import HeadStepGraphs, _table_row
+from hyla.engine.cuda_graph_verify import HeadStepGraphs, _table_row, _verify_pad_row
+from hyla.engine.sequence import Status
 from hyla.engine.spec_decode import Verified, argmax_accepts
 from hyla.ops import constants
-from hyla.ops.transfer import fill_long
+from hyla.ops.transfer import fill_long, to_device_long
 
 
 def _pad_row(k: int, width: int) -> list[int]:
@@ -132,10 +133,29 @@ class FusedResult:
         self.position, self.generation = position, generation
 
 
-def fused_verify(drafter, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int
-                 ) -> list[Verified] | None:
-    """The fused step for seqs (drafter: the MTPDrafter) -> their Verified results, the next
-    drafts kept in drafter._fused until commit; None (nothing ran) when it does not apply."""
+class Flight:
+    """One launched fused step whose readback the host has not read yet: seqs in row order,
+    the graph's outputs (logits [bs, W, V], hidden [bs, W, hidden], packed [bs, W + 1 + k]:
+    views of its buffers, overwritten by the next replay of the same graph) and the packed rows
+    of seqs on their way to the host (one asynchronous copy, enqueued right after the replay,
+    so that a later step's replay cannot overwrite them first)."""
+
+    def __init__(self, seqs, drafts: list[list[int]] | None, out: tuple, W: int):
+        self.seqs, self.drafts, self.W = list(seqs), drafts, W
+        self.logits, self.hidden, self.packed = out
+        n = len(self.seqs)
+        if self.packed.device.type == "cuda":
+            self.host = torch.empty(self.packed[:n].shape, dtype=torch.long, pin_memory=True)
+            self.host.copy_(self.packed[:n], non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:  # eager on the CPU: computed already
+            self.host, self.ready = self.packed[:n].clone(), None
+
+
+def launch_fused(drafter, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int) -> Flight | None:
+    """Launch the fused step for seqs (drafter: the MTPDrafter); None (nothing ran) when it does
+    not apply. collect_fused reads its results."""
     fused = drafter.fused
     if (fused is None or drafter.group is not None or pad_to != 1 + fused.k
             or not all(argmax_accepts(s) and s.params.logprobs is None for s in seqs)):
@@ -151,17 +171,91 @@ def fused_verify(drafter, seqs, drafts: list[list[int]], runner, rollback: str, 
     out = runner.verify_extended(seqs, drafts, rollback, pad_to, ext)
     if out is None:
         return None
-    logits, hidden, packed = out
-    W, n = pad_to, len(seqs)
-    host = packed[:n].tolist()  # the step's one readback
-    fused.runs += 1
+    return Flight(seqs, drafts, out, pad_to)
+
+
+def collect_fused(drafter, flight: Flight) -> list[Verified]:
+    """Wait for a launched fused step's readback -> its Verified results (the host state of its
+    requests must be where the step started: nothing of it committed yet), None for a request
+    that finished before it (its row was padding); the next drafts are kept in drafter._fused
+    until commit."""
+    if flight.ready is not None:
+        flight.ready.synchronize()
+    host = flight.host.tolist()  # the step's one readback
+    W, k = flight.W, flight.W - 1
+    drafter.fused.runs += 1
     results = []
-    for i, (seq, d, row) in enumerate(zip(seqs, drafts, host)):
+    for i, (seq, row) in enumerate(zip(flight.seqs, host)):
+        if seq.status is not Status.RUNNING:  # it finished in the step before: a padding row here
+            results.append(None)
+            continue
         acc = row[W]
-        drafter._fused[seq.request_id] = FusedResult(acc, row[W + 1:], hidden[i], seq.num_computed_tokens,
+        drafter._fused[seq.request_id] = FusedResult(acc, row[W + 1:], flight.hidden[i], seq.num_computed_tokens,
                                                      seq.num_preemptions)
-        results.append(Verified(row[:acc + 1], logits[i, :1 + len(d)], len(d)))
+        drafted = k if flight.drafts is None else len(flight.drafts[i])
+        results.append(Verified(row[:acc + 1], flight.logits[i, :1 + drafted], drafted))
     return results
+
+
+def fused_verify(drafter, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int
+                 ) -> list[Verified] | None:
+    """The fused step for seqs (drafter: the MTPDrafter) -> their Verified results, the next
+    drafts kept in drafter._fused until commit; None (nothing ran) when it does not apply.
+    With an overlap chain (hyla.engine.mtp_overlap) bound, the step after it may be launched
+    before this one's readback is read (it then stays in flight when this returns)."""
+    flight = launch_fused(drafter, seqs, drafts, runner, rollback, pad_to)
+    if flight is None:
+        return None
+    chain = drafter.chain
+    if chain is not None:
+        chain.launch_after(flight)
+    try:
+        return collect_fused(drafter, flight)
+    except BaseException:
+        if chain is not None:
+            chain.abandon()
+        raise
+
+
+class DerivedExtension(_Extension):
+    """The extension of a fused step launched before the previous fused step's readback
+    (`derive`): its inputs come from that step's outputs on the device. The host fills what it
+    knows (slots, block tables, the base context and head rows: the requests' state before the
+    previous step) and `fill` then writes, per request, the context and head rows advanced by
+    the previous step's kept tokens, the accepted count (its slot), the tokens [bonus, d'] and
+    the drafts d'; a request whose kept tokens hold one of its stop tokens becomes a padding row
+    (it finished there: nothing of it may be written)."""
+
+    def __init__(self, fused: FusedVerify, bs: int, width: int, rows: list[list[int]], vmeta: torch.Tensor,
+                 prev: torch.Tensor, base: list[list[int]]):
+        super().__init__(fused, bs, width, rows)
+        self.vmeta, self.prev, self.base = vmeta, prev, base
+
+    def fill(self) -> None:
+        super().fill()
+        k, n = self.fused.k, len(self.base)
+        W = k + 1
+        dev = self.vmeta.device
+        base = to_device_long(self.base, dev).view(n, -1)  # [n, 2 + S]: context, head rows, stop ids
+        prev = self.prev[:n]
+        accepted = prev[:, W:W + 1]  # [n, 1]
+        kept = accepted + 1
+        top, nxt = prev[:, :W], prev[:, W + 1:]
+        valid = constants.arange(W, dev)[None, :] < kept
+        stops = base[:, 2:]
+        live = ~((top[:, :, None] == stops[:, None, :]).any(-1) & valid).any(-1, keepdim=True)  # [n, 1]
+        vm = self.vmeta[:n]
+        row = torch.cat([base[:, :1] + kept, kept, top.gather(1, accepted), nxt, vm[:, 2 + W:]], 1)
+        vm.copy_(torch.where(live, row, _device_row(_verify_pad_row(W, vm.shape[1] - 2 - 2 * W), dev)))
+        em = self.fused.meta[self.width][:n]
+        row = torch.cat([base[:, 1:2] + kept, nxt, em[:, 1 + k:]], 1)
+        em.copy_(torch.where(live, row, _device_row(_pad_row(k, self.width), dev)))
+
+
+def _device_row(values: list[int], device) -> torch.Tensor:
+    """A padding row [1, len(values)] int64 on device, built once."""
+    return constants.constant(("pad row", tuple(values)), device,
+                              lambda d: torch.tensor([values], dtype=torch.long, device=d))
 
 
 def commit_fused(drafter, seq, kept: int, result: FusedResult) -> bool:

@@ -31,7 +31,8 @@ def plain(ckpt):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
-def _engine(ckpt, k: int, rollback: str, monkeypatch, fused: bool = True, graphs: bool = True, **kw) -> LLM:
+def _engine(ckpt, k: int, rollback: str, monkeypatch, fused: bool = True, graphs: bool = True, chain: bool = True,
+            **kw) -> LLM:
     with monkeypatch.context() as m:
         if graphs:  # a CUDAGraphRunner with capture off: the verify (and fused) graphs run eagerly
             m.setattr(model_runner, "use_cuda_graphs", lambda model, eager: True)
@@ -39,6 +40,9 @@ def _engine(ckpt, k: int, rollback: str, monkeypatch, fused: bool = True, graphs
                   speculative_config={"method": "mtp", "num_speculative_tokens": k, "rollback": rollback}, **kw)
     drafter = llm.engine.spec.drafter
     assert (drafter.fused is not None) == graphs
+    assert (llm.engine.chain is not None) == (graphs and rollback == "slots")
+    if not fused or not chain:  # no overlapped steps (hyla.engine.mtp_overlap): one readback per step
+        llm.engine.chain = drafter.chain = None
     if not fused:
         drafter.fused = None
     return llm
@@ -138,7 +142,7 @@ def test_fused_drafts_equal_unfused_drafts_alone(ckpt, plain, rollback, monkeypa
     """A request alone (no padding request writes the head's scratch page): every proposal of the
     fused engine equals the unfused engine's, step for step."""
     def proposals(fused: bool) -> list:
-        llm = _engine(ckpt, 3, rollback, monkeypatch, fused=fused)
+        llm = _engine(ckpt, 3, rollback, monkeypatch, fused=fused, chain=False)  # every step proposes
         drafter, seen = llm.engine.spec.drafter, []
         propose = drafter.propose
 
