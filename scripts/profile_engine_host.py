@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
             llm.generate([prompt], params, use_tqdm=False)  # warm-up: every graph bucket
         stats = [_timed_decode(llm, prompt, params) for prompt in FREE]
         rows.append((label, {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}))
+        chain = getattr(llm.engine, "chain", None)
+        if chain is not None:
+            print(f"## {label}: {chain.launched} steps launched in flight (hyla.engine.mtp_overlap)")
         if args.cprofile:
             print(f"## {label}\n" + _hot_spots(llm, FREE[0], params, args.cprofile))
         if args.replay:
