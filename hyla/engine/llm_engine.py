@@ -182,7 +182,8 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still to run, or outputs of a step collected outside `step` still to hand out."""
+        return self.scheduler.has_unfinished() or bool(self._drained)
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -109,6 +109,35 @@ def test_abort_and_admission_while_a_step_is_in_flight(bundled, monkeypatch):
     assert engine.get_metrics()["num_requests_aborted"] == 1 and not engine.spec.drafter.views
 
 
+def test_a_request_finishing_in_a_drained_step_is_still_handed_out(bundled, monkeypatch):
+    """An abort drains the step in flight; a request that finishes in that step has its final
+    output handed out by the next `step` even when nothing else is left to run."""
+    path, prompts, params, want = bundled
+    stop = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop_token_ids=[want[0][20]])
+
+    def run(abort_at: int | None) -> tuple[int | None, dict]:
+        engine = _engine(path, 2, "slots", monkeypatch).engine
+        engine.add_request("a", prompts[0], stop)
+        engine.add_request("b", prompts[1], params)
+        finished, steps, done_at = {}, 0, None
+        while engine.has_unfinished_requests():
+            if steps == abort_at:
+                assert engine.chain.flight is not None and engine.abort_request("b")
+                assert engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0].token_ids
+                    done_at = steps if out.request_id == "a" else done_at
+            steps += 1
+        return done_at, finished
+
+    done_at, finished = run(None)
+    a = want[0][:want[0].index(want[0][20]) + 1]
+    assert finished["a"] == a
+    _, again = run(done_at)  # abort b just before the step that finishes a is collected
+    assert again == {"a": a}
+
+
 def test_requests_the_device_check_cannot_take_never_chain(bundled, monkeypatch):
     """A stop string needs the decoded text: no step is launched in flight for its batch."""
     path, prompts, params, want = bundled
