@@ -356,3 +356,27 @@ def test_graph_mtp_fused_equals_plain_greedy_cuda(tmp_path, k, rollback):
     assert m["spec_num_accepted_tokens"] > 0 and m["prefix_cache_hit_tokens"] > 0
     del llm
     torch.cuda.empty_cache()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("k", [2, 3])
+def test_overlapped_mtp_steps_equal_plain_greedy_cuda(k):
+    """The bundled qwen3.5-mtp on the GPU (bf16, captured graphs): MTP with steps launched in
+    flight (hyla.engine.mtp_overlap) gives plain greedy token for token, alone and as a batch,
+    with requests stopping on a token mid-chain; steps were launched in flight."""
+    from hyla.bench.spec import FREE, REPETITIVE
+    from hyla.models.default import resolve_model
+
+    path, prompts = resolve_model("qwen3.5-mtp"), REPETITIVE + FREE
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    plain_llm = LLM(path, device="cuda", memory_budget=256 << 20)
+    plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
+    del plain_llm
+    spec = {"method": "mtp", "num_speculative_tokens": k, "rollback": "slots"}
+    llm = LLM(path, device="cuda", memory_budget=256 << 20, speculative_config=spec, enable_prefix_caching=True)
+    assert [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts] == plain
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+    stops = [SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True, stop_token_ids=[t[40]]) for t in plain]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, stops, use_tqdm=False)]
+    assert got == [t[:t.index(t[40]) + 1] for t in plain]
+    assert llm.engine.chain.launched > 0 and not llm.engine.spec.drafter.views
