@@ -33,6 +33,11 @@ as the view's `prefetched` drafts, which the next propose returns without runnin
 the drafts are dropped and the kept rows become pending pairs, as after an unfused verify: the
 next propose, if any, runs the normal path.
 
+Launch and readback are separate (`launch_fused` -> a Flight, `collect_fused`): the packed rows
+travel to pinned host memory in one asynchronous copy enqueued right behind the replay, so a
+further step may be launched before they are read (hyla.engine.mtp_overlap; its inputs derived
+on the device from this step's outputs by DerivedExtension).
+
 When it runs (`fused_verify`, else None and SpecDecoder runs the unfused step): CUDA graphs on,
 no tensor parallelism, every request argmax-accepting (greedy, no grammar, no penalties or logit
 bias) and asking no logprobs, every request's view having consumed everything before its last
