@@ -216,6 +216,8 @@ def test_fused_under_eviction_and_preemption(k, rollback, tmp_path, monkeypatch)
     m = llm.get_metrics()
     assert m["num_preemptions"] > 0 and m["prefix_cache_hit_tokens"] > 0, m
     assert llm.engine.spec.drafter.fused.runs > 0
+    if rollback == "slots":  # steps launched in flight (hyla.engine.mtp_overlap) under that pressure too
+        assert llm.engine.chain.launched > 0
     assert not llm.engine.spec.drafter.views
 
 
