@@ -6,8 +6,9 @@ Two prompt sets: repetitive code completion (prompt lookup finds long matches) a
 For each: greedy decode without speculation, then with n-gram speculation at each k and both
 rollback modes, each prompt alone in turn (batch 1: per-request decode speed, how speculative
 speed-ups are usually quoted) and the set at once (a batch keeps stepping until its slowest
-request is done); prints tokens/s, the speed-up over no speculation, the mean accepted length and
-the state memory one request needs (slots: 1 + k full states; replay: one state + the per-token
+request is done); prints tokens/s (prefill included) and its speed-up over no speculation, decode
+tokens/s (after every request of a group has its first token: the prefill excluded) and its
+speed-up, the mean accepted length and the state memory one request needs (slots: 1 + k full states; replay: one state + the per-token
 inputs of the verify window).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import time
 
 import torch
@@ -142,20 +144,45 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _measure(llm, prompts, params, together: bool) -> tuple[float, float]:
+_REQUEST_IDS = itertools.count()
+
+
+def _decode_group(engine, group, params) -> tuple[int, float, float]:
+    """Decode one group of prompts at once on the engine -> (tokens emitted, seconds from adding
+    the requests to the last output, seconds after every request had its first token: the
+    decode phase, prefill excluded)."""
+    ids = [f"bench-spec-{next(_REQUEST_IDS)}" for _ in group]
+    start = time.perf_counter()
+    for rid, prompt in zip(ids, group):
+        engine.add_request(rid, prompt, params)
+    counts: dict[str, int] = {}
+    decoding_from = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            counts[out.request_id] = len(out.outputs[0].token_ids)
+        if decoding_from is None and len([r for r in ids if counts.get(r)]) == len(ids):
+            decoding_from = time.perf_counter()
+    end = time.perf_counter()
+    return sum(counts.get(r, 0) for r in ids), end - start, end - (decoding_from or end)
+
+
+def _measure(llm, prompts, params, together: bool) -> tuple[float, float, float]:
     """Decode the prompt set (all at once, or each prompt alone in turn) -> (tokens/s, mean
-    accepted length over the verify steps of this run; 1.0 without speculation)."""
+    accepted length over the verify steps of this run, 1.0 without speculation; decode tokens/s:
+    the tokens after each request's first over the time after every request of its group had
+    one, i.e. without the prefill, which speculation does not change)."""
     before = dict(llm.get_metrics())
-    elapsed, tokens = 0.0, 0
+    elapsed = decode_time = 0.0
+    tokens = decode_tokens = 0
     for group in ([prompts] if together else [[p] for p in prompts]):
-        start = time.perf_counter()
-        outs = llm.generate(group, params, use_tqdm=False)
-        elapsed += time.perf_counter() - start
-        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        n, total, decoding = _decode_group(llm.engine, group, params)
+        tokens, elapsed = tokens + n, elapsed + total
+        decode_tokens, decode_time = decode_tokens + n - len(group), decode_time + decoding
     after = llm.get_metrics()
     steps = after.get("spec_num_verify_steps", 0) - before.get("spec_num_verify_steps", 0)
     accepted = after.get("spec_num_accepted_tokens", 0) - before.get("spec_num_accepted_tokens", 0)
-    return tokens / elapsed, (1.0 + accepted / steps) if steps else 1.0
+    return (tokens / elapsed, (1.0 + accepted / steps) if steps else 1.0,
+            decode_tokens / decode_time if decode_time > 0 else 0.0)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -185,8 +212,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     modes = (("alone", False), ("together", True))
     print(f"# {model}, device {base.engine.model.device}, greedy, {args.max_tokens} new tokens per request; "
           f"'alone': each prompt decoded by itself in turn (batch 1), 'together': the set at once")
-    print(f"{'prompts':<11} {'requests':<9} {'spec':<20} {'tok/s':>8} {'speed-up':>9} {'mean acc':>9} "
-          f"{'state KiB/req':>14}")
+    print(f"{'prompts':<11} {'requests':<9} {'spec':<20} {'tok/s':>8} {'speed-up':>9} {'decode tok/s':>13} "
+          f"{'decode x':>9} {'mean acc':>9} {'state KiB/req':>14}")
     configs = [None] + [{"method": method, "num_speculative_tokens": k, "rollback": rb}
                         for method in args.method for k in args.k for rb in args.rollback]
     for name, prompts in (("repetitive", REPETITIVE), ("free text", FREE)):
@@ -199,13 +226,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for mode, together in modes:
                 _measure(llm, prompts, params, together)  # warm-up: captures every CUDA graph bucket it needs
                 prof = StepProfile(llm) if args.profile else None
-                tok_s, mean_acc = _measure(llm, prompts, params, together)
+                tok_s, mean_acc, decode = _measure(llm, prompts, params, together)
                 if prof:
                     print(f"  {name}, {mode}, {label}:\n{prof.report()}")
                     prof.unwrap()
-                baseline.setdefault(mode, tok_s)
+                base_tok, base_decode = baseline.setdefault(mode, (tok_s, decode))
                 rows.append({"prompts": name, "requests": mode, "spec": label, "tok_s": tok_s,
-                             "speedup": tok_s / baseline[mode], "mean_acc": mean_acc, "state_bytes": mem})
+                             "speedup": tok_s / base_tok, "decode_tok_s": decode,
+                             "decode_speedup": decode / base_decode if base_decode else 0.0,
+                             "mean_acc": mean_acc, "state_bytes": mem})
             if cfg is not None:
                 del llm
                 _release_device_memory()
@@ -213,7 +242,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for r in rows:
                 if r["prompts"] == name and r["requests"] == mode:
                     print(f"{r['prompts']:<11} {r['requests']:<9} {r['spec']:<20} {r['tok_s']:>8.1f} "
-                          f"{r['speedup']:>8.2f}x {r['mean_acc']:>9.2f} {r['state_bytes'] / 1024:>14.1f}")
+                          f"{r['speedup']:>8.2f}x {r['decode_tok_s']:>13.1f} {r['decode_speedup']:>8.2f}x "
+                          f"{r['mean_acc']:>9.2f} {r['state_bytes'] / 1024:>14.1f}")
     return rows
 
 

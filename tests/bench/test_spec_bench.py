@@ -1,0 +1,16 @@
+"""hyla bench spec on the CPU with the bundled model: every configuration's row, tokens/s with and
+without the prefill, speed-ups against the configuration without speculation."""
+
+from hyla.bench import spec
+
+
+def test_spec_bench_rows_report_decode_speed(capsys):
+    rows = spec.main(["--k", "2", "--max-tokens", "8", "--method", "ngram", "--rollback", "slots",
+                      "--device", "cpu"])
+    assert len(rows) == 2 * 2 * 2  # prompt sets x (off, ngram k=2) x (alone, together)
+    for r in rows:
+        assert r["tok_s"] > 0 and r["decode_tok_s"] > r["tok_s"]  # the decode phase excludes the prefill
+        if r["spec"] == "off":
+            assert r["speedup"] == r["decode_speedup"] == 1.0 and r["mean_acc"] == 1.0
+    assert any(r["mean_acc"] > 1.0 for r in rows if r["spec"] != "off")  # repetitive prompts: drafts accepted
+    assert "decode tok/s" in capsys.readouterr().out
