@@ -151,8 +151,14 @@ class CUDAGraphRunner(DecodeGraphs):
         """After a "replay" `run_verify`: advance every row's state by its accepted tokens
         (model.commit_replay), replaying the commit graph captured with the verify graph."""
         padded = self.pad_accepted(accepted)
-        bs = len(padded)
-        fill_long(self.accepted[:bs], padded)
+        fill_long(self.accepted[:len(padded)], padded)
+        self.replay_commit()
+
+    @torch.inference_mode()
+    def replay_commit(self) -> None:
+        """The commit of the last `run_verify` / `replay_verify` with the accepted counts already
+        in `accepted` (from the host, or written on the device: hyla.engine.mtp_overlap)."""
+        bs = self.verify_key[0]
         graph = self.commit_graphs.get(self.verify_key)
         if graph is None:
             self.model.commit_replay(self.cache, self.accepted[:bs])

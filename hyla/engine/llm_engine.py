@@ -101,10 +101,10 @@ class LLMEngine:
         # MTP's fused greedy steps in CUDA graphs: the next one launched before this one is read
         self.chain = None
         if (self.spec is not None and getattr(self.spec.drafter, "fused", None) is not None
-                and self.workers is None and spec_cfg.rollback == "slots" and self.runner.graphs is not None):
+                and self.workers is None and self.runner.graphs is not None):
             from hyla.engine.mtp_overlap import OverlapChain
 
-            self.chain = self.spec.drafter.chain = OverlapChain(self, self.spec.drafter)
+            self.chain = self.spec.drafter.chain = OverlapChain(self, self.spec.drafter, spec_cfg.rollback)
         self._drained: list[RequestOutput] = []  # outputs of a step collected outside `step` (drain)
 
     def _eos_token_id(self):
@@ -283,7 +283,7 @@ class LLMEngine:
             self.metrics["spec_num_draft_tokens"] += r.num_drafted
             self.metrics["spec_num_accepted_tokens"] += r.num_accepted
             self.metrics["spec_num_verify_steps"] += 1
-        self.spec.commit(seqs, kept)
+        self.spec.commit(seqs, kept, state_committed=self.chain is not None and self.chain.take_state_committed())
         outputs = []
         for seq, n in zip(seqs, kept):
             seq.num_computed_tokens += n

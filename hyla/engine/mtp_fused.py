@@ -232,11 +232,13 @@ class DerivedExtension(_Extension):
     (it finished there: nothing of it may be written)."""
 
     def __init__(self, fused: FusedVerify, bs: int, width: int, rows: list[list[int]], vmeta: torch.Tensor,
-                 prev: torch.Tensor, base: list[list[int]]):
+                 prev: torch.Tensor, base: list[list[int]], commit=None):
         super().__init__(fused, bs, width, rows)
-        self.vmeta, self.prev, self.base = vmeta, prev, base
+        self.vmeta, self.prev, self.base, self.commit = vmeta, prev, base, commit
 
     def fill(self) -> None:
+        """(commit: rollback "replay"; the previous step's commit, given its kept counts [bs] on
+        the device, run before this step's verify rows are written.)"""
         super().fill()
         k, n = self.fused.k, len(self.base)
         W = k + 1
@@ -244,13 +246,16 @@ class DerivedExtension(_Extension):
         base = to_device_long(self.base, dev).view(n, -1)  # [n, 2 + S]: context, head rows, stop ids
         prev = self.prev[:n]
         accepted = prev[:, W:W + 1]  # [n, 1]
-        kept = accepted + 1
         top, nxt = prev[:, :W], prev[:, W + 1:]
-        valid = constants.arange(W, dev)[None, :] < kept
-        stops = base[:, 2:]
-        live = ~((top[:, :, None] == stops[:, None, :]).any(-1) & valid).any(-1, keepdim=True)  # [n, 1]
+        hit = (top[:, :, None] == base[:, None, 2:]).any(-1) & (constants.arange(W, dev)[None, :] <= accepted)
+        live = ~hit.any(-1, keepdim=True)  # [n, 1]: no stop token among the kept ones
+        kept = accepted + 1
+        if self.commit is not None:  # the host keeps tokens up to the first stop token
+            stopped = torch.where(live, kept, hit.int().argmax(-1, keepdim=True) + 1)
+            self.commit(torch.cat([stopped[:, 0], constants.full((self.bs - n,), 1, dev)]))
         vm = self.vmeta[:n]
-        row = torch.cat([base[:, :1] + kept, kept, top.gather(1, accepted), nxt, vm[:, 2 + W:]], 1)
+        acc = kept if self.commit is None else torch.ones_like(kept)  # "replay": the state is in its one slot
+        row = torch.cat([base[:, :1] + kept, acc, top.gather(1, accepted), nxt, vm[:, 2 + W:]], 1)
         vm.copy_(torch.where(live, row, _device_row(_verify_pad_row(W, vm.shape[1] - 2 - 2 * W), dev)))
         em = self.fused.meta[self.width][:n]
         row = torch.cat([base[:, 1:2] + kept, nxt, em[:, 1 + k:]], 1)

@@ -21,7 +21,10 @@ step's worst case (its verify rows may start up to W positions later); the graph
 step's bucket already captured. A request that emits a stop token in the current step is a
 padding row of the next (its state, KV and head rows untouched), decided on the device by the
 same rule as Sequence.check_stop; the engine then finishes it as usual and the chain ends (the
-running set changed). Pages are not trimmed while a step is in flight (its block tables were
+running set changed). With rollback "replay" the current step's commit (advancing each state by
+its kept tokens: up to the first stop token, as the host keeps them) is replayed on the device
+before the next step's verify, from the same device-side counts, and the host does not commit
+that step again (`take_state_committed`). Pages are not trimmed while a step is in flight (its block tables were
 fixed at launch); the chain's last step trims as usual. Anything that changes the batch from
 outside (an abort) collects the step in flight first (`LLMEngine.drain`).
 
@@ -43,9 +46,10 @@ MAX_STOPS = 4  # stop ids per request the device check takes (EOS + stop_token_i
 class OverlapChain:
     """The engine's one step in flight (`flight`) and the rule for launching the next."""
 
-    def __init__(self, engine, drafter):
-        self.engine, self.drafter = engine, drafter
+    def __init__(self, engine, drafter, rollback: str):
+        self.engine, self.drafter, self.rollback = engine, drafter, rollback
         self.flight: Flight | None = None
+        self.state_committed = False  # see take_state_committed
         self.launched = 0  # steps launched in flight (the tests assert the path was taken)
 
     def stops(self, seq) -> list[int] | None:
@@ -85,21 +89,34 @@ class OverlapChain:
             if not sched.make_room(seq, 2 * W):
                 return
             eng.pools.allocate(seq, 2 * W)
-        graphs = eng.runner.graphs
+        graphs, rollback = eng.runner.graphs, self.rollback
         # widths for the worst case: the next step's rows start up to W later than these
+        slots = [s.spec_slots for s in seqs] if rollback == "slots" else [[s.slot] for s in seqs]
         key, rows = graphs.verify_rows([[0] * W for _ in seqs], [s.num_computed_tokens + W for s in seqs],
-                                       [s.spec_slots for s in seqs], [1] * len(seqs),
-                                       [s.block_table for s in seqs], "slots")
+                                       slots, [1] * len(seqs), [s.block_table for s in seqs], rollback)
         ext = drafter.fused.extension([v.done + W for v in views], [[] for _ in seqs],
                                       [drafter._pages(s, v) for s, v in zip(seqs, views)])
         if key + (ext.tag,) not in graphs.verify_graphs:
             return  # not captured yet: the next step goes the normal way (and captures it)
         base = [[s.num_computed_tokens, v.done] + st for s, v, st in zip(seqs, views, stops)]
+        commit = None
+        if rollback == "replay":  # the current step's commit first, with the kept counts the device knows
+
+            def commit(kept: torch.Tensor) -> None:
+                graphs.accepted[:kept.shape[0]].copy_(kept)
+                graphs.replay_commit()
         derived = DerivedExtension(drafter.fused, ext.bs, ext.width, ext.rows, graphs.vmeta[key[1:3]],
-                                   flight.packed, base)
+                                   flight.packed, base, commit)
         out = graphs.replay_verify(key, rows, derived)
         self.flight = Flight(seqs, None, out, W)
+        self.state_committed = rollback == "replay"
         self.launched += 1
+
+    def take_state_committed(self) -> bool:
+        """Whether the step being handed out had its replay commit run on the device already
+        (launch_after did it before the next step's verify): the host must not commit it again."""
+        done, self.state_committed = self.state_committed, False
+        return done
 
     def advance(self, launch: bool = True) -> list:
         """Take the step in flight: launch the one after it when that applies (launch), then wait

@@ -280,12 +280,15 @@ class SpecDecoder:
         self.drafter.commit(seqs, list(num_new_tokens))
         self.drafter.catch_up(seqs)
 
-    def commit(self, seqs, kept: list[int]) -> None:
+    def commit(self, seqs, kept: list[int], state_committed: bool = False) -> None:
         """The engine kept kept[i] tokens of seqs[i]'s verify step (fewer than accepted when the
-        request finished early): make the state after exactly those tokens the current one."""
+        request finished early): make the state after exactly those tokens the current one.
+        state_committed: "replay" rollback whose commit already ran on the device with these
+        counts (hyla.engine.mtp_overlap, before the step launched behind this one)."""
         self.drafter.commit(seqs, kept)
         if self.cfg.rollback == "replay":
-            self.runner.commit_replay(kept)
+            if not state_committed:
+                self.runner.commit_replay(kept)
         else:
             for seq, n in zip(seqs, kept):
                 seq.slot = seq.spec_slots[n - 1]

@@ -2,7 +2,7 @@
 before the current one's readback is read, its inputs derived from the current step's outputs
 (DerivedExtension). A CUDAGraphRunner with capture off runs the same functions eagerly on the
 same buffers. Output equals plain greedy token for token with steps launched in flight
-(counted), k = 1..3, prefix cache on (second passes hit states filed while a step was in
+(counted), k = 1..3, both rollbacks, prefix cache on (second passes hit states filed while a step was in
 flight); requests that stop on a token mid-chain (a padding row of the step in flight: their
 filed state stays exact); aborts and new requests while a step is in flight; requests the
 device stop check cannot take (stop strings) never chain; the derivation reads nothing on the
@@ -44,10 +44,12 @@ def _finishes_in_flight(llm, monkeypatch) -> list[bool]:
     return seen
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_overlapped_steps_equal_plain_greedy(bundled, k, monkeypatch):
+@pytest.mark.parametrize("k,rollback", [(1, "slots"), (2, "slots"), (2, "replay"), (3, "slots"), (3, "replay")])
+def test_overlapped_steps_equal_plain_greedy(bundled, k, rollback, monkeypatch):
+    """("replay": the current step's commit runs on the device, from its kept counts, before the
+    next step's verify; the host does not commit it again.)"""
     path, prompts, params, want = bundled
-    llm = _engine(path, k, "slots", monkeypatch, enable_prefix_caching=True)
+    llm = _engine(path, k, rollback, monkeypatch, enable_prefix_caching=True)
     for _ in range(2):  # the second pass hits the prefix cache
         assert _generate(llm, prompts, params) == want
         assert _generate(llm, prompts[:1], params) == want[:1]  # alone: batch 1
@@ -57,17 +59,18 @@ def test_overlapped_steps_equal_plain_greedy(bundled, k, monkeypatch):
     assert not llm.engine.spec.drafter.views and not llm.engine.spec.drafter._fused
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_stop_tokens_while_a_step_is_in_flight(bundled, k, monkeypatch):
+@pytest.mark.parametrize("k,rollback", [(1, "slots"), (3, "slots"), (2, "replay"), (3, "replay")])
+def test_stop_tokens_while_a_step_is_in_flight(bundled, k, rollback, monkeypatch):
     """Each request stops on its j-th plain output token (stop_token_ids; EOS is token 0 and
     ignore_eos is off too) while the next step is in flight: that step holds it as a padding
     row, so the state filed in the prefix cache at its finish is exact: a follow-up request
     whose prompt is prompt + output (a next turn) restores that state and continues exactly as
-    plain greedy does from scratch."""
+    plain greedy does from scratch. ("replay": the device commits a stopped request's tokens up
+    to its stop token, as the host keeps them.)"""
     from hyla import LLM
 
     path, prompts, base, plain = bundled
-    llm = _engine(path, k, "slots", monkeypatch, enable_prefix_caching=True)
+    llm = _engine(path, k, rollback, monkeypatch, enable_prefix_caching=True)
     ref = LLM(str(path), dtype="float64", device="cpu")
     in_flight = _finishes_in_flight(llm, monkeypatch)
     more = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
