@@ -359,8 +359,8 @@ def test_graph_mtp_fused_equals_plain_greedy_cuda(tmp_path, k, rollback):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("k", [2, 3])
-def test_overlapped_mtp_steps_equal_plain_greedy_cuda(k):
+@pytest.mark.parametrize("k,rollback", [(2, "slots"), (3, "slots"), (3, "replay")])
+def test_overlapped_mtp_steps_equal_plain_greedy_cuda(k, rollback):
     """The bundled qwen3.5-mtp on the GPU (bf16, captured graphs): MTP with steps launched in
     flight (hyla.engine.mtp_overlap) gives plain greedy token for token, alone and as a batch,
     with requests stopping on a token mid-chain; steps were launched in flight."""
@@ -372,7 +372,7 @@ def test_overlapped_mtp_steps_equal_plain_greedy_cuda(k):
     plain_llm = LLM(path, device="cuda", memory_budget=256 << 20)
     plain = [o.outputs[0].token_ids for o in plain_llm.generate(prompts, params, use_tqdm=False)]
     del plain_llm
-    spec = {"method": "mtp", "num_speculative_tokens": k, "rollback": "slots"}
+    spec = {"method": "mtp", "num_speculative_tokens": k, "rollback": rollback}
     llm = LLM(path, device="cuda", memory_budget=256 << 20, speculative_config=spec, enable_prefix_caching=True)
     assert [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts] == plain
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
