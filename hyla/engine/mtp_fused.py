@@ -243,23 +243,29 @@ class DerivedExtension(_Extension):
         k, n = self.fused.k, len(self.base)
         W = k + 1
         dev = self.vmeta.device
-        base = to_device_long(self.base, dev).view(n, -1)  # [n, 2 + S]: context, head rows, stop ids
+        # [n, 3 + S]: context + 1, head rows + 1, 1 (so one add gives the three advanced by the
+        # kept count, accepted + 1), the stop ids (-1: none)
+        base = to_device_long(self.base, dev).view(n, -1)
         prev = self.prev[:n]
         accepted = prev[:, W:W + 1]  # [n, 1]
         top, nxt = prev[:, :W], prev[:, W + 1:]
-        hit = (top[:, :, None] == base[:, None, 2:]).any(-1) & (constants.arange(W, dev)[None, :] <= accepted)
-        live = ~hit.any(-1, keepdim=True)  # [n, 1]: no stop token among the kept ones
-        kept = accepted + 1
+        adv = base[:, :3] + accepted  # [n, 3]: next context, next head rows, kept
+        kept_ids = torch.where(constants.arange(W, dev)[None, :] <= accepted, top, -2)  # -2: matches no stop id
+        hit = kept_ids[:, :, None] == base[:, None, 3:]  # [n, W, S]
+        stopped = hit.flatten(1).any(-1, keepdim=True)  # [n, 1]: a stop token among the kept ones
         if self.commit is not None:  # the host keeps tokens up to the first stop token
-            stopped = torch.where(live, kept, hit.int().argmax(-1, keepdim=True) + 1)
-            self.commit(torch.cat([stopped[:, 0], constants.full((self.bs - n,), 1, dev)]))
+            first = hit.any(-1).int().argmax(-1, keepdim=True) + 1
+            kept = torch.where(stopped, first, adv[:, 2:3])
+            self.commit(torch.cat([kept[:, 0], constants.full((self.bs - n,), 1, dev)]))
+            acc = constants.full((n, 1), 1, dev)  # "replay": the state is in the row's one slot
+        else:
+            acc = adv[:, 2:3]  # the slot after the kept tokens
         vm = self.vmeta[:n]
-        acc = kept if self.commit is None else torch.ones_like(kept)  # "replay": the state is in its one slot
-        row = torch.cat([base[:, :1] + kept, acc, top.gather(1, accepted), nxt, vm[:, 2 + W:]], 1)
-        vm.copy_(torch.where(live, row, _device_row(_verify_pad_row(W, vm.shape[1] - 2 - 2 * W), dev)))
+        row = torch.cat([adv[:, :1], acc, top.gather(1, accepted), nxt, vm[:, 2 + W:]], 1)
+        torch.where(stopped, _device_row(_verify_pad_row(W, vm.shape[1] - 2 - 2 * W), dev), row, out=vm)
         em = self.fused.meta[self.width][:n]
-        row = torch.cat([base[:, 1:2] + kept, nxt, em[:, 1 + k:]], 1)
-        em.copy_(torch.where(live, row, _device_row(_pad_row(k, self.width), dev)))
+        row = torch.cat([adv[:, 1:2], nxt, em[:, 1 + k:]], 1)
+        torch.where(stopped, _device_row(_pad_row(k, self.width), dev), row, out=em)
 
 
 def _device_row(values: list[int], device) -> torch.Tensor:

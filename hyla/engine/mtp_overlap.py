@@ -98,7 +98,7 @@ class OverlapChain:
                                       [drafter._pages(s, v) for s, v in zip(seqs, views)])
         if key + (ext.tag,) not in graphs.verify_graphs:
             return  # not captured yet: the next step goes the normal way (and captures it)
-        base = [[s.num_computed_tokens, v.done] + st for s, v, st in zip(seqs, views, stops)]
+        base = [[s.num_computed_tokens + 1, v.done + 1, 1] + st for s, v, st in zip(seqs, views, stops)]
         commit = None
         if rollback == "replay":  # the current step's commit first, with the kept counts the device knows
 
