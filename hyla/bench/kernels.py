@@ -148,8 +148,9 @@ def _tune_prefill(q, k, v, g, beta, gate, kw):
     return out
 
 
-def run_prefill(shapes, variants, copy_bw, mm_rate, vs_fla, tune=False, layouts=()):
-    """Every variant at every shape, then the `layouts` cells ((B, T, H, D, HV), (gate, variant))."""
+def run_prefill(shapes, variants, copy_bw, mm_rate, vs_fla, tune=False, layouts=(), launch=None):
+    """Every variant at every shape, then the `layouts` cells ((B, T, H, D, HV), (gate, variant)).
+    launch: extra launch parameters of hyla's chunk_fwd (an A / B of an option), hyla's side only."""
     from hyla.ops import triton as ht
 
     fla = _fla_fns() if vs_fla else None
@@ -164,8 +165,9 @@ def run_prefill(shapes, variants, copy_bw, mm_rate, vs_fla, tune=False, layouts=
         if tune and (variant == "gate" or (B, T) == tuple(shapes[0][:2])):
             row["configs"] = _tune_prefill(q, k, v, g, beta, gate, kw)
             row["best_config"] = min(row["configs"], key=lambda c: c["ms"])
-        o, _ = ours(q, k, v, g, beta, **kw)
-        row["hyla_ms"] = _bench(lambda: ours(q, k, v, g, beta, **kw))
+        mine = {**kw, **(launch or {})}
+        o, _ = ours(q, k, v, g, beta, **mine)
+        row["hyla_ms"] = _bench(lambda: ours(q, k, v, g, beta, **mine))
         if fla:
             fn = fla[0] if gate == "kda" else fla[1]
             fkw = _fla_prefill_kwargs(gate, kw)
