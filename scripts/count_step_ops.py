@@ -1,6 +1,7 @@
 """How many ops one engine step dispatches, plain decoding vs MTP's fused greedy step, on the CPU.
 
     python scripts/count_step_ops.py [--model qwen3.5-mtp] [--k 3] [--tokens 24] [--by-op [--sites]] [--aten]
+                                     [--strided]
                                      [--host [--profile]]
 
 A proxy for the kernels a CUDA graph of the step replays on the GPU (where a step of a tiny model
@@ -46,6 +47,23 @@ FUSED = ("rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms
          "causal_conv1d_verify", "fused_recurrent_kda", "fused_recurrent_gated_delta_rule")
 
 
+# elementwise ops: on CUDA one TensorIterator kernel, vectorised only over contiguous operands
+# of the output's shape (what --strided looks for: the others run the slower strided kernel)
+ELEMENTWISE = {"add", "sub", "mul", "div", "where", "masked_fill", "sigmoid", "silu", "exp", "neg", "copy_",
+               "_to_copy", "clone", "eq", "ne", "lt", "le", "gt", "ge", "bitwise_and", "bitwise_or", "bitwise_not",
+               "logical_and", "logical_not", "abs", "pow", "rsqrt", "sqrt", "cos", "sin", "add_", "mul_", "fill_"}
+STRIDED_ONLY = False  # set by --strided
+
+
+def _strided(args, out) -> bool:
+    """Whether an elementwise op has an operand that is not a contiguous tensor of the output's shape."""
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    shape = next((o.shape for o in outs if isinstance(o, torch.Tensor)), None)
+    tensors = [a for a in args if isinstance(a, torch.Tensor) and a.numel() > 1] + [
+        o for o in outs if isinstance(o, torch.Tensor)]
+    return any(not t.is_contiguous() or t.shape != shape for t in tensors)
+
+
 def _name(func) -> str:
     return func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
 
@@ -75,6 +93,8 @@ class OpCounter(TorchDispatchMode):
         # an op that returns one of its inputs untouched (`to` / `contiguous` with nothing to do)
         # launches nothing; in-place ops (name_) return their input and do launch
         noop = not name.endswith("_") and any(out is a for a in args if isinstance(a, torch.Tensor))
+        if STRIDED_ONLY and (name not in ELEMENTWISE or not _strided(args, out)):
+            return out
         if name not in _VIEWS and not noop and (self.aten or not self.fused_depth):
             self.counts[self.part][f"{name} @ {_site()}" if self.sites else name] += 1
         return out
@@ -83,7 +103,8 @@ class OpCounter(TorchDispatchMode):
         """fn (a hyla.ops.dispatch op) counted as one op, its inner aten ops not (unless aten)."""
         @functools.wraps(fn)
         def counted(*a, **k):
-            self.counts[self.part][f"hyla.{name}"] += 1
+            if not STRIDED_ONLY:
+                self.counts[self.part][f"hyla.{name}"] += 1
             self.fused_depth += 1
             try:
                 return fn(*a, **k)
@@ -299,11 +320,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16", help="the model dtype (bfloat16: the casts the GPU runs)")
     p.add_argument("--by-op", action="store_true", help="counts by op name in every part")
     p.add_argument("--aten", action="store_true", help="count the aten ops inside fused dispatch ops too")
+    p.add_argument("--strided", action="store_true",
+                   help="count only elementwise ops with a strided or broadcast operand (non-vectorised on CUDA)")
     p.add_argument("--sites", action="store_true", help="with --by-op: by op name and calling line of hyla")
     p.add_argument("--host", action="store_true", help="also the host time per step (what is not the graph)")
     p.add_argument("--profile", action="store_true", help="with --host: cProfile's top functions")
     p.add_argument("--host-tokens", type=int, default=400, help="tokens decoded for --host")
     args = p.parse_args(argv)
+    global STRIDED_ONLY
+    STRIDED_ONLY = args.strided
     torch.manual_seed(0)
     model = str(resolve_model(args.model))
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
