@@ -212,9 +212,9 @@ def fused_verify(drafter, seqs, drafts: list[list[int]], runner, rollback: str, 
     if flight is None:
         return None
     chain = drafter.chain
-    if chain is not None:
-        chain.launch_after(flight)
     try:
+        if chain is not None:
+            chain.launch_after(flight)
         return collect_fused(drafter, flight)
     except BaseException:
         if chain is not None:
