@@ -2,7 +2,7 @@
 as it is timed (the table command prints at the end, so a time limit loses every cell).
 
     python scripts/prefill_cells.py --shapes 1x32768 8x4096 32x1024 --layouts
-    python scripts/prefill_cells.py --variants gdn:gate gdn:fused-v1 --launch row_scales_in_scan=1   # an A / B
+    python scripts/prefill_cells.py --variants gdn:gate gdn:fused-v1 --launch KEY=INT   # an A / B of an option
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--layouts", action="store_true", help="also the released head layouts (RELEASED_LAYOUTS)")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--launch", nargs="*", default=[], metavar="KEY=INT",
-                    help="extra chunk_fwd launch parameters for hyla, e.g. row_scales_in_scan=1")
+                    help="extra chunk_fwd launch parameters for hyla, e.g. scan_warps=8")
     args = ap.parse_args()
     launch = {key: int(value) for key, value in (item.split("=", 1) for item in args.launch)}
     copy_bw, mm_rate = kb._ceilings()

@@ -94,22 +94,6 @@ def test_chunk_low_precision_inverse_full_size(gate):
     check("final state", s, s_ref)
 
 
-def test_chunk_row_scales_in_scan_full_size():
-    """chunk_fwd(row_scales_in_scan=True), GDN with grouped value heads: qg / kg built in the
-    scan, same bound as the default path."""
-    from hyla.ops.triton.chunk import chunk_fwd
-
-    _, ref = FNS["gdn"]
-    q, k, v, g, beta, _ = inputs(1, 32768, 2, 128, gate="gdn", seed=9)
-    v, g, beta = (torch.cat([x, x.flip(1)], 2) for x in (v, g, beta))  # 4 value heads over 2 key heads
-    kw = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o, s = chunk_fwd(q, k, v, g, beta, gate="gdn", row_scales_in_scan=True, **kw)
-    o_ref, s_ref = reference(ref, q, k, v, g, beta, **kw)
-    print("\ngdn row scales in the scan, GVA, T=32768")
-    check("o", o, o_ref)
-    check("final state", s, s_ref)
-
-
 @pytest.mark.parametrize("variant", ["kda_v1", "kda_v2", "gdn"])
 def test_chunk_fused_gate_full_size(variant):
     gate = variant[:3]

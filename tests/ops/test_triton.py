@@ -497,34 +497,3 @@ def test_conv_verify_matches_torch(L, W):
     pad = hyla_triton.causal_conv1d_verify(*_f32(x), pool.clone().to(DEV), *_f32(weight), None, "silu",
                                            read_indices=torch.tensor([-1, 1, 2]).to(DEV))
     assert (pad[0] == 0).all(), "a padding row (read slot -1) outputs zeros"
-
-
-@pytest.mark.parametrize("gate", ["gdn", "none"])
-def test_chunk_row_scales_in_scan(gate):
-    """row_scales_in_scan (scalar or no gate): qg / kg built in the scan from q, k and per-row
-    scales instead of stored by pass 1; grouped value heads, varlen with a tail chunk, an
-    initial state and checkpoints; equal to the reference and to the default path."""
-    fast, ref = _chunk_pair(gate)
-    lens = [70, 1, 129]
-    cu = torch.tensor([0, 70, 71, 200])
-    q, k, v, g, beta, _ = make_inputs(1, sum(lens), 2, 32, 32, gate=gate, hv=4, seed=23)
-    h0 = torch.randn(3, 4, 32, 32, dtype=torch.float64)
-    ckpts = [[5, 64, 70], [1], [65, 128]]
-    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, checkpoint_positions=ckpts,
-              use_qk_l2norm_in_kernel=True)
-    o_ref, s_ref, c_ref = ref(q, k, v, g, beta, **kw)
-    kw.update(initial_state=h0.float().to(DEV), cu_seqlens=cu.to(DEV))
-    o, s, c = fast(*_f32(q, k, v, g, beta), row_scales_in_scan=True, **kw)
-    _check(o, o_ref, "o")
-    _check(s, s_ref, "final state")
-    for n in range(3):
-        _check(c[n], c_ref[n], f"checkpoints of sequence {n}")
-    o2, s2, _ = fast(*_f32(q, k, v, g, beta), **kw)
-    assert rel_err(o.cpu(), o2.cpu()) < 1e-6 and rel_err(s.cpu(), s2.cpu()) < 1e-6
-
-
-def test_chunk_row_scales_in_scan_refuses_channel_gates():
-    fast, _ = _chunk_pair("kda")
-    q, k, v, g, beta, _ = make_inputs(1, 8, 2, 32, 32, seed=3)
-    with pytest.raises(ValueError, match="row_scales_in_scan"):
-        fast(*_f32(q, k, v, g, beta), row_scales_in_scan=True)

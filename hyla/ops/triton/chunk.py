@@ -137,8 +137,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
               factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
-              precompute_gate=None, low_precision_inverse=None, gram_maxnreg=None, factor_maxnreg=None,
-              row_scales_in_scan=False):
+              precompute_gate=None, low_precision_inverse=None, gram_maxnreg=None, factor_maxnreg=None):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
     (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
@@ -152,9 +151,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     for KDA (3% faster, but the safe gate's error rose to 4.9e-3 of the 5e-3 budget);
     gram_maxnreg / factor_maxnreg: a register cap per thread for the two chunk-local kernels
     (more programs per SM, some spills to L1; default for the Gram kernel: 168 for KDA, 128
-    otherwise, the fastest of the H200 sweep in BENCHMARKS.md); row_scales_in_scan (a scalar
-    or no gate): the scan builds qg / kg from q, k and two row-scale vectors per chunk instead of
-    the chunk-local pass writing them (off until timed against the default on a GPU)."""
+    otherwise, the fastest of the H200 sweep in BENCHMARKS.md)."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -190,8 +187,6 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             g, _ = gdn_gate_beta(g, beta, A_log.reshape(-1).float(), dt_bias)
         use_gate_in_kernel = False
     gate_fn, a_log, dtb, lb = gate_params(gate, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, dev)
-    if row_scales_in_scan and gate == "kda":
-        raise ValueError("`row_scales_in_scan` needs a scalar gate or none: KDA's decays are per channel")
 
     cu, lengths, off_list, chunk_off, chunk_seq, chunk_pos = _chunk_tables(cu_seqlens, B, T, dev)
     N = len(lengths)
@@ -209,12 +204,8 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     bc = beta.contiguous()
 
     w = torch.empty(NCH, HV, CHUNK, BK, device=dev, dtype=st)
-    if row_scales_in_scan:  # qg / kg never materialised: two [64] scale rows per chunk and head
-        row_scales = torch.empty(NCH, HV, 2, CHUNK, device=dev, dtype=torch.float32)
-        qg = kg = w  # unused placeholders
-    else:
-        qg, kg = torch.empty_like(w), torch.empty_like(w)
-        row_scales = w  # unused placeholder
+    qg = torch.empty_like(w)
+    kg = torch.empty_like(w)
     u = torch.empty(NCH, HV, CHUNK, BVF, device=dev, dtype=st)
     aqk = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=st)
     gam = torch.empty(NCH, HV, BK, device=dev, dtype=torch.float32)
@@ -254,10 +245,9 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
                 qc, kc, vc, gc,
                 a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off, lb,
                 cu, chunk_seq, chunk_pos, li_low, row_factors, steep,
-                w, u, qg, kg, gam, row_scales, ck_ptr, ck_pos, kr, dr,
+                w, u, qg, kg, gam, ck_ptr, ck_pos, kr, dr,
                 H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=bks, BVS=bvs, HAS_CKPT=has_ck,
-                PASS=factor_pass, ROW_SCALES=bool(row_scales_in_scan), num_warps=factor_warps,
-                maxnreg=factor_maxnreg, **common,
+                PASS=factor_pass, num_warps=factor_warps, maxnreg=factor_maxnreg, **common,
             )
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
@@ -269,10 +259,9 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             w, u, qg, kg, aqk, gam,
             h0 if h0 is not None else gam, final if final is not None else gam, o,
             cu, chunk_off,
-            ck_ptr, kr, dr, ck_out, qc, kc, row_scales,
-            H=H, HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
+            ck_ptr, kr, dr, ck_out,
+            HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
             HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
-            ROW_SCALES=bool(row_scales_in_scan),
             num_warps=scan_warps or (4 if BV <= 32 else 8), num_stages=scan_stages or _scan_stages(st),
         )
     if ckpts is None:

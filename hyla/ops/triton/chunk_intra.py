@@ -510,12 +510,12 @@ def _li_dot(li, x, PREC: tl.constexpr):
 def chunk_factors_kernel(
     q, k, v, g, A_log, dt_bias, lower_bound,
     cu_seqlens, chunk_seq, chunk_pos, li_in, rows_in, steep,
-    w, u, qg, kg, gam, row_scales,
+    w, u, qg, kg, gam,
     ck_ptr, ck_pos, kr, dr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CKPT: tl.constexpr,
-    PREC: tl.constexpr, PASS: tl.constexpr, ROW_SCALES: tl.constexpr,
+    PREC: tl.constexpr, PASS: tl.constexpr,
 ):
     """Per (channel slice, chunk, value head), from chunk_gram_kernel's L^-1 and row factors:
     slices s < BK / BKS write qg, kg, w, gam (and checkpoint factors) for channels s * BKS ...;
@@ -524,11 +524,7 @@ def chunk_factors_kernel(
     With a gate, two launches, as the Gram kernel (steep[chunk, head]: its flags): PASS 1 does
     every u slice and the channel slices of unflagged chunks, compiled with the fast boundary
     decays only; PASS 2 (a grid of channel slices only) the flagged chunks' channel slices.
-    PASS 0: one launch, the choice per slice (no gate).
-
-    ROW_SCALES (a scalar or no gate): qg and kg are per-row multiples of q and k, so instead of
-    writing them the first channel slice writes their row scales row_scales [2, 64] fp32
-    (scale |q_i|^-1 e^(G_i), |k_j|^-1 e^(G_C - G_j)) and the scan applies them to q and k."""
+    PASS 0: one launch, the choice per slice (no gate)."""
     i_s = tl.program_id(0)
     i_c = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -555,13 +551,8 @@ def chunk_factors_kernel(
         b_k = b_k * nk[:, None]
         eg, e_end, gam_s = _boundary_decays(b_g, GATE, PASS == 1)
         sq = tl.load(rows_in + head * 3 * BT + rows)  # scale / |q_i|
-        if ROW_SCALES:
-            if i_s == 0:  # eg, e_end: [64, 1], one decay per row
-                tl.store(row_scales + head * 2 * BT + rows, sq * tl.sum(eg, axis=1))
-                tl.store(row_scales + head * 2 * BT + BT + rows, nk * tl.sum(e_end, axis=1))
-        else:
-            _store_rows(qg + head * BT * BK + ks, b_q * sq[:, None] * eg, BK)
-            _store_rows(kg + head * BT * BK + ks, b_k * e_end, BK)
+        _store_rows(qg + head * BT * BK + ks, b_q * sq[:, None] * eg, BK)
+        _store_rows(kg + head * BT * BK + ks, b_k * e_end, BK)
         tl.store(gam + head * BK + o_k, tl.zeros([BKS], dtype=tl.float32) + gam_s)
         _store_rows(w + head * BT * BK + ks, _li_dot(li, b_k * b_b[:, None] * eg, PREC), BK)
         if HAS_CKPT:

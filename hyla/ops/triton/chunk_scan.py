@@ -27,15 +27,11 @@ def chunk_scan_kernel(
     w, u, qg, kg, aqk, gam,
     h0, ht, o,
     cu_seqlens, chunk_off,
-    ck_ptr, kr, dr, ck_out, q, k, row_scales,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+    ck_ptr, kr, dr, ck_out,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
     BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_CKPT: tl.constexpr, PREC: tl.constexpr,
-    ROW_SCALES: tl.constexpr,
 ):
-    """ROW_SCALES (a scalar or no gate): qg, kg are built here from the inputs q, k [T, H, K]
-    and pass 1's row scales [2, 64] per chunk and value head, rounded to w's dtype as pass 1
-    would store them (so the chunk-local kernels write neither)."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -59,24 +55,16 @@ def chunk_scan_kernel(
         head = tl.cast(cid, tl.int64) * HV + i_hv
         b_w = tl.load(w + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
         b_u = tl.load(u + head * BT * BVF + o_t[:, None] * BVF + o_v[None, :]).to(tl.float32)  # [BT, BV]
-        tok = bos + tl.cast(cid - c_lo, tl.int64) * BT + o_t
-        if ROW_SCALES:
-            m_tk = (tok < eos)[:, None] & (o_k < K)[None, :]
-            p_in = (tok[:, None] * H + i_hv // (HV // H)) * K + o_k[None, :]
-            r_q = tl.load(row_scales + head * 2 * BT + o_t)
-            r_k = tl.load(row_scales + head * 2 * BT + BT + o_t)
-            b_q = (tl.load(q + p_in, mask=m_tk, other=0.0).to(tl.float32) * r_q[:, None]).to(b_w.dtype)
-            b_kg = (tl.load(k + p_in, mask=m_tk, other=0.0).to(tl.float32) * r_k[:, None]).to(b_w.dtype)
-        else:
-            b_q = tl.load(qg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
-            b_kg = tl.load(kg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
+        b_q = tl.load(qg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
         b_a = tl.load(aqk + head * BT * BT + o_t[:, None] * BT + o_t[None, :])  # [BT, BT]
+        b_kg = tl.load(kg + head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK]
         b_gam = tl.load(gam + head * BK + o_k)  # [BK] fp32
 
         s_mm = b_s.to(b_w.dtype)
         b_vn = b_u - tl.dot(b_w, s_mm, input_precision=PREC)  # [BT, BV]
         vn_mm = b_vn.to(b_w.dtype)
         b_o = tl.dot(b_q, s_mm, input_precision=PREC) + tl.dot(b_a, vn_mm, input_precision=PREC)
+        tok = bos + tl.cast(cid - c_lo, tl.int64) * BT + o_t
         p_o = o + (tok[:, None] * HV + i_hv) * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=(tok < eos)[:, None] & (o_v < V)[None, :])
 
