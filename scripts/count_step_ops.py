@@ -7,8 +7,9 @@
 A proxy for the kernels a CUDA graph of the step replays on the GPU (where a step of a tiny model
 is bound by kernel count): every aten op the step dispatches is counted (a TorchDispatchMode),
 except pure view / metadata ops (no kernel). By default each call of a fused hyla.ops.dispatch op
-(the norms, gates, short convs and recurrences: one Triton launch on CUDA) counts as ONE op, the
-aten ops it runs on the CPU not counted; --aten counts those too.
+(the norms, gates, short convs, recurrences and the gated attention's two ops: one Triton launch
+each on CUDA) counts as ONE op, the aten ops it runs on the CPU not counted; --aten counts those
+too. The attention layers take their GPU route (hyla.ops.dispatch.gated_attention_kernels).
 
 Both engines run with a CUDAGraphRunner whose capture is off (as tests/engine/test_mtp_fused.py
 builds them): the decode graph's and the fused verify graph's functions run eagerly on the CPU,
@@ -44,7 +45,8 @@ _VIEWS = {"view", "_unsafe_view", "t", "expand", "as_strided", "detach", "slice"
 # hyla.ops.dispatch ops that are one Triton launch each on CUDA
 FUSED = ("rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm", "silu_gated_rms_norm",
          "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update", "causal_conv1d_update_packed",
-         "causal_conv1d_verify", "fused_recurrent_kda", "fused_recurrent_gated_delta_rule")
+         "causal_conv1d_verify", "fused_recurrent_kda", "fused_recurrent_gated_delta_rule",
+         "qk_norm_rope_write", "paged_window_attention")
 
 
 # elementwise ops: on CUDA one TensorIterator kernel, vectorised only over contiguous operands
@@ -154,6 +156,9 @@ class _Recorder:
         counter = OpCounter(self.aten, self.sites)
         for name in FUSED:
             stack.enter_context(_patched(dispatch, name, counter.fused(name, getattr(dispatch, name))))
+        # the attention layers take the route they take on the GPU (their two fused ops, run here
+        # by the torch references and counted one each)
+        stack.enter_context(_patched(dispatch, "gated_attention_kernels", lambda x, cache_k: True))
         graphs = engine.runner.graphs
         if graphs is not None:
             stack.enter_context(_patched(graphs, "_forward", counter.labelled("decode forward", graphs._forward)))

@@ -19,6 +19,11 @@ Hkv, D] each. Tensor names: q_proj, k_proj, v_proj, o_proj, q_norm, k_norm.
 
 `prepare_for_inference()` packs q_proj, k_proj and v_proj into one weight
 (hyla.layers.delta_rule.PackedLinears; state_dict unchanged): one GEMM per step.
+
+A decode or verify step on the Triton path (CUDA, no grad, not fp64: hyla.ops.dispatch.
+gated_attention_kernels) runs everything between that GEMM and o_proj as two fused ops
+(hyla.ops.paged_attention): norms, RoPE and the KV write in one launch, the paged attention and
+the gate in one more (two past 512 keys). Elsewhere the torch code below runs.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.masks import causal_after_prefix
 from hyla.layers.norm import ZeroCentredRMSNorm
+from hyla.ops import dispatch
 from hyla.ops.dtypes import work_dtype
 
 
@@ -130,10 +136,9 @@ class GatedAttention(nn.Module):
     def groups(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None = None):
-        """x: [..., T, hidden]; positions: [..., T] -> q [..., T, H, D], k, v [..., T, Hkv, D]
-        (q, k normed and rotated), gate [..., T, H * D]. batch: the engine step's, whose RoPE
-        tables every attention layer of the step shares (computed once)."""
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: [..., T, hidden] -> q [..., T, H, D], gate [..., T, H, D], k, v [..., T, Hkv, D]:
+        views of the projections' outputs (one GEMM once packed), not normed or rotated."""
         if self._packed is not None:
             q_out, k_out, v_out = self._packed(x)  # one GEMM
         else:
@@ -141,6 +146,13 @@ class GatedAttention(nn.Module):
         q, gate = q_out.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
         k = k_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return q, gate, k, v
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None = None):
+        """x: [..., T, hidden]; positions: [..., T] -> q [..., T, H, D], k, v [..., T, Hkv, D]
+        (q, k normed and rotated), gate [..., T, H * D]. batch: the engine step's, whose RoPE
+        tables every attention layer of the step shares (computed once)."""
+        q, gate, k, v = self._project(x)
         rope = self.rotary
         if batch is None:
             cos, sin = rope.cos_sin(positions, x.dtype)
@@ -174,12 +186,14 @@ class GatedAttention(nn.Module):
         and verify batches with equal new-token counts all at once over their page windows;
         otherwise sequences with one new token batched, the others one by one with a causal mask
         offset by their context length."""
+        w = batch.uniform_width
+        if w is not None and dispatch.gated_attention_kernels(x, cache.k):
+            return self._fused_step(x, batch, cache, w)
         q, k, v, gate = self.qkv(x, batch.positions, batch)  # [T_total, H | Hkv, D]
         page_size = cache.k.shape[1]
         rows = batch.kv_slot_mapping(page_size)
         cache.k.view(-1, self.num_kv_heads, self.head_dim)[rows] = k.to(cache.k.dtype)
         cache.v.view(-1, self.num_kv_heads, self.head_dim)[rows] = v.to(cache.v.dtype)
-        w = batch.uniform_width
         if w is not None:  # no host -> device copies (CUDA-graph safe)
             out = self._windowed(q.unflatten(0, (batch.num_seqs, w)), cache, *batch.query_window(page_size))
             return self.o_proj(out.flatten(0, 1).to(x.dtype) * torch.sigmoid(gate))
@@ -201,6 +215,20 @@ class GatedAttention(nn.Module):
             out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], ks[None], vs[None], bias,
                                                 causal=ctx == 0)[0]
         return self.o_proj(out * torch.sigmoid(gate))
+
+    def _fused_step(self, x: torch.Tensor, batch: ForwardBatch, cache: KVLayerCache, w: int) -> torch.Tensor:
+        """forward_batch for W new tokens per sequence on the Triton path (hyla.ops.paged_attention):
+        one launch normalises and rotates q and k and writes k, v into the pages, one (two past
+        512 keys) attends over each sequence's pages and applies the gate; no per-step tables,
+        masks or gathered windows. x: [S * W, hidden] -> [S * W, hidden]."""
+        q, gate, k, v = self._project(x)
+        batch.check_written_pages(cache.k.shape[1])
+        q = dispatch.qk_norm_rope_write(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                        self.rotary.inv_freq(x.device), batch.positions, cache.k, cache.v,
+                                        batch.block_tables, w)
+        out = dispatch.paged_window_attention(q, cache.k, cache.v, batch.block_tables, batch.context_lens,
+                                              self.scaling, gate)
+        return self.o_proj(out)
 
     def _windowed(self, q: torch.Tensor, cache: KVLayerCache, rows: torch.Tensor, masked: torch.Tensor,
                   unread: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from hyla.ops import conv as _torch_conv
 from hyla.ops import gate as _torch_gate
 from hyla.ops import mla as _torch_mla
 from hyla.ops import norm as _torch_norm
+from hyla.ops import paged_attention as _torch_paged_attention
 from hyla.ops import recurrent as _torch_recurrent
 from hyla.ops import triton as _triton
 from hyla.ops.dtypes import check_lower_bound
@@ -36,7 +37,8 @@ __all__ = ["backend_for", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_ru
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
            "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
-           "write_latents", "paged_mla_decode"]
+           "write_latents", "paged_mla_decode", "gated_attention_kernels", "qk_norm_rope_write",
+           "paged_window_attention"]
 
 _BACKENDS = ("auto", "torch", "triton")
 _MAX_HEAD_DIM = 256
@@ -210,3 +212,40 @@ def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     if ok and _elementwise_triton(a, (a, b, A_log, dt_bias)):
         return _triton.gdn_gate_beta(a, b, A_log, dt_bias)
     return _torch_gate.gdn_gate_beta(a, b, A_log, dt_bias)
+
+
+# -- gated attention of a decode / verify step over paged KV (hyla.ops.triton.paged_attention) ------
+
+
+def gated_attention_kernels(x: torch.Tensor, cache_k: torch.Tensor) -> bool:
+    """Whether a decode / verify step's gated attention (activations x, key pool cache_k
+    [pages, page_size, Hkv, D]) runs as the two fused ops below on the Triton path: the device /
+    grad / backend rule of backend_for, fp32 / bf16 / fp16, D <= 256. Otherwise the layer keeps
+    its torch code (the CPU path, which the transformers oracles check)."""
+    return _attention_triton(x, cache_k)
+
+
+def _attention_triton(x: torch.Tensor, cache_k: torch.Tensor) -> bool:
+    return (isinstance(cache_k, torch.Tensor) and cache_k.ndim == 4 and cache_k.shape[-1] <= _MAX_HEAD_DIM
+            and _elementwise_triton(x, (x, cache_k)))
+
+
+def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                       k_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, positions: torch.Tensor,
+                       cache_k: torch.Tensor, cache_v: torch.Tensor, block_tables: torch.Tensor,
+                       width: int) -> torch.Tensor:
+    """hyla.ops.paged_attention.qk_norm_rope_write, one Triton launch on CUDA."""
+    if _attention_triton(q, cache_k) and _elementwise_triton(q, (k, v, q_weight, k_weight)):
+        return _triton.qk_norm_rope_write(q, k, v, q_weight, k_weight, eps, inv_freq, positions, cache_k, cache_v,
+                                          block_tables, width)
+    return _torch_paged_attention.qk_norm_rope_write(q, k, v, q_weight, k_weight, eps, inv_freq, positions, cache_k,
+                                                     cache_v, block_tables, width)
+
+
+def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           gate: torch.Tensor | None = None) -> torch.Tensor:
+    """hyla.ops.paged_attention.paged_window_attention, one or two Triton launches on CUDA."""
+    if _attention_triton(q, cache_k) and _elementwise_triton(q, (cache_v, gate)):
+        return _triton.paged_window_attention(q, cache_k, cache_v, block_tables, context_lens, scale, gate)
+    return _torch_paged_attention.paged_window_attention(q, cache_k, cache_v, block_tables, context_lens, scale, gate)

@@ -322,3 +322,44 @@ def test_k3_mxfp4_checkpoint_runs_packed_on_cuda(tmp_path, monkeypatch):
     outs = [[o.outputs[0].token_ids for o in LLM(p, dtype="float32", device=DEV).generate(prompts, params)]
             for p in (mx, plain)]
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("H,Hkv,D,rot", [(16, 2, 256, 64), (4, 2, 64, 16)])
+def test_paged_gated_attention_full_size(dtype, H, Hkv, D, rot):
+    """hyla.ops.paged_attention's two kernels at the Qwen3-Next / Qwen3.5 attention shape (16
+    query / 2 KV heads x 256, a quarter rotary) and the bundled model's, a 4-sequence verify
+    (W = 4) up to 3000 keys (several 512-key slices): the writes and the gated output against
+    the torch reference in fp32 on the same inputs."""
+    from hyla.ops import paged_attention as ref
+    from hyla.ops.triton import paged_attention as tk
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    S, W, ps, lens = 4, 4, 16, [3000, 517, 64, 5]
+    width = max(-(-n // ps) for n in lens) + 1
+    pages = torch.randperm(sum(-(-n // ps) for n in lens) + 2, device=DEV, generator=g)
+    tables = torch.full((S, width), -1, dtype=torch.long, device=DEV)
+    used = 0
+    for s, n in enumerate(lens):
+        m = -(-n // ps)
+        tables[s, :m] = pages[used:used + m]
+        used += m
+    num_pages = pages.numel()
+    ck, cv = (torch.randn(num_pages, ps, Hkv, D, device=DEV, generator=g).to(dtype) for _ in range(2))
+    T = S * W
+    packed = torch.randn(T, 2 * H * D + 2 * Hkv * D, device=DEV, generator=g).to(dtype)
+    qg = packed[:, :2 * H * D].view(T, H, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:]
+    k = packed[:, 2 * H * D:2 * H * D + Hkv * D].view(T, Hkv, D)
+    v = packed[:, 2 * H * D + Hkv * D:].view(T, Hkv, D)
+    qw, kw = (torch.randn(D, device=DEV, generator=g) * 0.2 for _ in range(2))
+    inv = 1.0 / (1e7 ** (torch.arange(0, rot, 2, dtype=torch.float32, device=DEV) / rot))
+    ctx = torch.tensor([n - W for n in lens], device=DEV)
+    pos = torch.tensor([n - W + i for n in lens for i in range(W)], device=DEV)
+    outs = []
+    for ops, cast in ((tk, dtype), (ref, torch.float32)):
+        pk, pv = ck.to(cast).clone(), cv.to(cast).clone()
+        qr = ops.qk_norm_rope_write(q.to(cast), k.to(cast), v.to(cast), qw, kw, 1e-6, inv, pos, pk, pv, tables, W)
+        outs.append((qr, pk, pv, ops.paged_window_attention(qr, pk, pv, tables, ctx, D ** -0.5, gate.to(cast))))
+    for name, a, b in zip(("q", "k pool", "v pool", "out"), *outs):
+        check(f"{name} {dtype} H{H}/{Hkv} D{D}", a, b, tol=1e-5 if dtype == torch.float32 else 8e-3)
