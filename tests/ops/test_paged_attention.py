@@ -43,7 +43,9 @@ def _case(S, W, H, Hkv, D, rot, ps, lens, dtype, seed=0):
     v = packed[:, 2 * H * D + Hkv * D:2 * H * D + 2 * Hkv * D].view(T, Hkv, D)
     qw, kw = (torch.randn(D, generator=g) * 0.2 for _ in range(2))
     inv = 1.0 / (100.0 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
-    ctx = torch.tensor([n - W for n in lens])
+    # the step's per-sequence values as columns of one buffer, as the CUDA-graph runners hold them
+    meta = torch.cat([torch.tensor([[n - W] for n in lens]), torch.full((S, 2), 7), tables], 1)
+    ctx, tables = meta[:, 0], meta[:, 3:]
     pos = torch.tensor([n - W + i for n in lens for i in range(W)])
     return dict(q=q, gate=gate, k=k, v=v, qw=qw, kw=kw, inv=inv, pos=pos, ctx=ctx, tables=tables, ck=ck, cv=cv, W=W)
 

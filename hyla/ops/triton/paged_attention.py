@@ -118,14 +118,14 @@ def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
 
 @triton.jit
 def _window_kernel(q, cache_k, cache_v, tables, context_lens, gate, out, m_out, l_out, acc_out,
-                   s_q0, s_q1, s_t, s_g0, s_g1, W, H, HKV, G, D, num_pages, scale,
+                   s_q0, s_q1, s_t, s_ctx, s_g0, s_g1, W, H, HKV, G, D, num_pages, scale,
                    PS: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT_N: tl.constexpr, SINGLE: tl.constexpr, HAS_GATE: tl.constexpr, IEEE: tl.constexpr,
                    DT: tl.constexpr, UPCAST: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
-    ctx = tl.load(context_lens + s).to(tl.int32)
+    ctx = tl.load(context_lens + s * s_ctx).to(tl.int32)
     length = ctx + W  # keys 0 .. ctx + W - 1
     start = sp * SPLIT_N
     end = tl.minimum(start + SPLIT_N, length)
@@ -256,7 +256,7 @@ def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     g = gate if gate is not None else out.view(T, H, D)
     _window_kernel[(S, Hkv, nsp)](
         q, cache_k, cache_v, block_tables, context_lens, g, out, m, l, acc,
-        q.stride(0), q.stride(1), block_tables.stride(0), g.stride(0), g.stride(1), W, H, Hkv, G, D, cache_k.shape[0],
+        q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), g.stride(0), g.stride(1), W, H, Hkv, G, D, cache_k.shape[0],
         float(scale), PS=PS, BM=BM, BD=BD, BLOCK_N=block_n, SPLIT_N=split, SINGLE=single,
         HAS_GATE=gate is not None, IEEE=ieee, DT=dt, UPCAST=interpreting() and ieee is False, num_warps=4,
         num_stages=2)
