@@ -2,15 +2,17 @@
 
 `prepare_for_inference()` packs gate_proj and up_proj into one weight
 (hyla.layers.delta_rule.PackedLinears; state_dict unchanged): one GEMM instead of two per step.
+The activation silu(gate) * up is hyla.ops.dispatch.silu_mul: one Triton launch on CUDA reading
+the packed output's column views in place, torch's `F.silu(gate) * up` elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyla.layers.delta_rule import PackedLinears
+from hyla.ops import dispatch
 
 
 class MLP(nn.Module):
@@ -35,5 +37,5 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(dispatch.silu_mul(gate, up))
 

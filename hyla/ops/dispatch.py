@@ -38,7 +38,7 @@ __all__ = ["backend_for", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_ru
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
            "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
            "write_latents", "paged_mla_decode", "gated_attention_kernels", "qk_norm_rope_write",
-           "paged_window_attention"]
+           "paged_window_attention", "silu_mul"]
 
 _BACKENDS = ("auto", "torch", "triton")
 _MAX_HEAD_DIM = 256
@@ -249,3 +249,18 @@ def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     if _attention_triton(q, cache_k) and _elementwise_triton(q, (cache_v, gate)):
         return _triton.paged_window_attention(q, cache_k, cache_v, block_tables, context_lens, scale, gate)
     return _torch_paged_attention.paged_window_attention(q, cache_k, cache_v, block_tables, context_lens, scale, gate)
+
+
+# -- the SwiGLU activation of a dense MLP / shared expert (hyla.ops.triton.gated_act; torch: hyla.ops.gated_act) --
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """hyla.ops.gated_act silu(gate) * up, one Triton launch on CUDA. gate, up: [..., I] of one
+    shape and dtype, unit column stride and any row stride (the column views of a packed gate / up
+    GEMM output are read in place); anything else, and the CPU / fp64 / grad cases, take torch's
+    `F.silu(gate) * up` (the gated_act SILU reference) unchanged."""
+    if (_elementwise_triton(gate, (gate, up)) and isinstance(up, torch.Tensor) and up.shape == gate.shape
+            and up.dtype == gate.dtype and gate.dim() >= 1
+            and (gate.shape[-1] == 1 or (gate.stride(-1) == 1 and up.stride(-1) == 1))):
+        return _triton.silu_mul(gate, up)
+    return torch.nn.functional.silu(gate) * up

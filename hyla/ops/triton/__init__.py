@@ -17,7 +17,8 @@ __all__ = ["is_available", "interpreting", "chunk_kda", "chunk_gated_delta_rule"
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
            "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
-           "write_latents", "paged_mla_decode", "qk_norm_rope_write", "paged_window_attention"]
+           "write_latents", "paged_mla_decode", "qk_norm_rope_write", "paged_window_attention",
+           "silu_mul"]
 
 
 def is_available() -> bool:
@@ -39,7 +40,8 @@ def __getattr__(name):
                "gated_rms_norm": "norm", "silu_gated_rms_norm": "norm",
                "kda_gate_beta": "gate", "gdn_gate_beta": "gate", "causal_conv1d_fn": "conv_prefill",
                "write_latents": "mla", "paged_mla_decode": "mla",
-               "qk_norm_rope_write": "paged_attention", "paged_window_attention": "paged_attention"}
+               "qk_norm_rope_write": "paged_attention", "paged_window_attention": "paged_attention",
+               "silu_mul": "gated_act"}
     if name in modules:
         return getattr(importlib.import_module(f"hyla.ops.triton.{modules[name]}"), name)
     raise AttributeError(f"module 'hyla.ops.triton' has no attribute {name!r}")
