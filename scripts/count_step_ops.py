@@ -46,7 +46,7 @@ _VIEWS = {"view", "_unsafe_view", "t", "expand", "as_strided", "detach", "slice"
 FUSED = ("rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm", "silu_gated_rms_norm",
          "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update", "causal_conv1d_update_packed",
          "causal_conv1d_verify", "fused_recurrent_kda", "fused_recurrent_gated_delta_rule",
-         "qk_norm_rope_write", "paged_window_attention", "silu_mul")
+         "qk_norm_rope_write", "paged_window_attention", "mtp_fc_input", "silu_mul")
 
 
 # elementwise ops: on CUDA one TensorIterator kernel, vectorised only over contiguous operands

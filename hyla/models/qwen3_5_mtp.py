@@ -30,6 +30,7 @@ from torch import nn
 from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.norm import ZeroCentredRMSNorm
 from hyla.models.config import DENSE, FULL, SPARSE
+from hyla.ops import dispatch
 
 PREFIX = "mtp."
 _LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
@@ -53,7 +54,13 @@ class MTPHead(nn.Module):
         self.norm = ZeroCentredRMSNorm(hid, config.rms_norm_eps)
 
     def _input(self, hidden: torch.Tensor, next_ids: torch.Tensor, model) -> torch.Tensor:
-        e = self.pre_fc_norm_embedding(model.model.embed_tokens(next_ids))
+        embed = model.model.embed_tokens
+        if type(embed) is nn.Embedding and hidden.dim() == 2 and hidden.dtype == embed.weight.dtype:
+            # an engine step (packed rows): gather, both norms and the concatenation as one op
+            x = dispatch.mtp_fc_input(next_ids, embed.weight, hidden, self.pre_fc_norm_embedding.weight,
+                                      self.pre_fc_norm_hidden.weight, self.pre_fc_norm_hidden.eps)
+            return self.fc(x)
+        e = self.pre_fc_norm_embedding(embed(next_ids))
         return self.fc(torch.cat([e, self.pre_fc_norm_hidden(hidden)], dim=-1))
 
     def forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, model, step: int = 0) -> torch.Tensor:

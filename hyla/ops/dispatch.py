@@ -27,6 +27,7 @@ from hyla.ops import chunk as _torch_chunk
 from hyla.ops import conv as _torch_conv
 from hyla.ops import gate as _torch_gate
 from hyla.ops import mla as _torch_mla
+from hyla.ops import mtp_input as _torch_mtp_input
 from hyla.ops import norm as _torch_norm
 from hyla.ops import paged_attention as _torch_paged_attention
 from hyla.ops import recurrent as _torch_recurrent
@@ -38,7 +39,7 @@ __all__ = ["backend_for", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_ru
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
            "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
            "write_latents", "paged_mla_decode", "gated_attention_kernels", "qk_norm_rope_write",
-           "paged_window_attention", "silu_mul"]
+           "paged_window_attention", "silu_mul", "mtp_fc_input"]
 
 _BACKENDS = ("auto", "torch", "triton")
 _MAX_HEAD_DIM = 256
@@ -264,3 +265,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             and (gate.shape[-1] == 1 or (gate.stride(-1) == 1 and up.stride(-1) == 1))):
         return _triton.silu_mul(gate, up)
     return torch.nn.functional.silu(gate) * up
+
+
+def mtp_fc_input(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_e: torch.Tensor,
+                 w_h: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """hyla.ops.mtp_input.mtp_fc_input (an MTP head step's fc input), one Triton launch on CUDA."""
+    if (_norm_triton(hidden, w_h, embed, w_e) and embed.dtype == hidden.dtype and hidden.dim() == 2
+            and isinstance(ids, torch.Tensor) and ids.is_cuda == hidden.is_cuda):
+        return _triton.mtp_fc_input(ids, embed, hidden, w_e, w_h, eps)
+    return _torch_mtp_input.mtp_fc_input(ids, embed, hidden, w_e, w_h, eps)

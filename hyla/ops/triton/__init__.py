@@ -41,6 +41,7 @@ def __getattr__(name):
                "kda_gate_beta": "gate", "gdn_gate_beta": "gate", "causal_conv1d_fn": "conv_prefill",
                "write_latents": "mla", "paged_mla_decode": "mla",
                "qk_norm_rope_write": "paged_attention", "paged_window_attention": "paged_attention",
+               "mtp_fc_input": "mtp_input",
                "silu_mul": "gated_act"}
     if name in modules:
         return getattr(importlib.import_module(f"hyla.ops.triton.{modules[name]}"), name)
