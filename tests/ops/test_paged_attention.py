@@ -173,10 +173,10 @@ def test_bad_arguments_name_the_problem():
 
 @pytest.mark.parametrize("W", [1, 3])
 def test_gated_attention_triton_path_equals_torch_path(W, monkeypatch):
-    """GatedAttention.forward_batch with its two fused ops (HYLA_BACKEND=triton: the kernels on
+    """GatedAttention.forward_batch with its two fused ops (HYLA_BACKEND=triton: on a GPU, or on
     CPU tensors under the interpreter) against its torch path, fp32, over shuffled pages; a
     padded graph-shaped batch (a row with no pages, every table column) included."""
-    _triton()
+    _, dev = _triton()
     from hyla.layers import GatedAttention
 
     torch.manual_seed(0)
@@ -184,17 +184,18 @@ def test_gated_attention_triton_path_equals_torch_path(W, monkeypatch):
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
+    layer = layer.to(dev)
     layer.prepare_for_inference()
     ctx, tables = [13, 4, 1], [[5, 2, 9, 11], [3, 7], [-1, -1, -1, -1]]
-    x = torch.randn(3 * W, 40)
+    x = torch.randn(3 * W, 40).to(dev)
     outs, pools = [], []
     for backend in ("torch", "triton"):
         monkeypatch.setenv("HYLA_BACKEND", backend)
         g = torch.Generator().manual_seed(1)
-        cache = KVLayerCache(*(torch.randn(13, 4, 2, 16, generator=g) for _ in range(2)))
+        cache = KVLayerCache(*(torch.randn(13, 4, 2, 16, generator=g).to(dev) for _ in range(2)))
         slots = [[(W + 1) * i + j for j in range(W + 1)] for i in range(3)] if W > 1 else [0, 1, 2]
         batch = ForwardBatch.build([W] * 3, ctx, tables, torch.tensor(slots),
-                                   num_accepted_tokens=[1] * 3 if W > 1 else None)
+                                   num_accepted_tokens=[1] * 3 if W > 1 else None, device=dev)
         batch.cuda_graph = True  # the graph-shaped batch: every table column, no page checks
         with torch.no_grad():
             outs.append(layer.forward_batch(x, batch, cache))
