@@ -6,12 +6,15 @@ For each configuration: decode one free-text prompt once (graph capture), then a
 perf_counter around engine.step (each step ends at its own readback, so no sync is added): the
 prefill step, the mean later step, tokens/s with and without the prefill. With --cprofile N, a
 third decode under cProfile prints the N functions with the most own time (host hot spots).
+With --sections, a decode with perf_counter around the engine's host-side stages (SECTIONS)
+prints each one's inclusive time per engine step: wall time without cProfile's inflation.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import pstats
 import time
@@ -53,6 +56,71 @@ def _hot_spots(llm: LLM, prompt: str, params: SamplingParams, top: int, key: str
     return buf.getvalue()
 
 
+SECTIONS = [  # "module:owner.attr" of the host-side stages of a step (inclusive times)
+    "hyla.engine.llm_engine:LLMEngine.step",
+    "hyla.engine.scheduler:Scheduler.schedule",
+    "hyla.engine.mtp_overlap:OverlapChain.launch_after",
+    "hyla.engine.mtp_overlap:collect_fused",
+    "hyla.engine.mtp_fused:launch_fused",
+    "hyla.engine.mtp_fused:DerivedExtension.fill",
+    "hyla.engine.mtp_fused:_Extension.fill",
+    "hyla.engine.mtp_fused:FusedVerify.extension",
+    "hyla.engine.mtp_fused:Flight.__init__",
+    "hyla.engine.cuda_graph_verify:CUDAGraphRunner.replay_verify",
+    "hyla.engine.cuda_graph_verify:CUDAGraphRunner.verify_rows",
+    "hyla.engine.cuda_graph_verify:CUDAGraphRunner.replay_commit",
+    "hyla.engine.cuda_graph:DecodeGraphs.run_decode",
+    "hyla.engine.cuda_graph:DecodeGraphs.prepare",
+    "hyla.engine.model_runner:ModelRunner.run",
+    "hyla.engine.sampler:sample",
+    "hyla.engine.llm_engine:sample",
+    "hyla.engine.llm_engine:LLMEngine._emit_verified",
+    "hyla.engine.llm_engine:LLMEngine.append_tokens",
+    "hyla.engine.spec_decode:SpecDecoder.step",
+    "hyla.engine.spec_decode:SpecDecoder.commit",
+    "hyla.engine.sequence:Sequence.check_stop",
+    "hyla.engine.sequence:Sequence.to_output",
+]
+
+
+def _sections(llm: LLM, prompt: str, params: SamplingParams) -> str:
+    """Inclusive wall time per engine step of each stage in SECTIONS that exists (wrapped with
+    perf_counter for one decode, then unwrapped)."""
+    spent: dict[str, list] = {}
+    undo = []
+    for spec in SECTIONS:
+        module, path = spec.split(":")
+        owner = importlib.import_module(module)
+        *outer, attr = path.split(".")
+        for name in outer:
+            owner = getattr(owner, name, None)
+        fn = getattr(owner, attr, None) if owner is not None else None
+        if fn is None:
+            continue
+        acc = spent.setdefault(path, [0.0, 0])
+
+        def wrapped(*a, _fn=fn, _acc=acc, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                _acc[0] += time.perf_counter() - t
+                _acc[1] += 1
+        setattr(owner, attr, wrapped)
+        undo.append((owner, attr, fn))
+    try:
+        llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        for owner, attr, fn in reversed(undo):
+            setattr(owner, attr, fn)
+    steps = max(1, spent.get("LLMEngine.step", [0, 1])[1])
+    lines = [f"{'stage':<36} {'us/step':>8} {'calls/step':>10}"]
+    for path, (total, calls) in spent.items():
+        if calls:
+            lines.append(f"{path:<36} {1e6 * total / steps:>8.1f} {calls / steps:>10.2f}")
+    return "\n".join(lines)
+
+
 def _replay_ms(llm: LLM, reps: int = 200) -> dict[str, float]:
     """Mean GPU time (ms) of one replay of each batch-1 graph the engine captured (decode,
     verify), replayed back to back: what a step costs when the host never waits on it. The
@@ -81,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--device", default="cuda")
     p.add_argument("--cprofile", type=int, default=0, help="print the N functions with most own time")
+    p.add_argument("--sections", action="store_true", help="time the host-side stages of a step")
     p.add_argument("--replay", action="store_true", help="time the batch-1 graphs replayed back to back")
     p.add_argument("--prefill", type=int, default=0,
                    help="print the N functions with most cumulative time of a prefill (max_tokens=1)")
@@ -102,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"## {label}: {chain.launched} steps launched in flight (hyla.engine.mtp_overlap)")
         if args.cprofile:
             print(f"## {label}\n" + _hot_spots(llm, FREE[0], params, args.cprofile))
+        if args.sections:
+            print(f"## {label}: host stages\n" + _sections(llm, FREE[0], params))
         if args.replay:
             for name, ms in _replay_ms(llm).items():
                 print(f"## {label}: graph {name}: {ms:.3f} ms per replay")
