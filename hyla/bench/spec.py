@@ -1,6 +1,6 @@
 """Speculative decoding benchmark: decode tokens/s with and without speculation.
 
-    python -m hyla.bench spec [--model PATH] [--k 2 4 8] [--max-tokens 128] [--profile]
+    python -m hyla.bench spec [--model PATH] [--k 2 4 8] [--max-tokens 128] [--repeats 5] [--profile]
 
 Two prompt sets: repetitive code completion (prompt lookup finds long matches) and free text.
 For each: greedy decode without speculation, then with n-gram speculation at each k and both
@@ -9,7 +9,9 @@ speed-ups are usually quoted) and the set at once (a batch keeps stepping until 
 request is done); prints tokens/s (prefill included) and its speed-up over no speculation, decode
 tokens/s (after every request of a group has its first token: the prefill excluded) and its
 speed-up, the mean accepted length and the state memory one request needs (slots: 1 + k full states; replay: one state + the per-token
-inputs of the verify window).
+inputs of the verify window). With --repeats R every configuration runs R rounds, interleaved
+(round 1 of each, then round 2 of each, ...), and the medians are printed: a host whose speed
+drifts during the run moves a configuration and its baseline together.
 """
 
 from __future__ import annotations
@@ -185,6 +187,12 @@ def _measure(llm, prompts, params, together: bool) -> tuple[float, float, float]
             decode_tokens / decode_time if decode_time > 0 else 0.0)
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     from hyla import LLM, SamplingParams
     from hyla.models.default import resolve_model
@@ -198,8 +206,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--memory-budget", type=int, default=1 << 30, help="bytes of KV pages + state slots per engine")
     p.add_argument("--method", nargs="+", choices=["ngram", "mtp"], default=["ngram"],
                    help="drafters to time (mtp: the checkpoint's own MTP head, e.g. --model mtp)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds over every configuration, interleaved (every engine kept alive); the "
+                        "medians are printed, speed-ups per round against that round's baseline")
     p.add_argument("--rollback", nargs="+", choices=["slots", "replay"], default=["slots", "replay"])
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     model = resolve_model(args.model)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
@@ -216,34 +229,49 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{'decode x':>9} {'mean acc':>9} {'state KiB/req':>14}")
     configs = [None] + [{"method": method, "num_speculative_tokens": k, "rollback": rb}
                         for method in args.method for k in args.k for rb in args.rollback]
+    keep = args.repeats > 1  # every engine stays alive, so that the rounds interleave configurations
+    engines = {}
     for name, prompts in (("repetitive", REPETITIVE), ("free text", FREE)):
-        baseline = {}
+        runs: dict[tuple[str, str], list[tuple[float, float, float]]] = {}  # (label, mode) -> per round
+        for _round in range(args.repeats):
+            for cfg in configs:
+                label = "off" if cfg is None else f"{cfg['method']} k={cfg['num_speculative_tokens']} {cfg['rollback']}"
+                llm = base if cfg is None else engines.get(label) or LLM(model, speculative_config=cfg, **opts)
+                for mode, together in modes:
+                    if _round == 0:
+                        _measure(llm, prompts, params, together)  # warm-up: captures every CUDA graph bucket it needs
+                    prof = StepProfile(llm) if args.profile else None
+                    runs.setdefault((label, mode), []).append(_measure(llm, prompts, params, together))
+                    if prof:
+                        print(f"  {name}, {mode}, {label}, round {_round}:\n{prof.report()}")
+                        prof.unwrap()
+                if cfg is not None and keep:
+                    engines[label] = llm
+                elif cfg is not None:
+                    del llm
+                    _release_device_memory()
         for cfg in configs:
-            llm = base if cfg is None else LLM(model, speculative_config=cfg, **opts)
             label = "off" if cfg is None else f"{cfg['method']} k={cfg['num_speculative_tokens']} {cfg['rollback']}"
             k = 0 if cfg is None else cfg["num_speculative_tokens"]
             mem = slot if cfg is None else ((1 + k) * slot if cfg["rollback"] == "slots" else slot + (1 + k) * per_tok)
-            for mode, together in modes:
-                _measure(llm, prompts, params, together)  # warm-up: captures every CUDA graph bucket it needs
-                prof = StepProfile(llm) if args.profile else None
-                tok_s, mean_acc, decode = _measure(llm, prompts, params, together)
-                if prof:
-                    print(f"  {name}, {mode}, {label}:\n{prof.report()}")
-                    prof.unwrap()
-                base_tok, base_decode = baseline.setdefault(mode, (tok_s, decode))
-                rows.append({"prompts": name, "requests": mode, "spec": label, "tok_s": tok_s,
-                             "speedup": tok_s / base_tok, "decode_tok_s": decode,
-                             "decode_speedup": decode / base_decode if base_decode else 0.0,
-                             "mean_acc": mean_acc, "state_bytes": mem})
-            if cfg is not None:
-                del llm
-                _release_device_memory()
+            for mode, _ in modes:
+                mine, off = runs[(label, mode)], runs[("off", mode)]
+                # speed-ups per round against the same round's baseline (run next to it), then the median
+                speedup = [r[0] / b[0] for r, b in zip(mine, off)]
+                decode_x = [r[2] / b[2] if b[2] else 0.0 for r, b in zip(mine, off)]
+                rows.append({"prompts": name, "requests": mode, "spec": label,
+                             "tok_s": _median([r[0] for r in mine]), "speedup": _median(speedup),
+                             "decode_tok_s": _median([r[2] for r in mine]), "decode_speedup": _median(decode_x),
+                             "decode_speedup_range": (min(decode_x), max(decode_x)),
+                             "mean_acc": _median([r[1] for r in mine]), "state_bytes": mem})
         for mode, _ in modes:
             for r in rows:
                 if r["prompts"] == name and r["requests"] == mode:
+                    lo, hi = r["decode_speedup_range"]
+                    spread = f"  ({lo:.2f}-{hi:.2f}x over {args.repeats} rounds)" if args.repeats > 1 else ""
                     print(f"{r['prompts']:<11} {r['requests']:<9} {r['spec']:<20} {r['tok_s']:>8.1f} "
                           f"{r['speedup']:>8.2f}x {r['decode_tok_s']:>13.1f} {r['decode_speedup']:>8.2f}x "
-                          f"{r['mean_acc']:>9.2f} {r['state_bytes'] / 1024:>14.1f}")
+                          f"{r['mean_acc']:>9.2f} {r['state_bytes'] / 1024:>14.1f}{spread}")
     return rows
 
 

@@ -327,10 +327,10 @@ class LLMEngine:
     def append_tokens(self, seq: Sequence, tokens: list[int], raw_logits: torch.Tensor) -> int:
         """Emit several tokens of one verify step in order, stopping early if the request
         finishes; returns how many were kept. raw_logits[i]: the logits token i was chosen from."""
-        kept = 0
-        for token, row in zip(tokens, raw_logits):
-            n = seq.params.logprobs
-            self._emit(seq, token, None if n is None else token_logprobs(row, token, n))
+        kept, n = 0, seq.params.logprobs
+        for i, token in enumerate(tokens):
+            # (the logits rows are touched only for logprobs: a row view is a tensor op)
+            self._emit(seq, token, None if n is None else token_logprobs(raw_logits[i], token, n))
             kept += 1
             if seq.is_finished:
                 break

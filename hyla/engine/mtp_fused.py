@@ -54,7 +54,7 @@ from hyla.engine.cuda_graph import width_bucket
 from hyla.engine.cuda_graph_verify import HeadStepGraphs, _table_row, _verify_pad_row
 from hyla.engine.sequence import Status
 from hyla.engine.spec_decode import Verified, argmax_accepts
-from hyla.ops import constants
+from hyla.ops import constants, dispatch
 from hyla.ops.transfer import fill_long, to_device_long
 
 
@@ -73,6 +73,7 @@ class FusedVerify:
         self.steps, self.k = steps, k
         self.meta: dict[int, torch.Tensor] = {}
         self.runs = 0  # fused steps run (the tests assert the path was taken)
+        self.readback = Readback()
 
     def extension(self, done: list[int], drafts: list[list[int]], tables: list[list[int]]) -> _Extension:
         """The head's part of one fused step for N requests: done[n] head rows already in
@@ -143,19 +144,43 @@ class Flight:
     the graph's outputs (logits [bs, W, V], hidden [bs, W, hidden], packed [bs, W + 1 + k]:
     views of its buffers, overwritten by the next replay of the same graph) and the packed rows
     of seqs on their way to the host (one asynchronous copy, enqueued right after the replay,
-    so that a later step's replay cannot overwrite them first)."""
+    so that a later step's replay cannot overwrite them first), into one of `readback`'s
+    pinned buffers."""
 
-    def __init__(self, seqs, drafts: list[list[int]] | None, out: tuple, W: int):
+    def __init__(self, seqs, drafts: list[list[int]] | None, out: tuple, W: int, readback: Readback):
         self.seqs, self.drafts, self.W = list(seqs), drafts, W
         self.logits, self.hidden, self.packed = out
         n = len(self.seqs)
         if self.packed.device.type == "cuda":
-            self.host = torch.empty(self.packed[:n].shape, dtype=torch.long, pin_memory=True)
+            self.host, self.ready = readback.take(self.packed[:n].shape)
             self.host.copy_(self.packed[:n], non_blocking=True)
-            self.ready = torch.cuda.Event()
             self.ready.record()
         else:  # eager on the CPU: computed already
             self.host, self.ready = self.packed[:n].clone(), None
+
+
+class Readback:
+    """Pinned host buffers (and their CUDA events) for the flights' readbacks, reused round
+    robin per shape instead of a pinned allocation and an event per step. Safe with DEPTH
+    buffers per shape: at most two flights are alive at once (the one being read and the one
+    launched behind it, hyla.engine.mtp_overlap), and a flight's buffer is read before the
+    flight is dropped."""
+
+    DEPTH = 3
+
+    def __init__(self):
+        self._ring: dict[tuple, list] = {}
+        self._next: dict[tuple, int] = {}
+
+    def take(self, shape: torch.Size) -> tuple[torch.Tensor, torch.cuda.Event]:
+        key = tuple(shape)
+        if key not in self._ring:
+            self._ring[key] = [(torch.empty(key, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+                               for _ in range(self.DEPTH)]
+            self._next[key] = 0
+        i = self._next[key]
+        self._next[key] = (i + 1) % self.DEPTH
+        return self._ring[key][i]
 
 
 def launch_fused(drafter, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int) -> Flight | None:
@@ -176,7 +201,7 @@ def launch_fused(drafter, seqs, drafts: list[list[int]], runner, rollback: str, 
     out = runner.verify_extended(seqs, drafts, rollback, pad_to, ext)
     if out is None:
         return None
-    return Flight(seqs, drafts, out, pad_to)
+    return Flight(seqs, drafts, out, pad_to, fused.readback)
 
 
 def collect_fused(drafter, flight: Flight) -> list[Verified]:
@@ -229,43 +254,29 @@ class DerivedExtension(_Extension):
     previous step) and `fill` then writes, per request, the context and head rows advanced by
     the previous step's kept tokens, the accepted count (its slot), the tokens [bonus, d'] and
     the drafts d'; a request whose kept tokens hold one of its stop tokens becomes a padding row
-    (it finished there: nothing of it may be written)."""
+    (it finished there: nothing of it may be written). One op, dispatch.derive_step_rows (its
+    rule: hyla.ops.step_rows)."""
 
     def __init__(self, fused: FusedVerify, bs: int, width: int, rows: list[list[int]], vmeta: torch.Tensor,
-                 prev: torch.Tensor, base: list[list[int]], commit=None):
+                 prev: torch.Tensor, base: list[list[int]], graphs=None):
+        """vmeta: this step's verify rows [>= bs, VW]; prev: the previous step's packed outputs;
+        base[n]: [context + 1, head rows + 1, stop ids (-1: none)] before the previous step;
+        graphs: the CUDAGraphRunner when rollback is "replay" (the previous step's commit runs
+        on the device, from the kept counts derived here, before this step's verify)."""
         super().__init__(fused, bs, width, rows)
-        self.vmeta, self.prev, self.base, self.commit = vmeta, prev, base, commit
+        self.vmeta, self.prev, self.base, self.graphs = vmeta, prev, base, graphs
 
     def fill(self) -> None:
-        """(commit: rollback "replay"; the previous step's commit, given its kept counts [bs] on
-        the device, run before this step's verify rows are written.)"""
         super().fill()
         k, n = self.fused.k, len(self.base)
-        W = k + 1
-        dev = self.vmeta.device
-        # [n, 3 + S]: context + 1, head rows + 1, 1 (so one add gives the three advanced by the
-        # kept count, accepted + 1), the stop ids (-1: none)
-        base = to_device_long(self.base, dev).view(n, -1)
-        prev = self.prev[:n]
-        accepted = prev[:, W:W + 1]  # [n, 1]
-        top, nxt = prev[:, :W], prev[:, W + 1:]
-        adv = base[:, :3] + accepted  # [n, 3]: next context, next head rows, kept
-        kept_ids = torch.where(constants.arange(W, dev)[None, :] <= accepted, top, -2)  # -2: matches no stop id
-        hit = kept_ids[:, :, None] == base[:, None, 3:]  # [n, W, S]
-        stopped = hit.flatten(1).any(-1, keepdim=True)  # [n, 1]: a stop token among the kept ones
-        if self.commit is not None:  # the host keeps tokens up to the first stop token
-            first = hit.any(-1).int().argmax(-1, keepdim=True) + 1
-            kept = torch.where(stopped, first, adv[:, 2:3])
-            self.commit(torch.cat([kept[:, 0], constants.full((self.bs - n,), 1, dev)]))
-            acc = constants.full((n, 1), 1, dev)  # "replay": the state is in the row's one slot
-        else:
-            acc = adv[:, 2:3]  # the slot after the kept tokens
-        vm = self.vmeta[:n]
-        row = torch.cat([adv[:, :1], acc, top.gather(1, accepted), nxt, vm[:, 2 + W:]], 1)
-        torch.where(stopped, _device_row(_verify_pad_row(W, vm.shape[1] - 2 - 2 * W), dev), row, out=vm)
-        em = self.fused.meta[self.width][:n]
-        row = torch.cat([adv[:, 1:2], nxt, em[:, 1 + k:]], 1)
-        torch.where(stopped, _device_row(_pad_row(k, self.width), dev), row, out=em)
+        W, dev = k + 1, self.vmeta.device
+        vm, em = self.vmeta[:n], self.fused.meta[self.width][:n]
+        kept = None if self.graphs is None else self.graphs.accepted[:self.bs]
+        dispatch.derive_step_rows(to_device_long(self.base, dev).view(n, -1), self.prev, vm, em,
+                                  _device_row(_verify_pad_row(W, vm.shape[1] - 2 - 2 * W), dev)[0],
+                                  _device_row(_pad_row(k, self.width), dev)[0], kept)
+        if self.graphs is not None:
+            self.graphs.replay_commit()
 
 
 def _device_row(values: list[int], device) -> torch.Tensor:

@@ -98,17 +98,12 @@ class OverlapChain:
                                       [drafter._pages(s, v) for s, v in zip(seqs, views)])
         if key + (ext.tag,) not in graphs.verify_graphs:
             return  # not captured yet: the next step goes the normal way (and captures it)
-        base = [[s.num_computed_tokens + 1, v.done + 1, 1] + st for s, v, st in zip(seqs, views, stops)]
-        commit = None
-        if rollback == "replay":  # the current step's commit first, with the kept counts the device knows
-
-            def commit(kept: torch.Tensor) -> None:
-                graphs.accepted[:kept.shape[0]].copy_(kept)
-                graphs.replay_commit()
+        base = [[s.num_computed_tokens + 1, v.done + 1] + st for s, v, st in zip(seqs, views, stops)]
+        # rollback "replay": the current step's commit runs first, from the kept counts the device knows
         derived = DerivedExtension(drafter.fused, ext.bs, ext.width, ext.rows, graphs.vmeta[key[1:3]],
-                                   flight.packed, base, commit)
+                                   flight.packed, base, graphs if rollback == "replay" else None)
         out = graphs.replay_verify(key, rows, derived)
-        self.flight = Flight(seqs, None, out, W)
+        self.flight = Flight(seqs, None, out, W, drafter.fused.readback)
         self.state_committed = rollback == "replay"
         self.launched += 1
 

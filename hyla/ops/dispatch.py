@@ -31,6 +31,7 @@ from hyla.ops import mtp_input as _torch_mtp_input
 from hyla.ops import norm as _torch_norm
 from hyla.ops import paged_attention as _torch_paged_attention
 from hyla.ops import recurrent as _torch_recurrent
+from hyla.ops import step_rows as _torch_step_rows
 from hyla.ops import triton as _triton
 from hyla.ops.dtypes import check_lower_bound
 
@@ -39,7 +40,7 @@ __all__ = ["backend_for", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_ru
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
            "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
            "write_latents", "paged_mla_decode", "gated_attention_kernels", "qk_norm_rope_write",
-           "paged_window_attention", "silu_mul", "mtp_fc_input"]
+           "paged_window_attention", "silu_mul", "mtp_fc_input", "derive_step_rows"]
 
 _BACKENDS = ("auto", "torch", "triton")
 _MAX_HEAD_DIM = 256
@@ -274,3 +275,13 @@ def mtp_fc_input(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w
             and isinstance(ids, torch.Tensor) and ids.is_cuda == hidden.is_cuda):
         return _triton.mtp_fc_input(ids, embed, hidden, w_e, w_h, eps)
     return _torch_mtp_input.mtp_fc_input(ids, embed, hidden, w_e, w_h, eps)
+
+
+def derive_step_rows(base: torch.Tensor, prev: torch.Tensor, vmeta: torch.Tensor, emeta: torch.Tensor,
+                     vpad: torch.Tensor, epad: torch.Tensor, kept: torch.Tensor | None = None) -> None:
+    """hyla.ops.step_rows.derive_step_rows (the next overlapped MTP step's input rows), one
+    Triton launch on CUDA (HYLA_BACKEND=triton: also the interpreter on CPU tensors)."""
+    if backend_for(prev, prev, (), heads=False) == "triton" and all(
+            t.stride(-1) == 1 for t in (base, prev, vmeta, emeta, vpad, epad)):
+        return _triton.derive_step_rows(base, prev, vmeta, emeta, vpad, epad, kept)
+    return _torch_step_rows.derive_step_rows(base, prev, vmeta, emeta, vpad, epad, kept)

@@ -14,3 +14,17 @@ def test_spec_bench_rows_report_decode_speed(capsys):
             assert r["speedup"] == r["decode_speedup"] == 1.0 and r["mean_acc"] == 1.0
     assert any(r["mean_acc"] > 1.0 for r in rows if r["spec"] != "off")  # repetitive prompts: drafts accepted
     assert "decode tok/s" in capsys.readouterr().out
+
+
+def test_spec_bench_repeats_report_medians(capsys):
+    """--repeats 3: the configurations run interleaved, each row is a median over the rounds with
+    the spread of its decode speed-up (the baseline's is 1.0 in every round)."""
+    rows = spec.main(["--k", "2", "--max-tokens", "6", "--method", "ngram", "--rollback", "slots",
+                      "--device", "cpu", "--repeats", "3"])
+    assert len(rows) == 2 * 2 * 2
+    for r in rows:
+        lo, hi = r["decode_speedup_range"]
+        assert lo <= r["decode_speedup"] <= hi
+        if r["spec"] == "off":
+            assert lo == hi == 1.0
+    assert "over 3 rounds" in capsys.readouterr().out

@@ -78,7 +78,14 @@ def test_kernel_extreme_inputs():
         expected = F.silu(gate) * up
         out = mod.silu_mul(gate, up)
         assert out.shape == gate.shape
-        torch.testing.assert_close(out, expected, rtol=1e-6, atol=0.0)
+        assert torch.equal(out.isinf(), expected.isinf()) and torch.equal(out == 0, expected == 0)
+        if dtype == torch.float32:
+            # On a GPU tl.exp is ex2.approx of g * log2(e): rounding that product costs up to
+            # |g| * log2(e) * 2^-24 relative in exp(-g), 7.6e-6 at |g| = 88 (torch's expf is exact
+            # to an ulp); near |g| ~ 1 it is the 1e-6 of the test above.
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=0.0)
+        else:  # rounded to bf16: at most one ulp apart
+            assert _ulp_diff(out, expected).max() <= 1
 
 
 def test_dispatch_routes_to_the_kernel(monkeypatch):

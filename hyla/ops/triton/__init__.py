@@ -18,7 +18,7 @@ __all__ = ["is_available", "interpreting", "chunk_kda", "chunk_gated_delta_rule"
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
            "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
            "write_latents", "paged_mla_decode", "qk_norm_rope_write", "paged_window_attention",
-           "silu_mul"]
+           "silu_mul", "mtp_fc_input", "derive_step_rows"]
 
 
 def is_available() -> bool:
@@ -42,7 +42,7 @@ def __getattr__(name):
                "write_latents": "mla", "paged_mla_decode": "mla",
                "qk_norm_rope_write": "paged_attention", "paged_window_attention": "paged_attention",
                "mtp_fc_input": "mtp_input",
-               "silu_mul": "gated_act"}
+               "silu_mul": "gated_act", "derive_step_rows": "step_rows"}
     if name in modules:
         return getattr(importlib.import_module(f"hyla.ops.triton.{modules[name]}"), name)
     raise AttributeError(f"module 'hyla.ops.triton' has no attribute {name!r}")
