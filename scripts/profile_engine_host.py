@@ -64,6 +64,8 @@ SECTIONS = [  # "module:owner.attr" of the host-side stages of a step (inclusive
     "hyla.engine.mtp_fused:launch_fused",
     "hyla.engine.mtp_fused:DerivedExtension.fill",
     "hyla.engine.mtp_fused:_Extension.fill",
+    "hyla.engine.mtp_fused:DeriveGraphs.run",
+    "hyla.engine.mtp_fused:fill_long",
     "hyla.engine.mtp_fused:FusedVerify.extension",
     "hyla.engine.mtp_fused:Flight.__init__",
     "hyla.engine.cuda_graph_verify:CUDAGraphRunner.replay_verify",

@@ -119,15 +119,17 @@ class CUDAGraphRunner(DecodeGraphs):
     def replay_verify(self, key: tuple[int, int, int, str], rows: list[list[int]], extension=None) -> tuple:
         """Fill vmeta with `rows` and run the verify graph of `key` (captured on first use) ->
         its outputs (logits [bs, W, V], hidden [bs, W, hidden], + what the extension returns).
-        extension: more work folded into the same graph after the verify forward (see
-        VerifyExtension; hyla.engine.mtp_fused): its graph is keyed by key + (extension.tag,),
-        its commit graph ("replay") too, so that commit_replay finds it through verify_key."""
+        extension: more work folded into the same graph after the verify forward (protocol:
+        tag, pad(), fill(vmeta rows, rows) -- it writes the verify rows too --, forward(logits,
+        hidden); hyla.engine.mtp_fused): its graph is keyed by key + (extension.tag,), its
+        commit graph ("replay") too, so that commit_replay finds it through verify_key."""
         if extension is not None:
             key = key + (extension.tag,)
         graph, out, replay = self._verify_graph(key, extension)
-        fill_long(self.vmeta[key[1:3]][:key[0]], rows)
-        if extension is not None:
-            extension.fill()
+        if extension is None:
+            fill_long(self.vmeta[key[1:3]][:key[0]], rows)
+        else:  # it writes the verify rows with its own (hyla.engine.mtp_fused)
+            extension.fill(self.vmeta[key[1:3]][:key[0]], rows)
         self.verify_key = key
         if graph is None:
             out = self._verify_step(key, extension)

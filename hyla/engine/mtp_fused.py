@@ -55,7 +55,7 @@ from hyla.engine.cuda_graph_verify import HeadStepGraphs, _table_row, _verify_pa
 from hyla.engine.sequence import Status
 from hyla.engine.spec_decode import Verified, argmax_accepts
 from hyla.ops import constants, dispatch
-from hyla.ops.transfer import fill_long, to_device_long
+from hyla.ops.transfer import fill_long
 
 
 def _pad_row(k: int, width: int) -> list[int]:
@@ -74,6 +74,7 @@ class FusedVerify:
         self.meta: dict[int, torch.Tensor] = {}
         self.runs = 0  # fused steps run (the tests assert the path was taken)
         self.readback = Readback()
+        self.derive = DeriveGraphs()
 
     def extension(self, done: list[int], drafts: list[list[int]], tables: list[list[int]]) -> _Extension:
         """The head's part of one fused step for N requests: done[n] head rows already in
@@ -120,7 +121,10 @@ class _Extension:
         meta = self.fused.meta[self.width]
         meta[:self.bs] = torch.tensor(_pad_row(self.fused.k, self.width), device=meta.device)
 
-    def fill(self) -> None:
+    def fill(self, vmeta: torch.Tensor, rows: list[list[int]]) -> None:
+        """Write the step's inputs: the verify rows `rows` into vmeta [bs, VW] (the verify
+        graph's input buffer) and this extension's head rows."""
+        fill_long(vmeta, rows)
         fill_long(self.fused.meta[self.width][:self.bs], self.rows)
 
     def forward(self, logits: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor]:
@@ -249,34 +253,74 @@ def fused_verify(drafter, seqs, drafts: list[list[int]], runner, rollback: str, 
 
 class DerivedExtension(_Extension):
     """The extension of a fused step launched before the previous fused step's readback
-    (`derive`): its inputs come from that step's outputs on the device. The host fills what it
-    knows (slots, block tables, the base context and head rows: the requests' state before the
-    previous step) and `fill` then writes, per request, the context and head rows advanced by
-    the previous step's kept tokens, the accepted count (its slot), the tokens [bonus, d'] and
-    the drafts d'; a request whose kept tokens hold one of its stop tokens becomes a padding row
-    (it finished there: nothing of it may be written). One op, dispatch.derive_step_rows (its
-    rule: hyla.ops.step_rows)."""
+    (`derive`): its inputs come from that step's outputs on the device. The host knows the slots,
+    block tables, the base context and head rows (the requests' state before the previous step)
+    and the stop ids; `fill` stages them in one transfer, then one small graph (DeriveGraphs)
+    copies them into the step's buffers and writes, per request, the context and head rows
+    advanced by the previous step's kept tokens, the accepted count (its slot), the tokens
+    [bonus, d'] and the drafts d'; a request whose kept tokens hold one of its stop tokens becomes
+    a padding row (it finished there: nothing of it may be written). The rule is one op,
+    dispatch.derive_step_rows (hyla.ops.step_rows)."""
 
-    def __init__(self, fused: FusedVerify, bs: int, width: int, rows: list[list[int]], vmeta: torch.Tensor,
-                 prev: torch.Tensor, base: list[list[int]], graphs=None):
-        """vmeta: this step's verify rows [>= bs, VW]; prev: the previous step's packed outputs;
-        base[n]: [context + 1, head rows + 1, stop ids (-1: none)] before the previous step;
-        graphs: the CUDAGraphRunner when rollback is "replay" (the previous step's commit runs
-        on the device, from the kept counts derived here, before this step's verify)."""
+    def __init__(self, fused: FusedVerify, bs: int, width: int, rows: list[list[int]], graphs,
+                 prev: torch.Tensor, base: list[list[int]], replay: bool):
+        """graphs: the CUDAGraphRunner; prev: the previous step's packed outputs; base[n]:
+        [context + 1, head rows + 1, stop ids (-1: none)] before the previous step; replay:
+        rollback "replay" (the previous step's commit runs on the device, from the kept counts
+        derived here, before this step's verify)."""
         super().__init__(fused, bs, width, rows)
-        self.vmeta, self.prev, self.base, self.graphs = vmeta, prev, base, graphs
+        self.graphs, self.prev, self.base, self.replay = graphs, prev, base, replay
 
-    def fill(self) -> None:
-        super().fill()
-        k, n = self.fused.k, len(self.base)
-        W, dev = k + 1, self.vmeta.device
-        vm, em = self.vmeta[:n], self.fused.meta[self.width][:n]
-        kept = None if self.graphs is None else self.graphs.accepted[:self.bs]
-        dispatch.derive_step_rows(to_device_long(self.base, dev).view(n, -1), self.prev, vm, em,
-                                  _device_row(_verify_pad_row(W, vm.shape[1] - 2 - 2 * W), dev)[0],
-                                  _device_row(_pad_row(k, self.width), dev)[0], kept)
-        if self.graphs is not None:
+    def fill(self, vmeta: torch.Tensor, rows: list[list[int]]) -> None:
+        em = self.fused.meta[self.width][:self.bs]
+        kept = self.graphs.accepted[:self.bs] if self.replay else None
+        self.fused.derive.run(self.graphs, vmeta, rows, em, self.rows, self.base, self.prev, kept, self.fused.k)
+        if self.replay:
             self.graphs.replay_commit()
+
+
+class DeriveGraphs:
+    """The derivation of an overlapped step's inputs with one host-to-device copy and one graph
+    replay: per key (the previous step's packed buffer, the step's verify and head buffers, the
+    rows, the stop ids, replay or not) a static staging buffer [verify rows | head rows | base
+    rows] and a graph of (copy the staged rows into the step's buffers, derive_step_rows). On
+    the host, launching the dozen small ops (or one Triton kernel) costs more than the GPU time
+    they take; a replay costs one launch. With capture off (the CPU) the same work runs eagerly."""
+
+    def __init__(self):
+        self.staging: dict[tuple, torch.Tensor] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}
+
+    def run(self, runner, vmeta: torch.Tensor, vrows: list[list[int]], emeta: torch.Tensor, erows: list[list[int]],
+            base: list[list[int]], prev: torch.Tensor, kept: torch.Tensor | None, k: int) -> None:
+        """vmeta [bs, VW], emeta [bs, EW]: the step's buffers, to hold vrows / erows (bs rows each)
+        with the first n = len(base) rows derived from prev [>= n, 2W]; kept [bs] or None."""
+        n, (bs, VW), EW = len(base), vmeta.shape, emeta.shape[1]
+        S = len(base[0]) - 2 if base else 0
+        key = (prev.data_ptr(), vmeta.data_ptr(), emeta.data_ptr(), bs, VW, EW, n, S, kept is not None)
+        staged = self.staging.get(key)
+        if staged is None:
+            staged = self.staging[key] = torch.empty(bs * (VW + EW) + n * (2 + S), dtype=torch.long,
+                                                     device=vmeta.device)
+        fill_long(staged, [v for r in vrows for v in r] + [v for r in erows for v in r] + [v for r in base for v in r])
+        sv, se = staged[:bs * VW].view(bs, VW), staged[bs * VW:bs * (VW + EW)].view(bs, EW)
+        sb = staged[bs * (VW + EW):].view(n, 2 + S)
+        W, dev = k + 1, vmeta.device
+        vpad = _device_row(_verify_pad_row(W, VW - 2 - 2 * W), dev)[0]
+        epad = _device_row(_pad_row(k, EW - 1 - k), dev)[0]
+
+        def step():
+            vmeta.copy_(sv)
+            emeta.copy_(se)
+            dispatch.derive_step_rows(sb, prev, vmeta[:n], emeta[:n], vpad, epad, kept)
+
+        if key not in self.graphs:
+            self.graphs[key] = runner._capture(step)[0] if runner.capture else None
+        graph = self.graphs[key]
+        if graph is None:
+            step()
+        else:
+            graph.replay()
 
 
 def _device_row(values: list[int], device) -> torch.Tensor:

@@ -100,8 +100,8 @@ class OverlapChain:
             return  # not captured yet: the next step goes the normal way (and captures it)
         base = [[s.num_computed_tokens + 1, v.done + 1] + st for s, v, st in zip(seqs, views, stops)]
         # rollback "replay": the current step's commit runs first, from the kept counts the device knows
-        derived = DerivedExtension(drafter.fused, ext.bs, ext.width, ext.rows, graphs.vmeta[key[1:3]],
-                                   flight.packed, base, graphs if rollback == "replay" else None)
+        derived = DerivedExtension(drafter.fused, ext.bs, ext.width, ext.rows, graphs, flight.packed, base,
+                                   rollback == "replay")
         out = graphs.replay_verify(key, rows, derived)
         self.flight = Flight(seqs, None, out, W, drafter.fused.readback)
         self.state_committed = rollback == "replay"

@@ -158,6 +158,6 @@ def test_derivation_reads_nothing_on_the_host(bundled, monkeypatch):
     with monkeypatch.context() as m:
         nosync = _NoSync(m)
         fill = DerivedExtension.fill
-        m.setattr(DerivedExtension, "fill", lambda self: _guarded(nosync, fill)(self))
+        m.setattr(DerivedExtension, "fill", lambda self, *a: _guarded(nosync, fill)(self, *a))
         assert _generate(llm, prompts, params) == want
     assert llm.engine.chain.launched > 0
