@@ -47,3 +47,18 @@ def test_bad_shapes_name_the_problem():
         ref.mtp_fc_input(ids[:2], embed, hidden, w_e, w_h)
     with pytest.raises(ValueError, match="norm weights"):
         ref.mtp_fc_input(ids, embed, hidden, w_e[:3], w_h)
+
+
+def test_triton_reads_ids_through_their_stride():
+    """A head-step graph of one row per request passes its ids as a column of its meta buffer
+    (meta[:, 2:3].reshape(-1) is a view with the buffer's row stride); the other columns hold
+    contexts and -1 pages, which the kernel must not read as token ids."""
+    tk, dev = triton_module("mtp_input")
+    ids, embed, hidden, w_e, w_h = (a.to(dev) for a in _case(5, 24, 50, torch.float32, seed=3))
+    meta = torch.full((5, 7), -1, dtype=torch.long, device=dev)
+    meta[:, 2] = ids
+    column = meta[:, 2:3].reshape(-1)
+    assert column.stride(0) == 7
+    got = tk.mtp_fc_input(column, embed, hidden, w_e, w_h)
+    want = ref.mtp_fc_input(ids, embed, hidden, w_e, w_h)
+    assert ((got - want).abs() <= 1e-6 * want.abs().clamp_min(1)).all()

@@ -17,11 +17,11 @@ _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
 
 @triton.jit
-def _fc_input_kernel(ids, embed, hidden, w_e, w_h, out, s_e, s_h, D, eps, BD: tl.constexpr):
+def _fc_input_kernel(ids, embed, hidden, w_e, w_h, out, s_i, s_e, s_h, D, eps, BD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BD)
     m = c < D
-    tok = tl.load(ids + t).to(tl.int64)
+    tok = tl.load(ids + t * s_i).to(tl.int64)  # ids may be a column of a graph's meta buffer
     e = tl.load(embed + tok * s_e + c, mask=m, other=0.0).to(tl.float32)
     ne = e * tl.math.rsqrt(tl.sum(e * e, axis=0) / D + eps) * (1.0 + tl.load(w_e + c, mask=m, other=0.0).to(tl.float32))
     tl.store(out + t * 2 * D + c, to_dtype(ne, out.dtype.element_ty), mask=m)
@@ -41,6 +41,6 @@ def mtp_fc_input(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w
     out = torch.empty(T, 2 * D, device=hidden.device, dtype=embed.dtype)
     if T:
         BD = triton.next_power_of_2(D)
-        _fc_input_kernel[(T,)](ids, embed, hidden, w_e.contiguous(), w_h.contiguous(), out, embed.stride(0),
+        _fc_input_kernel[(T,)](ids, embed, hidden, w_e.contiguous(), w_h.contiguous(), out, ids.stride(0), embed.stride(0),
                                hidden.stride(0), D, float(eps), BD=BD, num_warps=max(1, min(8, BD // 256)))
     return out

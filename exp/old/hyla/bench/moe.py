@@ -1,0 +1,198 @@
+"""One MoE block of the released shapes on the GPU: Triton fused MoE vs grouped GEMMs vs the floor.
+
+    python -m hyla.bench moe [--shapes kimi-linear-48b-a3b qwen3-next-80b-a3b]
+                             [--tokens 1 16 64 256 8192] [--sweep] [--repeat 50]
+
+Per shape and token count (random bf16 weights built on the device, random hidden states, the
+family's own router: sigmoid noaux_tc for Kimi, softmax top-k for Qwen3-Next):
+
+- `block graph ms`: the whole block (router, routed experts on the default path, shared expert)
+  replayed as a CUDA graph — what a decode step pays;
+- `triton ms` / `grouped_mm ms`: the routed experts alone on the same routing, the Triton
+  fused-MoE kernels (hyla.ops.triton.fused_moe) and the sorted `grouped_mm` path
+  (hyla.ops.moe.moe_experts_torch), each replayed as a CUDA graph;
+- floor = bytes the block must read / copy bandwidth: the experts the batch touches (counted
+  from the routing) x the bytes of one expert, the shared expert, the router weight (fp32), the
+  hidden states in and out (hyla.bench.floor.moe_block_parts). `--sweep` also times a few
+  Triton block configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+from hyla.bench.floor import copy_bandwidth, moe_block_parts
+from hyla.ops.triton.moe_configs import config_file_name, write_configs
+
+SHAPES = {
+    # hidden, moe_intermediate, experts, top-k, shared intermediate, family
+    "kimi-linear-48b-a3b": dict(hidden=2304, inter=1024, experts=256, top_k=8, shared=1024, family="kimi"),
+    "qwen3-next-80b-a3b": dict(hidden=2048, inter=512, experts=512, top_k=10, shared=512, family="qwen"),
+}
+SWEEP = [dict(BM=16, BN=64, BK=128, num_warps=4, num_stages=3), dict(BM=16, BN=128, BK=128, num_warps=4, num_stages=3),
+         dict(BM=16, BN=64, BK=256, num_warps=4, num_stages=2), dict(BM=16, BN=32, BK=256, num_warps=4, num_stages=3),
+         dict(BM=32, BN=64, BK=128, num_warps=4, num_stages=3), dict(BM=64, BN=128, BK=64, num_warps=8, num_stages=3),
+         dict(BM=128, BN=128, BK=64, GM=1, num_warps=8, num_stages=3),
+         dict(BM=128, BN=128, BK=64, GM=8, num_warps=8, num_stages=3),
+         dict(BM=128, BN=128, BK=64, GM=8, num_warps=8, num_stages=4),
+         dict(BM=128, BN=256, BK=64, GM=8, num_warps=8, num_stages=3),
+         dict(BM=64, BN=128, BK=64, GM=8, num_warps=4, num_stages=4),
+         dict(BM=128, BN=64, BK=64, GM=16, num_warps=4, num_stages=4),
+         dict(BM=128, BN=128, BK=128, GM=8, num_warps=8, num_stages=2),
+         dict(BM=128, BN=64, BK=128, GM=8, num_warps=8, num_stages=3),
+         dict(BM=64, BN=256, BK=64, GM=8, num_warps=8, num_stages=3),
+         dict(BM=256, BN=64, BK=64, GM=8, num_warps=8, num_stages=3),
+         dict(BM=128, BN=128, BK=64, GM=16, num_warps=8, num_stages=3),
+         dict(BM=128, BN=128, BK=64, GM=4, num_warps=8, num_stages=3)]
+# second-GEMM overrides tried on top of the best SWEEP entry (its BM kept: the blocks are shared)
+DOWN_SWEEP = [dict(BN=256, BK=64, GM=4, num_warps=8, num_stages=3), dict(BN=256, BK=64, GM=8, num_warps=8, num_stages=3),
+              dict(BN=128, BK=128, GM=4, num_warps=8, num_stages=3), dict(BN=256, BK=32, GM=4, num_warps=8, num_stages=4),
+              dict(BN=128, BK=64, GM=4, num_warps=4, num_stages=4), dict(BN=64, BK=128, GM=4, num_warps=4, num_stages=3),
+              dict(BN=128, BK=64, GM=1, num_warps=8, num_stages=4)]
+
+
+def build_block(shape: dict, device, dtype=torch.bfloat16, seed: int = 0):
+    from hyla.layers import MoE, Qwen3NextSparseMoE
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        if shape["family"] == "kimi":
+            block = MoE(shape["hidden"], shape["inter"], shape["experts"], shape["top_k"], num_shared_experts=1,
+                        routed_scaling_factor=2.446)
+        else:
+            block = Qwen3NextSparseMoE(shape["hidden"], shape["inter"], shape["experts"], shape["top_k"],
+                                       shape["shared"])
+    block.to(dtype)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            keep = torch.float32 if name.startswith("gate.") else dtype
+            p.data = (torch.randn(p.shape, device=device, dtype=torch.float32) * 0.02).to(keep)
+        if hasattr(block.gate, "e_score_correction_bias"):
+            block.gate.e_score_correction_bias.copy_(torch.randn(shape["experts"], device=device) * 0.01)
+    return block.eval().requires_grad_(False)
+
+
+def graph_ms(fn, repeat: int) -> float:
+    """Median ms of CUDA-graph replays of fn (captured after a warm-up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def floor_bytes(block, distinct: int, tokens: int) -> int:
+    """Bytes the block must move: the experts touched, the router and shared expert, x in and out."""
+    expert, other = moe_block_parts(block, block.experts.num_experts)
+    return distinct * expert + other + 2 * tokens * block.experts.gate_up_proj.shape[2] * 2
+
+
+def _sweep(run, repeat: int) -> tuple[dict, dict]:
+    """Time run(config) for every SWEEP entry ("0".."n-1"), then for the DOWN_SWEEP overrides on
+    the fastest ("d0".."dn") -> (ms by label, the fastest configuration). A configuration that
+    does not fit the device (too much shared memory) is timed as nan."""
+    def timed(cfg):
+        try:
+            return graph_ms(lambda: run(cfg), repeat)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
+            print(f"# config {cfg}: {type(e).__name__}")
+            return float("nan")
+
+    def fastest(ms: dict) -> str:
+        return min(ms, key=lambda i: ms[i] if ms[i] == ms[i] else float("inf"))
+
+    ms = {str(i): timed(cfg) for i, cfg in enumerate(SWEEP)}
+    best = dict(SWEEP[int(fastest(ms))])
+    configs = {str(i): cfg for i, cfg in enumerate(SWEEP)}
+    for j, down in enumerate(DOWN_SWEEP):
+        cfg = {**best, "down": down}
+        configs[f"d{j}"] = cfg
+        ms[f"d{j}"] = timed(cfg)
+    return ms, configs[fastest(ms)]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="hyla bench moe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=sorted(SHAPES))
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192])
+    p.add_argument("--repeat", type=int, default=50)
+    p.add_argument("--sweep", action="store_true", help="also time the Triton block configurations in SWEEP, "
+                   "then second-GEMM overrides (DOWN_SWEEP) on the best")
+    p.add_argument("--write-configs", type=Path, metavar="DIR",
+                   help="with --sweep: write the fastest configuration per shape and token count into DIR "
+                        "(hyla.ops.triton.moe_configs' file per shape and device)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("hyla bench moe needs a CUDA device")
+    from hyla.ops.moe import moe_experts_torch
+    from hyla.ops.triton.fused_moe import fused_moe
+
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    print(f"# hyla bench moe: torch {torch.__version__}, {torch.cuda.get_device_name()}, copy bandwidth "
+          f"{bw / 1e9:.0f} GB/s (read + write); CUDA-graph replays, medians of {args.repeat}")
+    rows, tuned = [], {}
+    for name in args.shapes:
+        shape = SHAPES[name]
+        block = build_block(shape, device)
+        w13, w2 = block.experts.gate_up_proj, block.experts.down_proj
+        for m in args.tokens:
+            x = torch.randn(m, shape["hidden"], device=device, dtype=torch.bfloat16)
+            with torch.inference_mode():
+                weights, ids = block.gate(x)
+                distinct = int(ids.unique().numel())
+                fast = fused_moe(x, w13, w2, weights, ids)
+                slow = moe_experts_torch(x, w13, w2, weights, ids)
+                err = float((fast.float() - slow.float()).norm() / slow.float().norm())
+                t_block = graph_ms(lambda: block(x), args.repeat)
+                t_triton = graph_ms(lambda: fused_moe(x, w13, w2, weights, ids), args.repeat)
+                t_grouped = graph_ms(lambda: moe_experts_torch(x, w13, w2, weights, ids), args.repeat)
+                sweep, best_cfg = {}, None
+                if args.sweep:
+                    sweep, best_cfg = _sweep(lambda cfg: fused_moe(x, w13, w2, weights, ids, config=cfg),
+                                             args.repeat)
+                    tuned[(name, m)] = best_cfg
+            floor = floor_bytes(block, distinct, m) / bw * 1e3
+            row = dict(shape=name, tokens=m, distinct=distinct, block_ms=t_block, triton_ms=t_triton,
+                       grouped_ms=t_grouped, floor_ms=floor, x_floor=t_block / floor, rel_err=err, sweep=sweep)
+            rows.append(row)
+            if sweep:
+                print(f"# {name} M={m}: sweep " + " ".join(f"{i}:{t:.3f}" for i, t in sweep.items())
+                      + f" -> best {best_cfg} ({min(t for t in sweep.values() if t == t):.3f} ms; "
+                      f"default {t_triton:.3f} ms)")
+        if args.write_configs and any(n == name for n, _ in tuned):
+            path = args.write_configs / config_file_name(shape["experts"], shape["inter"], shape["hidden"],
+                                                         torch.cuda.get_device_name(device))
+            write_configs(path, {m: cfg for (n, m), cfg in tuned.items() if n == name})
+            print(f"# wrote {path}")
+        del block, w13, w2
+        torch.cuda.empty_cache()
+    print(f"{'shape':<22} {'tokens':>6} {'experts':>7} {'block ms':>9} {'triton ms':>9} {'grouped ms':>10} "
+          f"{'floor ms':>9} {'x floor':>8} {'rel err':>8}")
+    for r in rows:
+        print(f"{r['shape']:<22} {r['tokens']:>6} {r['distinct']:>7} {r['block_ms']:>9.3f} {r['triton_ms']:>9.3f} "
+              f"{r['grouped_ms']:>10.3f} {r['floor_ms']:>9.3f} {r['x_floor']:>7.2f}x {r['rel_err']:>8.1e}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The `hyla` command: serve, generate, bench, plot, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _demo(args) -> None:
+    """A short tour of the ops: chunkwise prefill equals the exact loop, checkpoints, decode."""
+    import torch
+    import torch.nn.functional as F
+
+    from hyla.ops import chunk_kda, fused_recurrent_kda, naive_recurrent_kda
+
+    torch.manual_seed(0)
+    T, H, K, V = args.tokens, 4, 64, 64
+    q = torch.randn(1, T, H, K, dtype=torch.float64)
+    k = F.normalize(torch.randn(1, T, H, K, dtype=torch.float64), dim=-1)
+    v = torch.randn(1, T, H, V, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(1, T, H, K, dtype=torch.float64))
+    beta = torch.rand(1, T, H, dtype=torch.float64)
+    o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True)
+    p = T // 3 + 1
+    o, s, (ck,) = chunk_kda(q, k, v, g, beta, output_final_state=True, checkpoint_positions=[[p]])
+    _, s_p = naive_recurrent_kda(q[:, :p], k[:, :p], v[:, :p], g[:, :p], beta[:, :p], output_final_state=True)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    print(f"KDA, T={T}, H={H}, K=V={K}, fp64")
+    print(f"  chunkwise prefill vs exact loop: output rel. error {rel(o, o_ref):.1e}, state {rel(s, s_ref):.1e}")
+    print(f"  in-pass checkpoint after {p} tokens vs loop stopped there: {rel(ck[0], s_p[0]):.1e}")
+    pool = torch.zeros(4, H, K, V, dtype=torch.float64)
+    pool[2] = s[0]
+    x = [t[:, :1] for t in (q, k, v, g, beta)]
+    o_dec, _ = fused_recurrent_kda(*x, initial_state=pool, ssm_state_indices=torch.tensor([2]))
+    print(f"  one decode step over a state pool (slot 2, in place): |o| = {o_dec.norm():.3f}")
+
+
+def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory, or a bundled model's name: "
+                   "default (the default), qwen3.5-mtp (with an MTP head)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--memory-budget", type=int, default=None, help="bytes for KV pages + state slots")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=prefix_cache_default)
+    p.add_argument("--speculative-config", type=json.loads, default=None, help='JSON, e.g. \'{"method": "ngram", '
+                   '"num_speculative_tokens": 4}\'')
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N devices (worker processes started by the engine)")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="whole experts per rank (with -tp N)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights from config.json alone (benchmarks)")
+
+
+def _engine_config(args):
+    from hyla.engine import EngineConfig
+
+    from hyla.models.default import BUNDLED_MODELS, resolve_model
+
+    if args.model in BUNDLED_MODELS and getattr(args, "served_model_name", "") is None:
+        args.served_model_name = args.model  # clients ask for the name they were given
+    args.model = resolve_model(args.model)
+    return EngineConfig(
+        model=str(args.model), dtype=args.dtype, device=args.device,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, memory_budget=args.memory_budget,
+        enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
+        enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format)
+
+
+def _serve(args) -> None:
+    import logging
+    import os
+
+    import uvicorn
+
+    from hyla.engine import LLMEngine
+    from hyla.server import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = _engine_config(args)
+    engine = LLMEngine(config)
+    name = args.served_model_name or os.path.basename(os.path.normpath(config.model))
+    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
+    logging.getLogger("hyla").info("serving %s on http://%s:%d", name, args.host, args.port)
+    failure = []
+    if engine.workers is not None:  # a dead tensor-parallel worker stops the server, exit code 1
+        import signal
+
+        def stop(err):  # called in the engine's loop thread, inside the failing step
+            failure.append(err)
+            logging.getLogger("hyla").error("%s: stopping the server", err)
+            for rid in list(engine.requests):  # nothing left to step: the loop idles until shutdown
+                engine.abort_request(rid)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        engine.workers.on_failure = stop
+    # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to the drain time,
+    # then cancel them (their requests are aborted) and exit.
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                    timeout_graceful_shutdown=args.shutdown_drain_s)
+    finally:
+        engine.shutdown()
+    if failure:
+        raise SystemExit(f"hyla serve: {failure[0]}")
+
+
+def _generate(args) -> None:
+    import time
+
+    from hyla.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(_engine_config(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.sampling_seed)
+    engine.add_request("cli", args.prompt, params)
+    start, first, out = time.perf_counter(), None, None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first = first or time.perf_counter()
+    elapsed = time.perf_counter() - start
+    completion = out.outputs[0]
+    print(args.prompt + completion.text)
+    n = len(completion.token_ids)
+    decode = (n - 1) / (elapsed - (first - start)) if n > 1 and elapsed > first - start else float("nan")
+    print(f"\n[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s overall, {decode:.1f} tokens/s decode, "
+          f"first token after {(first - start) * 1e3:.0f} ms; finish: {completion.finish_reason}]", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="hyla", description="hybrid linear-attention LLM stack")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_engine_args(serve, prefix_cache_default=True)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1 routes")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--shutdown-drain-s", type=float, default=10.0,
+                       help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen3_coder", "kimi_k2"],
+                       help="how tool calls are read from the model's text (vLLM's names)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='allow tool_choice "auto" (needs --tool-call-parser), as in vLLM')
+    serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print tokens/s")
+    _add_engine_args(gen, prefix_cache_default=False)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.set_defaults(func=_generate)
+
+    demo = sub.add_parser("demo", help="a short demonstration of the ops")
+    demo.add_argument("--tokens", type=int, default=300)
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks: ops, kernels, throughput, prefix-cache, spec",
+                           add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=lambda a: __import__("hyla.bench.__main__", fromlist=["main"]).main(a.rest))
+
+    plot = sub.add_parser("plot", help="render the explanatory figures (PNG)")
+    plot.add_argument("--out", required=True, help="output directory")
+    plot.set_defaults(func=_plot)
+
+    args = parser.parse_args(argv)
+    if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
+        serve.error("--enable-auto-tool-choice needs --tool-call-parser")
+    args.func(args)
+
+
+def _plot(args) -> None:
+    from hyla.viz.plots import render_all
+
+    for name, path in render_all(args.out).items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""EngineConfig: every engine knob in one validated dataclass."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(value, name: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value.lower() in ("auto",):
+        return None
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    raise ValueError(f"{name} must be one of {sorted(_DTYPES)} or 'auto', got {value!r}")
+
+
+@dataclass
+class SpecConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    rollback: str = "slots"
+
+    @classmethod
+    def parse(cls, raw: dict | str | SpecConfig | None) -> SpecConfig | None:
+        """From a dict (or its JSON text, as the CLI passes it); ValueError names what is wrong."""
+        if raw is None or isinstance(raw, SpecConfig):
+            return raw
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("speculative_config must be a dict")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "rollback"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}")
+        cfg = cls(**{"method": raw.get("method"), "num_speculative_tokens": raw.get("num_speculative_tokens"),
+                     **{k: v for k, v in raw.items() if k not in ("method", "num_speculative_tokens")}})
+        if cfg.method not in ("ngram", "draft_model", "mtp"):
+            raise ValueError(f"speculative_config method must be 'ngram', 'draft_model' or 'mtp', got {cfg.method!r}")
+        k = cfg.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..16, got {k!r}")
+        lo, hi = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (lo, hi)) or not 1 <= lo <= hi:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if cfg.rollback not in ("slots", "replay"):
+            raise ValueError(f"rollback must be 'slots' or 'replay', got {cfg.rollback!r}")
+        if cfg.method == "draft_model" and not (isinstance(cfg.model, str) and cfg.model):
+            raise ValueError("method 'draft_model' needs 'model': the draft checkpoint's path")
+        if cfg.method == "mtp" and cfg.model is not None:
+            raise ValueError("method 'mtp' takes no 'model': the head is read from the target checkpoint")
+        return cfg
+
+
+@dataclass
+class EngineConfig:
+    """model: checkpoint directory. dtype / device: model weights (None = checkpoint dtype on CPU,
+    bf16 on CUDA; device None = CUDA when available). max_num_seqs: running requests at most
+    (clamped to the state slots the budget holds). max_num_batched_tokens: tokens per step
+    (prefill chunks + decodes). max_model_len: prompt + output tokens per request (None = the
+    model's limit). memory_budget: bytes for KV pages + state slots (None = derived, see
+    pools.size_pools). state_dtype: recurrent state precision (fp32 default, bf16 option).
+    enable_prefix_caching: reuse KV pages + state checkpoints across requests (prefix_cache.py);
+    checkpoint_interval: also export a state every that many prompt tokens (default off).
+    speculative_config: a dict (or its JSON text) of SpecConfig's fields, or None.
+    tensor_parallel_size: ranks the model is split over (hyla.parallel: worker processes started
+    by the engine, one per device; memory_budget is then per rank); enable_expert_parallel:
+    whole experts per rank instead of every expert split along its width. load_format "dummy":
+    random weights, no safetensors read (benchmarks of released shapes from their config.json)."""
+
+    model: str
+    dtype: torch.dtype | str | None = None
+    device: str | torch.device | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # resolved in __post_init__: the value the engine uses
+    memory_budget: int | None = None
+    enable_prefix_caching: bool = False
+    speculative_config: dict | str | SpecConfig | None = None  # parsed in __post_init__ into a SpecConfig
+    enforce_eager: bool = False
+    seed: int = 0
+    state_dtype: torch.dtype | str = torch.float32
+    page_size: int = 16
+    checkpoint_interval: int | None = None
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    load_format: str = "auto"
+    model_limit: int = field(init=False, default=0)  # the checkpoint's max_position_embeddings (or 2^20)
+
+    def __post_init__(self):
+        """Validate and resolve every field; reads config.json files (the target's, the draft
+        model's), never a weight, so a bad configuration fails before any model loads."""
+        self.dtype = parse_dtype(self.dtype, "dtype")
+        self.state_dtype = parse_dtype(self.state_dtype, "state_dtype") or torch.float32
+        if self.state_dtype not in (torch.float32, torch.bfloat16, torch.float64):
+            raise ValueError(f"state_dtype must be float32, bfloat16 or float64, got {self.state_dtype}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.memory_budget is not None and (not isinstance(self.memory_budget, int) or self.memory_budget <= 0):
+            raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
+        if self.checkpoint_interval is not None and (not isinstance(self.checkpoint_interval, int)
+                                                     or self.checkpoint_interval < 1):
+            raise ValueError(f"checkpoint_interval must be a positive integer, got {self.checkpoint_interval!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(self.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available")
+        self.speculative_config = SpecConfig.parse(self.speculative_config)
+        from hyla.models.loader import load_config
+
+        target = load_config(self.model)
+        self._check_parallel(target)
+        self.model_limit = getattr(target, "max_position_embeddings", None) or 1 << 20
+        # Without an explicit max_model_len: the model's limit, but at most 8192 tokens so that the
+        # default pools stay small (raise it with max_model_len).
+        self.max_model_len = min(self.max_model_len or min(self.model_limit, 8192), self.model_limit)
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            try:
+                draft = load_config(spec.model)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"speculative_config model {spec.model!r}: {e}") from None
+            if draft.vocab_size != target.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
+                                 f"({target.vocab_size}): it must share the tokenizer")
+        if spec is not None and spec.method == "mtp":
+            from hyla.models.loader import weight_files
+
+            if not any(name.startswith("mtp.") for name in weight_files(self.model)):
+                raise ValueError(f"speculative method 'mtp' needs a checkpoint with a multi-token-prediction head; "
+                                 f"{self.model} has no `mtp.*` tensors")
+            spec.model = self.model  # the drafter reads the head from there
+
+    def _check_parallel(self, target) -> None:
+        """tensor_parallel_size: enough devices, a family with a plan, sizes it divides (the
+        ValueError names the config field; an MTP head's layer has the target's attention and
+        MLP sizes, so it splits wherever the target does)."""
+        n = self.tensor_parallel_size
+        if n == 1:
+            return
+        if self.device.type == "cuda" and torch.cuda.device_count() < (self.device.index or 0) + n:
+            raise ValueError(f"tensor_parallel_size={n} needs {n} CUDA devices from {self.device}, "
+                             f"{torch.cuda.device_count()} are visible")
+        from hyla.parallel.plans import check_parallel
+
+        check_parallel(target, n, self.enable_expert_parallel)
+
+    @property
+    def slots_per_seq(self) -> int:
+        """State slots a running request holds: 1 + k with speculative "slots" rollback, else 1."""
+        spec = self.speculative_config
+        return 1 + spec.num_speculative_tokens if spec is not None and spec.rollback == "slots" else 1

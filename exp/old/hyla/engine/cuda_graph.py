@@ -1,0 +1,193 @@
+"""CUDA graphs for pure-decode steps: one graph per (batch-size bucket, page-width bucket).
+
+This module: the decode graphs (DecodeGraphs) and what every graph shares (buckets, scratch,
+capture). Speculative verify and commit graphs: hyla.engine.cuda_graph_verify, whose
+CUDAGraphRunner (DecodeGraphs + verify / commit) is what ModelRunner holds.
+
+A decode step of a hybrid model is about a thousand small kernels (projections, short convs,
+gates, norms, the recurrent kernel) over a few rows; launched one by one from Python their
+launch overhead, not the GPU, sets the step time. A graph replays the whole step
+(`forward_batch` + `compute_logits`) with one launch.
+
+What a graph reads: one persistent int64 buffer per page width, `meta [max_batch, 3 + width]`:
+
+    meta[:, 0] token id   meta[:, 1] context length (= position of the new token)
+    meta[:, 2] state slot meta[:, 3:] block table (-1 past the sequence's pages)
+
+Before a replay the step's rows are copied in with one host -> device copy. Rows past the step's
+sequences, up to the bucket, are padding: token 0, context 0, slot -1, pages -1. The pools get one
+scratch slot and one scratch page at their end (`SCRATCH`, allocated by ModelRunner), which
+python indexing reaches as slot -1 / page -1: a padding row's conv windows and latent land there,
+and the recurrent kernel skips slot < 0 outright. So padding rows read and write nothing a
+request owns.
+
+Buckets: batch sizes 1, 2, 4, 8, 16, 24, ... (multiples of 8, as vLLM) up to `max_batch`;
+page widths 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (MLA reads every column of the width, masked, so
+at most 1.5x the latents it needs). A graph is captured the first time its bucket is used; all
+share one memory pool.
+
+MoE layers are captured like the rest: routing and the expert-sorted grouped GEMMs
+(hyla.ops.moe) run on the device with shapes fixed by the batch size. Left to the eager path:
+steps with state checkpoints, batches larger than `max_batch`, and a model with a module that
+declares `graph_safe = False` (none does today).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hyla.contract import ForwardBatch
+from hyla.ops import constants
+from hyla.ops.transfer import fill_long
+
+log = logging.getLogger("hyla.engine")
+
+SCRATCH = 1  # extra state slots and KV pages at the end of the pools, written by padding rows
+
+
+def graph_safe(model) -> bool:
+    """True when the model's decode forward has no host sync: no module declares
+    `graph_safe = False`."""
+    return all(getattr(m, "graph_safe", True) for m in model.modules())
+
+
+def use_cuda_graphs(model, enforce_eager: bool) -> bool:
+    if enforce_eager or model.device.type != "cuda":
+        return False
+    from hyla.ops import dispatch, triton as hyla_triton
+
+    probe = torch.empty(1, 1, 1, 1, device=model.device, dtype=model.dtype)
+    if dispatch.backend_for(probe, probe, []) != "triton" or not hyla_triton.is_available():
+        # fp64 models, HYLA_BACKEND=torch or no triton: the torch recurrences read lengths on
+        # the host, which a capture cannot do.
+        log.info("CUDA graphs off: the linear layers run the torch ops (fp64 or HYLA_BACKEND=torch)")
+        return False
+    if not graph_safe(model):
+        log.info("CUDA graphs off: a module of the model declares graph_safe = False")
+        return False
+    return True
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return sizes + [max_batch]
+
+
+def width_bucket(pages: int) -> int:
+    """Smallest of 1, 2, 3, 4, 6, 8, 12, ... (2^k and 3 * 2^(k-1)) that is >= pages."""
+    p = 1
+    while True:
+        for w in (p, p * 3 // 2) if p >= 2 else (p,):
+            if w >= pages:
+                return w
+        p *= 2
+
+
+def _decode_pad_row(width: int) -> list[int]:
+    """A padding row of the decode buffer: token 0, context 0, slot -1, no pages."""
+    return [0, 0, -1] + [-1] * width
+
+
+class DecodeGraphs:
+    """Replays captured decode steps. `capture=False` runs the same padded, fixed-shape inputs
+    eagerly (how the CPU tests check the padding without a GPU)."""
+
+    def __init__(self, model, cache, max_batch: int, capture: bool | None = None):
+        self.model, self.cache = model, cache
+        self.device = model.device
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = max_batch
+        self.page_size = cache.page_size
+        self.has_attention = bool(cache.attention_layers)
+        self.meta: dict[int, torch.Tensor] = {}  # width -> [max_batch, 3 + width]
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+
+    def can_run(self, seqs, num_new_tokens, logit_rows, checkpoints=None) -> bool:
+        return (0 < len(seqs) <= self.max_batch and all(n == 1 for n in num_new_tokens)
+                and not (checkpoints and any(checkpoints)) and all(r in ([], [0]) for r in logit_rows))
+
+    def run(self, seqs, logit_rows) -> torch.Tensor:
+        """A pure-decode step for `seqs` (one new token each) -> fp32 logits of the rows asked for."""
+        logits = self.run_decode([s.token_ids[s.num_computed_tokens] for s in seqs],
+                                 [s.num_computed_tokens for s in seqs], [s.slot for s in seqs],
+                                 [s.block_table for s in seqs])
+        keep = [n for n, rows in enumerate(logit_rows) if rows]
+        if len(keep) == len(seqs):
+            return logits.clone()  # the graph's output buffer is overwritten by the next replay
+        return logits[torch.tensor(keep, device=logits.device)]
+
+    @torch.inference_mode()
+    def run_decode(self, token_ids: list[int], context_lens: list[int], slots: list[int],
+                   block_tables: list[list[int]]) -> torch.Tensor:
+        """One decode step from python lists -> logits [N, V] fp32, a view of the graph's output
+        buffer (valid until the next replay)."""
+        graph, out, n = self.prepare(token_ids, context_lens, slots, block_tables)
+        if graph is None:
+            out = self._forward(*self._key)
+        else:
+            graph.replay()
+        return out[:n]
+
+    @torch.inference_mode()
+    def prepare(self, token_ids, context_lens, slots, block_tables):
+        """Copy a step's rows (and padding) into the graph's input buffer, capturing its graph on
+        first use -> (graph or None when not capturing, its output buffer, N)."""
+        n = len(token_ids)
+        bs = next(b for b in self.buckets if b >= n)
+        need = max(-(-(c + 1) // self.page_size) for c in context_lens) if self.has_attention else 1
+        width = width_bucket(need)
+        rows = [[t, c, s] + list(table[:width]) + [-1] * (width - len(table))
+                for t, c, s, table in zip(token_ids, context_lens, slots, block_tables)]
+        rows += [_decode_pad_row(width)] * (bs - n)
+        for slot, ctx in zip(slots, context_lens):
+            if ctx == 0:  # a one-token prompt: its slot may hold an old request's state
+                self.cache.zero_slot(slot)
+        graph, out = self._graph(bs, width)
+        fill_long(self.meta[width][:bs], rows)  # asynchronous: no wait for the previous replay
+        self._key = (bs, width)
+        return graph, out, n
+
+    def _forward(self, bs: int, width: int) -> torch.Tensor:
+        meta = self.meta[width]
+        # A fresh ForwardBatch each call: what it memoises (slot mapping) must be computed inside
+        # the capture, never carried over from the warm-up.
+        batch = ForwardBatch(
+            cu_seqlens=constants.arange(bs + 1, self.device), context_lens=meta[:bs, 1], positions=meta[:bs, 1],
+            block_tables=meta[:bs, 3:], state_slots=meta[:bs, 2], seq_lens=[1] * bs,
+            context_lens_list=[1] * bs, cuda_graph=True)
+        hidden = self.model.forward_batch(meta[:bs, 0], batch, self.cache)
+        return self.model.compute_logits(hidden)
+
+    def _graph(self, bs: int, width: int):
+        if width not in self.meta:
+            self.meta[width] = torch.zeros(self.max_batch, 3 + width, dtype=torch.long, device=self.device)
+        key = (bs, width)
+        if key in self.graphs:
+            return self.graphs[key]
+        if not self.capture:
+            self.graphs[key] = (None, None)
+            return self.graphs[key]
+        meta = self.meta[width]
+        # Warm up on padding rows only: every write lands in scratch.
+        meta[:bs] = torch.tensor(_decode_pad_row(width), device=self.device)
+        graph, out = self._capture(lambda: self._forward(bs, width))
+        log.debug("captured a decode CUDA graph for batch %d, %d pages", bs, width)
+        self.graphs[key] = (graph, out)
+        return self.graphs[key]
+
+    def _capture(self, step):
+        """Run `step` once on a side stream (Triton compiles, cuBLAS picks kernels, outside the
+        capture), then capture it -> (graph, what the captured call returned)."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        return graph, out

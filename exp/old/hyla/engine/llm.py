@@ -1,0 +1,81 @@
+"""LLM: the offline API, as vLLM users know it.
+
+    llm = LLM(model=path)          # or a bundled model's name: "default", "qwen3.5-mtp"
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))
+"""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from hyla.engine.config import EngineConfig
+from hyla.engine.llm_engine import LLMEngine
+from hyla.engine.outputs import RequestOutput
+from hyla.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, dtype=None, device=None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 4096, max_model_len: int | None = None,
+                 memory_budget: int | None = None, enable_prefix_caching: bool = False,
+                 speculative_config: dict | None = None, enforce_eager: bool = False, seed: int = 0,
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, **kwargs):
+        from hyla.models.default import resolve_model
+
+        config = EngineConfig(model=resolve_model(model), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                              memory_budget=memory_budget, enable_prefix_caching=enable_prefix_caching,
+                              speculative_config=speculative_config, enforce_eager=enforce_eager, seed=seed,
+                              tensor_parallel_size=tensor_parallel_size,
+                              enable_expert_parallel=enable_expert_parallel, **kwargs)
+        self.engine = LLMEngine(config)
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, one token-id list or a list of them.
+        sampling_params: one for all, or one per prompt. Returns outputs in prompt order.
+        Every prompt is validated before any work is done (ValueError names the bad one)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        encoded = []  # tokenised once: add_request takes the ids
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                text, token_ids = self.engine.encode(prompt)
+                self.engine.validate(token_ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            encoded.append((text, token_ids))
+        ids = []
+        for (text, token_ids), p in zip(encoded, params):
+            rid = f"offline-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(rid, text if text is not None else token_ids, p, prompt_token_ids=token_ids)
+            ids.append(rid)
+        finished: dict[str, RequestOutput] = {}
+        show = len(prompts) >= 8 if use_tqdm is None else use_tqdm
+        bar = tqdm(total=len(prompts), desc="generate", disable=not show)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[rid] for rid in ids]
+
+    def get_metrics(self) -> dict:
+        return self.engine.get_metrics()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (also done at interpreter exit)."""
+        self.engine.shutdown()

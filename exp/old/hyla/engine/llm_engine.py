@@ -1,0 +1,376 @@
+"""LLMEngine: the incremental engine (add_request / step / abort_request), one step at a time.
+
+    step() = schedule (Scheduler: the plan, every page / slot / copy of the step)
+             -> ModelRunner.apply_copies -> run the model (a plain forward and / or a
+             SpecDecoder verify) -> sample -> postprocess (emit, stop checks, freeing)
+
+Outputs are cumulative RequestOutputs for every request that made progress in the step; a
+streaming front-end diffs consecutive outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hyla.engine.config import EngineConfig
+from hyla.engine.model_runner import ModelRunner
+from hyla.engine.outputs import RequestOutput
+from hyla.engine.pools import Pools, size_pools
+from hyla.engine.prefix_cache import PrefixCache
+from hyla.engine.sampler import sample, token_logprobs
+from hyla.engine.sampling_params import SamplingParams
+from hyla.engine.scheduler import ScheduledBatch, Scheduler
+from hyla.engine.sequence import Sequence, Status
+from hyla.engine.spec_decode import SpecDecoder, make_drafter
+from hyla.parallel.errors import TensorParallelError
+
+log = logging.getLogger("hyla.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None, tokenizer=None):
+        from hyla.models import load_model, load_tokenizer
+
+        self.config = config
+        # On the CPU, bf16 / fp16 matmuls are several times slower than fp32: default to fp32 there.
+        dtype = config.dtype or (torch.float32 if config.device.type == "cpu" else None)
+        self.workers = None  # tensor parallel: the WorkerGroup (rank 0 is this process)
+        if model is None and config.tensor_parallel_size > 1:
+            from hyla.parallel.runner import start_tensor_parallel
+
+            self.workers = start_tensor_parallel(config, dtype)
+            model = self.workers.model  # rank 0's shard: its pools, sizes and bytes are per rank
+        self.model = model if model is not None else load_model(config.model, dtype=dtype, device=config.device,
+                                                                random_weights=config.load_format == "dummy")
+        if tokenizer is None:
+            try:
+                tokenizer = load_tokenizer(config.model)
+            except (FileNotFoundError, ValueError, OSError):
+                tokenizer = None  # token-id prompts still work; text needs a tokenizer
+        self.tokenizer = tokenizer
+        self.vocab_size = self.model.config.vocab_size
+        self.max_model_len = config.max_model_len  # resolved by EngineConfig
+        spec_cfg = config.speculative_config
+        # Speculative "slots" rollback keeps 1 + k states per request; with prefix caching,
+        # checkpoints live in state slots too: reserve as many again as running requests.
+        per_seq = config.slots_per_seq
+        extra = config.max_num_seqs if config.enable_prefix_caching else 0
+        budget = config.memory_budget
+        if budget is None and self.workers is not None and self.model.device.type == "cuda":
+            budget = self.workers.pool_budget()  # the tightest rank's free memory
+        # The drafter first: an MTP head keeps its KV in the engine's pages (one more layer per page).
+        drafter = None if spec_cfg is None else make_drafter(
+            spec_cfg, vocab_size=self.vocab_size, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
+            dtype=self.model.dtype, device=self.model.device, enforce_eager=config.enforce_eager)
+        extra_kv = drafter.kv_bytes_per_token(self.model) if drafter is not None else 0
+        later = drafter.bind_weight_bytes(self.model) if drafter is not None else 0  # loaded by bind
+        if budget is not None and config.memory_budget is None:  # measured free memory, before bind
+            budget = max(0, budget - later)
+        self.kv_bytes_per_page = (self.model.kv_bytes_per_token() + extra_kv) * config.page_size
+        num_slots, num_pages = size_pools(
+            self.model, budget=budget, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
+            device=self.model.device, extra_slots=extra, slots_per_seq=per_seq, extra_kv_bytes_per_token=extra_kv,
+            reserved_bytes=later)
+        self.pools = Pools(num_pages, num_slots, config.page_size)
+        if self.workers is not None:
+            from hyla.parallel.runner import tp_runner
+
+            self.runner = tp_runner(self.workers, num_slots, num_pages, config.page_size, config.state_dtype,
+                                    config.enforce_eager)
+        else:
+            self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype,
+                                      enforce_eager=config.enforce_eager)
+        self.prefix_cache = (PrefixCache(self.pools, config.checkpoint_interval)
+                             if config.enable_prefix_caching else None)
+        self.scheduler = Scheduler(max(1, min(config.max_num_seqs, num_slots // per_seq)),
+                                   config.max_num_batched_tokens, self.pools, self.prefix_cache, per_seq,
+                                   num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
+                                   max_model_len=self.max_model_len)
+        self.generator = torch.Generator(self.model.device).manual_seed(config.seed)  # the sampler draws there
+        self.eos_token_id = self._eos_token_id()
+        self.requests: dict[str, Sequence] = {}
+        # Counters the engine itself advances; get_metrics adds the scheduler's and the pools'.
+        self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_requests_failed": 0,
+                        "prompt_tokens": 0, "generation_tokens": 0, "spec_num_draft_tokens": 0,
+                        "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0, "num_steps": 0}
+        self.spec = SpecDecoder(spec_cfg, drafter, self.runner) if drafter is not None else None
+        # MTP's fused greedy steps in CUDA graphs: the next one launched before this one is read
+        self.chain = None
+        if (self.spec is not None and getattr(self.spec.drafter, "fused", None) is not None
+                and self.workers is None and self.runner.graphs is not None):
+            from hyla.engine.mtp_overlap import OverlapChain
+
+            self.chain = self.spec.drafter.chain = OverlapChain(self, self.spec.drafter, spec_cfg.rollback)
+        self._drained: list[RequestOutput] = []  # outputs of a step collected outside `step` (drain)
+
+    def _eos_token_id(self):
+        eos = getattr(self.model.config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        return eos
+
+    # ---- requests ------------------------------------------------------------------------
+    def encode(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt is a string (needs a tokenizer) or a list of token ids; returns (text, ids)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (tokenizer.json next to the checkpoint)")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("a prompt must be a string or a list of integer token ids")
+
+    def validate(self, ids: list[int], params: SamplingParams) -> int:
+        """Check a request before any work; returns its effective max_tokens."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                             "room for output")
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len={self.max_model_len}")
+        biased = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if biased:
+            raise ValueError(f"logit_bias token id {biased[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        return params.max_tokens if params.max_tokens is not None else room
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """Queue a request; raises ValueError (and queues nothing) if it is invalid. prompt: text
+        or token ids; prompt_token_ids: the prompt's ids when the caller tokenised it already
+        (then `prompt` is only echoed in the outputs)."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            text, ids = self.encode(prompt)
+        else:
+            text, ids = (prompt if isinstance(prompt, str) else None), self.encode(list(prompt_token_ids))[1]
+        max_tokens = self.validate(ids, params)
+        seq = Sequence(request_id, text, ids, params, max_tokens, self.eos_token_id, device=self.model.device)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its slots and pages; returns False if it is unknown."""
+        if request_id not in self.requests:
+            return False
+        self.drain()  # a step in flight still writes its requests' pages and slots
+        seq = self.requests.pop(request_id, None)
+        if seq is None:  # it finished in the step just collected
+            return False
+        self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
+        seq.finish("abort")
+        self.metrics["num_requests_aborted"] += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests still to run, or outputs of a step collected outside `step` still to hand out."""
+        return self.scheduler.has_unfinished() or bool(self._drained)
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._drained = self._drained, []
+        if self.chain is not None and self.chain.flight is not None:
+            # a step launched during the previous one (hyla.engine.mtp_overlap): no scheduling
+            self.metrics["num_steps"] += 1
+            return outputs + self._collect_flight(launch=True)
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return outputs
+        self.metrics["num_steps"] += 1
+        self.runner.apply_copies(batch.slot_copies, batch.page_copies)
+        plain, spec = batch.split()
+        outputs += self._plain_step(plain) if plain.seqs else []
+        return outputs + (self._spec_step(spec) if spec.seqs else [])
+
+    def _collect_flight(self, launch: bool) -> list[RequestOutput]:
+        """Read the MTP step in flight and emit its tokens, after launching the step behind it
+        when that applies (launch)."""
+        seqs = self.chain.flight.seqs
+        try:
+            results = self.chain.advance(launch)
+        except TensorParallelError:
+            raise
+        except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
+            return self.recover([s for s in seqs if s.status is Status.RUNNING], err)
+        live = [i for i, r in enumerate(results) if r is not None]  # the rest finished the step before
+        return self._emit_verified([seqs[i] for i in live], [results[i] for i in live])
+
+    def drain(self) -> None:
+        """Collect a step in flight now (its outputs come with the next `step`): before anything
+        changes its requests from outside the step loop."""
+        if self.chain is not None and self.chain.flight is not None:
+            self._drained += self._collect_flight(launch=False)
+
+    def _plain_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Prefill chunks and (non-speculative) decodes: one forward, one sample per finished prompt."""
+        sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        rows = [[n - 1] if s else [] for n, s in zip(batch.num_new_tokens, sampling)]
+        checkpoints = [[(pos - seq.num_computed_tokens, slot) for pos, slot in e]
+                       for seq, e in zip(batch.seqs, batch.exports)] if any(batch.exports) else None
+        to_drafter = self.spec is not None and self.spec.wants_prefill_hidden  # an MTP head reads the prompt too
+        try:
+            if to_drafter:
+                logits, hidden_rows = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints,
+                                                      return_hidden=True)
+            else:
+                logits = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints)
+        except TensorParallelError:
+            raise  # the worker group is gone: no request can run
+        except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
+            self.scheduler.drop_exports(batch)
+            return self.recover(batch.seqs, err)
+        if to_drafter:
+            self.spec.observe_prefill(batch.seqs, batch.num_new_tokens, hidden_rows)
+        for seq, n, e in zip(batch.seqs, batch.num_new_tokens, batch.exports):
+            seq.num_computed_tokens += n
+            self.scheduler.file_exports(seq, e)
+        to_sample = [seq for seq, s in zip(batch.seqs, sampling) if s]
+        tokens, logprobs = sample(logits, to_sample, self.generator) if to_sample else ([], [])
+        outputs = []
+        for seq, token, lp in zip(to_sample, tokens, logprobs):
+            seq.suspect = False  # it ran without error
+            if token is None:  # sampling failed for this row only (lp holds the error)
+                outputs += self.recover([seq], lp)
+                continue
+            self._emit(seq, token, lp)
+            if seq.is_finished:
+                self.on_finish(seq)
+            outputs.append(seq.to_output())
+        if to_drafter:  # after sampling: a finished prompt's last row pairs with the token just sampled
+            self.spec.commit_prefill(batch.seqs, batch.num_new_tokens)
+        return outputs
+
+    def _spec_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Speculative decodes: SpecDecoder drafts, verifies and accepts; here the tokens are
+        emitted (stopping early where a request finishes), the state is committed to the kept
+        tokens and the pages of rejected positions go back."""
+        seqs = batch.seqs
+        try:
+            results = self.spec.step(seqs, batch.max_drafts, self.generator)
+        except TensorParallelError:
+            raise
+        except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
+            return self.recover(seqs, err)
+        return self._emit_verified(seqs, results)
+
+    def _emit_verified(self, seqs: list[Sequence], results) -> list[RequestOutput]:
+        """Emit a verify step's tokens, commit the states to the kept ones, trim the rejected
+        positions' pages (not while a later step is in flight: its block tables are fixed)."""
+        trim = self.chain is None or self.chain.flight is None
+        kept = []
+        for seq, r in zip(seqs, results):
+            seq.suspect = False
+            kept.append(self.append_tokens(seq, r.tokens, r.logits))
+            self.metrics["spec_num_draft_tokens"] += r.num_drafted
+            self.metrics["spec_num_accepted_tokens"] += r.num_accepted
+            self.metrics["spec_num_verify_steps"] += 1
+        self.spec.commit(seqs, kept, state_committed=self.chain is not None and self.chain.take_state_committed())
+        outputs = []
+        for seq, n in zip(seqs, kept):
+            seq.num_computed_tokens += n
+            if trim:
+                self.scheduler.trim(seq)
+            if seq.is_finished:
+                self.on_finish(seq)
+            outputs.append(seq.to_output())
+        return outputs
+
+    def recover(self, seqs: list[Sequence], err: Exception) -> list[RequestOutput]:
+        """A step failed for `seqs`. One sequence: finish it with the error (its resources are
+        freed). Several: their states may be half-written, so preempt them all (exact
+        recomputation) and mark them suspect: the scheduler then runs suspects one at a time until
+        the culprit fails alone. Other requests are never affected."""
+        if len(seqs) > 1:
+            log.warning("a step of %d requests failed (%s): retrying them one at a time", len(seqs), err)
+            for seq in seqs:
+                if seq.status is Status.RUNNING:
+                    self.scheduler.preempt(seq)
+                seq.suspect = True
+            return []
+        seq = seqs[0]
+        log.error("request %s failed: %s: %s", seq.request_id, type(err).__name__, err)
+        seq.error = f"{type(err).__name__}: {err}"
+        self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
+        seq.finish("error")
+        self.requests.pop(seq.request_id, None)
+        self.metrics["num_requests_failed"] += 1
+        return [seq.to_output()]
+
+    def _emit(self, seq: Sequence, token: int, logprobs) -> None:
+        if not seq.output_token_ids and seq.num_preemptions == 0:
+            self.metrics["prompt_tokens"] += len(seq.prompt_token_ids)
+        seq.append_token(token, logprobs)
+        self.metrics["generation_tokens"] += 1
+        seq.check_stop(self.tokenizer)
+
+    def append_tokens(self, seq: Sequence, tokens: list[int], raw_logits: torch.Tensor) -> int:
+        """Emit several tokens of one verify step in order, stopping early if the request
+        finishes; returns how many were kept. raw_logits[i]: the logits token i was chosen from."""
+        kept, n = 0, seq.params.logprobs
+        for i, token in enumerate(tokens):
+            # (the logits rows are touched only for logprobs: a row view is a tensor op)
+            self._emit(seq, token, None if n is None else token_logprobs(raw_logits[i], token, n))
+            kept += 1
+            if seq.is_finished:
+                break
+        return kept
+
+    def on_finish(self, seq: Sequence) -> None:
+        if self.spec is not None:
+            self.spec.release(seq)
+        self.scheduler.finish(seq, file_in_cache=True)
+        self.requests.pop(seq.request_id, None)
+        self.metrics["num_requests_finished"] += 1
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device); the engine is unusable after."""
+        if self.workers is not None:
+            self.workers.close()
+
+    def get_metrics(self) -> dict:
+        m = dict(self.metrics)
+        m["num_preemptions"] = self.scheduler.num_preemptions
+        m["prefix_cache_query_tokens"] = self.scheduler.cache_query_tokens
+        m["prefix_cache_hit_tokens"] = self.scheduler.cache_hit_tokens
+        m.update(cached_pages=0, cached_checkpoints=0)  # reported with the cache off too (0)
+        if self.prefix_cache is not None:
+            usage = self.prefix_cache.usage()
+            m.update(usage)
+            m["prefix_cache_bytes"] = (usage["cached_pages"] * self.kv_bytes_per_page
+                                       + usage["cached_checkpoints"] * self.model.state_bytes_per_slot(
+                                           self.config.state_dtype))
+        running = self.scheduler.running
+        m.update(state_slots_running=sum(len(s.spec_slots) or 1 for s in running),
+                 kv_pages_running=len({p for s in running for p in s.block_table}))
+        m.update(num_requests_running=len(running), num_requests_waiting=len(self.scheduler.waiting),
+                 kv_pages_total=self.pools.pages.num_pages, kv_pages_free=self.pools.pages.num_free,
+                 state_slots_total=self.pools.slots.num_slots, state_slots_free=self.pools.slots.num_free)
+        drafted, steps = m["spec_num_draft_tokens"], m["spec_num_verify_steps"]
+        m["spec_acceptance_rate"] = m["spec_num_accepted_tokens"] / drafted if drafted else 0.0
+        # Tokens emitted per verify step (1 = nothing accepted).
+        m["spec_mean_accepted_length"] = (m["spec_num_accepted_tokens"] + steps) / steps if steps else 0.0
+        return m
+
+
+__all__ = ["LLMEngine"]

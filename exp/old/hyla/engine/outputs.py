@@ -1,0 +1,34 @@
+"""What the engine returns: one RequestOutput per request, cumulative (as vLLM's default)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CompletionOutput:
+    """index: always 0 (one completion per request); text / token_ids: everything generated so far;
+    logprobs: per emitted token a dict {token_id: logprob} holding the emitted token and the top-n
+    (None unless SamplingParams.logprobs is set); finish_reason: None while running, then "stop",
+    "length", "abort" or "error"."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    error: str | None = None

@@ -1,0 +1,254 @@
+"""Sampler: logits -> next tokens, with penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+Everything runs batched on the logits' device, with per-row parameter tensors (one host->device
+copy of them per step), and exactly one device->host copy per step (`_to_host`): token ids, a
+per-row failure flag and the requested logprobs, packed into one tensor.
+
+Structured outputs: a guided row's grammar masks the tokens it does not allow (`guide_mask`)
+after logit_bias and the penalties, before greedy or sampled choice; under speculative decoding
+`guide_drafts` cuts a request's drafts where its grammar rejects one and gives the mask of every
+verify position, which the acceptance rule applies in the same place.
+
+Draws use the exponential race: argmax(probs / E) with E ~ Exp(1) is a draw from probs, so no
+torch.multinomial is needed. A seeded request draws its E from its own generator (on the device),
+so it gives the same tokens whatever else is batched; the other rows share one batched draw from
+the engine's generator. Logprobs are the log-softmax of the model's raw logits (before penalties
+and temperature), as vLLM returns by default. `distribution` is also what speculative decoding's
+acceptance rule compares drafts against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyla.engine.sequence import Sequence
+
+_NEG_INF = float("-inf")
+
+
+def _counts(x: torch.Tensor, ids: list[list[int]]) -> torch.Tensor:
+    """How often each token id occurs in each list: [len(ids), V] in x's dtype, on x's device
+    (the ids go host->device once, the counts are built there with a scatter-add)."""
+    rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(r) for r in ids]))
+    idx = torch.stack([rows, torch.tensor([t for r in ids for t in r], dtype=torch.long)]).to(x.device)
+    counts = x.new_zeros(len(ids), x.shape[-1])
+    return counts.index_put_((idx[0], idx[1]), x.new_ones(idx.shape[1]), accumulate=True)
+
+
+def penalize_batch(x: torch.Tensor, params: list, token_ids: list[list[int]],
+                   output_ids: list[list[int]]) -> torch.Tensor:
+    """logit_bias, then repetition (over token_ids: prompt + output) and presence / frequency
+    (over output_ids) penalties on logits x [M, V], out of place; only the rows that need them
+    are touched."""
+    rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and token_ids[i]]
+    add = [i for i, p in enumerate(params) if (p.presence_penalty or p.frequency_penalty) and output_ids[i]]
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+    if not rep and not add and not bias:
+        return x
+    x = x.clone()
+    if bias:  # logit_bias, before the penalties (vLLM's order)
+        rows, toks, vals = zip(*bias)
+        dev = lambda v, dt: torch.tensor(v, dtype=dt).to(x.device, non_blocking=True)  # noqa: E731 - no sync
+        x.index_put_((dev(rows, torch.long), dev(toks, torch.long)), dev(vals, x.dtype), accumulate=True)
+    if rep:
+        seen = _counts(x, [token_ids[i] for i in rep]) > 0
+        r = torch.tensor([params[i].repetition_penalty for i in rep], device=x.device)[:, None]
+        sub = x[rep]
+        x[rep] = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    if add:
+        counts = _counts(x, [output_ids[i] for i in add])
+        pf = torch.tensor([[params[i].presence_penalty for i in add], [params[i].frequency_penalty for i in add]],
+                          device=x.device)
+        x[add] -= (counts > 0) * pf[0][:, None] + counts * pf[1][:, None]
+    return x
+
+
+def penalize(row: torch.Tensor, params, token_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """`penalize_batch` for one row of logits [V]."""
+    return penalize_batch(row[None], [params], [token_ids], [output_ids])[0]
+
+
+def guide_mask(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Structured outputs: -inf on the tokens each guided row's grammar does not allow next, out
+    of place; unguided rows are untouched, so one request's grammar never affects another's.
+    The matchers fill one int32 bitmask [G, ceil(V / 32)] on the host, which goes to the device
+    without a sync and is unpacked there."""
+    guided = [i for i, s in enumerate(seqs) if getattr(s, "guide", None) is not None]  # rows may be light stand-ins
+    if not guided:
+        return x
+    V = x.shape[-1]
+    words = torch.full((len(guided), (V + 31) // 32), -1, dtype=torch.int32)
+    for j, i in enumerate(guided):
+        try:
+            seqs[i].guide.fill_next_token_bitmask(words, j)
+        except Exception:  # noqa: BLE001 - a broken matcher fails its own row (nothing allowed), not the step
+            words[j] = 0
+    allowed = unpack_bitmask(words, V, x.device)  # [G, V]
+    rows = torch.tensor(guided, dtype=torch.long).to(x.device, non_blocking=True)
+    x = x.clone()
+    x[rows] = x[rows].masked_fill(~allowed, _NEG_INF)
+    return x
+
+
+def unpack_bitmask(words: torch.Tensor, V: int, device) -> torch.Tensor:
+    """int32 bitmask [G, ceil(V / 32)] on the host -> allowed [G, V] bool on `device` (no sync)."""
+    words = words.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :V]
+
+
+def guide_drafts(guide, drafts: list[int], keep_rejected: bool, V: int) -> tuple[list[int], torch.Tensor]:
+    """Speculative decoding with a grammar: walk the request's matcher over its drafts, filling
+    the grammar's mask at every verify position, and cut the drafts at the first token it rejects
+    (or after its stop token: nothing may follow). -> (the drafts kept, int32 bitmask
+    [1 + len(kept), ceil(V / 32)] on the host: row i = the mask after kept[:i], for the acceptance
+    rule). The matcher ends where it started (rolled back): the engine advances it by the tokens
+    the verify step emits, as for any sampled token.
+
+    keep_rejected: keep the rejected token as the last draft (q-drafters). The acceptance rule
+    then rejects it for certain (its target probability is 0 under the mask) and draws from the
+    residual max(p - q, 0), which an exact sampler needs: cutting before it would draw from p.
+    A point-mass draft (prompt lookup) has residual p there, so it is cut (one verify row fewer).
+    A matcher without rollback drafts nothing."""
+    words = torch.full((1 + len(drafts), (V + 31) // 32), -1, dtype=torch.int32)  # rows past a cut: never read
+    if not hasattr(guide, "rollback"):
+        drafts = []
+    cut, taken = len(drafts), 0
+    try:
+        for i, d in enumerate(drafts):
+            guide.fill_next_token_bitmask(words, i)
+            if not (int(words[i, d // 32]) >> (d % 32)) & 1 or not guide.accept_token(d):
+                cut = i + 1 if keep_rejected else i
+                break
+            taken += 1
+            if guide.is_terminated():
+                cut = i + 1
+                break
+        else:
+            guide.fill_next_token_bitmask(words, len(drafts))
+    finally:
+        if taken:
+            guide.rollback(taken)
+    return drafts[:cut], words[: 1 + cut]
+
+
+def probs_batch(x: torch.Tensor, params: list) -> torch.Tensor:
+    """The distributions non-greedy rows sample from: penalised logits [M, V] -> probs [M, V]
+    (temperature, then what top-k, top-p and min-p exclude masked out), batched over rows with
+    different settings."""
+    V = x.shape[-1]
+    ks = [p.top_k if 0 < p.top_k < V else V for p in params]  # V: no top-k for that row
+    t, k, top_p, min_p = torch.tensor([[p.temperature for p in params], ks, [p.top_p for p in params],
+                                       [p.min_p for p in params]], dtype=torch.float32, device=x.device)
+    x = x.float() / t[:, None]
+    use_k, use_p = min(ks) < V, any(p.top_p < 1.0 for p in params)
+    if use_k or use_p:
+        # Top-p needs the whole row sorted; top-k alone only the largest max(k) of it.
+        vals, order = x.sort(-1, descending=True) if use_p else x.topk(max(kk for kk in ks if kk < V), -1)
+        kth = vals.gather(1, (k.long().clamp(max=vals.shape[-1]) - 1)[:, None])  # [M, 1]
+        if not use_p:
+            kth = kth.masked_fill(k[:, None] >= V, _NEG_INF)  # rows without top-k keep everything
+        x = x.masked_fill(x < kth, _NEG_INF)  # ties with the k-th value stay, as torch.topk's cut
+        if use_p:
+            probs = vals.masked_fill(vals < kth, _NEG_INF).softmax(-1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
+            x = x.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), _NEG_INF)
+    if any(p.min_p > 0.0 for p in params):
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), _NEG_INF)
+    return x.softmax(-1)
+
+
+def distribution(row: torch.Tensor, params) -> torch.Tensor:
+    """The distribution a (non-greedy) request samples from: penalised logits [V] -> probs [V]."""
+    return probs_batch(row[None], [params])[0]
+
+
+def choose(row: torch.Tensor, params, generator: torch.Generator) -> int:
+    """One token from penalised logits [V]: argmax when greedy, else a draw from `distribution`
+    (generator on row's device)."""
+    if params.greedy:
+        return int(row.argmax())
+    return int(torch.multinomial(distribution(row, params), 1, generator=generator))
+
+
+def token_logprobs(raw_row: torch.Tensor, token: int, n: int) -> dict[int, float]:
+    """{token: logprob} for the emitted token and the top-n of one raw logits row [V]."""
+    lp = torch.log_softmax(raw_row.float(), dim=-1)
+    top = torch.topk(lp, min(n, lp.shape[-1]))
+    vals = torch.cat([lp[token : token + 1], top.values, top.indices.to(lp.dtype)]).tolist()  # one copy
+    n = len(top.values)
+    return {token: vals[0], **{int(t): v for t, v in zip(vals[1 + n :], vals[1 : 1 + n])}}
+
+
+def _draw(probs: torch.Tensor, gens: list, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs [m, V] -> [m], by the exponential race. Row j's E comes from
+    gens[j] when it has one, else from one batched draw from `generator` for all such rows."""
+    e = torch.empty_like(probs)
+    free = [j for j, g in enumerate(gens) if g is None]
+    if len(free) == len(gens):
+        e.exponential_(generator=generator)
+    elif free:
+        e[free] = e.new_empty(len(free), probs.shape[-1]).exponential_(generator=generator)
+    for j, g in enumerate(gens):
+        if g is not None:
+            e[j].exponential_(generator=g)
+    # An exact 0 from exponential_ would make 0 / 0 = nan, which argmax would pick.
+    return (probs / e.clamp_min_(torch.finfo(e.dtype).tiny)).argmax(-1)
+
+
+def _sample_on_device(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator):
+    """Everything but the host copy. -> (packed [2M + L(1 + 2n)] float64 on the device, L rows'
+    indices, n): tokens [M], failed [M], then for the L rows that want logprobs: the sampled
+    token's logprob [L], the top-n values [L, n] and their ids [L, n]."""
+    params = [s.params for s in seqs]
+    raw = logits.float()
+    hist = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
+    x = penalize_batch(raw, params, hist, [s.output_token_ids for s in seqs])
+    x = guide_mask(x, seqs)  # after logit_bias and the penalties, before any sampling rule (greedy too)
+    tokens = x.argmax(-1)  # the greedy rows' answer; sampled rows are overwritten below
+    failed = ~torch.isfinite(x.amax(-1))  # nan, +inf or no finite logit (max propagates nan)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if drawn:
+        rows = slice(None) if len(drawn) == len(seqs) else drawn
+        probs = probs_batch(x[rows], [params[i] for i in drawn])
+        tokens[rows] = _draw(probs, [seqs[i].generator for i in drawn], generator)
+        failed[rows] |= ~torch.isfinite(probs).all(-1)  # e.g. temperature scaling overflowed
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    pieces, n = [tokens, failed], 0
+    if want:
+        lp = torch.log_softmax(raw[want], -1)
+        pieces.append(lp.gather(1, tokens[want][:, None])[:, 0])
+        n = min(max(params[i].logprobs for i in want), lp.shape[-1])
+        if n:
+            top = lp.topk(n, -1)
+            pieces += [top.values.flatten(), top.indices.flatten()]
+    return torch.cat([p.double() for p in pieces]), want, n
+
+
+def _to_host(packed: torch.Tensor) -> list[float]:
+    """The step's one device->host copy."""
+    return packed.tolist()
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> tuple[list, list]:
+    """logits: [M, V] for M sequences, on the model's device (generator and the seeded sequences'
+    generators on that device too) -> (token ids [M], per-row logprob dicts or None). A row
+    whose logits are not finite, or whose distribution is not valid, gets token None and the
+    exception in place of its logprobs; the other rows are unaffected."""
+    packed, want, n = _sample_on_device(logits, seqs, generator)
+    host = _to_host(packed)
+    M, L = len(seqs), len(want)
+    tokens = [int(t) for t in host[:M]]
+    logprobs: list = [None] * M
+    vals, ids = host[2 * M + L : 2 * M + L + L * n], host[2 * M + L + L * n :]
+    for j, i in enumerate(want):
+        top = slice(j * n, j * n + min(seqs[i].params.logprobs, n))  # this row's own n of the batch's max
+        logprobs[i] = {tokens[i]: host[2 * M + j], **{int(t): v for t, v in zip(ids[top], vals[top])}}
+    for i in range(M):
+        if host[M + i]:
+            tokens[i] = None
+            logprobs[i] = RuntimeError("the logits are not finite (nan / inf, or no finite entry) or do not "
+                                       "give a valid sampling distribution")
+    return tokens, logprobs

@@ -1,0 +1,188 @@
+"""Sequence: one request's tokens, its place in the pools, and its output so far.
+
+Ownership: a running sequence owns its state slots (`slot`, plus k spare ones in `spec_slots`
+with speculative "slots" rollback, `slot` being one of them) and one reference to each KV page in
+`block_table`; the Scheduler hands them out (from the engine's Pools) and takes them back.
+`num_computed_tokens` counts the tokens whose KV and recurrent state are in those pools (a
+prefix-cache hit starts it above 0). A preempted sequence gives everything back and recomputes
+prompt + output so far later.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from tokenizers.decoders import DecodeStream
+
+from hyla.engine.outputs import CompletionOutput, RequestOutput
+from hyla.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, eos_token_id: int | None, device: torch.device | str = "cpu"):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.max_tokens = max_tokens
+        self.eos_token_id = eos_token_id
+        self.status = Status.WAITING
+        self.slot: int | None = None  # the slot holding the state after num_computed_tokens tokens
+        self.spec_slots: list[int] = []  # speculative "slots" rollback: 1 + k slots, `slot` is one of them
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.pending_checkpoints: list[int] = []  # positions whose state the prefill exports
+        # On the logits' device: the sampler draws a seeded request's noise there (no host sync).
+        self.generator = (torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None)
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Structured outputs: this sequence's place in the grammar (the sampler masks by it).
+        self.guide = params.guide.matcher() if params.guide is not None else None
+        self.text = ""
+        # Incremental detokenisation (tokenizers' own; 2x faster than our offsets decoder and as
+        # exact: BENCHMARKS.md "Incremental detokenisation"); it has seen _num_decoded outputs.
+        self._decoder = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self._num_decoded = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.suspect = False  # was in a failed batch: runs alone until it succeeds (LLMEngine.recover)
+
+    # ---- token bookkeeping -------------------------------------------------------------------
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_range(self, start: int, stop: int) -> list[int]:
+        """token_ids[start:stop] (0 <= start <= stop) without building token_ids: a step's
+        bookkeeping reads a few tokens of a long context."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+    def token_at(self, i: int) -> int:
+        """token_ids[i] (0 <= i < num_tokens) without building token_ids."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest token (without building token_ids)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens to feed the model before the next sample (the last token is always fed)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append_token(self, token: int, logprobs: dict[int, float] | None) -> None:
+        if self.guide is not None:
+            # the sampler only draws allowed tokens, so a refusal is a server bug: check_stop ends
+            # the request with the error (a server failure), the others go on
+            try:
+                accepted = self.guide.accept_token(token)
+            except Exception as e:  # noqa: BLE001 - the matcher's failure is this request's alone
+                accepted, self.error = False, f"the grammar matcher failed: {type(e).__name__}: {e}"
+            if not accepted and self.error is None:
+                self.error = f"token {token} is not allowed by the request's grammar"
+        self.output_token_ids.append(token)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    # ---- stopping ----------------------------------------------------------------------------
+    def check_stop(self, tokenizer) -> None:
+        """After a token was appended: update the text and decide whether the request is done.
+        Stop strings are matched on the decoded text and cut out; stop / EOS tokens are checked
+        on ids. The text is held back while it ends in an incomplete UTF-8 sequence."""
+        token = self.output_token_ids[-1]
+        p = self.params
+        n_out = len(self.output_token_ids)
+        before = len(self.text)  # everything past this was decoded now (one token, or held-back ones)
+        if tokenizer is not None:
+            self._detokenize(tokenizer)
+        if self.error is not None:
+            return self.finish("error")
+        if self.guide is not None and self.guide.is_terminated():  # the grammar is complete (its stop token came)
+            return self.finish("stop", token, drop_text_of_last=True, tokenizer=tokenizer)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token == self.eos_token_id:
+                return self.finish("stop", token, drop_text_of_last=True, tokenizer=tokenizer)
+            if token in p.stop_token_ids:
+                return self.finish("stop", token)
+            for s in p.stop_strings:
+                # Only the newly decoded text can complete a stop string: search from where a match
+                # ending in it may start (a token can hold a stop string and more, e.g. "\n" + spaces).
+                at = self.text.find(s, max(0, before - len(s) + 1))
+                if at >= 0:
+                    self.text = self.text[:at + len(s)] if p.include_stop_str_in_output else self.text[:at]
+                    return self.finish("stop", s)
+        if n_out >= self.max_tokens:
+            self.finish("length")
+
+    def _detokenize(self, tokenizer) -> None:
+        """Append the text of the output tokens not yet decoded. DecodeStream decodes each new
+        token together with the ones before it (a byte-level character split over two tokens, or
+        spaces a decoder adds between tokens, depend on that left context) and returns nothing
+        while the text ends in an incomplete UTF-8 sequence; the token that completes it returns
+        all of it. tokenizer: hyla's Tokenizer (DecodeStream wants the `tokenizers` one inside)
+        or a `tokenizers.Tokenizer`."""
+        hf = getattr(tokenizer, "tokenizer", tokenizer)
+        ids = self.output_token_ids
+        for i in range(self._num_decoded, len(ids)):
+            try:
+                self.text += self._decoder.step(hf, ids[i]) or ""
+            except Exception:  # noqa: BLE001 - its InvalidPrefix must not fail the engine's step
+                # A decoder whose clean-up rewrites text left of the new token (e.g. WordPiece's):
+                # take the full decode as the text, and go on from a stream primed with every id.
+                skip = self.params.skip_special_tokens
+                self.text = hf.decode(ids[: i + 1], skip_special_tokens=skip).rstrip("\ufffd")
+                self._decoder = DecodeStream(ids=ids[: i + 1], skip_special_tokens=skip)
+        self._num_decoded = len(ids)
+
+    def finish(self, reason: str, stop_reason=None, drop_text_of_last: bool = False, tokenizer=None) -> None:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.status = Status.FINISHED
+        if drop_text_of_last and tokenizer is not None and not self.params.skip_special_tokens:
+            self.text = tokenizer.decode(self.output_token_ids[:-1], skip_special_tokens=False)
+
+    def visible_text(self) -> str:
+        """Text safe to stream now: a tail that could still grow into a stop string is held back."""
+        if self.is_finished or not self.params.stop_strings:
+            return self.text
+        hold = 0
+        for s in self.params.stop_strings:
+            for n in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        return self.text[: len(self.text) - hold]
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=self.visible_text(), token_ids=list(self.output_token_ids),
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+        )
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
+                             finished=self.is_finished, error=self.error)

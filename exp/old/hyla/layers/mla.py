@@ -1,0 +1,175 @@
+"""Multi-head latent attention (DeepSeek-V2 MLA) without RoPE, as Kimi-Linear's `mla_use_nope`.
+
+Per token, one latent is cached for all heads:
+    c   = kv_a_layernorm(x W_kva[:r])        [r = kv_lora_rank]
+    kpe = x W_kva[r:]                        [qk_rope_head_dim]; named "rope" but never rotated
+    latent = c ++ kpe                        [r + rope]  (what the paged KV pool stores)
+Expanded form (prefill): kv_b_proj(c) -> per-head k_nope [nope], v [v_dim]; k = k_nope ++ kpe.
+Absorbed / MQA form (decode): fold kv_b_proj's K part into the query and its V part into the
+output, so attention runs directly over the cached latents:
+    score_h(t) = (q_nope_h W_UK_h) . c_t + q_pe_h . kpe_t,   o_h = W_UV_h (sum_t p_h(t) c_t)
+Both equal softmax(q k^T * (nope + rope)^-1/2) v exactly (up to rounding).
+
+Tensor names: q_proj (or q_a_proj, q_a_layernorm, q_b_proj when q_lora_rank is set),
+kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj.
+
+`prepare_for_inference()` packs the two projections from x (q_proj or q_a_proj, and
+kv_a_proj_with_mqa) into one weight (hyla.layers.delta_rule.PackedLinears; state_dict unchanged),
+so an engine step runs them as one GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+from hyla.contract import ForwardBatch, MLALayerCache
+from hyla.layers.delta_rule import PackedLinears
+from hyla.layers.masks import causal_after_prefix
+from hyla.layers.norm import RMSNorm
+from hyla.ops import dispatch
+
+# transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
+# config.rms_norm_eps; the checkpoints were trained that way (GLM-5-Next passes its rms_norm_eps).
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAAttention(nn.Module):
+    """x: [B, T, hidden] -> [B, T, hidden] (full causal sequences), or packed [T_total, hidden]
+    with a ForwardBatch and an MLALayerCache (forward_batch)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None, bias: bool = False,
+                 latent_norm_eps: float = LATENT_NORM_EPS):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.scaling = qk_head_dim ** -0.5
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=latent_norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
+        self.q_lora_rank = q_lora_rank
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=latent_norm_eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
+        self._packed: PackedLinears | None = None
+
+    def prepare_for_inference(self) -> None:
+        """Pack q_proj (or q_a_proj) and kv_a_proj_with_mqa into one weight (one GEMM per step)."""
+        q_in = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        if (q_in.bias is None) == (self.kv_a_proj_with_mqa.bias is None):  # else: keep them separate
+            self._packed = PackedLinears([q_in, self.kv_a_proj_with_mqa])
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x -> (q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x)): one GEMM once packed."""
+        if self._packed is not None:
+            q_in, kv = self._packed(x)
+            return q_in, kv
+        q_in = self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x)
+        return q_in, self.kv_a_proj_with_mqa(x)
+
+    def _query_from(self, q_in: torch.Tensor) -> torch.Tensor:
+        q = q_in if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_in))
+        return q.unflatten(-1, (self.num_heads, -1))
+
+    def _latent_from(self, kv: torch.Tensor) -> torch.Tensor:
+        c, kpe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), kpe], dim=-1)
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.rope
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] -> q: [..., H, nope + rope]."""
+        return self._query_from(self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x))
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., hidden] -> latent: [..., r + rope] (normalised c_kv ++ k_pe), what the cache holds."""
+        return self._latent_from(self.kv_a_proj_with_mqa(x))
+
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent: [..., L, r + rope] -> k: [..., H, L, nope + rope], v: [..., H, L, v_dim]."""
+        c, kpe = latent.split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(c).unflatten(-1, (self.num_heads, -1)).transpose(-2, -3)  # [..., H, L, nope+v]
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        kpe = kpe.unsqueeze(-3).expand(*k_nope.shape[:-1], self.rope)
+        return torch.cat([k_nope, kpe], dim=-1), v
+
+    def _attend(self, q: torch.Tensor, latent: torch.Tensor, mask, causal: bool) -> torch.Tensor:
+        """Expanded form. q: [B, T, H, D]; latent: [B, L, r + rope]; mask: [T, L] bool (True =
+        attend), an attention bias (causal_lower_right) or None -> [B, T, H * v_dim]."""
+        k, v = self.expand(latent)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=causal,
+                                           scale=self.scaling)
+        return o.transpose(1, 2).flatten(-2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden] whole sequences from position 0 -> [B, T, hidden]."""
+        q_in, kv = self._project(x)
+        return self.output(self._attend(self._query_from(q_in), self._latent_from(kv), None, causal=True), x)
+
+    # -- engine step --------------------------------------------------------------------------
+
+    def forward_batch(self, x: torch.Tensor, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
+        """x: [T_total, hidden]; batch: ForwardBatch; cache: MLALayerCache. Writes each new token's
+        latent into its page, then attends over positions 0..context+new-1 of its sequence: decode
+        and verify batches with equal new-token counts all at once in the absorbed form over the
+        pages (hyla.ops.paged_mla_decode); otherwise sequences with one new token batched
+        (absorbed), the others one by one (expanded, causal flash attention)."""
+        page_size = cache.kv.shape[1]
+        q_in, kv = self._project(x)  # one GEMM once packed
+        w = batch.uniform_width
+        batch.check_written_pages(page_size)
+        dispatch.write_latents(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache.kv, batch.block_tables,
+                               batch.positions, w if w is not None else batch.token_seq_ids())
+        q = self._query_from(q_in)  # [T_total, H, D]
+        if w is not None:  # no host -> device copies (CUDA-graph safe)
+            # each query attends up to its own position: `positions` is that list already
+            return self.output(self._absorbed(q, cache.kv, batch.block_tables, batch.positions), x)
+        out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
+        single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
+        if single:
+            rows = torch.tensor([batch.cu_seqlens_list[n] for n in single], device=x.device)
+            seqs = torch.tensor(single, device=x.device)
+            out[rows] = self._absorbed(q[rows], cache.kv, batch.block_tables[seqs], batch.positions[rows])
+        cu = batch.cu_seqlens_list
+        for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
+            if new <= 1:
+                continue
+            pages = batch.context_pages(n, ctx + new, page_size)
+            lat = cache.kv[pages].flatten(0, 1)[:ctx + new]  # [L, r + rope]
+            out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], lat, ctx)
+        return self.output(out, x)
+
+    def output(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """attn: [..., H * v_dim] attention output, x: the layer input [..., hidden] -> o_proj(attn)
+        (the hook an output-gated variant overrides, hyla.layers.gated_mla)."""
+        return self.o_proj(attn)
+
+    def _attend_new(self, q: torch.Tensor, latent: torch.Tensor, ctx: int) -> torch.Tensor:
+        """Expanded form for the new tokens of one sequence. q: [T, H, D] (positions ctx..ctx+T-1);
+        latent: [ctx + T, r + rope] -> [T, H * v_dim]. Causal: a plain causal kernel without a
+        prefix, the lower-right-aligned causal bias with one (no [T, L] mask is built)."""
+        if ctx == 0:
+            return self._attend(q[None], latent[None], None, causal=True)[0]
+        bias = causal_after_prefix(q.shape[0], latent.shape[0])
+        return self._attend(q[None], latent[None], bias, causal=False)[0]
+
+    def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Absorbed form (queries meet the cached latents directly; kv_b_proj folded into them).
+        q: [N, H, nope + rope], W = N / S consecutive query tokens of each of S sequences;
+        kv: [num_pages, page_size, r + rope]; tables: [S, P] page ids; last: [N] the last
+        position each query attends to -> [N, H * v_dim] in q's dtype."""
+        w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope + self.v_dim))  # [H, nope+v, r]
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, r]
+        return dispatch.paged_mla_decode(q_lat, q_pe, kv, tables, last, w_uv, self.scaling)

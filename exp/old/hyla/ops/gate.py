@@ -1,0 +1,101 @@
+"""Forget-gate activations: raw projections -> log-decay g (<= 0), computed in fp32.
+
+KDA (per channel):
+    v1 (Kimi-Linear, lower_bound None): g = -exp(A_log) * softplus(f + dt_bias)   in (-inf, 0]
+    v2 (safe gate):                     g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
+                                                                                   in (lower_bound, 0)
+GDN (per head):                         g = -exp(A_log) * softplus(a + dt_bias)
+
+A_log has one value per head; dt_bias one per channel (KDA, H*K) or per head (GDN, HV). The
+checkpoint shapes ([1, 1, H, 1], [H * K], ...) are accepted as long as the element count fits.
+The result is fp32 (fp64 when the main input is fp64, so exactness tests can stay in fp64).
+
+kda_gate_beta / gdn_gate_beta also return the write strength beta = sigmoid(b) (in b's dtype):
+the pair a decode step needs, which hyla.ops.triton.gate computes in one launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hyla.ops.dtypes import check_lower_bound, work_dtype
+
+__all__ = ["kda_gate", "gdn_gate", "kda_gate_beta", "gdn_gate_beta"]
+
+
+def _per_head(name: str, t: torch.Tensor, n: int, shape: tuple[int, ...], dtype) -> torch.Tensor:
+    """Reshape a parameter with exactly ``n`` elements to ``shape`` (for broadcasting)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.numel() != n:
+        raise ValueError(f"{name} must have {n} elements, got shape {tuple(t.shape)}")
+    return t.reshape(shape).to(dtype)
+
+
+def _check_input(name: str, x: torch.Tensor, ndim: int, layout: str) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor {layout}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(x.shape)}")
+
+
+def kda_gate(
+    f: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+) -> torch.Tensor:
+    """KDA log-decay per channel.
+
+    f: [B, T, H, K] raw forget-gate pre-activation; A_log: H elements; dt_bias: H*K elements or
+    None; lower_bound: None for gate v1, a negative float for gate v2.
+    Returns g: [B, T, H, K] in fp32 (fp64 if f is fp64).
+    """
+    _check_input("f", f, 4, "[B, T, H, K]")
+    _, _, H, K = f.shape
+    dtype = work_dtype(f)
+    x = f.to(dtype)
+    if dt_bias is not None:
+        x = x + _per_head("dt_bias", dt_bias, H * K, (H, K), dtype)
+    a = _per_head("A_log", A_log, H, (H, 1), dtype).exp()
+    if lower_bound is None:
+        return -a * F.softplus(x)
+    lb = check_lower_bound(lower_bound)
+    return lb * torch.sigmoid(a * x)
+
+
+def gdn_gate(
+    a: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gated DeltaNet log-decay per head.
+
+    a: [B, T, HV] raw gate pre-activation; A_log: HV elements; dt_bias: HV elements or None.
+    Returns g: [B, T, HV] in fp32 (fp64 if a is fp64).
+    """
+    _check_input("a", a, 3, "[B, T, HV]")
+    HV = a.shape[-1]
+    dtype = work_dtype(a)
+    x = a.to(dtype)
+    if dt_bias is not None:
+        x = x + _per_head("dt_bias", dt_bias, HV, (HV,), dtype)
+    return -_per_head("A_log", A_log, HV, (HV,), dtype).exp() * F.softplus(x)
+
+
+def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None,
+                  lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kda_gate(f, A_log, dt_bias, lower_bound), sigmoid(b)). f: [B, T, H, K]; b: [B, T, H]."""
+    return kda_gate(f, A_log, dt_bias, lower_bound), torch.sigmoid(b)
+
+
+def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                  dt_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gdn_gate(a, A_log, dt_bias), sigmoid(b)), both [B, T, HV]. a, b: [B, T, HV], or
+    [B, T, H, r] views (value head h * r + i), as GDN's in_proj_ba gives them."""
+    if a.dim() == 4:
+        a = a.flatten(-2)
+    if b.dim() == 4:
+        b = b.flatten(-2)
+    return gdn_gate(a, A_log, dt_bias), torch.sigmoid(b)

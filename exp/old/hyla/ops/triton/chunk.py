@@ -1,0 +1,278 @@
+"""Chunkwise prefill on the GPU (Triton, forward only): same contract as hyla.ops.chunk.
+
+Three launches per call without a gate; with one, the chunk-local kernels run in two passes each
+(a fast pass, then the chunks it flagged as steep), plus a separate gate activation for KDA (see
+precompute_gate):
+  1. chunk_intra.chunk_gram_kernel, grid (chunks, HV) (for a per-channel gate: a fast pass, then
+     a second over the chunks it flagged as steep), then chunk_intra.chunk_factors_kernel,
+     grid (slices, chunks, HV): per-chunk factors w, u, qg, kg, aqk, gam (and checkpoint factors),
+     with gate, beta sigmoid and q/k L2 norm fused.
+  2. chunk_scan.chunk_scan_kernel, grid (V / BV, N * HV): the sequential state scan, writing
+     o, the final state and every requested checkpoint state in the same pass.
+
+Sequences (fixed-length rows or packed varlen) are cut into 64-token chunks that never straddle
+two sequences; the tail chunk of a sequence is zero-padded inside the kernels.
+
+Differences from the torch path: `chunk_size` is validated but the kernels always use 64 (the
+result is the same function of the inputs); fp64 inputs are not supported (use the torch path);
+g is not scanned for positive entries (that check is a full extra read of g).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from hyla.ops.triton import _interpreter
+from hyla.ops.triton.chunk_intra import chunk_factors_kernel, chunk_gram_kernel
+from hyla.ops.triton.chunk_scan import chunk_scan_kernel
+from hyla.ops.triton.gate import gdn_gate_beta, kda_gate_beta
+from hyla.ops.triton.params import gate_params, num_sms
+from hyla.ops import chunk as _reference
+from hyla.ops import utils
+from hyla.ops.transfer import stage_long
+from hyla.ops.utils import check_checkpoints, check_inputs
+
+_interpreter.apply()  # no-op unless TRITON_INTERPRET=1
+
+CHUNK = 64
+_GATES = {None: 0, "gdn": 1, "kda": 2}
+_TABLES: dict = {}
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _chunk_tables(cu_seqlens, B, T, device):
+    """cu (int64 [N+1]), per-sequence lengths, chunk_off [N+1], chunk_seq / chunk_pos [NCH] (int32)."""
+    key = None
+    if cu_seqlens is None:
+        key = (B, T, str(device))
+        if key in _TABLES:
+            return _TABLES[key]
+        lengths = [T] * B
+        cu = torch.arange(B + 1, device=device, dtype=torch.int64) * T
+    else:  # once per step's cu_seqlens tensor, for all its layers; no sync for an engine batch
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        rest = utils.cached_on(cu_seqlens, f"chunk_tables_{device}", lambda: _build_tables(cu_seqlens, device)[1:])
+        return (cu, *rest)  # cu itself is not kept on the tensor (no reference cycle)
+    return _build_tables(None, device, lengths, cu, key)
+
+
+def _build_tables(cu_seqlens, device, lengths=None, cu=None, key=None):
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        host = utils.host_values(cu_seqlens)
+        lengths = [b - a for a, b in zip(host, host[1:])]
+    nch = torch.tensor([-(-n // CHUNK) for n in lengths], dtype=torch.int64)
+    chunk_off = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    chunk_off[1:] = nch.cumsum(0)
+    total = int(chunk_off[-1])
+    chunk_seq = torch.repeat_interleave(torch.arange(len(lengths)), nch)
+    chunk_pos = torch.arange(total) - chunk_off[:-1][chunk_seq]
+    # one pinned transfer for the three tables (the host goes on launching while it runs)
+    off_dev, seq_dev, pos_dev = stage_long([chunk_off, chunk_seq, chunk_pos], device, dtype=torch.int32)
+    out = (cu, lengths, chunk_off.tolist(), off_dev, seq_dev, pos_dev)
+    if key is not None:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        _TABLES[key] = out
+    return out
+
+
+def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
+    """Checkpoints sorted by chunk: CSR pointer per chunk, in-chunk offsets r, and for each
+    sequence the rows of the sorted output that hold its checkpoints in the caller's order."""
+    entries = []  # (global chunk, r, sequence, index in its list)
+    for n, ps in enumerate(ckpts):
+        for i, p in enumerate(ps):
+            c = (p - 1) // CHUNK
+            entries.append((chunk_off_list[n] + c, p - c * CHUNK, n, i))
+    order = sorted(range(len(entries)), key=lambda e: entries[e][0])
+    counts = torch.zeros(n_chunks + 1, dtype=torch.int64)
+    rows = [[None] * len(ps) for ps in ckpts]
+    pos = []
+    for slot, e in enumerate(order):
+        gc, r, n, i = entries[e]
+        counts[gc + 1] += 1
+        pos.append(r)
+        rows[n][i] = slot
+    ck_ptr = counts.cumsum(0).to(device=device, dtype=torch.int32)
+    ck_pos = torch.tensor(pos, dtype=torch.int32, device=device)
+    return ck_ptr, ck_pos, rows
+
+
+
+
+
+
+def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32) -> int:
+    """Value-block width of the scan: 64 unless that leaves the GPU under two programs per SM
+    (one 64-token chunk step is a fixed latency, so a short grid wants narrower blocks), down to
+    `narrowest`."""
+    sms = num_sms(device)
+    bv = min(64, bvf)
+    while bv > narrowest and n_programs_per_block * (bvf // bv) < 2 * sms:
+        bv //= 2
+    return bv
+
+
+def _register_cap(name: str, value) -> int | None:
+    """A kernel's registers-per-thread cap (Triton's maxnreg launch option): None or 24 .. 255."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 24 <= value <= 255):
+        raise ValueError(f"`{name}` must be None or an int in 24 .. 255, got {value!r}")
+    return value
+
+
+def _scan_stages(st: torch.dtype) -> int:
+    """Software-pipelining depth of the scan's loop. Each stage buffers one chunk's w, u, qg, kg and
+    aqk in shared memory: with fp32 factors three stages need 278 KB at K = V = 128 (the H200
+    has 227 KB per block), so fp32 runs unpipelined (it is the accuracy path, not the fast one)."""
+    return 1 if st == torch.float32 else 3
+
+
+def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
+              use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
+              use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
+              factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
+              precompute_gate=None, low_precision_inverse=None, gram_maxnreg=None, factor_maxnreg=None):
+    """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
+    chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
+    (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
+    width of the chunk-local Gram kernel; value-block width (default: by grid size, down to
+    scan_narrowest), warps and pipeline stages of the scan; width and warps of the slice programs
+    of chunk_factors_kernel (factor_slice, factor_warps); precompute_gate: a fused gate's
+    activation as a separate elementwise launch (hyla.ops.triton.gate) before them;
+    low_precision_inverse: with bf16 / fp16 inputs, hand L^-1 to the factor kernel in that
+    precision (its two products then run as bf16 / fp16 matmuls) instead of fp32; default for
+    scalar decays (GDN: 7% faster on an H200, o error vs the fp32 path 2.9e-3 -> 3.3e-3), not
+    for KDA (3% faster, but the safe gate's error rose to 4.9e-3 of the 5e-3 budget);
+    gram_maxnreg / factor_maxnreg: a register cap per thread for the two chunk-local kernels
+    (more programs per SM, some spills to L1; default for the Gram kernel: 168 for KDA, 128
+    otherwise, the fastest of the H200 sweep in BENCHMARKS.md)."""
+    if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
+        raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
+    check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                 check_gate_sign=False)
+    if beta is None:
+        raise ValueError("`beta` is required")
+    if q.dtype == torch.float64 or v.dtype == torch.float64:
+        raise ValueError("the Triton path computes in fp32; use the torch path for fp64")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if K > 256 or V > 256:
+        raise ValueError(f"the Triton path supports K, V <= 256, got K={K}, V={V}")
+    dev = q.device
+    scale = K ** -0.5 if scale is None else float(scale)
+    BK, BVF = _pow2(K), _pow2(V)
+
+    if precompute_gate is None:  # measured on an H200 (BENCHMARKS.md): faster for KDA's channel gates
+        precompute_gate = gate == "kda"
+    if factor_slice is None:  # 64-wide slices for scalar decays (fewer, larger programs), 32 for KDA
+        factor_slice = 32 if gate == "kda" else 64
+    if low_precision_inverse is None:
+        low_precision_inverse = gate != "kda"
+    if gram_maxnreg is None:
+        gram_maxnreg = 168 if gate == "kda" else 128
+    gram_maxnreg = _register_cap("gram_maxnreg", gram_maxnreg)
+    factor_maxnreg = _register_cap("factor_maxnreg", factor_maxnreg)
+    if precompute_gate and use_gate_in_kernel and g is not None:
+        # the gate activation as its own elementwise launch: fp32 log-decays, then the
+        # precomputed-gate kernels (one activation per element instead of one per kernel pass)
+        if gate == "kda":
+            g, _ = kda_gate_beta(g, beta, A_log.reshape(-1).float(), dt_bias, lower_bound)
+        else:
+            g, _ = gdn_gate_beta(g, beta, A_log.reshape(-1).float(), dt_bias)
+        use_gate_in_kernel = False
+    gate_fn, a_log, dtb, lb = gate_params(gate, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, dev)
+
+    cu, lengths, off_list, chunk_off, chunk_seq, chunk_pos = _chunk_tables(cu_seqlens, B, T, dev)
+    N = len(lengths)
+    NCH = off_list[-1]
+    ckpts = None if checkpoint_positions is None else check_checkpoints(checkpoint_positions, lengths)
+
+    # Matmul operands of pass 2 are stored in the input precision (bf16 / fp16), fp32 otherwise.
+    low = {q.dtype, k.dtype, v.dtype}
+    st = q.dtype if len(low) == 1 and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    # fp32 inputs: 3-pass tf32 (about fp32 accuracy on tensor cores); bf16 / fp16: tf32 for the fp32
+    # products of pass 1 (the low-precision operands of pass 2 ignore it).
+    prec = "tf32x3" if st == torch.float32 else "tf32"
+    qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
+    gc = qc if g is None else g.contiguous()
+    bc = beta.contiguous()
+
+    w = torch.empty(NCH, HV, CHUNK, BK, device=dev, dtype=st)
+    qg = torch.empty_like(w)
+    kg = torch.empty_like(w)
+    u = torch.empty(NCH, HV, CHUNK, BVF, device=dev, dtype=st)
+    aqk = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=st)
+    gam = torch.empty(NCH, HV, BK, device=dev, dtype=torch.float32)
+
+    has_ck = bool(ckpts) and any(len(ps) for ps in ckpts)
+    if has_ck:
+        ck_ptr, ck_pos, ck_rows = _checkpoint_tables(ckpts, off_list, NCH, dev)
+        NCK = ck_pos.numel()
+        kr = torch.empty(NCK, HV, CHUNK, BK, device=dev, dtype=torch.float32)
+        dr = torch.empty(NCK, HV, BK, device=dev, dtype=torch.float32)
+        ck_out = torch.empty(NCK, HV, K, V, device=dev, dtype=torch.float32)
+    else:
+        ck_ptr = ck_pos = kr = dr = ck_out = chunk_off  # unused placeholders
+
+    if NCH:
+        li = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=torch.float32)
+        li_low = torch.empty_like(li, dtype=st) if low_precision_inverse and st != torch.float32 else li
+        row_factors = torch.empty(NCH, HV, 3, CHUNK, device=dev, dtype=torch.float32)
+        common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec)
+        # a per-channel gate: the fast pass, then the steep chunks it flagged (chunk_gram_kernel)
+        # with a gate, the factor kernel's fast pass skips the flagged chunks' channel slices
+        steep = torch.empty(NCH, HV, device=dev, dtype=torch.int32) if gate is not None else chunk_off
+        for gram_pass in ((1, 2) if gate == "kda" else (0,)):
+            chunk_gram_kernel[(NCH, HV)](
+                qc, kc, gc, bc,
+                a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
+                lb, scale, cu, chunk_seq, chunk_pos, aqk, li, li_low, row_factors, steep,
+                H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
+                USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+                PASS=gram_pass, num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
+            )
+        bks, bvs = min(BK, factor_slice), min(BVF, factor_slice)
+        # pass 1: all u slices and the unflagged chunks' channel slices; pass 2: the flagged ones
+        for factor_pass, slices in (((1, BK // bks + BVF // bvs), (2, BK // bks)) if gate is not None
+                                    else ((0, BK // bks + BVF // bvs),)):
+            chunk_factors_kernel[(slices, NCH, HV)](
+                qc, kc, vc, gc,
+                a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off, lb,
+                cu, chunk_seq, chunk_pos, li_low, row_factors, steep,
+                w, u, qg, kg, gam, ck_ptr, ck_pos, kr, dr,
+                H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=bks, BVS=bvs, HAS_CKPT=has_ck,
+                PASS=factor_pass, num_warps=factor_warps, maxnreg=factor_maxnreg, **common,
+            )
+
+    o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
+    final = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    BV = scan_block_v or _scan_block(N * HV, BVF, dev, scan_narrowest)
+    if N:
+        chunk_scan_kernel[(triton.cdiv(V, BV), N * HV)](
+            w, u, qg, kg, aqk, gam,
+            h0 if h0 is not None else gam, final if final is not None else gam, o,
+            cu, chunk_off,
+            ck_ptr, kr, dr, ck_out,
+            HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
+            HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
+            num_warps=scan_warps or (4 if BV <= 32 else 8), num_stages=scan_stages or _scan_stages(st),
+        )
+    if ckpts is None:
+        return o, final
+    empty = torch.zeros(0, HV, K, V, device=dev, dtype=torch.float32)
+    ck = [ck_out[torch.tensor(rows, device=dev)] if rows else empty for rows in (ck_rows if has_ck else
+                                                                                  [[] for _ in ckpts])]
+    return o, final, ck
+
+
+# The public ops: the torch references' signatures (hyla.ops.chunk), chunk_fwd underneath.
+chunk_kda = utils.backend_twin(_reference.chunk_kda, chunk_fwd, gate="kda")
+chunk_gated_delta_rule = utils.backend_twin(_reference.chunk_gated_delta_rule, chunk_fwd, gate="gdn")
+chunk_delta_rule = utils.backend_twin(_reference.chunk_delta_rule, chunk_fwd, gate=None, g=None)

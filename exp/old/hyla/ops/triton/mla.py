@@ -1,0 +1,220 @@
+"""Triton kernels for paged MLA (contracts: hyla.ops.mla).
+
+`write_latents`: one program per new token finds its cache row (block table, position),
+normalises c, appends kpe and stores the latent: one launch instead of the slot arithmetic,
+norm, cat and index_put.
+
+`paged_mla_decode`, split-KV ("flash decoding") in two launches:
+1. `_decode_split_kernel`, grid (N, head blocks, splits): BLOCK_H heads of one query token
+   stream one slice of the sequence's latents, BLOCK_N tokens at a time (page ids from the
+   block table), scores as two dots (q_lat . c and q_pe . kpe, fp32 accumulation), an online
+   softmax, and the unnormalised sum of p * c; writes (max, sum, partial output) per split.
+   The slices follow the sequence's *actual* length (read on the device): a CUDA graph
+   captured for the longest window does no work for pages a short sequence lacks, and the
+   numbers do not depend on the batch size or the table width.
+2. `_combine_kernel`, grid (query blocks, H): rescales and sums the splits, divides by the
+   softmax sum, rounds to the value dtype and multiplies by W_UV of its head (a dot per 128
+   latent columns), storing [N, H * v] ready for o_proj.
+The latents are read once per head block straight from the pages (no gathered copy).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hyla.ops.mla import _check_decode, _check_latents
+from hyla.ops.triton import _interpreter
+from hyla.ops.triton.norm import to_dtype
+
+_interpreter.apply()  # no-op unless TRITON_INTERPRET=1
+
+@triton.jit
+def _latents_kernel(kv, s_kv, w, cache, tables, s_t, positions, s_pos, seq_ids, W, num_pages, eps, R, C,
+                    PS: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, HAS_PE: tl.constexpr,
+                    MID_BF16: tl.constexpr, UNIFORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    if UNIFORM:
+        seq = t // W
+    else:
+        seq = tl.load(seq_ids + t)
+    pos = tl.load(positions + t * s_pos)
+    page = tl.load(tables + seq * s_t + pos // PS)
+    page = tl.where(page < 0, page + num_pages, page)
+    row = page * PS + pos % PS
+    o = tl.arange(0, BR)
+    m = o < R
+    c = tl.load(kv + t * s_kv + o, mask=m, other=0.0)
+    cf = c.to(tl.float32)
+    n = cf * tl.math.rsqrt(tl.sum(cf * cf, axis=0) / R + eps)
+    y = tl.load(w + o, mask=m, other=0.0).to(tl.float32) * to_dtype(n, c.dtype).to(tl.float32)
+    if MID_BF16:  # weight * normed is computed in bf16 before the cache's dtype
+        y = to_dtype(y, tl.bfloat16).to(tl.float32)
+    tl.store(cache + row * C + o, to_dtype(y, cache.dtype.element_ty), mask=m)
+    if HAS_PE:
+        op = tl.arange(0, BP)
+        mp = op < C - R
+        pe = tl.load(kv + t * s_kv + R + op, mask=mp, other=0.0)
+        tl.store(cache + row * C + R + op, pe.to(cache.dtype.element_ty), mask=mp)
+
+
+def write_latents(kv: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
+                  block_tables: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor | int) -> None:
+    """The Triton version of hyla.ops.mla.write_latents (the cache row of each token found in
+    the kernel: no slot tensor is built)."""
+    r = _check_latents(kv, weight, cache, block_tables, positions, seq_ids)
+    if kv.stride(1) != 1:
+        kv = kv.contiguous()
+    T, C = kv.shape
+    if T == 0:
+        return
+    uniform = isinstance(seq_ids, int)
+    mid_bf16 = torch.promote_types(weight.dtype, kv.dtype) == torch.bfloat16 and cache.dtype != torch.bfloat16
+    _latents_kernel[(T,)](kv, kv.stride(0), weight.contiguous(), cache, block_tables, block_tables.stride(0),
+                          positions, positions.stride(0), positions if uniform else seq_ids,
+                          seq_ids if uniform else 1, cache.shape[0],
+                          float(eps), r, C, PS=cache.shape[1], BR=triton.next_power_of_2(r),
+                          BP=max(16, triton.next_power_of_2(C - r)), HAS_PE=C > r, MID_BF16=mid_bf16,
+                          UNIFORM=uniform, num_warps=4)
+
+
+@triton.jit
+def _decode_split_kernel(q_lat, q_pe, cache, tables, last, m_out, l_out, acc_out,
+                         s_qn, s_qh, s_pn, s_ph, s_t, s_last, P, H, R, ROPE, W, scale,
+                         PS: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
+                         HAS_PE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq = n // W
+    length = tl.minimum(tl.load(last + n * s_last) + 1, P * PS)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    start = sp * per_split
+    end = tl.minimum(start + per_split, length)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = h < H
+    o_r = tl.arange(0, BR)
+    q1 = tl.load(q_lat + n * s_qn + h[:, None] * s_qh + o_r[None, :], mask=hm[:, None] & (o_r[None, :] < R),
+                 other=0.0).to(cache.dtype.element_ty)
+    if HAS_PE:
+        o_p = tl.arange(0, BP)
+        q2 = tl.load(q_pe + n * s_pn + h[:, None] * s_ph + o_p[None, :], mask=hm[:, None] & (o_p[None, :] < ROPE),
+                     other=0.0).to(cache.dtype.element_ty)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BR), tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        tm = t < end
+        page = tl.maximum(tl.load(tables + seq * s_t + t // PS, mask=tm, other=0), 0)
+        row = page.to(tl.int64) * PS + t % PS
+        c = tl.load(cache + row[:, None] * C + o_r[None, :], mask=tm[:, None] & (o_r[None, :] < R), other=0.0)
+        if IEEE:
+            s = tl.dot(q1, tl.trans(c), input_precision="ieee")
+        else:
+            s = tl.dot(q1, tl.trans(c))
+        if HAS_PE:
+            pe = tl.load(cache + row[:, None] * C + R + o_p[None, :], mask=tm[:, None] & (o_p[None, :] < ROPE),
+                         other=0.0)
+            if IEEE:
+                s += tl.dot(q2, tl.trans(pe), input_precision="ieee")
+            else:
+                s += tl.dot(q2, tl.trans(pe))
+        s = tl.where(tm[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m_i = m_new
+    base = (n * H + h) * NUM_SPLITS + sp  # [BLOCK_H]
+    tl.store(m_out + base, m_i, mask=hm)
+    tl.store(l_out + base, l_i, mask=hm)
+    if start < end:  # an empty split leaves its partial unwritten: the combine does not read it
+        tl.store(acc_out + base[:, None] * BR + o_r[None, :], acc, mask=hm[:, None])
+
+
+@triton.jit
+def _combine_kernel(m_in, l_in, acc_in, w_uv, out, N, H, V, R, s_wh, s_wv,
+                    BR: tl.constexpr, BV: tl.constexpr, RC: tl.constexpr, BQ: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    nb = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    n = (nb * BQ + tl.arange(0, BQ)).to(tl.int64)
+    nm = n < N
+    base = (n * H + h) * NUM_SPLITS  # [BQ]
+    m_all = tl.full((BQ,), float("-inf"), tl.float32)
+    for sp in range(NUM_SPLITS):
+        m_all = tl.maximum(m_all, tl.load(m_in + base + sp, mask=nm, other=0.0))
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # a query with nothing to attend to: zeros
+    denom = tl.zeros((BQ,), tl.float32)
+    for sp in range(NUM_SPLITS):
+        m_s = tl.load(m_in + base + sp, mask=nm, other=0.0)
+        denom += tl.load(l_in + base + sp, mask=nm, other=0.0) * tl.exp(m_s - m_all)
+    denom = tl.where(denom > 0, denom, 1.0)
+    o_v = tl.arange(0, BV)
+    res = tl.zeros((BQ, BV), tl.float32)
+    for r0 in range(0, BR, RC):
+        o_r = r0 + tl.arange(0, RC)
+        part = tl.zeros((BQ, RC), tl.float32)
+        for sp in range(NUM_SPLITS):
+            f = tl.exp(tl.load(m_in + base + sp, mask=nm, other=0.0) - m_all)
+            used = nm & (tl.load(l_in + base + sp, mask=nm, other=0.0) > 0)
+            a = tl.load(acc_in + (base + sp)[:, None] * BR + o_r[None, :], mask=used[:, None], other=0.0)
+            part += a * f[:, None]
+        part = to_dtype(part / denom[:, None], w_uv.dtype.element_ty)  # o_lat in the value dtype
+        wt = tl.load(w_uv + h * s_wh + o_v[None, :] * s_wv + o_r[:, None], mask=(o_v[None, :] < V) & (o_r[:, None] < R),
+                     other=0.0)  # [RC, BV]
+        if IEEE:
+            res += tl.dot(part, wt, input_precision="ieee")
+        else:
+            res += tl.dot(part, wt)
+    tl.store(out + n[:, None] * (H * V) + h * V + o_v[None, :], to_dtype(res, out.dtype.element_ty),
+             mask=nm[:, None] & (o_v[None, :] < V))
+
+
+def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                     last: torch.Tensor, w_uv: torch.Tensor, scale: float, block_h: int = 16,
+                     block_n: int = 32, num_splits: int = 4, min_split: int = 128) -> torch.Tensor:
+    """The Triton version of hyla.ops.mla.paged_mla_decode. block_h / block_n: tile sizes; a
+    sequence of L tokens is cut into at most num_splits slices of max(min_split, L / num_splits)
+    tokens (rounded up to block_n). The cut depends on L alone, not on the batch size or the
+    table width, so a CUDA-graph replay (padded batch, every table column) gives the eager
+    step's numbers bit for bit."""
+    _check_decode(q_lat, q_pe, cache, block_tables, last, w_uv)
+    N, H, R = q_lat.shape
+    ROPE = q_pe.shape[2]
+    _, PS, C = cache.shape
+    S, P = block_tables.shape
+    V = w_uv.shape[1]
+    if w_uv.stride(2) != 1:
+        w_uv = w_uv.contiguous()
+    if q_lat.stride(2) != 1:
+        q_lat = q_lat.contiguous()
+    if ROPE and q_pe.stride(2) != 1:
+        q_pe = q_pe.contiguous()
+    block_h = max(16, min(block_h, triton.next_power_of_2(H)))
+    hb = triton.cdiv(H, block_h)
+    BR = triton.next_power_of_2(R)
+    dev = q_lat.device
+    m = torch.empty(N, H, num_splits, device=dev, dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = torch.empty(N, H, num_splits, BR, device=dev, dtype=torch.float32)
+    ieee = cache.dtype == torch.float32
+    _decode_split_kernel[(N, hb, num_splits)](
+        q_lat, q_pe, cache, block_tables, last, m, l, acc,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), last.stride(0), P, H, R, ROPE,
+        N // S, float(scale), PS=PS, C=C, BR=BR, BP=max(16, triton.next_power_of_2(ROPE)), HAS_PE=ROPE > 0,
+        BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(min_split, block_n), IEEE=ieee,
+        num_warps=4, num_stages=2)
+    out = torch.empty(N, H * V, device=dev, dtype=q_lat.dtype)
+    BQ = 16
+    _combine_kernel[(triton.cdiv(N, BQ), H)](
+        m, l, acc, w_uv, out, N, H, V, R, w_uv.stride(0), w_uv.stride(1), BR=BR,
+        BV=max(16, triton.next_power_of_2(V)), RC=min(BR, 128), BQ=BQ, NUM_SPLITS=num_splits, IEEE=ieee, num_warps=4)
+    return out

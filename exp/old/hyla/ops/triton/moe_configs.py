@@ -1,0 +1,74 @@
+"""Tuned block configurations of the Triton fused MoE, per device and expert shape.
+
+`hyla bench moe --sweep --write-configs DIR` times the kernels on the device and writes one JSON
+file per expert shape (the scheme vLLM uses for its fused-MoE kernel), named
+
+    E=<experts>,N=<intermediate>,H=<hidden>,device=<device name, spaces as _>.json
+
+mapping token counts to a configuration: the keys of `_config` in hyla.ops.triton.fused_moe
+(BM, BN, BK, GM, num_warps, num_stages) plus an optional "down" dict whose keys override them
+for the second GEMM (BM is shared: both GEMMs read the same expert-aligned blocks). The files
+shipped with hyla live in hyla/assets/kernel_configs/fused_moe/.
+
+A table entry is used for M tokens when its key is within a factor of two of M; otherwise the
+built-in heuristic (`_config`) decides, so a table tuned at prefill sizes never picks the blocks
+of a decode step.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "assets" / "kernel_configs" / "fused_moe"
+
+
+def config_file_name(num_experts: int, intermediate: int, hidden: int, device_name: str) -> str:
+    return f"E={num_experts},N={intermediate},H={hidden},device={device_name.replace(' ', '_')}.json"
+
+
+@functools.cache
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
+def _table(num_experts: int, intermediate: int, hidden: int, device_name: str, directory: Path) -> dict[int, dict]:
+    """The table of one shape on one device kind, read once (every MoE layer call asks)."""
+    return _load(directory / config_file_name(num_experts, intermediate, hidden, device_name))
+
+
+def _load(path: Path) -> dict[int, dict]:
+    if not path.is_file():
+        return {}
+    return {int(m): cfg for m, cfg in json.loads(path.read_text()).items()}
+
+
+def tuned_config(tokens: int, num_experts: int, intermediate: int, hidden: int,
+                 device: torch.device, directory: Path = CONFIG_DIR) -> dict | None:
+    """The tuned configuration for `tokens` rows on `device` (a copy), or None."""
+    if device.type != "cuda" or tokens <= 0:
+        return None
+    table = _table(num_experts, intermediate, hidden, _device_name(device.index), directory)
+    if not table:
+        return None
+    key = min(table, key=lambda m: abs(math.log(m / tokens)))
+    if not key / 2 <= tokens <= key * 2:
+        return None
+    cfg = dict(table[key])
+    if "down" in cfg:
+        cfg["down"] = dict(cfg["down"])
+    return cfg
+
+
+def write_configs(path: Path, table: dict[int, dict]) -> None:
+    """Merge `table` (tokens -> configuration) into the JSON file at `path`."""
+    old = {int(k): v for k, v in json.loads(path.read_text()).items()} if path.is_file() else {}
+    old.update(table)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({str(k): old[k] for k in sorted(old)}, indent=2) + "\n")
+    _table.cache_clear()

@@ -1,0 +1,197 @@
+"""Triton RMSNorms for a decode step: one launch per norm instead of ~8-12 element-wise ops.
+
+Same contracts (and the same order of roundings) as the torch references in hyla.ops.norm:
+
+    rms_norm_rounded(x, w)         w * round_x(rms(x))             Kimi's RMSNorm
+    rms_norm_zero_centred(x, w)    round_x(rms(x) * (1 + w))       Qwen3-Next's RMSNorm
+    add_rms_norm(x, r, w)          (norm(r + x), r + x)            residual add fused in
+    gated_rms_norm(x, z, w, act)   round_x(rms(x) * w * act(z))    KDA's output norm (all fp32)
+    silu_gated_rms_norm(x, z, w)   round_x(round(w * round_x(rms(x))) * silu(z))   GDN's output norm
+
+with rms(x) = x / sqrt(mean(x^2) + eps) in fp32. One program normalises one row of D elements,
+or several short rows (D <= MAX_D). The gate z may be a strided view whose rows are addressed through up to three
+(size, stride) levels, so a gate cut out of a fused projection (GDN's z inside in_proj_qkvz's
+head-interleaved output) is read in place, without a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hyla.ops.triton import _interpreter
+
+_interpreter.apply()  # no-op unless TRITON_INTERPRET=1
+
+ROUNDED, ZERO_CENTRED, GATED, SILU_ROUNDED = 0, 1, 2, 3  # the STYLE constexpr
+ACT_SIGMOID, ACT_SILU = 0, 1  # the ACT constexpr (GATED)
+MAX_D = 16384
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> fp32 holding x rounded to bf16, to nearest even (finite x). Done in integer
+    arithmetic because Triton's CPU interpreter truncates in `.to(tl.bfloat16)`; on the GPU it
+    is the same rounding the conversion does, and the later `.to` is then exact."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_dtype(x, dtype: tl.constexpr):
+    """fp32 x -> dtype, rounded to nearest even (also under the interpreter)."""
+    if dtype == tl.bfloat16:
+        x = round_bf16(x)
+    return x.to(dtype)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def rms_norm_kernel(x, res, w, gate, y, h_out, R, D, sr, eps,
+                    x_s0, x_s1, x_s2, X1, X2, g_s0, g_s1, g_s2, G1, G2,
+                    BR: tl.constexpr, BD: tl.constexpr, STYLE: tl.constexpr, ACT: tl.constexpr,
+                    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ROUND_MID: tl.constexpr):
+    """BR rows of D elements per program (BR > 1 for short rows: a KDA output norm has 128-wide
+    rows, one per head and token, and one row per program left most of each program idle)."""
+    i = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)  # [BR] rows
+    o = tl.arange(0, BD)
+    m = (i < R)[:, None] & (o < D)[None, :]  # [BR, BD]
+    x_row = (i // (X1 * X2)) * x_s0 + ((i // X2) % X1) * x_s1 + (i % X2) * x_s2
+    xv = tl.load(x + x_row[:, None] + o[None, :], mask=m, other=0.0)
+    if HAS_RES:  # h = residual + x, rounded to x's dtype as torch's add
+        hv = to_dtype(tl.load(res + i[:, None] * sr + o[None, :], mask=m, other=0.0).to(tl.float32)
+                      + xv.to(tl.float32), xv.dtype)
+        tl.store(h_out + i[:, None] * D + o[None, :], hv, mask=m)
+        xv = hv
+    xf = xv.to(tl.float32)
+    n = xf * tl.math.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+    if HAS_W:
+        wf = tl.load(w + o, mask=o < D, other=0.0).to(tl.float32)[None, :]
+    else:
+        wf = tl.full([1, BD], 1.0, tl.float32)
+    if STYLE == 0:  # w * round_x(n), stored in y's dtype (promote(w, x))
+        out = wf * to_dtype(n, xv.dtype).to(tl.float32)
+    elif STYLE == 1:
+        out = n * (1.0 + wf)
+    else:
+        g_row = (i // (G1 * G2)) * g_s0 + ((i // G2) % G1) * g_s1 + (i % G2) * g_s2
+        zf = tl.load(gate + g_row[:, None] + o[None, :], mask=m, other=0.0).to(tl.float32)
+        if STYLE == 2:
+            if ACT == 0:
+                a = _sigmoid(zf)
+            else:
+                a = zf * _sigmoid(zf)
+            out = (n * wf) * a
+        else:  # silu-gated, Qwen3-Next's roundings
+            mid = wf * to_dtype(n, xv.dtype).to(tl.float32)
+            if ROUND_MID:
+                mid = to_dtype(mid, xv.dtype).to(tl.float32)
+            out = mid * (zf / (1.0 + tl.exp(-zf)))
+    tl.store(y + i[:, None] * D + o[None, :], to_dtype(out, y.dtype.element_ty), mask=m)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t: [..., D] -> [R, D] with unit column stride (a view when possible)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
+def _row_levels(t: torch.Tensor, d: int):
+    """The rows of t (leading dims, row-major) as three (size, stride) levels, outermost first,
+    or None when they need more than three (the caller copies). Unit column stride required."""
+    if t.stride(-1) != 1 and d > 1:
+        return None
+    dims = [(s, st) for s, st in zip(t.shape[:-1], t.stride()[:-1]) if s != 1]
+    merged = []
+    for s, st in dims:
+        if merged and merged[-1][1] == s * st:
+            merged[-1] = (merged[-1][0] * s, st)
+        else:
+            merged.append((s, st))
+    if len(merged) > 3:
+        return None
+    while len(merged) < 3:
+        merged.insert(0, (1, 0))
+    return merged
+
+
+def _block(D: int) -> tuple[int, int, int]:
+    """(rows per program, padded row width, warps): ~2K elements per program for short rows."""
+    BD = triton.next_power_of_2(D)
+    BR = max(1, min(16, 2048 // BD))
+    return BR, BD, max(1, min(16, BR * BD // 512))
+
+
+def _launch(x, weight, eps, style, *, residual=None, gate=None, act=ACT_SIGMOID, out_dtype=None,
+            round_mid=False):
+    D = x.shape[-1]
+    if D > MAX_D:
+        raise ValueError(f"the Triton RMSNorm supports D <= {MAX_D}, got {D}")
+    R = x.numel() // D if D else 0
+    x_levels = _row_levels(x, D)
+    if x_levels is None:
+        x = x.contiguous()
+        x_levels = [(1, 0), (1, 0), (R, D)]
+    (_, x_s0), (X1, x_s1), (X2, x_s2) = x_levels
+    y = torch.empty(R, D, device=x.device, dtype=out_dtype or x.dtype)
+    h = torch.empty(R, D, device=x.device, dtype=x.dtype) if residual is not None else None
+    r2 = _rows(residual) if residual is not None else None
+    levels = [(1, 0), (1, 0), (R, D)]
+    if gate is not None:
+        levels = _row_levels(gate, D)
+        if levels is None:
+            gate = gate.contiguous()
+            levels = [(1, 0), (1, 0), (R, D)]
+    (_, g_s0), (G1, g_s1), (G2, g_s2) = levels
+    if R and D:
+        BR, BD, warps = _block(D)
+        rms_norm_kernel[(triton.cdiv(R, BR),)](
+            x, r2 if r2 is not None else x, weight if weight is not None else x,
+            gate if gate is not None else x, y, h if h is not None else y, R, D,
+            r2.stride(0) if r2 is not None else 0, float(eps),
+            x_s0, x_s1, x_s2, X1, X2, g_s0, g_s1, g_s2, G1, G2,
+            BR=BR, BD=BD, STYLE=style, ACT=act, HAS_RES=residual is not None, HAS_W=weight is not None,
+            ROUND_MID=bool(round_mid), num_warps=warps)
+    y = y.view(x.shape)
+    return y if h is None else (y, h.view(x.shape))  # both contiguous
+
+
+def rms_norm_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The Triton version of hyla.ops.norm.rms_norm_rounded (result dtype promote(w, x))."""
+    return _launch(x, weight.contiguous(), eps, ROUNDED, out_dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The Triton version of hyla.ops.norm.rms_norm_zero_centred."""
+    return _launch(x, weight.contiguous(), eps, ZERO_CENTRED)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6,
+                 zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton version of hyla.ops.norm.add_rms_norm -> (normed, residual + x)."""
+    if residual is None:
+        y = (rms_norm_zero_centred if zero_centred else rms_norm_rounded)(x, weight, eps)
+        return y, x
+    style = ZERO_CENTRED if zero_centred else ROUNDED
+    out_dtype = x.dtype if zero_centred else torch.promote_types(weight.dtype, x.dtype)
+    return _launch(x, weight.contiguous(), eps, style, residual=residual, out_dtype=out_dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
+                   activation: str = "sigmoid") -> torch.Tensor:
+    """The Triton version of hyla.ops.norm.gated_rms_norm. gate: x's element count with rows in
+    x's order (its leading dims may be split differently, strides arbitrary)."""
+    act = ACT_SIGMOID if activation == "sigmoid" else ACT_SILU
+    return _launch(x, None if weight is None else weight.contiguous(), eps, GATED, gate=gate, act=act)
+
+
+def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The Triton version of hyla.ops.norm.silu_gated_rms_norm (gate as in gated_rms_norm)."""
+    mid = torch.promote_types(weight.dtype, x.dtype)
+    return _launch(x, weight.contiguous(), eps, SILU_ROUNDED, gate=gate, round_mid=mid != torch.float32)

@@ -1,0 +1,238 @@
+"""Decode and speculative verify over a state pool (Triton, forward only).
+
+Same contract as hyla.ops.recurrent (read its docstring for the pool addressing): sequence n
+reads its state from slot idx[n] (decode) or idx[n, num_accepted_tokens[n] - 1] (verify), steps
+the recurrence over its few tokens, and writes back in place: to idx[n] after its last token
+(decode), or after its j-th token to idx[n, j] (verify). A negative slot is a padding row:
+nothing is read or written and its outputs are 0.
+
+One program per (value block of BV columns, sequence, value head) holds S [K, BV] in fp32
+registers. Decode is bound by the pool traffic (read and write K * V * 4 bytes per head), so the
+program loads its whole state tile at once and everything else is a few hundred bytes per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hyla.ops.triton import _interpreter
+from hyla.ops.triton.common import head_gate_params
+from hyla.ops.triton.params import gate_params, num_sms
+from hyla.ops.triton.recurrent_decode import decode_persistent_kernel
+from hyla.ops.triton.recurrent_step import token_step
+from hyla.ops import recurrent as _reference
+from hyla.ops import utils
+from hyla.ops.utils import check_inputs
+
+_interpreter.apply()  # no-op unless TRITON_INTERPRET=1
+
+_GATES = {None: 0, "gdn": 1, "kda": 2}
+
+
+@triton.jit(do_not_specialize=["lower_bound", "scale", "T"])
+def recurrent_kernel(
+    q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+    o, h0, ht, cu_seqlens, idx, n_acc, T,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, IDX_W: tl.constexpr,
+    GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+    POOL: tl.constexpr, SPEC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    tile = i_hv * K * V + o_k[:, None] * V + o_v[None, :]  # offsets inside one [HV, K, V] state
+
+    # Which state to start from; a negative pool slot marks a padding row.
+    if POOL:
+        if SPEC:
+            slot0 = tl.load(idx + i_n * IDX_W + tl.load(n_acc + i_n) - 1).to(tl.int64)
+        else:
+            slot0 = tl.load(idx + i_n).to(tl.int64)
+        live = slot0 >= 0
+    else:
+        slot0 = i_n.to(tl.int64)
+        live = slot0 >= 0
+    if not live:
+        for t in range(bos, eos):
+            tl.store(o + (t * HV + i_hv) * V + o_v, tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty),
+                     mask=m_v)
+        return
+
+    b_s = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
+    if HAS_H0:
+        b_s += tl.load(h0 + slot0 * HV * K * V + tile, mask=m_kv, other=0.0).to(tl.float32)
+
+    a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
+    for t in range(bos, eos):
+        b_s, b_o = token_step(b_s, q, k, v, g, beta, t, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
+                              H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
+        tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if SPEC:
+            # the state after token j goes to idx[n, j]; a rejected draft only reaches slots the
+            # next step does not start from. (A row longer than the slot width writes no more.)
+            j = t - bos
+            dst = tl.load(idx + i_n * IDX_W + j, mask=j < IDX_W, other=-1).to(tl.int64)
+            if dst >= 0:
+                tl.store(ht + dst * HV * K * V + tile, b_s.to(ht.dtype.element_ty), mask=m_kv)
+
+    if STORE_HT:
+        if not SPEC:
+            tl.store(ht + slot0 * HV * K * V + tile, b_s.to(ht.dtype.element_ty), mask=m_kv)
+
+
+def _check_pool_shapes(idx, n_acc, pool, n):
+    """The torch path's pool checks (hyla.ops.recurrent._check_pool_args) minus the ones that read
+    values (slot < num_slots, 1 <= num_accepted <= width): those would synchronise the device."""
+    if pool is None:
+        raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool [num_slots, HV, K, V])")
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError("`ssm_state_indices` must be an int32/int64 tensor")
+    if idx.ndim not in (1, 2) or idx.shape[0] != n:
+        raise ValueError(f"`ssm_state_indices` must be [N] or [N, 1+num_spec] with N={n}, got {tuple(idx.shape)}")
+    if idx.ndim == 2:
+        if n_acc is None:
+            raise ValueError("2-D `ssm_state_indices` (speculative verify) needs `num_accepted_tokens` [N]")
+        if n_acc.shape != (n,):
+            raise ValueError(f"`num_accepted_tokens` must be [{n}], got {tuple(n_acc.shape)}")
+    elif n_acc is not None:
+        raise ValueError("`num_accepted_tokens` is only valid with 2-D `ssm_state_indices`")
+
+
+
+
+
+
+# The persistent decode kernel (16-column tiles, one warp each, so the K reduction never leaves
+# the warp; 8 programs per SM) is the default from this many (value block, sequence, head) tiles
+# per SM on: on an H200 it beat every one-program-per-tile configuration at N = 64, 256 and 512
+# sequences x 32 heads (124+ tiles per SM), see BENCHMARKS.md; a short grid gains nothing from
+# its loop.
+_PERSISTENT_MIN_TILES_PER_SM = 64
+
+
+def _block_v(n_heads_total: int, V: int, device) -> int:
+    """Value-block width: 64 columns (256 B rows of the fp32 state, 4 warps) when that still
+    gives every SM four programs, else 32, else 16 (measured on an H200: at N = 64 and 256
+    sequences x 32 heads, 64-wide blocks beat 32-wide by 6-7%; see BENCHMARKS.md)."""
+    bvf = max(16, triton.next_power_of_2(V))
+    sms = num_sms(device)
+    for bv in (64, 32):
+        if bv <= bvf and n_heads_total * (bvf // bv) >= 4 * sms:
+            return bv
+    return 16
+
+
+def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, cu_seqlens=None, ssm_state_indices=None,
+                  num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                  lower_bound=None, use_beta_sigmoid_in_kernel=False, block_v=None, num_warps=None,
+                  persistent=None, programs_per_sm=8):
+    pooled = ssm_state_indices is not None
+    # Shape checks only: this path never reads device values on the host (no synchronisation),
+    # so it can be captured in a CUDA graph. Slot ranges are the caller's contract.
+    n = check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=None,
+                     check_gate_sign=False, state_is_pool=pooled or cu_seqlens is not None)
+    if beta is None:
+        raise ValueError("`beta` is required")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if cu_seqlens is not None:
+        if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2
+                or cu_seqlens.dtype not in (torch.int32, torch.int64)):
+            raise ValueError("`cu_seqlens` must be a 1-D int32/int64 tensor [N+1] of cumulative lengths")
+        if B != 1:
+            raise ValueError(f"with `cu_seqlens` the batch size must be 1, got B={B}")
+        n = cu_seqlens.numel() - 1
+        if initial_state is not None and not pooled and initial_state.shape[0] != n:
+            raise ValueError(f"`initial_state` has {initial_state.shape[0]} rows for {n} sequences")
+    if q.dtype == torch.float64 or v.dtype == torch.float64:
+        raise ValueError("the Triton path computes in fp32; use the torch path for fp64")
+    if K > 256 or V > 256:
+        raise ValueError(f"the Triton path supports K, V <= 256, got K={K}, V={V}")
+    dev = q.device
+    if pooled:
+        _check_pool_shapes(ssm_state_indices, num_accepted_tokens, initial_state, n)
+    scale = K ** -0.5 if scale is None else float(scale)
+
+    gate_fn, a_log, dtb, lb = gate_params(gate, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, dev)
+
+    qc, kc, vc, bc = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
+    gc = qc if g is None else g.contiguous()
+    o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
+    spec = pooled and ssm_state_indices.ndim == 2
+    if pooled:
+        if not initial_state.is_contiguous():
+            raise ValueError("the state pool `initial_state` must be contiguous (it is updated in place)")
+        h0 = ht = initial_state
+        idx = ssm_state_indices.contiguous()
+        n_acc = num_accepted_tokens.contiguous() if spec else idx
+        idx_w = idx.shape[1] if spec else 1
+        store_ht = True
+    else:
+        h0 = initial_state.contiguous() if initial_state is not None else None
+        ht = torch.empty(n, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+        idx = n_acc = o
+        idx_w = 1
+        store_ht = ht is not None
+    BK = max(16, triton.next_power_of_2(K))
+    # Plain decode (one token per sequence, pool in place): the persistent prefetching kernel
+    # when the grid is large enough for its schedule to matter (recurrent_decode.py).
+    one_token = pooled and not spec and cu_seqlens is None and T == 1
+    if persistent is None:
+        persistent = one_token and n * HV * triton.cdiv(V, 16) >= _PERSISTENT_MIN_TILES_PER_SM * num_sms(dev)
+    elif persistent and not one_token:
+        raise ValueError("persistent=True needs a plain decode step: a 1-D pool index and one token per sequence")
+    if n and persistent:
+        BV = block_v or 16
+        n_tiles = n * HV * triton.cdiv(V, BV)
+        decode_persistent_kernel[(min(n_tiles, programs_per_sm * num_sms(dev)),)](
+            qc, kc, vc, gc, bc,
+            a_log if a_log is not None else o, dtb if dtb is not None else o,
+            lb, scale, o, initial_state, idx, n_tiles,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+            GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
+            USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+            num_warps=num_warps or 1,
+        )
+    elif n:
+        BV = block_v or _block_v(n * HV, V, dev)
+        recurrent_kernel[(triton.cdiv(V, BV), n * HV)](
+            qc, kc, vc, gc, bc,
+            a_log if a_log is not None else o, dtb if dtb is not None else o,
+            lb, scale,
+            o, h0 if h0 is not None else o, ht if ht is not None else o,
+            cu_seqlens if cu_seqlens is not None else o, idx, n_acc, T,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IDX_W=idx_w,
+            GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
+            USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+            IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=store_ht,
+            POOL=pooled, SPEC=spec,
+            num_warps=num_warps or 4,
+        )
+    if pooled:
+        return o, initial_state
+    return o, ht
+
+
+# The public ops: the torch references' signatures (hyla.ops.recurrent), recurrent_fwd underneath.
+fused_recurrent_kda = utils.backend_twin(_reference.fused_recurrent_kda, recurrent_fwd, gate="kda")
+fused_recurrent_gated_delta_rule = utils.backend_twin(_reference.fused_recurrent_gated_delta_rule, recurrent_fwd,
+                                                      gate="gdn")

@@ -1,0 +1,211 @@
+"""TPRunner: what LLMEngine holds as its runner under tensor parallelism -- the ModelRunner API
+(run / verify / commit_replay / apply_copies / copy_slot / copy_page_rows), each call broadcast
+to the workers and then run on rank 0's own shard. Every rank runs the same ModelRunner code
+over its own pools (same page and slot counts, per-rank shapes), so the scheduler, the prefix
+cache's checkpoint copies and speculative rollback stay exactly as on one device.
+
+A call carries SeqViews, not Sequences: the few fields a runner reads of a sequence, with only
+its new tokens (not the whole history). Logits come back all-gathered on every rank (the
+vocab-parallel lm_head); rank 0 samples. An MTP drafter runs on every rank
+(shard_drafter, hyla.parallel.drafter): its head steps are commands too, its bookkeeping rides
+along with the next command.
+
+    tp = start_tensor_parallel(config, dtype)      # workers up, every rank's shard loaded
+    runner = tp_runner(tp, num_slots, num_pages, page_size, state_dtype, enforce_eager)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hyla.parallel.workers import WorkerGroup
+
+log = logging.getLogger("hyla.parallel")
+
+
+class _Suffix:
+    """seq.token_ids from `start` on, indexed with the sequence's own positions."""
+
+    __slots__ = ("start", "tokens")
+
+    def __init__(self, start: int, tokens: list[int]):
+        self.start, self.tokens = start, tokens
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.tokens[i.start - self.start: i.stop - self.start]
+        return self.tokens[i - self.start]
+
+
+@dataclass
+class SeqView:
+    """What ModelRunner (and its CUDA graphs) read of a Sequence, for one step."""
+
+    token_ids: _Suffix
+    num_computed_tokens: int
+    block_table: list[int]
+    slot: int | None
+    spec_slots: list[int]
+    last_token_id: int
+
+    @classmethod
+    def of(cls, seq, num_new: int) -> SeqView:
+        start = seq.num_computed_tokens
+        return cls(_Suffix(start, seq.token_range(start, start + num_new)), start, list(seq.block_table), seq.slot,
+                   list(seq.spec_slots), seq.last_token_id)
+
+    def token_range(self, start: int, stop: int) -> list[int]:
+        return self.token_ids[start:stop]
+
+    def token_at(self, i: int) -> int:
+        return self.token_ids[i]
+
+
+class _Tail(_Suffix):
+    """seq.token_ids from `start` to its end; len() is the whole sequence's length."""
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass
+class DraftView:
+    """What an MTPDrafter reads of a Sequence on ranks 1..N-1 (rank 0 reads the Sequence): its
+    id, preemption count, block table, and its tokens from `start` on (the ones a commit pairs
+    with hidden rows; none otherwise) with the sequence's full length."""
+
+    request_id: str
+    token_ids: _Tail
+    num_preemptions: int
+    block_table: list[int]
+
+    @classmethod
+    def of(cls, seq, start: int | None = None, pages: bool = True) -> DraftView:
+        """start: the first token carried (default: none, only the length); pages: with the
+        block table (the calls that run the head read it)."""
+        n = seq.num_tokens
+        start = n if start is None else min(start, n)
+        return cls(seq.request_id, _Tail(start, seq.token_range(start, n)), seq.num_preemptions,
+                   list(seq.block_table) if pages else [])
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def token_range(self, start: int, stop: int) -> list[int]:
+        return self.token_ids[start:stop]
+
+
+class TPRunner:
+    def __init__(self, group: WorkerGroup):
+        self.group = group
+        self.local = group.worker.runner  # rank 0's ModelRunner
+        self.model = self.local.model
+        self.device, self.page_size = self.local.device, self.local.page_size
+        # Drafter calls ranks 1..N-1 still owe (bookkeeping without collectives): they travel
+        # with the next command, in order (hyla.parallel.drafter.TPDrafter).
+        self.deferred: list[tuple[str, tuple]] = []
+
+    def _call(self, name: str, *args, **kwargs):
+        """group.call, with the deferred drafter calls run before it on ranks 1..N-1."""
+        if not self.deferred:
+            return self.group.call(name, *args, **kwargs)
+        ops, self.deferred = self.deferred, []
+        return self.group.call("with_drafter_ops", ops, name, args, kwargs)
+
+    def defer(self, method: str, args: tuple) -> None:
+        self.deferred.append((method, args))
+
+    def drafter_call(self, method: str, args: tuple, local):
+        """A drafter call that runs the head (collectives): ranks 1..N-1 run the deferred calls
+        and then `method` on their drafter, rank 0 runs `local()` -> rank 0's result."""
+        ops, self.deferred = self.deferred, []
+        return self.group.call("drafter_call", ops, method, args, local=local)
+
+    def shard_drafter(self, drafter):
+        """The drafter SpecDecoder drives under tensor parallelism: an MTP head runs on every rank
+        (hyla.parallel.drafter.TPDrafter); n-gram and draft-model drafters run on rank 0 alone."""
+        from hyla.engine.mtp import MTPDrafter
+
+        if isinstance(drafter, MTPDrafter):
+            from hyla.parallel.drafter import TPDrafter
+
+            return TPDrafter(drafter.cfg, drafter.page_size)
+        return drafter
+
+    @property
+    def cache(self):
+        return self.local.cache
+
+    @property
+    def graphs(self):
+        return self.local.graphs
+
+    @property
+    def verified_in_graph(self) -> bool:
+        return self.local.verified_in_graph
+
+    def run(self, seqs, num_new_tokens, logit_rows: list[list[int]], checkpoints=None, return_hidden: bool = False
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """ModelRunner.run on every rank; return_hidden: also rank 0's final-norm hidden states
+        (every rank keeps its own for its MTP drafter)."""
+        views = [SeqView.of(s, n) for s, n in zip(seqs, num_new_tokens)]
+        return self._call("run", views, list(num_new_tokens), logit_rows, checkpoints, return_hidden=return_hidden)
+
+    def verify(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int | None = None,
+               return_hidden: bool = False, device_logits: bool = False
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        views = [SeqView.of(s, 0) for s in seqs]
+        return self._call("verify", views, drafts, rollback, pad_to=pad_to, return_hidden=return_hidden,
+                          device_logits=device_logits)
+
+    def commit_replay(self, accepted: list[int]) -> None:
+        self._call("commit_replay", list(accepted))
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        self._call("copy_slot", src, dst)
+
+    def copy_page_rows(self, src: int, dst: int, rows: int) -> None:
+        self._call("copy_page_rows", src, dst, rows)
+
+    def apply_copies(self, slot_copies, page_copies) -> None:
+        if slot_copies or page_copies:  # most steps have none: no broadcast
+            self._call("apply_copies", list(slot_copies), list(page_copies))
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def start_tensor_parallel(config, dtype) -> WorkerGroup:
+    """Start config.tensor_parallel_size ranks and load every rank's shard of config.model.
+    Raises TensorParallelError (a worker died or never started) or the load error of any rank."""
+    from hyla.models.loader import load_config
+
+    group = WorkerGroup(config.tensor_parallel_size, config.device)
+    spec = dict(model=config.model, model_type=load_config(config.model).model_type, dtype=dtype,
+                device=str(config.device), expert_parallel=config.enable_expert_parallel,
+                random_weights=config.load_format == "dummy")
+    try:
+        group.call("load", spec, reply=True)
+    except BaseException:
+        group.close()
+        raise
+    log.info("tensor parallel over %d ranks (%s), per rank:\n%s", group.world, group.backend,
+             group.model.memory_report(config.state_dtype))
+    return group
+
+
+def tp_runner(group: WorkerGroup, num_slots: int, num_pages: int, page_size: int, state_dtype,
+              enforce_eager: bool) -> TPRunner:
+    """Every rank allocates its pools (the same counts, its own shapes) -> rank 0's TPRunner."""
+    try:
+        group.call("make_runner", num_slots, num_pages, page_size, state_dtype, enforce_eager, reply=True)
+    except BaseException:
+        group.close()
+        raise
+    return TPRunner(group)

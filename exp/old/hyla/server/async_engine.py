@@ -1,0 +1,110 @@
+"""AsyncEngine: runs one LLMEngine in a background thread and streams its outputs to asyncio.
+
+The engine is not thread-safe, so only the loop thread touches it: HTTP handlers send commands
+(add / abort) through a queue, and the loop hands every RequestOutput back to the handler's
+asyncio queue with `call_soon_threadsafe`. Validation (`encode` / `validate`) is read-only and
+runs in the handler, so a bad request is answered before it reaches the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from hyla.engine.llm_engine import LLMEngine
+from hyla.engine.outputs import RequestOutput
+from hyla.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("hyla.server")
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None):
+        self.engine = engine
+        self.on_output = on_output  # on_output(output: RequestOutput, now: time.monotonic()) in the loop thread
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the loop thread; again after a shutdown too (an app whose lifespan runs twice,
+        as an in-process test client does per session)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="hyla-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               out: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queue a validated request; returns the asyncio queue its outputs arrive on (the last one
+        has .finished set): `out` when given, so that several requests (the n choices of one
+        HTTP request) share one queue, told apart by RequestOutput.request_id."""
+        out = out if out is not None else asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), out)
+        self._commands.put(("add", request_id, prompt_ids, params))
+        return out
+
+    def abort(self, request_id: str) -> None:
+        """Abort (e.g. the client went away): frees its slot and pages at the next loop turn."""
+        self._commands.put(("abort", request_id))
+
+    # ---- loop thread ---------------------------------------------------------------------------
+    def _deliver(self, request_id: str, output: RequestOutput) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        loop, q = stream
+        if output.finished:
+            self._streams.pop(request_id, None)
+        try:
+            loop.call_soon_threadsafe(q.put_nowait, output)
+        except RuntimeError:  # the handler's event loop is gone
+            pass
+
+    def _handle(self, command) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, rid, ids, params = command
+            try:
+                self.engine.add_request(rid, ids, params)
+            except ValueError as e:
+                self._deliver(rid, RequestOutput(rid, None, ids, [], finished=True, error=str(e)))
+        elif kind == "abort":
+            rid = command[1]
+            self.engine.abort_request(rid)
+            self._streams.pop(rid, None)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.has_unfinished_requests()
+            try:
+                command = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
+                self._handle(command)
+                while True:
+                    self._handle(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # noqa: BLE001 - a failure must not stop the loop thread
+                log.exception("engine step failed")
+                continue
+            now = time.monotonic()
+            for out in outputs:
+                if self.on_output is not None:
+                    self.on_output(out, now)
+                self._deliver(out.request_id, out)

@@ -1,0 +1,130 @@
+"""Structured outputs: a request's response_format / guided_* / structured_outputs fields ->
+a compiled grammar (the engine's SamplingParams.guide), through xgrammar (the `grammar` extra).
+
+The engine sees only the Guide / GuideMatcher protocol of hyla.engine.sampling_params: every
+sequence gets its own matcher, whose bitmask the sampler applies to that row's logits on the
+device. xgrammar is imported on the first structured request, so a server without it still
+serves everything else (and answers such a request with a 400 saying what to install).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class GuideSpec:
+    """What the output must follow. kind: json (value: a JSON schema, dict), json_object (any
+    JSON object), regex (a pattern), choice (value: a list of strings), grammar (EBNF with a
+    `root` rule, or Lark)."""
+
+    kind: str
+    value: object = None
+
+
+class GuideError(ValueError):
+    """The spec does not compile (a bad schema, pattern or grammar) or xgrammar is missing."""
+
+
+class XGrammarGuide:
+    def __init__(self, compiled, stop_token_ids: list[int]):
+        self.compiled, self.stop_token_ids = compiled, stop_token_ids
+
+    def matcher(self):
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.compiled, override_stop_tokens=self.stop_token_ids)
+
+
+def _vocab_type(tokenizer):
+    import xgrammar as xgr
+
+    decoder = json.loads(tokenizer.tokenizer.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", []) or []}
+    if "ByteLevel" in kinds:
+        return xgr.VocabType.BYTE_LEVEL
+    if "ByteFallback" in kinds:
+        return xgr.VocabType.BYTE_FALLBACK
+    return xgr.VocabType.RAW
+
+
+def _choice_ebnf(choices: list[str]) -> str:
+    """root ::= "a" | "b" ... with each choice as an EBNF string literal."""
+    def literal(s: str) -> str:
+        out = []
+        for ch in s:
+            if ch in '"\\':
+                out.append("\\" + ch)
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\x{ord(ch):02x}")
+            else:
+                out.append(ch)
+        return '"' + "".join(out) + '"'
+    return "root ::= " + " | ".join(literal(c) for c in choices)
+
+
+class Grammars:
+    """Compiles GuideSpecs for one engine (its tokenizer and vocabulary). Thread-safe: requests
+    compile in worker threads, so a slow grammar does not stall the event loop."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._compiler = None
+        self._lock = threading.Lock()
+        self._compile_lock = threading.Lock()
+
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                try:
+                    import xgrammar as xgr
+                except ImportError:
+                    raise GuideError("structured outputs need xgrammar: pip install 'hyla[grammar]'") from None
+                tok = self.engine.tokenizer
+                if tok is None:
+                    raise GuideError("structured outputs need a tokenizer")
+                vocab = [""] * self.engine.vocab_size
+                specials = {a.content for a in tok.tokenizer.get_added_tokens_decoder().values() if a.special}
+                for text, i in tok.tokenizer.get_vocab(with_added_tokens=True).items():
+                    if i < len(vocab) and text not in specials:  # "": a special token, never text
+                        vocab[i] = text
+                stop = [self.engine.eos_token_id] if self.engine.eos_token_id is not None else []
+                info = xgr.TokenizerInfo(vocab, _vocab_type(tok), vocab_size=self.engine.vocab_size,
+                                         stop_token_ids=stop)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._stop = stop
+            return self._compiler
+
+    def compile(self, spec: GuideSpec, any_whitespace: bool = True) -> XGrammarGuide:
+        """any_whitespace: JSON may have any whitespace between tokens (vLLM's default); False:
+        compact separators only (weak models can otherwise loop on whitespace)."""
+        compiler = self._get_compiler()
+        with self._compile_lock:  # one compile at a time: the compiler's cache is shared
+            return self._compile(compiler, spec, any_whitespace)
+
+    def _compile(self, compiler, spec: GuideSpec, any_whitespace: bool) -> XGrammarGuide:
+        try:
+            if spec.kind == "json":
+                compiled = compiler.compile_json_schema(json.dumps(spec.value), any_whitespace=any_whitespace)
+            elif spec.kind == "json_object":  # an object, not any JSON value (as vLLM)
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+            elif spec.kind == "regex":
+                compiled = compiler.compile_regex(spec.value)
+            elif spec.kind == "choice":
+                compiled = compiler.compile_grammar(_choice_ebnf(list(spec.value)))
+            elif spec.kind == "grammar":
+                g = spec.value
+                compiled = compiler.compile_grammar(g) if "::=" in g else compiler.compile_lark(g)
+            else:
+                raise GuideError(f"unknown structured output kind {spec.kind!r}")
+        except GuideError:
+            raise
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError for bad input
+            reason = _LOG_PREFIX.sub("", str(e)).strip()  # "[12:00:00] /project/cpp/x.cc:94: " is noise
+            raise GuideError(f"the {spec.kind} does not compile: {reason}") from None
+        return XGrammarGuide(compiled, self._stop)
