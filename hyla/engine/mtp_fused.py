@@ -282,8 +282,9 @@ class DerivedExtension(_Extension):
 class DeriveGraphs:
     """The derivation of an overlapped step's inputs with one host-to-device copy and one graph
     replay: per key (the previous step's packed buffer, the step's verify and head buffers, the
-    rows, the stop ids, replay or not) a static staging buffer [verify rows | head rows | base
-    rows] and a graph of (copy the staged rows into the step's buffers, derive_step_rows). On
+    kept-count buffer of rollback "replay", the rows, the stop ids) a static staging buffer
+    [verify rows | head rows | base rows] and a graph of (copy the staged rows into the step's
+    buffers, derive_step_rows). On
     the host, launching the dozen small ops (or one Triton kernel) costs more than the GPU time
     they take; a replay costs one launch. With capture off (the CPU) the same work runs eagerly."""
 
@@ -297,7 +298,8 @@ class DeriveGraphs:
         with the first n = len(base) rows derived from prev [>= n, 2W]; kept [bs] or None."""
         n, (bs, VW), EW = len(base), vmeta.shape, emeta.shape[1]
         S = len(base[0]) - 2 if base else 0
-        key = (prev.data_ptr(), vmeta.data_ptr(), emeta.data_ptr(), bs, VW, EW, n, S, kept is not None)
+        key = (prev.data_ptr(), vmeta.data_ptr(), emeta.data_ptr(), None if kept is None else kept.data_ptr(),
+               bs, VW, EW, n, S)
         staged = self.staging.get(key)
         if staged is None:
             staged = self.staging[key] = torch.empty(bs * (VW + EW) + n * (2 + S), dtype=torch.long,
