@@ -61,9 +61,7 @@ class OverlapChain:
                 or len(seq.output_token_ids) + 2 * W >= seq.max_tokens
                 or seq.num_tokens + 2 * W + 1 >= eng.max_model_len):
             return None
-        ids = list(p.stop_token_ids)
-        if not p.ignore_eos and seq.eos_token_id is not None:
-            ids.append(seq.eos_token_id)
+        ids = seq.stop_ids()
         return ids if len(ids) <= MAX_STOPS else None
 
     @torch.inference_mode()

@@ -139,6 +139,14 @@ class Sequence:
         if n_out >= self.max_tokens:
             self.finish("length")
 
+    def stop_ids(self) -> list[int]:
+        """The token ids check_stop ends the request on (once past min_tokens): EOS unless
+        ignore_eos, then stop_token_ids (hyla.engine.mtp_overlap applies the same rule on the
+        device)."""
+        p = self.params
+        eos = [] if p.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
+        return eos + [t for t in p.stop_token_ids if t not in eos]
+
     def _detokenize(self, tokenizer) -> None:
         """Append the text of the output tokens not yet decoded. DecodeStream decodes each new
         token together with the ones before it (a byte-level character split over two tokens, or

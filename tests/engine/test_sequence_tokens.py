@@ -22,3 +22,18 @@ def test_token_range_and_token_at_equal_token_ids():
     draft = DraftView.of(seq, 3)
     assert draft.num_tokens == n and draft.token_range(3, n) == ids[3:] and draft.token_range(4, 6) == ids[4:6]
     assert DraftView.of(seq).num_tokens == n
+
+
+def test_stop_ids_are_the_ids_check_stop_ends_on():
+    """stop_ids (the overlapped MTP chain's device-side stop rule) lists exactly the ids on which
+    check_stop finishes a request past min_tokens: EOS unless ignore_eos, and stop_token_ids."""
+    cases = [(SamplingParams(max_tokens=8), 2), (SamplingParams(max_tokens=8, ignore_eos=True), 2),
+             (SamplingParams(max_tokens=8, stop_token_ids=[9, 2]), 2), (SamplingParams(max_tokens=8), None)]
+    for params, eos in cases:
+        ids = Sequence("r", None, [5], params, 8, eos).stop_ids()
+        assert len(ids) == len(set(ids))
+        for token in range(12):
+            seq = Sequence("r", None, [5], params, 8, eos)
+            seq.append_token(token, None)
+            seq.check_stop(None)
+            assert seq.is_finished == (token in ids), (params, eos, token)
