@@ -10,6 +10,7 @@ import torch
 
 from hyla.ops import mla as ref
 from hyla.ops.norm import rms_norm_rounded
+from tests.ops.paged_tables import random_block_tables
 from tests.ops.test_fused_decode import assert_ulps
 from tests.ops.triton_env import triton_module
 
@@ -23,13 +24,7 @@ def _inputs(S, W, H, r, rope, v, ps, lens, dtype, seed):
     """Random queries, a random pool and block tables: sequence s holds lens[s] tokens in pages
     drawn without replacement, padded with -1; its W queries sit at the last W positions."""
     g = torch.Generator().manual_seed(seed)
-    width = max(-(-n // ps) for n in lens) + 1  # one padding column at least
-    num_pages = sum(-(-n // ps) for n in lens) + 2
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    tables = torch.full((S, width), -1, dtype=torch.long)
-    for s, n in enumerate(lens):
-        for j in range(-(-n // ps)):
-            tables[s, j] = perm.pop()
+    tables, num_pages = random_block_tables(lens, ps, g)
     cache = torch.randn(num_pages, ps, r + rope, generator=g, dtype=torch.float64).to(dtype)
     q_lat = torch.randn(S * W, H, r, generator=g, dtype=torch.float64).to(dtype)
     q_pe = torch.randn(S * W, H, rope, generator=g, dtype=torch.float64).to(dtype)

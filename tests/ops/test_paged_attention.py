@@ -15,6 +15,7 @@ import torch
 
 from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.ops import paged_attention as ref
+from tests.ops.paged_tables import random_block_tables
 from tests.ops.triton_env import triton_module
 
 
@@ -27,13 +28,7 @@ def _case(S, W, H, Hkv, D, rot, ps, lens, dtype, seed=0):
     tables: sequence s holds lens[s] tokens, its W new ones the last W, in pages drawn without
     replacement and padded with -1."""
     g = torch.Generator().manual_seed(seed)
-    width = max(-(-n // ps) for n in lens) + 1
-    num_pages = sum(-(-n // ps) for n in lens) + 2
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    tables = torch.full((S, width), -1, dtype=torch.long)
-    for s, n in enumerate(lens):
-        for j in range(-(-n // ps)):
-            tables[s, j] = perm.pop()
+    tables, num_pages = random_block_tables(lens, ps, g)
     ck, cv = (torch.randn(num_pages, ps, Hkv, D, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
     T = S * W
     packed = torch.randn(T, 2 * H * D + 2 * Hkv * D + 3, generator=g, dtype=torch.float64).to(dtype)
