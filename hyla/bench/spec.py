@@ -20,6 +20,7 @@ import argparse
 import gc
 import itertools
 import time
+from statistics import median
 
 import torch
 
@@ -187,10 +188,8 @@ def _measure(llm, prompts, params, together: bool) -> tuple[float, float, float]
             decode_tokens / decode_time if decode_time > 0 else 0.0)
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+def _label(cfg: dict | None) -> str:
+    return "off" if cfg is None else f"{cfg['method']} k={cfg['num_speculative_tokens']} {cfg['rollback']}"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -235,7 +234,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         runs: dict[tuple[str, str], list[tuple[float, float, float]]] = {}  # (label, mode) -> per round
         for _round in range(args.repeats):
             for cfg in configs:
-                label = "off" if cfg is None else f"{cfg['method']} k={cfg['num_speculative_tokens']} {cfg['rollback']}"
+                label = _label(cfg)
                 llm = base if cfg is None else engines.get(label) or LLM(model, speculative_config=cfg, **opts)
                 for mode, together in modes:
                     if _round == 0:
@@ -251,7 +250,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     del llm
                     _release_device_memory()
         for cfg in configs:
-            label = "off" if cfg is None else f"{cfg['method']} k={cfg['num_speculative_tokens']} {cfg['rollback']}"
+            label = _label(cfg)
             k = 0 if cfg is None else cfg["num_speculative_tokens"]
             mem = slot if cfg is None else ((1 + k) * slot if cfg["rollback"] == "slots" else slot + (1 + k) * per_tok)
             for mode, _ in modes:
@@ -260,10 +259,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 speedup = [r[0] / b[0] for r, b in zip(mine, off)]
                 decode_x = [r[2] / b[2] if b[2] else 0.0 for r, b in zip(mine, off)]
                 rows.append({"prompts": name, "requests": mode, "spec": label,
-                             "tok_s": _median([r[0] for r in mine]), "speedup": _median(speedup),
-                             "decode_tok_s": _median([r[2] for r in mine]), "decode_speedup": _median(decode_x),
+                             "tok_s": median([r[0] for r in mine]), "speedup": median(speedup),
+                             "decode_tok_s": median([r[2] for r in mine]), "decode_speedup": median(decode_x),
                              "decode_speedup_range": (min(decode_x), max(decode_x)),
-                             "mean_acc": _median([r[1] for r in mine]), "state_bytes": mem})
+                             "mean_acc": median([r[1] for r in mine]), "state_bytes": mem})
         for mode, _ in modes:
             for r in rows:
                 if r["prompts"] == name and r["requests"] == mode:

@@ -48,6 +48,8 @@ CPU tests check is exactly what the graph captures.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from hyla.engine.cuda_graph import width_bucket
@@ -173,18 +175,14 @@ class Readback:
     DEPTH = 3
 
     def __init__(self):
-        self._ring: dict[tuple, list] = {}
-        self._next: dict[tuple, int] = {}
+        self._rings: dict[tuple, itertools.cycle] = {}
 
     def take(self, shape: torch.Size) -> tuple[torch.Tensor, torch.cuda.Event]:
         key = tuple(shape)
-        if key not in self._ring:
-            self._ring[key] = [(torch.empty(key, dtype=torch.long, pin_memory=True), torch.cuda.Event())
-                               for _ in range(self.DEPTH)]
-            self._next[key] = 0
-        i = self._next[key]
-        self._next[key] = (i + 1) % self.DEPTH
-        return self._ring[key][i]
+        if key not in self._rings:
+            self._rings[key] = itertools.cycle([(torch.empty(key, dtype=torch.long, pin_memory=True),
+                                                 torch.cuda.Event()) for _ in range(self.DEPTH)])
+        return next(self._rings[key])
 
 
 def launch_fused(drafter, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int) -> Flight | None:
@@ -274,7 +272,7 @@ class DerivedExtension(_Extension):
     def fill(self, vmeta: torch.Tensor, rows: list[list[int]]) -> None:
         em = self.fused.meta[self.width][:self.bs]
         kept = self.graphs.accepted[:self.bs] if self.replay else None
-        self.fused.derive.run(self.graphs, vmeta, rows, em, self.rows, self.base, self.prev, kept, self.fused.k)
+        self.fused.derive.run(self.graphs, vmeta, rows, em, self.rows, self.base, self.prev, kept)
         if self.replay:
             self.graphs.replay_commit()
 
@@ -284,41 +282,41 @@ class DeriveGraphs:
     replay: per key (the previous step's packed buffer, the step's verify and head buffers, the
     kept-count buffer of rollback "replay", the rows, the stop ids) a static staging buffer
     [verify rows | head rows | base rows] and a graph of (copy the staged rows into the step's
-    buffers, derive_step_rows). On
-    the host, launching the dozen small ops (or one Triton kernel) costs more than the GPU time
-    they take; a replay costs one launch. With capture off (the CPU) the same work runs eagerly."""
+    buffers, derive_step_rows). On the host, launching the dozen small ops (or one Triton
+    kernel) costs more than the GPU time they take; a replay costs one launch. With capture off
+    (the CPU) the same work runs eagerly."""
 
     def __init__(self):
-        self.staging: dict[tuple, torch.Tensor] = {}
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph | None] = {}
+        self._steps: dict[tuple, tuple[torch.Tensor, torch.cuda.CUDAGraph | None]] = {}  # key -> staging, graph
 
     def run(self, runner, vmeta: torch.Tensor, vrows: list[list[int]], emeta: torch.Tensor, erows: list[list[int]],
-            base: list[list[int]], prev: torch.Tensor, kept: torch.Tensor | None, k: int) -> None:
+            base: list[list[int]], prev: torch.Tensor, kept: torch.Tensor | None) -> None:
         """vmeta [bs, VW], emeta [bs, EW]: the step's buffers, to hold vrows / erows (bs rows each)
         with the first n = len(base) rows derived from prev [>= n, 2W]; kept [bs] or None."""
         n, (bs, VW), EW = len(base), vmeta.shape, emeta.shape[1]
         S = len(base[0]) - 2 if base else 0
         key = (prev.data_ptr(), vmeta.data_ptr(), emeta.data_ptr(), None if kept is None else kept.data_ptr(),
                bs, VW, EW, n, S)
-        staged = self.staging.get(key)
-        if staged is None:
-            staged = self.staging[key] = torch.empty(bs * (VW + EW) + n * (2 + S), dtype=torch.long,
-                                                     device=vmeta.device)
+        entry = self._steps.get(key)
+        staged = entry[0] if entry else torch.empty(bs * (VW + EW) + n * (2 + S), dtype=torch.long,
+                                                    device=vmeta.device)
         fill_long(staged, [v for r in vrows for v in r] + [v for r in erows for v in r] + [v for r in base for v in r])
+        if entry is not None and entry[1] is not None:
+            entry[1].replay()
+            return
+        k = prev.shape[1] // 2 - 1
+        vpad = _device_row(_verify_pad_row(k + 1, VW - 2 * k - 4), vmeta.device)[0]
+        epad = _device_row(_pad_row(k, EW - 1 - k), vmeta.device)[0]
         sv, se = staged[:bs * VW].view(bs, VW), staged[bs * VW:bs * (VW + EW)].view(bs, EW)
         sb = staged[bs * (VW + EW):].view(n, 2 + S)
-        W, dev = k + 1, vmeta.device
-        vpad = _device_row(_verify_pad_row(W, VW - 2 - 2 * W), dev)[0]
-        epad = _device_row(_pad_row(k, EW - 1 - k), dev)[0]
 
         def step():
             vmeta.copy_(sv)
             emeta.copy_(se)
             dispatch.derive_step_rows(sb, prev, vmeta[:n], emeta[:n], vpad, epad, kept)
 
-        if key not in self.graphs:
-            self.graphs[key] = runner._capture(step)[0] if runner.capture else None
-        graph = self.graphs[key]
+        graph = runner._capture(step)[0] if runner.capture else None
+        self._steps[key] = (staged, graph)
         if graph is None:
             step()
         else:

@@ -26,6 +26,7 @@ import torch
 from hyla.ops import chunk as _torch_chunk
 from hyla.ops import conv as _torch_conv
 from hyla.ops import gate as _torch_gate
+from hyla.ops import gated_act as _torch_gated_act
 from hyla.ops import mla as _torch_mla
 from hyla.ops import mtp_input as _torch_mtp_input
 from hyla.ops import norm as _torch_norm
@@ -265,7 +266,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
             and up.dtype == gate.dtype and gate.dim() >= 1
             and (gate.shape[-1] == 1 or (gate.stride(-1) == 1 and up.stride(-1) == 1))):
         return _triton.silu_mul(gate, up)
-    return torch.nn.functional.silu(gate) * up
+    return _torch_gated_act.SILU(gate, up)
 
 
 def mtp_fc_input(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w_e: torch.Tensor,

@@ -33,9 +33,8 @@ ROWS = [1, 3, 17]
 SIZES = [(24, 1), (40, 3), (128, 17), (40, 17)]  # (D, rows): every D and every row count, not the product
 
 
-@pytest.fixture(autouse=True)
-def nan_outputs(monkeypatch):
-    """Every floating-point torch.empty the kernels' wrappers allocate starts as NaN."""
+def fill_empties_with_nan(monkeypatch) -> None:
+    """From now on every floating-point torch.empty starts as NaN (unwritten outputs show)."""
     empty = torch.empty
 
     def nan_empty(*args, **kwargs):
@@ -43,6 +42,12 @@ def nan_outputs(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+@pytest.fixture(autouse=True)
+def nan_outputs(monkeypatch):
+    """Every floating-point torch.empty the kernels' wrappers allocate starts as NaN."""
+    fill_empties_with_nan(monkeypatch)
 
 
 def _gen(seed):
@@ -53,6 +58,14 @@ def _randn(*shape, seed, scale=1.0, dtype=torch.float32):
     return (torch.randn(*shape, generator=_gen(seed)) * scale).to(dtype).to(DEV)
 
 
+def ulp_diff(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """|actual - expected| per element in ulps of expected's dtype (bf16 / fp16), fp64 on the CPU."""
+    mant = {torch.bfloat16: 7, torch.float16: 10}[expected.dtype]
+    a, e = actual.double().cpu(), expected.double().cpu()
+    mag = torch.maximum(a.abs(), e.abs()).clamp_min(2.0 ** -14)
+    return (a - e).abs() / torch.exp2(torch.floor(torch.log2(mag)) - mant)
+
+
 def assert_ulps(actual, expected, ulps=1):
     """fp32: within rtol 4e-6 (a few ulps); bf16 / fp16: within `ulps` ulp of the output dtype."""
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
@@ -61,10 +74,7 @@ def assert_ulps(actual, expected, ulps=1):
     if expected.dtype == torch.float32:
         torch.testing.assert_close(a, e, rtol=4e-6, atol=1e-6)
         return
-    mant = {torch.bfloat16: 7, torch.float16: 10}[expected.dtype]
-    mag = torch.maximum(a.abs(), e.abs()).clamp_min(2.0 ** -14)
-    ulp = torch.exp2(torch.floor(torch.log2(mag)) - mant)
-    bad = (a - e).abs() > ulps * ulp
+    bad = ulp_diff(actual, expected) > ulps
     assert not bad.any(), f"{int(bad.sum())} elements differ by more than {ulps} ulp: max {(a - e).abs().max():.3g}"
 
 

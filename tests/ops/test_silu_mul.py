@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.ops.test_fused_decode import fill_empties_with_nan, ulp_diff
 from tests.ops.triton_env import triton_module
 
 SIZES = [(1, 1), (7, 3), (640, 17), (1000, 3), (7, 17), (1000, 1)]  # (I, rows): every I and row count
@@ -29,23 +30,6 @@ def _packed(T, I, dtype, device, seed, lead=()):
     return x[..., :I], x[..., I:]
 
 
-def _nan_empty(monkeypatch):
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
-
-
-def _ulp_diff(a: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    mant = {torch.bfloat16: 7, torch.float16: 10}[e.dtype]
-    a, e = a.double().cpu(), e.double().cpu()
-    mag = torch.maximum(a.abs(), e.abs()).clamp_min(2.0 ** -14)
-    return (a - e).abs() / torch.exp2(torch.floor(torch.log2(mag)) - mant)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("I,T", SIZES)
 def test_kernel_matches_torch(monkeypatch, dtype, I, T):
@@ -53,14 +37,14 @@ def test_kernel_matches_torch(monkeypatch, dtype, I, T):
     gate, up = _packed(T, I, dtype, dev, seed=I * 100 + T)
     assert T == 1 or gate.stride() == (2 * I, 1)
     expected = F.silu(gate) * up
-    _nan_empty(monkeypatch)
+    fill_empties_with_nan(monkeypatch)
     out = mod.silu_mul(gate, up)
     assert out.dtype == dtype and out.shape == (T, I) and out.is_contiguous()
     assert not torch.isnan(out).any(), "unwritten (NaN) outputs"
     if dtype == torch.float32:
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
         return
-    ulps = _ulp_diff(out, expected)
+    ulps = ulp_diff(out, expected)
     assert ulps.max() <= 1, f"max {ulps.max():.3g} ulp"
     assert (ulps > 0).double().mean() < 5e-3, f"{int((ulps > 0).sum())} of {ulps.numel()} not bit-equal"
 
@@ -85,7 +69,7 @@ def test_kernel_extreme_inputs():
             # to an ulp); near |g| ~ 1 it is the 1e-6 of the test above.
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=0.0)
         else:  # rounded to bf16: at most one ulp apart
-            assert _ulp_diff(out, expected).max() <= 1
+            assert ulp_diff(out, expected).max() <= 1
 
 
 def test_dispatch_routes_to_the_kernel(monkeypatch):
