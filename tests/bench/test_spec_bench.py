@@ -28,3 +28,11 @@ def test_spec_bench_repeats_report_medians(capsys):
         if r["spec"] == "off":
             assert lo == hi == 1.0
     assert "over 3 rounds" in capsys.readouterr().out
+
+
+def test_spec_bench_rejects_zero_repeats(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        spec.main(["--repeats", "0", "--device", "cpu"])
+    assert "--repeats must be >= 1" in capsys.readouterr().err
