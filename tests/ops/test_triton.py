@@ -342,6 +342,69 @@ def test_verify_with_rejected_drafts(gate):
     assert torch.equal(pool_fast[12:].cpu(), pool[12:].float()), "unaddressed slots must stay untouched"
 
 
+def _column_blocks(*xs):
+    """fp32 copies of xs [B, T, H_i, D_i] on DEV laid side by side in one [B, T, sum + 5] buffer
+    (5 spare columns), each returned as a view of its columns: strided token rows, contiguous
+    heads -- how a verify step's q, k, v come out of its conv."""
+    B, T = xs[0].shape[:2]
+    widths = [x[0, 0].numel() for x in xs]
+    buf = torch.randn(B, T, sum(widths) + 5, device=DEV)
+    out, c = [], 0
+    for x, w in zip(xs, widths):
+        view = buf[..., c:c + w].unflatten(-1, x.shape[2:])
+        view.copy_(x.float().to(DEV))
+        out.append(view)
+        c += w
+    return out
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("shape", ["verify", "decode"])
+def test_recurrent_reads_strided_token_rows_in_place(gate, shape):
+    """q, k, v as column blocks of one buffer (a verify's conv output; a decode batch [N, 1, ...]
+    of such rows): read through their row stride without a copy, same outputs and pool as the
+    fp64 reference on contiguous inputs."""
+    from hyla.ops.triton.recurrent import _token_rows
+
+    name, ref = REC[gate]
+    fast = getattr(hyla_triton, name)
+    H, HV, K, V = 2, 4, 32, 16
+    if shape == "verify":
+        cu = torch.tensor([0, 3, 4, 7])
+        idx = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, -1]])
+        kw = dict(cu_seqlens=cu, ssm_state_indices=idx, num_accepted_tokens=torch.tensor([2, 1, 3]))
+        q, k, v, g, beta, _ = make_inputs(1, 7, H, K, V, gate=gate, hv=HV, seed=43)
+    else:
+        kw = dict(ssm_state_indices=torch.tensor([5, -1, 0, 2]))
+        q, k, v, g, beta, _ = make_inputs(4, 1, H, K, V, gate=gate, hv=HV, seed=44)
+    pool = torch.randn(9, HV, K, V, dtype=torch.float64)
+    pool_ref = pool.clone()
+    o_ref, _ = ref(q, k, v, g, beta, initial_state=pool_ref, **kw)
+    qs, ks, vs = _column_blocks(q, k, v)
+    assert not qs.is_contiguous() and all(_token_rows(t)[0] is t for t in (qs, ks, vs)), "read in place"
+    pool_fast = pool.float().to(DEV)
+    o, _ = fast(qs, ks, vs, *_f32(g, beta), initial_state=pool_fast,
+                **{key: val.to(DEV) for key, val in kw.items()})
+    _check(o, o_ref, "o")
+    _check(pool_fast, pool_ref, "pool")
+
+
+def test_token_rows_copies_what_it_cannot_address():
+    """Heads not contiguous inside a row, or two batch entries' rows not evenly spaced: copied;
+    a contiguous tensor is read as it is."""
+    from hyla.ops.triton.recurrent import _token_rows
+
+    heads_apart = torch.randn(1, 3, 4, 10)[..., :8]
+    got, stride = _token_rows(heads_apart)
+    assert got is not heads_apart and got.is_contiguous() and stride == 32
+    uneven = torch.randn(2, 5, 4, 8)[:, :3]  # entries 5 rows apart, 3 rows each
+    got, stride = _token_rows(uneven)
+    assert got is not uneven and got.is_contiguous() and stride == 32
+    x = torch.randn(2, 3, 4, 8)
+    got, stride = _token_rows(x)
+    assert got is x and stride == 32
+
+
 @pytest.mark.parametrize("variant", ["kda_v1", "kda_v2", "gdn"])
 def test_recurrent_plain_states_with_fused_gate(variant):
     gate = "kda" if variant.startswith("kda") else "gdn"
@@ -497,3 +560,13 @@ def test_conv_verify_matches_torch(L, W):
     pad = hyla_triton.causal_conv1d_verify(*_f32(x), pool.clone().to(DEV), *_f32(weight), None, "silu",
                                            read_indices=torch.tensor([-1, 1, 2]).to(DEV))
     assert (pad[0] == 0).all(), "a padding row (read slot -1) outputs zeros"
+    # x as columns of a wider buffer (a verify's packed projection output): read in place
+    wide = torch.randn(N, L, D + 7, device=DEV)
+    wide[..., 3:3 + D] = x.float().to(DEV)
+    cols = wide[..., 3:3 + D]
+    want = hyla_triton.causal_conv1d_verify(cols.contiguous(), pool.clone().to(DEV), *_f32(weight), None, "silu",
+                                            read_indices=read.to(DEV), write_indices=write.to(DEV))
+    got_pool = pool.clone().to(DEV)
+    got = hyla_triton.causal_conv1d_verify(cols, got_pool, *_f32(weight), None, "silu",
+                                           read_indices=read.to(DEV), write_indices=write.to(DEV))
+    assert torch.equal(got, want), "strided rows give the contiguous result"

@@ -37,16 +37,16 @@ WRITE_NONE, WRITE_FINAL, WRITE_EACH = 0, 1, 2  # the WRITE constexpr
 
 
 @triton.jit
-def _ext(x_row, window, o_p, pos, o_d, m_d, D, P: tl.constexpr):
+def _ext(x_row, window, o_p, pos, o_d, m_d, sx_l, P: tl.constexpr):
     """Position `pos` of the extended row: column pos of the old window (registers, pos < P) or
-    new input pos - P (memory)."""
+    new input pos - P (memory; x's token rows sx_l elements apart)."""
     old = tl.sum(tl.where(o_p[None, :] == pos, window, 0.0), axis=1)
-    new = tl.load(x_row + (pos - P) * D + o_d, mask=m_d & (pos >= P), other=0.0).to(tl.float32)
+    new = tl.load(x_row + (pos - P) * sx_l + o_d, mask=m_d & (pos >= P), other=0.0).to(tl.float32)
     return tl.where(pos < P, old, new)
 
 
 @triton.jit
-def conv_kernel(x, state, weight, bias, read_idx, write_idx, y, L, D,
+def conv_kernel(x, state, weight, bias, read_idx, write_idx, y, L, D, sx_n, sx_l,
                 P: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
                 SILU: tl.constexpr, WRITE: tl.constexpr):
     i_n = tl.program_id(0)
@@ -56,17 +56,17 @@ def conv_kernel(x, state, weight, bias, read_idx, write_idx, y, L, D,
     o_p = tl.arange(0, BP)
     slot = tl.load(read_idx + i_n).to(tl.int64)
     live = slot >= 0
-    x_row = x + i_n.to(tl.int64) * L * D
+    x_row = x + i_n.to(tl.int64) * sx_n
     y_row = y + i_n.to(tl.int64) * L * D
     m_w = m_d[:, None] & (o_p[None, :] < P) & live
     window = tl.load(state + tl.maximum(slot, 0) * D * P + o_d[:, None] * P + o_p[None, :], mask=m_w,
                      other=0.0).to(tl.float32)  # [BD, BP] the old window, in registers
     for t in range(0, L):
         w_0 = tl.load(weight + o_d * (P + 1), mask=m_d, other=0.0).to(tl.float32)
-        acc = _ext(x_row, window, o_p, t, o_d, m_d, D, P) * w_0
+        acc = _ext(x_row, window, o_p, t, o_d, m_d, sx_l, P) * w_0
         for j in tl.static_range(1, P + 1):
             w_j = tl.load(weight + o_d * (P + 1) + j, mask=m_d, other=0.0).to(tl.float32)
-            acc = acc + _ext(x_row, window, o_p, t + j, o_d, m_d, D, P) * w_j
+            acc = acc + _ext(x_row, window, o_p, t + j, o_d, m_d, sx_l, P) * w_j
         if HAS_BIAS:
             acc = acc + tl.load(bias + o_d, mask=m_d, other=0.0).to(tl.float32)
         if SILU:
@@ -77,25 +77,29 @@ def conv_kernel(x, state, weight, bias, read_idx, write_idx, y, L, D,
             dst = tl.load(write_idx + i_n.to(tl.int64) * L + t).to(tl.int64)
             if dst >= 0:
                 for c in tl.static_range(0, P):
-                    v = _ext(x_row, window, o_p, t + 1 + c, o_d, m_d, D, P)
+                    v = _ext(x_row, window, o_p, t + 1 + c, o_d, m_d, sx_l, P)
                     tl.store(state + dst * D * P + o_d * P + c, v.to(state.dtype.element_ty), mask=m_d)
     if WRITE == 1:
         if live:  # the window after the last token back to the row's slot
             for c in tl.static_range(0, P):
-                v = _ext(x_row, window, o_p, L + c, o_d, m_d, D, P)
+                v = _ext(x_row, window, o_p, L + c, o_d, m_d, sx_l, P)
                 tl.store(state + slot * D * P + o_d * P + c, v.to(state.dtype.element_ty), mask=m_d)
 
 
 def _launch(x3, conv_state, weight, bias, activation, read_idx, write_idx, write: int) -> torch.Tensor:
+    """x3 [N, L, D] with contiguous channels (its rows may be strided: read in place) -> y [N, L, D]
+    contiguous."""
+    if x3.stride(2) != 1:
+        x3 = x3.contiguous()
     N, L, D = x3.shape
     P = weight.shape[1] - 1
-    y = torch.empty_like(x3)
+    y = torch.empty(N, L, D, device=x3.device, dtype=x3.dtype)
     if N and L and D:
         BD = min(128, triton.next_power_of_2(D))
         w = weight.contiguous()  # [D, W], converted to fp32 in the kernel
         conv_kernel[(N, triton.cdiv(D, BD))](
             x3, conv_state, w, bias.contiguous() if bias is not None else w, read_idx,
-            write_idx if write_idx is not None else read_idx, y, L, D,
+            write_idx if write_idx is not None else read_idx, y, L, D, x3.stride(0), x3.stride(1),
             P=P, BP=max(2, triton.next_power_of_2(max(P, 1))), BD=BD, HAS_BIAS=bias is not None,
             SILU=activation is not None, WRITE=write if P > 0 else WRITE_NONE)
     return y
@@ -112,7 +116,7 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     """The Triton version of hyla.ops.conv.causal_conv1d_update (same arguments and result)."""
     x3, squeeze, weight, idx = _check_update_args(x, conv_state, weight, bias, activation, conv_state_indices)
     _check_contiguous(conv_state)
-    y = _launch(x3.contiguous(), conv_state, weight, bias, activation, idx.contiguous(), None, WRITE_FINAL)
+    y = _launch(x3, conv_state, weight, bias, activation, idx.contiguous(), None, WRITE_FINAL)
     return y.squeeze(1) if squeeze else y
 
 
@@ -123,7 +127,7 @@ def causal_conv1d_verify(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     rows whose read index is >= 0; a padding row (< 0) outputs zeros)."""
     weight = _check_verify_args(x, conv_state, weight, bias, activation, read_indices, write_indices)
     _check_contiguous(conv_state)
-    return _launch(x.contiguous(), conv_state, weight, bias, activation, read_indices.contiguous(),
+    return _launch(x, conv_state, weight, bias, activation, read_indices.contiguous(),
                    None if write_indices is None else write_indices.contiguous(),
                    WRITE_NONE if write_indices is None else WRITE_EACH)
 

@@ -34,7 +34,7 @@ _GATES = {None: 0, "gdn": 1, "kda": 2}
 @triton.jit(do_not_specialize=["lower_bound", "scale", "T"])
 def recurrent_kernel(
     q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-    o, h0, ht, cu_seqlens, idx, n_acc, T,
+    o, h0, ht, cu_seqlens, idx, n_acc, T, sq, sk, sv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, IDX_W: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -83,7 +83,7 @@ def recurrent_kernel(
     a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
     for t in range(bos, eos):
         b_s, b_o = token_step(b_s, q, k, v, g, beta, t, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
-                              H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
+                              sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
         tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if SPEC:
             # the state after token j goes to idx[n, j]; a rejected draft only reaches slots the
@@ -96,6 +96,19 @@ def recurrent_kernel(
     if STORE_HT:
         if not SPEC:
             tl.store(ht + slot0 * HV * K * V + tile, b_s.to(ht.dtype.element_ty), mask=m_kv)
+
+
+def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [B, T, H, D] -> (x or a contiguous copy, the elements between two of its token rows
+    b * T + t). Read in place when each row's [H, D] block is contiguous and the rows are evenly
+    spaced (x[b, t] at (b * T + t) * s)."""
+    B, T, H, D = x.shape
+    if x.stride(3) == 1 and (H == 1 or x.stride(2) == D):
+        if T == 1:
+            return x, x.stride(0) if B > 1 else H * D
+        if B == 1 or x.stride(0) == T * x.stride(1):
+            return x, x.stride(1)
+    return x.contiguous(), H * D
 
 
 def _check_pool_shapes(idx, n_acc, pool, n):
@@ -174,7 +187,10 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
 
     gate_fn, a_log, dtb, lb = gate_params(gate, use_gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, dev)
 
-    qc, kc, vc, bc = q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous()
+    # q, k, v are read in place when only their token rows are strided (a verify's q / k / v are
+    # column blocks of its conv output); anything else is made contiguous first.
+    (qc, sq), (kc, sk), (vc, sv) = _token_rows(q), _token_rows(k), _token_rows(v)
+    bc = beta.contiguous()
     gc = qc if g is None else g.contiguous()
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
     spec = pooled and ssm_state_indices.ndim == 2
@@ -206,7 +222,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
         decode_persistent_kernel[(min(n_tiles, programs_per_sm * num_sms(dev)),)](
             qc, kc, vc, gc, bc,
             a_log if a_log is not None else o, dtb if dtb is not None else o,
-            lb, scale, o, initial_state, idx, n_tiles,
+            lb, scale, o, initial_state, idx, n_tiles, sq, sk, sv,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
@@ -219,7 +235,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             a_log if a_log is not None else o, dtb if dtb is not None else o,
             lb, scale,
             o, h0 if h0 is not None else o, ht if ht is not None else o,
-            cu_seqlens if cu_seqlens is not None else o, idx, n_acc, T,
+            cu_seqlens if cu_seqlens is not None else o, idx, n_acc, T, sq, sk, sv,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, IDX_W=idx_w,
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),

@@ -45,7 +45,7 @@ def _state_tile(pool, idx, tile, n_tiles, NVB: tl.constexpr, HV: tl.constexpr, K
 @triton.jit(do_not_specialize=["lower_bound", "scale", "n_tiles"])
 def decode_persistent_kernel(
     q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-    o, pool, idx, n_tiles,
+    o, pool, idx, n_tiles, sq, sk, sv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -65,7 +65,7 @@ def decode_persistent_kernel(
         live = slot >= 0
         a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
         b_s, b_o = token_step(cur, q, k, v, g, beta, i_n, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
-                              H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
+                              sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
         b_o = tl.where(live, b_o, 0.0)
         tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]

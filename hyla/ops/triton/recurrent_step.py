@@ -9,17 +9,19 @@ from hyla.ops.triton.common import apply_gate, sigmoid
 
 
 @triton.jit
-def token_step(b_s, q, k, v, g, beta, row, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
+def token_step(b_s, q, k, v, g, beta, row, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale, sq, sk, sv,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                GATE: tl.constexpr, GATE_FN: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
     """b_s: the state [BK, BV] fp32 (rows o_k, columns o_v); row: the token's row in q, k, v, g,
-    beta; a_log, bias: head_gate_params' -> (the state after the token, its output [BV] fp32).
+    beta; a_log, bias: head_gate_params'; sq, sk, sv: the elements between two token rows of q, k,
+    v (their heads and channels contiguous inside a row; H * K, H * K, HV * V when contiguous) ->
+    (the state after the token, its output [BV] fp32).
     Decay first, then predict with the decayed state, then write the error, then read."""
     m_k = o_k < K
     m_v = o_v < V
-    b_q = tl.load(q + (row * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-    b_k = tl.load(k + (row * H + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-    b_v = tl.load(v + (row * HV + i_hv) * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
+    b_q = tl.load(q + row * sq + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+    b_k = tl.load(k + row * sk + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
+    b_v = tl.load(v + row * sv + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
     b_b = tl.load(beta + row * HV + i_hv).to(tl.float32)
     if BETA_SIGMOID:
         b_b = sigmoid(b_b)
