@@ -95,3 +95,50 @@ def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     hv = a.shape[2] if a.dim() == 3 else a.shape[2] * a.shape[3]
     g, beta = _launch(a, b, A_log, dt_bias, None, kd=1, hv=hv, x_levels=_head_levels(a, 2), gate_fn=1)
     return g[..., 0], beta
+
+
+@triton.jit
+def gate_rows_kernel(f, A_log, dt_bias, g, lower_bound, R, f_row,
+                     HK: tl.constexpr, KD: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+                     GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """g[r, c] = gate(f[r, c]) for rows pid(1) * BR .. + BR and channels pid(0) * BC .. + BC: the
+    channels' A_log and dt_bias are loaded once per program, not once per row."""
+    c = tl.program_id(0) * BC + tl.arange(0, BC)
+    m = c < HK
+    a_log = tl.load(A_log + c // KD, mask=m, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(dt_bias + c, mask=m, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BC], tl.float32)
+    r0 = tl.program_id(1).to(tl.int64) * BR
+    for i in range(BR):
+        r = r0 + i
+        mr = m & (r < R)
+        x = tl.load(f + r * f_row + c, mask=mr, other=0.0).to(tl.float32)
+        tl.store(g + r * HK + c, apply_gate(x, a_log, bias, lower_bound, GATE_FN), mask=mr)
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None,
+             lower_bound: float | None = None, block_rows: int = 8, block_channels: int = 1024) -> torch.Tensor:
+    """hyla.ops.gate.kda_gate's g alone (fp32 [B, T, H, K]) for many token rows, as a prefill's
+    gate activation: programs of block_rows rows x block_channels channels (kda_gate_beta's one
+    program per row reloads every channel's A_log and dt_bias for each row). f: [B, T, H, K] with
+    contiguous [H, K] rows."""
+    B, T, H, K = f.shape
+    if block_rows < 1 or block_channels < 16 or block_channels & (block_channels - 1):
+        raise ValueError(f"block_rows ({block_rows}) must be >= 1 and block_channels ({block_channels}) "
+                         "a power of two >= 16")
+    rows = f.reshape(B * T, H * K)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    g = torch.empty(B, T, H, K, device=f.device, dtype=torch.float32)
+    R = B * T
+    bc = min(block_channels, triton.next_power_of_2(H * K))
+    if R and H * K:
+        a_log = A_log.reshape(-1)
+        dtb = dt_bias.reshape(-1) if dt_bias is not None else None
+        gate_rows_kernel[(triton.cdiv(H * K, bc), triton.cdiv(R, block_rows))](
+            rows, a_log, dtb if dtb is not None else a_log, g, float(lower_bound or 0.0), R, rows.stride(0),
+            HK=H * K, KD=K, BC=bc, BR=block_rows, GATE_FN=1 if lower_bound is None else 2,
+            HAS_BIAS=dtb is not None, num_warps=4)
+    return g
