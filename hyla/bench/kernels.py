@@ -34,12 +34,9 @@ PREFILL_SHAPES = [(1, 32768, 32, 128), (8, 4096, 32, 128), (32, 1024, 32, 128)]
 # 32 v-heads (GVA). (Kimi-Linear's 32 KDA heads with gate v1 are PREFILL_SHAPES' first row.)
 RELEASED_LAYOUTS = [((1, 32768, 64, 128, 64), ("kda", "fused-v2")), ((1, 32768, 16, 128, 32), ("gdn", "fused-v1"))]
 DECODE_N = [1, 8, 64, 256, 512]
-# (persistent, value block, warps, programs per SM, pipelined stages: 0 = the hand prefetch)
-# timed by --tune for decode
-DECODE_CONFIGS = ([(False, bv, nw, 0, 0) for bv, nw in ((64, 4), (16, 1))]
-                  + [(True, 16, 1, pps, 0) for pps in (4, 8)]
-                  + [(True, 16, 1, pps, st) for pps in (4, 8, 12) for st in (2, 3, 4)]
-                  + [(True, 32, 2, pps, st) for pps in (4, 6) for st in (2, 3)])
+# (persistent, value block, warps, programs per SM) timed by --tune for decode
+DECODE_CONFIGS = [(False, bv, nw, 0) for bv, nw in ((32, 4), (64, 4), (32, 2), (16, 1))] + [
+    (True, bv, nw, pps) for bv, nw in ((32, 2), (64, 4), (32, 4)) for pps in (2, 4, 8)]
 CHUNK = 64
 
 
@@ -205,16 +202,16 @@ def run_decode(ns, copy_bw, vs_fla, H=32, D=128, tune=False):
             from hyla.ops.triton.recurrent import recurrent_fwd
 
             row["configs"] = []
-            for persistent, bv, nw, pps, st in DECODE_CONFIGS:
+            for persistent, bv, nw, pps in DECODE_CONFIGS:
                 t = _bench(lambda: recurrent_fwd(q, k, v, g, beta, gate="kda", initial_state=pool,
                                                  ssm_state_indices=idx, use_qk_l2norm_in_kernel=True,
                                                  block_v=bv, num_warps=nw, persistent=persistent,
-                                                 programs_per_sm=pps, stages=st or None), graph=True)
+                                                 programs_per_sm=pps), graph=True)
                 frac = nbytes / (t * 1e-3) / copy_bw
-                print(f"    N={N} persistent={persistent} BV={bv} warps={nw} programs/SM={pps} stages={st}: "
+                print(f"    N={N} persistent={persistent} BV={bv} warps={nw} programs/SM={pps}: "
                       f"{t * 1e3:.1f} us ({100 * frac:.0f}% copy)", flush=True)
                 row["configs"].append(dict(persistent=persistent, block_v=bv, num_warps=nw, programs_per_sm=pps,
-                                           stages=st, us=t * 1e3, frac_copy=frac))
+                                           us=t * 1e3, frac_copy=frac))
         call = lambda: ht.fused_recurrent_kda(q, k, v, g, beta, initial_state=pool,  # noqa: E731
                                               ssm_state_indices=idx, use_qk_l2norm_in_kernel=True)
         row["hyla_ms"] = _bench(call, graph=True)

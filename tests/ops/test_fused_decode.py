@@ -318,29 +318,3 @@ def test_packed_conv_falls_back_to_one_launch_per_pool(monkeypatch):
         assert torch.equal(p, r)
     ys = triton_conv.causal_conv1d_update_packed(x, [r.clone() for r in ref_pools], weights, sizes, "silu", idx)
     assert calls[4:] == [1, 1, 1]
-
-
-@pytest.mark.parametrize("B,T,H,K", [(1, 13, 3, 24), (2, 5, 2, 40)])
-@pytest.mark.parametrize("block_rows,block_channels", [(1, 16), (4, 32), (8, 1024)])
-@pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_kda_gate_blocked_rows_matches_torch(B, T, H, K, block_rows, block_channels, lower_bound):
-    """The prefill's blocked activation (programs of rows x channels, row counts and channel
-    counts not multiples of the blocks) vs the torch gate, with and without dt_bias."""
-    from hyla.ops.triton.gate import kda_gate
-
-    f = _randn(B, T, H, K, seed=B * T + K, scale=4.0, dtype=torch.bfloat16)
-    A_log, dt_bias = _randn(H, seed=41), _randn(H * K, seed=42)
-    for bias in (dt_bias, None):
-        g = kda_gate(f, A_log, bias, lower_bound, block_rows, block_channels)
-        ref = torch_gate.kda_gate(f, A_log, bias, lower_bound)
-        assert g.shape == ref.shape and g.dtype == torch.float32
-        torch.testing.assert_close(g.cpu(), ref.cpu(), rtol=2e-6, atol=1e-7)
-
-
-def test_kda_gate_blocked_rows_rejects_bad_blocks():
-    from hyla.ops.triton.gate import kda_gate
-
-    f = _randn(1, 2, 2, 16, seed=1)
-    for rows, channels in ((0, 64), (4, 48), (4, 8)):
-        with pytest.raises(ValueError, match="block_"):
-            kda_gate(f, _randn(2, seed=2), None, None, rows, channels)

@@ -273,11 +273,9 @@ def test_decode_over_a_pool_with_padding_rows(gate):
 
 
 @pytest.mark.parametrize("variant", ["kda", "kda_v1", "gdn", "gdn_v1"])
-@pytest.mark.parametrize("stages", [None, 3])
-def test_persistent_decode_equals_torch(variant, stages):
-    """The persistent decode kernels with few programs (each walks several tiles, prefetching the
-    next one's state by hand, or with stages: through Triton's pipelined loop), padding rows and
-    value blocks narrower than V: same outputs and pool."""
+def test_persistent_decode_equals_torch(variant):
+    """The persistent decode kernel with few programs (each walks several tiles, prefetching the
+    next one's state), padding rows and value blocks narrower than V: same outputs and pool."""
     from hyla.ops.triton.recurrent import recurrent_fwd
 
     gate = variant[:3]
@@ -304,8 +302,7 @@ def test_persistent_decode_equals_torch(variant, stages):
         kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
     pool_fast = pool.float().to(DEV)
     o, _ = recurrent_fwd(*_f32(q, k, v, g, beta), gate=gate, initial_state=pool_fast,
-                         ssm_state_indices=idx.to(DEV), persistent=True, block_v=16, programs_per_sm=1,
-                         stages=stages, **kw)
+                         ssm_state_indices=idx.to(DEV), persistent=True, block_v=16, programs_per_sm=1, **kw)
     _check(o, o_ref, "o")
     assert torch.all(o[2] == 0), "a padding row's output is 0"
     _check(pool_fast, pool_ref, "pool")
@@ -319,10 +316,6 @@ def test_persistent_decode_rejects_other_calls():
     with pytest.raises(ValueError, match="persistent"):
         recurrent_fwd(*_f32(q, k, v, g, beta), gate="kda", initial_state=torch.zeros(4, 2, 32, 32, device=DEV),
                       ssm_state_indices=torch.tensor([0, 1], device=DEV), persistent=True)
-    with pytest.raises(ValueError, match="stages"):
-        recurrent_fwd(*_f32(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1]), gate="kda",
-                      initial_state=torch.zeros(4, 2, 32, 32, device=DEV),
-                      ssm_state_indices=torch.tensor([0, 1], device=DEV), persistent=False, stages=2)
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])

@@ -26,7 +26,7 @@ import triton
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.chunk_intra import chunk_factors_kernel, chunk_gram_kernel
 from hyla.ops.triton.chunk_scan import chunk_scan_kernel
-from hyla.ops.triton.gate import gdn_gate_beta, kda_gate, kda_gate_beta
+from hyla.ops.triton.gate import gdn_gate_beta, kda_gate_beta
 from hyla.ops.triton.params import gate_params, num_sms
 from hyla.ops import chunk as _reference
 from hyla.ops import utils
@@ -137,8 +137,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
               factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
-              precompute_gate=None, low_precision_inverse=None, gram_maxnreg=None, factor_maxnreg=None,
-              gate_block_rows=8, gate_block_channels=1024):
+              precompute_gate=None, low_precision_inverse=None, gram_maxnreg=None, factor_maxnreg=None):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
     (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
@@ -152,9 +151,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     for KDA (3% faster, but the safe gate's error rose to 4.9e-3 of the 5e-3 budget);
     gram_maxnreg / factor_maxnreg: a register cap per thread for the two chunk-local kernels
     (more programs per SM, some spills to L1; default for the Gram kernel: 168 for KDA, 128
-    otherwise, the fastest of the H200 sweep in BENCHMARKS.md); gate_block_rows /
-    gate_block_channels: the rows and channels of one program of KDA's precomputed activation
-    (hyla.ops.triton.gate.kda_gate; gate_block_rows=0: one program per row, kda_gate_beta)."""
+    otherwise, the fastest of the H200 sweep in BENCHMARKS.md)."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -184,9 +181,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     if precompute_gate and use_gate_in_kernel and g is not None:
         # the gate activation as its own elementwise launch: fp32 log-decays, then the
         # precomputed-gate kernels (one activation per element instead of one per kernel pass)
-        if gate == "kda" and gate_block_rows:
-            g = kda_gate(g, A_log.reshape(-1).float(), dt_bias, lower_bound, gate_block_rows, gate_block_channels)
-        elif gate == "kda":
+        if gate == "kda":
             g, _ = kda_gate_beta(g, beta, A_log.reshape(-1).float(), dt_bias, lower_bound)
         else:
             g, _ = gdn_gate_beta(g, beta, A_log.reshape(-1).float(), dt_bias)

@@ -20,7 +20,7 @@ import triton.language as tl
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import head_gate_params
 from hyla.ops.triton.params import gate_params, num_sms
-from hyla.ops.triton.recurrent_decode import decode_persistent_kernel, decode_pipelined_kernel
+from hyla.ops.triton.recurrent_decode import decode_persistent_kernel
 from hyla.ops.triton.recurrent_step import token_step
 from hyla.ops import recurrent as _reference
 from hyla.ops import utils
@@ -157,7 +157,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, ssm_state_indices=None,
                   num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                   lower_bound=None, use_beta_sigmoid_in_kernel=False, block_v=None, num_warps=None,
-                  persistent=None, programs_per_sm=8, stages=None):
+                  persistent=None, programs_per_sm=8):
     pooled = ssm_state_indices is not None
     # Shape checks only: this path never reads device values on the host (no synchronisation),
     # so it can be captured in a CUDA graph. Slot ranges are the caller's contract.
@@ -216,21 +216,18 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
         persistent = one_token and n * HV * triton.cdiv(V, 16) >= _PERSISTENT_MIN_TILES_PER_SM * num_sms(dev)
     elif persistent and not one_token:
         raise ValueError("persistent=True needs a plain decode step: a 1-D pool index and one token per sequence")
-    if stages is not None and (not persistent or stages < 1):
-        raise ValueError(f"stages={stages} needs persistent=True and stages >= 1")
     if n and persistent:
         BV = block_v or 16
         n_tiles = n * HV * triton.cdiv(V, BV)
-        args = (qc, kc, vc, gc, bc, a_log if a_log is not None else o, dtb if dtb is not None else o,
-                lb, scale, o, initial_state, idx, n_tiles, sq, sk, sv)
-        consts = dict(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, GATE=_GATES[gate], GATE_FN=gate_fn,
-                      HAS_BIAS=dtb is not None, USE_L2NORM=bool(use_qk_l2norm_in_kernel),
-                      BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel), num_warps=num_warps or 1)
-        grid = (min(n_tiles, programs_per_sm * num_sms(dev)),)
-        if stages:  # the loop pipelined by Triton (loads `stages - 1` tiles ahead through shared memory)
-            decode_pipelined_kernel[grid](*args, STAGES=stages, **consts)
-        else:  # the next tile's state prefetched into registers by hand
-            decode_persistent_kernel[grid](*args, **consts)
+        decode_persistent_kernel[(min(n_tiles, programs_per_sm * num_sms(dev)),)](
+            qc, kc, vc, gc, bc,
+            a_log if a_log is not None else o, dtb if dtb is not None else o,
+            lb, scale, o, initial_state, idx, n_tiles, sq, sk, sv,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
+            GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
+            USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
+            num_warps=num_warps or 1,
+        )
     elif n:
         BV = block_v or _block_v(n * HV, V, dev)
         recurrent_kernel[(triton.cdiv(V, BV), n * HV)](

@@ -71,35 +71,3 @@ def decode_persistent_kernel(
         off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
         tl.store(pool + off, b_s.to(pool.dtype.element_ty), mask=m_k[:, None] & m_v[None, :] & live)
         cur, slot, i_n, i_hv, o_v = nxt, n_slot, n_n, n_hv, n_v
-
-
-@triton.jit(do_not_specialize=["lower_bound", "scale", "n_tiles"])
-def decode_pipelined_kernel(
-    q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-    o, pool, idx, n_tiles, sq, sk, sv,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
-    GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STAGES: tl.constexpr,
-):
-    """decode_persistent_kernel's loop with the prefetch left to Triton's software pipeliner: each
-    iteration loads its own tile, and `tl.range(..., num_stages=STAGES)` issues the loads of the
-    next STAGES - 1 tiles ahead as asynchronous copies into shared memory, so more than one tile
-    per program is in flight without holding it in registers."""
-    NVB: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0)
-    step = tl.num_programs(0)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    for tile in tl.range(pid, n_tiles, step, num_stages=STAGES):
-        cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, tile, n_tiles, NVB, HV, K, V, BK, BV)
-        i_h = i_hv // (HV // H)
-        m_v = o_v < V
-        live = slot >= 0
-        a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
-        b_s, b_o = token_step(cur, q, k, v, g, beta, i_n, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
-                              sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
-        b_o = tl.where(live, b_o, 0.0)
-        tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(pool + off, b_s.to(pool.dtype.element_ty), mask=m_k[:, None] & m_v[None, :] & live)
