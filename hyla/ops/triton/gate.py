@@ -20,6 +20,7 @@ import triton.language as tl
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import apply_gate, sigmoid
 from hyla.ops.triton.norm import to_dtype
+from hyla.ops.triton.params import token_rows
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -49,10 +50,7 @@ def gate_beta_kernel(f, b, A_log, dt_bias, g, beta, lower_bound,
 def _head_levels(t: torch.Tensor, lead: int):
     """t: [B, T, heads...] with `lead` = 2 leading dims -> (t, row stride, per-head (s1, s2, r))
     for heads as [HV] or [H, r]; copies t when its B, T dims cannot share one stride."""
-    B, T = t.shape[:2]
-    if B > 1 and T > 1 and t.stride(0) != T * t.stride(1):
-        t = t.contiguous()
-    s0 = t.stride(0) if T == 1 else t.stride(1)  # rows b * T + t: one stride when T > 1 (checked above)
+    t, s0 = token_rows(t)
     if t.dim() == lead + 1:
         return t, s0, (t.stride(-1), 0, 1)
     return t, s0, (t.stride(-2), t.stride(-1), t.shape[-1])
@@ -80,10 +78,8 @@ def _launch(x, b, A_log, dt_bias, lower_bound, *, kd: int, hv: int, x_levels, ga
 def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None,
                   lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton version of hyla.ops.gate.kda_gate_beta. f: [B, T, H, K]; b: [B, T, H] (any strides)."""
-    B, T, H, K = f.shape
-    if f.stride(-1) != 1 or (B > 1 and T > 1 and f.stride(0) != T * f.stride(1)):
-        f = f.contiguous()
-    s0 = f.stride(0) if T == 1 else f.stride(1)  # rows b * T + t (see _head_levels)
+    H, K = f.shape[2:]
+    f, s0 = token_rows(f if f.stride(-1) == 1 else f.contiguous())
     levels = (f, s0, (f.stride(-2), 0, 1))
     return _launch(f, b, A_log, dt_bias, lower_bound, kd=K, hv=H, x_levels=levels,
                    gate_fn=1 if lower_bound is None else 2)

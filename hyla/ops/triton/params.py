@@ -7,6 +7,15 @@ import functools
 import torch
 
 
+def token_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """t [B, T, ...] -> (t, or a contiguous copy when its B and T dims cannot share one stride;
+    the elements between its token rows b * T + t, so that row r is at r * stride)."""
+    B, T = t.shape[:2]
+    if B > 1 and T > 1 and t.stride(0) != T * t.stride(1):
+        t = t.contiguous()
+    return t, t.stride(0) if T == 1 else t.stride(1)
+
+
 def _param(name: str, t, n: int, device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.numel() != n:
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

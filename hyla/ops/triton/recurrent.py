@@ -19,7 +19,7 @@ import triton.language as tl
 
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import head_gate_params
-from hyla.ops.triton.params import gate_params, num_sms
+from hyla.ops.triton.params import gate_params, num_sms, token_rows
 from hyla.ops.triton.recurrent_decode import decode_persistent_kernel
 from hyla.ops.triton.recurrent_step import token_step
 from hyla.ops import recurrent as _reference
@@ -99,16 +99,11 @@ def recurrent_kernel(
 
 
 def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """x [B, T, H, D] -> (x or a contiguous copy, the elements between two of its token rows
-    b * T + t). Read in place when each row's [H, D] block is contiguous and the rows are evenly
-    spaced (x[b, t] at (b * T + t) * s)."""
-    B, T, H, D = x.shape
-    if x.stride(3) == 1 and (H == 1 or x.stride(2) == D):
-        if T == 1:
-            return x, x.stride(0) if B > 1 else H * D
-        if B == 1 or x.stride(0) == T * x.stride(1):
-            return x, x.stride(1)
-    return x.contiguous(), H * D
+    """x [B, T, H, D] -> (x or a contiguous copy, the elements between two of its token rows):
+    read in place when each row's [H, D] block is contiguous (params.token_rows for the rows)."""
+    if x.stride(3) != 1 or (x.shape[2] > 1 and x.stride(2) != x.shape[3]):
+        x = x.contiguous()
+    return token_rows(x)
 
 
 def _check_pool_shapes(idx, n_acc, pool, n):
