@@ -94,6 +94,27 @@ def test_chunk_low_precision_inverse_full_size(gate):
     check("final state", s, s_ref)
 
 
+@pytest.mark.parametrize("wu_in_scan", [True, False])
+def test_chunk_gdn_both_scan_forms_full_size(wu_in_scan):
+    """GDN with the scan building its factors from the raw inputs (the default) and with the
+    factor kernel: varlen with checkpoints, grouped value heads, within the same bound."""
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    lens = [1000, 1, 7191]
+    cu = torch.tensor([0, 1000, 1001, 8192], device=DEV)
+    q, k, _, g, _, _ = inputs(1, sum(lens), 2, 128, gate="gdn", seed=12)
+    _, _, v, g, beta, _ = inputs(1, sum(lens), 4, 128, gate="gdn", seed=13)
+    ckpts = [[999, 1, 64, 1000], [1], [7191, 4097, 63, 65]]
+    kw = dict(output_final_state=True, cu_seqlens=cu, checkpoint_positions=ckpts, use_qk_l2norm_in_kernel=True)
+    o, s, c = chunk_fwd(q, k, v, g, beta, gate="gdn", wu_in_scan=wu_in_scan, **kw)
+    o_ref, s_ref, c_ref = reference(torch_chunk.chunk_gated_delta_rule, q, k, v, g, beta, **kw)
+    print(f"\ngdn wu_in_scan={wu_in_scan} varlen, 2 k-heads / 4 v-heads")
+    check("o", o, o_ref)
+    check("final state", s, s_ref)
+    for n in range(3):
+        check(f"checkpoints[{n}]", c[n], c_ref[n])
+
+
 @pytest.mark.parametrize("variant", ["kda_v1", "kda_v2", "gdn"])
 def test_chunk_fused_gate_full_size(variant):
     gate = variant[:3]
@@ -181,20 +202,23 @@ def test_decode_and_verify_full_size(gate):
     check("verify pool", p_fast, p_ref)
 
 
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("D", [128, 256])
-def test_dispatched_chunk_never_runs_out_of_resources(dtype, D):
+def test_dispatched_chunk_never_runs_out_of_resources(gate, dtype, D):
     """Issue 20, item 0: fp32 / fp16 / bf16 at head dim 128 and 256 through the dispatched op
     (the Triton kernel where its config fits, the torch path where it does not), never an
     OutOfResources, and the result as accurate as the kernels' bf16 figure against fp64."""
     from hyla.ops import dispatch
 
-    q, k, v, g, beta, _ = inputs(1, 1024, 4, D, gate="kda", seed=7, dtype=dtype)
-    o, s = dispatch.chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    o_ref, s_ref = torch_chunk.chunk_kda(*(t.double() for t in (q, k, v, g, beta)), output_final_state=True,
-                                         use_qk_l2norm_in_kernel=True)
-    check(f"chunk_kda {dtype} D={D} output", o, o_ref)
-    check(f"chunk_kda {dtype} D={D} state", s, s_ref)
+    name = "chunk_kda" if gate == "kda" else "chunk_gated_delta_rule"
+    q, k, v, g, beta, _ = inputs(1, 1024, 4, D, gate=gate, seed=7, dtype=dtype)
+    o, s = getattr(dispatch, name)(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_ref, s_ref = getattr(torch_chunk, name)(*(t.double() for t in (q, k, v, g, beta)), output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True)
+    check(f"{name} {dtype} D={D} output", o, o_ref)
+    check(f"{name} {dtype} D={D} state", s, s_ref)
+    print(f"{name} {dtype} D={D}: {'torch path (no fit)' if (name, dtype, D, D) in dispatch._NO_FIT else 'Triton'}")
 
 
 def test_split_router_equals_the_fp32_product():

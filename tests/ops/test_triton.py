@@ -185,6 +185,49 @@ def test_chunk_local_kernels_agree_with_torch(variant, mode):
         _check(c[n], c_ref[n], f"checkpoints of sequence {n}")
 
 
+@pytest.mark.parametrize("gate", ["gdn", "none"])
+@pytest.mark.parametrize("wu_in_scan", [True, False])
+def test_chunk_scalar_gate_factors_in_scan_or_factor_kernel(gate, wu_in_scan):
+    """Scalar or no gate: the scan building w, u, qg, kg from the raw inputs and row scales
+    (wu_in_scan, the default) and the factor-kernel path both equal the fp64 torch path, on
+    varlen rows with checkpoints at odd positions, grouped value heads, K != V, a fused gate
+    with beta sigmoid and L2 norm, and steep chunks (decays of -30 .. -3000 per token)."""
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    ref = CHUNK[gate][1]
+    lens, H, HV, K, V = [70, 1, 150], 1, 2, 32, 48
+    cu = torch.tensor([0, 70, 71, 221])
+    gen = torch.Generator().manual_seed(29)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    T = sum(lens)
+    q, k, v = r(1, T, H, K) * 2, r(1, T, H, K) * 2, r(1, T, HV, V)
+    beta_logit = r(1, T, HV)
+    h0 = r(3, HV, K, V)
+    kw = dict(use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True, output_final_state=True,
+              checkpoint_positions=[[1, 64, 69], [1], [65, 128, 3, 150]])
+    raw = None
+    if gate == "gdn":
+        raw = -torch.rand(1, T, HV, generator=gen, dtype=torch.float64)
+        raw[:, 90:94] = -3000.0  # a steep chunk in the third sequence
+        raw[:, 150:160, 1] *= 100.0
+    args = (q, k, v, raw, beta_logit) if gate == "gdn" else (q, k, v, beta_logit)
+    o_ref, s_ref, c_ref = ref(*args, initial_state=h0, cu_seqlens=cu, **kw)
+    o, s, c = chunk_fwd(*_f32(q, k, v, raw, beta_logit), gate=None if gate == "none" else gate,
+                        initial_state=h0.float().to(DEV), cu_seqlens=cu.to(DEV), wu_in_scan=wu_in_scan, **kw)
+    _check(o, o_ref, "o")
+    _check(s, s_ref, "final state")
+    for n in range(3):
+        _check(c[n], c_ref[n], f"checkpoints of sequence {n}")
+
+
+def test_chunk_wu_in_scan_needs_a_scalar_gate():
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    q, k, v, g, beta, _ = make_inputs(1, 20, 1, 16, 16, gate="kda", seed=2)
+    with pytest.raises(ValueError, match="wu_in_scan"):
+        chunk_fwd(*_f32(q, k, v, g, beta), gate="kda", wu_in_scan=True)
+
+
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_chunk_low_precision_inverse(gate):
     """low_precision_inverse with fp16 inputs: L^-1 goes to the factor kernel in fp16 and its

@@ -25,7 +25,7 @@ import triton
 
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.chunk_intra import chunk_factors_kernel, chunk_gram_kernel
-from hyla.ops.triton.chunk_scan import chunk_scan_kernel
+from hyla.ops.triton.chunk_scan import chunk_scan_kernel, chunk_scan_rows_kernel
 from hyla.ops.triton.gate import gdn_gate_beta, kda_gate_beta
 from hyla.ops.triton.params import gate_params, num_sms
 from hyla.ops import chunk as _reference
@@ -125,11 +125,16 @@ def _register_cap(name: str, value) -> int | None:
     return value
 
 
-def _scan_stages(st: torch.dtype) -> int:
-    """Software-pipelining depth of the scan's loop. Each stage buffers one chunk's w, u, qg, kg and
-    aqk in shared memory: with fp32 factors three stages need 278 KB at K = V = 128 (the H200
-    has 227 KB per block), so fp32 runs unpipelined (it is the accuracy path, not the fast one)."""
-    return 1 if st == torch.float32 else 3
+def _scan_stages(st: torch.dtype, BK: int, BV: int, wu_in_scan: bool) -> int:
+    """Software-pipelining depth of the scan's loop: up to 3, as many as fit ~200 KB of shared
+    memory (an H200 block has 227 KB; the rest is the products' operand staging). Each stage
+    buffers one chunk's operands: w, qg, kg [64, BK], u [64, BV] and aqk, or with wu_in_scan
+    q, k [64, BK], v [64, BV], L^-1 and aqk. With fp32 factors three stages needed 278 KB at
+    K = V = 128 (issue 20's OutOfResources), so fp32 runs unpipelined (it is the accuracy path,
+    not the fast one); bf16 at K = 256 gets one or two."""
+    size = 4 if st == torch.float32 else 2
+    tiles = 2 * BK + 2 * 64 if wu_in_scan else 3 * BK + 64
+    return max(1, min(3, 200_000 // ((tiles + BV) * 64 * size)))
 
 
 def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
@@ -137,7 +142,8 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
               factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
-              precompute_gate=None, low_precision_inverse=None, gram_maxnreg=None, factor_maxnreg=None):
+              precompute_gate=None, low_precision_inverse=None, gram_maxnreg=None, factor_maxnreg=None,
+              wu_in_scan=None):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
     (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
@@ -151,7 +157,10 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     for KDA (3% faster, but the safe gate's error rose to 4.9e-3 of the 5e-3 budget);
     gram_maxnreg / factor_maxnreg: a register cap per thread for the two chunk-local kernels
     (more programs per SM, some spills to L1; default for the Gram kernel: 168 for KDA, 128
-    otherwise, the fastest of the H200 sweep in BENCHMARKS.md)."""
+    otherwise, the fastest of the H200 sweep in BENCHMARKS.md);
+    wu_in_scan (scalar or no gate only; default for them): the scan builds w, u, qg and kg from
+    the raw q, k, v and four row scales per chunk (chunk_scan_rows_kernel) instead of
+    chunk_factors_kernel writing them, one launch and about half the traffic fewer."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -174,6 +183,10 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         factor_slice = 32 if gate == "kda" else 64
     if low_precision_inverse is None:
         low_precision_inverse = gate != "kda"
+    if wu_in_scan is None:
+        wu_in_scan = gate != "kda"
+    elif wu_in_scan and gate == "kda":
+        raise ValueError("`wu_in_scan` needs a scalar or no gate: a per-channel (kda) gate is not a row scale")
     if gram_maxnreg is None:
         gram_maxnreg = 168 if gate == "kda" else 128
     gram_maxnreg = _register_cap("gram_maxnreg", gram_maxnreg)
@@ -203,10 +216,11 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     gc = qc if g is None else g.contiguous()
     bc = beta.contiguous()
 
-    w = torch.empty(NCH, HV, CHUNK, BK, device=dev, dtype=st)
-    qg = torch.empty_like(w)
-    kg = torch.empty_like(w)
-    u = torch.empty(NCH, HV, CHUNK, BVF, device=dev, dtype=st)
+    if not wu_in_scan:
+        w = torch.empty(NCH, HV, CHUNK, BK, device=dev, dtype=st)
+        qg = torch.empty_like(w)
+        kg = torch.empty_like(w)
+        u = torch.empty(NCH, HV, CHUNK, BVF, device=dev, dtype=st)
     aqk = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=st)
     gam = torch.empty(NCH, HV, BK, device=dev, dtype=torch.float32)
 
@@ -214,7 +228,8 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     if has_ck:
         ck_ptr, ck_pos, ck_rows = _checkpoint_tables(ckpts, off_list, NCH, dev)
         NCK = ck_pos.numel()
-        kr = torch.empty(NCK, HV, CHUNK, BK, device=dev, dtype=torch.float32)
+        # kr: [64, BK] per checkpoint, or its [64] row scale when the scan builds the factors
+        kr = torch.empty(NCK, HV, CHUNK, *(() if wu_in_scan else (BK,)), device=dev, dtype=torch.float32)
         dr = torch.empty(NCK, HV, BK, device=dev, dtype=torch.float32)
         ck_out = torch.empty(NCK, HV, K, V, device=dev, dtype=torch.float32)
     else:
@@ -223,20 +238,24 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     if NCH:
         li = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=torch.float32)
         li_low = torch.empty_like(li, dtype=st) if low_precision_inverse and st != torch.float32 else li
-        row_factors = torch.empty(NCH, HV, 3, CHUNK, device=dev, dtype=torch.float32)
+        row_factors = torch.empty(NCH, HV, 4 if wu_in_scan else 3, CHUNK, device=dev, dtype=torch.float32)
         common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec)
         # a per-channel gate: the fast pass, then the steep chunks it flagged (chunk_gram_kernel)
         # with a gate, the factor kernel's fast pass skips the flagged chunks' channel slices
-        steep = torch.empty(NCH, HV, device=dev, dtype=torch.int32) if gate is not None else chunk_off
+        steep = (torch.empty(NCH, HV, device=dev, dtype=torch.int32) if gate is not None and not wu_in_scan
+                 else chunk_off)
         for gram_pass in ((1, 2) if gate == "kda" else (0,)):
             chunk_gram_kernel[(NCH, HV)](
                 qc, kc, gc, bc,
                 a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
                 lb, scale, cu, chunk_seq, chunk_pos, aqk, li, li_low, row_factors, steep,
+                gam, ck_ptr, ck_pos, kr, dr,
                 H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
                 USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-                PASS=gram_pass, num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
+                PASS=gram_pass, ROW_FORM=bool(wu_in_scan), HAS_CKPT=has_ck and bool(wu_in_scan),
+                num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
             )
+    if NCH and not wu_in_scan:
         bks, bvs = min(BK, factor_slice), min(BVF, factor_slice)
         # pass 1: all u slices and the unflagged chunks' channel slices; pass 2: the flagged ones
         for factor_pass, slices in (((1, BK // bks + BVF // bvs), (2, BK // bks)) if gate is not None
@@ -254,15 +273,23 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     final = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     BV = scan_block_v or _scan_block(N * HV, BVF, dev, scan_narrowest)
-    if N:
+    launch = dict(HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
+                  num_warps=scan_warps or (4 if BV <= 32 else 8), num_stages=scan_stages or _scan_stages(st, BK, BV, bool(wu_in_scan)))
+    if N and wu_in_scan:
+        chunk_scan_rows_kernel[(triton.cdiv(V, BV), N * HV)](
+            qc, kc, vc, li_low if NCH else gam, aqk, row_factors if NCH else gam, gam,
+            h0 if h0 is not None else gam, final if final is not None else gam, o,
+            cu, chunk_off,
+            ck_ptr, kr, dr, ck_out,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **launch,
+        )
+    elif N:
         chunk_scan_kernel[(triton.cdiv(V, BV), N * HV)](
             w, u, qg, kg, aqk, gam,
             h0 if h0 is not None else gam, final if final is not None else gam, o,
             cu, chunk_off,
             ck_ptr, kr, dr, ck_out,
-            HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV,
-            HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
-            num_warps=scan_warps or (4 if BV <= 32 else 8), num_stages=scan_stages or _scan_stages(st),
+            HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, **launch,
         )
     if ckpts is None:
         return o, final

@@ -352,10 +352,10 @@ def _boundary_decays(b_g, GATE: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _checkpoint_factors(kr_ptr, dr_ptr, r, b_k, b_g, GATE: tl.constexpr, BK: tl.constexpr):
-    """One channel slice of kr = K * e^(G_r - G) (rows >= r zero) and dr = e^(G_r) for a
-    checkpoint after r tokens of this chunk (r in 1..64, runtime); b_k: normalised keys.
-    Rare, so always the exact sub-block form."""
+def _checkpoint_decays(r, b_g, GATE: tl.constexpr):
+    """For a checkpoint after r tokens of this chunk (r in 1..64, runtime): f [64, GK] =
+    e^(G_r - G_j) for rows j < r (0 from row r on) and d [GK] = e^(G_r), from one slice of
+    log-decays b_g. Rare, so always the exact sub-block form."""
     gl, tot = _decays(b_g, GATE)
     rows = tl.arange(0, BT)
     blk = rows // BC
@@ -366,9 +366,16 @@ def _checkpoint_factors(kr_ptr, dr_ptr, r, b_k, b_g, GATE: tl.constexpr, BK: tl.
     e = tl.where((blk == a)[:, None], gl_t[None, :] - gl,
                  gl_t[None, :] + _rows(_between(tot, a)) + _rows(tot) - gl)
     f = tl.where((rows <= t)[:, None], tl.exp(tl.minimum(e, 0.0)), 0.0)
-    _store_rows(kr_ptr, b_k * f, BK)
     p, _ = _prefix_suffix(tot)
-    d = tl.exp(_pick(p, a) + gl_t)  # [GK]
+    return f, tl.exp(_pick(p, a) + gl_t)
+
+
+@triton.jit
+def _checkpoint_factors(kr_ptr, dr_ptr, r, b_k, b_g, GATE: tl.constexpr, BK: tl.constexpr):
+    """One channel slice of kr = K * e^(G_r - G) (rows >= r zero) and dr = e^(G_r) for a
+    checkpoint after r tokens of this chunk; b_k: normalised keys [64, BKS]."""
+    f, d = _checkpoint_decays(r, b_g, GATE)
+    _store_rows(kr_ptr, b_k * f, BK)
     o_c = tl.arange(0, b_k.shape[1])
     tl.store(dr_ptr + o_c, tl.zeros([b_k.shape[1]], dtype=tl.float32) + d)
 
@@ -383,7 +390,7 @@ def _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
     accumulator), then the [64, 64] decay. Its exponent is assembled from same-sign sub-block
     pieces (as _gram_steep does per channel), so no chunk is too steep for it.
     -> (a_qk, a_kk [64, 64] fp32, lower triangles valid; row sums of squares of q and k [64];
-    the chunk's total log-decay)."""
+    the chunk's total log-decay; its per-token log-decays [64], zeros without a gate)."""
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     b_q, b_k = _load_qk(q, k, t0, eos, i_h, o_k, H, K)
@@ -393,8 +400,8 @@ def _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
     a_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC)
     lower = rows[:, None] >= rows[None, :]
     sk = tl.sum(tl.where(rows[:, None] == rows[None, :], a_kk, 0.0), axis=1)  # |k_i|^2: the diagonal
+    b_g = _load_decays(g, A_log, dt_bias, lower_bound, t0, eos, i_hv, o_k, HV, K, GATE, GATE_FN, HAS_BIAS)
     if GATE == 1:
-        b_g = _load_decays(g, A_log, dt_bias, lower_bound, t0, eos, i_hv, o_k, HV, K, GATE, GATE_FN, HAS_BIAS)
         gl, tot = _decays(b_g, GATE)  # [64, 1], [4, 1]
         gl = tl.sum(gl, axis=1)  # [64]
         tot = tl.sum(tot, axis=1)  # [4]
@@ -411,7 +418,7 @@ def _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
     else:
         dec = tl.where(lower, 1.0, 0.0)
         total = 0.0
-    return a_qk * dec, a_kk * dec, sq, sk, total
+    return a_qk * dec, a_kk * dec, sq, sk, total, b_g
 
 
 @triton.jit(do_not_specialize=["lower_bound", "scale"])
@@ -419,14 +426,23 @@ def chunk_gram_kernel(
     q, k, g, beta, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, chunk_seq, chunk_pos,
     aqk, li_scratch, li_out, rows_out, steep,
+    gam, ck_ptr, ck_pos, kr, dr,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, PREC: tl.constexpr, PASS: tl.constexpr,
+    ROW_FORM: tl.constexpr, HAS_CKPT: tl.constexpr,
 ):
     """Per (chunk, value head): aqk [64, 64] (scale * tril(A_qk)), L^-1 [64, 64] (built in the fp32
     li_scratch; li_out is li_scratch, or a bf16 / fp16 copy of it) and
     the row factors rows_out [3, 64] fp32: scale * |q_i|^-1, |k_i|^-1 and beta_i.
+
+    ROW_FORM (a scalar or no gate; chunk_scan.chunk_scan_rows_kernel then builds w, u, qg, kg
+    itself, and chunk_factors_kernel is not launched): rows_out [4, 64] holds the four row scales
+    that turn the raw inputs into them, with e^G from the chunk start to token i:
+    rq = scale e^G_i / |q_i|, rk = e^(G_C - G_i) / |k_i|, rw = beta_i e^G_i / |k_i| and beta_i;
+    gam [BK] = e^(G_C); and for each checkpoint in the chunk kr [64] = e^(G_r - G_j) / |k_j|
+    (0 from row r on), dr [BK] = e^(G_r) (see _checkpoint_decays).
 
     A per-channel gate runs in two launches over the same grid: PASS 1 takes the fast path for
     every channel slice and, for a chunk where some channel decays past e^-MAX_SPAN, writes
@@ -467,9 +483,9 @@ def chunk_gram_kernel(
             if flag != 0:
                 return
     else:
-        a_qk, a_kk, sq, sk, total = _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
-                                                 H, HV, K, BK, GATE, GATE_FN, HAS_BIAS, PREC)
-        if GATE == 1:  # for chunk_factors_kernel's split: the chunk's decay passes e^-MAX_SPAN
+        a_qk, a_kk, sq, sk, total, b_g = _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
+                                                      H, HV, K, BK, GATE, GATE_FN, HAS_BIAS, PREC)
+        if GATE == 1 and not ROW_FORM:  # for chunk_factors_kernel's split: the decay passes e^-MAX_SPAN
             tl.store(steep + head, tl.where(total >= -MAX_SPAN, 0, 1))
     if USE_L2NORM:
         nq = 1.0 / tl.sqrt(sq + 1e-6)
@@ -491,9 +507,26 @@ def chunk_gram_kernel(
     if li_out.dtype.element_ty != tl.float32:  # a low-precision copy for chunk_factors_kernel
         tl.debug_barrier()
         _store_rows(li_out + head * BT * BT, tl.load(li + rows[:, None] * BT + rows[None, :]), BT)
-    tl.store(rows_out + head * 3 * BT + rows, scale * nq)
-    tl.store(rows_out + head * 3 * BT + BT + rows, nk)
-    tl.store(rows_out + head * 3 * BT + 2 * BT + rows, b_b)
+    if ROW_FORM:
+        eg, e_end, gam_s = _boundary_decays(b_g, GATE, False)  # [64, 1], [64, 1], [1]
+        eg = tl.sum(eg, axis=1)
+        e_end = tl.sum(e_end, axis=1)
+        tl.store(rows_out + head * 4 * BT + rows, scale * nq * eg)
+        tl.store(rows_out + head * 4 * BT + BT + rows, nk * e_end)
+        tl.store(rows_out + head * 4 * BT + 2 * BT + rows, b_b * nk * eg)
+        tl.store(rows_out + head * 4 * BT + 3 * BT + rows, b_b)
+        o_k = tl.arange(0, BK)
+        tl.store(gam + head * BK + o_k, tl.zeros([BK], dtype=tl.float32) + gam_s)
+        if HAS_CKPT:
+            for ci in range(tl.load(ck_ptr + i_c), tl.load(ck_ptr + i_c + 1)):
+                ck_head = tl.cast(ci, tl.int64) * HV + i_hv
+                f, d = _checkpoint_decays(tl.load(ck_pos + ci), b_g, GATE)  # [64, 1], [1]
+                tl.store(kr + ck_head * BT + rows, nk * tl.sum(f, axis=1))
+                tl.store(dr + ck_head * BK + o_k, tl.zeros([BK], dtype=tl.float32) + d)
+    else:
+        tl.store(rows_out + head * 3 * BT + rows, scale * nq)
+        tl.store(rows_out + head * 3 * BT + BT + rows, nk)
+        tl.store(rows_out + head * 3 * BT + 2 * BT + rows, b_b)
 
 
 @triton.jit
