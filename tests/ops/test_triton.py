@@ -143,13 +143,15 @@ def test_chunk_steep_decays_take_the_exact_diagonal_path():
     _check(c[0], c_ref[0], "checkpoints")
 
 
+@pytest.mark.parametrize("wu_in_scan", [True, False])
 @pytest.mark.parametrize("variant,mode", [("kda_v1", "in_kernel"), ("kda_v1", "precompute"), ("kda_v2", "in_kernel"),
                                           ("kda_v2", "precompute"), ("gdn", "in_kernel"), ("gdn", "precompute"),
                                           ("gdn_gate", "in_kernel")])
-def test_chunk_local_kernels_agree_with_torch(variant, mode):
+def test_chunk_local_kernels_agree_with_torch(variant, mode, wu_in_scan):
     """chunk_gram_kernel, then chunk_factors_kernel with narrow slices (one chunk has several
     slice programs of each kind), a fused gate's activation in the kernels or launched before
-    them, varlen with checkpoints and grouped value heads: equal to the fp64 torch path."""
+    them, varlen with checkpoints and grouped value heads: equal to the fp64 torch path, with
+    the L^-1 products in the factor kernel or in the scan (wu_in_scan)."""
     from hyla.ops.triton.chunk import chunk_fwd
 
     gate = "kda" if variant.startswith("kda") else "gdn"
@@ -178,7 +180,7 @@ def test_chunk_local_kernels_agree_with_torch(variant, mode):
         kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
     o, s, c = chunk_fwd(*_f32(q, k, v, raw, beta_logit), gate=gate, initial_state=h0.float().to(DEV),
                         cu_seqlens=cu.to(DEV), precompute_gate=mode == "precompute",
-                        slice_k=16, factor_slice=16, **kw)
+                        slice_k=16, factor_slice=16, wu_in_scan=wu_in_scan, **kw)
     _check(o, o_ref, "o")
     _check(s, s_ref, "final state")
     for n in range(3):
@@ -220,14 +222,6 @@ def test_chunk_scalar_gate_factors_in_scan_or_factor_kernel(gate, wu_in_scan):
         _check(c[n], c_ref[n], f"checkpoints of sequence {n}")
 
 
-def test_chunk_wu_in_scan_needs_a_scalar_gate():
-    from hyla.ops.triton.chunk import chunk_fwd
-
-    q, k, v, g, beta, _ = make_inputs(1, 20, 1, 16, 16, gate="kda", seed=2)
-    with pytest.raises(ValueError, match="wu_in_scan"):
-        chunk_fwd(*_f32(q, k, v, g, beta), gate="kda", wu_in_scan=True)
-
-
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_chunk_low_precision_inverse(gate):
     """low_precision_inverse with fp16 inputs: L^-1 goes to the factor kernel in fp16 and its
@@ -260,6 +254,26 @@ def test_chunk_rejects_bad_register_caps(bad):
     for name in ("gram_maxnreg", "factor_maxnreg"):
         with pytest.raises(ValueError, match=name):
             chunk_fwd(*args, gate="gdn", **{name: bad})
+
+
+@pytest.mark.parametrize("wu_in_scan", [True, False])
+def test_chunk_kda_steep_chunks_and_checkpoints_both_scan_forms(wu_in_scan):
+    """Per-channel gate with steep chunks (the factor kernel's second pass) and checkpoints,
+    with the L^-1 products in the scan (kb form) and in the factor kernel."""
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    q, k, v, g, beta, h0 = make_inputs(1, 200, 2, 32, 48, seed=31)
+    g = -g.abs() * 0.05
+    g[:, 70:80, 1, :5] = -40.0
+    g[:, 150:152, 0] = -3000.0
+    ck = [[75, 1, 64, 151, 200]]
+    o_ref, s_ref, c_ref = torch_chunk.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                checkpoint_positions=ck)
+    o, s, c = chunk_fwd(*_f32(q, k, v, g, beta), gate="kda", initial_state=h0.float().to(DEV),
+                        output_final_state=True, checkpoint_positions=ck, wu_in_scan=wu_in_scan)
+    _check(o, o_ref, "o")
+    _check(s, s_ref, "final state")
+    _check(c[0], c_ref[0], "checkpoints")
 
 
 def test_chunk_two_pass_gram_mixes_fast_and_steep_chunks():
