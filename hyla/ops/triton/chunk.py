@@ -1,14 +1,18 @@
 """Chunkwise prefill on the GPU (Triton, forward only): same contract as hyla.ops.chunk.
 
-Three launches per call without a gate; with one, the chunk-local kernels run in two passes each
-(a fast pass, then the chunks it flagged as steep), plus a separate gate activation for KDA (see
-precompute_gate):
-  1. chunk_intra.chunk_gram_kernel, grid (chunks, HV) (for a per-channel gate: a fast pass, then
-     a second over the chunks it flagged as steep), then chunk_intra.chunk_factors_kernel,
-     grid (slices, chunks, HV): per-chunk factors w, u, qg, kg, aqk, gam (and checkpoint factors),
-     with gate, beta sigmoid and q/k L2 norm fused.
-  2. chunk_scan.chunk_scan_kernel, grid (V / BV, N * HV): the sequential state scan, writing
-     o, the final state and every requested checkpoint state in the same pass.
+Pass 1 (chunk-parallel, hyla/ops/triton/chunk_intra.py), pass 2 (the sequential scan,
+chunk_scan.py). By default (wu_in_scan) the scan also does the L^-1 products, so pass 1 writes
+neither w nor u:
+  - scalar or no gate (GDN, delta rule): two launches. chunk_intra.chunk_gram_kernel, grid
+    (chunks, HV): aqk, L^-1 and four row scales per chunk; chunk_scan.chunk_scan_rows_kernel,
+    grid (V / BV, N * HV), reads q, k, v where they are and scales rows of its products.
+  - per-channel gate (KDA): the Gram kernel in two passes (a fast pass, then the chunks it
+    flagged as steep), chunk_factors_kernel (elementwise: qg, kg, kb = K * e^G, gam and
+    checkpoint factors, again two passes), then the same scan kernel on those factors; a fused
+    gate's activation runs first as its own launch (see precompute_gate).
+With wu_in_scan=False the factor kernel also forms w = L^-1 Diag(b) kb and u = L^-1 Diag(b) V,
+and chunk_scan.chunk_scan_kernel reads them (the earlier form, kept for A / B timing).
+The scan writes o, the final state and every requested checkpoint state in the same pass.
 
 Sequences (fixed-length rows or packed varlen) are cut into 64-token chunks that never straddle
 two sequences; the tail chunk of a sequence is zero-padded inside the kernels.

@@ -601,7 +601,7 @@ def chunk_factors_kernel(
                 ck_head = tl.cast(ci, tl.int64) * HV + i_hv
                 _checkpoint_factors(kr + ck_head * BT * BK + ks, dr + ck_head * BK + ks, tl.load(ck_pos + ci),
                                     b_k, b_g, GATE, BK)
-    else:
+    elif not KB_FORM:
         vs = (i_s - NKS) * BVS
         o_v = vs + tl.arange(0, BVS)
         o_b = t0 + rows
