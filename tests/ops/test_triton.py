@@ -143,15 +143,15 @@ def test_chunk_steep_decays_take_the_exact_diagonal_path():
     _check(c[0], c_ref[0], "checkpoints")
 
 
-@pytest.mark.parametrize("wu_in_scan", [True, False])
-@pytest.mark.parametrize("variant,mode", [("kda_v1", "in_kernel"), ("kda_v1", "precompute"), ("kda_v2", "in_kernel"),
-                                          ("kda_v2", "precompute"), ("gdn", "in_kernel"), ("gdn", "precompute"),
-                                          ("gdn_gate", "in_kernel")])
+@pytest.mark.parametrize("variant,mode,wu_in_scan", [
+    ("kda_v1", "in_kernel", False), ("kda_v1", "precompute", False), ("kda_v2", "in_kernel", False),
+    ("kda_v2", "precompute", False), *((v, m, w) for v, m in (("gdn", "in_kernel"), ("gdn", "precompute"),
+                                                             ("gdn_gate", "in_kernel")) for w in (True, False))])
 def test_chunk_local_kernels_agree_with_torch(variant, mode, wu_in_scan):
     """chunk_gram_kernel, then chunk_factors_kernel with narrow slices (one chunk has several
     slice programs of each kind), a fused gate's activation in the kernels or launched before
-    them, varlen with checkpoints and grouped value heads: equal to the fp64 torch path, with
-    the L^-1 products in the factor kernel or in the scan (wu_in_scan)."""
+    them, varlen with checkpoints and grouped value heads: equal to the fp64 torch path; for
+    GDN also with the factors built in the scan (wu_in_scan; KDA runs the factor kernel)."""
     from hyla.ops.triton.chunk import chunk_fwd
 
     gate = "kda" if variant.startswith("kda") else "gdn"
@@ -256,10 +256,17 @@ def test_chunk_rejects_bad_register_caps(bad):
             chunk_fwd(*args, gate="gdn", **{name: bad})
 
 
-@pytest.mark.parametrize("wu_in_scan", [True, False])
-def test_chunk_kda_steep_chunks_and_checkpoints_both_scan_forms(wu_in_scan):
-    """Per-channel gate with steep chunks (the factor kernel's second pass) and checkpoints,
-    with the L^-1 products in the scan (kb form) and in the factor kernel."""
+def test_chunk_wu_in_scan_needs_a_scalar_gate():
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    q, k, v, g, beta, _ = make_inputs(1, 20, 1, 16, 16, gate="kda", seed=2)
+    with pytest.raises(ValueError, match="wu_in_scan"):
+        chunk_fwd(*_f32(q, k, v, g, beta), gate="kda", wu_in_scan=True)
+
+
+def test_chunk_kda_steep_chunks_and_checkpoints():
+    """Per-channel gate with steep chunks (both kernels' second passes), K != V and checkpoints
+    in a steep chunk and at a chunk end."""
     from hyla.ops.triton.chunk import chunk_fwd
 
     q, k, v, g, beta, h0 = make_inputs(1, 200, 2, 32, 48, seed=31)
@@ -270,7 +277,7 @@ def test_chunk_kda_steep_chunks_and_checkpoints_both_scan_forms(wu_in_scan):
     o_ref, s_ref, c_ref = torch_chunk.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                 checkpoint_positions=ck)
     o, s, c = chunk_fwd(*_f32(q, k, v, g, beta), gate="kda", initial_state=h0.float().to(DEV),
-                        output_final_state=True, checkpoint_positions=ck, wu_in_scan=wu_in_scan)
+                        output_final_state=True, checkpoint_positions=ck)
     _check(o, o_ref, "o")
     _check(s, s_ref, "final state")
     _check(c[0], c_ref[0], "checkpoints")

@@ -1,18 +1,15 @@
 """Chunkwise prefill on the GPU (Triton, forward only): same contract as hyla.ops.chunk.
 
-Pass 1 (chunk-parallel, hyla/ops/triton/chunk_intra.py), pass 2 (the sequential scan,
-chunk_scan.py). By default (wu_in_scan) the scan also does the L^-1 products, so pass 1 writes
-neither w nor u:
-  - scalar or no gate (GDN, delta rule): two launches. chunk_intra.chunk_gram_kernel, grid
-    (chunks, HV): aqk, L^-1 and four row scales per chunk; chunk_scan.chunk_scan_rows_kernel,
-    grid (V / BV, N * HV), reads q, k, v where they are and scales rows of its products.
+Pass 1 (chunk-parallel, hyla/ops/triton/chunk_intra.py), then pass 2 (the sequential scan,
+chunk_scan.py), which writes o, the final state and every requested checkpoint state:
+  - scalar or no gate (GDN, delta rule; wu_in_scan): two launches. chunk_intra.chunk_gram_kernel,
+    grid (chunks, HV): aqk, L^-1 and four row scales per chunk; chunk_scan.chunk_scan_rows_kernel,
+    grid (V / BV, N * HV), reads q, k, v where they are and builds w, u, qg, kg by scaling the
+    rows of its products (w, qg, kg are row-scaled keys and queries when the decay is a scalar).
   - per-channel gate (KDA): the Gram kernel in two passes (a fast pass, then the chunks it
-    flagged as steep), chunk_factors_kernel (elementwise: qg, kg, kb = K * e^G, gam and
-    checkpoint factors, again two passes), then the same scan kernel on those factors; a fused
-    gate's activation runs first as its own launch (see precompute_gate).
-With wu_in_scan=False the factor kernel also forms w = L^-1 Diag(b) kb and u = L^-1 Diag(b) V,
-and chunk_scan.chunk_scan_kernel reads them (the earlier form, kept for A / B timing).
-The scan writes o, the final state and every requested checkpoint state in the same pass.
+    flagged as steep), chunk_intra.chunk_factors_kernel, grid (slices, chunks, HV): w, u, qg,
+    kg, gam (and checkpoint factors), again two passes, then chunk_scan.chunk_scan_kernel on
+    them; a fused gate's activation runs first as its own launch (see precompute_gate).
 
 Sequences (fixed-length rows or packed varlen) are cut into 64-token chunks that never straddle
 two sequences; the tail chunk of a sequence is zero-padded inside the kernels.
@@ -129,16 +126,16 @@ def _register_cap(name: str, value) -> int | None:
     return value
 
 
-def _scan_stages(st: torch.dtype, BK: int, BV: int, form: str, li_dtype: torch.dtype) -> int:
+def _scan_stages(st: torch.dtype, BK: int, BV: int, wu_in_scan: bool, li_dtype: torch.dtype) -> int:
     """Software-pipelining depth of the scan's loop: up to 3, as many as fit ~200 KB of shared
     memory (an H200 block has 227 KB; the rest is the products' operand staging). Each stage
-    buffers one chunk's [64, .] operands: "factors": w, qg, kg (BK wide), u (BV) and aqk (64);
-    "kb": kb, qg, kg, v, aqk and L^-1; "raw": q, k, v, aqk and L^-1. With fp32 factors three
-    stages needed 278 KB at K = V = 128 (issue 20's OutOfResources), so fp32 runs unpipelined
-    (it is the accuracy path, not the fast one); bf16 at K = 256 gets one or two."""
+    buffers one chunk's [64, .] operands: w, qg, kg (BK wide), u (BV) and aqk (64), or with
+    wu_in_scan q, k, v, aqk and L^-1. With fp32 factors three stages needed 278 KB at
+    K = V = 128 (issue 20's OutOfResources), so fp32 runs unpipelined (it is the accuracy path,
+    not the fast one); bf16 at K = 256 gets one or two."""
     size = 4 if st == torch.float32 else 2
-    columns = {"factors": 3 * BK + BV + 64, "kb": 3 * BK + BV + 64, "raw": 2 * BK + BV + 64}[form]
-    per_stage = columns * 64 * size + (0 if form == "factors" else 64 * 64 * li_dtype.itemsize)
+    columns = (2 * BK + BV + 64) if wu_in_scan else (3 * BK + BV + 64)
+    per_stage = columns * 64 * size + (64 * 64 * li_dtype.itemsize if wu_in_scan else 0)
     return max(1, min(3, 200_000 // per_stage))
 
 
@@ -163,10 +160,9 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     gram_maxnreg / factor_maxnreg: a register cap per thread for the two chunk-local kernels
     (more programs per SM, some spills to L1; default for the Gram kernel: 168 for KDA, 128
     otherwise, the fastest of the H200 sweep in BENCHMARKS.md);
-    wu_in_scan: the scan does the L^-1 products itself (chunk_scan_rows_kernel, one more
-    [64, 64] product per chunk) and reads v where it is, so pass 1 writes neither w nor u; with a
-    scalar or no gate it also reads q and k where they are (w, qg, kg are row-scaled inputs) and
-    chunk_factors_kernel is not launched at all."""
+    wu_in_scan (scalar or no gate only; default for them): the scan builds w, u, qg and kg from
+    the raw q, k, v and four row scales per chunk (chunk_scan_rows_kernel: one more [64, 64]
+    product per chunk) and chunk_factors_kernel is not launched."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -190,9 +186,10 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     if low_precision_inverse is None:
         low_precision_inverse = gate != "kda"
     if wu_in_scan is None:
-        wu_in_scan = True
-    # a scalar or no gate: w, qg, kg are the raw q, k with rows scaled, built in the scan
-    raw_qk = bool(wu_in_scan) and gate != "kda"
+        wu_in_scan = gate != "kda"
+    elif wu_in_scan and gate == "kda":
+        raise ValueError("`wu_in_scan` needs a scalar or no gate: a per-channel (kda) gate is not a row scale")
+    wu_in_scan = bool(wu_in_scan)
     if gram_maxnreg is None:
         gram_maxnreg = 168 if gate == "kda" else 128
     gram_maxnreg = _register_cap("gram_maxnreg", gram_maxnreg)
@@ -222,11 +219,11 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     gc = qc if g is None else g.contiguous()
     bc = beta.contiguous()
 
-    if not raw_qk:  # with wu_in_scan, w holds kb = K * e^G (chunk_factors_kernel's KB_FORM)
+    if not wu_in_scan:
         w = torch.empty(NCH, HV, CHUNK, BK, device=dev, dtype=st)
         qg = torch.empty_like(w)
         kg = torch.empty_like(w)
-        u = w if wu_in_scan else torch.empty(NCH, HV, CHUNK, BVF, device=dev, dtype=st)
+        u = torch.empty(NCH, HV, CHUNK, BVF, device=dev, dtype=st)
     aqk = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=st)
     gam = torch.empty(NCH, HV, BK, device=dev, dtype=torch.float32)
 
@@ -235,7 +232,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         ck_ptr, ck_pos, ck_rows = _checkpoint_tables(ckpts, off_list, NCH, dev)
         NCK = ck_pos.numel()
         # kr: [64, BK] per checkpoint, or its [64] row scale when the scan scales raw keys
-        kr = torch.empty(NCK, HV, CHUNK, *(() if raw_qk else (BK,)), device=dev, dtype=torch.float32)
+        kr = torch.empty(NCK, HV, CHUNK, *(() if wu_in_scan else (BK,)), device=dev, dtype=torch.float32)
         dr = torch.empty(NCK, HV, BK, device=dev, dtype=torch.float32)
         ck_out = torch.empty(NCK, HV, K, V, device=dev, dtype=torch.float32)
     else:
@@ -244,11 +241,11 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     if NCH:
         li = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=torch.float32)
         li_low = torch.empty_like(li, dtype=st) if low_precision_inverse and st != torch.float32 else li
-        row_factors = torch.empty(NCH, HV, 4 if raw_qk else 3, CHUNK, device=dev, dtype=torch.float32)
+        row_factors = torch.empty(NCH, HV, 4 if wu_in_scan else 3, CHUNK, device=dev, dtype=torch.float32)
         common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec)
         # a per-channel gate: the fast pass, then the steep chunks it flagged (chunk_gram_kernel)
         # with a gate, the factor kernel's fast pass skips the flagged chunks' channel slices
-        steep = (torch.empty(NCH, HV, device=dev, dtype=torch.int32) if gate is not None and not raw_qk
+        steep = (torch.empty(NCH, HV, device=dev, dtype=torch.int32) if gate is not None and not wu_in_scan
                  else chunk_off)
         for gram_pass in ((1, 2) if gate == "kda" else (0,)):
             chunk_gram_kernel[(NCH, HV)](
@@ -258,41 +255,37 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
                 gam, ck_ptr, ck_pos, kr, dr,
                 H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
                 USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-                PASS=gram_pass, ROW_FORM=raw_qk, HAS_CKPT=has_ck and raw_qk,
+                PASS=gram_pass, ROW_FORM=wu_in_scan, HAS_CKPT=has_ck and wu_in_scan,
                 num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
             )
-    if NCH and not raw_qk:
+    if NCH and not wu_in_scan:
         bks, bvs = min(BK, factor_slice), min(BVF, factor_slice)
-        u_slices = 0 if wu_in_scan else BVF // bvs
         # pass 1: all u slices and the unflagged chunks' channel slices; pass 2: the flagged ones
-        for factor_pass, slices in (((1, BK // bks + u_slices), (2, BK // bks)) if gate is not None
-                                    else ((0, BK // bks + u_slices),)):
+        for factor_pass, slices in (((1, BK // bks + BVF // bvs), (2, BK // bks)) if gate is not None
+                                    else ((0, BK // bks + BVF // bvs),)):
             chunk_factors_kernel[(slices, NCH, HV)](
                 qc, kc, vc, gc,
                 a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off, lb,
                 cu, chunk_seq, chunk_pos, li_low, row_factors, steep,
                 w, u, qg, kg, gam, ck_ptr, ck_pos, kr, dr,
                 H=H, HV=HV, K=K, V=V, BK=BK, BV=BVF, BKS=bks, BVS=bvs, HAS_CKPT=has_ck,
-                PASS=factor_pass, KB_FORM=bool(wu_in_scan), num_warps=factor_warps, maxnreg=factor_maxnreg,
-                **common,
+                PASS=factor_pass, num_warps=factor_warps, maxnreg=factor_maxnreg, **common,
             )
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
     final = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     BV = scan_block_v or _scan_block(N * HV, BVF, dev, scan_narrowest)
-    stages = scan_stages or _scan_stages(st, BK, BV, "raw" if raw_qk else "kb" if wu_in_scan else "factors",
-                                         li_low.dtype if NCH else st)
+    stages = scan_stages or _scan_stages(st, BK, BV, wu_in_scan, li_low.dtype if NCH else st)
     launch = dict(HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
                   num_warps=scan_warps or (4 if BV <= 32 else 8), num_stages=stages)
     if N and wu_in_scan:
         chunk_scan_rows_kernel[(triton.cdiv(V, BV), N * HV)](
-            *((qc, kc, kc) if raw_qk else (qg, kg, w)), vc,
-            li_low if NCH else gam, aqk, row_factors if NCH else gam, gam,
+            qc, kc, vc, li_low if NCH else gam, aqk, row_factors if NCH else gam, gam,
             h0 if h0 is not None else gam, final if final is not None else gam, o,
             cu, chunk_off,
             ck_ptr, kr, dr, ck_out,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, RAW_QK=raw_qk, **launch,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, DBG=int(__import__("os").environ.get("DBG", "0")), **launch,
         )
     elif N:
         chunk_scan_kernel[(triton.cdiv(V, BV), N * HV)](

@@ -548,15 +548,11 @@ def chunk_factors_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr, BVS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_CKPT: tl.constexpr,
-    PREC: tl.constexpr, PASS: tl.constexpr, KB_FORM: tl.constexpr,
+    PREC: tl.constexpr, PASS: tl.constexpr,
 ):
     """Per (channel slice, chunk, value head), from chunk_gram_kernel's L^-1 and row factors:
     slices s < BK / BKS write qg, kg, w, gam (and checkpoint factors) for channels s * BKS ...;
     the others write u for value columns (s - BK / BKS) * BVS ... .
-
-    KB_FORM (chunk_scan_rows_kernel applies L^-1 itself): only channel slices, and w holds
-    kb = K * e^G, the decayed keys before beta and L^-1 (w = L^-1 Diag(b) kb); no u, no products,
-    so these programs are elementwise.
 
     With a gate, two launches, as the Gram kernel (steep[chunk, head]: its flags): PASS 1 does
     every u slice and the channel slices of unflagged chunks, compiled with the fast boundary
@@ -577,9 +573,8 @@ def chunk_factors_kernel(
             return
     t0, eos = _chunk_start(chunk_seq, chunk_pos, cu_seqlens, i_c)
     rows = tl.arange(0, BT)
-    if not KB_FORM:
-        li = tl.load(li_in + head * BT * BT + rows[:, None] * BT + rows[None, :])  # [64, 64] fp32 or bf16 / fp16
-        b_b = tl.load(rows_in + head * 3 * BT + 2 * BT + rows)  # [64] beta (0 on padding rows)
+    li = tl.load(li_in + head * BT * BT + rows[:, None] * BT + rows[None, :])  # [64, 64] fp32 or bf16 / fp16
+    b_b = tl.load(rows_in + head * 3 * BT + 2 * BT + rows)  # [64] beta (0 on padding rows)
     if i_s < NKS:
         ks = i_s * BKS
         o_k = ks + tl.arange(0, BKS)
@@ -592,16 +587,13 @@ def chunk_factors_kernel(
         _store_rows(qg + head * BT * BK + ks, b_q * sq[:, None] * eg, BK)
         _store_rows(kg + head * BT * BK + ks, b_k * e_end, BK)
         tl.store(gam + head * BK + o_k, tl.zeros([BKS], dtype=tl.float32) + gam_s)
-        if KB_FORM:
-            _store_rows(w + head * BT * BK + ks, b_k * eg, BK)
-        else:
-            _store_rows(w + head * BT * BK + ks, _li_dot(li, b_k * b_b[:, None] * eg, PREC), BK)
+        _store_rows(w + head * BT * BK + ks, _li_dot(li, b_k * b_b[:, None] * eg, PREC), BK)
         if HAS_CKPT:
             for ci in range(tl.load(ck_ptr + i_c), tl.load(ck_ptr + i_c + 1)):
                 ck_head = tl.cast(ci, tl.int64) * HV + i_hv
                 _checkpoint_factors(kr + ck_head * BT * BK + ks, dr + ck_head * BK + ks, tl.load(ck_pos + ci),
                                     b_k, b_g, GATE, BK)
-    elif not KB_FORM:
+    else:
         vs = (i_s - NKS) * BVS
         o_v = vs + tl.arange(0, BVS)
         o_b = t0 + rows

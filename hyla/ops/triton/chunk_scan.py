@@ -85,34 +85,28 @@ def chunk_scan_kernel(
 
 @triton.jit
 def chunk_scan_rows_kernel(
-    q, k, kb, v, li, aqk, rows, gam,
+    q, k, v, li, aqk, rows, gam,
     h0, ht, o,
     cu_seqlens, chunk_off,
     ck_ptr, kr, dr, ck_out,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_CKPT: tl.constexpr, PREC: tl.constexpr,
-    RAW_QK: tl.constexpr,
+    DBG: tl.constexpr = 0,
 ):
-    """chunk_scan_kernel with the L^-1 products done here: pass 1 writes no w and no u, and this
-    loop reads v where it is, at the price of one more [64, 64] product per chunk:
+    """chunk_scan_kernel for a scalar or no gate, from the raw inputs instead of pass 1's factors.
+    With one decay per token, w, u, qg and kg are the inputs with their rows scaled (the row
+    scales rq, rk, rw, b of chunk_gram_kernel's ROW_FORM), so the scales move onto the products:
 
-        u'  = L^-1 Diag(b) (V - kb S)         (kb = K * e^G, so that w = L^-1 Diag(b) kb)
-        o   = qg S + aqk u'
-        S  <- Diag(gam) S + kg^T u'
-
-    RAW_QK (a scalar or no gate): kb, qg and kg are the raw inputs with their rows scaled (the
-    row scales rq, rk, rw, b of chunk_gram_kernel's ROW_FORM), so the scales move onto the
-    products and q, k [T, H, K] are read where they are (no factor kernel at all):
-
-        u'  = L^-1 (Diag(b) V - Diag(rw) (K S)),  o = Diag(rq) (Q S) + aqk u',
+        u'  = L^-1 (Diag(b) V - Diag(rw) (K S))
+        o   = Diag(rq) (Q S) + aqk u'
         S  <- gam S + K^T (Diag(rk) u')
 
-    Otherwise (a per-channel gate) q and k are chunk_factors_kernel's qg and kg and kb its w
-    (KB_FORM), chunk-major [chunks, HV, 64, BK], and rows its [3, 64] row factors (b third).
-    Every matmul operand stays as loaded, so the loop keeps its pipelined loads (scaling q and
-    k elementwise here instead was measured 33% slower, BENCHMARKS.md). A checkpoint at offset
-    r: S_r = Diag(dr) S + kr^T u' (kr a [64] row scale of K with RAW_QK, else [64, BK])."""
+    q, k [T, H, K] and v [T, HV, V] are read where they are (no factor kernel writes four
+    [64, K] tiles per chunk for this pass to read back), at the price of one more [64, 64]
+    product per chunk. The matmul operands stay as loaded, so the loop keeps its pipelined
+    loads (scaling q and k elementwise here instead was measured 33% slower, BENCHMARKS.md).
+    A checkpoint at offset r: S_r = dr S + K^T (Diag(kr) u'), kr a row vector here."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -138,66 +132,56 @@ def chunk_scan_rows_kernel(
         head = tl.cast(cid, tl.int64) * HV + i_hv
         tok = bos + tl.cast(cid - c_lo, tl.int64) * BT + o_t
         m_t = tok < eos
-        if RAW_QK:
-            m_tk = m_t[:, None] & (o_k < K)[None, :]
-            p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
-            b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(mm)  # [BT, BK]
-            b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(mm)  # [BT, BK]
-            b_kw = b_k
-            r_q = tl.load(rows + head * 4 * BT + o_t)
-            r_k = tl.load(rows + head * 4 * BT + BT + o_t)
-            r_w = tl.load(rows + head * 4 * BT + 2 * BT + o_t)
-            r_b = tl.load(rows + head * 4 * BT + 3 * BT + o_t)
-        else:
-            p_f = head * BT * BK + o_t[:, None] * BK + o_k[None, :]
-            b_kw = tl.load(kb + p_f)  # [BT, BK] kb
-            b_q = tl.load(q + p_f)  # [BT, BK] qg
-            b_k = tl.load(k + p_f)  # [BT, BK] kg
-            r_b = tl.load(rows + head * 3 * BT + 2 * BT + o_t)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+        b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(mm)  # [BT, BK]
+        b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(mm)  # [BT, BK]
         b_v = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :],
                       mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)  # [BT, BV]
         b_l = tl.load(li + head * BT * BT + o_t[:, None] * BT + o_t[None, :])  # [BT, BT] L^-1
         b_a = tl.load(aqk + head * BT * BT + o_t[:, None] * BT + o_t[None, :])  # [BT, BT]
-        b_gam = tl.load(gam + head * BK + o_k)  # [BK] fp32
+        r_q = tl.load(rows + head * 4 * BT + o_t)
+        r_k = tl.load(rows + head * 4 * BT + BT + o_t)
+        r_w = tl.load(rows + head * 4 * BT + 2 * BT + o_t)
+        r_b = tl.load(rows + head * 4 * BT + 3 * BT + o_t)
+        b_gam = tl.load(gam + head * BK + o_k)  # [BK] fp32 (one value)
 
         s_mm = b_s.to(mm)
-        b_ks = tl.dot(b_kw, s_mm, input_precision=PREC)  # [BT, BV]
-        if RAW_QK:
-            b_x = r_b[:, None] * b_v - r_w[:, None] * b_ks
-        else:
-            b_x = r_b[:, None] * (b_v - b_ks)
+        b_x = r_b[:, None] * b_v - r_w[:, None] * tl.dot(b_k, s_mm, input_precision=PREC)  # [BT, BV]
         if b_l.dtype == tl.float32:
             b_vn = tl.dot(b_l, b_x, input_precision=PREC)
         else:
             b_vn = tl.dot(b_l, b_x.to(b_l.dtype))
         vn_mm = b_vn.to(mm)
-        b_o = tl.dot(b_q, s_mm, input_precision=PREC)
-        if RAW_QK:
-            b_o = r_q[:, None] * b_o
-        b_o += tl.dot(b_a, vn_mm, input_precision=PREC)
+        b_o = r_q[:, None] * tl.dot(b_q, s_mm, input_precision=PREC) + tl.dot(b_a, vn_mm, input_precision=PREC)
         p_o = o + (tok[:, None] * HV + i_hv) * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
 
         if HAS_CKPT:
             for ci in range(tl.load(ck_ptr + cid), tl.load(ck_ptr + cid + 1)):
                 ck_head = tl.cast(ci, tl.int64) * HV + i_hv
+                b_kr = tl.load(kr + ck_head * BT + o_t)  # [BT] fp32
                 b_dr = tl.load(dr + ck_head * BK + o_k)  # [BK]
-                if RAW_QK:
-                    # k read again rather than the loop's b_k (kept out of the nested loop)
-                    b_kc = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
-                    b_kr = tl.load(kr + ck_head * BT + o_t)  # [BT] fp32
-                    upd = tl.dot(tl.trans(b_kc), b_kr[:, None] * b_vn, input_precision=PREC)
+                b_kc = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
+                if DBG == 1:
+                    upd = tl.zeros([BK, BV], dtype=tl.float32)
+                elif DBG == 2:
+                    upd = tl.zeros([BK, BV], dtype=tl.float32) + tl.sum(b_kr, axis=0)
+                elif DBG == 3:
+                    upd = tl.zeros([BK, BV], dtype=tl.float32) + tl.sum(tl.sum(b_kc, axis=1), axis=0)
+                elif DBG == 4:
+                    upd = tl.dot(tl.trans(b_k), (b_kr[:, None] * b_vn).to(mm), input_precision=PREC)
+                elif DBG == 5:
+                    p_kt = (tok[None, :] * H + i_h) * K + o_k[:, None]
+                    b_kt = tl.load(k + p_kt, mask=m_t[None, :] & (o_k < K)[:, None], other=0.0).to(tl.float32)
+                    upd = tl.dot(b_kt, b_kr[:, None] * b_vn, input_precision=PREC)
                 else:
-                    b_kr = tl.load(kr + ck_head * BT * BK + o_t[:, None] * BK + o_k[None, :])  # [BT, BK] fp32
-                    upd = tl.dot(tl.trans(b_kr), b_vn, input_precision=PREC)
+                    upd = tl.dot(tl.trans(b_kc), b_kr[:, None] * b_vn, input_precision=PREC)
+                b_sr = b_dr[:, None] * b_s + upd
                 p_ck = ck_out + ck_head * K * V + o_k[:, None] * V + o_v[None, :]
-                tl.store(p_ck, (b_dr[:, None] * b_s + upd).to(ck_out.dtype.element_ty), mask=m_kv)
+                tl.store(p_ck, b_sr.to(ck_out.dtype.element_ty), mask=m_kv)
 
-        if RAW_QK:
-            b_kv = (r_k[:, None] * b_vn).to(mm)
-        else:
-            b_kv = vn_mm
-        b_s = b_gam[:, None] * b_s + tl.dot(tl.trans(b_k), b_kv, input_precision=PREC)
+        b_s = b_gam[:, None] * b_s + tl.dot(tl.trans(b_k), (r_k[:, None] * b_vn).to(mm), input_precision=PREC)
 
     if STORE_HT:
         tl.store(ht + state_off, b_s.to(ht.dtype.element_ty), mask=m_kv)
