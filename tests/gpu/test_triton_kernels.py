@@ -94,10 +94,13 @@ def test_chunk_low_precision_inverse_full_size(gate):
     check("final state", s, s_ref)
 
 
+@pytest.mark.parametrize("stages", [None, 2, 3])
 @pytest.mark.parametrize("wu_in_scan", [True, False])
-def test_chunk_gdn_both_scan_forms_full_size(wu_in_scan):
+def test_chunk_gdn_both_scan_forms_full_size(wu_in_scan, stages):
     """GDN with the scan building its factors from the raw inputs (the default) and with the
-    factor kernel: varlen with checkpoints, grouped value heads, within the same bound."""
+    factor kernel, at each allowed pipelining depth of the scan: varlen with an initial state
+    and checkpoints (two in one chunk: 999, 1000), grouped value heads, within the same bound.
+    (Depth 1 with bf16 is refused: Triton 3.6 miscompiled it, see chunk._MIN_LOW_STAGES.)"""
     from hyla.ops.triton.chunk import chunk_fwd
 
     lens = [1000, 1, 7191]
@@ -105,10 +108,12 @@ def test_chunk_gdn_both_scan_forms_full_size(wu_in_scan):
     q, k, _, g, _, _ = inputs(1, sum(lens), 2, 128, gate="gdn", seed=12)
     _, _, v, g, beta, _ = inputs(1, sum(lens), 4, 128, gate="gdn", seed=13)
     ckpts = [[999, 1, 64, 1000], [1], [7191, 4097, 63, 65]]
-    kw = dict(output_final_state=True, cu_seqlens=cu, checkpoint_positions=ckpts, use_qk_l2norm_in_kernel=True)
-    o, s, c = chunk_fwd(q, k, v, g, beta, gate="gdn", wu_in_scan=wu_in_scan, **kw)
+    h0 = torch.randn(3, 4, 128, 128, device=DEV)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, checkpoint_positions=ckpts,
+              use_qk_l2norm_in_kernel=True)
+    o, s, c = chunk_fwd(q, k, v, g, beta, gate="gdn", wu_in_scan=wu_in_scan, scan_stages=stages, **kw)
     o_ref, s_ref, c_ref = reference(torch_chunk.chunk_gated_delta_rule, q, k, v, g, beta, **kw)
-    print(f"\ngdn wu_in_scan={wu_in_scan} varlen, 2 k-heads / 4 v-heads")
+    print(f"\ngdn wu_in_scan={wu_in_scan} scan_stages={stages} varlen, 2 k-heads / 4 v-heads")
     check("o", o, o_ref)
     check("final state", s, s_ref)
     for n in range(3):

@@ -264,6 +264,18 @@ def test_chunk_wu_in_scan_needs_a_scalar_gate():
         chunk_fwd(*_f32(q, k, v, g, beta), gate="kda", wu_in_scan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunk_refuses_an_unpipelined_low_precision_scan(dtype):
+    """scan_stages=1 with bf16 / fp16 operands is refused (Triton 3.6 miscompiled it on an H200);
+    fp32 runs unpipelined by default, so 1 stays valid there."""
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    q, k, v, g, beta, _ = make_inputs(1, 20, 1, 16, 16, gate="gdn", seed=2)
+    low = [t.to(DEV, dtype) for t in (q, k, v)]
+    with pytest.raises(ValueError, match="scan_stages"):
+        chunk_fwd(*low, g.float().to(DEV), beta.to(DEV, dtype), gate="gdn", scan_stages=1)
+
+
 def test_chunk_kda_steep_chunks_and_checkpoints():
     """Per-channel gate with steep chunks (both kernels' second passes), K != V and checkpoints
     in a steep chunk and at a chunk end."""

@@ -6,6 +6,8 @@ chunk_scan.py), which writes o, the final state and every requested checkpoint s
     grid (chunks, HV): aqk, L^-1 and four row scales per chunk; chunk_scan.chunk_scan_rows_kernel,
     grid (V / BV, N * HV), reads q, k, v where they are and builds w, u, qg, kg by scaling the
     rows of its products (w, qg, kg are row-scaled keys and queries when the decay is a scalar).
+    With checkpoints, a third launch (chunk_checkpoint_rows_kernel, one program per checkpoint)
+    turns the start states the scan stored into the checkpoint states.
   - per-channel gate (KDA): the Gram kernel in two passes (a fast pass, then the chunks it
     flagged as steep), chunk_intra.chunk_factors_kernel, grid (slices, chunks, HV): w, u, qg,
     kg, gam (and checkpoint factors), again two passes, then chunk_scan.chunk_scan_kernel on
@@ -26,7 +28,7 @@ import triton
 
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.chunk_intra import chunk_factors_kernel, chunk_gram_kernel
-from hyla.ops.triton.chunk_scan import chunk_scan_kernel, chunk_scan_rows_kernel
+from hyla.ops.triton.chunk_scan import chunk_checkpoint_rows_kernel, chunk_scan_kernel, chunk_scan_rows_kernel
 from hyla.ops.triton.gate import gdn_gate_beta, kda_gate_beta
 from hyla.ops.triton.params import gate_params, num_sms
 from hyla.ops import chunk as _reference
@@ -84,7 +86,10 @@ def _build_tables(cu_seqlens, device, lengths=None, cu=None, key=None):
 
 def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
     """Checkpoints sorted by chunk: CSR pointer per chunk, in-chunk offsets r, and for each
-    sequence the rows of the sorted output that hold its checkpoints in the caller's order."""
+    sequence the rows of the sorted output that hold its checkpoints in the caller's order.
+    For chunk_checkpoint_rows_kernel also: each sorted checkpoint's chunk (ck_chunk), and per
+    chunk the slot of its start state in the scan's ck_start buffer, -1 for a chunk without
+    checkpoints (ck_slot [n_chunks]); n_slots = the number of chunks with one."""
     entries = []  # (global chunk, r, sequence, index in its list)
     for n, ps in enumerate(ckpts):
         for i, p in enumerate(ps):
@@ -92,20 +97,21 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
             entries.append((chunk_off_list[n] + c, p - c * CHUNK, n, i))
     order = sorted(range(len(entries)), key=lambda e: entries[e][0])
     counts = torch.zeros(n_chunks + 1, dtype=torch.int64)
+    slots = torch.full((n_chunks,), -1, dtype=torch.int32)
     rows = [[None] * len(ps) for ps in ckpts]
-    pos = []
+    pos, chunks = [], []
     for slot, e in enumerate(order):
         gc, r, n, i = entries[e]
         counts[gc + 1] += 1
         pos.append(r)
+        chunks.append(gc)
         rows[n][i] = slot
+    unique = sorted(set(chunks))
+    slots[unique] = torch.arange(len(unique), dtype=torch.int32)
     ck_ptr = counts.cumsum(0).to(device=device, dtype=torch.int32)
     ck_pos = torch.tensor(pos, dtype=torch.int32, device=device)
-    return ck_ptr, ck_pos, rows
-
-
-
-
+    ck_chunk = torch.tensor(chunks, dtype=torch.int32, device=device)
+    return ck_ptr, ck_pos, rows, ck_chunk, slots.to(device), len(unique)
 
 
 def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32) -> int:
@@ -127,16 +133,24 @@ def _register_cap(name: str, value) -> int | None:
 
 
 def _scan_stages(st: torch.dtype, BK: int, BV: int, wu_in_scan: bool, li_dtype: torch.dtype) -> int:
-    """Software-pipelining depth of the scan's loop: up to 3, as many as fit ~200 KB of shared
-    memory (an H200 block has 227 KB; the rest is the products' operand staging). Each stage
+    """Software-pipelining depth of the scan's loop: as many as fit ~200 KB of shared memory, up
+    to 3 (an H200 block has 227 KB; the rest is the products' operand staging). Each stage
     buffers one chunk's [64, .] operands: w, qg, kg (BK wide), u (BV) and aqk (64), or with
-    wu_in_scan q, k, v, aqk and L^-1. With fp32 factors three stages needed 278 KB at
-    K = V = 128 (issue 20's OutOfResources), so fp32 runs unpipelined (it is the accuracy path,
-    not the fast one); bf16 at K = 256 gets one or two."""
-    size = 4 if st == torch.float32 else 2
+    wu_in_scan q, k, v, aqk and L^-1. fp32 runs unpipelined: three stages needed 278 KB at
+    K = V = 128 (issue 20's OutOfResources), and it is the accuracy path, not the fast one.
+    bf16 / fp16 take at least _MIN_LOW_STAGES; where that does not fit (K = 256 with the
+    factor scan), the launch raises OutOfResources and hyla.ops.dispatch takes the torch path."""
+    if st == torch.float32:
+        return 1
     columns = (2 * BK + BV + 64) if wu_in_scan else (3 * BK + BV + 64)
-    per_stage = columns * 64 * size + (64 * 64 * li_dtype.itemsize if wu_in_scan else 0)
-    return max(1, min(3, 200_000 // per_stage))
+    per_stage = columns * 64 * st.itemsize + (64 * 64 * li_dtype.itemsize if wu_in_scan else 0)
+    return max(_MIN_LOW_STAGES, min(3, 200_000 // per_stage))
+
+
+# Triton 3.6 miscompiles both scan kernels unpipelined with bf16 / fp16 operands on an H200:
+# chunk_scan_rows_kernel gave wrong outputs at K = V = 128 (o off by 9x), chunk_scan_kernel an
+# illegal address at K = 256 (seen in tests/gpu/test_triton_kernels.py). fp32 is unaffected.
+_MIN_LOW_STAGES = 2
 
 
 def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
@@ -215,6 +229,9 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     # fp32 inputs: 3-pass tf32 (about fp32 accuracy on tensor cores); bf16 / fp16: tf32 for the fp32
     # products of pass 1 (the low-precision operands of pass 2 ignore it).
     prec = "tf32x3" if st == torch.float32 else "tf32"
+    if scan_stages is not None and st != torch.float32 and scan_stages < _MIN_LOW_STAGES:
+        raise ValueError(f"`scan_stages` must be >= {_MIN_LOW_STAGES} with {st} inputs (an unpipelined "
+                         f"low-precision scan is miscompiled by Triton 3.6), got {scan_stages}")
     qc, kc, vc = q.contiguous(), k.contiguous(), v.contiguous()
     gc = qc if g is None else g.contiguous()
     bc = beta.contiguous()
@@ -229,14 +246,16 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
 
     has_ck = bool(ckpts) and any(len(ps) for ps in ckpts)
     if has_ck:
-        ck_ptr, ck_pos, ck_rows = _checkpoint_tables(ckpts, off_list, NCH, dev)
+        ck_ptr, ck_pos, ck_rows, ck_chunk, ck_slot, n_slots = _checkpoint_tables(ckpts, off_list, NCH, dev)
         NCK = ck_pos.numel()
+        # the scan's start states of the chunks that hold checkpoints (wu_in_scan)
+        ck_start = torch.empty(n_slots if wu_in_scan else 0, HV, K, V, device=dev, dtype=torch.float32)
         # kr: [64, BK] per checkpoint, or its [64] row scale when the scan scales raw keys
         kr = torch.empty(NCK, HV, CHUNK, *(() if wu_in_scan else (BK,)), device=dev, dtype=torch.float32)
         dr = torch.empty(NCK, HV, BK, device=dev, dtype=torch.float32)
         ck_out = torch.empty(NCK, HV, K, V, device=dev, dtype=torch.float32)
     else:
-        ck_ptr = ck_pos = kr = dr = ck_out = chunk_off  # unused placeholders
+        ck_ptr = ck_pos = kr = dr = ck_out = ck_slot = ck_start = chunk_off  # unused placeholders
 
     if NCH:
         li = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=torch.float32)
@@ -283,10 +302,15 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         chunk_scan_rows_kernel[(triton.cdiv(V, BV), N * HV)](
             qc, kc, vc, li_low if NCH else gam, aqk, row_factors if NCH else gam, gam,
             h0 if h0 is not None else gam, final if final is not None else gam, o,
-            cu, chunk_off,
-            ck_ptr, kr, dr, ck_out,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, DBG=int(__import__("os").environ.get("DBG", "0")), **launch,
+            cu, chunk_off, ck_slot, ck_start,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **launch,
         )
+        if has_ck:
+            chunk_checkpoint_rows_kernel[(triton.cdiv(V, BV), NCK, HV)](
+                kc, vc, li_low, aqk, row_factors, ck_start, ck_slot, ck_chunk, kr, dr, ck_out,
+                cu, chunk_seq, chunk_pos,
+                H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, PREC=prec, num_warps=launch["num_warps"],
+            )
     elif N:
         chunk_scan_kernel[(triton.cdiv(V, BV), N * HV)](
             w, u, qg, kg, aqk, gam,

@@ -88,11 +88,10 @@ def chunk_scan_rows_kernel(
     q, k, v, li, aqk, rows, gam,
     h0, ht, o,
     cu_seqlens, chunk_off,
-    ck_ptr, kr, dr, ck_out,
+    ck_slot, ck_start,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_CKPT: tl.constexpr, PREC: tl.constexpr,
-    DBG: tl.constexpr = 0,
 ):
     """chunk_scan_kernel for a scalar or no gate, from the raw inputs instead of pass 1's factors.
     With one decay per token, w, u, qg and kg are the inputs with their rows scaled (the row
@@ -106,7 +105,12 @@ def chunk_scan_rows_kernel(
     [64, K] tiles per chunk for this pass to read back), at the price of one more [64, 64]
     product per chunk. The matmul operands stay as loaded, so the loop keeps its pipelined
     loads (scaling q and k elementwise here instead was measured 33% slower, BENCHMARKS.md).
-    A checkpoint at offset r: S_r = dr S + K^T (Diag(kr) u'), kr a row vector here."""
+
+    Checkpoints: this loop only stores the start state of each chunk that holds one
+    (ck_slot[chunk] >= 0: ck_start[slot, HV, K, V]); chunk_checkpoint_rows_kernel exports them.
+    A checkpoint loop with its products inside this loop (as chunk_scan_kernel has) was
+    miscompiled by Triton 3.6 on an H200: wrong outputs, or shared-memory reads past the end
+    of the block's allocation (compute-sanitizer), with any pipelining depth."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -157,31 +161,63 @@ def chunk_scan_rows_kernel(
         p_o = o + (tok[:, None] * HV + i_hv) * V + o_v[None, :]
         tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & (o_v < V)[None, :])
 
-        if HAS_CKPT:
-            for ci in range(tl.load(ck_ptr + cid), tl.load(ck_ptr + cid + 1)):
-                ck_head = tl.cast(ci, tl.int64) * HV + i_hv
-                b_kr = tl.load(kr + ck_head * BT + o_t)  # [BT] fp32
-                b_dr = tl.load(dr + ck_head * BK + o_k)  # [BK]
-                b_kc = tl.load(k + p_qk, mask=m_tk, other=0.0).to(tl.float32)
-                if DBG == 1:
-                    upd = tl.zeros([BK, BV], dtype=tl.float32)
-                elif DBG == 2:
-                    upd = tl.zeros([BK, BV], dtype=tl.float32) + tl.sum(b_kr, axis=0)
-                elif DBG == 3:
-                    upd = tl.zeros([BK, BV], dtype=tl.float32) + tl.sum(tl.sum(b_kc, axis=1), axis=0)
-                elif DBG == 4:
-                    upd = tl.dot(tl.trans(b_k), (b_kr[:, None] * b_vn).to(mm), input_precision=PREC)
-                elif DBG == 5:
-                    p_kt = (tok[None, :] * H + i_h) * K + o_k[:, None]
-                    b_kt = tl.load(k + p_kt, mask=m_t[None, :] & (o_k < K)[:, None], other=0.0).to(tl.float32)
-                    upd = tl.dot(b_kt, b_kr[:, None] * b_vn, input_precision=PREC)
-                else:
-                    upd = tl.dot(tl.trans(b_kc), b_kr[:, None] * b_vn, input_precision=PREC)
-                b_sr = b_dr[:, None] * b_s + upd
-                p_ck = ck_out + ck_head * K * V + o_k[:, None] * V + o_v[None, :]
-                tl.store(p_ck, b_sr.to(ck_out.dtype.element_ty), mask=m_kv)
+        if HAS_CKPT:  # a masked store, no branch: slot -1 writes nothing
+            slot = tl.load(ck_slot + cid)
+            p_st = ck_start + (tl.maximum(slot, 0).to(tl.int64) * HV + i_hv) * K * V
+            tl.store(p_st + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv & (slot >= 0))
 
         b_s = b_gam[:, None] * b_s + tl.dot(tl.trans(b_k), (r_k[:, None] * b_vn).to(mm), input_precision=PREC)
 
     if STORE_HT:
         tl.store(ht + state_off, b_s.to(ht.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
+def chunk_checkpoint_rows_kernel(
+    k, v, li, aqk, rows, ck_start, ck_slot, ck_chunk, kr, dr, ck_out,
+    cu_seqlens, chunk_seq, chunk_pos,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """One checkpoint of chunk_scan_rows_kernel's scan, per (value block, checkpoint, value head):
+    from the state S at the start of its chunk (ck_start, stored by the scan) it recomputes the
+    chunk's delta-rule writes exactly as the scan does, u' = L^-1 (Diag(b) V - Diag(rw) (K S)),
+    and writes S_r = dr S + K^T (Diag(kr) u') to ck_out[checkpoint, HV, K, V]
+    (kr [64] = e^(G_r - G_j) / |k_j|, 0 from row r on; dr = e^(G_r); chunk_gram_kernel's)."""
+    i_v = tl.program_id(0)
+    ci = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    cid = tl.load(ck_chunk + ci)
+    slot = tl.load(ck_slot + cid).to(tl.int64)
+    i_n = tl.load(chunk_seq + cid)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    t0 = tl.load(cu_seqlens + i_n).to(tl.int64) + tl.load(chunk_pos + cid).to(tl.int64) * BT
+    head = tl.cast(cid, tl.int64) * HV + i_hv
+    ck_head = tl.cast(ci, tl.int64) * HV + i_hv
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    mm = aqk.dtype.element_ty
+    tok = t0 + o_t
+    m_t = tok < eos
+    b_s = tl.load(ck_start + (slot * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+    b_k = tl.load(k + (tok[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :],
+                  other=0.0).to(mm)  # [BT, BK]
+    b_v = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :],
+                  mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)  # [BT, BV]
+    b_l = tl.load(li + head * BT * BT + o_t[:, None] * BT + o_t[None, :])  # [BT, BT] L^-1
+    r_w = tl.load(rows + head * 4 * BT + 2 * BT + o_t)
+    r_b = tl.load(rows + head * 4 * BT + 3 * BT + o_t)
+    b_kr = tl.load(kr + ck_head * BT + o_t)  # [BT] fp32
+    b_dr = tl.load(dr + ck_head * BK + o_k)  # [BK]
+
+    b_x = r_b[:, None] * b_v - r_w[:, None] * tl.dot(b_k, b_s.to(mm), input_precision=PREC)  # [BT, BV]
+    if b_l.dtype == tl.float32:
+        b_vn = tl.dot(b_l, b_x, input_precision=PREC)
+    else:
+        b_vn = tl.dot(b_l, b_x.to(b_l.dtype))
+    b_sr = b_dr[:, None] * b_s + tl.dot(tl.trans(b_k), (b_kr[:, None] * b_vn).to(mm), input_precision=PREC)
+    tl.store(ck_out + ck_head * K * V + o_k[:, None] * V + o_v[None, :], b_sr.to(ck_out.dtype.element_ty), mask=m_kv)
