@@ -11,7 +11,8 @@ chunk_scan.py), which writes o, the final state and every requested checkpoint s
   - per-channel gate (KDA): the Gram kernel in two passes (a fast pass, then the chunks it
     flagged as steep), chunk_intra.chunk_factors_kernel, grid (slices, chunks, HV): w, u, qg,
     kg, gam (and checkpoint factors), again two passes, then chunk_scan.chunk_scan_kernel on
-    them; a fused gate's activation runs first as its own launch (see precompute_gate).
+    them; a fused gate's activation is applied where the kernels load the gate (precompute_gate
+    launches it first instead).
 
 Sequences (fixed-length rows or packed varlen) are cut into 64-token chunks that never straddle
 two sequences; the tail chunk of a sequence is zero-padded inside the kernels.
@@ -193,8 +194,10 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     scale = K ** -0.5 if scale is None else float(scale)
     BK, BVF = _pow2(K), _pow2(V)
 
-    if precompute_gate is None:  # measured on an H200 (BENCHMARKS.md): faster for KDA's channel gates
-        precompute_gate = gate == "kda"
+    if precompute_gate is None:
+        # in the kernels: 0.13-0.16 ms faster for KDA's gates v1 and v2 on an H200 (32K tokens x 32
+        # heads; BENCHMARKS.md, issue 20 seventh pass) than writing the fp32 gate and reading it back
+        precompute_gate = False
     if factor_slice is None:  # 64-wide slices for scalar decays (fewer, larger programs), 32 for KDA
         factor_slice = 32 if gate == "kda" else 64
     if low_precision_inverse is None:
