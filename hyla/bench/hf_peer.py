@@ -210,12 +210,18 @@ def _layer_tensors(layer) -> dict:
 
 
 def _merge(caches: list):
-    """Concatenate per-chunk caches along the batch (dim 0) into the first one."""
+    """Concatenate per-chunk caches along the batch (dim 0) into the first one. A zero-dim tensor
+    is a per-layer counter shared by the batch (transformers 5.25's `cumulative_length_linear`,
+    the tokens a linear layer has seen): equal chunks agree on it, so it is kept as it is."""
     first = caches[0]
     for i, layer in enumerate(first.layers):
         parts = [_layer_tensors(c.layers[i]) for c in caches]
         for attr, v in parts[0].items():
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, torch.Tensor) and v.dim() == 0:
+                if any(not torch.equal(p[attr], v) for p in parts):
+                    raise ValueError(f"cache chunks disagree on the per-layer counter {attr!r}: "
+                                     "merge chunks of equal token counts only")
+            elif isinstance(v, torch.Tensor):
                 setattr(layer, attr, torch.cat([p[attr] for p in parts]))
             else:
                 store = getattr(layer, attr)
@@ -231,8 +237,11 @@ def _snapshot(cache) -> list[dict]:
         entry = {}
         for attr, v in _layer_tensors(layer).items():
             # keys / values: a decode step concatenates new tensors (kept by reference); linear
-            # states are written in place (cloned)
-            entry[attr] = v if isinstance(v, torch.Tensor) else {k: t.clone() for k, t in v.items()}
+            # states and zero-dim counters (transformers 5.25) are updated in place (cloned)
+            if isinstance(v, torch.Tensor):
+                entry[attr] = v.clone() if v.dim() == 0 else v
+            else:
+                entry[attr] = {k: t.clone() for k, t in v.items()}
         snap.append(entry)
     return snap
 
@@ -242,7 +251,7 @@ def _restore(cache, snap: list[dict]) -> None:
     for layer, entry in zip(cache.layers, snap):
         for attr, v in entry.items():
             if isinstance(v, torch.Tensor):
-                setattr(layer, attr, v)
+                setattr(layer, attr, v.clone() if v.dim() == 0 else v)
                 continue
             store = getattr(layer, attr)
             for k, saved in v.items():

@@ -120,3 +120,19 @@ def test_glm5_next_peer_cache_restores_between_decode_steps():
     model = random_model("tiny-glm5-next", dtype=torch.float32, seed=1)
     hf = hf_peer.build_peer(model, random_config_dict("tiny-glm5-next"))
     assert hf_peer.decode_step_ms(hf, batch=2, context=40, vocab=model.config.vocab_size, repeat=2) > 0
+
+
+def test_merge_keeps_a_shared_counter_and_refuses_unequal_ones():
+    """Zero-dim tensors of a cache layer (transformers 5.25's tokens-seen counter) are not batched:
+    merging chunks keeps the counter they agree on and refuses chunks of different lengths."""
+    from types import SimpleNamespace
+
+    def cache(n, seen):
+        layer = SimpleNamespace(cumulative_length_linear=torch.tensor(seen), recurrent_states={0: torch.randn(n, 2)})
+        return SimpleNamespace(layers=[layer])
+
+    merged = hf_peer._merge([cache(1, 12), cache(2, 12)])
+    assert merged.layers[0].cumulative_length_linear.item() == 12
+    assert merged.layers[0].recurrent_states[0].shape == (3, 2)
+    with pytest.raises(ValueError, match="cumulative_length_linear"):
+        hf_peer._merge([cache(1, 12), cache(1, 7)])
