@@ -217,12 +217,6 @@ def run_decode(ns, copy_bw, vs_fla, H=32, D=128, tune=False):
         row["hyla_ms"] = _bench(call, graph=True)
         row["hyla_gbs"] = nbytes / (row["hyla_ms"] * 1e-3) / 1e9
         row["hyla_frac_copy"] = nbytes / (row["hyla_ms"] * 1e-3) / copy_bw
-        # the same state bytes through a plain device copy, also a graph replay: what a step of
-        # this size can reach at all (a short copy has its own ramp and tail)
-        src, dst = pool[: max(N, 1)].clone(), torch.empty_like(pool[: max(N, 1)])
-        row["copy_same_ms"] = _bench(lambda: dst.copy_(src), graph=True)
-        row["hyla_frac_same_copy"] = row["copy_same_ms"] / row["hyla_ms"]
-        del src, dst
         if fla:
             f = lambda: fla[2](q=q, k=k, v=v, g=g, beta=beta, initial_state=pool,  # noqa: E731
                                inplace_final_state=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True)
@@ -277,8 +271,7 @@ def _prefill_line(r):
 
 def _decode_line(r):
     s = (f"decode N={r['N']:<4} hyla {r['hyla_ms'] * 1e3:7.1f} us {r['hyla_gbs']:6.0f} GB/s "
-         f"({100 * r['hyla_frac_copy']:.0f}% copy; same-size copy {r['copy_same_ms'] * 1e3:.1f} us, "
-         f"{100 * r['hyla_frac_same_copy']:.0f}% of it)")
+         f"({100 * r['hyla_frac_copy']:.0f}% copy)")
     if "fla_ms" in r:
         s += (f"  fla {r['fla_ms'] * 1e3:7.1f} us {r['fla_gbs']:6.0f} GB/s ({100 * r['fla_frac_copy']:.0f}%)"
               f"  x{r['ratio']:.2f}  diff {r['rel_diff_vs_fla']:.1e}")
