@@ -109,10 +109,10 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
         rows[n][i] = slot
     unique = sorted(set(chunks))
     slots[unique] = torch.arange(len(unique), dtype=torch.int32)
-    ck_ptr = counts.cumsum(0).to(device=device, dtype=torch.int32)
-    ck_pos = torch.tensor(pos, dtype=torch.int32, device=device)
-    ck_chunk = torch.tensor(chunks, dtype=torch.int32, device=device)
-    return ck_ptr, ck_pos, rows, ck_chunk, slots.to(device), len(unique)
+    # one pinned transfer for the four tables
+    ck_ptr, ck_pos, ck_chunk, ck_slot = stage_long([counts.cumsum(0), pos, chunks, slots], device,
+                                                   dtype=torch.int32)
+    return ck_ptr, ck_pos, rows, ck_chunk, ck_slot, len(unique)
 
 
 def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32) -> int:

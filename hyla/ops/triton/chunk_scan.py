@@ -19,6 +19,8 @@ A checkpoint at in-chunk offset r is exported from the same pass: S_r = Diag(dr)
 import triton
 import triton.language as tl
 
+from hyla.ops.triton.chunk_intra import _chunk_start
+
 BT = tl.constexpr(64)
 
 
@@ -81,6 +83,17 @@ def chunk_scan_kernel(
 
     if STORE_HT:
         tl.store(ht + state_off, b_s.to(ht.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
+def _row_writes(b_k, s_mm, b_v, b_l, r_w, r_b, PREC: tl.constexpr):
+    """The chunk's delta-rule writes from raw keys: u' = L^-1 (Diag(b) V - Diag(rw) (K S)) [BT, BV]
+    (b_k [BT, BK] and s_mm [BK, BV] in the matmul dtype, b_v fp32, L^-1 fp32 or bf16 / fp16).
+    One definition for the scan and the checkpoint kernel, so a checkpoint sees the scan's u'."""
+    b_x = r_b[:, None] * b_v - r_w[:, None] * tl.dot(b_k, s_mm, input_precision=PREC)  # [BT, BV]
+    if b_l.dtype == tl.float32:
+        return tl.dot(b_l, b_x, input_precision=PREC)
+    return tl.dot(b_l, b_x.to(b_l.dtype))
 
 
 @triton.jit
@@ -151,11 +164,7 @@ def chunk_scan_rows_kernel(
         b_gam = tl.load(gam + head * BK + o_k)  # [BK] fp32 (one value)
 
         s_mm = b_s.to(mm)
-        b_x = r_b[:, None] * b_v - r_w[:, None] * tl.dot(b_k, s_mm, input_precision=PREC)  # [BT, BV]
-        if b_l.dtype == tl.float32:
-            b_vn = tl.dot(b_l, b_x, input_precision=PREC)
-        else:
-            b_vn = tl.dot(b_l, b_x.to(b_l.dtype))
+        b_vn = _row_writes(b_k, s_mm, b_v, b_l, r_w, r_b, PREC)  # [BT, BV]
         vn_mm = b_vn.to(mm)
         b_o = r_q[:, None] * tl.dot(b_q, s_mm, input_precision=PREC) + tl.dot(b_a, vn_mm, input_precision=PREC)
         p_o = o + (tok[:, None] * HV + i_hv) * V + o_v[None, :]
@@ -190,9 +199,7 @@ def chunk_checkpoint_rows_kernel(
     i_h = i_hv // (HV // H)
     cid = tl.load(ck_chunk + ci)
     slot = tl.load(ck_slot + cid).to(tl.int64)
-    i_n = tl.load(chunk_seq + cid)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    t0 = tl.load(cu_seqlens + i_n).to(tl.int64) + tl.load(chunk_pos + cid).to(tl.int64) * BT
+    t0, eos = _chunk_start(chunk_seq, chunk_pos, cu_seqlens, cid)
     head = tl.cast(cid, tl.int64) * HV + i_hv
     ck_head = tl.cast(ci, tl.int64) * HV + i_hv
 
@@ -214,10 +221,6 @@ def chunk_checkpoint_rows_kernel(
     b_kr = tl.load(kr + ck_head * BT + o_t)  # [BT] fp32
     b_dr = tl.load(dr + ck_head * BK + o_k)  # [BK]
 
-    b_x = r_b[:, None] * b_v - r_w[:, None] * tl.dot(b_k, b_s.to(mm), input_precision=PREC)  # [BT, BV]
-    if b_l.dtype == tl.float32:
-        b_vn = tl.dot(b_l, b_x, input_precision=PREC)
-    else:
-        b_vn = tl.dot(b_l, b_x.to(b_l.dtype))
+    b_vn = _row_writes(b_k, b_s.to(mm), b_v, b_l, r_w, r_b, PREC)  # [BT, BV]
     b_sr = b_dr[:, None] * b_s + tl.dot(tl.trans(b_k), (b_kr[:, None] * b_vn).to(mm), input_precision=PREC)
     tl.store(ck_out + ck_head * K * V + o_k[:, None] * V + o_v[None, :], b_sr.to(ck_out.dtype.element_ty), mask=m_kv)
