@@ -154,6 +154,29 @@ def test_chunk_varlen_checkpoints_full_size(gate):
         check(f"checkpoints[{n}]", c[n], c_ref[n])
 
 
+@pytest.mark.parametrize("wu_in_scan", [True, False])
+def test_chunk_kda_both_forms_with_checkpoints_full_size(wu_in_scan):
+    """KDA checkpoints from the scan form (wu_in_scan=True: the scan stores chunk-start states,
+    the token recurrence steps them to each checkpoint; opt-in until this passes on a GPU) and
+    from the factor kernel's path (the default with checkpoints), varlen, safe gate fused."""
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    lens = [1000, 1, 7191]
+    cu = torch.tensor([0, 1000, 1001, 8192], device=DEV)
+    q, k, v, g, beta, extra = inputs(1, sum(lens), 4, 128, gate="kda", seed=12, fused=True)
+    h0 = torch.randn(3, 4, 128, 128, device=DEV)
+    ckpts = [[999, 1, 64, 1000, 333], [1], [7191, 4097, 63, 65, 2048]]
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, checkpoint_positions=ckpts,
+              use_qk_l2norm_in_kernel=True, lower_bound=-5.0, **extra)
+    o, s, c = chunk_fwd(q, k, v, g, beta, gate="kda", wu_in_scan=wu_in_scan, **kw)
+    o_ref, s_ref, c_ref = reference(torch_chunk.chunk_kda, q, k, v, g, beta, **kw)
+    print(f"\nkda wu_in_scan={wu_in_scan} varlen {lens} with checkpoints, safe gate")
+    check("o", o, o_ref)
+    check("final state", s, s_ref)
+    for n in range(3):
+        check(f"checkpoints[{n}]", c[n], c_ref[n])
+
+
 def test_unbounded_gates_stay_finite_and_accurate_at_64k():
     """Gate v1 with exp(A_log) up to ~3e3: per-token log-decays reach -1e4 in some channels, so
     sub-block decays are far beyond any fp32 exponent; outputs and states must stay finite."""

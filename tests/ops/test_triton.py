@@ -144,14 +144,15 @@ def test_chunk_steep_decays_take_the_exact_diagonal_path():
 
 
 @pytest.mark.parametrize("variant,mode,wu_in_scan", [
-    ("kda_v1", "in_kernel", False), ("kda_v1", "precompute", False), ("kda_v2", "in_kernel", False),
-    ("kda_v2", "precompute", False), *((v, m, w) for v, m in (("gdn", "in_kernel"), ("gdn", "precompute"),
-                                                             ("gdn_gate", "in_kernel")) for w in (True, False))])
+    (v, m, w) for v, m in (("kda_v1", "in_kernel"), ("kda_v1", "precompute"), ("kda_v2", "in_kernel"),
+                           ("kda_v2", "precompute"), ("gdn", "in_kernel"), ("gdn", "precompute"),
+                           ("gdn_gate", "in_kernel")) for w in (True, False)])
 def test_chunk_local_kernels_agree_with_torch(variant, mode, wu_in_scan):
-    """chunk_gram_kernel, then chunk_factors_kernel with narrow slices (one chunk has several
-    slice programs of each kind), a fused gate's activation in the kernels or launched before
-    them, varlen with checkpoints and grouped value heads: equal to the fp64 torch path; for
-    GDN also with the factors built in the scan (wu_in_scan; KDA runs the factor kernel)."""
+    """chunk_gram_kernel with narrow slices (a chunk takes several), then either the scan from
+    the Gram kernel's row scales (wu_in_scan, the default: raw q, k for GDN, the decayed tiles
+    it wrote for KDA) or chunk_factors_kernel (one chunk has several slice programs of each
+    kind) and its scan; a fused gate's activation in the kernels or launched before them,
+    varlen with checkpoints and grouped value heads: equal to the fp64 torch path."""
     from hyla.ops.triton.chunk import chunk_fwd
 
     gate = "kda" if variant.startswith("kda") else "gdn"
@@ -256,12 +257,16 @@ def test_chunk_rejects_bad_register_caps(bad):
             chunk_fwd(*args, gate="gdn", **{name: bad})
 
 
-def test_chunk_wu_in_scan_needs_a_scalar_gate():
+def test_chunk_kda_scan_form_refuses_an_fp32_inverse_with_bf16_inputs():
+    """KDA's scan form with an fp32 L^-1 beside bf16 operands was miscompiled by Triton 3.6 on an
+    H200: asked for explicitly it is refused by name; low_precision_inverse=False alone takes the
+    factor kernel's path (and is exact: test_chunk_low_precision_inverse)."""
     from hyla.ops.triton.chunk import chunk_fwd
 
     q, k, v, g, beta, _ = make_inputs(1, 20, 1, 16, 16, gate="kda", seed=2)
-    with pytest.raises(ValueError, match="wu_in_scan"):
-        chunk_fwd(*_f32(q, k, v, g, beta), gate="kda", wu_in_scan=True)
+    low = [x.to(torch.bfloat16).to(DEV) for x in (q, k, v, beta)]
+    with pytest.raises(ValueError, match="low_precision_inverse"):
+        chunk_fwd(*low[:3], g.float().to(DEV), low[3], gate="kda", wu_in_scan=True, low_precision_inverse=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -276,9 +281,11 @@ def test_chunk_refuses_an_unpipelined_low_precision_scan(dtype):
         chunk_fwd(*low, g.float().to(DEV), beta.to(DEV, dtype), gate="gdn", scan_stages=1)
 
 
-def test_chunk_kda_steep_chunks_and_checkpoints():
+@pytest.mark.parametrize("wu_in_scan", [True, False])
+def test_chunk_kda_steep_chunks_and_checkpoints(wu_in_scan):
     """Per-channel gate with steep chunks (both kernels' second passes), K != V and checkpoints
-    in a steep chunk and at a chunk end."""
+    in a steep chunk and at a chunk end; the Gram kernel's decayed tiles read by the scan
+    (wu_in_scan) or the factor kernel's."""
     from hyla.ops.triton.chunk import chunk_fwd
 
     q, k, v, g, beta, h0 = make_inputs(1, 200, 2, 32, 48, seed=31)
@@ -289,7 +296,7 @@ def test_chunk_kda_steep_chunks_and_checkpoints():
     o_ref, s_ref, c_ref = torch_chunk.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                 checkpoint_positions=ck)
     o, s, c = chunk_fwd(*_f32(q, k, v, g, beta), gate="kda", initial_state=h0.float().to(DEV),
-                        output_final_state=True, checkpoint_positions=ck)
+                        output_final_state=True, checkpoint_positions=ck, wu_in_scan=wu_in_scan)
     _check(o, o_ref, "o")
     _check(s, s_ref, "final state")
     _check(c[0], c_ref[0], "checkpoints")

@@ -8,11 +8,16 @@ chunk_scan.py), which writes o, the final state and every requested checkpoint s
     rows of its products (w, qg, kg are row-scaled keys and queries when the decay is a scalar).
     With checkpoints, a third launch (chunk_checkpoint_rows_kernel, one program per checkpoint)
     turns the start states the scan stored into the checkpoint states.
-  - per-channel gate (KDA): the Gram kernel in two passes (a fast pass, then the chunks it
-    flagged as steep), chunk_intra.chunk_factors_kernel, grid (slices, chunks, HV): w, u, qg,
-    kg, gam (and checkpoint factors), again two passes, then chunk_scan.chunk_scan_kernel on
-    them; a fused gate's activation is applied where the kernels load the gate (precompute_gate
-    launches it first instead).
+  - per-channel gate (KDA; wu_in_scan): the Gram kernel in two passes (a fast pass, then the
+    chunks it flagged as steep) also writes the decayed tiles Q e^G, K e^G and K e^(G_C - G)
+    (token-major, like q) and e^(G_C) per channel; the same scan reads them in place of q and k
+    (the third tile for the state update). Checkpoints (opt-in, see chunk_fwd): the scan stores
+    the chunk-start states and the token recurrence steps them to each checkpoint.
+  - the factor kernel's path (wu_in_scan=False; KDA's default with checkpoints): the Gram
+    kernel, then chunk_intra.chunk_factors_kernel, grid (slices, chunks, HV): w, u, qg, kg, gam
+    (and checkpoint factors), again two passes for KDA, then chunk_scan.chunk_scan_kernel on them.
+  A fused gate's activation is applied where the kernels load the gate (precompute_gate launches
+  it first instead).
 
 Sequences (fixed-length rows or packed varlen) are cut into 64-token chunks that never straddle
 two sequences; the tail chunk of a sequence is zero-padded inside the kernels.
@@ -32,6 +37,7 @@ from hyla.ops.triton.chunk_intra import chunk_factors_kernel, chunk_gram_kernel
 from hyla.ops.triton.chunk_scan import chunk_checkpoint_rows_kernel, chunk_scan_kernel, chunk_scan_rows_kernel
 from hyla.ops.triton.gate import gdn_gate_beta, kda_gate_beta
 from hyla.ops.triton.params import gate_params, num_sms
+from hyla.ops.triton.recurrent import recurrent_fwd
 from hyla.ops import chunk as _reference
 from hyla.ops import utils
 from hyla.ops.transfer import stage_long
@@ -97,6 +103,7 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
             c = (p - 1) // CHUNK
             entries.append((chunk_off_list[n] + c, p - c * CHUNK, n, i))
     order = sorted(range(len(entries)), key=lambda e: entries[e][0])
+    in_order = [entries[e][:3] for e in order]  # (global chunk, r, sequence) of each sorted checkpoint
     counts = torch.zeros(n_chunks + 1, dtype=torch.int64)
     slots = torch.full((n_chunks,), -1, dtype=torch.int32)
     rows = [[None] * len(ps) for ps in ckpts]
@@ -109,10 +116,11 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
         rows[n][i] = slot
     unique = sorted(set(chunks))
     slots[unique] = torch.arange(len(unique), dtype=torch.int32)
+    host_slots = [slots[gc].item() for gc, _, _ in in_order]
     # one pinned transfer for the four tables
     ck_ptr, ck_pos, ck_chunk, ck_slot = stage_long([counts.cumsum(0), pos, chunks, slots], device,
                                                    dtype=torch.int32)
-    return ck_ptr, ck_pos, rows, ck_chunk, ck_slot, len(unique)
+    return ck_ptr, ck_pos, rows, ck_chunk, ck_slot, len(unique), (in_order, host_slots)
 
 
 def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32) -> int:
@@ -133,25 +141,59 @@ def _register_cap(name: str, value) -> int | None:
     return value
 
 
-def _scan_stages(st: torch.dtype, BK: int, BV: int, wu_in_scan: bool, li_dtype: torch.dtype) -> int:
+def _scan_stages(st: torch.dtype, BK: int, BV: int, wu_in_scan: bool, li_dtype: torch.dtype,
+                 per_channel: bool = False) -> int:
     """Software-pipelining depth of the scan's loop: as many as fit ~200 KB of shared memory, up
     to 3 (an H200 block has 227 KB; the rest is the products' operand staging). Each stage
     buffers one chunk's [64, .] operands: w, qg, kg (BK wide), u (BV) and aqk (64), or with
-    wu_in_scan q, k, v, aqk and L^-1. fp32 runs unpipelined: three stages needed 278 KB at
+    wu_in_scan q, k, v, aqk and L^-1 (and the chunk-end keys with a per-channel gate). fp32 runs unpipelined: three stages needed 278 KB at
     K = V = 128 (issue 20's OutOfResources), and it is the accuracy path, not the fast one.
     bf16 / fp16 take at least _MIN_LOW_STAGES; where that does not fit (K = 256 with the
     factor scan), the launch raises OutOfResources and hyla.ops.dispatch takes the torch path."""
     if st == torch.float32:
         return 1
-    columns = (2 * BK + BV + 64) if wu_in_scan else (3 * BK + BV + 64)
+    columns = ((3 if per_channel else 2) * BK + BV + 64) if wu_in_scan else (3 * BK + BV + 64)
     per_stage = columns * 64 * st.itemsize + (64 * 64 * li_dtype.itemsize if wu_in_scan else 0)
     return max(_MIN_LOW_STAGES, min(3, 200_000 // per_stage))
 
+
+# Triton 3.6 also miscompiled chunk_scan_rows_kernel with a per-channel gate (the third, decayed-key
+# tile) when L^-1 stayed fp32 beside bf16 operands (its tf32 product): o off by ~90% or NaN, the
+# final state right, from the same Gram outputs (H200, B x T = 1 x 2048, K = V = 128). With L^-1 in
+# the operands' precision it is right; chunk_fwd never launches the fp32 form with bf16 / fp16.
 
 # Triton 3.6 miscompiles both scan kernels unpipelined with bf16 / fp16 operands on an H200:
 # chunk_scan_rows_kernel gave wrong outputs at K = V = 128 (o off by 9x), chunk_scan_kernel an
 # illegal address at K = 256 (seen in tests/gpu/test_triton_kernels.py). fp32 is unaffected.
 _MIN_LOW_STAGES = 2
+
+
+def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, in_order, slots, chunk_off_list, lengths, gate_kw):
+    """The checkpoint states of a per-channel (KDA) scan: for each checkpoint after r tokens of
+    its chunk, the token recurrence (recurrent.recurrent_fwd, one varlen segment per checkpoint)
+    over those r <= 64 tokens from the chunk-start state the scan stored (ck_start[slot]).
+    -> [NCK, HV, K, V] fp32 in the sorted order of _checkpoint_tables. (A checkpoint kernel with
+    the chunk form's products, as chunk_checkpoint_rows_kernel is for scalar gates, was
+    miscompiled by Triton 3.6 on an H200 for the per-channel tiles: wrong states or illegal
+    addresses; the recurrence is a few sequential steps of a kernel already in use for decode.)"""
+    B, T = q.shape[:2]
+    seq_start = [0]
+    for n in lengths:
+        seq_start.append(seq_start[-1] + n)
+    tokens, seg = [], [0]
+    for gc, r, n in in_order:
+        t0 = seq_start[n] + (gc - chunk_off_list[n]) * CHUNK
+        tokens.extend(range(t0, t0 + r))
+        seg.append(seg[-1] + r)
+    idx, cu_ck, slot_ix = stage_long([tokens, seg, slots], q.device)
+
+    def rows(x):
+        return x.reshape(B * T, *x.shape[2:]).index_select(0, idx).unsqueeze(0)
+
+    _, states = recurrent_fwd(rows(q), rows(k), rows(v), rows(g), rows(beta), gate="kda",
+                              initial_state=ck_start.index_select(0, slot_ix), output_final_state=True,
+                              cu_seqlens=cu_ck, **gate_kw)
+    return states
 
 
 def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_final_state=False,
@@ -168,16 +210,21 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     scan_narrowest), warps and pipeline stages of the scan; width and warps of the slice programs
     of chunk_factors_kernel (factor_slice, factor_warps); precompute_gate: a fused gate's
     activation as a separate elementwise launch (hyla.ops.triton.gate) before them;
-    low_precision_inverse: with bf16 / fp16 inputs, hand L^-1 to the factor kernel in that
-    precision (its two products then run as bf16 / fp16 matmuls) instead of fp32; default for
-    scalar decays (GDN: 7% faster on an H200, o error vs the fp32 path 2.9e-3 -> 3.3e-3), not
-    for KDA (3% faster, but the safe gate's error rose to 4.9e-3 of the 5e-3 budget);
+    low_precision_inverse: with bf16 / fp16 inputs, hand L^-1 to the kernel that applies it in
+    that precision (its products then run as bf16 / fp16 matmuls) instead of fp32; the default
+    (GDN: 7% faster on an H200, o error vs the fp32 path 2.9e-3 -> 3.3e-3) except on KDA's
+    factor-kernel path (3% faster there, but the safe gate's error rose to 4.9e-3 of the 5e-3
+    budget). KDA's scan form needs it: with bf16 / fp16 inputs, an fp32 L^-1 there was
+    miscompiled, so low_precision_inverse=False sends KDA to the factor kernel's path;
     gram_maxnreg / factor_maxnreg: a register cap per thread for the two chunk-local kernels
     (more programs per SM, some spills to L1; default for the Gram kernel: 168 for KDA, 128
     otherwise, the fastest of the H200 sweep in BENCHMARKS.md);
-    wu_in_scan (scalar or no gate only; default for them): the scan builds w, u, qg and kg from
-    the raw q, k, v and four row scales per chunk (chunk_scan_rows_kernel: one more [64, 64]
-    product per chunk) and chunk_factors_kernel is not launched."""
+    wu_in_scan (the default): chunk_factors_kernel is not launched; the scan
+    (chunk_scan_rows_kernel: one more [64, 64] product per chunk) builds w, u, qg and kg from four
+    row scales per chunk and q, k, v as they are (scalar or no gate) or, for a per-channel gate,
+    the decayed tiles Q e^G, K e^G, K e^(G_C - G) that chunk_gram_kernel writes. KDA with
+    checkpoints takes the factor kernel's path unless wu_in_scan=True is passed: the scan form's
+    checkpoints (_checkpoints_by_recurrence) have run in the CPU interpreter only so far."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -200,13 +247,6 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         precompute_gate = False
     if factor_slice is None:  # 64-wide slices for scalar decays (fewer, larger programs), 32 for KDA
         factor_slice = 32 if gate == "kda" else 64
-    if low_precision_inverse is None:
-        low_precision_inverse = gate != "kda"
-    if wu_in_scan is None:
-        wu_in_scan = gate != "kda"
-    elif wu_in_scan and gate == "kda":
-        raise ValueError("`wu_in_scan` needs a scalar or no gate: a per-channel (kda) gate is not a row scale")
-    wu_in_scan = bool(wu_in_scan)
     if gram_maxnreg is None:
         gram_maxnreg = 168 if gate == "kda" else 128
     gram_maxnreg = _register_cap("gram_maxnreg", gram_maxnreg)
@@ -225,10 +265,24 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     N = len(lengths)
     NCH = off_list[-1]
     ckpts = None if checkpoint_positions is None else check_checkpoints(checkpoint_positions, lengths)
-
     # Matmul operands of pass 2 are stored in the input precision (bf16 / fp16), fp32 otherwise.
     low = {q.dtype, k.dtype, v.dtype}
     st = q.dtype if len(low) == 1 and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    if gate == "kda" and wu_in_scan is None and ckpts and any(len(ps) for ps in ckpts):
+        # checkpoints of a per-channel scan come from the token recurrence
+        # (_checkpoints_by_recurrence), not yet run on a GPU: the factor kernel's path by default
+        wu_in_scan = False
+    if gate == "kda" and st != torch.float32 and low_precision_inverse is False:
+        # the per-channel scan with an fp32 L^-1 beside bf16 / fp16 operands is miscompiled by
+        # Triton 3.6 (note above _MIN_LOW_STAGES): an fp32 L^-1 takes the factor kernel's path
+        if wu_in_scan:
+            raise ValueError("`wu_in_scan=True` with a per-channel (kda) gate and bf16 / fp16 inputs needs "
+                             "`low_precision_inverse` (an fp32 L^-1 there is miscompiled by Triton 3.6)")
+        wu_in_scan = False
+    wu_in_scan = True if wu_in_scan is None else bool(wu_in_scan)
+    per_channel = wu_in_scan and gate == "kda"  # the Gram kernel writes the decayed q / k tiles
+    if low_precision_inverse is None:
+        low_precision_inverse = gate != "kda" or per_channel
     # fp32 inputs: 3-pass tf32 (about fp32 accuracy on tensor cores); bf16 / fp16: tf32 for the fp32
     # products of pass 1 (the low-precision operands of pass 2 ignore it).
     prec = "tf32x3" if st == torch.float32 else "tf32"
@@ -244,12 +298,16 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         qg = torch.empty_like(w)
         kg = torch.empty_like(w)
         u = torch.empty(NCH, HV, CHUNK, BVF, device=dev, dtype=st)
+    if per_channel:  # Q e^G, K e^G, K e^(G_C - G) per value head, token-major like q
+        qe, ke, kd = (torch.empty(B, T, HV, K, device=dev, dtype=st) for _ in range(3))
+    else:
+        qe = ke = kd = None
     aqk = torch.empty(NCH, HV, CHUNK, CHUNK, device=dev, dtype=st)
     gam = torch.empty(NCH, HV, BK, device=dev, dtype=torch.float32)
 
     has_ck = bool(ckpts) and any(len(ps) for ps in ckpts)
     if has_ck:
-        ck_ptr, ck_pos, ck_rows, ck_chunk, ck_slot, n_slots = _checkpoint_tables(ckpts, off_list, NCH, dev)
+        ck_ptr, ck_pos, ck_rows, ck_chunk, ck_slot, n_slots, ck_host = _checkpoint_tables(ckpts, off_list, NCH, dev)
         NCK = ck_pos.numel()
         # the scan's start states of the chunks that hold checkpoints (wu_in_scan)
         ck_start = torch.empty(n_slots if wu_in_scan else 0, HV, K, V, device=dev, dtype=torch.float32)
@@ -267,17 +325,18 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         common = dict(GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None, PREC=prec)
         # a per-channel gate: the fast pass, then the steep chunks it flagged (chunk_gram_kernel)
         # with a gate, the factor kernel's fast pass skips the flagged chunks' channel slices
-        steep = (torch.empty(NCH, HV, device=dev, dtype=torch.int32) if gate is not None and not wu_in_scan
-                 else chunk_off)
+        steep = (torch.empty(NCH, HV, device=dev, dtype=torch.int32)
+                 if gate == "kda" or (gate is not None and not wu_in_scan) else chunk_off)
         for gram_pass in ((1, 2) if gate == "kda" else (0,)):
             chunk_gram_kernel[(NCH, HV)](
                 qc, kc, gc, bc,
                 a_log if a_log is not None else chunk_off, dtb if dtb is not None else chunk_off,
                 lb, scale, cu, chunk_seq, chunk_pos, aqk, li, li_low, row_factors, steep,
                 gam, ck_ptr, ck_pos, kr, dr,
+                *((qe, ke, kd) if per_channel else (chunk_off,) * 3),
                 H=H, HV=HV, K=K, BK=BK, BKS=min(BK, slice_k),
                 USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-                PASS=gram_pass, ROW_FORM=wu_in_scan, HAS_CKPT=has_ck and wu_in_scan,
+                PASS=gram_pass, ROW_FORM=wu_in_scan, HAS_CKPT=has_ck and wu_in_scan and not per_channel,
                 num_warps=intra_warps, maxnreg=gram_maxnreg, **common,
             )
     if NCH and not wu_in_scan:
@@ -298,17 +357,25 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     final = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     BV = scan_block_v or _scan_block(N * HV, BVF, dev, scan_narrowest)
-    stages = scan_stages or _scan_stages(st, BK, BV, wu_in_scan, li_low.dtype if NCH else st)
+    stages = scan_stages or _scan_stages(st, BK, BV, wu_in_scan, li_low.dtype if NCH else st, per_channel)
     launch = dict(HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
                   num_warps=scan_warps or (4 if BV <= 32 else 8), num_stages=stages)
     if N and wu_in_scan:
+        # with a per-channel gate the scan reads the decayed tiles (one per value head) for q and k
+        sq_, sk_, skd, s_heads = (qe, ke, kd, HV) if per_channel else (qc, kc, kc, H)
         chunk_scan_rows_kernel[(triton.cdiv(V, BV), N * HV)](
-            qc, kc, vc, li_low if NCH else gam, aqk, row_factors if NCH else gam, gam,
+            sq_, sk_, skd, vc, li_low if NCH else gam, aqk, row_factors if NCH else gam, gam,
             h0 if h0 is not None else gam, final if final is not None else gam, o,
             cu, chunk_off, ck_slot, ck_start,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, **launch,
+            H=s_heads, HV=HV, K=K, V=V, BK=BK, BV=BV, PER_CHANNEL=per_channel, **launch,
         )
-        if has_ck:
+        if has_ck and per_channel:
+            ck_out = _checkpoints_by_recurrence(
+                q, k, v, g, beta, ck_start, *ck_host, off_list, lengths, dict(
+                    scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                    A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel))
+        elif has_ck:
             chunk_checkpoint_rows_kernel[(triton.cdiv(V, BV), NCK, HV)](
                 kc, vc, li_low, aqk, row_factors, ck_start, ck_slot, ck_chunk, kr, dr, ck_out,
                 cu, chunk_seq, chunk_pos,

@@ -1,8 +1,12 @@
 """Chunk prefill, pass 1 of 2: everything that depends on one 64-token chunk only (Triton).
 
-Two launches without a gate, three with a scalar one (GDN), four with a per-channel one (KDA): each kernel's fast pass, then a pass over the steep
-chunks the Gram kernel flagged (a channel, or a head's scalar gate, decaying past e^-MAX_SPAN
-within the chunk). chunk_gram_kernel, one program per (chunk, value head),
+By default (chunk_fwd's wu_in_scan) only chunk_gram_kernel runs here (for a per-channel gate
+in two launches: a fast pass, then the steep chunks it flagged, where a channel decays past
+e^-MAX_SPAN within the chunk) and the scan works from its outputs and the inputs (see
+chunk_gram_kernel's ROW_FORM). The factor kernel's path, described next, is kept for KDA with
+checkpoints and for an fp32 L^-1 with bf16 / fp16 inputs.
+
+chunk_gram_kernel, one program per (chunk, value head),
 reads q, k, the gate and beta of its 64 tokens, applies the fused pieces (gate activation,
 beta sigmoid, q/k L2 norm) and writes aqk, L^-1 and three row factors. chunk_factors_kernel,
 one small program per (channel or value slice, chunk, value head), turns them into the rest.
@@ -188,7 +192,7 @@ def _gram_slice(a_qk, a_kk, b_q, b_k, b_g, PREC: tl.constexpr):
     """Add one channel slice's decayed Gram products to a_qk, a_kk [64, 64] (lower triangle valid),
     the path chosen for the slice. b_g: its log-decays [64, BKS] (a per-channel gate)."""
     if tl.min(tl.sum(b_g, axis=0), axis=0) >= -MAX_SPAN:
-        a_qk, a_kk, _ = _gram_fast(a_qk, a_kk, b_q, b_k, b_g, PREC)
+        a_qk, a_kk, _, _, _, _, _ = _gram_fast(a_qk, a_kk, b_q, b_k, b_g, PREC)
     else:
         gl, tot = _decays(b_g, 2)
         a_qk, a_kk = _gram_steep(a_qk, a_kk, b_q, b_k, gl, tot, PREC)
@@ -199,14 +203,18 @@ def _gram_slice(a_qk, a_kk, b_q, b_k, b_g, PREC: tl.constexpr):
 def _gram_fast(a_qk, a_kk, b_q, b_k, b_g, PREC: tl.constexpr):
     """The fast path of a per-channel gate's slice: one midpoint for the chunk, the whole block one
     matmul -> (a_qk, a_kk, whether the slice may take it: every channel's chunk total >= -MAX_SPAN;
-    if not, what it added is garbage)."""
+    if not, what it added is garbage; the decayed slices Q e^G, K e^G, K e^(G_C - G) [64, BKS]
+    and e^(G_C) [BKS], from the same exponentials: e^G = e^(G - m) e^m, e^(G_C - G) = e^(m - G) e^m)."""
     gg, gc = _chunk_cumsum(b_g, 2)
     m = 0.5 * gc[None, :]
     ck = b_k * tl.exp(m - gg)
     rf = tl.exp(gg - m)
-    a_qk = tl.dot(b_q * rf, tl.trans(ck), a_qk, input_precision=PREC)
-    a_kk = tl.dot(b_k * rf, tl.trans(ck), a_kk, input_precision=PREC)
-    return a_qk, a_kk, tl.min(gc, axis=0) >= -MAX_SPAN
+    qr = b_q * rf
+    kr = b_k * rf
+    a_qk = tl.dot(qr, tl.trans(ck), a_qk, input_precision=PREC)
+    a_kk = tl.dot(kr, tl.trans(ck), a_kk, input_precision=PREC)
+    em = tl.exp(m)  # [1, BKS], >= e^-70 where the slice is fast
+    return a_qk, a_kk, tl.min(gc, axis=0) >= -MAX_SPAN, qr * em, kr * em, ck * em, tl.sum(em * em, axis=0)
 
 
 @triton.jit
@@ -331,6 +339,15 @@ def _store_rows(ptr, x, STRIDE: tl.constexpr):
 
 
 @triton.jit
+def _store_tokens(ptr, x, t0, eos, i_hv, o_k, HV: tl.constexpr, K: tl.constexpr):
+    """Store a chunk's [64, len(o_k)] slice x into a token-major [T, HV, K] tensor (the layout of
+    q and k), rows at or past eos skipped, in the pointer's dtype."""
+    o_t = t0 + tl.arange(0, BT)
+    tl.store(ptr + (o_t[:, None] * HV + i_hv) * K + o_k[None, :], x.to(ptr.dtype.element_ty),
+             mask=(o_t < eos)[:, None] & (o_k < K)[None, :])
+
+
+@triton.jit
 def _boundary_decays(b_g, GATE: tl.constexpr, FAST: tl.constexpr):
     """e^G (chunk start -> token i), e^(G_C - G) (token j -> chunk end), both [64, GK], and
     e^(G_C) [GK], for one channel slice of log-decays b_g. FAST: the chunk is known not to be
@@ -426,7 +443,7 @@ def chunk_gram_kernel(
     q, k, g, beta, A_log, dt_bias, lower_bound, scale,
     cu_seqlens, chunk_seq, chunk_pos,
     aqk, li_scratch, li_out, rows_out, steep,
-    gam, ck_ptr, ck_pos, kr, dr,
+    gam, ck_ptr, ck_pos, kr, dr, qe, ke, kd,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
     BK: tl.constexpr, BKS: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -437,9 +454,14 @@ def chunk_gram_kernel(
     li_scratch; li_out is li_scratch, or a bf16 / fp16 copy of it) and
     the row factors rows_out [3, 64] fp32: scale * |q_i|^-1, |k_i|^-1 and beta_i.
 
-    ROW_FORM (a scalar or no gate; chunk_scan.chunk_scan_rows_kernel then builds w, u, qg, kg
-    itself, and chunk_factors_kernel is not launched): rows_out [4, 64] holds the four row scales
-    that turn the raw inputs into them, with e^G from the chunk start to token i:
+    ROW_FORM (chunk_scan.chunk_scan_rows_kernel then builds w, u, qg, kg itself, and
+    chunk_factors_kernel is not launched). A per-channel gate: each slice also writes
+    qe = Q e^G, ke = K e^G, kd = K e^(G_C - G) (token-major [T, HV, K], the scan's q / k tiles;
+    on the fast path from the Gram product's own factors e^(G - m), e^(m - G) times e^m, so no
+    extra exponentials) and gam = e^(G_C) per channel; rows_out [4, 64] holds
+    scale / |q_i|, 1 / |k_i|, beta_i / |k_i| and beta_i. A scalar or no gate: rows_out [4, 64]
+    holds the four row scales that turn the raw inputs into them, with e^G from the chunk start
+    to token i:
     rq = scale e^G_i / |q_i|, rk = e^(G_C - G_i) / |k_i|, rw = beta_i e^G_i / |k_i| and beta_i;
     gam [BK] = e^(G_C); and for each checkpoint in the chunk kr [64] = e^(G_r - G_j) / |k_j|
     (0 from row r on), dr [BK] = e^(G_r) (see _checkpoint_decays).
@@ -473,10 +495,21 @@ def chunk_gram_kernel(
             sq += tl.sum(b_q * b_q, axis=1)
             sk += tl.sum(b_k * b_k, axis=1)
             if PASS == 1:
-                a_qk, a_kk, ok = _gram_fast(a_qk, a_kk, b_q, b_k, b_g, PREC)
+                a_qk, a_kk, ok, t_q, t_k, t_d, gam_s = _gram_fast(a_qk, a_kk, b_q, b_k, b_g, PREC)
                 fast = fast & ok
             else:
                 a_qk, a_kk = _gram_slice(a_qk, a_kk, b_q, b_k, b_g, PREC)
+                if ROW_FORM:
+                    eg, e_end, gam_s = _boundary_decays(b_g, GATE, False)
+                    t_q = b_q * eg
+                    t_k = b_k * eg
+                    t_d = b_k * e_end
+            if ROW_FORM:
+                # the scan's decayed operands of this slice (a chunk pass 1 flags is rewritten by pass 2)
+                _store_tokens(qe, t_q, t0, eos, i_hv, o_k, HV, K)
+                _store_tokens(ke, t_k, t0, eos, i_hv, o_k, HV, K)
+                _store_tokens(kd, t_d, t0, eos, i_hv, o_k, HV, K)
+                tl.store(gam + head * BK + o_k, gam_s)
         if PASS == 1:
             flag = tl.where(fast, 0, 1)
             tl.store(steep + head, flag)
@@ -507,7 +540,12 @@ def chunk_gram_kernel(
     if li_out.dtype.element_ty != tl.float32:  # a low-precision copy for chunk_factors_kernel
         tl.debug_barrier()
         _store_rows(li_out + head * BT * BT, tl.load(li + rows[:, None] * BT + rows[None, :]), BT)
-    if ROW_FORM:
+    if ROW_FORM and GATE == 2:  # the decays are in the tiles the slice loop wrote
+        tl.store(rows_out + head * 4 * BT + rows, scale * nq)
+        tl.store(rows_out + head * 4 * BT + BT + rows, nk)
+        tl.store(rows_out + head * 4 * BT + 2 * BT + rows, b_b * nk)
+        tl.store(rows_out + head * 4 * BT + 3 * BT + rows, b_b)
+    elif ROW_FORM:
         eg, e_end, gam_s = _boundary_decays(b_g, GATE, False)  # [64, 1], [64, 1], [1]
         eg = tl.sum(eg, axis=1)
         e_end = tl.sum(e_end, axis=1)

@@ -98,21 +98,26 @@ def _row_writes(b_k, s_mm, b_v, b_l, r_w, r_b, PREC: tl.constexpr):
 
 @triton.jit
 def chunk_scan_rows_kernel(
-    q, k, v, li, aqk, rows, gam,
+    q, k, kd, v, li, aqk, rows, gam,
     h0, ht, o,
     cu_seqlens, chunk_off,
     ck_slot, ck_start,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_CKPT: tl.constexpr, PREC: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
 ):
-    """chunk_scan_kernel for a scalar or no gate, from the raw inputs instead of pass 1's factors.
-    With one decay per token, w, u, qg and kg are the inputs with their rows scaled (the row
-    scales rq, rk, rw, b of chunk_gram_kernel's ROW_FORM), so the scales move onto the products:
+    """chunk_scan_kernel without pass 1's factor tiles. With one decay per token, w, u, qg and kg
+    are the inputs with their rows scaled (the row scales rq, rk, rw, b of chunk_gram_kernel's
+    ROW_FORM), so the scales move onto the products:
 
         u'  = L^-1 (Diag(b) V - Diag(rw) (K S))
         o   = Diag(rq) (Q S) + aqk u'
         S  <- gam S + K^T (Diag(rk) u')
+
+    PER_CHANNEL (KDA): q, k are the Gram kernel's Q e^G and K e^G, kd its K e^(G_C - G) (which
+    takes K's place in the state update), gam is per channel and the row scales carry only the
+    norms and beta; the same four equations hold with those operands.
 
     q, k [T, H, K] and v [T, HV, V] are read where they are (no factor kernel writes four
     [64, K] tiles per chunk for this pass to read back), at the price of one more [64, 64]
@@ -153,6 +158,10 @@ def chunk_scan_rows_kernel(
         p_qk = (tok[:, None] * H + i_h) * K + o_k[None, :]
         b_k = tl.load(k + p_qk, mask=m_tk, other=0.0).to(mm)  # [BT, BK]
         b_q = tl.load(q + p_qk, mask=m_tk, other=0.0).to(mm)  # [BT, BK]
+        if PER_CHANNEL:  # the keys decayed to the chunk end, K e^(G_C - G) (chunk_gram_kernel's)
+            b_kd = tl.load(kd + p_qk, mask=m_tk, other=0.0).to(mm)  # [BT, BK]
+        else:
+            b_kd = b_k
         b_v = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :],
                       mask=m_t[:, None] & (o_v < V)[None, :], other=0.0).to(tl.float32)  # [BT, BV]
         b_l = tl.load(li + head * BT * BT + o_t[:, None] * BT + o_t[None, :])  # [BT, BT] L^-1
@@ -175,7 +184,7 @@ def chunk_scan_rows_kernel(
             p_st = ck_start + (tl.maximum(slot, 0).to(tl.int64) * HV + i_hv) * K * V
             tl.store(p_st + o_k[:, None] * V + o_v[None, :], b_s, mask=m_kv & (slot >= 0))
 
-        b_s = b_gam[:, None] * b_s + tl.dot(tl.trans(b_k), (r_k[:, None] * b_vn).to(mm), input_precision=PREC)
+        b_s = b_gam[:, None] * b_s + tl.dot(tl.trans(b_kd), (r_k[:, None] * b_vn).to(mm), input_precision=PREC)
 
     if STORE_HT:
         tl.store(ht + state_off, b_s.to(ht.dtype.element_ty), mask=m_kv)
