@@ -146,10 +146,11 @@ def _scan_stages(st: torch.dtype, BK: int, BV: int, wu_in_scan: bool, li_dtype: 
     """Software-pipelining depth of the scan's loop: as many as fit ~200 KB of shared memory, up
     to 3 (an H200 block has 227 KB; the rest is the products' operand staging). Each stage
     buffers one chunk's [64, .] operands: w, qg, kg (BK wide), u (BV) and aqk (64), or with
-    wu_in_scan q, k, v, aqk and L^-1 (and the chunk-end keys with a per-channel gate). fp32 runs unpipelined: three stages needed 278 KB at
-    K = V = 128 (issue 20's OutOfResources), and it is the accuracy path, not the fast one.
-    bf16 / fp16 take at least _MIN_LOW_STAGES; where that does not fit (K = 256 with the
-    factor scan), the launch raises OutOfResources and hyla.ops.dispatch takes the torch path."""
+    wu_in_scan q, k, v, aqk and L^-1 (and the chunk-end keys with a per-channel gate). fp32 runs
+    unpipelined: three stages needed 278 KB at K = V = 128 (issue 20's OutOfResources), and it is
+    the accuracy path, not the fast one. bf16 / fp16 take at least _MIN_LOW_STAGES; where that
+    does not fit (KDA at K = 256), the launch raises OutOfResources and hyla.ops.dispatch takes
+    the torch path."""
     if st == torch.float32:
         return 1
     columns = ((3 if per_channel else 2) * BK + BV + 64) if wu_in_scan else (3 * BK + BV + 64)
@@ -307,7 +308,8 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
 
     has_ck = bool(ckpts) and any(len(ps) for ps in ckpts)
     if has_ck:
-        ck_ptr, ck_pos, ck_rows, ck_chunk, ck_slot, n_slots, ck_host = _checkpoint_tables(ckpts, off_list, NCH, dev)
+        ck_ptr, ck_pos, ck_rows, ck_chunk, ck_slot, n_slots, ck_host = _checkpoint_tables(
+            ckpts, off_list, NCH, dev)
         NCK = ck_pos.numel()
         # the scan's start states of the chunks that hold checkpoints (wu_in_scan)
         ck_start = torch.empty(n_slots if wu_in_scan else 0, HV, K, V, device=dev, dtype=torch.float32)
@@ -372,9 +374,9 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         if has_ck and per_channel:
             ck_out = _checkpoints_by_recurrence(
                 q, k, v, g, beta, ck_start, *ck_host, off_list, lengths, dict(
-                    scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                    A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel))
+                    scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                    lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel))
         elif has_ck:
             chunk_checkpoint_rows_kernel[(triton.cdiv(V, BV), NCK, HV)](
                 kc, vc, li_low, aqk, row_factors, ck_start, ck_slot, ck_chunk, kr, dr, ck_out,

@@ -11,8 +11,9 @@ reads q, k, the gate and beta of its 64 tokens, applies the fused pieces (gate a
 beta sigmoid, q/k L2 norm) and writes aqk, L^-1 and three row factors. chunk_factors_kernel,
 one small program per (channel or value slice, chunk, value head), turns them into the rest.
 (One kernel doing both held both [64, 64] Gram accumulators, L^-1 and a slice's operands at
-once: 255 registers, two 4-warp programs per SM; split, the slice programs run at 112-161 registers, several per SM.) Together
-they write what the sequential pass (chunk_scan.py) needs, so that pass is four matmuls per chunk:
+once: 255 registers, two 4-warp programs per SM; split, the slice programs run at 112-161
+registers, several per SM.) Together they write what the sequential pass (chunk_scan.py) needs,
+so that pass is four matmuls per chunk:
 
     w   = L^-1 Diag(b) (K * e^G)            [64, K]   u   = L^-1 Diag(b) V       [64, V]
     qg  = scale * Q * e^G                    [64, K]   kg  = K * e^(G_C - G)      [64, K]
