@@ -257,6 +257,30 @@ def test_chunk_rejects_bad_register_caps(bad):
             chunk_fwd(*args, gate="gdn", **{name: bad})
 
 
+def test_chunk_kda_takes_the_scan_form_unless_it_exports_checkpoints(monkeypatch):
+    """KDA's default path: no factor kernel; with checkpoints (until the scan form's recurrence
+    checkpoints have run on a GPU) the factor kernel's path; wu_in_scan=True forces the scan form."""
+    from hyla.ops.triton import chunk as tc
+
+    launches = []
+    factor_kernel = tc.chunk_factors_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return factor_kernel[grid]
+
+    monkeypatch.setattr(tc, "chunk_factors_kernel", Spy())
+    q, k, v, g, beta, _ = make_inputs(1, 70, 1, 16, 16, gate="kda", seed=4)
+    args = _f32(q, k, v, g, beta)
+    tc.chunk_fwd(*args, gate="kda")
+    assert launches == []
+    tc.chunk_fwd(*args, gate="kda", checkpoint_positions=[[5]])
+    assert len(launches) == 2  # its fast and steep passes
+    tc.chunk_fwd(*args, gate="kda", checkpoint_positions=[[5]], wu_in_scan=True)
+    assert len(launches) == 2
+
+
 def test_chunk_kda_scan_form_refuses_an_fp32_inverse_with_bf16_inputs():
     """KDA's scan form with an fp32 L^-1 beside bf16 operands was miscompiled by Triton 3.6 on an
     H200: asked for explicitly it is refused by name; low_precision_inverse=False alone takes the
