@@ -6,6 +6,8 @@ kernels in the same setting). Unbounded gates must stay finite, and accurate, at
 Run: pytest tests/gpu -s  (-s prints the measured errors).
 """
 
+import functools
+import itertools
 import math
 
 import pytest
@@ -94,6 +96,26 @@ def test_chunk_low_precision_inverse_full_size(gate):
     check("final state", s, s_ref)
 
 
+VARLEN_LENS = [1000, 1, 7191]
+
+
+def check_varlen_checkpoints(label, fast, ref, q, k, v, g, beta, ckpts, **extra):
+    """fast (bf16 inputs) vs ref (fp32) on the sequences VARLEN_LENS packed in q .. beta, from a
+    random initial state, exporting the checkpoints ckpts: o, final state and every sequence's
+    checkpoints within TOL."""
+    cu = torch.tensor([0, *itertools.accumulate(VARLEN_LENS)], device=DEV)
+    h0 = torch.randn(len(VARLEN_LENS), v.shape[2], q.shape[3], v.shape[3], device=DEV)
+    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, checkpoint_positions=ckpts,
+              use_qk_l2norm_in_kernel=True, **extra)
+    o, s, c = fast(q, k, v, g, beta, **kw)
+    o_ref, s_ref, c_ref = reference(ref, q, k, v, g, beta, **kw)
+    print(f"\n{label} varlen {VARLEN_LENS} with checkpoints")
+    check("o", o, o_ref)
+    check("final state", s, s_ref)
+    for n in range(len(VARLEN_LENS)):
+        check(f"checkpoints[{n}]", c[n], c_ref[n])
+
+
 @pytest.mark.parametrize("stages", [None, 2, 3])
 @pytest.mark.parametrize("wu_in_scan", [True, False])
 def test_chunk_gdn_both_scan_forms_full_size(wu_in_scan, stages):
@@ -103,21 +125,12 @@ def test_chunk_gdn_both_scan_forms_full_size(wu_in_scan, stages):
     (Depth 1 with bf16 is refused: Triton 3.6 miscompiled it, see chunk._MIN_LOW_STAGES.)"""
     from hyla.ops.triton.chunk import chunk_fwd
 
-    lens = [1000, 1, 7191]
-    cu = torch.tensor([0, 1000, 1001, 8192], device=DEV)
-    q, k, _, g, _, _ = inputs(1, sum(lens), 2, 128, gate="gdn", seed=12)
-    _, _, v, g, beta, _ = inputs(1, sum(lens), 4, 128, gate="gdn", seed=13)
-    ckpts = [[999, 1, 64, 1000], [1], [7191, 4097, 63, 65]]
-    h0 = torch.randn(3, 4, 128, 128, device=DEV)
-    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, checkpoint_positions=ckpts,
-              use_qk_l2norm_in_kernel=True)
-    o, s, c = chunk_fwd(q, k, v, g, beta, gate="gdn", wu_in_scan=wu_in_scan, scan_stages=stages, **kw)
-    o_ref, s_ref, c_ref = reference(torch_chunk.chunk_gated_delta_rule, q, k, v, g, beta, **kw)
-    print(f"\ngdn wu_in_scan={wu_in_scan} scan_stages={stages} varlen, 2 k-heads / 4 v-heads")
-    check("o", o, o_ref)
-    check("final state", s, s_ref)
-    for n in range(3):
-        check(f"checkpoints[{n}]", c[n], c_ref[n])
+    q, k, _, g, _, _ = inputs(1, sum(VARLEN_LENS), 2, 128, gate="gdn", seed=12)
+    _, _, v, g, beta, _ = inputs(1, sum(VARLEN_LENS), 4, 128, gate="gdn", seed=13)
+    fast = functools.partial(chunk_fwd, gate="gdn", wu_in_scan=wu_in_scan, scan_stages=stages)
+    check_varlen_checkpoints(f"gdn wu_in_scan={wu_in_scan} scan_stages={stages}, 2 k-heads / 4 v-heads",
+                             fast, torch_chunk.chunk_gated_delta_rule, q, k, v, g, beta,
+                             [[999, 1, 64, 1000], [1], [7191, 4097, 63, 65]])
 
 
 @pytest.mark.parametrize("variant", ["kda_v1", "kda_v2", "gdn"])
@@ -138,20 +151,9 @@ def test_chunk_fused_gate_full_size(variant):
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_chunk_varlen_checkpoints_full_size(gate):
     fast, ref = FNS[gate]
-    lens = [1000, 1, 7191]
-    cu = torch.tensor([0, 1000, 1001, 8192], device=DEV)
-    q, k, v, g, beta, _ = inputs(1, sum(lens), 4, 128, gate=gate, seed=11)
-    h0 = torch.randn(3, 4, 128, 128, device=DEV)
-    ckpts = [[999, 1, 64, 1000, 333], [1], [7191, 4097, 63, 65, 2048]]
-    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, checkpoint_positions=ckpts,
-              use_qk_l2norm_in_kernel=True)
-    o, s, c = fast(q, k, v, g, beta, **kw)
-    o_ref, s_ref, c_ref = reference(ref, q, k, v, g, beta, **kw)
-    print(f"\n{gate} varlen {lens} with checkpoints")
-    check("o", o, o_ref)
-    check("final state", s, s_ref)
-    for n in range(3):
-        check(f"checkpoints[{n}]", c[n], c_ref[n])
+    q, k, v, g, beta, _ = inputs(1, sum(VARLEN_LENS), 4, 128, gate=gate, seed=11)
+    check_varlen_checkpoints(gate, fast, ref, q, k, v, g, beta,
+                             [[999, 1, 64, 1000, 333], [1], [7191, 4097, 63, 65, 2048]])
 
 
 @pytest.mark.parametrize("wu_in_scan", [True, False])
@@ -161,20 +163,11 @@ def test_chunk_kda_both_forms_with_checkpoints_full_size(wu_in_scan):
     from the factor kernel's path (the default with checkpoints), varlen, safe gate fused."""
     from hyla.ops.triton.chunk import chunk_fwd
 
-    lens = [1000, 1, 7191]
-    cu = torch.tensor([0, 1000, 1001, 8192], device=DEV)
-    q, k, v, g, beta, extra = inputs(1, sum(lens), 4, 128, gate="kda", seed=12, fused=True)
-    h0 = torch.randn(3, 4, 128, 128, device=DEV)
-    ckpts = [[999, 1, 64, 1000, 333], [1], [7191, 4097, 63, 65, 2048]]
-    kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, checkpoint_positions=ckpts,
-              use_qk_l2norm_in_kernel=True, lower_bound=-5.0, **extra)
-    o, s, c = chunk_fwd(q, k, v, g, beta, gate="kda", wu_in_scan=wu_in_scan, **kw)
-    o_ref, s_ref, c_ref = reference(torch_chunk.chunk_kda, q, k, v, g, beta, **kw)
-    print(f"\nkda wu_in_scan={wu_in_scan} varlen {lens} with checkpoints, safe gate")
-    check("o", o, o_ref)
-    check("final state", s, s_ref)
-    for n in range(3):
-        check(f"checkpoints[{n}]", c[n], c_ref[n])
+    q, k, v, g, beta, extra = inputs(1, sum(VARLEN_LENS), 4, 128, gate="kda", seed=12, fused=True)
+    fast = functools.partial(chunk_fwd, gate="kda", wu_in_scan=wu_in_scan)
+    check_varlen_checkpoints(f"kda wu_in_scan={wu_in_scan}, safe gate", fast, torch_chunk.chunk_kda,
+                             q, k, v, g, beta, [[999, 1, 64, 1000, 333], [1], [7191, 4097, 63, 65, 2048]],
+                             lower_bound=-5.0, **extra)
 
 
 def test_unbounded_gates_stay_finite_and_accurate_at_64k():

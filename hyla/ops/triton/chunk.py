@@ -96,7 +96,8 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
     sequence the rows of the sorted output that hold its checkpoints in the caller's order.
     For chunk_checkpoint_rows_kernel also: each sorted checkpoint's chunk (ck_chunk), and per
     chunk the slot of its start state in the scan's ck_start buffer, -1 for a chunk without
-    checkpoints (ck_slot [n_chunks]); n_slots = the number of chunks with one."""
+    checkpoints (ck_slot [n_chunks]); n_slots = the number of chunks with one. For
+    _checkpoints_by_recurrence: (global chunk, r, sequence) of each sorted checkpoint."""
     entries = []  # (global chunk, r, sequence, index in its list)
     for n, ps in enumerate(ckpts):
         for i, p in enumerate(ps):
@@ -116,11 +117,10 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
         rows[n][i] = slot
     unique = sorted(set(chunks))
     slots[unique] = torch.arange(len(unique), dtype=torch.int32)
-    host_slots = [slots[gc].item() for gc, _, _ in in_order]
     # one pinned transfer for the four tables
     ck_ptr, ck_pos, ck_chunk, ck_slot = stage_long([counts.cumsum(0), pos, chunks, slots], device,
                                                    dtype=torch.int32)
-    return ck_ptr, ck_pos, rows, ck_chunk, ck_slot, len(unique), (in_order, host_slots)
+    return ck_ptr, ck_pos, rows, ck_chunk, ck_slot, len(unique), in_order
 
 
 def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32) -> int:
@@ -169,7 +169,7 @@ def _scan_stages(st: torch.dtype, BK: int, BV: int, wu_in_scan: bool, li_dtype: 
 _MIN_LOW_STAGES = 2
 
 
-def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, in_order, slots, chunk_off_list, lengths, gate_kw):
+def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, in_order, chunk_off_list, lengths, gate_kw):
     """The checkpoint states of a per-channel (KDA) scan: for each checkpoint after r tokens of
     its chunk, the token recurrence (recurrent.recurrent_fwd, one varlen segment per checkpoint)
     over those r <= 64 tokens from the chunk-start state the scan stored (ck_start[slot]).
@@ -181,11 +181,14 @@ def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, in_order, slots, chun
     seq_start = [0]
     for n in lengths:
         seq_start.append(seq_start[-1] + n)
-    tokens, seg = [], [0]
+    # a chunk's slot in ck_start is its rank among the chunks with checkpoints (as ck_slot says)
+    rank = {gc: i for i, gc in enumerate(sorted({gc for gc, _, _ in in_order}))}
+    tokens, seg, slots = [], [0], []
     for gc, r, n in in_order:
         t0 = seq_start[n] + (gc - chunk_off_list[n]) * CHUNK
         tokens.extend(range(t0, t0 + r))
         seg.append(seg[-1] + r)
+        slots.append(rank[gc])
     idx, cu_ck, slot_ix = stage_long([tokens, seg, slots], q.device)
 
     def rows(x):
@@ -308,15 +311,18 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
 
     has_ck = bool(ckpts) and any(len(ps) for ps in ckpts)
     if has_ck:
-        ck_ptr, ck_pos, ck_rows, ck_chunk, ck_slot, n_slots, ck_host = _checkpoint_tables(
+        ck_ptr, ck_pos, ck_rows, ck_chunk, ck_slot, n_slots, ck_order = _checkpoint_tables(
             ckpts, off_list, NCH, dev)
         NCK = ck_pos.numel()
         # the scan's start states of the chunks that hold checkpoints (wu_in_scan)
         ck_start = torch.empty(n_slots if wu_in_scan else 0, HV, K, V, device=dev, dtype=torch.float32)
-        # kr: [64, BK] per checkpoint, or its [64] row scale when the scan scales raw keys
-        kr = torch.empty(NCK, HV, CHUNK, *(() if wu_in_scan else (BK,)), device=dev, dtype=torch.float32)
-        dr = torch.empty(NCK, HV, BK, device=dev, dtype=torch.float32)
-        ck_out = torch.empty(NCK, HV, K, V, device=dev, dtype=torch.float32)
+        if per_channel:  # the recurrence (_checkpoints_by_recurrence) returns the states
+            kr = dr = ck_out = chunk_off
+        else:
+            # kr: [64, BK] per checkpoint, or its [64] row scale when the scan scales raw keys
+            kr = torch.empty(NCK, HV, CHUNK, *(() if wu_in_scan else (BK,)), device=dev, dtype=torch.float32)
+            dr = torch.empty(NCK, HV, BK, device=dev, dtype=torch.float32)
+            ck_out = torch.empty(NCK, HV, K, V, device=dev, dtype=torch.float32)
     else:
         ck_ptr = ck_pos = kr = dr = ck_out = ck_slot = ck_start = chunk_off  # unused placeholders
 
@@ -373,7 +379,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         )
         if has_ck and per_channel:
             ck_out = _checkpoints_by_recurrence(
-                q, k, v, g, beta, ck_start, *ck_host, off_list, lengths, dict(
+                q, k, v, g, beta, ck_start, ck_order, off_list, lengths, dict(
                     scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                     use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                     lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel))
