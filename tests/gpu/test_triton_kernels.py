@@ -148,19 +148,22 @@ def test_chunk_fused_gate_full_size(variant):
     check("final state", s, s_ref)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_chunk_varlen_checkpoints_full_size(gate):
+def test_chunk_varlen_checkpoints_full_size(gate, head_dim):
+    """Varlen checkpoints at the released head dim (128) and the bundled models' (64: the GDN
+    checkpoint kernel with the scan's 4 warps was miscompiled there, see chunk._CHECKPOINT_WARPS)."""
     fast, ref = FNS[gate]
-    q, k, v, g, beta, _ = inputs(1, sum(VARLEN_LENS), 4, 128, gate=gate, seed=11)
-    check_varlen_checkpoints(gate, fast, ref, q, k, v, g, beta,
+    q, k, v, g, beta, _ = inputs(1, sum(VARLEN_LENS), 4, head_dim, gate=gate, seed=11)
+    check_varlen_checkpoints(f"{gate} D={head_dim}", fast, ref, q, k, v, g, beta,
                              [[999, 1, 64, 1000, 333], [1], [7191, 4097, 63, 65, 2048]])
 
 
 @pytest.mark.parametrize("wu_in_scan", [True, False])
 def test_chunk_kda_both_forms_with_checkpoints_full_size(wu_in_scan):
-    """KDA checkpoints from the scan form (wu_in_scan=True: the scan stores chunk-start states,
-    the token recurrence steps them to each checkpoint; opt-in until this passes on a GPU) and
-    from the factor kernel's path (the default with checkpoints), varlen, safe gate fused."""
+    """KDA checkpoints from the scan form (wu_in_scan=True, the default: the scan stores
+    chunk-start states, the token recurrence steps them to each checkpoint) and from the factor
+    kernel's path (wu_in_scan=False), varlen, safe gate fused."""
     from hyla.ops.triton.chunk import chunk_fwd
 
     q, k, v, g, beta, extra = inputs(1, sum(VARLEN_LENS), 4, 128, gate="kda", seed=12, fused=True)

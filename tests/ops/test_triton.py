@@ -257,28 +257,35 @@ def test_chunk_rejects_bad_register_caps(bad):
             chunk_fwd(*args, gate="gdn", **{name: bad})
 
 
-def test_chunk_kda_takes_the_scan_form_unless_it_exports_checkpoints(monkeypatch):
-    """KDA's default path: no factor kernel; with checkpoints (until the scan form's recurrence
-    checkpoints have run on a GPU) the factor kernel's path; wu_in_scan=True forces the scan form."""
+def test_chunk_kda_takes_the_scan_form_with_or_without_checkpoints(monkeypatch):
+    """KDA's default path launches no factor kernel, with checkpoints too (they come from the
+    token recurrence, spied on here); wu_in_scan=False takes the factor kernel's path (its fast
+    and steep passes) and its checkpoint states, not the recurrence."""
     from hyla.ops.triton import chunk as tc
 
-    launches = []
-    factor_kernel = tc.chunk_factors_kernel
+    launches, recurrences = [], []
+    factor_kernel, by_recurrence = tc.chunk_factors_kernel, tc._checkpoints_by_recurrence
 
     class Spy:
         def __getitem__(self, grid):
             launches.append(grid)
             return factor_kernel[grid]
 
+    def recurrence_spy(*a, **kw):
+        recurrences.append(1)
+        return by_recurrence(*a, **kw)
+
     monkeypatch.setattr(tc, "chunk_factors_kernel", Spy())
+    monkeypatch.setattr(tc, "_checkpoints_by_recurrence", recurrence_spy)
     q, k, v, g, beta, _ = make_inputs(1, 70, 1, 16, 16, gate="kda", seed=4)
     args = _f32(q, k, v, g, beta)
     tc.chunk_fwd(*args, gate="kda")
-    assert launches == []
-    tc.chunk_fwd(*args, gate="kda", checkpoint_positions=[[5]])
-    assert len(launches) == 2  # its fast and steep passes
-    tc.chunk_fwd(*args, gate="kda", checkpoint_positions=[[5]], wu_in_scan=True)
-    assert len(launches) == 2
+    assert launches == [] and recurrences == []
+    _, _, (scan_ck,) = tc.chunk_fwd(*args, gate="kda", checkpoint_positions=[[5, 69]])
+    assert launches == [] and recurrences == [1]
+    _, _, (factor_ck,) = tc.chunk_fwd(*args, gate="kda", checkpoint_positions=[[5, 69]], wu_in_scan=False)
+    assert len(launches) == 2 and recurrences == [1]
+    torch.testing.assert_close(scan_ck, factor_ck, rtol=1e-4, atol=1e-5)
 
 
 def test_chunk_kda_scan_form_refuses_an_fp32_inverse_with_bf16_inputs():

@@ -124,12 +124,14 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
 
 
 def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32) -> int:
-    """Value-block width of the scan: 64 unless that leaves the GPU under two programs per SM
-    (one 64-token chunk step is a fixed latency, so a short grid wants narrower blocks), down to
-    `narrowest`."""
+    """Value-block width of the scan: 64 unless that leaves three SMs in four idle or more (one
+    64-token chunk step is a fixed latency, so a short grid wants narrower blocks), down to
+    `narrowest`. On an H200 (132 SMs, BENCHMARKS.md issue 20 ninth pass): 32 sequence-heads take
+    BV = 32 (128 programs; 64 programs of BV = 64 were 18% slower for KDA), 64 take BV = 64 (128
+    programs; 256 of BV = 32 were 6% slower)."""
     sms = num_sms(device)
     bv = min(64, bvf)
-    while bv > narrowest and n_programs_per_block * (bvf // bv) < 2 * sms:
+    while bv > narrowest and 4 * n_programs_per_block * (bvf // bv) < 3 * sms:
         bv //= 2
     return bv
 
@@ -143,8 +145,9 @@ def _register_cap(name: str, value) -> int | None:
 
 def _scan_stages(st: torch.dtype, BK: int, BV: int, wu_in_scan: bool, li_dtype: torch.dtype,
                  per_channel: bool = False) -> int:
-    """Software-pipelining depth of the scan's loop: as many as fit ~200 KB of shared memory, up
-    to 3 (an H200 block has 227 KB; the rest is the products' operand staging). Each stage
+    """Software-pipelining depth of the scan's loop: as many as fit ~211 KB of shared memory, up
+    to 3 (an H200 block has 227 KB; the rest is the products' operand staging; KDA's per-channel
+    scan at K = 128, BV = 32 fits three stages, 21% faster than two, and at BV = 64 it does not). Each stage
     buffers one chunk's [64, .] operands: w, qg, kg (BK wide), u (BV) and aqk (64), or with
     wu_in_scan q, k, v, aqk and L^-1 (and the chunk-end keys with a per-channel gate). fp32 runs
     unpipelined: three stages needed 278 KB at K = V = 128 (issue 20's OutOfResources), and it is
@@ -155,7 +158,7 @@ def _scan_stages(st: torch.dtype, BK: int, BV: int, wu_in_scan: bool, li_dtype: 
         return 1
     columns = ((3 if per_channel else 2) * BK + BV + 64) if wu_in_scan else (3 * BK + BV + 64)
     per_stage = columns * 64 * st.itemsize + (64 * 64 * li_dtype.itemsize if wu_in_scan else 0)
-    return max(_MIN_LOW_STAGES, min(3, 200_000 // per_stage))
+    return max(_MIN_LOW_STAGES, min(3, 211_000 // per_stage))
 
 
 # Triton 3.6 also miscompiled chunk_scan_rows_kernel with a per-channel gate (the third, decayed-key
@@ -167,6 +170,11 @@ def _scan_stages(st: torch.dtype, BK: int, BV: int, wu_in_scan: bool, li_dtype: 
 # chunk_scan_rows_kernel gave wrong outputs at K = V = 128 (o off by 9x), chunk_scan_kernel an
 # illegal address at K = 256 (seen in tests/gpu/test_triton_kernels.py). fp32 is unaffected.
 _MIN_LOW_STAGES = 2
+
+# chunk_checkpoint_rows_kernel with 4 warps at K = V = 64, BV = 32, bf16 (the bundled Qwen3.5's
+# GDN) gave checkpoint states off by 30 or an illegal address on an H200 (Triton 3.6); 2 or 8
+# warps there, and 8 at K = V = 128, are right. Its own warp count, not the scan's.
+_CHECKPOINT_WARPS = 8
 
 
 def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, in_order, chunk_off_list, lengths, gate_kw):
@@ -226,9 +234,8 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     wu_in_scan (the default): chunk_factors_kernel is not launched; the scan
     (chunk_scan_rows_kernel: one more [64, 64] product per chunk) builds w, u, qg and kg from four
     row scales per chunk and q, k, v as they are (scalar or no gate) or, for a per-channel gate,
-    the decayed tiles Q e^G, K e^G, K e^(G_C - G) that chunk_gram_kernel writes. KDA with
-    checkpoints takes the factor kernel's path unless wu_in_scan=True is passed: the scan form's
-    checkpoints (_checkpoints_by_recurrence) have run in the CPU interpreter only so far."""
+    the decayed tiles Q e^G, K e^G, K e^(G_C - G) that chunk_gram_kernel writes (its
+    checkpoints then come from the token recurrence, _checkpoints_by_recurrence)."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
     check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
@@ -272,10 +279,6 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     # Matmul operands of pass 2 are stored in the input precision (bf16 / fp16), fp32 otherwise.
     low = {q.dtype, k.dtype, v.dtype}
     st = q.dtype if len(low) == 1 and q.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    if gate == "kda" and wu_in_scan is None and ckpts and any(len(ps) for ps in ckpts):
-        # checkpoints of a per-channel scan come from the token recurrence
-        # (_checkpoints_by_recurrence), not yet run on a GPU: the factor kernel's path by default
-        wu_in_scan = False
     if gate == "kda" and st != torch.float32 and low_precision_inverse is False:
         # the per-channel scan with an fp32 L^-1 beside bf16 / fp16 operands is miscompiled by
         # Triton 3.6 (note above _MIN_LOW_STAGES): an fp32 L^-1 takes the factor kernel's path
@@ -367,7 +370,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     BV = scan_block_v or _scan_block(N * HV, BVF, dev, scan_narrowest)
     stages = scan_stages or _scan_stages(st, BK, BV, wu_in_scan, li_low.dtype if NCH else st, per_channel)
     launch = dict(HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
-                  num_warps=scan_warps or (4 if BV <= 32 else 8), num_stages=stages)
+                  num_warps=scan_warps or (4 if BV <= 64 else 8), num_stages=stages)
     if N and wu_in_scan:
         # with a per-channel gate the scan reads the decayed tiles (one per value head) for q and k
         sq_, sk_, skd, s_heads = (qe, ke, kd, HV) if per_channel else (qc, kc, kc, H)
@@ -387,7 +390,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             chunk_checkpoint_rows_kernel[(triton.cdiv(V, BV), NCK, HV)](
                 kc, vc, li_low, aqk, row_factors, ck_start, ck_slot, ck_chunk, kr, dr, ck_out,
                 cu, chunk_seq, chunk_pos,
-                H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, PREC=prec, num_warps=launch["num_warps"],
+                H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, PREC=prec, num_warps=_CHECKPOINT_WARPS,
             )
     elif N:
         chunk_scan_kernel[(triton.cdiv(V, BV), N * HV)](
