@@ -127,8 +127,8 @@ def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32
     """Value-block width of the scan: 64 unless that leaves three SMs in four idle or more (one
     64-token chunk step is a fixed latency, so a short grid wants narrower blocks), down to
     `narrowest`. On an H200 (132 SMs, BENCHMARKS.md issue 20 ninth pass): 32 sequence-heads take
-    BV = 32 (128 programs; 64 programs of BV = 64 were 18% slower for KDA), 64 take BV = 64 (128
-    programs; 256 of BV = 32 were 6% slower)."""
+    BV = 32 (128 programs; 64 programs of BV = 64 took 21% longer for KDA), 64 take BV = 64 (128
+    programs; 256 of BV = 32 took 6% longer)."""
     sms = num_sms(device)
     bv = min(64, bvf)
     while bv > narrowest and 4 * n_programs_per_block * (bvf // bv) < 3 * sms:
@@ -147,9 +147,9 @@ def _scan_stages(st: torch.dtype, BK: int, BV: int, wu_in_scan: bool, li_dtype: 
                  per_channel: bool = False) -> int:
     """Software-pipelining depth of the scan's loop: as many as fit ~211 KB of shared memory, up
     to 3 (an H200 block has 227 KB; the rest is the products' operand staging; KDA's per-channel
-    scan at K = 128, BV = 32 fits three stages, 21% faster than two, and at BV = 64 it does not). Each stage
-    buffers one chunk's [64, .] operands: w, qg, kg (BK wide), u (BV) and aqk (64), or with
-    wu_in_scan q, k, v, aqk and L^-1 (and the chunk-end keys with a per-channel gate). fp32 runs
+    scan at K = 128, BV = 32 fits three stages, 18% less time than two; at BV = 64 it does not).
+    Each stage buffers one chunk's [64, .] operands: w, qg, kg (BK wide), u (BV) and aqk (64), or
+    with wu_in_scan q, k, v, aqk and L^-1 (and the chunk-end keys with a per-channel gate). fp32 runs
     unpipelined: three stages needed 278 KB at K = V = 128 (issue 20's OutOfResources), and it is
     the accuracy path, not the fast one. bf16 / fp16 take at least _MIN_LOW_STAGES; where that
     does not fit (KDA at K = 256), the launch raises OutOfResources and hyla.ops.dispatch takes
