@@ -11,11 +11,12 @@ chunk_scan.py), which writes o, the final state and every requested checkpoint s
   - per-channel gate (KDA; wu_in_scan): the Gram kernel in two passes (a fast pass, then the
     chunks it flagged as steep) also writes the decayed tiles Q e^G, K e^G and K e^(G_C - G)
     (token-major, like q) and e^(G_C) per channel; the same scan reads them in place of q and k
-    (the third tile for the state update). Checkpoints (opt-in, see chunk_fwd): the scan stores
-    the chunk-start states and the token recurrence steps them to each checkpoint.
-  - the factor kernel's path (wu_in_scan=False; KDA's default with checkpoints): the Gram
-    kernel, then chunk_intra.chunk_factors_kernel, grid (slices, chunks, HV): w, u, qg, kg, gam
-    (and checkpoint factors), again two passes for KDA, then chunk_scan.chunk_scan_kernel on them.
+    (the third tile for the state update). Checkpoints: the scan stores the chunk-start states
+    and the token recurrence steps them to each checkpoint.
+  - the factor kernel's path (wu_in_scan=False, or KDA with an fp32 L^-1 and bf16 / fp16
+    inputs): the Gram kernel, then chunk_intra.chunk_factors_kernel, grid (slices, chunks, HV):
+    w, u, qg, kg, gam (and checkpoint factors), again two passes for KDA, then
+    chunk_scan.chunk_scan_kernel on them.
   A fused gate's activation is applied where the kernels load the gate (precompute_gate launches
   it first instead).
 
@@ -28,6 +29,8 @@ g is not scanned for positive entries (that check is a full extra read of g).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import triton
@@ -97,14 +100,16 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
     For chunk_checkpoint_rows_kernel also: each sorted checkpoint's chunk (ck_chunk), and per
     chunk the slot of its start state in the scan's ck_start buffer, -1 for a chunk without
     checkpoints (ck_slot [n_chunks]); n_slots = the number of chunks with one. For
-    _checkpoints_by_recurrence: (global chunk, r, sequence) of each sorted checkpoint."""
+    _checkpoints_by_recurrence: (global chunk, r, sequence, slot) of each sorted checkpoint."""
     entries = []  # (global chunk, r, sequence, index in its list)
     for n, ps in enumerate(ckpts):
         for i, p in enumerate(ps):
             c = (p - 1) // CHUNK
             entries.append((chunk_off_list[n] + c, p - c * CHUNK, n, i))
     order = sorted(range(len(entries)), key=lambda e: entries[e][0])
-    in_order = [entries[e][:3] for e in order]  # (global chunk, r, sequence) of each sorted checkpoint
+    unique = sorted({gc for gc, _, _, _ in entries})
+    rank = {gc: i for i, gc in enumerate(unique)}  # a chunk's slot in the scan's ck_start
+    in_order = [(*entries[e][:3], rank[entries[e][0]]) for e in order]
     counts = torch.zeros(n_chunks + 1, dtype=torch.int64)
     slots = torch.full((n_chunks,), -1, dtype=torch.int32)
     rows = [[None] * len(ps) for ps in ckpts]
@@ -115,7 +120,6 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
         pos.append(r)
         chunks.append(gc)
         rows[n][i] = slot
-    unique = sorted(set(chunks))
     slots[unique] = torch.arange(len(unique), dtype=torch.int32)
     # one pinned transfer for the four tables
     ck_ptr, ck_pos, ck_chunk, ck_slot = stage_long([counts.cumsum(0), pos, chunks, slots], device,
@@ -186,17 +190,13 @@ def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, in_order, chunk_off_l
     miscompiled by Triton 3.6 on an H200 for the per-channel tiles: wrong states or illegal
     addresses; the recurrence is a few sequential steps of a kernel already in use for decode.)"""
     B, T = q.shape[:2]
-    seq_start = [0]
-    for n in lengths:
-        seq_start.append(seq_start[-1] + n)
-    # a chunk's slot in ck_start is its rank among the chunks with checkpoints (as ck_slot says)
-    rank = {gc: i for i, gc in enumerate(sorted({gc for gc, _, _ in in_order}))}
+    seq_start = [0, *itertools.accumulate(lengths)]
     tokens, seg, slots = [], [0], []
-    for gc, r, n in in_order:
+    for gc, r, n, slot in in_order:
         t0 = seq_start[n] + (gc - chunk_off_list[n]) * CHUNK
         tokens.extend(range(t0, t0 + r))
         seg.append(seg[-1] + r)
-        slots.append(rank[gc])
+        slots.append(slot)
     idx, cu_ck, slot_ix = stage_long([tokens, seg, slots], q.device)
 
     def rows(x):

@@ -3,8 +3,8 @@
 By default (chunk_fwd's wu_in_scan) only chunk_gram_kernel runs here (for a per-channel gate
 in two launches: a fast pass, then the steep chunks it flagged, where a channel decays past
 e^-MAX_SPAN within the chunk) and the scan works from its outputs and the inputs (see
-chunk_gram_kernel's ROW_FORM). The factor kernel's path, described next, is kept for KDA with
-checkpoints and for an fp32 L^-1 with bf16 / fp16 inputs.
+chunk_gram_kernel's ROW_FORM). The factor kernel's path, described next, is kept for wu_in_scan=False
+and for KDA with an fp32 L^-1 and bf16 / fp16 inputs.
 
 chunk_gram_kernel, one program per (chunk, value head),
 reads q, k, the gate and beta of its 64 tokens, applies the fused pieces (gate activation,
