@@ -226,6 +226,45 @@ def test_decode_and_verify_full_size(gate):
     check("verify pool", p_fast, p_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("gate,fused,H,HV", [("kda", False, 32, 32), ("kda", True, 32, 32),
+                                              ("gdn", False, 16, 32), ("gdn", True, 16, 32)])
+def test_persistent_decode_full_size(gate, fused, H, HV, D, dtype):
+    """The pipelined persistent decode (recurrent_decode.py) at the served head layouts (KDA 32
+    heads; GDN 16 q/k heads over 32 value heads), head dims 64-256 (its pipeline depth and block
+    width shrink with K, so the shared memory always fits), bf16 and fp32 inputs, one padding
+    row: outputs and pool vs the fp32 torch path."""
+    from hyla.ops.triton.recurrent import recurrent_fwd
+
+    N = 96
+    gen = torch.Generator(device=DEV).manual_seed(D + HV)
+    r = lambda *s: torch.randn(*s, generator=gen, device=DEV)  # noqa: E731
+    q, k = (r(N, 1, H, D).to(dtype) for _ in range(2))
+    v = r(N, 1, HV, D).to(dtype)
+    beta = torch.rand(N, 1, HV, generator=gen, device=DEV).to(dtype)
+    gshape = (N, 1, HV, D) if gate == "kda" else (N, 1, HV)
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    if fused:
+        g = r(*gshape).to(dtype)
+        kw.update(use_gate_in_kernel=True, A_log=torch.rand(HV, generator=gen, device=DEV),
+                  dt_bias=r(HV * D if gate == "kda" else HV) * 0.1)
+    else:
+        g = F.logsigmoid(r(*gshape))
+    pool = r(2 * N, HV, D, D)
+    idx = torch.randperm(2 * N, generator=gen, device=DEV)[:N].to(torch.int32)
+    idx[5] = -1
+    p_fast, p_ref = pool.clone(), pool.clone()
+    o, _ = recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=p_fast, ssm_state_indices=idx,
+                         persistent=True, **kw)
+    ref = torch_rec.fused_recurrent_kda if gate == "kda" else torch_rec.fused_recurrent_gated_delta_rule
+    o_ref, _ = reference(ref, q, k, v, g, beta, initial_state=p_ref, ssm_state_indices=idx, **kw)
+    print(f"\n{gate}{' fused' if fused else ''} H={H} HV={HV} D={D} {dtype}")
+    check("decode o", o, o_ref)
+    check("decode pool", p_fast, p_ref)
+    assert torch.all(o[5] == 0), "a padding row's output is 0"
+
+
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("D", [128, 256])

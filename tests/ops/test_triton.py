@@ -386,15 +386,19 @@ def test_decode_over_a_pool_with_padding_rows(gate):
     _check(pool_fast, pool_ref, "pool")
 
 
+@pytest.mark.parametrize("K,block_v", [(32, None), (32, 32), (256, None), (160, 32)])
 @pytest.mark.parametrize("variant", ["kda", "kda_v1", "gdn", "gdn_v1"])
-def test_persistent_decode_equals_torch(variant):
-    """The persistent decode kernel with few programs (each walks several tiles, prefetching the
-    next one's state), padding rows and value blocks narrower than V: same outputs and pool."""
-    from hyla.ops.triton.recurrent import recurrent_fwd
+def test_persistent_decode_equals_torch(variant, K, block_v):
+    """The persistent decode kernel with few programs (each walks several tiles), padding rows
+    and value blocks narrower than V = 48 (the last one ragged): K = 32 takes the one-tile
+    register prefetch, K = 256 the software-pipelined loop, K = 160 a ragged K as well. Same
+    outputs and pool as the torch path."""
+    from hyla.ops.triton.recurrent import _decode_launch, recurrent_fwd
 
+    assert _decode_launch(128, 48, 4, None, None, None)[3] == 0 and _decode_launch(256, 48, 4, None, None, None)[3] >= 2
     gate = variant[:3]
     _, ref = REC[gate]
-    N, H, HV, K, V = 6, 1, 2, 32, 48
+    N, H, HV, V = 6, 1, 2, 48
     gen = torch.Generator().manual_seed(81)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
     q, k, v = r(N, 1, H, K), r(N, 1, H, K), r(N, 1, HV, V)
@@ -416,7 +420,7 @@ def test_persistent_decode_equals_torch(variant):
         kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
     pool_fast = pool.float().to(DEV)
     o, _ = recurrent_fwd(*_f32(q, k, v, g, beta), gate=gate, initial_state=pool_fast,
-                         ssm_state_indices=idx.to(DEV), persistent=True, block_v=16, programs_per_sm=1, **kw)
+                         ssm_state_indices=idx.to(DEV), persistent=True, block_v=block_v, programs_per_sm=1, **kw)
     _check(o, o_ref, "o")
     assert torch.all(o[2] == 0), "a padding row's output is 0"
     _check(pool_fast, pool_ref, "pool")

@@ -128,12 +128,35 @@ def _check_pool_shapes(idx, n_acc, pool, n):
 
 
 
-# The persistent decode kernel (16-column tiles, one warp each, so the K reduction never leaves
-# the warp; 8 programs per SM) is the default from this many (value block, sequence, head) tiles
-# per SM on: on an H200 it beat every one-program-per-tile configuration at N = 64, 256 and 512
-# sequences x 32 heads (124+ tiles per SM), see BENCHMARKS.md; a short grid gains nothing from
-# its loop.
-_PERSISTENT_MIN_TILES_PER_SM = 64
+# The persistent decode kernel is the default from this many 16-column (value block, sequence,
+# head) tiles per SM on: on an H200 (BENCHMARKS.md, tenth pass) it beat one program per tile at
+# every size measured, down to 15.5 tiles per SM (N = 8, 16, 32 sequences x 32 heads at
+# K = V = 128: 1.30x, 1.30x, 1.11x; K = V = 64 likewise); a shorter grid gains nothing from a loop.
+_PERSISTENT_MIN_TILES_PER_SM = 15
+
+
+# Its launch (BENCHMARKS.md, tenth pass; H200, 32 heads). K <= 128: the one-tile register
+# prefetch, 16-column tiles, 1 warp, 8 programs per SM. K = 256: a [256, 16] fp32 tile twice over
+# (current and next) does not fit one warp's registers (it ran at 33-35% of copy bandwidth), so
+# the software-pipelined loop: the tiles wait in shared memory, STAGES - 1 of them per program
+# (16 KB each: 3 programs x 3 x 16 KB fit the budget below), 2 warps, 3 programs per SM, at
+# 0.65-0.70x the time. At K = 128 the pipelined loop with 32-column
+# tiles was within +-3% of the register prefetch (better at N = 64, worse at N = 256 and 512).
+_DECODE_SMEM_BUDGET = 200_000
+
+
+def _decode_launch(BK: int, V: int, state_bytes: int, block_v, num_warps, programs_per_sm):
+    """-> (value block, warps, programs per SM, pipeline stages: 0 = register prefetch); an
+    argument given by the caller is kept."""
+    if BK <= 128:
+        bv, warps, pps, stages = 16, 1, 8, 0
+    else:
+        bv, warps, pps, stages = 16, 2, 3, 4
+    bv, warps, pps = block_v or bv, num_warps or warps, programs_per_sm or pps
+    if stages:
+        per_stage = BK * bv * state_bytes + 4 * BK * 4  # the state tile and the q, k, g, dt_bias rows
+        stages = max(2, min(stages, 1 + _DECODE_SMEM_BUDGET // (pps * per_stage)))
+    return bv, warps, pps, stages
 
 
 def _block_v(n_heads_total: int, V: int, device) -> int:
@@ -152,7 +175,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, ssm_state_indices=None,
                   num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                   lower_bound=None, use_beta_sigmoid_in_kernel=False, block_v=None, num_warps=None,
-                  persistent=None, programs_per_sm=8):
+                  persistent=None, programs_per_sm=None):
     pooled = ssm_state_indices is not None
     # Shape checks only: this path never reads device values on the host (no synchronisation),
     # so it can be captured in a CUDA graph. Slot ranges are the caller's contract.
@@ -212,16 +235,17 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
     elif persistent and not one_token:
         raise ValueError("persistent=True needs a plain decode step: a 1-D pool index and one token per sequence")
     if n and persistent:
-        BV = block_v or 16
+        BV, warps, pps, stages = _decode_launch(BK, V, initial_state.element_size(), block_v, num_warps,
+                                                programs_per_sm)
         n_tiles = n * HV * triton.cdiv(V, BV)
-        decode_persistent_kernel[(min(n_tiles, programs_per_sm * num_sms(dev)),)](
+        decode_persistent_kernel[(min(n_tiles, pps * num_sms(dev)),)](
             qc, kc, vc, gc, bc,
             a_log if a_log is not None else o, dtb if dtb is not None else o,
             lb, scale, o, initial_state, idx, n_tiles, sq, sk, sv,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            num_warps=num_warps or 1,
+            STAGES=stages, num_warps=warps,
         )
     elif n:
         BV = block_v or _block_v(n * HV, V, dev)

@@ -1,4 +1,4 @@
-"""Decode over a state pool with a persistent, prefetching loop (Triton, forward only).
+"""Decode over a state pool with a persistent loop (Triton, forward only).
 
 The serving decode step: N sequences of one token, sequence n's state read from and written back
 to pool slot idx[n] (negative: a padding row, nothing read or written, output 0). Same results
@@ -6,11 +6,15 @@ as recurrent.recurrent_kernel with POOL and T = 1 (the same token_step); only th
 
 Why a second kernel. The step is bound by the pool traffic (K * V * 4 bytes read and written per
 head), and one program per (value block, sequence, head) spends most of its life waiting: it
-loads its state tile, then reduces over K across warps, then stores, and at 120-170 registers
-per thread too few programs fit on an SM to keep DRAM busy through those phases (BENCHMARKS.md:
-67-74% of copy bandwidth). Here a fixed grid of programs walks the (value block, sequence, head)
-tiles with a stride, and each loads the *next* tile's state before it works on the current one,
-so a tile's DRAM latency overlaps the previous tile's reduction and store.
+loads its state tile, then reduces over K, then stores, and too few programs fit on an SM to keep
+DRAM busy through those phases (BENCHMARKS.md: 67-74% of copy bandwidth). Here a fixed grid of
+programs walks the (value block, sequence, head) tiles with a stride and keeps the next tiles'
+loads in flight while it works on the current one. Two ways (recurrent._decode_launch picks):
+- STAGES = 0, K <= 128: the next tile's state is loaded into registers before the current tile
+  is worked on (16-column tiles, one warp: the K reduction never leaves the warp).
+- STAGES >= 2, K = 256: a [256, 16] tile twice over does not fit one warp's registers, so the
+  loop is left to Triton's pipeliner (`tl.range(num_stages=STAGES)`), which issues each tile's
+  loads STAGES - 1 tiles ahead into shared memory (cp.async).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from hyla.ops.triton.recurrent_step import token_step
 @triton.jit
 def _state_tile(pool, idx, tile, n_tiles, NVB: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                 V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """Tile number -> (its state [BK, BV] fp32, slot, sequence, value head, value columns); a tile
-    past the end or of a padding row loads zeros with slot -1."""
+    """Tile number -> (its state [BK, BV] fp32, the load / store mask, slot, sequence, value head,
+    value columns); a tile past the end or of a padding row loads zeros with slot -1. The mask
+    is the slot's alone when the tile has no ragged edge (fewer predicate registers)."""
     in_range = tile < n_tiles
     t = tl.where(in_range, tile, 0)
     i_v = t % NVB
@@ -37,9 +42,30 @@ def _state_tile(pool, idx, tile, n_tiles, NVB: tl.constexpr, HV: tl.constexpr, K
     slot = tl.where(in_range, slot, -1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :] & (slot >= 0)
+    if BK == K and V % BV == 0:
+        mask = slot >= 0
+    else:
+        mask = (o_k < K)[:, None] & (o_v < V)[None, :] & (slot >= 0)
     off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-    return tl.load(pool + off, mask=m_kv, other=0.0).to(tl.float32), slot, i_n, i_hv, o_v
+    return tl.load(pool + off, mask=mask, other=0.0).to(tl.float32), mask, slot, i_n, i_hv, o_v
+
+
+@triton.jit
+def _step_and_store(b_s, mask, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+                    o, pool, sq, sk, sv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BK: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """One tile's token step; its output row and its state written back (nothing for slot -1)."""
+    o_k = tl.arange(0, BK)
+    i_h = i_hv // (HV // H)
+    live = slot >= 0
+    a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
+    b_s, b_o = token_step(b_s, q, k, v, g, beta, i_n, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
+                          sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
+    b_o = tl.where(live, b_o, 0.0)
+    tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=o_v < V)
+    off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    tl.store(pool + off, b_s.to(pool.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["lower_bound", "scale", "n_tiles"])
@@ -49,25 +75,26 @@ def decode_persistent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STAGES: tl.constexpr,
 ):
+    """Grid: a fixed number of programs; program p works tiles p, p + grid, ... of the
+    n_tiles = N * HV * cdiv(V, BV) (value block fastest, then value head, then sequence).
+    STAGES = 0: the next tile's state is loaded into registers before the current one is worked
+    (one tile ahead); STAGES >= 2: Triton's pipeliner keeps STAGES - 1 tiles in flight through
+    shared memory."""
     NVB: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
     step = tl.num_programs(0)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, BK, BV)
-    for tile in range(pid, n_tiles, step):
-        # issue the next tile's state load first: it is in flight while this tile is worked on
-        nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, BK, BV)
-        i_h = i_hv // (HV // H)
-        m_v = o_v < V
-        live = slot >= 0
-        a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
-        b_s, b_o = token_step(cur, q, k, v, g, beta, i_n, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
-                              sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
-        b_o = tl.where(live, b_o, 0.0)
-        tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
-        off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(pool + off, b_s.to(pool.dtype.element_ty), mask=m_k[:, None] & m_v[None, :] & live)
-        cur, slot, i_n, i_hv, o_v = nxt, n_slot, n_n, n_hv, n_v
+    if STAGES == 0:
+        cur, mask, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, BK, BV)
+        for tile in range(pid, n_tiles, step):
+            # issue the next tile's state load first: it is in flight while this tile is worked on
+            nxt, n_mask, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, BK, BV)
+            _step_and_store(cur, mask, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+                            o, pool, sq, sk, sv, H, HV, K, V, BK, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID)
+            cur, mask, slot, i_n, i_hv, o_v = nxt, n_mask, n_slot, n_n, n_hv, n_v
+    else:
+        for tile in tl.range(pid, n_tiles, step, num_stages=STAGES):
+            cur, mask, slot, i_n, i_hv, o_v = _state_tile(pool, idx, tile, n_tiles, NVB, HV, K, V, BK, BV)
+            _step_and_store(cur, mask, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+                            o, pool, sq, sk, sv, H, HV, K, V, BK, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID)

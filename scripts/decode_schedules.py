@@ -1,0 +1,178 @@
+"""Pool decode schedules side by side (issue 20, tenth pass): the persistent kernel's two loop
+forms at several launch shapes, one program per tile, and two floors of the same bytes.
+
+    python scripts/decode_schedules.py                     # GPU: the table (BENCHMARKS.md, tenth pass)
+    python scripts/decode_schedules.py --threshold         # GPU: persistent vs one program per tile, small N
+    TRITON_INTERPRET=1 python scripts/decode_schedules.py --check   # CPU: every schedule equals the default
+
+Schedules (loop form, value block, warps, programs per SM): "prefetch" keeps the next tile's
+state in registers (STAGES = 0), "pipelined S" leaves the loop to Triton's pipeliner with S
+stages. The floors: "RMW" reads and writes the same pool tiles with the prefetch schedule and no
+work; "copy" is torch's contiguous copy of the same number of bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from hyla.ops.triton import recurrent as rec
+from hyla.ops.triton.params import gate_params
+from hyla.ops.triton.recurrent_decode import _state_tile, decode_persistent_kernel
+
+SCHEDULES = {  # name: (STAGES, BV, warps, programs per SM)
+    "prefetch 16 / 1 w / 8": (0, 16, 1, 8),
+    "pipelined 4, 32 / 2 w / 3": (4, 32, 2, 3),
+    "pipelined 4, 16 / 2 w / 3": (4, 16, 2, 3),
+    "pipelined 4, 16 / 1 w / 8": (4, 16, 1, 8),
+}
+CELLS = [  # gate, fused gate, H, HV, D
+    ("kda", False, 32, 32, 128), ("kda", True, 32, 32, 128), ("gdn", False, 16, 32, 128),
+    ("gdn", True, 16, 32, 128), ("gdn", False, 16, 32, 256),
+]
+
+
+@triton.jit
+def rmw_kernel(pool, idx, n_tiles, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """The prefetch schedule's pool traffic with no work: each tile loaded and stored back."""
+    NVB: tl.constexpr = V // BV
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    o_k = tl.arange(0, K)
+    cur, mask, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, K, BV)
+    for tile in range(pid, n_tiles, step):
+        nxt, n_mask, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, K, BV)
+        off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        tl.store(pool + off, cur, mask=mask)
+        cur, mask, slot, i_n, i_hv, o_v = nxt, n_mask, n_slot, n_n, n_hv, n_v
+
+
+def inputs(N, H, HV, D, gate, fused, slots, dev, gen):
+    r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
+    q, k = (r(N, 1, H, D).bfloat16() for _ in range(2))
+    v = r(N, 1, HV, D).bfloat16()
+    beta = torch.rand(N, 1, HV, device=dev, generator=gen).bfloat16()
+    gshape = (N, 1, HV, D) if gate == "kda" else (N, 1, HV)
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    if fused:
+        g = r(*gshape).bfloat16()
+        kw.update(use_gate_in_kernel=True, A_log=torch.rand(HV, device=dev, generator=gen),
+                  dt_bias=r(HV * D if gate == "kda" else HV) * 0.1)
+    else:
+        g = F.logsigmoid(r(*gshape))
+    idx = torch.randperm(slots, device=dev, generator=gen)[:N].to(torch.int32)
+    return q, k, v, g, beta, idx, kw
+
+
+def launch(schedule, q, k, v, g, beta, pool, idx, gate, kw, sms):
+    """The persistent kernel at an explicit schedule (recurrent_fwd picks one by K)."""
+    stages, bv, warps, pps = schedule
+    N, _, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = torch.empty_like(v)
+    gate_fn, a_log, dtb, lb = gate_params(gate, kw.get("use_gate_in_kernel", False), kw.get("A_log"),
+                                          kw.get("dt_bias"), None, HV, K, q.device)
+    n_tiles = N * HV * triton.cdiv(V, bv)
+    decode_persistent_kernel[(min(n_tiles, pps * sms),)](
+        q, k, v, g, beta, a_log if a_log is not None else o, dtb if dtb is not None else o, lb, K ** -0.5,
+        o, pool, idx, n_tiles, H * K, H * K, HV * V, H=H, HV=HV, K=K, V=V, BK=K, BV=bv,
+        GATE=2 if gate == "kda" else 1, GATE_FN=gate_fn, HAS_BIAS=dtb is not None, USE_L2NORM=True,
+        BETA_SIGMOID=False, STAGES=stages, num_warps=warps)
+    return o
+
+
+def check():
+    gen = torch.Generator().manual_seed(0)
+    for gate, fused, D in (("kda", False, 32), ("gdn", True, 64)):
+        q, k, v, g, beta, idx, kw = inputs(5, 2, 4, D, gate, fused, 12, "cpu", gen)
+        pool = torch.randn(12, 4, D, D, generator=gen)
+        p_ref = pool.clone()
+        o_ref, _ = rec.recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=p_ref, ssm_state_indices=idx, **kw)
+        for name, schedule in SCHEDULES.items():
+            p = pool.clone()
+            o = launch(schedule, q, k, v, g, beta, p, idx, gate, kw, sms=2)
+            torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-5)
+        p = pool.clone()
+        rmw_kernel[(4,)](p, idx, 5 * 4 * (D // 16), HV=4, K=D, V=D, BV=16)
+        torch.testing.assert_close(p, pool)
+        print(f"ok: {gate}{' fused' if fused else ''} D={D}, {len(SCHEDULES)} schedules and the RMW floor")
+
+
+def _timer():
+    import triton.testing as tt
+
+    def t(f):
+        ms = tt.do_bench_cudagraph(f, rep=100, return_mode="median")
+        torch.cuda.synchronize()
+        return ms * 1e3  # us
+    return t
+
+
+def table(ns):
+    from hyla.bench.kernels import _ceilings
+
+    copy_bw, _ = _ceilings()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    t = _timer()
+    print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s, {sms} SMs; us (% of copy)")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    names = ["default", *SCHEDULES, "one program per tile", "floor: RMW", "floor: copy"]
+    print("| cell | N | " + " | ".join(names) + " |")
+    print("|---|---:|" + "---:|" * len(names))
+    for gate, fused, H, HV, D in CELLS:
+        pool = torch.randn(2 * max(ns), HV, D, D, device="cuda", generator=gen)
+        for N in ns:
+            q, k, v, g, beta, idx, kw = inputs(N, H, HV, D, gate, fused, pool.shape[0], "cuda", gen)
+            nbytes = N * HV * D * D * 4 * 2
+            row = [t(lambda: rec.recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=pool,
+                                               ssm_state_indices=idx, **kw))]
+            for schedule in SCHEDULES.values():
+                stages, bv, warps, pps = schedule
+                fits = not stages or (stages - 1) * pps * D * bv * 4 <= 220_000
+                row.append(t(lambda: launch(schedule, q, k, v, g, beta, pool, idx, gate, kw, sms)) if fits else None)
+            row.append(t(lambda: rec.recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=pool,
+                                                   ssm_state_indices=idx, persistent=False, **kw)))
+            n_tiles = N * HV * (D // 16)
+            row.append(t(lambda: rmw_kernel[(min(n_tiles, 8 * sms),)](pool, idx, n_tiles, HV=HV, K=D, V=D, BV=16)))
+            src = pool[:N]
+            dst = torch.empty_like(src)
+            row.append(t(lambda: dst.copy_(src)))
+            del dst
+            cells = [f"{us:.1f} ({100 * nbytes / (us * 1e-6) / copy_bw:.0f}%)" if us else "smem" for us in row]
+            label = f"{gate}{' fused-v1' if fused else ''} {H}/{HV} heads, D = {D}"
+            print(f"| {label} | {N} | " + " | ".join(cells) + " |", flush=True)
+        del pool
+
+
+def threshold():
+    t = _timer()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    print("| D | N | tiles / SM | default us | persistent us | one program per tile us |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for D, ns in ((64, (4, 8, 16, 32, 64)), (128, (1, 4, 8, 16, 32, 64))):
+        pool = torch.randn(512, 32, D, D, device="cuda", generator=gen)
+        for N in ns:
+            q, k, v, g, beta, idx, kw = inputs(N, 32, 32, D, "kda", False, 512, "cuda", gen)
+            ts = [t(lambda: rec.recurrent_fwd(q, k, v, g, beta, gate="kda", initial_state=pool,
+                                              ssm_state_indices=idx, persistent=p, **kw)) for p in (None, True, False)]
+            print(f"| {D} | {N} | {N * 32 * D / 16 / sms:.1f} | {ts[0]:.1f} | {ts[1]:.1f} | {ts[2]:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="CPU interpreter: every schedule equals the default")
+    ap.add_argument("--threshold", action="store_true", help="persistent vs one program per tile at small N")
+    ap.add_argument("--n", type=int, nargs="+", default=[64, 256, 512])
+    args = ap.parse_args()
+    if args.check:
+        check()
+    elif args.threshold:
+        threshold()
+    else:
+        table(args.n)
