@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 
 from hyla.ops.triton import recurrent as rec
-from hyla.ops.triton.params import gate_params
-from hyla.ops.triton.recurrent_decode import _state_tile, decode_persistent_kernel
+from hyla.ops.triton.recurrent_decode import _state_tile, _tile_mask
 
 SCHEDULES = {  # name: (STAGES, BV, warps, programs per SM)
     "prefetch 16 / 1 w / 8": (0, 16, 1, 8),
@@ -43,12 +42,12 @@ def rmw_kernel(pool, idx, n_tiles, HV: tl.constexpr, K: tl.constexpr, V: tl.cons
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     o_k = tl.arange(0, K)
-    cur, mask, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, K, BV)
+    cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, K, BV)
     for tile in range(pid, n_tiles, step):
-        nxt, n_mask, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, K, BV)
+        nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, K, BV)
         off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-        tl.store(pool + off, cur, mask=mask)
-        cur, mask, slot, i_n, i_hv, o_v = nxt, n_mask, n_slot, n_n, n_hv, n_v
+        tl.store(pool + off, cur, mask=_tile_mask(o_k, o_v, slot, K, V, K, BV))
+        cur, slot, i_n, i_hv, o_v = nxt, n_slot, n_n, n_hv, n_v
 
 
 def inputs(N, H, HV, D, gate, fused, slots, dev, gen):
@@ -68,20 +67,12 @@ def inputs(N, H, HV, D, gate, fused, slots, dev, gen):
     return q, k, v, g, beta, idx, kw
 
 
-def launch(schedule, q, k, v, g, beta, pool, idx, gate, kw, sms):
+def launch(schedule, q, k, v, g, beta, pool, idx, gate, kw):
     """The persistent kernel at an explicit schedule (recurrent_fwd picks one by K)."""
     stages, bv, warps, pps = schedule
-    N, _, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    o = torch.empty_like(v)
-    gate_fn, a_log, dtb, lb = gate_params(gate, kw.get("use_gate_in_kernel", False), kw.get("A_log"),
-                                          kw.get("dt_bias"), None, HV, K, q.device)
-    n_tiles = N * HV * triton.cdiv(V, bv)
-    decode_persistent_kernel[(min(n_tiles, pps * sms),)](
-        q, k, v, g, beta, a_log if a_log is not None else o, dtb if dtb is not None else o, lb, K ** -0.5,
-        o, pool, idx, n_tiles, H * K, H * K, HV * V, H=H, HV=HV, K=K, V=V, BK=K, BV=bv,
-        GATE=2 if gate == "kda" else 1, GATE_FN=gate_fn, HAS_BIAS=dtb is not None, USE_L2NORM=True,
-        BETA_SIGMOID=False, STAGES=stages, num_warps=warps)
+    o, _ = rec.recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=pool, ssm_state_indices=idx,
+                             persistent=True, block_v=bv, num_warps=warps, programs_per_sm=pps,
+                             decode_stages=stages, **kw)
     return o
 
 
@@ -94,7 +85,7 @@ def check():
         o_ref, _ = rec.recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=p_ref, ssm_state_indices=idx, **kw)
         for name, schedule in SCHEDULES.items():
             p = pool.clone()
-            o = launch(schedule, q, k, v, g, beta, p, idx, gate, kw, sms=2)
+            o = launch(schedule, q, k, v, g, beta, p, idx, gate, kw)
             torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
             torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-5)
         p = pool.clone()
@@ -134,7 +125,7 @@ def table(ns):
             for schedule in SCHEDULES.values():
                 stages, bv, warps, pps = schedule
                 fits = not stages or (stages - 1) * pps * D * bv * 4 <= 220_000
-                row.append(t(lambda: launch(schedule, q, k, v, g, beta, pool, idx, gate, kw, sms)) if fits else None)
+                row.append(t(lambda: launch(schedule, q, k, v, g, beta, pool, idx, gate, kw)) if fits else None)
             row.append(t(lambda: rec.recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=pool,
                                                    ssm_state_indices=idx, persistent=False, **kw)))
             n_tiles = N * HV * (D // 16)

@@ -45,7 +45,7 @@ def main() -> None:
             beta = torch.rand(N, 1, H, device="cuda", generator=gen).bfloat16()
             idx = torch.randperm(slots, device="cuda", generator=gen)[:N].to(torch.int32)
             nbytes = N * H * D * D * 4 * 2 + N * H * D * (2 * 3 + 4 + 2) + N * H * 2
-            for persistent, bv, nw, pps in [(False, 16, 1, 4), (True, 32, 2, 4), (True, 16, 1, 4), (True, 16, 1, 8),
+            for persistent, bv, nw, pps in [(False, 16, 1, 0), (True, 32, 2, 4), (True, 16, 1, 4), (True, 16, 1, 8),
                                             (True, 16, 1, 16), (True, 32, 1, 4), (True, 32, 1, 8)]:
                 t = kb._bench(lambda: recurrent_fwd(q, k, v, g, beta, gate="kda", initial_state=pool,
                                                     ssm_state_indices=idx, use_qk_l2norm_in_kernel=True, block_v=bv,

@@ -386,13 +386,14 @@ def test_decode_over_a_pool_with_padding_rows(gate):
     _check(pool_fast, pool_ref, "pool")
 
 
-@pytest.mark.parametrize("K,block_v", [(32, None), (32, 32), (256, None), (160, 32)])
+@pytest.mark.parametrize("K,block_v,stages", [(32, None, None), (32, 32, None), (256, None, None), (160, 32, None),
+                                              (32, 16, 3), (256, 16, 0)])
 @pytest.mark.parametrize("variant", ["kda", "kda_v1", "gdn", "gdn_v1"])
-def test_persistent_decode_equals_torch(variant, K, block_v):
+def test_persistent_decode_equals_torch(variant, K, block_v, stages):
     """The persistent decode kernel with few programs (each walks several tiles), padding rows
     and value blocks narrower than V = 48 (the last one ragged): K = 32 takes the one-tile
-    register prefetch, K = 256 the software-pipelined loop, K = 160 a ragged K as well. Same
-    outputs and pool as the torch path."""
+    register prefetch, K = 256 the software-pipelined loop, K = 160 a ragged K as well; an
+    explicit decode_stages swaps the two loop forms. Same outputs and pool as the torch path."""
     from hyla.ops.triton.recurrent import _decode_launch, recurrent_fwd
 
     assert _decode_launch(128, 48, 4, None, None, None)[3] == 0 and _decode_launch(256, 48, 4, None, None, None)[3] >= 2
@@ -420,7 +421,8 @@ def test_persistent_decode_equals_torch(variant, K, block_v):
         kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
     pool_fast = pool.float().to(DEV)
     o, _ = recurrent_fwd(*_f32(q, k, v, g, beta), gate=gate, initial_state=pool_fast,
-                         ssm_state_indices=idx.to(DEV), persistent=True, block_v=block_v, programs_per_sm=1, **kw)
+                         ssm_state_indices=idx.to(DEV), persistent=True, block_v=block_v, programs_per_sm=1,
+                         decode_stages=stages, **kw)
     _check(o, o_ref, "o")
     assert torch.all(o[2] == 0), "a padding row's output is 0"
     _check(pool_fast, pool_ref, "pool")
@@ -434,6 +436,17 @@ def test_persistent_decode_rejects_other_calls():
     with pytest.raises(ValueError, match="persistent"):
         recurrent_fwd(*_f32(q, k, v, g, beta), gate="kda", initial_state=torch.zeros(4, 2, 32, 32, device=DEV),
                       ssm_state_indices=torch.tensor([0, 1], device=DEV), persistent=True)
+    # the persistent kernel's own knobs on a call that does not take it, and a bad loop depth
+    step = _f32(*(x[:, :1] for x in (q, k, v, g, beta)))
+    pool = torch.zeros(4, 2, 32, 32, device=DEV)
+    idx = torch.tensor([0, 1], device=DEV)
+    for knob in (dict(programs_per_sm=4), dict(decode_stages=0)):
+        with pytest.raises(ValueError, match="does not take that kernel"):
+            recurrent_fwd(*step, gate="kda", initial_state=pool, ssm_state_indices=idx, persistent=False, **knob)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="decode_stages"):
+            recurrent_fwd(*step, gate="kda", initial_state=pool, ssm_state_indices=idx, persistent=True,
+                          decode_stages=bad)
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])

@@ -140,12 +140,12 @@ _PERSISTENT_MIN_TILES_PER_SM = 15
 # (current and next) does not fit one warp's registers (it ran at 33-35% of copy bandwidth), so
 # the software-pipelined loop: the tiles wait in shared memory, STAGES - 1 of them per program
 # (16 KB each: 3 programs x 3 x 16 KB fit the budget below), 2 warps, 3 programs per SM, at
-# 0.65-0.70x the time. At K = 128 the pipelined loop with 32-column
-# tiles was within +-3% of the register prefetch (better at N = 64, worse at N = 256 and 512).
+# 0.65-0.70x the time. At K = 128 the pipelined loop with 32-column tiles was within +-3% of the
+# register prefetch (better at N = 64, worse at N = 256 and 512).
 _DECODE_SMEM_BUDGET = 200_000
 
 
-def _decode_launch(BK: int, V: int, state_bytes: int, block_v, num_warps, programs_per_sm):
+def _decode_launch(BK: int, V: int, state_bytes: int, block_v, num_warps, programs_per_sm, decode_stages=None):
     """-> (value block, warps, programs per SM, pipeline stages: 0 = register prefetch); an
     argument given by the caller is kept."""
     if BK <= 128:
@@ -153,6 +153,8 @@ def _decode_launch(BK: int, V: int, state_bytes: int, block_v, num_warps, progra
     else:
         bv, warps, pps, stages = 16, 2, 3, 4
     bv, warps, pps = block_v or bv, num_warps or warps, programs_per_sm or pps
+    if decode_stages is not None:
+        return bv, warps, pps, decode_stages
     if stages:
         per_stage = BK * bv * state_bytes + 4 * BK * 4  # the state tile and the q, k, g, dt_bias rows
         stages = max(2, min(stages, 1 + _DECODE_SMEM_BUDGET // (pps * per_stage)))
@@ -175,7 +177,12 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, ssm_state_indices=None,
                   num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                   lower_bound=None, use_beta_sigmoid_in_kernel=False, block_v=None, num_warps=None,
-                  persistent=None, programs_per_sm=None):
+                  persistent=None, programs_per_sm=None, decode_stages=None):
+    """The fused recurrent forward (fla's fused_recurrent_* arguments and layouts). Launch knobs,
+    None = the measured defaults: block_v, num_warps (both kernels); persistent (None: the
+    persistent decode kernel on plain decode steps from _PERSISTENT_MIN_TILES_PER_SM tiles per
+    SM); and for the persistent kernel only, programs_per_sm and decode_stages (0: the next
+    tile prefetched into registers, >= 1: Triton's pipelined loop; _decode_launch)."""
     pooled = ssm_state_indices is not None
     # Shape checks only: this path never reads device values on the host (no synchronisation),
     # so it can be captured in a CUDA graph. Slot ranges are the caller's contract.
@@ -234,9 +241,16 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
         persistent = one_token and n * HV * triton.cdiv(V, 16) >= _PERSISTENT_MIN_TILES_PER_SM * num_sms(dev)
     elif persistent and not one_token:
         raise ValueError("persistent=True needs a plain decode step: a 1-D pool index and one token per sequence")
+    if not persistent and (programs_per_sm or decode_stages is not None):
+        raise ValueError("`programs_per_sm` and `decode_stages` set the persistent decode kernel's launch; this "
+                         "call does not take that kernel (pass persistent=True on a plain decode step)")
+    if decode_stages is not None:
+        if isinstance(decode_stages, bool) or not isinstance(decode_stages, int) or decode_stages < 0:
+            raise ValueError(f"`decode_stages` must be an int >= 0 (0: register prefetch, >= 1: Triton-pipelined "
+                             f"loop with that many stages), got {decode_stages!r}")
     if n and persistent:
         BV, warps, pps, stages = _decode_launch(BK, V, initial_state.element_size(), block_v, num_warps,
-                                                programs_per_sm)
+                                                programs_per_sm, decode_stages)
         n_tiles = n * HV * triton.cdiv(V, BV)
         decode_persistent_kernel[(min(n_tiles, pps * num_sms(dev)),)](
             qc, kc, vc, gc, bc,

@@ -27,11 +27,20 @@ from hyla.ops.triton.recurrent_step import token_step
 
 
 @triton.jit
+def _tile_mask(o_k, o_v, slot, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The state tile's load / store mask: the slot's alone when the tile has no ragged edge
+    (fewer predicate registers), else also the rows < K and columns < V."""
+    if BK == K and V % BV == 0:
+        return slot >= 0
+    else:
+        return (o_k < K)[:, None] & (o_v < V)[None, :] & (slot >= 0)
+
+
+@triton.jit
 def _state_tile(pool, idx, tile, n_tiles, NVB: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                 V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """Tile number -> (its state [BK, BV] fp32, the load / store mask, slot, sequence, value head,
-    value columns); a tile past the end or of a padding row loads zeros with slot -1. The mask
-    is the slot's alone when the tile has no ragged edge (fewer predicate registers)."""
+    """Tile number -> (its state [BK, BV] fp32, slot, sequence, value head, value columns); a tile
+    past the end or of a padding row loads zeros with slot -1."""
     in_range = tile < n_tiles
     t = tl.where(in_range, tile, 0)
     i_v = t % NVB
@@ -42,20 +51,19 @@ def _state_tile(pool, idx, tile, n_tiles, NVB: tl.constexpr, HV: tl.constexpr, K
     slot = tl.where(in_range, slot, -1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    if BK == K and V % BV == 0:
-        mask = slot >= 0
-    else:
-        mask = (o_k < K)[:, None] & (o_v < V)[None, :] & (slot >= 0)
     off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-    return tl.load(pool + off, mask=mask, other=0.0).to(tl.float32), mask, slot, i_n, i_hv, o_v
+    b_s = tl.load(pool + off, mask=_tile_mask(o_k, o_v, slot, K, V, BK, BV), other=0.0)
+    return b_s.to(tl.float32), slot, i_n, i_hv, o_v
 
 
 @triton.jit
-def _step_and_store(b_s, mask, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+def _step_and_store(b_s, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
                     o, pool, sq, sk, sv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BK: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
-    """One tile's token step; its output row and its state written back (nothing for slot -1)."""
+                    BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """One tile's token step; its output row and its state written back (nothing for slot -1).
+    The tile's offsets and mask are recomputed here rather than carried from the load: carried
+    through the prefetch loop they would hold [BK, BV] int64 offsets and predicates in registers."""
     o_k = tl.arange(0, BK)
     i_h = i_hv // (HV // H)
     live = slot >= 0
@@ -65,7 +73,7 @@ def _step_and_store(b_s, mask, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt
     b_o = tl.where(live, b_o, 0.0)
     tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=o_v < V)
     off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
-    tl.store(pool + off, b_s.to(pool.dtype.element_ty), mask=mask)
+    tl.store(pool + off, b_s.to(pool.dtype.element_ty), mask=_tile_mask(o_k, o_v, slot, K, V, BK, BV))
 
 
 @triton.jit(do_not_specialize=["lower_bound", "scale", "n_tiles"])
@@ -86,15 +94,15 @@ def decode_persistent_kernel(
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     if STAGES == 0:
-        cur, mask, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, BK, BV)
+        cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, BK, BV)
         for tile in range(pid, n_tiles, step):
             # issue the next tile's state load first: it is in flight while this tile is worked on
-            nxt, n_mask, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, BK, BV)
-            _step_and_store(cur, mask, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-                            o, pool, sq, sk, sv, H, HV, K, V, BK, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID)
-            cur, mask, slot, i_n, i_hv, o_v = nxt, n_mask, n_slot, n_n, n_hv, n_v
+            nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, BK, BV)
+            _step_and_store(cur, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+                            o, pool, sq, sk, sv, H, HV, K, V, BK, BV, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID)
+            cur, slot, i_n, i_hv, o_v = nxt, n_slot, n_n, n_hv, n_v
     else:
         for tile in tl.range(pid, n_tiles, step, num_stages=STAGES):
-            cur, mask, slot, i_n, i_hv, o_v = _state_tile(pool, idx, tile, n_tiles, NVB, HV, K, V, BK, BV)
-            _step_and_store(cur, mask, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-                            o, pool, sq, sk, sv, H, HV, K, V, BK, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID)
+            cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, tile, n_tiles, NVB, HV, K, V, BK, BV)
+            _step_and_store(cur, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+                            o, pool, sq, sk, sv, H, HV, K, V, BK, BV, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID)
