@@ -1,5 +1,7 @@
-"""Pool decode schedules side by side (issue 20, tenth pass): the persistent kernel's two loop
-forms at several launch shapes, one program per tile, and two floors of the same bytes.
+"""Pool decode schedules side by side (issue 20, tenth and eleventh passes): the persistent
+kernel's two loop forms at several launch shapes, one program per tile, and two floors of the
+same bytes, over a V-contiguous [slots, HV, K, V] pool; then the default launch and the RMW floor
+over a K-last pool (hyla.contract.state_pool, the engine's layout).
 
     python scripts/decode_schedules.py                     # GPU: the table (BENCHMARKS.md, tenth pass)
     python scripts/decode_schedules.py --threshold         # GPU: persistent vs one program per tile, small N
@@ -8,7 +10,8 @@ forms at several launch shapes, one program per tile, and two floors of the same
 Schedules (loop form, value block, warps, programs per SM): "prefetch" keeps the next tile's
 state in registers (STAGES = 0), "pipelined S" leaves the loop to Triton's pipeliner with S
 stages. The floors: "RMW" reads and writes the same pool tiles with the prefetch schedule and no
-work; "copy" is torch's contiguous copy of the same number of bytes.
+work; "copy" is torch's contiguous copy of the same number of bytes. The schedule columns and
+"one program per tile" are over the V-contiguous pool; "K-last" columns over the K-last one.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import triton.language as tl
 
 from hyla.ops.triton import recurrent as rec
 from hyla.ops.triton.recurrent_decode import _state_tile, _tile_mask
+from hyla.ops.triton.recurrent_step import state_offsets
 
 SCHEDULES = {  # name: (STAGES, BV, warps, programs per SM)
     "prefetch 16 / 1 w / 8": (0, 16, 1, 8),
@@ -36,18 +40,25 @@ CELLS = [  # gate, fused gate, H, HV, D
 
 
 @triton.jit
-def rmw_kernel(pool, idx, n_tiles, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
-    """The prefetch schedule's pool traffic with no work: each tile loaded and stored back."""
+def rmw_kernel(pool, idx, n_tiles, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+               KLAST: tl.constexpr):
+    """The prefetch schedule's pool traffic with no work: each tile loaded and stored back (with
+    as many programs as tiles, one tile each: one program per tile's traffic)."""
     NVB: tl.constexpr = V // BV
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     o_k = tl.arange(0, K)
-    cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, K, BV)
+    cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, K, BV, KLAST)
     for tile in range(pid, n_tiles, step):
-        nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, K, BV)
-        off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+        nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, K, BV, KLAST)
+        off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)
         tl.store(pool + off, cur, mask=_tile_mask(o_k, o_v, slot, K, V, K, BV))
         cur, slot, i_n, i_hv, o_v = nxt, n_slot, n_n, n_hv, n_v
+
+
+def k_last(pool: torch.Tensor) -> torch.Tensor:
+    """The same values in a K-last pool (hyla.contract.state_pool's layout)."""
+    return pool.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def inputs(N, H, HV, D, gate, fused, slots, dev, gen):
@@ -88,9 +99,14 @@ def check():
             o = launch(schedule, q, k, v, g, beta, p, idx, gate, kw)
             torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
             torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-5)
-        p = pool.clone()
-        rmw_kernel[(4,)](p, idx, 5 * 4 * (D // 16), HV=4, K=D, V=D, BV=16)
-        torch.testing.assert_close(p, pool)
+        p = k_last(pool)
+        o = rec.recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=p, ssm_state_indices=idx, **kw)[0]
+        torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-5)
+        for klast in (False, True):
+            p = k_last(pool) if klast else pool.clone()
+            rmw_kernel[(4,)](p, idx, 5 * 4 * (D // 16), HV=4, K=D, V=D, BV=16, KLAST=klast)
+            torch.testing.assert_close(p, pool)
         print(f"ok: {gate}{' fused' if fused else ''} D={D}, {len(SCHEDULES)} schedules and the RMW floor")
 
 
@@ -112,11 +128,13 @@ def table(ns):
     t = _timer()
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s, {sms} SMs; us (% of copy)")
     gen = torch.Generator(device="cuda").manual_seed(3)
-    names = ["default", *SCHEDULES, "one program per tile", "floor: RMW", "floor: copy"]
+    names = ["default", *SCHEDULES, "one program per tile", "floor: RMW", "floor: copy", "K-last: default",
+             "K-last floor: RMW, one program per 8-column tile"]
     print("| cell | N | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(names))
     for gate, fused, H, HV, D in CELLS:
         pool = torch.randn(2 * max(ns), HV, D, D, device="cuda", generator=gen)
+        pool_kl = k_last(pool)
         for N in ns:
             q, k, v, g, beta, idx, kw = inputs(N, H, HV, D, gate, fused, pool.shape[0], "cuda", gen)
             nbytes = N * HV * D * D * 4 * 2
@@ -129,15 +147,20 @@ def table(ns):
             row.append(t(lambda: rec.recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=pool,
                                                    ssm_state_indices=idx, persistent=False, **kw)))
             n_tiles = N * HV * (D // 16)
-            row.append(t(lambda: rmw_kernel[(min(n_tiles, 8 * sms),)](pool, idx, n_tiles, HV=HV, K=D, V=D, BV=16)))
+            row.append(t(lambda: rmw_kernel[(min(n_tiles, 8 * sms),)](pool, idx, n_tiles, HV=HV, K=D, V=D, BV=16,
+                                                                       KLAST=False)))
             src = pool[:N]
             dst = torch.empty_like(src)
             row.append(t(lambda: dst.copy_(src)))
             del dst
+            row.append(t(lambda: rec.recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=pool_kl,
+                                                   ssm_state_indices=idx, **kw)))
+            n8 = N * HV * (D // 8)
+            row.append(t(lambda: rmw_kernel[(n8,)](pool_kl, idx, n8, HV=HV, K=D, V=D, BV=8, KLAST=True)))
             cells = [f"{us:.1f} ({100 * nbytes / (us * 1e-6) / copy_bw:.0f}%)" if us else "smem" for us in row]
             label = f"{gate}{' fused-v1' if fused else ''} {H}/{HV} heads, D = {D}"
             print(f"| {label} | {N} | " + " | ".join(cells) + " |", flush=True)
-        del pool
+        del pool, pool_kl
 
 
 def threshold():

@@ -11,6 +11,8 @@ plus written; a bf16 8192^3 matmul), then:
     released models' head layouts (RELEASED_LAYOUTS: 64 KDA heads; GDN 16 k / 32 v heads);
   - decode: fused_recurrent_kda over an fp32 state pool with random slot indices, N sequences of
     one token, H = 32, D = 128, timed as CUDA-graph replays (how a serving engine runs decode).
+    hyla's pool is K-last, the layout its engine allocates (hyla.contract.state_pool); fla's is
+    its own contiguous [slots, H, K, V], on which hyla is timed too (same values in both).
 Every time is a `triton.testing.do_bench` median after warm-up, on fresh random inputs (never
 zeros). The roofline floor of a prefill is max(FLOPs / matmul rate, bytes / copy bandwidth) with
 bytes = inputs read once + outputs written once. hyla's output is compared with fla's in the same
@@ -33,10 +35,10 @@ PREFILL_SHAPES = [(1, 32768, 32, 128), (8, 4096, 32, 128), (32, 1024, 32, 128)]
 # GLM-5-Next's 64 KDA heads with the safe gate, Qwen3-Next / Qwen3.5's GDN with 16 k-heads and
 # 32 v-heads (GVA). (Kimi-Linear's 32 KDA heads with gate v1 are PREFILL_SHAPES' first row.)
 RELEASED_LAYOUTS = [((1, 32768, 64, 128, 64), ("kda", "fused-v2")), ((1, 32768, 16, 128, 32), ("gdn", "fused-v1"))]
-DECODE_N = [1, 8, 64, 256, 512]
-# (persistent, value block, warps, programs per SM) timed by --tune for decode
-DECODE_CONFIGS = [(False, bv, nw, 0) for bv, nw in ((32, 4), (64, 4), (32, 2), (16, 1))] + [
-    (True, bv, nw, pps) for bv, nw in ((32, 2), (64, 4), (32, 4)) for pps in (2, 4, 8)]
+DECODE_N = [1, 8, 32, 64, 128, 256, 512]
+# (persistent, value block, warps, programs per SM) timed by --tune for decode (K-last pool)
+DECODE_CONFIGS = [(False, bv, nw, 0) for bv, nw in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2))] + [
+    (True, bv, nw, pps) for bv, nw, pps in ((16, 1, 8), (16, 1, 16), (8, 1, 16))]
 CHUNK = 64
 
 
@@ -189,7 +191,8 @@ def run_decode(ns, copy_bw, vs_fla, H=32, D=128, tune=False):
     fla = _fla_fns() if vs_fla else None
     gen = torch.Generator(device="cuda").manual_seed(1)
     slots = 2 * max(ns)
-    pool = torch.randn(slots, H, D, D, device="cuda", generator=gen)
+    pool_kv = torch.randn(slots, H, D, D, device="cuda", generator=gen)  # fla's layout
+    pool = pool_kv.transpose(-1, -2).contiguous().transpose(-1, -2)  # K-last: hyla's engine layout
     rows = []
     for N in ns:
         q, k, v = (torch.randn(N, 1, H, D, device="cuda", generator=gen).bfloat16() for _ in range(3))
@@ -206,7 +209,7 @@ def run_decode(ns, copy_bw, vs_fla, H=32, D=128, tune=False):
                 t = _bench(lambda: recurrent_fwd(q, k, v, g, beta, gate="kda", initial_state=pool,
                                                  ssm_state_indices=idx, use_qk_l2norm_in_kernel=True,
                                                  block_v=bv, num_warps=nw, persistent=persistent,
-                                                 programs_per_sm=pps), graph=True)
+                                                 programs_per_sm=pps or None), graph=True)
                 frac = nbytes / (t * 1e-3) / copy_bw
                 print(f"    N={N} persistent={persistent} BV={bv} warps={nw} programs/SM={pps}: "
                       f"{t * 1e3:.1f} us ({100 * frac:.0f}% copy)", flush=True)
@@ -217,14 +220,19 @@ def run_decode(ns, copy_bw, vs_fla, H=32, D=128, tune=False):
         row["hyla_ms"] = _bench(call, graph=True)
         row["hyla_gbs"] = nbytes / (row["hyla_ms"] * 1e-3) / 1e9
         row["hyla_frac_copy"] = nbytes / (row["hyla_ms"] * 1e-3) / copy_bw
+        row["hyla_kv_ms"] = _bench(lambda: ht.fused_recurrent_kda(q, k, v, g, beta, initial_state=pool_kv,
+                                                                   ssm_state_indices=idx, use_qk_l2norm_in_kernel=True),
+                                   graph=True)
+        row["hyla_kv_frac_copy"] = nbytes / (row["hyla_kv_ms"] * 1e-3) / copy_bw
         if fla:
-            f = lambda: fla[2](q=q, k=k, v=v, g=g, beta=beta, initial_state=pool,  # noqa: E731
+            f = lambda: fla[2](q=q, k=k, v=v, g=g, beta=beta, initial_state=pool_kv,  # noqa: E731
                                inplace_final_state=True, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True)
-            p0 = pool.clone()
+            p0 = pool_kv.clone()
+            pool.copy_(p0)  # the same start values in both layouts
             o_h, _ = call()
-            pool.copy_(p0)
             o_f, _ = f()
             pool.copy_(p0)
+            pool_kv.copy_(p0)
             del p0
             row["rel_diff_vs_fla"] = _rel(o_h, o_f)
             row["fla_ms"] = _bench(f, graph=True)
@@ -271,7 +279,8 @@ def _prefill_line(r):
 
 def _decode_line(r):
     s = (f"decode N={r['N']:<4} hyla {r['hyla_ms'] * 1e3:7.1f} us {r['hyla_gbs']:6.0f} GB/s "
-         f"({100 * r['hyla_frac_copy']:.0f}% copy)")
+         f"({100 * r['hyla_frac_copy']:.0f}% copy; [K,V] pool {r['hyla_kv_ms'] * 1e3:.1f} us, "
+         f"{100 * r['hyla_kv_frac_copy']:.0f}%)")
     if "fla_ms" in r:
         s += (f"  fla {r['fla_ms'] * 1e3:7.1f} us {r['fla_gbs']:6.0f} GB/s ({100 * r['fla_frac_copy']:.0f}%)"
               f"  x{r['ratio']:.2f}  diff {r['rel_diff_vs_fla']:.1e}")
@@ -292,10 +301,12 @@ def markdown(meta, prefill, decode):
                    f"{r.get('fla_ms', float('nan')):.3f} | {r.get('ratio', float('nan')):.2f}x | "
                    f"{r['floor_ms']:.3f} | {r['hyla_ms'] / r['floor_ms']:.1f}x | "
                    f"{r.get('rel_diff_vs_fla', float('nan')):.1e} |")
-    out += ["", "| decode N | hyla us | hyla GB/s | % copy BW | fla us | fla GB/s | % copy BW | fla / hyla |",
-            "|---|---|---|---|---|---|---|---|"]
+    out += ["", "| decode N | hyla us (K-last pool) | hyla GB/s | % copy BW | hyla us ([K, V] pool) | % copy BW "
+            "| fla us | fla GB/s | % copy BW | fla / hyla |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in decode:
         out.append(f"| {r['N']} | {r['hyla_ms'] * 1e3:.1f} | {r['hyla_gbs']:.0f} | {100 * r['hyla_frac_copy']:.0f}% | "
+                   f"{r['hyla_kv_ms'] * 1e3:.1f} | {100 * r['hyla_kv_frac_copy']:.0f}% | "
                    f"{r.get('fla_ms', float('nan')) * 1e3:.1f} | {r.get('fla_gbs', float('nan')):.0f} | "
                    f"{100 * r.get('fla_frac_copy', float('nan')):.0f}% | {r.get('ratio', float('nan')):.2f}x |")
     return "\n".join(out)

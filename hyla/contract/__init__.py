@@ -8,7 +8,7 @@ hyla.engine all import it from below.
 - the layer caches (cache.py): `LayerCache` and its two kinds, `LinearLayerCache` (state slots:
   KDALayerCache, GDNLayerCache) and `PagedLayerCache` (KV pages: MLALayerCache, DSALayerCache,
   KVLayerCache),
-  and `HybridCache`, a model's per-layer pools.
+  and `HybridCache`, a model's per-layer pools; `state_pool` allocates a state slot pool (K-last).
 
 A token mixer runs an engine step as `forward_batch(x [T_total, hidden], batch: ForwardBatch,
 cache: <its LayerCache>) -> [T_total, hidden]`; a stateful one (ShortConvDeltaRule) also has
@@ -26,9 +26,10 @@ from hyla.contract.cache import (
     LinearLayerCache,
     MLALayerCache,
     PagedLayerCache,
+    state_pool,
 )
 
 __all__ = [
     "ForwardBatch", "LayerCache", "LinearLayerCache", "PagedLayerCache", "KDALayerCache", "GDNLayerCache",
-    "MLALayerCache", "DSALayerCache", "KVLayerCache", "HybridCache",
+    "MLALayerCache", "DSALayerCache", "KVLayerCache", "HybridCache", "state_pool",
 ]

@@ -4,7 +4,8 @@ Every layer cache is a LayerCache; two kinds, told apart by their base class (Hy
 every LinearLayerCache as linear and every PagedLayerCache as attention):
 
 - LinearLayerCache (KDA, Gated DeltaNet): a recurrent state slot pool `[num_slots, HV, K, V]`
-  (fp32 by default, the delta rule accumulates into it every token) and one conv window pool per
+  (fp32 by default, the delta rule accumulates into it every token; stored K-last, see
+  `state_pool`) and one conv window pool per
   short conv, `[num_slots, D, W-1]`: the last W-1 pre-conv inputs, oldest first (model dtype).
   KDA has three convs (q, k, v); Gated DeltaNet one, over the concatenated q|k|v channels.
 - PagedLayerCache: tensors `[num_pages, page_size, ...]`, one row per token.
@@ -26,6 +27,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def state_pool(num_slots: int, heads: int, K: int, V: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed recurrent state pool: shape [num_slots, heads, K, V] (the layout every op takes,
+    fla's), stored K-last: the memory is [num_slots, heads, V, K] and this is its transposed view
+    (strides (heads * V * K, V * K, 1, K)).
+
+    Why K-last. A decode step reads and writes every live slot's states and nothing else of size,
+    and the K reduction (S^T k, S^T q) must finish before a tile can be written back. With K
+    contiguous, a tile of 16 value columns x K rows is one contiguous run of 16 * K * 4 bytes and
+    its reduction stays inside one warp; with V contiguous the same tile is K strided 64-byte row
+    pieces, which HBM serves at ~80% of copy bandwidth instead of ~94% (BENCHMARKS.md, eleventh
+    pass). Torch ops and the Triton kernels accept either layout; everything else indexes slots."""
+    return torch.zeros(num_slots, heads, V, K, dtype=dtype, device=device).transpose(-1, -2)
 
 
 class LayerCache:

@@ -22,7 +22,8 @@ import logging
 import torch
 from torch import nn
 
-from hyla.contract import DSALayerCache, ForwardBatch, HybridCache, KDALayerCache, LayerCache, MLALayerCache
+from hyla.contract import (DSALayerCache, ForwardBatch, HybridCache, KDALayerCache, LayerCache, MLALayerCache,
+                           state_pool)
 from hyla.layers.clamped_swiglu import ClampedMLP
 from hyla.layers.dsa import DSAAttention, DSAIndexer
 from hyla.layers.kda import KimiDeltaAttention
@@ -155,7 +156,7 @@ class Glm5NextForCausalLM(HybridForCausalLM):
         layers = []
         for i, kind in enumerate(c.layer_types):
             if kind == LINEAR:
-                state = torch.zeros(num_slots, c.linear_num_heads, kk, kk, dtype=state_dtype, device=device)
+                state = state_pool(num_slots, c.linear_num_heads, kk, kk, state_dtype, device)
                 conv = tuple(torch.zeros(num_slots, d, w, dtype=dtype, device=device) for _ in range(3))
                 layers.append(KDALayerCache(state, conv))
                 continue

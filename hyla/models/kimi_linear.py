@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyla.contract import ForwardBatch, HybridCache, KDALayerCache, LayerCache, MLALayerCache
+from hyla.contract import ForwardBatch, HybridCache, KDALayerCache, LayerCache, MLALayerCache, state_pool
 from hyla.layers.kda import KimiDeltaAttention
 from hyla.layers.mla import MLAAttention
 from hyla.layers.mlp import MLP
@@ -123,7 +123,7 @@ def kda_mla_pools(c, num_slots: int, num_pages: int, page_size: int, state_dtype
     layers = []
     for kind in c.layer_types:
         if kind == LINEAR:
-            state = torch.zeros(num_slots, c.linear_num_heads, kk, kk, dtype=state_dtype, device=device)
+            state = state_pool(num_slots, c.linear_num_heads, kk, kk, state_dtype, device)
             conv = tuple(torch.zeros(num_slots, d, w, dtype=dtype, device=device) for _ in range(3))
             layers.append(KDALayerCache(state, conv))
         else:

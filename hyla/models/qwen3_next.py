@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyla.contract import ForwardBatch, GDNLayerCache, HybridCache, KVLayerCache, LayerCache
+from hyla.contract import ForwardBatch, GDNLayerCache, HybridCache, KVLayerCache, LayerCache, state_pool
 from hyla.layers.attention import GatedAttention
 from hyla.layers.gdn import GatedDeltaNet
 from hyla.layers.mlp import MLP
@@ -126,8 +126,8 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         layers = []
         for kind in c.layer_types:
             if kind == LINEAR:
-                state = torch.zeros(num_slots, c.linear_num_value_heads, c.linear_key_head_dim,
-                                    c.linear_value_head_dim, dtype=state_dtype, device=device)
+                state = state_pool(num_slots, c.linear_num_value_heads, c.linear_key_head_dim,
+                                   c.linear_value_head_dim, state_dtype, device)
                 conv = torch.zeros(num_slots, c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 layers.append(GDNLayerCache(state, (conv,)))
             else:

@@ -189,18 +189,22 @@ def test_unbounded_gates_stay_finite_and_accurate_at_64k():
     check("final state", s, s_ref)
 
 
+@pytest.mark.parametrize("layout", ["kv", "klast"])
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_decode_and_verify_full_size(gate):
+def test_decode_and_verify_full_size(gate, layout):
+    """Default launches over both pool layouts (the engine's is K-last: hyla.contract.state_pool)."""
+    as_layout = (lambda p: p.transpose(-1, -2).contiguous().transpose(-1, -2)) if layout == "klast" else (
+        lambda p: p)
     fast = hyla_triton.fused_recurrent_kda if gate == "kda" else hyla_triton.fused_recurrent_gated_delta_rule
     ref = torch_rec.fused_recurrent_kda if gate == "kda" else torch_rec.fused_recurrent_gated_delta_rule
     N, H, D = 64, 32, 128
     pool = torch.randn(3 * N, H, D, D, device=DEV)
-    print(f"\n{gate} decode / verify N={N} H={H}")
+    print(f"\n{gate} decode / verify N={N} H={H} {layout}")
     # decode: one token per sequence, random distinct slots, one padding row
     q, k, v, g, beta, _ = inputs(N, 1, H, D, gate=gate, seed=5)
     idx = torch.randperm(3 * N, device=DEV)[:N]
     idx[7] = -1
-    p_fast, p_ref = pool.clone(), pool.clone()
+    p_fast, p_ref = as_layout(pool.clone()), pool.clone()
     o, _ = fast(q, k, v, g, beta, initial_state=p_fast, ssm_state_indices=idx, use_qk_l2norm_in_kernel=True)
     o_ref, _ = reference(ref, q, k, v, g, beta, initial_state=p_ref, ssm_state_indices=idx,
                          use_qk_l2norm_in_kernel=True)
@@ -217,7 +221,7 @@ def test_decode_and_verify_full_size(gate):
     n_acc = torch.randint(1, 5, (N,), device=DEV)
     n_acc[3] = 1
     pool = torch.randn(4 * N, H, D, D, device=DEV)
-    p_fast, p_ref = pool.clone(), pool.clone()
+    p_fast, p_ref = as_layout(pool.clone()), pool.clone()
     o, _ = fast(q, k, v, g, beta, initial_state=p_fast, cu_seqlens=cu, ssm_state_indices=idx,
                 num_accepted_tokens=n_acc, use_qk_l2norm_in_kernel=True)
     o_ref, _ = reference(ref, q, k, v, g, beta, initial_state=p_ref, cu_seqlens=cu, ssm_state_indices=idx,
@@ -226,15 +230,17 @@ def test_decode_and_verify_full_size(gate):
     check("verify pool", p_fast, p_ref)
 
 
+@pytest.mark.parametrize("layout,persistent", [("kv", True), ("klast", True), ("klast", None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("gate,fused,H,HV", [("kda", False, 32, 32), ("kda", True, 32, 32),
                                               ("gdn", False, 16, 32), ("gdn", True, 16, 32)])
-def test_persistent_decode_full_size(gate, fused, H, HV, D, dtype):
+def test_persistent_decode_full_size(gate, fused, H, HV, D, dtype, layout, persistent):
     """The pipelined persistent decode (recurrent_decode.py) at the served head layouts (KDA 32
     heads; GDN 16 q/k heads over 32 value heads), head dims 64-256 (its pipeline depth and block
     width shrink with K, so the shared memory always fits), bf16 and fp32 inputs, one padding
-    row: outputs and pool vs the fp32 torch path."""
+    row, over both pool layouts; and over a K-last pool the default launch (one program per
+    8-column tile at this N): outputs and pool vs the fp32 torch path."""
     from hyla.ops.triton.recurrent import recurrent_fwd
 
     N = 96
@@ -255,11 +261,13 @@ def test_persistent_decode_full_size(gate, fused, H, HV, D, dtype):
     idx = torch.randperm(2 * N, generator=gen, device=DEV)[:N].to(torch.int32)
     idx[5] = -1
     p_fast, p_ref = pool.clone(), pool.clone()
+    if layout == "klast":
+        p_fast = p_fast.transpose(-1, -2).contiguous().transpose(-1, -2)
     o, _ = recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=p_fast, ssm_state_indices=idx,
-                         persistent=True, **kw)
+                         persistent=persistent, **kw)
     ref = torch_rec.fused_recurrent_kda if gate == "kda" else torch_rec.fused_recurrent_gated_delta_rule
     o_ref, _ = reference(ref, q, k, v, g, beta, initial_state=p_ref, ssm_state_indices=idx, **kw)
-    print(f"\n{gate}{' fused' if fused else ''} H={H} HV={HV} D={D} {dtype}")
+    print(f"\n{gate}{' fused' if fused else ''} H={H} HV={HV} D={D} {dtype} {layout} persistent={persistent}")
     check("decode o", o, o_ref)
     check("decode pool", p_fast, p_ref)
     assert torch.all(o[5] == 0), "a padding row's output is 0"

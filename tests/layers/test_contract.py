@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from hyla.contract import GDNLayerCache, HybridCache, KDALayerCache, KVLayerCache, LayerCache, MLALayerCache
+from hyla.contract import (GDNLayerCache, HybridCache, KDALayerCache, KVLayerCache, LayerCache, MLALayerCache,
+                           state_pool)
 
 
 ABOVE_THE_CONTRACT = ("hyla.layers", "hyla.models", "hyla.engine", "hyla.server", "hyla.bench", "hyla.parallel")
@@ -50,3 +51,25 @@ def test_hybrid_cache_sorts_layers_by_kind():
     caches = _caches()
     pools = HybridCache(caches, num_slots=3, num_pages=2, page_size=4)
     assert pools.linear_layers == caches[:2] and pools.attention_layers == caches[2:]
+
+
+def test_state_pool_is_k_last_and_the_torch_path_reads_and_writes_it():
+    """state_pool: a zeroed [slots, H, K, V] view of K-last memory; slot copies keep the layout,
+    and a decode step over it through the torch path equals the same step over a contiguous pool."""
+    from hyla.ops.recurrent import fused_recurrent_kda
+
+    pool = state_pool(5, 2, 3, 4, torch.float32, "cpu")
+    assert pool.shape == (5, 2, 3, 4) and pool.stride() == (24, 12, 1, 3) and not pool.any()
+    gen = torch.Generator().manual_seed(0)
+    pool.copy_(torch.randn(5, 2, 3, 4, generator=gen))
+    caches = HybridCache([KDALayerCache(pool, (torch.zeros(5, 6, 3),) * 3)], num_slots=5, num_pages=0, page_size=4)
+    caches.copy_slot(1, 4)
+    assert torch.equal(pool[4], pool[1]) and pool.stride() == (24, 12, 1, 3)
+    contiguous = pool.contiguous()
+    q, k, v = (torch.randn(3, 1, 2, n, generator=gen) for n in (3, 3, 4))
+    g = -torch.rand(3, 1, 2, 3, generator=gen)
+    beta = torch.rand(3, 1, 2, generator=gen)
+    idx = torch.tensor([4, 0, 2])
+    o, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx)
+    o_ref, _ = fused_recurrent_kda(q, k, v, g, beta, initial_state=contiguous, ssm_state_indices=idx)
+    assert torch.equal(o, o_ref) and torch.equal(pool, contiguous) and pool.stride() == (24, 12, 1, 3)

@@ -40,6 +40,8 @@ def test_model_budgets_the_indexer_pages(glm5_next_checkpoint):  # noqa: F811
     model = load_model(glm5_next_checkpoint("hc2"), dtype=torch.float32)
     c = model.config
     cache = model.allocate_cache(num_slots=2, num_pages=3, page_size=16)
+    assert all(c.state.transpose(-1, -2).is_contiguous() and not c.state.is_contiguous()
+               for c in cache.linear_layers), "K-last (hyla.contract.state_pool)"
     paged = sum(t.numel() * t.element_size() for layer in cache.attention_layers for t in layer.tensors())
     assert paged == 3 * 16 * model.kv_bytes_per_token()
     assert model.kv_bytes_per_token() == 4 * len(c.attention_layers) * c.kv_lora_rank + indexer_bytes_per_token(

@@ -100,6 +100,7 @@ def test_allocate_cache_shapes_and_bytes(kimi_checkpoint):
     assert [type(c).__name__ for c in cache.layers] == ["KDALayerCache", "MLALayerCache"] * 2
     kda, mla = cache.layers[0], cache.layers[1]
     assert kda.state.shape == (3, 2, 32, 32) and kda.state.dtype == torch.float32
+    assert kda.state.stride() == (2 * 32 * 32, 32 * 32, 1, 32), "K-last (hyla.contract.state_pool)"
     assert [t.shape for t in kda.conv] == [(3, 64, 3)] * 3
     assert mla.kv.shape == (5, 16, 64)
     assert model.state_bytes_per_slot() == 2 * (2 * 32 * 32 * 4 + 3 * 64 * 3 * 4)

@@ -91,6 +91,7 @@ def test_allocate_cache_shapes_and_bytes(qwen3_next_checkpoint):
     assert [type(c).__name__ for c in cache.layers] == ["GDNLayerCache"] * 3 + ["KVLayerCache"]
     assert len(cache.linear_layers) == 3 and len(cache.attention_layers) == 1
     gdn, attn = cache.layers[0], cache.layers[3]
+    assert gdn.state.stride() == (4 * 24 * 16, 24 * 16, 1, 16), "K-last (hyla.contract.state_pool)"
     assert gdn.state.shape == (3, 4, 16, 24) and gdn.state.dtype == torch.float32
     assert [t.shape for t in gdn.conv] == [(3, 160, 3)]
     assert attn.k.shape == attn.v.shape == (5, 16, 2, 32)

@@ -368,32 +368,46 @@ def test_chunk_steep_scalar_decays():
 # ---- decode / verify ------------------------------------------------------------------------
 
 
+def _k_last(pool: torch.Tensor) -> torch.Tensor:
+    """The same values in a K-last pool (hyla.contract.state_pool's layout)."""
+    return pool.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("layout,persistent", [("kv", None), ("klast", None), ("klast", False)])
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_decode_over_a_pool_with_padding_rows(gate):
+def test_decode_over_a_pool_with_padding_rows(gate, layout, persistent):
+    """Both pool layouts, default launches (a K-last pool: 8-column tiles, one warp, when not
+    persistent; K = 48 is ragged in 16 rows)."""
     name, ref = REC[gate]
     fast = getattr(hyla_triton, name)
-    N, H, K = 5, 2, 32
-    q, k, v, g, beta, _ = make_inputs(N, 1, H, K, K, gate=gate, seed=31)
-    pool = torch.randn(9, H, K, K, dtype=torch.float64)
+    N, H, K, V = 5, 2, 48, 32
+    q, k, v, g, beta, _ = make_inputs(N, 1, H, K, V, gate=gate, seed=31)
+    pool = torch.randn(9, H, K, V, dtype=torch.float64)
     idx = torch.tensor([7, 2, -1, 0, 5])
     pool_ref = pool.clone()
     o_ref, _ = ref(q, k, v, g, beta, initial_state=pool_ref, ssm_state_indices=idx)
     pool_fast = pool.float().to(DEV)
-    o, out_pool = fast(*_f32(q, k, v, g, beta), initial_state=pool_fast, ssm_state_indices=idx.to(DEV))
+    if layout == "klast":
+        pool_fast = _k_last(pool_fast)
+    o, out_pool = fast(*_f32(q, k, v, g, beta), initial_state=pool_fast, ssm_state_indices=idx.to(DEV),
+                       persistent=persistent)
     assert out_pool is pool_fast  # in place
     _check(o, o_ref, "o")
     assert torch.all(o[2] == 0), "a padding row's output is 0"
     _check(pool_fast, pool_ref, "pool")
 
 
-@pytest.mark.parametrize("K,block_v,stages", [(32, None, None), (32, 32, None), (256, None, None), (160, 32, None),
-                                              (32, 16, 3), (256, 16, 0)])
+@pytest.mark.parametrize("K,block_v,stages,layout", [
+    (32, None, None, "kv"), (32, 32, None, "kv"), (256, None, None, "kv"), (160, 32, None, "kv"), (32, 16, 3, "kv"),
+    (256, 16, 0, "kv"), (32, None, None, "klast"), (160, 32, None, "klast"), (256, 16, 0, "klast"),
+    (32, 16, 3, "klast")])
 @pytest.mark.parametrize("variant", ["kda", "kda_v1", "gdn", "gdn_v1"])
-def test_persistent_decode_equals_torch(variant, K, block_v, stages):
+def test_persistent_decode_equals_torch(variant, K, block_v, stages, layout):
     """The persistent decode kernel with few programs (each walks several tiles), padding rows
     and value blocks narrower than V = 48 (the last one ragged): K = 32 takes the one-tile
     register prefetch, K = 256 the software-pipelined loop, K = 160 a ragged K as well; an
-    explicit decode_stages swaps the two loop forms. Same outputs and pool as the torch path."""
+    explicit decode_stages swaps the two loop forms; both pool layouts. Same outputs and pool
+    as the torch path."""
     from hyla.ops.triton.recurrent import _decode_launch, recurrent_fwd
 
     assert _decode_launch(128, 48, 4, None, None, None)[3] == 0 and _decode_launch(256, 48, 4, None, None, None)[3] >= 2
@@ -420,6 +434,8 @@ def test_persistent_decode_equals_torch(variant, K, block_v, stages):
     if "A_log" in kw:
         kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
     pool_fast = pool.float().to(DEV)
+    if layout == "klast":
+        pool_fast = _k_last(pool_fast)
     o, _ = recurrent_fwd(*_f32(q, k, v, g, beta), gate=gate, initial_state=pool_fast,
                          ssm_state_indices=idx.to(DEV), persistent=True, block_v=block_v, programs_per_sm=1,
                          decode_stages=stages, **kw)
@@ -427,6 +443,47 @@ def test_persistent_decode_equals_torch(variant, K, block_v, stages):
     assert torch.all(o[2] == 0), "a padding row's output is 0"
     _check(pool_fast, pool_ref, "pool")
     assert torch.equal(pool_fast[[1, 3, 4, 6, 8, 9]].cpu(), pool[[1, 3, 4, 6, 8, 9]].float()), "unaddressed slots"
+
+
+@pytest.mark.parametrize("N", [5, 30])
+@pytest.mark.parametrize("variant", ["kda", "kda_v1", "gdn_v1"])
+def test_k_last_pool_default_launches(variant, N):
+    """A K-last pool with the default launch, which depends on the grid (_klast_decode_launch;
+    the interpreter counts one SM): N = 5 takes the persistent prefetch loop, N = 30 one program
+    per 8-column tile, or with KDA's gate computed in the kernel the persistent loop over
+    8-column tiles. Same outputs and pool as the torch path."""
+    from hyla.ops.triton.recurrent import _klast_decode_launch, num_sms
+
+    gate = variant[:3]
+    _, ref = REC[gate]
+    H, K, V = 2, 32, 32
+    tiles_per_sm = N * H * (V // 16) / num_sms(torch.device(DEV))
+    assert _klast_decode_launch(K, tiles_per_sm, variant == "kda_v1") == (
+        (True, 16, 1, 8) if N == 5 else (True, 8, 1, 16) if variant == "kda_v1" else (False, 8, 1, 0))
+    gen = torch.Generator().manual_seed(N)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(N, 1, H, K), r(N, 1, H, K), r(N, 1, H, V)
+    beta = torch.rand(N, 1, H, generator=gen, dtype=torch.float64)
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    if variant.endswith("v1"):
+        g = r(N, 1, H, K) if gate == "kda" else r(N, 1, H)
+        kw.update(use_gate_in_kernel=True, A_log=torch.rand(H, generator=gen, dtype=torch.float64),
+                  dt_bias=r(H * K) if gate == "kda" else r(H))
+    else:
+        g = -torch.rand(N, 1, H, K, generator=gen, dtype=torch.float64)
+    pool = r(N + 4, H, K, V)
+    idx = torch.randperm(N + 4, generator=gen)[:N]
+    idx[1] = -1
+    pool_ref = pool.clone()
+    o_ref, _ = ref(q, k, v, g, beta, initial_state=pool_ref, ssm_state_indices=idx, **kw)
+    if "A_log" in kw:
+        kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
+    pool_fast = _k_last(pool.float().to(DEV))
+    o, _ = getattr(hyla_triton, REC[gate][0])(*_f32(q, k, v, g, beta), initial_state=pool_fast,
+                                              ssm_state_indices=idx.to(DEV), **kw)
+    _check(o, o_ref, "o")
+    assert torch.all(o[1] == 0), "a padding row's output is 0"
+    _check(pool_fast, pool_ref, "pool")
 
 
 def test_persistent_decode_rejects_other_calls():
@@ -449,8 +506,21 @@ def test_persistent_decode_rejects_other_calls():
                           decode_stages=bad)
 
 
+def test_pool_of_other_strides_is_an_error():
+    """The pool is updated in place, so only its two layouts are taken: a pool whose head axis
+    is not where it belongs (or any other view) is a ValueError naming both, never a silent copy."""
+    from hyla.ops.triton.recurrent import recurrent_fwd
+
+    q, k, v, g, beta, _ = make_inputs(2, 1, 2, 32, 32, seed=3)
+    idx = torch.tensor([0, 1], device=DEV)
+    odd = torch.zeros(2, 4, 32, 32, device=DEV).transpose(0, 1)  # heads outermost: [4, 2, 32, 32] view
+    with pytest.raises(ValueError, match="contiguous .* or K-last"):
+        recurrent_fwd(*_f32(q, k, v, g, beta), gate="kda", initial_state=odd, ssm_state_indices=idx)
+
+
+@pytest.mark.parametrize("layout", ["kv", "klast"])
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_verify_with_rejected_drafts(gate):
+def test_verify_with_rejected_drafts(gate, layout):
     """[N, 1 + num_spec] slots, varlen drafts, num_accepted_tokens from the previous step: the
     state after token j lands in slot j only; untouched slots keep their contents."""
     name, ref = REC[gate]
@@ -466,6 +536,8 @@ def test_verify_with_rejected_drafts(gate):
     o_ref, _ = ref(q, k, v, g, beta, initial_state=pool_ref, cu_seqlens=cu, ssm_state_indices=idx,
                    num_accepted_tokens=n_acc)
     pool_fast = pool.float().to(DEV)
+    if layout == "klast":
+        pool_fast = _k_last(pool_fast)
     o, _ = fast(*_f32(q, k, v, g, beta), initial_state=pool_fast, cu_seqlens=cu.to(DEV),
                 ssm_state_indices=idx.to(DEV), num_accepted_tokens=n_acc.to(DEV))
     _check(o, o_ref, "o")

@@ -9,6 +9,8 @@ nothing is read or written and its outputs are 0.
 One program per (value block of BV columns, sequence, value head) holds S [K, BV] in fp32
 registers. Decode is bound by the pool traffic (read and write K * V * 4 bytes per head), so the
 program loads its whole state tile at once and everything else is a few hundred bytes per token.
+The pool may be stored K-last (hyla.contract.state_pool, what the engine allocates) or
+contiguous [num_slots, HV, K, V] (fla's); recurrent_step.state_offsets addresses either.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import head_gate_params
 from hyla.ops.triton.params import gate_params, num_sms, token_rows
 from hyla.ops.triton.recurrent_decode import decode_persistent_kernel
-from hyla.ops.triton.recurrent_step import token_step
+from hyla.ops.triton.recurrent_step import state_offsets, token_step
 from hyla.ops import recurrent as _reference
 from hyla.ops import utils
 from hyla.ops.utils import check_inputs
@@ -40,7 +42,7 @@ def recurrent_kernel(
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    POOL: tl.constexpr, SPEC: tl.constexpr,
+    POOL: tl.constexpr, SPEC: tl.constexpr, KLAST: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -58,7 +60,7 @@ def recurrent_kernel(
     m_k = o_k < K
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
-    tile = i_hv * K * V + o_k[:, None] * V + o_v[None, :]  # offsets inside one [HV, K, V] state
+    tile = i_hv * K * V + state_offsets(o_k, o_v, K, V, KLAST)  # offsets inside one [HV, K, V] state
 
     # Which state to start from; a negative pool slot marks a padding row.
     if POOL:
@@ -161,6 +163,43 @@ def _decode_launch(BK: int, V: int, state_bytes: int, block_v, num_warps, progra
     return bv, warps, pps, stages
 
 
+# Over a K-last pool (hyla.contract.state_pool) a tile of BV value columns is one contiguous
+# BV * K * 4-byte run and one warp reduces it over K. Measured on an H200 (BENCHMARKS.md, eleventh
+# pass; 32 value heads, K = V = 128 and 256): one program per 8-column tile, one warp, is the
+# fastest decode from 32 sequences on (87-95% of copy bandwidth at N >= 64, against 77-84% for
+# the best schedule over a V-contiguous pool); below ~48 16-column tiles per SM the persistent
+# prefetch loop (K <= 128) is faster. A per-channel gate computed in the kernel (KDA with
+# use_gate_in_kernel) costs each tile K activations, which one program per tile cannot hide at
+# N = 64 (80%): the persistent loop with 8-column tiles and 16 programs per SM does (87-89%).
+# Verify (several tokens, every position's state written): 16 columns, one warp (83-89%,
+# against 55-75%).
+_KLAST_DECODE_TILE = (8, 1)  # (block_v, num_warps) of one program per tile
+_KLAST_VERIFY_TILE = (16, 1)
+_KLAST_PERSISTENT_MAX_TILES_PER_SM = 48
+
+
+def _klast_decode_launch(BK: int, tiles_per_sm: float, channel_gate_in_kernel: bool) -> tuple[bool, int, int, int]:
+    """A plain decode step over a K-last pool -> (persistent, value block, warps, programs per SM
+    or 0 when not persistent); tiles_per_sm counts 16-column tiles."""
+    if BK <= 128 and tiles_per_sm < _KLAST_PERSISTENT_MAX_TILES_PER_SM:
+        return True, 16, 1, 8
+    if BK <= 128 and channel_gate_in_kernel:
+        return True, 8, 1, 16
+    return (False, *_KLAST_DECODE_TILE, 0)
+
+
+def _pool_is_k_last(pool: torch.Tensor) -> bool:
+    """The state pool's layout: False for a contiguous [num_slots, HV, K, V] (fla's), True for
+    K-last, the transposed view of a contiguous [num_slots, HV, V, K]. Any other strides are an
+    error: the pool is updated in place, so it cannot be made contiguous here."""
+    if pool.is_contiguous():
+        return False
+    if pool.transpose(-1, -2).is_contiguous():
+        return True
+    raise ValueError(f"the state pool `initial_state` must be contiguous [num_slots, HV, K, V] or K-last (the "
+                     f"transposed view of a contiguous [num_slots, HV, V, K]); got strides {tuple(pool.stride())}")
+
+
 def _block_v(n_heads_total: int, V: int, device) -> int:
     """Value-block width: 64 columns (256 B rows of the fp32 state, 4 warps) when that still
     gives every SM four programs, else 32, else 16 (measured on an H200: at N = 64 and 256
@@ -219,9 +258,8 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
     gc = qc if g is None else g.contiguous()
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
     spec = pooled and ssm_state_indices.ndim == 2
+    klast = pooled and _pool_is_k_last(initial_state)
     if pooled:
-        if not initial_state.is_contiguous():
-            raise ValueError("the state pool `initial_state` must be contiguous (it is updated in place)")
         h0 = ht = initial_state
         idx = ssm_state_indices.contiguous()
         n_acc = num_accepted_tokens.contiguous() if spec else idx
@@ -237,8 +275,14 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
     # Plain decode (one token per sequence, pool in place): the persistent prefetching kernel
     # when the grid is large enough for its schedule to matter (recurrent_decode.py).
     one_token = pooled and not spec and cu_seqlens is None and T == 1
+    tiles_per_sm = n * HV * triton.cdiv(V, 16) / num_sms(dev)
+    # a K-last pool's measured launch: (persistent, block_v, warps, programs per SM)
+    kl = _klast_decode_launch(BK, tiles_per_sm, gate == "kda" and gate_fn > 0) if klast and one_token else None
     if persistent is None:
-        persistent = one_token and n * HV * triton.cdiv(V, 16) >= _PERSISTENT_MIN_TILES_PER_SM * num_sms(dev)
+        if klast:
+            persistent = kl is not None and kl[0]
+        else:
+            persistent = one_token and tiles_per_sm >= _PERSISTENT_MIN_TILES_PER_SM
     elif persistent and not one_token:
         raise ValueError("persistent=True needs a plain decode step: a 1-D pool index and one token per sequence")
     if not persistent and (programs_per_sm or decode_stages is not None):
@@ -249,6 +293,8 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             raise ValueError(f"`decode_stages` must be an int >= 0 (0: register prefetch, >= 1: Triton-pipelined "
                              f"loop with that many stages), got {decode_stages!r}")
     if n and persistent:
+        if kl is not None and kl[0]:  # the K-last launch; a knob the caller gives is kept
+            block_v, num_warps, programs_per_sm = block_v or kl[1], num_warps or kl[2], programs_per_sm or kl[3]
         BV, warps, pps, stages = _decode_launch(BK, V, initial_state.element_size(), block_v, num_warps,
                                                 programs_per_sm, decode_stages)
         n_tiles = n * HV * triton.cdiv(V, BV)
@@ -259,10 +305,14 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            STAGES=stages, num_warps=warps,
+            STAGES=stages, KLAST=klast, num_warps=warps,
         )
     elif n:
-        BV = block_v or _block_v(n * HV, V, dev)
+        if klast:
+            bv, warps = _KLAST_DECODE_TILE if one_token else _KLAST_VERIFY_TILE
+            BV, warps = block_v or bv, num_warps or warps
+        else:
+            BV, warps = block_v or _block_v(n * HV, V, dev), num_warps or 4
         recurrent_kernel[(triton.cdiv(V, BV), n * HV)](
             qc, kc, vc, gc, bc,
             a_log if a_log is not None else o, dtb if dtb is not None else o,
@@ -273,8 +323,8 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
             IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=store_ht,
-            POOL=pooled, SPEC=spec,
-            num_warps=num_warps or 4,
+            POOL=pooled, SPEC=spec, KLAST=klast,
+            num_warps=warps,
         )
     if pooled:
         return o, initial_state

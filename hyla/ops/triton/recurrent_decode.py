@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from hyla.ops.triton.common import head_gate_params
-from hyla.ops.triton.recurrent_step import token_step
+from hyla.ops.triton.recurrent_step import state_offsets, token_step
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _tile_mask(o_k, o_v, slot, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
 
 @triton.jit
 def _state_tile(pool, idx, tile, n_tiles, NVB: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KLAST: tl.constexpr):
     """Tile number -> (its state [BK, BV] fp32, slot, sequence, value head, value columns); a tile
     past the end or of a padding row loads zeros with slot -1."""
     in_range = tile < n_tiles
@@ -51,7 +51,7 @@ def _state_tile(pool, idx, tile, n_tiles, NVB: tl.constexpr, HV: tl.constexpr, K
     slot = tl.where(in_range, slot, -1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)
     b_s = tl.load(pool + off, mask=_tile_mask(o_k, o_v, slot, K, V, BK, BV), other=0.0)
     return b_s.to(tl.float32), slot, i_n, i_hv, o_v
 
@@ -60,7 +60,8 @@ def _state_tile(pool, idx, tile, n_tiles, NVB: tl.constexpr, HV: tl.constexpr, K
 def _step_and_store(b_s, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
                     o, pool, sq, sk, sv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+                    KLAST: tl.constexpr):
     """One tile's token step; its output row and its state written back (nothing for slot -1).
     The tile's offsets and mask are recomputed here rather than carried from the load: carried
     through the prefetch loop they would hold [BK, BV] int64 offsets and predicates in registers."""
@@ -72,7 +73,7 @@ def _step_and_store(b_s, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias,
                           sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
     b_o = tl.where(live, b_o, 0.0)
     tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=o_v < V)
-    off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)
     tl.store(pool + off, b_s.to(pool.dtype.element_ty), mask=_tile_mask(o_k, o_v, slot, K, V, BK, BV))
 
 
@@ -83,26 +84,28 @@ def decode_persistent_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STAGES: tl.constexpr,
+    USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STAGES: tl.constexpr, KLAST: tl.constexpr,
 ):
     """Grid: a fixed number of programs; program p works tiles p, p + grid, ... of the
     n_tiles = N * HV * cdiv(V, BV) (value block fastest, then value head, then sequence).
     STAGES = 0: the next tile's state is loaded into registers before the current one is worked
     (one tile ahead); STAGES >= 2: Triton's pipeliner keeps STAGES - 1 tiles in flight through
-    shared memory."""
+    shared memory. KLAST: the pool is stored K-last (recurrent_step.state_offsets)."""
     NVB: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     if STAGES == 0:
-        cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, BK, BV)
+        cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, BK, BV, KLAST)
         for tile in range(pid, n_tiles, step):
             # issue the next tile's state load first: it is in flight while this tile is worked on
-            nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, BK, BV)
+            nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, BK, BV, KLAST)
             _step_and_store(cur, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-                            o, pool, sq, sk, sv, H, HV, K, V, BK, BV, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID)
+                            o, pool, sq, sk, sv, H, HV, K, V, BK, BV, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID,
+                            KLAST)
             cur, slot, i_n, i_hv, o_v = nxt, n_slot, n_n, n_hv, n_v
     else:
         for tile in tl.range(pid, n_tiles, step, num_stages=STAGES):
-            cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, tile, n_tiles, NVB, HV, K, V, BK, BV)
+            cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, tile, n_tiles, NVB, HV, K, V, BK, BV, KLAST)
             _step_and_store(cur, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-                            o, pool, sq, sk, sv, H, HV, K, V, BK, BV, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID)
+                            o, pool, sq, sk, sv, H, HV, K, V, BK, BV, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID,
+                            KLAST)

@@ -9,6 +9,16 @@ from hyla.ops.triton.common import apply_gate, sigmoid
 
 
 @triton.jit
+def state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, KLAST: tl.constexpr):
+    """[BK, BV] element offsets of rows o_k, columns o_v inside one head's state [K, V]: V
+    contiguous (fla's layout), or K-last (KLAST: stored [V, K], hyla.contract.state_pool)."""
+    if KLAST:
+        return o_k[:, None] + o_v[None, :] * K
+    else:
+        return o_k[:, None] * V + o_v[None, :]
+
+
+@triton.jit
 def token_step(b_s, q, k, v, g, beta, row, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale, sq, sk, sv,
                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                GATE: tl.constexpr, GATE_FN: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
