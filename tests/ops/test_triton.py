@@ -773,3 +773,14 @@ def test_conv_verify_matches_torch(L, W):
     got = hyla_triton.causal_conv1d_verify(cols, got_pool, *_f32(weight), None, "silu",
                                            read_indices=read.to(DEV), write_indices=write.to(DEV))
     assert torch.equal(got, want), "strided rows give the contiguous result"
+
+
+@pytest.mark.parametrize("script", ["decode_schedules", "verify_schedules"])
+def test_schedule_scripts_kernels_are_exact(script):
+    """The benchmark scripts' own kernels (other schedules, no-work floors) against the shipped
+    op, so their GPU tables time kernels that compute the right thing."""
+    if DEV != "cpu":
+        pytest.skip("their checks run on CPU tensors in the interpreter")
+    from tests.scripts import load_script
+
+    load_script(script).check()

@@ -171,10 +171,10 @@ def _decode_launch(BK: int, V: int, state_bytes: int, block_v, num_warps, progra
 # prefetch loop (K <= 128) is faster. A per-channel gate computed in the kernel (KDA with
 # use_gate_in_kernel) costs each tile K activations, which one program per tile cannot hide at
 # N = 64 (80%): the persistent loop with 8-column tiles and 16 programs per SM does (87-89%).
-# Verify (several tokens, every position's state written): 16 columns, one warp (83-89%,
-# against 55-75%).
+# Verify (several tokens, every position's state written), one warp: 8 columns with a
+# per-channel gate (KDA: 83-88%), 16 with a scalar one (GDN: 85-89%), against 55-75%.
 _KLAST_DECODE_TILE = (8, 1)  # (block_v, num_warps) of one program per tile
-_KLAST_VERIFY_TILE = (16, 1)
+_KLAST_VERIFY_TILE = {True: (8, 1), False: (16, 1)}  # by "the gate is per channel"
 _KLAST_PERSISTENT_MAX_TILES_PER_SM = 48
 
 
@@ -309,7 +309,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
         )
     elif n:
         if klast:
-            bv, warps = _KLAST_DECODE_TILE if one_token else _KLAST_VERIFY_TILE
+            bv, warps = _KLAST_DECODE_TILE if one_token else _KLAST_VERIFY_TILE[gate == "kda"]
             BV, warps = block_v or bv, num_warps or warps
         else:
             BV, warps = block_v or _block_v(n * HV, V, dev), num_warps or 4
