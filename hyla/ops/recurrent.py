@@ -13,6 +13,8 @@ State pool addressing (the fla / vLLM contract):
   therefore only ever lands in a slot the next step does not start from.
 - A negative slot index marks a padding row (as vLLM's PAD_SLOT_ID): nothing is read or written
   for it and its outputs are 0.
+- The pool [num_slots, HV, K, V] is written in place through whatever strides it has; the Triton
+  kernels take it contiguous (fla's layout) or K-last (hyla.contract.state_pool, the engine's).
 """
 
 from __future__ import annotations
