@@ -15,6 +15,8 @@ loads in flight while it works on the current one. Two ways (recurrent._decode_l
 - STAGES >= 2, K = 256: a [256, 16] tile twice over does not fit one warp's registers, so the
   loop is left to Triton's pipeliner (`tl.range(num_stages=STAGES)`), which issues each tile's
   loads STAGES - 1 tiles ahead into shared memory (cp.async).
+The pool may be V-contiguous or K-last (KLAST, recurrent_step.state_offsets); over a K-last pool
+recurrent.py takes this kernel only for short grids and KDA's in-kernel gate (_klast_decode_launch).
 """
 
 from __future__ import annotations
