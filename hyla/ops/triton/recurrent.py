@@ -272,8 +272,9 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
         idx_w = 1
         store_ht = ht is not None
     BK = max(16, triton.next_power_of_2(K))
-    # Plain decode (one token per sequence, pool in place): the persistent prefetching kernel
-    # when the grid is large enough for its schedule to matter (recurrent_decode.py).
+    # Plain decode (one token per sequence, pool in place) may take the persistent prefetching
+    # kernel (recurrent_decode.py): over a V-contiguous pool from _PERSISTENT_MIN_TILES_PER_SM
+    # tiles per SM on, over a K-last pool where _klast_decode_launch measured it faster.
     one_token = pooled and not spec and cu_seqlens is None and T == 1
     tiles_per_sm = n * HV * triton.cdiv(V, 16) / num_sms(dev)
     # a K-last pool's measured launch: (persistent, block_v, warps, programs per SM)
