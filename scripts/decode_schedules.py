@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hyla.contract import as_k_last
 from hyla.ops.triton import recurrent as rec
 from hyla.ops.triton.recurrent_decode import _state_tile, _tile_mask
 from hyla.ops.triton.recurrent_step import state_offsets
@@ -54,11 +55,6 @@ def rmw_kernel(pool, idx, n_tiles, HV: tl.constexpr, K: tl.constexpr, V: tl.cons
         off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)
         tl.store(pool + off, cur, mask=_tile_mask(o_k, o_v, slot, K, V, K, BV))
         cur, slot, i_n, i_hv, o_v = nxt, n_slot, n_n, n_hv, n_v
-
-
-def k_last(pool: torch.Tensor) -> torch.Tensor:
-    """The same values in a K-last pool (hyla.contract.state_pool's layout)."""
-    return pool.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def inputs(N, H, HV, D, gate, fused, slots, dev, gen):
@@ -99,12 +95,12 @@ def check():
             o = launch(schedule, q, k, v, g, beta, p, idx, gate, kw)
             torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
             torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-5)
-        p = k_last(pool)
+        p = as_k_last(pool)
         o = rec.recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=p, ssm_state_indices=idx, **kw)[0]
         torch.testing.assert_close(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-5)
         for klast in (False, True):
-            p = k_last(pool) if klast else pool.clone()
+            p = as_k_last(pool) if klast else pool.clone()
             rmw_kernel[(4,)](p, idx, 5 * 4 * (D // 16), HV=4, K=D, V=D, BV=16, KLAST=klast)
             torch.testing.assert_close(p, pool)
         print(f"ok: {gate}{' fused' if fused else ''} D={D}, {len(SCHEDULES)} schedules and the RMW floor")
@@ -134,7 +130,7 @@ def table(ns):
     print("|---|---:|" + "---:|" * len(names))
     for gate, fused, H, HV, D in CELLS:
         pool = torch.randn(2 * max(ns), HV, D, D, device="cuda", generator=gen)
-        pool_kl = k_last(pool)
+        pool_kl = as_k_last(pool)
         for N in ns:
             q, k, v, g, beta, idx, kw = inputs(N, H, HV, D, gate, fused, pool.shape[0], "cuda", gen)
             nbytes = N * HV * D * D * 4 * 2

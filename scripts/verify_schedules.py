@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hyla.contract import as_k_last
 from hyla.ops.triton import recurrent as rec
 from hyla.ops.triton.recurrent_step import state_offsets, token_step
 
@@ -102,10 +103,6 @@ def persistent_verify(q, k, v, g, beta, pool, idx, T: int, block_v: int = 8, pro
     return o
 
 
-def k_last(pool: torch.Tensor) -> torch.Tensor:
-    return pool.transpose(-1, -2).contiguous().transpose(-1, -2)
-
-
 def inputs(N, T, H, D, slots, dev, gen):
     r = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
     q, k, v = (r(1, N * T, H, D).bfloat16() for _ in range(3))
@@ -123,7 +120,7 @@ def check(dev: str = "cpu") -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     for T in (2, 3):
         q, k, v, g, beta, idx, kw = inputs(5, T, 2, 32, 20, dev, gen)
-        pool = k_last(torch.randn(20, 2, 32, 32, device=dev, generator=gen))
+        pool = as_k_last(torch.randn(20, 2, 32, 32, device=dev, generator=gen))
         p_ref = pool.clone()
         o_ref, _ = rec.recurrent_fwd(q, k, v, g, beta, initial_state=p_ref, **kw)
         p = pool.clone()
@@ -148,7 +145,7 @@ def table() -> None:
     t = lambda f: tt.do_bench_cudagraph(f, rep=40, return_mode="median") * 1e3  # noqa: E731
     gen = torch.Generator(device="cuda").manual_seed(3)
     D, H, slots = 128, 32, 1100
-    pool = k_last(torch.randn(slots, H, D, D, device="cuda", generator=gen))
+    pool = as_k_last(torch.randn(slots, H, D, D, device="cuda", generator=gen))
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s; KDA {H} heads, D = {D}; us (% of copy)")
     for N, T in ((64, 2), (64, 4), (256, 2)):
         q, k, v, g, beta, idx, kw = inputs(N, T, H, D, slots, "cuda", gen)

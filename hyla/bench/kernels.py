@@ -30,6 +30,8 @@ import platform
 import torch
 import torch.nn.functional as F
 
+from hyla.contract import as_k_last
+
 PREFILL_SHAPES = [(1, 32768, 32, 128), (8, 4096, 32, 128), (32, 1024, 32, 128)]
 # The released models' head layouts, at 32K tokens, each with its model's gate (B, T, H, D, HV):
 # GLM-5-Next's 64 KDA heads with the safe gate, Qwen3-Next / Qwen3.5's GDN with 16 k-heads and
@@ -192,7 +194,7 @@ def run_decode(ns, copy_bw, vs_fla, H=32, D=128, tune=False):
     gen = torch.Generator(device="cuda").manual_seed(1)
     slots = 2 * max(ns)
     pool_kv = torch.randn(slots, H, D, D, device="cuda", generator=gen)  # fla's layout
-    pool = pool_kv.transpose(-1, -2).contiguous().transpose(-1, -2)  # K-last: hyla's engine layout
+    pool = as_k_last(pool_kv)  # hyla's engine layout
     rows = []
     for N in ns:
         q, k, v = (torch.randn(N, 1, H, D, device="cuda", generator=gen).bfloat16() for _ in range(3))

@@ -8,7 +8,7 @@ hyla.engine all import it from below.
 - the layer caches (cache.py): `LayerCache` and its two kinds, `LinearLayerCache` (state slots:
   KDALayerCache, GDNLayerCache) and `PagedLayerCache` (KV pages: MLALayerCache, DSALayerCache,
   KVLayerCache),
-  and `HybridCache`, a model's per-layer pools; `state_pool` allocates a state slot pool (K-last).
+  and `HybridCache`, a model's per-layer pools; `state_pool` allocates a state slot pool (K-last), `as_k_last` copies states into that layout.
 
 A token mixer runs an engine step as `forward_batch(x [T_total, hidden], batch: ForwardBatch,
 cache: <its LayerCache>) -> [T_total, hidden]`; a stateful one (ShortConvDeltaRule) also has
@@ -26,10 +26,11 @@ from hyla.contract.cache import (
     LinearLayerCache,
     MLALayerCache,
     PagedLayerCache,
+    as_k_last,
     state_pool,
 )
 
 __all__ = [
     "ForwardBatch", "LayerCache", "LinearLayerCache", "PagedLayerCache", "KDALayerCache", "GDNLayerCache",
-    "MLALayerCache", "DSALayerCache", "KVLayerCache", "HybridCache", "state_pool",
+    "MLALayerCache", "DSALayerCache", "KVLayerCache", "HybridCache", "state_pool", "as_k_last",
 ]

@@ -43,6 +43,11 @@ def state_pool(num_slots: int, heads: int, K: int, V: int, dtype: torch.dtype, d
     return torch.zeros(num_slots, heads, V, K, dtype=dtype, device=device).transpose(-1, -2)
 
 
+def as_k_last(states: torch.Tensor) -> torch.Tensor:
+    """states [..., K, V] -> the same values in K-last memory (state_pool's layout), a copy."""
+    return states.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 class LayerCache:
     """The pools of one layer. Every tensor is indexed by slot (LinearLayerCache) or page
     (PagedLayerCache) on its first dim."""

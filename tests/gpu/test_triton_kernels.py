@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
+from hyla.contract import as_k_last  # noqa: E402
 from hyla.ops import chunk as torch_chunk  # noqa: E402
 from hyla.ops import recurrent as torch_rec  # noqa: E402
 from hyla.ops import triton as hyla_triton  # noqa: E402
@@ -193,8 +194,7 @@ def test_unbounded_gates_stay_finite_and_accurate_at_64k():
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_decode_and_verify_full_size(gate, layout):
     """Default launches over both pool layouts (the engine's is K-last: hyla.contract.state_pool)."""
-    as_layout = (lambda p: p.transpose(-1, -2).contiguous().transpose(-1, -2)) if layout == "klast" else (
-        lambda p: p)
+    as_layout = as_k_last if layout == "klast" else (lambda p: p)
     fast = hyla_triton.fused_recurrent_kda if gate == "kda" else hyla_triton.fused_recurrent_gated_delta_rule
     ref = torch_rec.fused_recurrent_kda if gate == "kda" else torch_rec.fused_recurrent_gated_delta_rule
     N, H, D = 64, 32, 128
@@ -262,7 +262,7 @@ def test_persistent_decode_full_size(gate, fused, H, HV, D, dtype, layout, persi
     idx[5] = -1
     p_fast, p_ref = pool.clone(), pool.clone()
     if layout == "klast":
-        p_fast = p_fast.transpose(-1, -2).contiguous().transpose(-1, -2)
+        p_fast = as_k_last(p_fast)
     o, _ = recurrent_fwd(q, k, v, g, beta, gate=gate, initial_state=p_fast, ssm_state_indices=idx,
                          persistent=persistent, **kw)
     ref = torch_rec.fused_recurrent_kda if gate == "kda" else torch_rec.fused_recurrent_gated_delta_rule

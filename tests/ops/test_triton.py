@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton`
 pytest.importorskip("triton", reason="triton is not installed (pip install 'hyla[triton]')")
 
+from hyla.contract import as_k_last  # noqa: E402
 from hyla.ops import chunk as torch_chunk  # noqa: E402
 from hyla.ops import recurrent as torch_rec  # noqa: E402
 from hyla.ops import triton as hyla_triton  # noqa: E402
@@ -368,11 +369,6 @@ def test_chunk_steep_scalar_decays():
 # ---- decode / verify ------------------------------------------------------------------------
 
 
-def _k_last(pool: torch.Tensor) -> torch.Tensor:
-    """The same values in a K-last pool (hyla.contract.state_pool's layout)."""
-    return pool.transpose(-1, -2).contiguous().transpose(-1, -2)
-
-
 @pytest.mark.parametrize("layout,persistent", [("kv", None), ("klast", None), ("klast", False)])
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_decode_over_a_pool_with_padding_rows(gate, layout, persistent):
@@ -388,13 +384,39 @@ def test_decode_over_a_pool_with_padding_rows(gate, layout, persistent):
     o_ref, _ = ref(q, k, v, g, beta, initial_state=pool_ref, ssm_state_indices=idx)
     pool_fast = pool.float().to(DEV)
     if layout == "klast":
-        pool_fast = _k_last(pool_fast)
+        pool_fast = as_k_last(pool_fast)
     o, out_pool = fast(*_f32(q, k, v, g, beta), initial_state=pool_fast, ssm_state_indices=idx.to(DEV),
                        persistent=persistent)
     assert out_pool is pool_fast  # in place
     _check(o, o_ref, "o")
     assert torch.all(o[2] == 0), "a padding row's output is 0"
     _check(pool_fast, pool_ref, "pool")
+
+
+def _decode_step(variant, N, H, HV, K, V, gen):
+    """One decode token per sequence in fp64 for the torch path -> (q, k, v, g, beta, kw):
+    variant "kda" / "gdn" with precomputed log-decays, "kda_v1" / "gdn_v1" with the raw gate and
+    its A_log / dt_bias in kw (use_gate_in_kernel); q / k L2-normed in the kernel."""
+    gate = variant[:3]
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(N, 1, H, K), r(N, 1, H, K), r(N, 1, HV, V)
+    beta = torch.rand(N, 1, HV, generator=gen, dtype=torch.float64)
+    gshape = (N, 1, HV, K) if gate == "kda" else (N, 1, HV)
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    if variant.endswith("v1"):
+        g = r(*gshape)
+        kw.update(use_gate_in_kernel=True, A_log=torch.rand(HV, generator=gen, dtype=torch.float64),
+                  dt_bias=r(HV * K) if gate == "kda" else r(HV))
+    else:
+        g = -torch.rand(*gshape, generator=gen, dtype=torch.float64)
+    return q, k, v, g, beta, kw
+
+
+def _on_device(kw):
+    """_decode_step's kw with its gate parameters as the kernels take them (fp32 on DEV)."""
+    if "A_log" not in kw:
+        return kw
+    return {**kw, "A_log": kw["A_log"].float().to(DEV), "dt_bias": kw["dt_bias"].float().to(DEV)}
 
 
 @pytest.mark.parametrize("K,block_v,stages,layout", [
@@ -415,27 +437,15 @@ def test_persistent_decode_equals_torch(variant, K, block_v, stages, layout):
     _, ref = REC[gate]
     N, H, HV, V = 6, 1, 2, 48
     gen = torch.Generator().manual_seed(81)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q, k, v = r(N, 1, H, K), r(N, 1, H, K), r(N, 1, HV, V)
-    beta = torch.rand(N, 1, HV, generator=gen, dtype=torch.float64)
-    kw = dict(use_qk_l2norm_in_kernel=True)
-    if variant.endswith("v1"):
-        g = r(N, 1, HV, K) if gate == "kda" else r(N, 1, HV)
-        A_log = torch.rand(HV, generator=gen, dtype=torch.float64)
-        dt_bias = r(HV * K) if gate == "kda" else r(HV)
-        kw.update(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
-    else:
-        g = -torch.rand(N, 1, HV, K, generator=gen, dtype=torch.float64) if gate == "kda" else \
-            -torch.rand(N, 1, HV, generator=gen, dtype=torch.float64)
-    pool = r(11, HV, K, V)
+    q, k, v, g, beta, kw = _decode_step(variant, N, H, HV, K, V, gen)
+    pool = torch.randn(11, HV, K, V, generator=gen, dtype=torch.float64)
     idx = torch.tensor([7, 2, -1, 0, 10, 5])
     pool_ref = pool.clone()
     o_ref, _ = ref(q, k, v, g, beta, initial_state=pool_ref, ssm_state_indices=idx, **kw)
-    if "A_log" in kw:
-        kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
+    kw = _on_device(kw)
     pool_fast = pool.float().to(DEV)
     if layout == "klast":
-        pool_fast = _k_last(pool_fast)
+        pool_fast = as_k_last(pool_fast)
     o, _ = recurrent_fwd(*_f32(q, k, v, g, beta), gate=gate, initial_state=pool_fast,
                          ssm_state_indices=idx.to(DEV), persistent=True, block_v=block_v, programs_per_sm=1,
                          decode_stages=stages, **kw)
@@ -461,24 +471,14 @@ def test_k_last_pool_default_launches(variant, N):
     assert _klast_decode_launch(K, tiles_per_sm, variant == "kda_v1") == (
         (True, 16, 1, 8) if N == 5 else (True, 8, 1, 16) if variant == "kda_v1" else (False, 8, 1, 0))
     gen = torch.Generator().manual_seed(N)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    q, k, v = r(N, 1, H, K), r(N, 1, H, K), r(N, 1, H, V)
-    beta = torch.rand(N, 1, H, generator=gen, dtype=torch.float64)
-    kw = dict(use_qk_l2norm_in_kernel=True)
-    if variant.endswith("v1"):
-        g = r(N, 1, H, K) if gate == "kda" else r(N, 1, H)
-        kw.update(use_gate_in_kernel=True, A_log=torch.rand(H, generator=gen, dtype=torch.float64),
-                  dt_bias=r(H * K) if gate == "kda" else r(H))
-    else:
-        g = -torch.rand(N, 1, H, K, generator=gen, dtype=torch.float64)
-    pool = r(N + 4, H, K, V)
+    q, k, v, g, beta, kw = _decode_step(variant, N, H, H, K, V, gen)
+    pool = torch.randn(N + 4, H, K, V, generator=gen, dtype=torch.float64)
     idx = torch.randperm(N + 4, generator=gen)[:N]
     idx[1] = -1
     pool_ref = pool.clone()
     o_ref, _ = ref(q, k, v, g, beta, initial_state=pool_ref, ssm_state_indices=idx, **kw)
-    if "A_log" in kw:
-        kw.update(A_log=kw["A_log"].float().to(DEV), dt_bias=kw["dt_bias"].float().to(DEV))
-    pool_fast = _k_last(pool.float().to(DEV))
+    kw = _on_device(kw)
+    pool_fast = as_k_last(pool.float().to(DEV))
     o, _ = getattr(hyla_triton, REC[gate][0])(*_f32(q, k, v, g, beta), initial_state=pool_fast,
                                               ssm_state_indices=idx.to(DEV), **kw)
     _check(o, o_ref, "o")
@@ -537,7 +537,7 @@ def test_verify_with_rejected_drafts(gate, layout):
                    num_accepted_tokens=n_acc)
     pool_fast = pool.float().to(DEV)
     if layout == "klast":
-        pool_fast = _k_last(pool_fast)
+        pool_fast = as_k_last(pool_fast)
     o, _ = fast(*_f32(q, k, v, g, beta), initial_state=pool_fast, cu_seqlens=cu.to(DEV),
                 ssm_state_indices=idx.to(DEV), num_accepted_tokens=n_acc.to(DEV))
     _check(o, o_ref, "o")
