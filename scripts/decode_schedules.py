@@ -49,9 +49,10 @@ def rmw_kernel(pool, idx, n_tiles, HV: tl.constexpr, K: tl.constexpr, V: tl.cons
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     o_k = tl.arange(0, K)
-    cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, K, BV, KLAST)
+    cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, idx, pid, n_tiles, NVB, HV, K, V, K, BV, KLAST, 1, False)
     for tile in range(pid, n_tiles, step):
-        nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, K, BV, KLAST)
+        nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, idx, tile + step, n_tiles, NVB, HV, K, V, K, BV, KLAST, 1,
+                                                  False)
         off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)
         tl.store(pool + off, cur, mask=_tile_mask(o_k, o_v, slot, K, V, K, BV))
         cur, slot, i_n, i_hv, o_v = nxt, n_slot, n_n, n_hv, n_v

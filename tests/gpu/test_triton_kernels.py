@@ -221,13 +221,15 @@ def test_decode_and_verify_full_size(gate, layout):
     n_acc = torch.randint(1, 5, (N,), device=DEV)
     n_acc[3] = 1
     pool = torch.randn(4 * N, H, D, D, device=DEV)
-    p_fast, p_ref = as_layout(pool.clone()), pool.clone()
-    o, _ = fast(q, k, v, g, beta, initial_state=p_fast, cu_seqlens=cu, ssm_state_indices=idx,
-                num_accepted_tokens=n_acc, use_qk_l2norm_in_kernel=True)
+    p_ref = pool.clone()
     o_ref, _ = reference(ref, q, k, v, g, beta, initial_state=p_ref, cu_seqlens=cu, ssm_state_indices=idx,
                          num_accepted_tokens=n_acc, use_qk_l2norm_in_kernel=True)
-    check("verify o", o, o_ref)
-    check("verify pool", p_fast, p_ref)
+    for knobs in ({}, dict(persistent=True)):  # the default launch, the persistent pool kernel
+        p_fast = as_layout(pool.clone())
+        o, _ = fast(q, k, v, g, beta, initial_state=p_fast, cu_seqlens=cu, ssm_state_indices=idx,
+                    num_accepted_tokens=n_acc, use_qk_l2norm_in_kernel=True, **knobs)
+        check(f"verify o {knobs}", o, o_ref)
+        check(f"verify pool {knobs}", p_fast, p_ref)
 
 
 @pytest.mark.parametrize("layout,persistent", [("kv", True), ("klast", True), ("klast", None)])

@@ -486,13 +486,43 @@ def test_k_last_pool_default_launches(variant, N):
     _check(pool_fast, pool_ref, "pool")
 
 
+@pytest.mark.parametrize("layout", ["kv", "klast"])
+@pytest.mark.parametrize("variant", ["kda_v1", "gdn"])
+def test_persistent_pool_kernel_over_rows_of_several_tokens(variant, layout):
+    """The persistent pool kernel on rows of T = 3 tokens each (no cu_seqlens) with a 1-D pool
+    index and a padding row: every row's state stepped through its tokens and written back to
+    its slot, as the torch path does."""
+    from hyla.ops.triton.recurrent import recurrent_fwd
+
+    gate = variant[:3]
+    _, ref = REC[gate]
+    N, T, H, K, V = 4, 3, 2, 32, 48
+    gen = torch.Generator().manual_seed(5)
+    steps = [_decode_step(variant, N, H, H, K, V, gen) for _ in range(T)]
+    q, k, v, g, beta = (torch.cat([s[i] for s in steps], dim=1) for i in range(5))
+    kw = steps[0][5]
+    pool = torch.randn(7, H, K, V, generator=gen, dtype=torch.float64)
+    idx = torch.tensor([6, -1, 0, 3])
+    pool_ref = pool.clone()
+    o_ref, _ = ref(q, k, v, g, beta, initial_state=pool_ref, ssm_state_indices=idx, **kw)
+    pool_fast = pool.float().to(DEV)
+    if layout == "klast":
+        pool_fast = as_k_last(pool_fast)
+    o, _ = recurrent_fwd(*_f32(q, k, v, g, beta), gate=gate, initial_state=pool_fast, ssm_state_indices=idx.to(DEV),
+                         persistent=True, programs_per_sm=1, **_on_device(kw))
+    _check(o, o_ref, "o")
+    assert torch.all(o[1] == 0), "a padding row's output is 0"
+    _check(pool_fast, pool_ref, "pool")
+    assert torch.equal(pool_fast[[1, 2, 4, 5]].cpu(), pool[[1, 2, 4, 5]].float()), "unaddressed slots"
+
+
 def test_persistent_decode_rejects_other_calls():
     from hyla.ops.triton.recurrent import recurrent_fwd
 
     q, k, v, g, beta, _ = make_inputs(2, 2, 2, 32, 32, seed=3)
-    with pytest.raises(ValueError, match="persistent"):
-        recurrent_fwd(*_f32(q, k, v, g, beta), gate="kda", initial_state=torch.zeros(4, 2, 32, 32, device=DEV),
-                      ssm_state_indices=torch.tensor([0, 1], device=DEV), persistent=True)
+    with pytest.raises(ValueError, match="persistent=True needs a state pool"):  # per-sequence states
+        recurrent_fwd(*_f32(q, k, v, g, beta), gate="kda", initial_state=torch.zeros(2, 2, 32, 32, device=DEV),
+                      persistent=True)
     # the persistent kernel's own knobs on a call that does not take it, and a bad loop depth
     step = _f32(*(x[:, :1] for x in (q, k, v, g, beta)))
     pool = torch.zeros(4, 2, 32, 32, device=DEV)
@@ -518,11 +548,13 @@ def test_pool_of_other_strides_is_an_error():
         recurrent_fwd(*_f32(q, k, v, g, beta), gate="kda", initial_state=odd, ssm_state_indices=idx)
 
 
+@pytest.mark.parametrize("persistent", [None, True])
 @pytest.mark.parametrize("layout", ["kv", "klast"])
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_verify_with_rejected_drafts(gate, layout):
+def test_verify_with_rejected_drafts(gate, layout, persistent):
     """[N, 1 + num_spec] slots, varlen drafts, num_accepted_tokens from the previous step: the
-    state after token j lands in slot j only; untouched slots keep their contents."""
+    state after token j lands in slot j only; untouched slots keep their contents. Default
+    launch, and the persistent pool kernel with one program walking every tile."""
     name, ref = REC[gate]
     fast = getattr(hyla_triton, name)
     H, K, V = 2, 32, 32
@@ -538,8 +570,9 @@ def test_verify_with_rejected_drafts(gate, layout):
     pool_fast = pool.float().to(DEV)
     if layout == "klast":
         pool_fast = as_k_last(pool_fast)
+    knobs = dict(persistent=True, programs_per_sm=1) if persistent else {}
     o, _ = fast(*_f32(q, k, v, g, beta), initial_state=pool_fast, cu_seqlens=cu.to(DEV),
-                ssm_state_indices=idx.to(DEV), num_accepted_tokens=n_acc.to(DEV))
+                ssm_state_indices=idx.to(DEV), num_accepted_tokens=n_acc.to(DEV), **knobs)
     _check(o, o_ref, "o")
     _check(pool_fast, pool_ref, "pool")
     assert torch.equal(pool_fast[12:].cpu(), pool[12:].float()), "unaddressed slots must stay untouched"

@@ -284,11 +284,12 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             persistent = kl is not None and kl[0]
         else:
             persistent = one_token and tiles_per_sm >= _PERSISTENT_MIN_TILES_PER_SM
-    elif persistent and not one_token:
-        raise ValueError("persistent=True needs a plain decode step: a 1-D pool index and one token per sequence")
+    elif persistent and not pooled:
+        raise ValueError("persistent=True needs a state pool (`ssm_state_indices`): the persistent kernel walks "
+                         "pool tiles")
     if not persistent and (programs_per_sm or decode_stages is not None):
-        raise ValueError("`programs_per_sm` and `decode_stages` set the persistent decode kernel's launch; this "
-                         "call does not take that kernel (pass persistent=True on a plain decode step)")
+        raise ValueError("`programs_per_sm` and `decode_stages` set the persistent pool kernel's launch; this "
+                         "call does not take that kernel (pass persistent=True with a state pool)")
     if decode_stages is not None:
         if isinstance(decode_stages, bool) or not isinstance(decode_stages, int) or decode_stages < 0:
             raise ValueError(f"`decode_stages` must be an int >= 0 (0: register prefetch, >= 1: Triton-pipelined "
@@ -302,11 +303,13 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
         decode_persistent_kernel[(min(n_tiles, pps * num_sms(dev)),)](
             qc, kc, vc, gc, bc,
             a_log if a_log is not None else o, dtb if dtb is not None else o,
-            lb, scale, o, initial_state, idx, n_tiles, sq, sk, sv,
+            lb, scale, o, initial_state, idx, n_acc, cu_seqlens if cu_seqlens is not None else o, n_tiles, T,
+            sq, sk, sv,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV,
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
-            STAGES=stages, KLAST=klast, num_warps=warps,
+            STAGES=stages, KLAST=klast, ROWS=not one_token, IS_VARLEN=cu_seqlens is not None, IDX_W=idx_w,
+            SPEC=spec, num_warps=warps,
         )
     elif n:
         if klast:

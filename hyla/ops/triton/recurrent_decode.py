@@ -39,17 +39,22 @@ def _tile_mask(o_k, o_v, slot, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def _state_tile(pool, idx, tile, n_tiles, NVB: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KLAST: tl.constexpr):
-    """Tile number -> (its state [BK, BV] fp32, slot, sequence, value head, value columns); a tile
-    past the end or of a padding row loads zeros with slot -1."""
+def _state_tile(pool, idx, n_acc, tile, n_tiles, NVB: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, KLAST: tl.constexpr, IDX_W: tl.constexpr,
+                SPEC: tl.constexpr):
+    """Tile number -> (its start state [BK, BV] fp32, its slot, row, value head, value columns); a
+    tile past the end or of a padding row loads zeros with slot -1. SPEC: a verify row starts from
+    idx[n, n_acc[n] - 1] (the slot of the last token accepted), else from idx[n]."""
     in_range = tile < n_tiles
     t = tl.where(in_range, tile, 0)
     i_v = t % NVB
     i_nh = t // NVB
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    slot = tl.load(idx + i_n).to(tl.int64)
+    if SPEC:
+        slot = tl.load(idx + i_n * IDX_W + tl.load(n_acc + i_n) - 1).to(tl.int64)
+    else:
+        slot = tl.load(idx + i_n).to(tl.int64)
     slot = tl.where(in_range, slot, -1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -59,55 +64,94 @@ def _state_tile(pool, idx, tile, n_tiles, NVB: tl.constexpr, HV: tl.constexpr, K
 
 
 @triton.jit
-def _step_and_store(b_s, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-                    o, pool, sq, sk, sv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
-                    KLAST: tl.constexpr):
-    """One tile's token step; its output row and its state written back (nothing for slot -1).
-    The tile's offsets and mask are recomputed here rather than carried from the load: carried
-    through the prefetch loop they would hold [BK, BV] int64 offsets and predicates in registers."""
+def _token(b_s, live, t, i_h, i_hv, o_k, o_v, q, k, v, g, beta, a_log, bias, lower_bound, scale, o, sq, sk, sv,
+           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, GATE: tl.constexpr,
+           GATE_FN: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """Token row t on one tile: the state after it; its output stored (0 for a padding row)."""
+    b_s, b_o = token_step(b_s, q, k, v, g, beta, t, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
+                          sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
+    b_o = tl.where(live, b_o, 0.0)
+    tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=o_v < V)
+    return b_s
+
+
+@triton.jit
+def _steps_and_store(b_s, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+                     o, pool, idx, cu_seqlens, T, sq, sk, sv, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                     V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr, GATE_FN: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
+                     KLAST: tl.constexpr, ROWS: tl.constexpr, IS_VARLEN: tl.constexpr, IDX_W: tl.constexpr,
+                     SPEC: tl.constexpr):
+    """One tile through its row's tokens (ROWS: T each, or cu_seqlens' lengths with IS_VARLEN;
+    else the one token of row i_n) and its state written back: after the last token to its own
+    slot, or (SPEC) after token j to idx[n, j] where that is >= 0. Nothing is written for a
+    padding row (slot -1). The tile's offsets and mask are recomputed here rather than carried
+    from the load: carried through the prefetch loop they would hold [BK, BV] int64 offsets and
+    predicates in registers."""
     o_k = tl.arange(0, BK)
     i_h = i_hv // (HV // H)
     live = slot >= 0
     a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
-    b_s, b_o = token_step(b_s, q, k, v, g, beta, i_n, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
-                          sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
-    b_o = tl.where(live, b_o, 0.0)
-    tl.store(o + (i_n * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=o_v < V)
-    off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)
-    tl.store(pool + off, b_s.to(pool.dtype.element_ty), mask=_tile_mask(o_k, o_v, slot, K, V, BK, BV))
+    if ROWS:
+        if IS_VARLEN:
+            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        else:
+            bos = i_n.to(tl.int64) * T
+            eos = bos + T
+        for t in range(bos, eos):
+            b_s = _token(b_s, live, t, i_h, i_hv, o_k, o_v, q, k, v, g, beta, a_log, bias, lower_bound, scale, o,
+                         sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
+            if SPEC:
+                # as recurrent_kernel: a row longer than the slot width writes no more states
+                j = t - bos
+                dst = tl.load(idx + i_n * IDX_W + j, mask=j < IDX_W, other=-1).to(tl.int64)
+                off = (tl.maximum(dst, 0) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)
+                tl.store(pool + off, b_s.to(pool.dtype.element_ty),
+                         mask=_tile_mask(o_k, o_v, slot, K, V, BK, BV) & (dst >= 0))
+    else:
+        b_s = _token(b_s, live, i_n, i_h, i_hv, o_k, o_v, q, k, v, g, beta, a_log, bias, lower_bound, scale, o,
+                     sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
+    if not SPEC:
+        off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)
+        tl.store(pool + off, b_s.to(pool.dtype.element_ty), mask=_tile_mask(o_k, o_v, slot, K, V, BK, BV))
 
 
-@triton.jit(do_not_specialize=["lower_bound", "scale", "n_tiles"])
+@triton.jit(do_not_specialize=["lower_bound", "scale", "n_tiles", "T"])
 def decode_persistent_kernel(
     q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-    o, pool, idx, n_tiles, sq, sk, sv,
+    o, pool, idx, n_acc, cu_seqlens, n_tiles, T, sq, sk, sv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STAGES: tl.constexpr, KLAST: tl.constexpr,
+    ROWS: tl.constexpr, IS_VARLEN: tl.constexpr, IDX_W: tl.constexpr, SPEC: tl.constexpr,
 ):
     """Grid: a fixed number of programs; program p works tiles p, p + grid, ... of the
-    n_tiles = N * HV * cdiv(V, BV) (value block fastest, then value head, then sequence).
+    n_tiles = N * HV * cdiv(V, BV) (value block fastest, then value head, then row).
     STAGES = 0: the next tile's state is loaded into registers before the current one is worked
     (one tile ahead); STAGES >= 2: Triton's pipeliner keeps STAGES - 1 tiles in flight through
-    shared memory. KLAST: the pool is stored K-last (recurrent_step.state_offsets)."""
+    shared memory. KLAST: the pool is stored K-last (recurrent_step.state_offsets). ROWS: a row
+    holds T tokens (cu_seqlens' lengths with IS_VARLEN), else one; SPEC: a speculative verify
+    (idx [N, IDX_W], n_acc [N])."""
     NVB: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     if STAGES == 0:
-        cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, pid, n_tiles, NVB, HV, K, V, BK, BV, KLAST)
+        cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, n_acc, pid, n_tiles, NVB, HV, K, V, BK, BV, KLAST,
+                                                IDX_W, SPEC)
         for tile in range(pid, n_tiles, step):
             # issue the next tile's state load first: it is in flight while this tile is worked on
-            nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, tile + step, n_tiles, NVB, HV, K, V, BK, BV, KLAST)
-            _step_and_store(cur, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-                            o, pool, sq, sk, sv, H, HV, K, V, BK, BV, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID,
-                            KLAST)
+            nxt, n_slot, n_n, n_hv, n_v = _state_tile(pool, idx, n_acc, tile + step, n_tiles, NVB, HV, K, V, BK, BV,
+                                                      KLAST, IDX_W, SPEC)
+            _steps_and_store(cur, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+                             o, pool, idx, cu_seqlens, T, sq, sk, sv, H, HV, K, V, BK, BV, GATE, GATE_FN, HAS_BIAS,
+                             USE_L2NORM, BETA_SIGMOID, KLAST, ROWS, IS_VARLEN, IDX_W, SPEC)
             cur, slot, i_n, i_hv, o_v = nxt, n_slot, n_n, n_hv, n_v
     else:
         for tile in tl.range(pid, n_tiles, step, num_stages=STAGES):
-            cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, tile, n_tiles, NVB, HV, K, V, BK, BV, KLAST)
-            _step_and_store(cur, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
-                            o, pool, sq, sk, sv, H, HV, K, V, BK, BV, GATE, GATE_FN, HAS_BIAS, USE_L2NORM, BETA_SIGMOID,
-                            KLAST)
+            cur, slot, i_n, i_hv, o_v = _state_tile(pool, idx, n_acc, tile, n_tiles, NVB, HV, K, V, BK, BV, KLAST,
+                                                    IDX_W, SPEC)
+            _steps_and_store(cur, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias, lower_bound, scale,
+                             o, pool, idx, cu_seqlens, T, sq, sk, sv, H, HV, K, V, BK, BV, GATE, GATE_FN, HAS_BIAS,
+                             USE_L2NORM, BETA_SIGMOID, KLAST, ROWS, IS_VARLEN, IDX_W, SPEC)
