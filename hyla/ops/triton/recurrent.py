@@ -23,7 +23,7 @@ from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import head_gate_params
 from hyla.ops.triton.params import gate_params, num_sms, token_rows
 from hyla.ops.triton.recurrent_decode import decode_persistent_kernel
-from hyla.ops.triton.recurrent_step import state_offsets, token_step
+from hyla.ops.triton.recurrent_step import state_offsets, token_loads, token_update
 from hyla.ops import recurrent as _reference
 from hyla.ops import utils
 from hyla.ops.utils import check_inputs
@@ -42,7 +42,7 @@ def recurrent_kernel(
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-    POOL: tl.constexpr, SPEC: tl.constexpr, KLAST: tl.constexpr,
+    POOL: tl.constexpr, SPEC: tl.constexpr, KLAST: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -83,9 +83,21 @@ def recurrent_kernel(
         b_s += tl.load(h0 + slot0 * HV * K * V + tile, mask=m_kv, other=0.0).to(tl.float32)
 
     a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
+    # PREFETCH (rows of several tokens): token t + 1's inputs are loaded before token t is worked
+    # on and its state stored (recurrent_step.token_loads says why the compiler cannot do it).
+    if PREFETCH:
+        n_q, n_k, n_v, n_b, n_g = token_loads(q, k, v, g, beta, bos, bos < eos, i_h, i_hv, o_k, o_v, sq, sk, sv, HV,
+                                              K, V, GATE)
     for t in range(bos, eos):
-        b_s, b_o = token_step(b_s, q, k, v, g, beta, t, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale,
-                              sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
+        if PREFETCH:
+            b_q, b_k, b_v, b_b, b_g = n_q, n_k, n_v, n_b, n_g
+            n_q, n_k, n_v, n_b, n_g = token_loads(q, k, v, g, beta, t + 1, t + 1 < eos, i_h, i_hv, o_k, o_v, sq, sk,
+                                                  sv, HV, K, V, GATE)
+        else:
+            b_q, b_k, b_v, b_b, b_g = token_loads(q, k, v, g, beta, t, True, i_h, i_hv, o_k, o_v, sq, sk, sv, HV, K,
+                                                  V, GATE)
+        b_s, b_o = token_update(b_s, b_q, b_k, b_v, b_b, b_g, o_k, a_log, bias, lower_bound, scale, K, GATE,
+                                GATE_FN, USE_L2NORM, BETA_SIGMOID)
         tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if SPEC:
             # the state after token j goes to idx[n, j]; a rejected draft only reaches slots the
@@ -327,7 +339,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
             IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=store_ht,
-            POOL=pooled, SPEC=spec, KLAST=klast,
+            POOL=pooled, SPEC=spec, KLAST=klast, PREFETCH=cu_seqlens is not None or T > 1,
             num_warps=warps,
         )
     if pooled:

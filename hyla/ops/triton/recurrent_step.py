@@ -19,32 +19,47 @@ def state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, KLAST: tl.constexp
 
 
 @triton.jit
-def token_step(b_s, q, k, v, g, beta, row, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale, sq, sk, sv,
-               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-               GATE: tl.constexpr, GATE_FN: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
-    """b_s: the state [BK, BV] fp32 (rows o_k, columns o_v); row: the token's row in q, k, v, g,
-    beta; a_log, bias: head_gate_params'; sq, sk, sv: the elements between two token rows of q, k,
-    v (their heads and channels contiguous inside a row; H * K, H * K, HV * V when contiguous) ->
-    (the state after the token, its output [BV] fp32).
-    Decay first, then predict with the decayed state, then write the error, then read."""
-    m_k = o_k < K
-    m_v = o_v < V
-    b_q = tl.load(q + row * sq + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-    b_k = tl.load(k + row * sk + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)  # [BK]
-    b_v = tl.load(v + row * sv + i_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)  # [BV]
-    b_b = tl.load(beta + row * HV + i_hv).to(tl.float32)
+def token_loads(q, k, v, g, beta, row, ok, i_h, i_hv, o_k, o_v, sq, sk, sv, HV: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, GATE: tl.constexpr):
+    """Token row `row`'s inputs for one tile, as stored (no conversion, no arithmetic on them):
+    (q [BK], k [BK], v [BV], beta, g [BK] / scalar / unused by GATE); zeros and no memory touched
+    where `ok` is false (a prefetch past the row's end). Loads only, so a kernel can
+    issue the next token's loads before it works on the current one: the compiler cannot move
+    them above the current token's pool store itself (for all it knows the two may alias), and a
+    warp stalls at the first instruction that uses a pending load."""
+    m_k = (o_k < K) & ok
+    b_q = tl.load(q + row * sq + i_h * K + o_k, mask=m_k, other=0.0)
+    b_k = tl.load(k + row * sk + i_h * K + o_k, mask=m_k, other=0.0)
+    b_v = tl.load(v + row * sv + i_hv * V + o_v, mask=(o_v < V) & ok, other=0.0)
+    b_b = tl.load(beta + row * HV + i_hv, mask=ok, other=0.0)
+    if GATE == 2:
+        b_g = tl.load(g + (row * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+    elif GATE == 1:
+        b_g = tl.load(g + row * HV + i_hv, mask=ok, other=0.0)
+    else:
+        b_g = tl.zeros([1], dtype=tl.float32)  # unused; a tensor so that a loop can carry it
+    return b_q, b_k, b_v, b_b, b_g
+
+
+@triton.jit
+def token_update(b_s, b_q, b_k, b_v, b_b, b_g, o_k, a_log, bias, lower_bound, scale, K: tl.constexpr,
+                 GATE: tl.constexpr, GATE_FN: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """The state [BK, BV] fp32 and token_loads' inputs -> (the state after the token, its output
+    [BV] fp32). Decay first, then predict with the decayed state, then write the error, then read."""
+    b_q = b_q.to(tl.float32)
+    b_k = b_k.to(tl.float32)
+    b_v = b_v.to(tl.float32)
+    b_b = b_b.to(tl.float32)
     if BETA_SIGMOID:
         b_b = sigmoid(b_b)
     if USE_L2NORM:
         b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
         b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
     if GATE == 2:
-        b_g = tl.load(g + (row * HV + i_hv) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_g = tl.where(m_k, apply_gate(b_g, a_log, bias, lower_bound, GATE_FN), 0.0)
+        b_g = tl.where(o_k < K, apply_gate(b_g.to(tl.float32), a_log, bias, lower_bound, GATE_FN), 0.0)
         b_s = b_s * tl.exp(b_g)[:, None]
     elif GATE == 1:
-        b_g = apply_gate(tl.load(g + row * HV + i_hv).to(tl.float32), a_log, bias, lower_bound, GATE_FN)
-        b_s = b_s * tl.exp(b_g)
+        b_s = b_s * tl.exp(apply_gate(b_g.to(tl.float32), a_log, bias, lower_bound, GATE_FN))
     # Both products with the decayed state are independent (one pass over S, no second
     # dependent reduction): o = S_new^T q = S_dec^T q + (k . q) err.
     pred = tl.sum(b_s * b_k[:, None], axis=0)  # [BV] S_dec^T k
@@ -52,3 +67,17 @@ def token_step(b_s, q, k, v, g, beta, row, i_h, i_hv, o_k, o_v, a_log, bias, low
     b_err = b_b * (b_v - pred)
     b_s = b_s + b_k[:, None] * b_err[None, :]
     return b_s, (read + tl.sum(b_q * b_k, axis=0) * b_err) * scale
+
+
+@triton.jit
+def token_step(b_s, q, k, v, g, beta, row, i_h, i_hv, o_k, o_v, a_log, bias, lower_bound, scale, sq, sk, sv,
+               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               GATE: tl.constexpr, GATE_FN: tl.constexpr, USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """b_s: the state [BK, BV] fp32 (rows o_k, columns o_v); row: the token's row in q, k, v, g,
+    beta; a_log, bias: head_gate_params'; sq, sk, sv: the elements between two token rows of q, k,
+    v (their heads and channels contiguous inside a row; H * K, H * K, HV * V when contiguous) ->
+    (the state after the token, its output [BV] fp32): token_loads, then token_update."""
+    b_q, b_k, b_v, b_b, b_g = token_loads(q, k, v, g, beta, row, True, i_h, i_hv, o_k, o_v, sq, sk, sv, HV, K, V,
+                                          GATE)
+    return token_update(b_s, b_q, b_k, b_v, b_b, b_g, o_k, a_log, bias, lower_bound, scale, K, GATE, GATE_FN,
+                        USE_L2NORM, BETA_SIGMOID)
