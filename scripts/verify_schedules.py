@@ -1,6 +1,6 @@
-"""Speculative verify over a K-last state pool (issue 20, eleventh pass): the shipped launch, a
-no-work floor of the verify's pool traffic, and a persistent schedule that prefetches the next
-tile's state while it steps the current one.
+"""Speculative verify over a K-last state pool (issue 20, eleventh and twelfth passes): the
+shipped launch, a no-work floor of the verify's pool traffic, the shipped kernel with the next
+token's inputs prefetched, and the persistent pool kernel.
 
     python scripts/verify_schedules.py                              # GPU: the table
     TRITON_INTERPRET=1 python scripts/verify_schedules.py --check   # CPU: the floor kernel is exact
@@ -8,11 +8,13 @@ tile's state while it steps the current one.
 The verify with rollback "slots" reads one state per (row, head) and writes T: the state after
 each of the row's T tokens goes to its own slot. At N = 64 rows x 2 tokens over 32 KDA heads the
 shipped one-program-per-tile launch moves those bytes at 83% of copy bandwidth (BENCHMARKS.md,
-eleventh pass) against 87-92% for decode. "floor" is the same reads and writes with no work
-(one program per 8- or 16-column tile); "persistent B / P" is the persistent pool kernel
-(recurrent_decode.py) with P programs per SM walking B-column tiles, the next tile's state
-loaded before the current one is stepped. Uniform rows (T tokens each, every draft accepted at
-1), KDA and GDN with precomputed gates, as the engine's CUDA-graph verify runs them.
+eleventh and twelfth passes) against 87-92% for decode. Columns: "floor B" is the same reads and
+writes with no work (one program per B-column tile); "prefetch B" one program per B-column tile
+with token t + 1's inputs loaded before token t's state is stored (prefetch_next_token);
+"persistent B / P" the persistent pool kernel (recurrent_decode.py) with P programs per SM
+walking B-column tiles, the next tile's state loaded before the current one is stepped. Uniform
+rows (T tokens each, every draft accepted at 1), KDA and GDN with precomputed gates, as the
+engine's CUDA-graph verify runs them.
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ def table() -> None:
             for bv in (8, 16):
                 res[f"floor {bv}"] = t(lambda: floor_kernel[(D // bv, N * H)](pool, idx, T=T, HV=H, K=D, V=D, BV=bv,
                                                                               num_warps=1))
-            for bv, pps in ((8, 16), (16, 8), (8, 24), (16, 12), (8, 32)):
+            for bv in (8, 16):
+                res[f"prefetch {bv}"] = t(lambda: run(prefetch_next_token=True, block_v=bv, num_warps=1))
+            for bv, pps in ((8, 24), (16, 8)):
                 res[f"persistent {bv} / {pps}"] = t(lambda: run(persistent=True, block_v=bv, programs_per_sm=pps,
                                                                 num_warps=1))
             print(f"{gate} N = {N} x T = {T} | " + " | ".join(

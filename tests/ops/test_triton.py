@@ -530,6 +530,9 @@ def test_persistent_decode_rejects_other_calls():
     for knob in (dict(programs_per_sm=4), dict(decode_stages=0)):
         with pytest.raises(ValueError, match="does not take that kernel"):
             recurrent_fwd(*step, gate="kda", initial_state=pool, ssm_state_indices=idx, persistent=False, **knob)
+    for knobs in (dict(prefetch_next_token=1), dict(prefetch_next_token=True, persistent=True)):
+        with pytest.raises(ValueError, match="prefetch_next_token"):
+            recurrent_fwd(*step, gate="kda", initial_state=pool, ssm_state_indices=idx, **knobs)
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="decode_stages"):
             recurrent_fwd(*step, gate="kda", initial_state=pool, ssm_state_indices=idx, persistent=True,
@@ -548,13 +551,14 @@ def test_pool_of_other_strides_is_an_error():
         recurrent_fwd(*_f32(q, k, v, g, beta), gate="kda", initial_state=odd, ssm_state_indices=idx)
 
 
-@pytest.mark.parametrize("persistent", [None, True])
+@pytest.mark.parametrize("launch", ["default", "prefetch", "persistent"])
 @pytest.mark.parametrize("layout", ["kv", "klast"])
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
-def test_verify_with_rejected_drafts(gate, layout, persistent):
+def test_verify_with_rejected_drafts(gate, layout, launch):
     """[N, 1 + num_spec] slots, varlen drafts, num_accepted_tokens from the previous step: the
     state after token j lands in slot j only; untouched slots keep their contents. Default
-    launch, and the persistent pool kernel with one program walking every tile."""
+    launch, one program per tile with the next token's inputs prefetched, and the persistent
+    pool kernel with one program walking every tile."""
     name, ref = REC[gate]
     fast = getattr(hyla_triton, name)
     H, K, V = 2, 32, 32
@@ -570,7 +574,8 @@ def test_verify_with_rejected_drafts(gate, layout, persistent):
     pool_fast = pool.float().to(DEV)
     if layout == "klast":
         pool_fast = as_k_last(pool_fast)
-    knobs = dict(persistent=True, programs_per_sm=1) if persistent else {}
+    knobs = {"default": {}, "prefetch": dict(prefetch_next_token=True),
+             "persistent": dict(persistent=True, programs_per_sm=1)}[launch]
     o, _ = fast(*_f32(q, k, v, g, beta), initial_state=pool_fast, cu_seqlens=cu.to(DEV),
                 ssm_state_indices=idx.to(DEV), num_accepted_tokens=n_acc.to(DEV), **knobs)
     _check(o, o_ref, "o")
@@ -595,17 +600,17 @@ def _column_blocks(*xs):
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
-@pytest.mark.parametrize("shape", ["verify", "decode"])
+@pytest.mark.parametrize("shape", ["verify", "verify_prefetch", "decode"])
 def test_recurrent_reads_strided_token_rows_in_place(gate, shape):
-    """q, k, v as column blocks of one buffer (a verify's conv output; a decode batch [N, 1, ...]
-    of such rows): read through their row stride without a copy, same outputs and pool as the
-    fp64 reference on contiguous inputs."""
+    """q, k, v as column blocks of one buffer (a verify's conv output, with or without the next
+    token's inputs prefetched; a decode batch [N, 1, ...] of such rows): read through their row
+    stride without a copy, same outputs and pool as the fp64 reference on contiguous inputs."""
     from hyla.ops.triton.recurrent import _token_rows
 
     name, ref = REC[gate]
     fast = getattr(hyla_triton, name)
     H, HV, K, V = 2, 4, 32, 16
-    if shape == "verify":
+    if shape.startswith("verify"):
         cu = torch.tensor([0, 3, 4, 7])
         idx = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, -1]])
         kw = dict(cu_seqlens=cu, ssm_state_indices=idx, num_accepted_tokens=torch.tensor([2, 1, 3]))
@@ -619,7 +624,7 @@ def test_recurrent_reads_strided_token_rows_in_place(gate, shape):
     qs, ks, vs = _column_blocks(q, k, v)
     assert not qs.is_contiguous() and all(_token_rows(t)[0] is t for t in (qs, ks, vs)), "read in place"
     pool_fast = pool.float().to(DEV)
-    o, _ = fast(qs, ks, vs, *_f32(g, beta), initial_state=pool_fast,
+    o, _ = fast(qs, ks, vs, *_f32(g, beta), initial_state=pool_fast, prefetch_next_token=shape == "verify_prefetch",
                 **{key: val.to(DEV) for key, val in kw.items()})
     _check(o, o_ref, "o")
     _check(pool_fast, pool_ref, "pool")
@@ -641,8 +646,11 @@ def test_token_rows_copies_what_it_cannot_address():
     assert got is x and stride == 32
 
 
+@pytest.mark.parametrize("prefetch", [None, True])
 @pytest.mark.parametrize("variant", ["kda_v1", "kda_v2", "gdn"])
-def test_recurrent_plain_states_with_fused_gate(variant):
+def test_recurrent_plain_states_with_fused_gate(variant, prefetch):
+    """Per-sequence states (no pool), raw gates, beta logits; the default launch and the next
+    token's inputs prefetched."""
     gate = "kda" if variant.startswith("kda") else "gdn"
     name, ref = REC[gate]
     fast = getattr(hyla_triton, name)
@@ -661,7 +669,8 @@ def test_recurrent_plain_states_with_fused_gate(variant):
         kw["lower_bound"] = -5.0
     o_ref, s_ref = ref(q, k, v, raw, beta_logit, initial_state=h0, **kw)
     kw.update(A_log=A_log.float().to(DEV), dt_bias=dt_bias.float().to(DEV))
-    o, s = fast(*_f32(q, k, v, raw, beta_logit), initial_state=h0.float().to(DEV), **kw)
+    o, s = fast(*_f32(q, k, v, raw, beta_logit), initial_state=h0.float().to(DEV), prefetch_next_token=prefetch,
+                **kw)
     _check(o, o_ref, "o")
     _check(s, s_ref, "final state")
 
@@ -817,3 +826,24 @@ def test_schedule_scripts_kernels_are_exact(script):
     from tests.scripts import load_script
 
     load_script(script).check()
+
+
+def test_engine_launches_compile_for_the_gpu_without_spills():
+    """scripts/kernel_registers.py --check: the decode / verify launches compiled for sm_90a by
+    Triton's code generator and its bundled ptxas (no GPU needed), which the interpreter above
+    never exercises; none may spill. Run in a child process without TRITON_INTERPRET."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip(f"this triton build ships no ptxas ({ptxas})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "scripts" / "kernel_registers.py"), "--check"], env=env,
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "| verify KDA, 8 col | " in out.stdout

@@ -200,6 +200,16 @@ def _klast_decode_launch(BK: int, tiles_per_sm: float, channel_gate_in_kernel: b
     return (False, *_KLAST_DECODE_TILE, 0)
 
 
+# One program per tile, rows of several tokens: whether token t + 1's inputs are loaded before
+# token t is stepped and its state stored (recurrent_step.token_loads). Off until the shipped
+# form is timed on a GPU. What is known (BENCHMARKS.md, twelfth pass): a scratch verify that
+# loads both tokens of a 2-token row first ran KDA 64 x 2 at 88% of copy (shipped: 83%) and
+# 256 x 2 at 91% (86%), GDN 64 x 2 at 84% (84%); sm_90 compiles (scripts/kernel_registers.py)
+# keep KDA's 8-column verify at 96 registers with it, but take GDN's 16-column one from 168 to
+# 223 (12 -> 9 one-warp programs per SM).
+_PREFETCH_NEXT_TOKEN = False
+
+
 def _pool_is_k_last(pool: torch.Tensor) -> bool:
     """The state pool's layout: False for a contiguous [num_slots, HV, K, V] (fla's), True for
     K-last, the transposed view of a contiguous [num_slots, HV, V, K]. Any other strides are an
@@ -228,12 +238,14 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
                   use_qk_l2norm_in_kernel=False, cu_seqlens=None, ssm_state_indices=None,
                   num_accepted_tokens=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
                   lower_bound=None, use_beta_sigmoid_in_kernel=False, block_v=None, num_warps=None,
-                  persistent=None, programs_per_sm=None, decode_stages=None):
+                  persistent=None, programs_per_sm=None, decode_stages=None, prefetch_next_token=None):
     """The fused recurrent forward (fla's fused_recurrent_* arguments and layouts). Launch knobs,
     None = the measured defaults: block_v, num_warps (both kernels); persistent (None: the
     persistent decode kernel on plain decode steps from _PERSISTENT_MIN_TILES_PER_SM tiles per
-    SM); and for the persistent kernel only, programs_per_sm and decode_stages (0: the next
-    tile prefetched into registers, >= 1: Triton's pipelined loop; _decode_launch)."""
+    SM); for the persistent kernel only, programs_per_sm and decode_stages (0: the next tile
+    prefetched into registers, >= 1: Triton's pipelined loop; _decode_launch); for one program
+    per tile only, prefetch_next_token (token t + 1's inputs loaded before token t's state is
+    stored: recurrent_step.token_loads; None: _PREFETCH_NEXT_TOKEN)."""
     pooled = ssm_state_indices is not None
     # Shape checks only: this path never reads device values on the host (no synchronisation),
     # so it can be captured in a CUDA graph. Slot ranges are the caller's contract.
@@ -302,6 +314,11 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
     if not persistent and (programs_per_sm or decode_stages is not None):
         raise ValueError("`programs_per_sm` and `decode_stages` set the persistent pool kernel's launch; this "
                          "call does not take that kernel (pass persistent=True with a state pool)")
+    if prefetch_next_token is not None and not isinstance(prefetch_next_token, bool):
+        raise ValueError(f"`prefetch_next_token` must be None or a bool, got {prefetch_next_token!r}")
+    if prefetch_next_token and persistent:
+        raise ValueError("`prefetch_next_token` applies to one program per tile; this call takes the persistent "
+                         "pool kernel (pass persistent=False)")
     if decode_stages is not None:
         if isinstance(decode_stages, bool) or not isinstance(decode_stages, int) or decode_stages < 0:
             raise ValueError(f"`decode_stages` must be an int >= 0 (0: register prefetch, >= 1: Triton-pipelined "
@@ -339,7 +356,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
             IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=store_ht,
-            POOL=pooled, SPEC=spec, KLAST=klast, PREFETCH=cu_seqlens is not None or T > 1,
+            POOL=pooled, SPEC=spec, KLAST=klast, PREFETCH=_PREFETCH_NEXT_TOKEN if prefetch_next_token is None else prefetch_next_token,
             num_warps=warps,
         )
     if pooled:
