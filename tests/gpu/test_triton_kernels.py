@@ -224,7 +224,8 @@ def test_decode_and_verify_full_size(gate, layout):
     p_ref = pool.clone()
     o_ref, _ = reference(ref, q, k, v, g, beta, initial_state=p_ref, cu_seqlens=cu, ssm_state_indices=idx,
                          num_accepted_tokens=n_acc, use_qk_l2norm_in_kernel=True)
-    for knobs in ({}, dict(persistent=True)):  # the default launch, the persistent pool kernel
+    # the default launch, the next token's inputs prefetched, the persistent pool kernel
+    for knobs in ({}, dict(prefetch_next_token=True), dict(persistent=True)):
         p_fast = as_layout(pool.clone())
         o, _ = fast(q, k, v, g, beta, initial_state=p_fast, cu_seqlens=cu, ssm_state_indices=idx,
                     num_accepted_tokens=n_acc, use_qk_l2norm_in_kernel=True, **knobs)
