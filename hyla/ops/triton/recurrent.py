@@ -356,7 +356,8 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
             IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=store_ht,
-            POOL=pooled, SPEC=spec, KLAST=klast, PREFETCH=_PREFETCH_NEXT_TOKEN if prefetch_next_token is None else prefetch_next_token,
+            POOL=pooled, SPEC=spec, KLAST=klast,
+            PREFETCH=_PREFETCH_NEXT_TOKEN if prefetch_next_token is None else prefetch_next_token,
             num_warps=warps,
         )
     if pooled:

@@ -17,6 +17,10 @@ loads in flight while it works on the current one. Two ways (recurrent._decode_l
   loads STAGES - 1 tiles ahead into shared memory (cp.async).
 The pool may be V-contiguous or K-last (KLAST, recurrent_step.state_offsets); over a K-last pool
 recurrent.py takes this kernel only for short grids and KDA's in-kernel gate (_klast_decode_launch).
+It also takes rows of several tokens (ROWS) and speculative verify (SPEC: the state after each
+token to its own slot) when asked (recurrent_fwd(persistent=True)); for verify it measured
+slower than one program per tile at every launch tried (BENCHMARKS.md, twelfth pass: 60-85% of
+copy against 83-89%), so it is never the default there.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """One token of the gated delta rule on a state tile held in registers: the step shared by the
 recurrent kernels (recurrent.py: decode / verify / plain states; recurrent_decode.py: the
-persistent decode loop)."""
+persistent pool loop). token_step = token_loads (the token's inputs, loads only) then
+token_update (the arithmetic): split so that a kernel can issue the next token's loads before
+it works on the current token (recurrent.py's PREFETCH)."""
 
 import triton
 import triton.language as tl
