@@ -30,7 +30,7 @@ import triton.language as tl
 
 from hyla.contract import as_k_last
 from hyla.ops.triton import recurrent as rec
-from hyla.ops.triton.recurrent_step import state_offsets
+from hyla.ops.triton.recurrent_step import position_slot, row_span, start_slot, state_offsets, token_update
 
 
 @triton.jit
@@ -60,21 +60,21 @@ def all_tokens_first_kernel(q, k, v, g, beta, scale, o, pool, cu, idx, n_acc, H:
                             GATE: tl.constexpr):
     """Grid (V / BV, N * HV), a K-last pool, q / k L2-normed here. The verify with every token's
     inputs of the row ([TP = next_pow2(W), K] tiles) loaded before the first state store, then
-    the W steps unrolled. GATE 2: per-channel log-decays [rows, HV, K]; 1: per-head [rows, HV]."""
+    the W steps unrolled (recurrent_step.token_update on each token's row of those tiles).
+    GATE 2: per-channel log-decays [rows, HV, K]; 1: per-head [rows, HV]."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    bos, eos = row_span(cu, i_n, 0, True)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     rows = tl.arange(0, TP)
     tr = bos + rows
     m_t = tr < eos
     tile = i_hv * K * V + state_offsets(o_k, o_v, K, V, True)
-    slot0 = tl.load(idx + i_n * W + tl.load(n_acc + i_n) - 1).to(tl.int64)
+    slot0 = start_slot(idx, n_acc, i_n, W, True)
     b_s = tl.load(pool + tl.maximum(slot0, 0) * HV * K * V + tile, mask=slot0 >= 0, other=0.0)
     qa = tl.load(q + (tr[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
     ka = tl.load(k + (tr[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
@@ -89,19 +89,15 @@ def all_tokens_first_kernel(q, k, v, g, beta, scale, o, pool, cu, idx, n_acc, H:
     for j in tl.static_range(W):
         t = bos + j
         if t < eos:
-            b_q = _row(qa, rows, j)
-            b_k = _row(ka, rows, j)
             if GATE == 2:
-                b_s = b_s * tl.exp(_row(ga, rows, j))[:, None]
+                b_g = _row(ga, rows, j)
             else:
-                b_s = b_s * tl.exp(tl.sum(tl.where(rows == j, ga, 0.0), axis=0))
-            pred = tl.sum(b_s * b_k[:, None], axis=0)
-            read = tl.sum(b_s * b_q[:, None], axis=0)
-            b_err = tl.sum(tl.where(rows == j, ba, 0.0), axis=0) * (_row(va, rows, j) - pred)
-            b_s = b_s + b_k[:, None] * b_err[None, :]
-            b_o = (read + tl.sum(b_q * b_k, axis=0) * b_err) * scale
+                b_g = tl.sum(tl.where(rows == j, ga, 0.0), axis=0)
+            b_s, b_o = token_update(b_s, _row(qa, rows, j), _row(ka, rows, j), _row(va, rows, j),
+                                    tl.sum(tl.where(rows == j, ba, 0.0), axis=0), b_g, o_k, 0.0, 0.0, 0.0, scale, K,
+                                    GATE, 0, False, False)
             tl.store(o + (t * HV + i_hv) * V + o_v, tl.where(slot0 >= 0, b_o, 0.0).to(o.dtype.element_ty))
-            dst = tl.load(idx + i_n * W + j).to(tl.int64)
+            dst = position_slot(idx, i_n, j, W)
             tl.store(pool + tl.maximum(dst, 0) * HV * K * V + tile, b_s, mask=(dst >= 0) & (slot0 >= 0))
 
 

@@ -8,7 +8,8 @@ hyla.engine all import it from below.
 - the layer caches (cache.py): `LayerCache` and its two kinds, `LinearLayerCache` (state slots:
   KDALayerCache, GDNLayerCache) and `PagedLayerCache` (KV pages: MLALayerCache, DSALayerCache,
   KVLayerCache),
-  and `HybridCache`, a model's per-layer pools; `state_pool` allocates a state slot pool (K-last), `as_k_last` copies states into that layout.
+  and `HybridCache`, a model's per-layer pools; `state_pool` allocates a state slot pool
+  (K-last), `as_k_last` copies states into that layout.
 
 A token mixer runs an engine step as `forward_batch(x [T_total, hidden], batch: ForwardBatch,
 cache: <its LayerCache>) -> [T_total, hidden]`; a stateful one (ShortConvDeltaRule) also has

@@ -23,7 +23,8 @@ from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import head_gate_params
 from hyla.ops.triton.params import gate_params, num_sms, token_rows
 from hyla.ops.triton.recurrent_decode import decode_persistent_kernel
-from hyla.ops.triton.recurrent_step import state_offsets, token_loads, token_update
+from hyla.ops.triton.recurrent_step import (position_slot, row_span, start_slot, state_offsets, token_loads,
+                                             token_update)
 from hyla.ops import recurrent as _reference
 from hyla.ops import utils
 from hyla.ops.utils import check_inputs
@@ -49,12 +50,7 @@ def recurrent_kernel(
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    else:
-        bos = i_n.to(tl.int64) * T
-        eos = bos + T
+    bos, eos = row_span(cu_seqlens, i_n, T, IS_VARLEN)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -64,10 +60,7 @@ def recurrent_kernel(
 
     # Which state to start from; a negative pool slot marks a padding row.
     if POOL:
-        if SPEC:
-            slot0 = tl.load(idx + i_n * IDX_W + tl.load(n_acc + i_n) - 1).to(tl.int64)
-        else:
-            slot0 = tl.load(idx + i_n).to(tl.int64)
+        slot0 = start_slot(idx, n_acc, i_n, IDX_W, SPEC)
         live = slot0 >= 0
     else:
         slot0 = i_n.to(tl.int64)
@@ -101,9 +94,8 @@ def recurrent_kernel(
         tl.store(o + (t * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
         if SPEC:
             # the state after token j goes to idx[n, j]; a rejected draft only reaches slots the
-            # next step does not start from. (A row longer than the slot width writes no more.)
-            j = t - bos
-            dst = tl.load(idx + i_n * IDX_W + j, mask=j < IDX_W, other=-1).to(tl.int64)
+            # next step does not start from
+            dst = position_slot(idx, i_n, t - bos, IDX_W)
             if dst >= 0:
                 tl.store(ht + dst * HV * K * V + tile, b_s.to(ht.dtype.element_ty), mask=m_kv)
 

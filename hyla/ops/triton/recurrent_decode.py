@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from hyla.ops.triton.common import head_gate_params
-from hyla.ops.triton.recurrent_step import state_offsets, token_step
+from hyla.ops.triton.recurrent_step import position_slot, row_span, start_slot, state_offsets, token_step
 
 
 @triton.jit
@@ -55,11 +55,7 @@ def _state_tile(pool, idx, n_acc, tile, n_tiles, NVB: tl.constexpr, HV: tl.const
     i_nh = t // NVB
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    if SPEC:
-        slot = tl.load(idx + i_n * IDX_W + tl.load(n_acc + i_n) - 1).to(tl.int64)
-    else:
-        slot = tl.load(idx + i_n).to(tl.int64)
-    slot = tl.where(in_range, slot, -1)
+    slot = tl.where(in_range, start_slot(idx, n_acc, i_n, IDX_W, SPEC), -1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)
@@ -97,19 +93,12 @@ def _steps_and_store(b_s, slot, i_n, i_hv, o_v, q, k, v, g, beta, A_log, dt_bias
     live = slot >= 0
     a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
     if ROWS:
-        if IS_VARLEN:
-            bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-            eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-        else:
-            bos = i_n.to(tl.int64) * T
-            eos = bos + T
+        bos, eos = row_span(cu_seqlens, i_n, T, IS_VARLEN)
         for t in range(bos, eos):
             b_s = _token(b_s, live, t, i_h, i_hv, o_k, o_v, q, k, v, g, beta, a_log, bias, lower_bound, scale, o,
                          sq, sk, sv, H, HV, K, V, GATE, GATE_FN, USE_L2NORM, BETA_SIGMOID)
             if SPEC:
-                # as recurrent_kernel: a row longer than the slot width writes no more states
-                j = t - bos
-                dst = tl.load(idx + i_n * IDX_W + j, mask=j < IDX_W, other=-1).to(tl.int64)
+                dst = position_slot(idx, i_n, t - bos, IDX_W)
                 off = (tl.maximum(dst, 0) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)
                 tl.store(pool + off, b_s.to(pool.dtype.element_ty),
                          mask=_tile_mask(o_k, o_v, slot, K, V, BK, BV) & (dst >= 0))

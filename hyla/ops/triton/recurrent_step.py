@@ -21,6 +21,35 @@ def state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, KLAST: tl.constexp
 
 
 @triton.jit
+def row_span(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
+    """Row i_n's token rows [bos, eos) (int64): cu_seqlens' with IS_VARLEN, else T per row."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+    return bos, eos
+
+
+@triton.jit
+def start_slot(idx, n_acc, i_n, IDX_W: tl.constexpr, SPEC: tl.constexpr):
+    """The pool slot row i_n starts from (int64; negative: a padding row): idx[n], or for a
+    speculative verify (idx [N, IDX_W]) the slot of its last accepted token, idx[n, n_acc[n] - 1]."""
+    if SPEC:
+        return tl.load(idx + i_n * IDX_W + tl.load(n_acc + i_n) - 1).to(tl.int64)
+    else:
+        return tl.load(idx + i_n).to(tl.int64)
+
+
+@triton.jit
+def position_slot(idx, i_n, j, IDX_W: tl.constexpr):
+    """A speculative verify's slot for the state after row i_n's token j: idx[n, j] (int64), -1
+    past the slot width (a row longer than it writes no more states)."""
+    return tl.load(idx + i_n * IDX_W + j, mask=j < IDX_W, other=-1).to(tl.int64)
+
+
+@triton.jit
 def token_loads(q, k, v, g, beta, row, ok, i_h, i_hv, o_k, o_v, sq, sk, sv, HV: tl.constexpr, K: tl.constexpr,
                 V: tl.constexpr, GATE: tl.constexpr):
     """Token row `row`'s inputs for one tile, as stored (no conversion, no arithmetic on them):
