@@ -5,7 +5,12 @@ interpreter cannot (a kernel that does not compile for the GPU, a change that sp
 the register side of a schedule before device time is spent on it.
 
     python scripts/kernel_registers.py            # the table
-    python scripts/kernel_registers.py --check    # the engine's launches compile without spills (CI)
+    python scripts/kernel_registers.py --check    # no spills; prefetch launches load before storing (CI)
+    python scripts/kernel_registers.py --order "verify KDA"   # their global loads / stores in SASS order
+
+--order shows where the compiled code waits on memory: a global load placed after a global
+store (LDG after STG) cannot be issued before that store, so a load that a later instruction
+needs at once costs a whole memory latency there.
 
 Must run without TRITON_INTERPRET (the interpreter replaces the kernels' compiled form). The
 launches are the ones recurrent.recurrent_fwd picks over a K-last pool for 32 heads of 128
@@ -31,7 +36,8 @@ from hyla.ops.triton.recurrent import recurrent_kernel
 from hyla.ops.triton.recurrent_decode import decode_persistent_kernel
 
 TARGET = GPUTarget("cuda", 90, 32)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+PTXAS, CUOBJDUMP = os.path.join(_BIN, "ptxas"), os.path.join(_BIN, "cuobjdump")
 REGISTERS_PER_SM, MAX_PROGRAMS_PER_SM = 65536, 32
 
 _INPUTS = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*bf16", A_log="*fp32", dt_bias="*fp32",
@@ -90,9 +96,13 @@ LAUNCHES = [
 ]
 
 
+def _compile(launch: Launch):
+    return triton.compile(launch.source(), target=TARGET, options=dict(num_warps=launch.warps))
+
+
 def registers(launch: Launch) -> tuple[int, int]:
     """-> (registers per thread, spill-store bytes) of the launch's sm_90a code."""
-    kernel = triton.compile(launch.source(), target=TARGET, options=dict(num_warps=launch.warps))
+    kernel = _compile(launch)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
@@ -104,6 +114,34 @@ def registers(launch: Launch) -> tuple[int, int]:
     return int(regs.group(1)), int(spill.group(1)) if spill else 0
 
 
+def memory_order(launch: Launch) -> list[tuple[int, str, int]]:
+    """The launch's SASS global loads / stores, branches and barriers in program order, runs of
+    the same opcode merged -> [(first instruction's index, opcode, count)]."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(_compile(launch).asm["cubin"])
+        sass = subprocess.run([CUOBJDUMP, "-sass", path], capture_output=True, text=True, check=True).stdout
+    runs: list[tuple[int, str, int]] = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", sass):
+        op = m.group(2)
+        if not op.startswith(("LDG", "STG", "BRA", "BAR", "EXIT")):
+            continue
+        if runs and runs[-1][1] == op:
+            runs[-1] = (runs[-1][0], op, runs[-1][2] + 1)
+        else:
+            runs.append((int(m.group(1), 16) // 16, op, 1))
+    return runs
+
+
+def loads_after_output(launch: Launch) -> int:
+    """Global loads placed after the launch's last token-output store (o is bf16: a 16-bit
+    STG): with prefetch_next_token none may be, else a token waits on them after its stores."""
+    runs = memory_order(launch)
+    last_out = max(i for i, (_, op, _) in enumerate(runs) if op.startswith("STG.E.U16"))
+    return sum(n for _, op, n in runs[last_out + 1:] if op.startswith("LDG"))
+
+
 def programs_per_sm(regs: int, warps: int) -> int:
     """Programs one SM holds by registers (allocated per warp in 256-register units)."""
     per_warp = -(-regs * 32 // 256) * 256
@@ -112,19 +150,31 @@ def programs_per_sm(regs: int, warps: int) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="fail if a launch spills (exit status 1)")
+    ap.add_argument("--check", action="store_true", help="exit status 1 if a launch spills or a prefetch launch loads after its output store")
+    ap.add_argument("--order", metavar="NAME", help="print the SASS memory order of the launches whose name "
+                    "contains NAME instead of the table")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the interpreter replaces the compiled kernels")
-    print("| launch | registers | spill stores (bytes) | programs / SM |\n|---|---:|---:|---:|")
-    spilled = []
+    if args.order is not None:
+        for launch in (x for x in LAUNCHES if args.order in x.name):
+            print(f"{launch.name}: " + " ".join(f"{op}{f'x{n}' if n > 1 else ''}@{i}"
+                                                for i, op, n in memory_order(launch)), flush=True)
+        return 0
+    print("| launch | registers | spill stores (bytes) | programs / SM | loads after the output store |\n"
+          "|---|---:|---:|---:|---:|")
+    spilled, late = [], []
     for launch in LAUNCHES:
         regs, spill = registers(launch)
-        print(f"| {launch.name} | {regs} | {spill} | {programs_per_sm(regs, launch.warps)} |", flush=True)
+        late_loads = loads_after_output(launch)
+        print(f"| {launch.name} | {regs} | {spill} | {programs_per_sm(regs, launch.warps)} | {late_loads} |",
+              flush=True)
         if spill and launch.K <= 128:
             spilled.append(launch.name)
-    if args.check and spilled:
-        print(f"spills: {spilled}")
+        if launch.prefetch and late_loads:
+            late.append(launch.name)
+    if args.check and (spilled or late):
+        print(f"spills: {spilled}; prefetch launches with a load after the output store: {late}")
         return 1
     return 0
 

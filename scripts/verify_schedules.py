@@ -10,7 +10,7 @@ each of the row's T tokens goes to its own slot. At N = 64 rows x 2 tokens over 
 shipped one-program-per-tile launch moves those bytes at 83% of copy bandwidth (BENCHMARKS.md,
 eleventh and twelfth passes) against 87-92% for decode. Columns: "floor B" is the same reads and
 writes with no work (one program per B-column tile); "prefetch B" one program per B-column tile
-with token t + 1's inputs loaded before token t's state is stored (prefetch_next_token);
+with token t + 1's inputs and state slot loaded before token t's stores (prefetch_next_token);
 "all tokens first B / Ww" a scratch verify that loads all the row's inputs before its first store
 (registers grow with T: scripts/kernel_registers.py, BENCHMARKS.md twelfth pass);
 "persistent B / P" the persistent pool kernel (recurrent_decode.py) with P programs per SM

@@ -557,7 +557,7 @@ def test_pool_of_other_strides_is_an_error():
 def test_verify_with_rejected_drafts(gate, layout, launch):
     """[N, 1 + num_spec] slots, varlen drafts, num_accepted_tokens from the previous step: the
     state after token j lands in slot j only; untouched slots keep their contents. Default
-    launch, one program per tile with the next token's inputs prefetched, and the persistent
+    launch, one program per tile with the next token's inputs and slot prefetched, the persistent
     pool kernel with one program walking every tile."""
     name, ref = REC[gate]
     fast = getattr(hyla_triton, name)

@@ -76,16 +76,23 @@ def recurrent_kernel(
         b_s += tl.load(h0 + slot0 * HV * K * V + tile, mask=m_kv, other=0.0).to(tl.float32)
 
     a_log, bias = head_gate_params(A_log, dt_bias, i_hv, o_k, K, GATE, GATE_FN, HAS_BIAS)
-    # PREFETCH (rows of several tokens): token t + 1's inputs are loaded before token t is worked
-    # on and its state stored (recurrent_step.token_loads says why the compiler cannot do it).
+    # PREFETCH (rows of several tokens): token t + 1's inputs, and in a verify the slot its state
+    # goes to, are loaded before token t is worked on and stored (recurrent_step.token_loads says
+    # why the compiler cannot do it). Without it a verify token waits on two loads in turn after
+    # the previous token's stores: its inputs, then (after its output store) its slot.
     if PREFETCH:
         n_q, n_k, n_v, n_b, n_g = token_loads(q, k, v, g, beta, bos, bos < eos, i_h, i_hv, o_k, o_v, sq, sk, sv, HV,
                                               K, V, GATE)
+        if SPEC:
+            n_dst = position_slot(idx, i_n, 0, IDX_W)
     for t in range(bos, eos):
         if PREFETCH:
             b_q, b_k, b_v, b_b, b_g = n_q, n_k, n_v, n_b, n_g
             n_q, n_k, n_v, n_b, n_g = token_loads(q, k, v, g, beta, t + 1, t + 1 < eos, i_h, i_hv, o_k, o_v, sq, sk,
                                                   sv, HV, K, V, GATE)
+            if SPEC:
+                dst = n_dst
+                n_dst = position_slot(idx, i_n, t + 1 - bos, IDX_W)  # masked past the slot width
         else:
             b_q, b_k, b_v, b_b, b_g = token_loads(q, k, v, g, beta, t, True, i_h, i_hv, o_k, o_v, sq, sk, sv, HV, K,
                                                   V, GATE)
@@ -95,7 +102,8 @@ def recurrent_kernel(
         if SPEC:
             # the state after token j goes to idx[n, j]; a rejected draft only reaches slots the
             # next step does not start from
-            dst = position_slot(idx, i_n, t - bos, IDX_W)
+            if not PREFETCH:
+                dst = position_slot(idx, i_n, t - bos, IDX_W)
             if dst >= 0:
                 tl.store(ht + dst * HV * K * V + tile, b_s.to(ht.dtype.element_ty), mask=m_kv)
 
@@ -192,13 +200,14 @@ def _klast_decode_launch(BK: int, tiles_per_sm: float, channel_gate_in_kernel: b
     return (False, *_KLAST_DECODE_TILE, 0)
 
 
-# One program per tile, rows of several tokens: whether token t + 1's inputs are loaded before
-# token t is stepped and its state stored (recurrent_step.token_loads). Off until the shipped
-# form is timed on a GPU. What is known (BENCHMARKS.md, twelfth pass): a scratch verify that
-# loads both tokens of a 2-token row first ran KDA 64 x 2 at 88% of copy (shipped: 83%) and
-# 256 x 2 at 91% (86%), GDN 64 x 2 at 84% (84%); sm_90 compiles (scripts/kernel_registers.py)
-# keep KDA's 8-column verify at 96 registers with it, but take GDN's 16-column one from 168 to
-# 223 (12 -> 9 one-warp programs per SM).
+# One program per tile, rows of several tokens: whether token t + 1's inputs (and in a verify its
+# state slot) are loaded before token t is stepped and stored (recurrent_step.token_loads). Off
+# until the shipped form is timed on a GPU. What is known (BENCHMARKS.md, twelfth and thirteenth
+# passes): a scratch verify that loads both tokens of a 2-token row first ran KDA 64 x 2 at 88% of
+# copy (shipped: 83%) and 256 x 2 at 91% (86%). The sm_90a code (scripts/kernel_registers.py)
+# of the shipped verify loads each token's slot after its output store, a memory latency per
+# token that this form takes off; it runs KDA's 8-column verify on 80 registers (shipped 96),
+# GDN's 8-column on 96, GDN's 16-column on 230 (shipped 168: 12 -> 8 one-warp programs per SM).
 _PREFETCH_NEXT_TOKEN = False
 
 
@@ -236,8 +245,8 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
     persistent decode kernel on plain decode steps from _PERSISTENT_MIN_TILES_PER_SM tiles per
     SM); for the persistent kernel only, programs_per_sm and decode_stages (0: the next tile
     prefetched into registers, >= 1: Triton's pipelined loop; _decode_launch); for one program
-    per tile only, prefetch_next_token (token t + 1's inputs loaded before token t's state is
-    stored: recurrent_step.token_loads; None: _PREFETCH_NEXT_TOKEN)."""
+    per tile only, prefetch_next_token (token t + 1's inputs, and a verify's slot for its state,
+    loaded before token t's stores: recurrent_step.token_loads; None: _PREFETCH_NEXT_TOKEN)."""
     pooled = ssm_state_indices is not None
     # Shape checks only: this path never reads device values on the host (no synchronisation),
     # so it can be captured in a CUDA graph. Slot ranges are the caller's contract.
