@@ -23,8 +23,8 @@ from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import head_gate_params
 from hyla.ops.triton.params import gate_params, num_sms, token_rows
 from hyla.ops.triton.recurrent_decode import decode_persistent_kernel
-from hyla.ops.triton.recurrent_step import (position_slot, row_span, start_slot, state_offsets, token_loads,
-                                             token_update)
+from hyla.ops.triton.recurrent_step import (position_slot, row_span, start_slot, start_slot_eager, state_offsets,
+                                             token_loads, token_update)
 from hyla.ops import recurrent as _reference
 from hyla.ops import utils
 from hyla.ops.utils import check_inputs
@@ -60,7 +60,10 @@ def recurrent_kernel(
 
     # Which state to start from; a negative pool slot marks a padding row.
     if POOL:
-        slot0 = start_slot(idx, n_acc, i_n, IDX_W, SPEC)
+        if SPEC and PREFETCH:
+            slot0 = start_slot_eager(idx, n_acc, i_n, IDX_W)
+        else:
+            slot0 = start_slot(idx, n_acc, i_n, IDX_W, SPEC)
         live = slot0 >= 0
     else:
         slot0 = i_n.to(tl.int64)

@@ -50,6 +50,18 @@ def position_slot(idx, i_n, j, IDX_W: tl.constexpr):
 
 
 @triton.jit
+def start_slot_eager(idx, n_acc, i_n, IDX_W: tl.constexpr):
+    """start_slot of a speculative verify with every candidate idx[n, 0 .. IDX_W - 1] loaded beside
+    n_acc[n] and one picked after: the pool state's address then waits on one load, not on
+    n_acc[n] and then idx[n, n_acc[n] - 1]."""
+    j = tl.load(n_acc + i_n) - 1
+    slot = tl.load(idx + i_n * IDX_W).to(tl.int64)
+    for w in tl.static_range(1, IDX_W):
+        slot = tl.where(j == w, tl.load(idx + i_n * IDX_W + w).to(tl.int64), slot)
+    return slot
+
+
+@triton.jit
 def token_loads(q, k, v, g, beta, row, ok, i_h, i_hv, o_k, o_v, sq, sk, sv, HV: tl.constexpr, K: tl.constexpr,
                 V: tl.constexpr, GATE: tl.constexpr):
     """Token row `row`'s inputs for one tile, as stored (no conversion, no arithmetic on them):
