@@ -96,13 +96,13 @@ LAUNCHES = [
 ]
 
 
-def _compile(launch: Launch):
+def compile_launch(launch: Launch):
+    """The launch's sm_90a kernel (Triton's CompiledKernel: .asm["ptx"], .asm["cubin"])."""
     return triton.compile(launch.source(), target=TARGET, options=dict(num_warps=launch.warps))
 
 
-def registers(launch: Launch) -> tuple[int, int]:
-    """-> (registers per thread, spill-store bytes) of the launch's sm_90a code."""
-    kernel = _compile(launch)
+def registers(kernel) -> tuple[int, int]:
+    """A compiled launch -> (registers per thread, spill-store bytes), as ptxas reports them."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.ptx")
         with open(path, "w") as f:
@@ -114,13 +114,13 @@ def registers(launch: Launch) -> tuple[int, int]:
     return int(regs.group(1)), int(spill.group(1)) if spill else 0
 
 
-def memory_order(launch: Launch) -> list[tuple[int, str, int]]:
-    """The launch's SASS global loads / stores, branches and barriers in program order, runs of
-    the same opcode merged -> [(first instruction's index, opcode, count)]."""
+def memory_order(kernel) -> list[tuple[int, str, int]]:
+    """A compiled launch's SASS global loads / stores, branches and barriers in program order,
+    runs of the same opcode merged -> [(first instruction's index, opcode, count)]."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
-            f.write(_compile(launch).asm["cubin"])
+            f.write(kernel.asm["cubin"])
         sass = subprocess.run([CUOBJDUMP, "-sass", path], capture_output=True, text=True, check=True).stdout
     runs: list[tuple[int, str, int]] = []
     for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", sass):
@@ -134,10 +134,10 @@ def memory_order(launch: Launch) -> list[tuple[int, str, int]]:
     return runs
 
 
-def loads_after_output(launch: Launch) -> int:
-    """Global loads placed after the launch's last token-output store (o is bf16: a 16-bit
-    STG): with prefetch_next_token none may be, else a token waits on them after its stores."""
-    runs = memory_order(launch)
+def loads_after_output(runs: list[tuple[int, str, int]]) -> int:
+    """memory_order's runs -> the global loads placed after the last token-output store (o is
+    bf16: a 16-bit STG): with prefetch_next_token none may be, else a token waits on them after
+    its stores."""
     last_out = max(i for i, (_, op, _) in enumerate(runs) if op.startswith("STG.E.U16"))
     return sum(n for _, op, n in runs[last_out + 1:] if op.startswith("LDG"))
 
@@ -150,7 +150,8 @@ def programs_per_sm(regs: int, warps: int) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit status 1 if a launch spills or a prefetch launch loads after its output store")
+    ap.add_argument("--check", action="store_true",
+                    help="exit status 1 if a launch spills or a prefetch launch loads after its output store")
     ap.add_argument("--order", metavar="NAME", help="print the SASS memory order of the launches whose name "
                     "contains NAME instead of the table")
     args = ap.parse_args()
@@ -159,14 +160,15 @@ def main() -> int:
     if args.order is not None:
         for launch in (x for x in LAUNCHES if args.order in x.name):
             print(f"{launch.name}: " + " ".join(f"{op}{f'x{n}' if n > 1 else ''}@{i}"
-                                                for i, op, n in memory_order(launch)), flush=True)
+                                                for i, op, n in memory_order(compile_launch(launch))), flush=True)
         return 0
     print("| launch | registers | spill stores (bytes) | programs / SM | loads after the output store |\n"
           "|---|---:|---:|---:|---:|")
     spilled, late = [], []
     for launch in LAUNCHES:
-        regs, spill = registers(launch)
-        late_loads = loads_after_output(launch)
+        kernel = compile_launch(launch)
+        regs, spill = registers(kernel)
+        late_loads = loads_after_output(memory_order(kernel))
         print(f"| {launch.name} | {regs} | {spill} | {programs_per_sm(regs, launch.warps)} | {late_loads} |",
               flush=True)
         if spill and launch.K <= 128:

@@ -74,7 +74,7 @@ def all_tokens_first_kernel(q, k, v, g, beta, scale, o, pool, cu, idx, n_acc, H:
     tr = bos + rows
     m_t = tr < eos
     tile = i_hv * K * V + state_offsets(o_k, o_v, K, V, True)
-    slot0 = start_slot(idx, n_acc, i_n, W, True)
+    slot0 = start_slot(idx, n_acc, i_n, W, True, False)
     b_s = tl.load(pool + tl.maximum(slot0, 0) * HV * K * V + tile, mask=slot0 >= 0, other=0.0)
     qa = tl.load(q + (tr[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
     ka = tl.load(k + (tr[:, None] * H + i_h) * K + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)

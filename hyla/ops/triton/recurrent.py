@@ -23,7 +23,7 @@ from hyla.ops.triton import _interpreter
 from hyla.ops.triton.common import head_gate_params
 from hyla.ops.triton.params import gate_params, num_sms, token_rows
 from hyla.ops.triton.recurrent_decode import decode_persistent_kernel
-from hyla.ops.triton.recurrent_step import (position_slot, row_span, start_slot, start_slot_eager, state_offsets,
+from hyla.ops.triton.recurrent_step import (position_slot, row_span, start_slot, state_offsets,
                                              token_loads, token_update)
 from hyla.ops import recurrent as _reference
 from hyla.ops import utils
@@ -60,10 +60,7 @@ def recurrent_kernel(
 
     # Which state to start from; a negative pool slot marks a padding row.
     if POOL:
-        if SPEC and PREFETCH:
-            slot0 = start_slot_eager(idx, n_acc, i_n, IDX_W)
-        else:
-            slot0 = start_slot(idx, n_acc, i_n, IDX_W, SPEC)
+        slot0 = start_slot(idx, n_acc, i_n, IDX_W, SPEC, PREFETCH)
         live = slot0 >= 0
     else:
         slot0 = i_n.to(tl.int64)
@@ -139,10 +136,6 @@ def _check_pool_shapes(idx, n_acc, pool, n):
             raise ValueError(f"`num_accepted_tokens` must be [{n}], got {tuple(n_acc.shape)}")
     elif n_acc is not None:
         raise ValueError("`num_accepted_tokens` is only valid with 2-D `ssm_state_indices`")
-
-
-
-
 
 
 # The persistent decode kernel is the default from this many 16-column (value block, sequence,

@@ -55,7 +55,7 @@ def _state_tile(pool, idx, n_acc, tile, n_tiles, NVB: tl.constexpr, HV: tl.const
     i_nh = t // NVB
     i_n = i_nh // HV
     i_hv = i_nh % HV
-    slot = tl.where(in_range, start_slot(idx, n_acc, i_n, IDX_W, SPEC), -1)
+    slot = tl.where(in_range, start_slot(idx, n_acc, i_n, IDX_W, SPEC, False), -1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     off = (tl.maximum(slot, 0) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)

@@ -33,11 +33,20 @@ def row_span(cu_seqlens, i_n, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def start_slot(idx, n_acc, i_n, IDX_W: tl.constexpr, SPEC: tl.constexpr):
+def start_slot(idx, n_acc, i_n, IDX_W: tl.constexpr, SPEC: tl.constexpr, EAGER: tl.constexpr):
     """The pool slot row i_n starts from (int64; negative: a padding row): idx[n], or for a
-    speculative verify (idx [N, IDX_W]) the slot of its last accepted token, idx[n, n_acc[n] - 1]."""
+    speculative verify (idx [N, IDX_W]) the slot of its last accepted token, idx[n, n_acc[n] - 1].
+    EAGER (verify): every candidate idx[n, 0 .. IDX_W - 1] is loaded beside n_acc[n] and one
+    picked after, so the pool state's address waits on one load, not on two in turn."""
     if SPEC:
-        return tl.load(idx + i_n * IDX_W + tl.load(n_acc + i_n) - 1).to(tl.int64)
+        if EAGER:
+            j = tl.load(n_acc + i_n) - 1
+            slot = tl.load(idx + i_n * IDX_W).to(tl.int64)
+            for w in tl.static_range(1, IDX_W):
+                slot = tl.where(j == w, tl.load(idx + i_n * IDX_W + w).to(tl.int64), slot)
+            return slot
+        else:
+            return tl.load(idx + i_n * IDX_W + tl.load(n_acc + i_n) - 1).to(tl.int64)
     else:
         return tl.load(idx + i_n).to(tl.int64)
 
@@ -47,18 +56,6 @@ def position_slot(idx, i_n, j, IDX_W: tl.constexpr):
     """A speculative verify's slot for the state after row i_n's token j: idx[n, j] (int64), -1
     past the slot width (a row longer than it writes no more states)."""
     return tl.load(idx + i_n * IDX_W + j, mask=j < IDX_W, other=-1).to(tl.int64)
-
-
-@triton.jit
-def start_slot_eager(idx, n_acc, i_n, IDX_W: tl.constexpr):
-    """start_slot of a speculative verify with every candidate idx[n, 0 .. IDX_W - 1] loaded beside
-    n_acc[n] and one picked after: the pool state's address then waits on one load, not on
-    n_acc[n] and then idx[n, n_acc[n] - 1]."""
-    j = tl.load(n_acc + i_n) - 1
-    slot = tl.load(idx + i_n * IDX_W).to(tl.int64)
-    for w in tl.static_range(1, IDX_W):
-        slot = tl.where(j == w, tl.load(idx + i_n * IDX_W + w).to(tl.int64), slot)
-    return slot
 
 
 @triton.jit
