@@ -37,8 +37,13 @@ def _demo(args) -> None:
 
 
 def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory, or a bundled model's name: "
-                   "default (the default), qwen3.5-mtp (with an MTP head)")
+    p.add_argument("--model", default=None, help="checkpoint directory, a Hugging Face Hub id (org/name, from the "
+                   "local Hugging Face cache, downloaded when missing), or a bundled model's name: default (the "
+                   "default), qwen3.5-mtp (with an MTP head)")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit of a Hub id (default: main)")
+    p.add_argument("--generation-config", default="auto",
+                   help="auto: the checkpoint's generation_config.json sampling defaults apply to requests that "
+                   "leave them unset; vllm: no defaults; or a directory holding a generation_config.json")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16, float64")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -58,16 +63,21 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
 
 
 def _engine_config(args):
+    from pathlib import Path
+
     from hyla.engine import EngineConfig
+    from hyla.models.default import BUNDLED_MODELS
+    from hyla.models.hub import is_repo_id
 
-    from hyla.models.default import BUNDLED_MODELS, resolve_model
-
-    if args.model in BUNDLED_MODELS and getattr(args, "served_model_name", "") is None:
-        args.served_model_name = args.model  # clients ask for the name they were given
-    args.model = resolve_model(args.model)
+    model = getattr(args, "model_positional", None) or args.model
+    if getattr(args, "model_positional", None) and args.model and args.model != args.model_positional:
+        raise SystemExit(f"hyla: the model is given twice ({args.model_positional!r} and --model {args.model!r})")
+    named = model is not None and not Path(model).exists() and (model in BUNDLED_MODELS or is_repo_id(model))
+    if named and getattr(args, "served_model_name", "") is None:
+        args.served_model_name = model  # clients ask for the name they were given (vLLM's rule)
     return EngineConfig(
-        model=str(args.model), dtype=args.dtype, device=args.device,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        model=model, revision=args.revision, generation_config=args.generation_config, dtype=args.dtype,
+        device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, memory_budget=args.memory_budget,
         enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
         enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
@@ -141,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as --model takes it (vLLM's `vllm serve MODEL`)")
     _add_engine_args(serve, prefix_cache_default=True)
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)

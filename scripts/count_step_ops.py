@@ -316,7 +316,7 @@ def _report(title: str, step: dict, by_op: bool) -> str:
 def main(argv: list[str] | None = None) -> None:
     from hyla import SamplingParams
     from hyla.bench.spec import FREE
-    from hyla.models.default import resolve_model
+    from hyla.models.hub import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3.5-mtp")

@@ -21,7 +21,7 @@ import time
 
 from hyla import LLM, SamplingParams
 from hyla.bench.spec import FREE
-from hyla.models.default import resolve_model
+from hyla.models.hub import resolve_model
 
 
 def _timed_decode(llm: LLM, prompt: str, params: SamplingParams) -> dict:

@@ -14,7 +14,7 @@ import argparse
 from hyla import LLM, SamplingParams
 from hyla.bench import floor as fl
 from hyla.bench.spec import FREE
-from hyla.models.default import resolve_model
+from hyla.models.hub import resolve_model
 
 
 def _profile(llm: LLM, prompt: str, params: SamplingParams, top: int) -> str:

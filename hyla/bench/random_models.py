@@ -57,6 +57,7 @@ import torch
 from hyla.bench.cache_sim.costs import KIMI_LINEAR_48B
 from hyla.models.glm5_next_memory import GLM_5_3_FLASH
 from hyla.models.memory import FP32_TENSORS
+from hyla.models.random_init import init_random_
 
 # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (sizes and schedules).
 QWEN3_NEXT_80B = {
@@ -171,37 +172,6 @@ def model_config(name: str, layers: int | None = None):
 
     d = random_config_dict(name, layers)
     return family_classes(d["model_type"])[0].from_hf_dict(d)
-
-
-def _norm_kind(module) -> str | None:
-    name = type(module).__name__
-    if "Norm" not in name:
-        return None
-    return "zero" if "ZeroCentred" in name else "one"
-
-
-@torch.no_grad()
-def init_random_(model: torch.nn.Module, std: float, seed: int = 0) -> None:
-    """Fill every parameter and persistent buffer of `model` in place (see the module docstring)."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    norms = {}
-    for mname, module in model.named_modules():
-        kind = _norm_kind(module)
-        if kind is not None:
-            for pname, _ in module.named_parameters(recurse=False):
-                norms[f"{mname}.{pname}" if mname else pname] = kind
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith(("A_log", "dt_bias")):
-            t.uniform_(-1.0, 1.0, generator=gen)
-        elif name in norms:
-            t.normal_(0.0, 0.02, generator=gen)
-            if norms[name] == "one":
-                t.add_(1.0)
-        elif name.endswith("e_score_correction_bias"):
-            t.normal_(0.0, 0.02, generator=gen)
-        elif t.is_floating_point():
-            t.normal_(0.0, std, generator=gen)
 
 
 def random_model(name: str, dtype=torch.float32, device="cpu", seed: int = 0, layers: int | None = None):

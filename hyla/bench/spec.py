@@ -194,7 +194,7 @@ def _label(cfg: dict | None) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     from hyla import LLM, SamplingParams
-    from hyla.models.default import resolve_model
+    from hyla.models.hub import resolve_model
 
     p = argparse.ArgumentParser(prog="hyla bench spec", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None)

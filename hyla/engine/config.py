@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -67,8 +68,10 @@ class SpecConfig:
 
 @dataclass
 class EngineConfig:
-    """model: checkpoint directory. dtype / device: model weights (None = checkpoint dtype on CPU,
-    bf16 on CUDA; device None = CUDA when available). max_num_seqs: running requests at most
+    """model: a checkpoint directory, a bundled model's name or a Hugging Face Hub id (`org/name`,
+    resolved in the local Hugging Face cache, downloaded when missing: hyla.models.hub);
+    revision: the Hub branch, tag or commit (Hub ids only). dtype / device: model weights
+    (None = checkpoint dtype on CPU, bf16 on CUDA; device None = CUDA when available). max_num_seqs: running requests at most
     (clamped to the state slots the budget holds). max_num_batched_tokens: tokens per step
     (prefill chunks + decodes). max_model_len: prompt + output tokens per request (None = the
     model's limit). memory_budget: bytes for KV pages + state slots (None = derived, see
@@ -79,7 +82,10 @@ class EngineConfig:
     tensor_parallel_size: ranks the model is split over (hyla.parallel: worker processes started
     by the engine, one per device; memory_budget is then per rank); enable_expert_parallel:
     whole experts per rank instead of every expert split along its width. load_format "dummy":
-    random weights, no safetensors read (benchmarks of released shapes from their config.json)."""
+    random weights, no safetensors read (benchmarks of released shapes from their config.json).
+    generation_config: "auto" = the checkpoint's generation_config.json (sampling defaults for
+    requests that leave them unset, and its EOS ids), "vllm" = none of it, or another directory
+    holding a generation_config.json (vLLM's `--generation-config`; hyla.engine.generation_config)."""
 
     model: str
     dtype: torch.dtype | str | None = None
@@ -98,6 +104,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     load_format: str = "auto"
+    revision: str | None = None
+    generation_config: str = "auto"
     model_limit: int = field(init=False, default=0)  # the checkpoint's max_position_embeddings (or 2^20)
 
     def __post_init__(self):
@@ -128,7 +136,13 @@ class EngineConfig:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but CUDA is not available")
         self.speculative_config = SpecConfig.parse(self.speculative_config)
+        from hyla.models.hub import resolve_model
         from hyla.models.loader import load_config
+
+        self.model = resolve_model(self.model, self.revision)
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding generation_config.json, "
+                             f"got {self.generation_config!r}")
 
         target = load_config(self.model)
         self._check_parallel(target)
@@ -139,6 +153,7 @@ class EngineConfig:
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model":
             try:
+                spec.model = resolve_model(spec.model)
                 draft = load_config(spec.model)
             except (OSError, ValueError) as e:
                 raise ValueError(f"speculative_config model {spec.model!r}: {e}") from None

@@ -1,6 +1,7 @@
 """LLM: the offline API, as vLLM users know it.
 
-    llm = LLM(model=path)          # or a bundled model's name: "default", "qwen3.5-mtp"
+    llm = LLM(model=path)          # or a bundled model's name ("default", "qwen3.5-mtp"), or a
+                                   # Hugging Face Hub id ("org/name", revision=...): hyla.models.hub
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
@@ -20,9 +21,7 @@ class LLM:
                  memory_budget: int | None = None, enable_prefix_caching: bool = False,
                  speculative_config: dict | None = None, enforce_eager: bool = False, seed: int = 0,
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False, **kwargs):
-        from hyla.models.default import resolve_model
-
-        config = EngineConfig(model=resolve_model(model), dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+        config = EngineConfig(model=model, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                               memory_budget=memory_budget, enable_prefix_caching=enable_prefix_caching,
                               speculative_config=speculative_config, enforce_eager=enforce_eager, seed=seed,
@@ -38,13 +37,13 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, one token-id list or a list of them.
-        sampling_params: one for all, or one per prompt. Returns outputs in prompt order.
+        sampling_params: one for all, or one per prompt; None = get_default_sampling_params(). Returns outputs in prompt order.
         Every prompt is validated before any work is done (ValueError names the bad one)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the checkpoint's generation_config.json defaults, as vLLM
+            sampling_params = self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
@@ -72,6 +71,11 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [finished[rid] for rid in ids]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the checkpoint's generation_config.json sampling defaults
+        (none with generation_config="vllm")."""
+        return self.engine.default_sampling_params()
 
     def get_metrics(self) -> dict:
         return self.engine.get_metrics()

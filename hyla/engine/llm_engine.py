@@ -15,6 +15,7 @@ import logging
 import torch
 
 from hyla.engine.config import EngineConfig
+from hyla.engine.generation_config import read_generation_config, token_ids
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.outputs import RequestOutput
 from hyla.engine.pools import Pools, size_pools
@@ -91,7 +92,18 @@ class LLMEngine:
                                    num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
                                    max_model_len=self.max_model_len)
         self.generator = torch.Generator(self.model.device).manual_seed(config.seed)  # the sampler draws there
-        self.eos_token_id = self._eos_token_id()
+        self.generation_defaults = read_generation_config(
+            config.model if config.generation_config in ("auto", "vllm") else config.generation_config,
+            "vllm" if config.generation_config == "vllm" else "auto")
+        try:
+            self.default_sampling_params()
+        except ValueError as e:
+            raise ValueError(f"generation_config.json's sampling defaults are invalid: {e}") from None
+        if self.generation_defaults.sampling:
+            log.info("sampling defaults from generation_config.json for requests that leave them unset: %s "
+                     "(generation_config='vllm' turns them off)", self.generation_defaults.sampling)
+        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the first: xgrammar's stop
         self.requests: dict[str, Sequence] = {}
         # Counters the engine itself advances; get_metrics adds the scheduler's and the pools'.
         self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_requests_failed": 0,
@@ -107,13 +119,19 @@ class LLMEngine:
             self.chain = self.spec.drafter.chain = OverlapChain(self, self.spec.drafter, spec_cfg.rollback)
         self._drained: list[RequestOutput] = []  # outputs of a step collected outside `step` (drain)
 
-    def _eos_token_id(self):
-        eos = getattr(self.model.config, "eos_token_id", None)
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_token_id
-        return eos
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a request (unless ignore_eos): config.json's `eos_token_id` (one id
+        or a list), generation_config.json's, then the tokenizer's EOS token, in that order."""
+        ids = token_ids(getattr(self.model.config, "eos_token_id", None), "config.json")
+        ids += self.generation_defaults.eos_token_ids
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(dict.fromkeys(ids))
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (vLLM's
+        `get_default_sampling_params`): what a request that sets nothing runs with."""
+        return SamplingParams(**self.generation_defaults.sampling)
 
     # ---- requests ------------------------------------------------------------------------
     def encode(self, prompt) -> tuple[str | None, list[int]]:
@@ -162,7 +180,7 @@ class LLMEngine:
         else:
             text, ids = (prompt if isinstance(prompt, str) else None), self.encode(list(prompt_token_ids))[1]
         max_tokens = self.validate(ids, params)
-        seq = Sequence(request_id, text, ids, params, max_tokens, self.eos_token_id, device=self.model.device)
+        seq = Sequence(request_id, text, ids, params, max_tokens, self.eos_token_ids, device=self.model.device)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

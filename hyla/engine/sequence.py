@@ -27,14 +27,19 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, eos_token_id: int | None, device: torch.device | str = "cpu"):
+                 max_tokens: int, eos_token_ids: tuple[int, ...] | list[int] | int | None = (),
+                 device: torch.device | str = "cpu"):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
         self.max_tokens = max_tokens
-        self.eos_token_id = eos_token_id
+        # Every id that ends the request unless ignore_eos: config.json's and generation_config.json's
+        # eos_token_id (a list in GLM and Qwen releases) and the tokenizer's EOS (LLMEngine.eos_token_ids).
+        if eos_token_ids is None:
+            eos_token_ids = ()
+        self.eos_token_ids = (eos_token_ids,) if isinstance(eos_token_ids, int) else tuple(eos_token_ids)
         self.status = Status.WAITING
         self.slot: int | None = None  # the slot holding the state after num_computed_tokens tokens
         self.spec_slots: list[int] = []  # speculative "slots" rollback: 1 + k slots, `slot` is one of them
@@ -125,7 +130,7 @@ class Sequence:
         if self.guide is not None and self.guide.is_terminated():  # the grammar is complete (its stop token came)
             return self.finish("stop", token, drop_text_of_last=True, tokenizer=tokenizer)
         if n_out >= p.min_tokens:
-            if not p.ignore_eos and token == self.eos_token_id:
+            if not p.ignore_eos and token in self.eos_token_ids:
                 return self.finish("stop", token, drop_text_of_last=True, tokenizer=tokenizer)
             if token in p.stop_token_ids:
                 return self.finish("stop", token)
@@ -144,7 +149,7 @@ class Sequence:
         ignore_eos, then stop_token_ids (hyla.engine.mtp_overlap applies the same rule on the
         device)."""
         p = self.params
-        eos = [] if p.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
+        eos = [] if p.ignore_eos else list(self.eos_token_ids)
         return eos + [t for t in p.stop_token_ids if t not in eos]
 
     def _detokenize(self, tokenizer) -> None:

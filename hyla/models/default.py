@@ -32,15 +32,3 @@ def bundled_model_path(name: str) -> str:
 def default_model_path() -> str:
     """Directory of the bundled default model (see bundled_model_path)."""
     return bundled_model_path("default")
-
-
-def resolve_model(model: str | Path | None) -> str:
-    """A checkpoint directory for `model`: None -> the default model; a bundled model's name ->
-    its directory, unless a directory of that name exists (a path always wins); anything else
-    unchanged (the loader names what is wrong with it)."""
-    if model is None:
-        return default_model_path()
-    model = str(model)
-    if model in BUNDLED_MODELS and not Path(model).exists():
-        return bundled_model_path(model)
-    return model

@@ -31,7 +31,9 @@ import importlib
 
 from hyla.models.base import HybridForCausalLM
 from hyla.models.config import read_config_json
+from hyla.models.hub import resolve_model
 from hyla.models.memory import FP32_TENSORS
+from hyla.models.random_init import init_random_
 
 # model_type -> ("module:ConfigClass", "module:ModelClass"). A new family adds a line here and its
 # own files; the classes are imported on first use, so one family's import never pays for another's.
@@ -64,10 +66,11 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "float16": torch.float16, "half": torch.float16, "float64": torch.float64}
 
 
-def load_config(path):
-    """The config of the checkpoint at `path` (a directory holding config.json, or the file),
-    parsed by the class its `model_type` names."""
-    d = read_config_json(path)
+def load_config(path, revision: str | None = None):
+    """The config of the checkpoint at `path` (a directory holding config.json, the file, a
+    bundled model's name or a Hub id: hyla.models.hub.resolve_model), parsed by the class its
+    `model_type` names."""
+    d = read_config_json(resolve_model(path, revision))
     return family_classes(d.get("model_type"))[0].from_hf_dict(d)
 
 
@@ -212,18 +215,39 @@ def _copy_into(t: torch.Tensor, index: tuple | None, value: torch.Tensor) -> Non
     dst.copy_(value)
 
 
-def load_model(path, dtype=None, device=None, shard=None, random_weights: bool = False) -> HybridForCausalLM:
+def _fill(model: torch.nn.Module, files: dict[str, str], plan: dict[str, Target], shard) -> None:
+    """Copy every planned checkpoint tensor into `model`. Its own function so that the
+    name -> parameter map is gone when it returns: held across prepare_for_inference(), it kept
+    every replaced expert tensor alive (the weights plus a second copy of every MoE layer)."""
+    targets = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for file in sorted(set(files.values())):
+            with safe_open(file, "pt", device="cpu") as f:
+                for name in f.keys():
+                    if files.get(name) == file and name in plan:  # not ignored (mtp.*)
+                        target, index = plan[name]
+                        value = f.get_tensor(name) if shard is None else shard.read(name, f)
+                        _copy_into(targets[target], index, value)
+
+
+def load_model(path, dtype=None, device=None, shard=None, random_weights: bool = False,
+               revision: str | None = None) -> HybridForCausalLM:
     """Build the model described by `path`/config.json (the family its `model_type` names) and
-    fill it from its safetensors.
+    fill it from its safetensors. path: a checkpoint directory, a bundled model's name or a
+    Hugging Face Hub id (`org/name` at `revision`: hyla.models.hub.resolve_model).
 
     dtype: torch dtype (or name) of the weights; None = the checkpoint's `dtype`, else fp32.
     A few small tensors (FP32_TENSORS) stay fp32. device: where to put the model (default cpu).
     shard: one rank's tensor-parallel plan (hyla.parallel.tensor.ShardPlan): the model is built
     from its per-rank config and only this rank's part of each tensor is read.
     random_weights: no safetensors are read (a config.json is enough); every tensor is drawn as
-    hyla.bench.random_models does (benchmarks of released shapes, vLLM's load_format="dummy").
-    Returns the model in eval mode with gradients disabled."""
-    path = os.fspath(path)
+    hyla.models.random_init (benchmarks of released shapes, vLLM's load_format="dummy").
+    Returns the model in eval mode with gradients disabled.
+
+    Peak memory: the weights plus one layer's transient. Nothing here keeps a reference to a
+    parameter past the copy, so the tensors that prepare_for_inference() replaces (a MoE layer's
+    experts when its shared expert is stacked behind them) are freed layer by layer."""
+    path = resolve_model(path, revision)
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint directory {path} does not exist")
     config = load_config(path)
@@ -252,18 +276,8 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
     if config.tie_word_embeddings:  # to_empty re-creates parameters: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     if random_weights:
-        from hyla.bench.random_models import init_random_
-
         init_random_(model, 0.02, seed=0 if shard is None else shard.rank)
-    targets = model.state_dict(keep_vars=True)
-    with torch.no_grad():
-        for file in sorted(set(files.values())):
-            with safe_open(file, "pt", device="cpu") as f:
-                for name in f.keys():
-                    if files.get(name) == file and name in plan:  # not ignored (mtp.*)
-                        target, index = plan[name]
-                        value = f.get_tensor(name) if shard is None else shard.read(name, f)
-                        _copy_into(targets[target], index, value)
+    _fill(model, files, plan, shard)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
     return model

@@ -194,6 +194,7 @@ async def model(request: Request, model_id: str):
 async def completions(request: Request):
     state = _state(request)
     req = parse(CompletionRequest, await read_json(request, state.max_body_bytes))
+    req.apply_defaults(state.engine.generation_defaults.sampling)
     _check_model(state, req.model)
     try:
         prompt = req.prompt_value()
@@ -218,6 +219,7 @@ async def chat(request: Request):
     state = _state(request)
     engine = state.engine
     req = parse(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
+    req.apply_defaults(state.engine.generation_defaults.sampling)
     _check_model(state, req.model)
     if engine.tokenizer is None or not engine.tokenizer.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions")

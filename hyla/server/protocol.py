@@ -82,6 +82,17 @@ class SamplingRequest(StructuredFields):
             if (self.model_extra or {}).get(name) is not None:
                 raise UnsupportedParameter(name, f"{name} is not supported")
 
+    def apply_defaults(self, defaults: dict) -> None:
+        """Take the checkpoint's generation_config.json defaults ({SamplingParams field: value},
+        LLMEngine.generation_defaults) for every field this request left unset, as vLLM does;
+        `max_tokens` counts as set when `max_completion_tokens` is."""
+        for name, value in defaults.items():
+            unset = name not in self.model_fields_set
+            if name == "max_tokens":
+                unset = unset and "max_completion_tokens" not in self.model_fields_set
+            if unset and name in type(self).model_fields:
+                self.__dict__[name] = value  # not marked as set by the client
+
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None

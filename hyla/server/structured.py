@@ -93,7 +93,7 @@ class Grammars:
                 for text, i in tok.tokenizer.get_vocab(with_added_tokens=True).items():
                     if i < len(vocab) and text not in specials:  # "": a special token, never text
                         vocab[i] = text
-                stop = [self.engine.eos_token_id] if self.engine.eos_token_id is not None else []
+                stop = list(self.engine.eos_token_ids)  # every id that ends a request
                 info = xgr.TokenizerInfo(vocab, _vocab_type(tok), vocab_size=self.engine.vocab_size,
                                          stop_token_ids=stop)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)

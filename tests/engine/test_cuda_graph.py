@@ -388,7 +388,7 @@ def test_overlapped_mtp_steps_equal_unoverlapped_bf16_cuda(k):
     run other GEMM shapes than a decode's one row, so near-ties may break the other way; the
     fp32 test above checks that equality.)"""
     from hyla.bench.spec import FREE, REPETITIVE
-    from hyla.models.default import resolve_model
+    from hyla.models.hub import resolve_model
 
     path, prompts = resolve_model("qwen3.5-mtp"), REPETITIVE + FREE
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)

@@ -65,7 +65,7 @@ def test_incremental_text_equals_full_decode(tokenizer, skip_special_tokens, see
     rng = random.Random(seed)
     ids = _stream(tokenizer, rng, 300)
     params = SamplingParams(max_tokens=1000, ignore_eos=True, skip_special_tokens=skip_special_tokens)
-    seq = Sequence("r", None, [1, 2, 3], params, max_tokens=1000, eos_token_id=None)
+    seq = Sequence("r", None, [1, 2, 3], params, max_tokens=1000, eos_token_ids=())
     checked = 0
     for t in ids:
         seq.append_token(t, None)
@@ -84,7 +84,7 @@ def test_a_stop_string_inside_one_long_token_is_found():
     ids = tok.encode("x = 1\n" + " " * 34 + "y", add_special_tokens=False)
     assert any(tok.decode([t]).startswith("\n" + " " * 17) for t in ids)  # the case the bug needs
     params = SamplingParams(max_tokens=12, stop=["\n"])
-    seq = Sequence("r", None, [1, 2, 3], params, max_tokens=12, eos_token_id=None)
+    seq = Sequence("r", None, [1, 2, 3], params, max_tokens=12, eos_token_ids=())
     for t in ids:
         seq.append_token(t, None)
         seq.check_stop(tok)
@@ -111,7 +111,7 @@ def test_a_failing_stream_resyncs_to_the_full_decode():
     text becomes the full decode and later tokens continue from there."""
     tok = load_tokenizer(default_model_path())
     ids = tok.encode("def f(x):\n    return 'héllo' + x\n", add_special_tokens=False)
-    seq = Sequence("r", None, [1, 2, 3], SamplingParams(max_tokens=100), max_tokens=100, eos_token_id=None)
+    seq = Sequence("r", None, [1, 2, 3], SamplingParams(max_tokens=100), max_tokens=100, eos_token_ids=())
     seq._decoder = _FailsOnce(tok)
     for t in ids:
         seq.append_token(t, None)

@@ -102,7 +102,7 @@ def bundled():
     """The bundled qwen3.5-mtp (its head drafts well: whole acceptances), fp64, with the bench's
     prompts and its plain greedy outputs."""
     from hyla.bench.spec import FREE, REPETITIVE
-    from hyla.models.default import resolve_model
+    from hyla.models.hub import resolve_model
 
     path = resolve_model("qwen3.5-mtp")
     prompts = REPETITIVE + FREE

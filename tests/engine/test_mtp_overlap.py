@@ -24,7 +24,7 @@ def bundled():
     and their plain greedy outputs."""
     from hyla import LLM
     from hyla.bench.spec import FREE, REPETITIVE
-    from hyla.models.default import resolve_model
+    from hyla.models.hub import resolve_model
 
     path = resolve_model("qwen3.5-mtp")
     prompts = REPETITIVE + FREE

@@ -26,9 +26,11 @@ def test_token_range_and_token_at_equal_token_ids():
 
 def test_stop_ids_are_the_ids_check_stop_ends_on():
     """stop_ids (the overlapped MTP chain's device-side stop rule) lists exactly the ids on which
-    check_stop finishes a request past min_tokens: EOS unless ignore_eos, and stop_token_ids."""
+    check_stop finishes a request past min_tokens: every EOS id unless ignore_eos, and stop_token_ids."""
     cases = [(SamplingParams(max_tokens=8), 2), (SamplingParams(max_tokens=8, ignore_eos=True), 2),
-             (SamplingParams(max_tokens=8, stop_token_ids=[9, 2]), 2), (SamplingParams(max_tokens=8), None)]
+             (SamplingParams(max_tokens=8, stop_token_ids=[9, 2]), 2), (SamplingParams(max_tokens=8), None),
+             (SamplingParams(max_tokens=8), (2, 7, 11)), (SamplingParams(max_tokens=8, ignore_eos=True), (2, 7)),
+             (SamplingParams(max_tokens=8, stop_token_ids=[7, 3]), [2, 7, 11])]
     for params, eos in cases:
         ids = Sequence("r", None, [5], params, 8, eos).stop_ids()
         assert len(ids) == len(set(ids))

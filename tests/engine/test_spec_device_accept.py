@@ -13,7 +13,7 @@ from hyla.bench.spec import REPETITIVE as PROMPTS
 
 @pytest.fixture(scope="module")
 def ckpt():
-    from hyla.models.default import resolve_model
+    from hyla.models.hub import resolve_model
 
     return resolve_model("qwen3.5-mtp")  # trained: prompt lookup's drafts are accepted on code
 

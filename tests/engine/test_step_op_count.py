@@ -21,7 +21,7 @@ def counter():
 @pytest.fixture(scope="module")
 def counts(counter):
     from hyla.bench.spec import FREE
-    from hyla.models.default import resolve_model
+    from hyla.models.hub import resolve_model
 
     model = str(resolve_model("qwen3.5-mtp"))
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from hyla import LLM, SamplingParams
-from hyla.models.default import BUNDLED_MODELS, bundled_model_path, default_model_path, resolve_model
+from hyla.models.default import BUNDLED_MODELS, bundled_model_path, default_model_path
+from hyla.models.hub import resolve_model
 
 PROMPTS = ["def read_file(path):", "class Stack:\n    def push(self, item):"]
 
