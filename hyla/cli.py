@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--shutdown-drain-s", type=float, default=10.0,
                        help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
-    serve.add_argument("--tool-call-parser", default=None, choices=["hermes", "qwen3_coder", "kimi_k2"],
-                       help="how tool calls are read from the model's text (vLLM's names)")
+    serve.add_argument("--tool-call-parser", default=None,
+                       choices=["hermes", "qwen3_coder", "kimi_k2", "glm45", "glm47"], help="how tool calls are read from the model's text (vLLM's names)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='allow tool_choice "auto" (needs --tool-call-parser), as in vLLM')
     serve.set_defaults(func=_serve)

@@ -6,6 +6,10 @@
                  (values typed by the tool's JSON schema: strings stay raw text)
     kimi_k2      <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0
                  <|tool_call_argument_begin|>{...}<|tool_call_end|>...<|tool_calls_section_end|>
+    glm45        <tool_call>f\n<arg_key>p</arg_key>\n<arg_value>value</arg_value>...</tool_call>
+    glm47        the same, the name followed directly by the first <arg_key> (GLM-4.7 on)
+                 (a value is text when the tool's schema types it "string", else JSON or a
+                 Python literal when it parses as one, else text)
 
 The content is the text before the first marker. A parser only reports calls that are complete
 (`final` also takes an unclosed last call, the model having stopped at EOS); text whose calls do
@@ -77,12 +81,7 @@ def _typed(value: str, schema: dict):
         return None
     if kinds & _STRING_TYPES:
         return value
-    for parse in (json.loads, ast.literal_eval):
-        try:
-            return parse(text)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            continue
-    return value
+    return _literal(text, fallback=value)
 
 
 class Qwen3CoderParser:
@@ -134,7 +133,50 @@ class KimiK2Parser:
         return out
 
 
-PARSERS = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser, "kimi_k2": KimiK2Parser}
+class Glm45Parser:
+    """GLM's XML-like calls. One parser for both spellings: the name runs to the first newline
+    or `<arg_key>`, so GLM-4.5's `f\n<arg_key>` and GLM-4.7's `f<arg_key>` read alike."""
+
+    start = "<tool_call>"
+    _closed = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    _open = re.compile(r"<tool_call>((?:(?!</tool_call>).)*)\Z", re.DOTALL)
+    _head = re.compile(r"\s*([^\n<]+?)\s*(?:\n|(?=<arg_key>)|\Z)(.*)", re.DOTALL)
+    _pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    def calls(self, section: str, tools: list[dict], final: bool) -> list[ToolCall]:
+        bodies = self._closed.findall(section)
+        tail = self._open.search(section) if final else None
+        if tail and tail.group(1).strip():
+            bodies.append(tail.group(1))
+        return [self._one(b, tools) for b in bodies]
+
+    def _one(self, body: str, tools: list[dict]) -> ToolCall:
+        m = self._head.match(body)
+        if m is None or not m.group(1):
+            raise ToolParseError("a glm45 tool call needs the function's name after <tool_call>")
+        name = m.group(1)
+        props = next((((t.get("function") or {}).get("parameters") or {}).get("properties") or {}
+                      for t in tools if (t.get("function") or {}).get("name") == name), {})
+        args = {}
+        for key, raw in self._pair.findall(m.group(2)):
+            key, value = key.strip(), raw.strip()
+            args[key] = value if (props.get(key) or {}).get("type") == "string" else _literal(value)
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _literal(text: str, fallback=None):
+    """`text` as JSON, else as a Python literal, else `fallback` (default: the text itself).
+    Models write `true`, `3`, `[1, 2]` or `{'a': 1}` for parameters that are not strings."""
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            return parse(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+    return text if fallback is None else fallback
+
+
+PARSERS = {"hermes": HermesParser, "qwen3_coder": Qwen3CoderParser, "kimi_k2": KimiK2Parser,
+           "glm45": Glm45Parser, "glm47": Glm45Parser}
 
 
 def make_parser(name: str):

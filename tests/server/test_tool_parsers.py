@@ -73,3 +73,19 @@ def test_marker_hold_and_unknown_parser():
     assert marker_hold("hello", "<tool_call>") == 0
     with pytest.raises(ValueError, match="unknown tool call parser"):
         make_parser("mistral9")
+
+
+@pytest.mark.parametrize("name", ["glm45", "glm47"])
+def test_glm_calls_both_spellings_typed_by_the_schema(name):
+    text = ("Let me see.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>2024</arg_value>\n"
+            "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>metric</arg_key>\n<arg_value>true"
+            "</arg_value>\n</tool_call>\n<tool_call>get_weather<arg_key>city</arg_key><arg_value> Oslo "
+            "</arg_value><arg_key>hours</arg_key><arg_value>[1, 2]</arg_value></tool_call>")
+    content, calls = extract(make_parser(name), text, TOOLS)
+    assert content == "Let me see.\n"
+    assert _calls(calls) == [("get_weather", {"city": "2024", "days": 3, "metric": True}),
+                             ("get_weather", {"city": "Oslo", "hours": [1, 2]})]
+    unclosed = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>"
+    assert make_parser(name).calls(unclosed, TOOLS, final=False) == []
+    assert _calls(make_parser(name).calls(unclosed, TOOLS, final=True)) == [("get_weather", {"city": "Rome"})]
+    assert extract(make_parser(name), "<tool_call>\n</tool_call>", TOOLS) == ("<tool_call>\n</tool_call>", [])
