@@ -127,13 +127,3 @@ def memory_report(config, dtype: torch.dtype = torch.bfloat16,
         kv_bytes_per_token=kv_bytes_per_token(config, dtype),
         linear_kind=sizes.linear_kind, attention_kind=sizes.attention_kind, kv_contents=sizes.kv_contents,
     )
-
-
-
-def tensor_parallel_section(config, dtype: torch.dtype = torch.bfloat16, state_dtype: torch.dtype = torch.float32,
-                            degrees: tuple[int, ...] = (1, 2, 4, 8), expert_parallel: bool = False) -> str:
-    """Per-rank weights, state per request and KV per token at each tensor-parallel degree
-    (hyla.parallel.tp_memory builds one rank's model on the meta device, as a worker does)."""
-    from hyla.parallel.tp_memory import format_tp_section
-
-    return format_tp_section(config, degrees, dtype, state_dtype, expert_parallel)

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from hyla.ops.gated_act import SILU, GatedActivation
+from hyla.ops.moe_pairs import check_expert_shapes
+from hyla.ops.moe_pairs import expert_counts, sort_pairs_by_expert
 from hyla.ops.utils import work_dtype
 
 # torch.nn.functional.grouped_mm is the public name from torch 2.10 on; older builds have the op only.
@@ -38,24 +40,11 @@ __all__ = ["sigmoid_topk_route", "softmax_topk_route", "moe_experts", "moe_exper
            "expert_counts"]
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> None:
-    if x.ndim != 2 or w13.ndim != 3 or w2.ndim != 3:
-        raise ValueError(f"expected x [M, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
-                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
-    E, two_i, H = w13.shape
-    if two_i % 2 or x.shape[1] != H or tuple(w2.shape) != (E, H, two_i // 2):
-        raise ValueError(f"inconsistent expert shapes: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
-                         f"w2 {tuple(w2.shape)}")
-    if weights.shape != ids.shape or ids.ndim != 2 or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"weights and ids must both be [M={x.shape[0]}, k]; got {tuple(weights.shape)}, "
-                         f"{tuple(ids.shape)}")
-
-
 def moe_experts_naive(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor) -> torch.Tensor:
     """The oracle: every (token, slot) pair through its expert in a python loop, summed over the
     k slots in slot order. Same contract as `moe_experts`."""
-    _check(x, w13, w2, weights, ids)
+    check_expert_shapes(x, w13, w2, weights, ids)
     I = w13.shape[1] // 2
     out = torch.zeros(x.shape[0], x.shape[1], dtype=work_dtype(x))
     for m in range(x.shape[0]):
@@ -65,22 +54,6 @@ def moe_experts_naive(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
             h = F.silu(gu[:I]) * gu[I:]
             out[m] += weights[m, j].to(out.dtype) * (w2[e] @ h).to(out.dtype)
     return out.to(x.dtype)
-
-
-def expert_counts(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """flat_ids: [P] int64 -> pairs per expert [E] int64. A scatter-add, not torch.bincount,
-    which reads the largest id back on the host on CUDA to size its output."""
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
-    return counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-
-
-def sort_pairs_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids: [M, k] -> (order [M*k]: flat pair indices sorted by expert (stable), ends [E] int32:
-    cumulative pair counts, i.e. expert e owns sorted rows ends[e-1]..ends[e]-1). On the device."""
-    flat = ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    counts = expert_counts(flat, num_experts)
-    return order, counts.cumsum(0).to(torch.int32)
 
 
 def _grouped(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, ids_sorted: torch.Tensor) -> torch.Tensor:
@@ -95,7 +68,7 @@ def moe_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
                       ids: torch.Tensor, activation: GatedActivation = SILU) -> torch.Tensor:
     """Sorted pairs and grouped GEMMs on the device (see the module docstring); `activation`
     between the two GEMMs (hyla.ops.gated_act)."""
-    _check(x, w13, w2, weights, ids)
+    check_expert_shapes(x, w13, w2, weights, ids)
     M, k = ids.shape
     I = w13.shape[1] // 2
     order, ends = sort_pairs_by_expert(ids, w13.shape[0])

@@ -13,7 +13,7 @@ each call on rank 0's MTPDrafter (with the real Sequences) and has ranks 1..N-1 
   rank's last forward kept (hyla.parallel.worker.Worker: every rank's own copy, the same
   values; none is sent).
 
-Ranks 1..N-1 see DraftViews (hyla.parallel.runner), never Sequences: the id, preemption count,
+Ranks 1..N-1 see DraftViews (hyla.parallel.views), never Sequences: the id, preemption count,
 block table and the few tokens a commit pairs with its hidden rows.
 """
 
@@ -25,7 +25,7 @@ import torch
 
 from hyla.engine.mtp import MTPDrafter
 from hyla.engine.spec_decode import Drafter
-from hyla.parallel.runner import DraftView
+from hyla.parallel.views import DraftView
 
 log = logging.getLogger("hyla.parallel")
 

@@ -21,30 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
+from hyla.parallel.views import Suffix
 from hyla.parallel.workers import WorkerGroup
 
 log = logging.getLogger("hyla.parallel")
-
-
-class _Suffix:
-    """seq.token_ids from `start` on, indexed with the sequence's own positions."""
-
-    __slots__ = ("start", "tokens")
-
-    def __init__(self, start: int, tokens: list[int]):
-        self.start, self.tokens = start, tokens
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return self.tokens[i.start - self.start: i.stop - self.start]
-        return self.tokens[i - self.start]
 
 
 @dataclass
 class SeqView:
     """What ModelRunner (and its CUDA graphs) read of a Sequence, for one step."""
 
-    token_ids: _Suffix
+    token_ids: Suffix
     num_computed_tokens: int
     block_table: list[int]
     slot: int | None
@@ -54,7 +41,7 @@ class SeqView:
     @classmethod
     def of(cls, seq, num_new: int) -> SeqView:
         start = seq.num_computed_tokens
-        return cls(_Suffix(start, seq.token_range(start, start + num_new)), start, list(seq.block_table), seq.slot,
+        return cls(Suffix(start, seq.token_range(start, start + num_new)), start, list(seq.block_table), seq.slot,
                    list(seq.spec_slots), seq.last_token_id)
 
     def token_range(self, start: int, stop: int) -> list[int]:
@@ -62,43 +49,6 @@ class SeqView:
 
     def token_at(self, i: int) -> int:
         return self.token_ids[i]
-
-
-class _Tail(_Suffix):
-    """seq.token_ids from `start` to its end; len() is the whole sequence's length."""
-
-    __slots__ = ()
-
-    def __len__(self) -> int:
-        return self.start + len(self.tokens)
-
-
-@dataclass
-class DraftView:
-    """What an MTPDrafter reads of a Sequence on ranks 1..N-1 (rank 0 reads the Sequence): its
-    id, preemption count, block table, and its tokens from `start` on (the ones a commit pairs
-    with hidden rows; none otherwise) with the sequence's full length."""
-
-    request_id: str
-    token_ids: _Tail
-    num_preemptions: int
-    block_table: list[int]
-
-    @classmethod
-    def of(cls, seq, start: int | None = None, pages: bool = True) -> DraftView:
-        """start: the first token carried (default: none, only the length); pages: with the
-        block table (the calls that run the head read it)."""
-        n = seq.num_tokens
-        start = n if start is None else min(start, n)
-        return cls(seq.request_id, _Tail(start, seq.token_range(start, n)), seq.num_preemptions,
-                   list(seq.block_table) if pages else [])
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def token_range(self, start: int, stop: int) -> list[int]:
-        return self.token_ids[start:stop]
 
 
 class TPRunner:

@@ -62,3 +62,10 @@ def format_tp_section(config, degrees=(1, 2, 4, 8), dtype: torch.dtype = torch.b
             lines.append(f"  TP={n}: weights {r.weight_bytes / 2**30:,.2f} GiB, state / request "
                          f"{r.state_bytes_per_request / 2**20:,.2f} MiB, KV / token {r.kv_bytes_per_token:,} B")
     return "\n".join(lines)
+
+
+def tensor_parallel_section(config, dtype: torch.dtype = torch.bfloat16, state_dtype: torch.dtype = torch.float32,
+                            degrees: tuple[int, ...] = (1, 2, 4, 8), expert_parallel: bool = False) -> str:
+    """Per-rank weights, state per request and KV per token at each tensor-parallel degree, as
+    text (one rank's model built on the meta device, as a worker builds it)."""
+    return format_tp_section(config, degrees, dtype, state_dtype, expert_parallel)

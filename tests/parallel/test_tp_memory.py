@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hyla.models import load_config, load_model
-from hyla.models.memory import tensor_parallel_section
+from hyla.parallel.tp_memory import tensor_parallel_section
 from hyla.parallel.plans import make_plan
 from hyla.parallel.tp_memory import rank_memory_report
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint

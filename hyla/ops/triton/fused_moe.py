@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from hyla.ops.gated_act import SILU, GatedActivation
-from hyla.ops.moe import _check, sort_pairs_by_expert
+from hyla.ops.moe_pairs import check_expert_shapes
+from hyla.ops.moe_pairs import sort_pairs_by_expert
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.moe_configs import tuned_config
 from hyla.ops.triton.norm import to_dtype
@@ -272,7 +273,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     of the tuned table for this device and shape (hyla.ops.triton.moe_configs) or, without one,
     the heuristic `_config`. activation: the
     experts' gated activation (hyla.ops.gated_act), computed in the first GEMM's epilogue."""
-    _check(x, w13, w2, weights, ids)
+    check_expert_shapes(x, w13, w2, weights, ids)
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for loaded weights
     M, k = ids.shape
