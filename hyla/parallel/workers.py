@@ -17,12 +17,16 @@ A dead worker: one watchdog thread per worker waits on its process; once one exi
 call raises TensorParallelError naming it, and a call blocked in a collective at that moment
 fails too (gloo: the peer's socket closes; NCCL: the watchdog aborts the group). The group then
 closes: survivors are told to exit, then terminated, and the process groups destroyed. Workers
-also die with rank 0 (PR_SET_PDEATHSIG), and close() runs at exit: no orphans.
+also die with rank 0 (PR_SET_PDEATHSIG): no orphans.
+
+Lifetime: what close() releases (the processes, the command group, the flags the watchdogs set)
+lives in a _GroupState that the watchdog threads and a weakref.finalize hold instead of the
+WorkerGroup itself, so a group nobody references any more (an `LLM` deleted and collected) is
+closed by the garbage collector, and at interpreter exit if it is still alive then.
 """
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import logging
 import os
@@ -30,6 +34,8 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,6 +48,18 @@ log = logging.getLogger("hyla.parallel")
 _DIST_HINTS = ("gloo", "nccl", "NCCL", "c10d", "Connection", "peer", "timed out", "Timeout")
 
 
+@dataclass
+class _GroupState:
+    """What close() releases and the watchdogs set; shared by the WorkerGroup, its watchdog threads
+    and its finalizer (none of which may hold the WorkerGroup: see the module docstring)."""
+
+    backend: str
+    closed: bool = False
+    dead: tuple[int, int] | None = None  # (rank, exit code) of the first worker seen to exit
+    ctrl: object = None  # the gloo command group
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+
 class WorkerGroup:
     def __init__(self, world: int, device: torch.device, startup_timeout_s: float = 120.0,
                  step_timeout_s: float = 600.0):
@@ -49,27 +67,32 @@ class WorkerGroup:
             raise ValueError("torch.distributed is already initialised in this process: one tensor-parallel "
                              "engine per process (shut the other one down first)")
         self.world, self.device = world, torch.device(device)
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.state = _GroupState("nccl" if self.device.type == "cuda" else "gloo")
         if self.backend == "nccl":
             torch.cuda.set_device(self.device.index or 0)  # rank 0's NCCL communicators live on its device
-        self.closed, self.dead = False, None  # dead: (rank, exit code) of the first worker seen to exit
-        self.ctrl = None
         self.replies: list = []  # every rank's result of the last reply call
-        self.procs: list[subprocess.Popen] = []
         self.worker = Worker(0, world)
         self.on_failure = None  # callable(TensorParallelError), e.g. the server stopping itself
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=startup_timeout_s))
-        atexit.register(self.close)
+        self._finalizer = weakref.finalize(self, _close, self.state)  # also runs at interpreter exit
         try:
             self._spawn(store, step_timeout_s)
             self._wait_for_workers(store, startup_timeout_s)
-            self.ctrl = init_groups(self.backend, store, 0, world, step_timeout_s)
+            self.state.ctrl = init_groups(self.backend, store, 0, world, step_timeout_s)
         except BaseException:
             self.close()
             raise
         for rank, proc in enumerate(self.procs, start=1):
-            threading.Thread(target=self._watch, args=(rank, proc), name=f"hyla-tp-watch-{rank}", daemon=True).start()
+            threading.Thread(target=_watch, args=(self.state, rank, proc), name=f"hyla-tp-watch-{rank}",
+                             daemon=True).start()
+
+    # the group's flags and handles live in its _GroupState
+    backend = property(lambda self: self.state.backend)
+    closed = property(lambda self: self.state.closed)
+    dead = property(lambda self: self.state.dead)
+    ctrl = property(lambda self: self.state.ctrl)
+    procs = property(lambda self: self.state.procs)
 
     def pool_budget(self) -> int:
         """90% of the free memory of the tightest rank (the pools have the same counts on every
@@ -104,20 +127,6 @@ class WorkerGroup:
             if time.monotonic() > deadline:
                 raise TensorParallelError(f"tensor-parallel workers did not start within {timeout_s:.0f} s")
             time.sleep(0.05)
-
-    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
-        code = proc.wait()
-        if self.closed or self.dead is not None:
-            return
-        self.dead = (rank, code)
-        log.error("tensor-parallel worker %d (pid %d) exited with code %s", rank, proc.pid, code)
-        if self.backend == "nccl":  # a pending NCCL collective would wait for its timeout: abort it
-            abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-            if abort is not None:
-                try:
-                    abort()
-                except Exception:  # noqa: BLE001 - best effort; the step timeout remains
-                    log.exception("aborting the process group failed")
 
     def _death(self) -> str:
         rank, code = self.dead
@@ -181,36 +190,58 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Stop the workers (exit command, then terminate / kill after a grace period) and leave
-        the process groups. Idempotent; registered with atexit."""
-        if self.closed:
-            return
-        self.closed = True
-        atexit.unregister(self.close)
-        if self.ctrl is not None and self.dead is None:
-            try:
-                dist.broadcast_object_list([("exit", (), {}, False)], src=0, group=self.ctrl)
-            except Exception as err:  # noqa: BLE001 - a worker is gone: terminated below
-                log.debug("exit command not delivered: %s", err)
-        grace = 5.0 if self.dead is None else 0.0  # survivors of a dead peer only wait in broken collectives
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        if dist.is_initialized():
-            # NCCL's destroy may hang after a CUDA-graph capture (pytorch#115388): bounded wait
-            leave = threading.Thread(target=self._leave, name="hyla-tp-leave", daemon=True)
-            leave.start()
-            leave.join(timeout=10.0)
+        the process groups. Idempotent; also run when the group is collected or at exit."""
+        self._finalizer()
 
-    @staticmethod
-    def _leave() -> None:
+
+def _watch(state: _GroupState, rank: int, proc: subprocess.Popen) -> None:
+    """Watchdog of worker `rank`: record its exit (the first one seen) and, on NCCL, abort the
+    process group so that a collective in flight fails now instead of at its timeout."""
+    code = proc.wait()
+    if state.closed or state.dead is not None:
+        return
+    state.dead = (rank, code)
+    log.error("tensor-parallel worker %d (pid %d) exited with code %s", rank, proc.pid, code)
+    if state.backend == "nccl":
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 - best effort; the step timeout remains
+                log.exception("aborting the process group failed")
+
+
+def _close(state: _GroupState) -> None:
+    """WorkerGroup.close (run once, by close(), the garbage collector or at exit)."""
+    if state.closed:
+        return
+    state.closed = True
+    if state.ctrl is not None and state.dead is None:
         try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            log.exception("leaving the process group failed")
+            dist.broadcast_object_list([("exit", (), {}, False)], src=0, group=state.ctrl)
+        except Exception as err:  # noqa: BLE001 - a worker is gone: terminated below
+            log.debug("exit command not delivered: %s", err)
+    grace = 5.0 if state.dead is None else 0.0  # survivors of a dead peer only wait in broken collectives
+    for proc in state.procs:
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    state.ctrl = None
+    if dist.is_initialized():
+        # NCCL's destroy may hang after a CUDA-graph capture (pytorch#115388): bounded wait
+        leave = threading.Thread(target=_leave, name="hyla-tp-leave", daemon=True)
+        leave.start()
+        leave.join(timeout=10.0)
+
+
+def _leave() -> None:
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        log.exception("leaving the process group failed")

@@ -127,3 +127,25 @@ def test_checkpoint_every_rank_rejects(tmp_path, kimi):
     with pytest.raises(ValueError, match=r"load failed on 2 of 2 ranks: rank 0: ValueError: shape mismatch"):
         LLM(str(bad), dtype="float32", tensor_parallel_size=2)
     assert not dist.is_initialized()
+
+
+def test_a_collected_llm_releases_its_workers_and_a_second_engine_starts(kimi):
+    """Nothing but the LLM holds its worker group (no atexit entry, no watchdog thread): deleting
+    the LLM and collecting it stops the workers and leaves the process group, so another
+    tensor-parallel engine can start in the same process."""
+    import gc
+    import weakref
+
+    llm = LLM(str(kimi), dtype="float32", tensor_parallel_size=2)
+    group, pids = weakref.ref(llm.engine.workers), llm.engine.workers.pids
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    del llm
+    gc.collect()
+    assert group() is None
+    assert all(_gone(p) for p in pids) and not dist.is_initialized()
+    again = LLM(str(kimi), dtype="float32", tensor_parallel_size=2)
+    assert again.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == first
+    again.shutdown()
+    again.shutdown()  # idempotent
+    assert not dist.is_initialized()
