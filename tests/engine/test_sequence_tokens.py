@@ -3,7 +3,8 @@ indexing token_ids, across the prompt / output boundary."""
 
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.sequence import Sequence
-from hyla.parallel.runner import DraftView, SeqView
+from hyla.parallel.runner import SeqView
+from hyla.parallel.views import DraftView
 
 
 def test_token_range_and_token_at_equal_token_ids():
