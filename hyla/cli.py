@@ -98,7 +98,9 @@ def _serve(args) -> None:
     engine = LLMEngine(config)
     name = args.served_model_name or os.path.basename(os.path.normpath(config.model))
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
+                     tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                     chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                     reasoning_parser=args.reasoning_parser)
     logging.getLogger("hyla").info("serving %s on http://%s:%d", name, args.host, args.port)
     failure = []
     if engine.workers is not None:  # a dead tensor-parallel worker stops the server, exit code 1
@@ -165,6 +167,12 @@ def main(argv: list[str] | None = None) -> None:
                        choices=["hermes", "qwen3_coder", "kimi_k2", "glm45", "glm47"], help="how tool calls are read from the model's text (vLLM's names)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='allow tool_choice "auto" (needs --tool-call-parser), as in vLLM')
+    serve.add_argument("--chat-template", default=None,
+                       help="a chat template file, or the template's text, used instead of the tokenizer's")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a request send its own chat_template (a template is code the server runs)")
+    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1", "glm45", "kimi_k2"],
+                       help="split the model's reasoning (<think>...</think>) from the content (vLLM's names)")
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt and print tokens/s")
@@ -192,6 +200,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if getattr(args, "enable_auto_tool_choice", False) and not args.tool_call_parser:
         serve.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if getattr(args, "chat_template", None) is not None:  # a mistyped path fails before the model loads
+        from hyla.server.chat_prompt import load_chat_template
+
+        try:
+            load_chat_template(args.chat_template)
+        except (OSError, ValueError) as e:
+            serve.error(str(e))
     args.func(args)
 
 

@@ -20,7 +20,7 @@ from hyla.engine.model_runner import ModelRunner
 from hyla.engine.outputs import RequestOutput
 from hyla.engine.pools import Pools, size_pools
 from hyla.engine.prefix_cache import PrefixCache
-from hyla.engine.sampler import sample, token_logprobs
+from hyla.engine.sampler import prompt_logprobs, sample, token_logprobs
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import ScheduledBatch, Scheduler
 from hyla.engine.sequence import Sequence, Status
@@ -33,6 +33,7 @@ log = logging.getLogger("hyla.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
         from hyla.models import load_model, load_tokenizer
+        from hyla.models.tokenizer import has_tokenizer
 
         self.config = config
         # On the CPU, bf16 / fp16 matmuls are several times slower than fp32: default to fp32 there.
@@ -45,11 +46,8 @@ class LLMEngine:
             model = self.workers.model  # rank 0's shard: its pools, sizes and bytes are per rank
         self.model = model if model is not None else load_model(config.model, dtype=dtype, device=config.device,
                                                                 random_weights=config.load_format == "dummy")
-        if tokenizer is None:
-            try:
-                tokenizer = load_tokenizer(config.model)
-            except (FileNotFoundError, ValueError, OSError):
-                tokenizer = None  # token-id prompts still work; text needs a tokenizer
+        if tokenizer is None and has_tokenizer(config.model):
+            tokenizer = load_tokenizer(config.model)  # a broken tokenizer file is an error, not "none"
         self.tokenizer = tokenizer
         self.vocab_size = self.model.config.vocab_size
         self.max_model_len = config.max_model_len  # resolved by EngineConfig
@@ -138,7 +136,8 @@ class LLMEngine:
         """A prompt is a string (needs a tokenizer) or a list of token ids; returns (text, ids)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (tokenizer.json next to the checkpoint)")
+                raise ValueError("text prompts need a tokenizer "
+                                 "(tokenizer.json or tiktoken.model next to the checkpoint)")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
@@ -219,6 +218,23 @@ class LLMEngine:
         outputs += self._plain_step(plain) if plain.seqs else []
         return outputs + (self._spec_step(spec) if spec.seqs else [])
 
+    @staticmethod
+    def _score_prompts(seqs, scored: list[list[int]], sampling: list[bool], logits: torch.Tensor) -> torch.Tensor:
+        """Fill the prompt logprobs of the positions in `scored` from their logits rows (each
+        sequence's rows: its scored positions, then its sampling row) -> the sampling rows."""
+        keep, at = [], 0
+        for seq, positions, s in zip(seqs, scored, sampling):
+            if positions:
+                rows = logits[at:at + len(positions)]
+                targets = [seq.prompt_token_ids[p + 1] for p in positions]
+                for p, lp in zip(positions, prompt_logprobs(rows, targets, seq.params.prompt_logprobs)):
+                    seq.prompt_logprobs[p + 1] = lp
+            at += len(positions)
+            if s:
+                keep.append(at)
+                at += 1
+        return logits[keep]
+
     def _collect_flight(self, launch: bool) -> list[RequestOutput]:
         """Read the MTP step in flight and emit its tokens, after launching the step behind it
         when that applies (launch)."""
@@ -241,7 +257,9 @@ class LLMEngine:
     def _plain_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Prefill chunks and (non-speculative) decodes: one forward, one sample per finished prompt."""
         sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)]
-        rows = [[n - 1] if s else [] for n, s in zip(batch.num_new_tokens, sampling)]
+        scored = [_scored_prompt_positions(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        rows = [[p - seq.num_computed_tokens for p in ps] + ([n - 1] if s else [])
+                for seq, n, s, ps in zip(batch.seqs, batch.num_new_tokens, sampling, scored)]
         checkpoints = [[(pos - seq.num_computed_tokens, slot) for pos, slot in e]
                        for seq, e in zip(batch.seqs, batch.exports)] if any(batch.exports) else None
         to_drafter = self.spec is not None and self.spec.wants_prefill_hidden  # an MTP head reads the prompt too
@@ -258,6 +276,8 @@ class LLMEngine:
             return self.recover(batch.seqs, err)
         if to_drafter:
             self.spec.observe_prefill(batch.seqs, batch.num_new_tokens, hidden_rows)
+        if any(scored):
+            logits = self._score_prompts(batch.seqs, scored, sampling, logits)
         for seq, n, e in zip(batch.seqs, batch.num_new_tokens, batch.exports):
             seq.num_computed_tokens += n
             self.scheduler.file_exports(seq, e)
@@ -389,6 +409,16 @@ class LLMEngine:
         # Tokens emitted per verify step (1 = nothing accepted).
         m["spec_mean_accepted_length"] = (m["spec_num_accepted_tokens"] + steps) / steps if steps else 0.0
         return m
+
+
+def _scored_prompt_positions(seq: Sequence, num_new: int) -> list[int]:
+    """The positions of this step's new tokens whose logits score the next prompt token (a
+    request with prompt_logprobs): every prompt position but the last, whose logits pick the first
+    output token. A preempted request recomputes them, to the same values."""
+    if seq.prompt_logprobs is None:
+        return []
+    start = seq.num_computed_tokens
+    return list(range(start, min(start + num_new, len(seq.prompt_token_ids) - 1)))
 
 
 __all__ = ["LLMEngine"]

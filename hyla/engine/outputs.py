@@ -26,9 +26,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token: None for
+    the first, then {token_id: logprob} holding the prompt token and the top-n at its position
+    (filled as the prefill goes; complete once the first output token exists)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None

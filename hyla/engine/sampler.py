@@ -7,7 +7,9 @@ per-row failure flag and the requested logprobs, packed into one tensor.
 Structured outputs: a guided row's grammar masks the tokens it does not allow (`guide_mask`)
 after logit_bias and the penalties, before greedy or sampled choice; under speculative decoding
 `guide_drafts` cuts a request's drafts where its grammar rejects one and gives the mask of every
-verify position, which the acceptance rule applies in the same place.
+verify position, which the acceptance rule applies in the same place. A grammar that waits for
+the reasoning's end (Sequence.guide_pending) masks nothing until then (`pending_guide_drafts`:
+from the draft after the marker on).
 
 Draws use the exponential race: argmax(probs / E) with E ~ Exp(1) is a draw from probs, so no
 torch.multinomial is needed. A seeded request draws its E from its own generator (on the device),
@@ -52,9 +54,16 @@ def penalize_batch(x: torch.Tensor, params: list, token_ids: list[list[int]],
         x.index_put_((dev(rows, torch.long), dev(toks, torch.long)), dev(vals, x.dtype), accumulate=True)
     if rep:
         seen = _counts(x, [token_ids[i] for i in rep]) > 0
-        r = torch.tensor([params[i].repetition_penalty for i in rep], device=x.device)[:, None]
-        sub = x[rep]
-        x[rep] = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+        # In fp64, the penalty within [1e-30, 1e30] (beyond, O(1..100) logits already act as the
+        # limit: the seen tokens alone, or never); a row whose largest logit then passes 1e30 is
+        # shifted to make it 0 (every later rule is shift-invariant): no logit overflows to inf in
+        # fp32 (a penalty of 1e-300 gave NaN), and ordinary rows keep their values.
+        r = torch.tensor([params[i].repetition_penalty for i in rep], dtype=torch.float64).clamp(1e-30, 1e30)
+        r = r.to(x.device, non_blocking=True)[:, None]
+        sub = x[rep].double()
+        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+        top = sub.amax(-1, keepdim=True)
+        x[rep] = (sub - torch.where(top > 1e30, top, 0.0)).to(x.dtype)
     if add:
         counts = _counts(x, [output_ids[i] for i in add])
         pf = torch.tensor([[params[i].presence_penalty for i in add], [params[i].frequency_penalty for i in add]],
@@ -132,6 +141,19 @@ def guide_drafts(guide, drafts: list[int], keep_rejected: bool, V: int) -> tuple
     return drafts[:cut], words[: 1 + cut]
 
 
+def pending_guide_drafts(seq: Sequence, drafts: list[int], keep_rejected: bool, V: int
+                         ) -> tuple[list[int], torch.Tensor | None]:
+    """`guide_drafts` for a sequence whose grammar waits for the reasoning end marker
+    (seq.guide_pending): the drafts up to the one completing the marker are unmasked (rows of
+    every bit set), those after it walk the grammar from its start, as they will once the marker
+    is emitted. Drafts that do not complete the marker: all kept, no mask (None)."""
+    n = seq.guide_waits_for(drafts)
+    if n is None:
+        return drafts, None
+    kept, words = guide_drafts(seq.guide_pending, drafts[n:], keep_rejected, V)
+    return drafts[:n] + kept, torch.cat([torch.full((n, words.shape[1]), -1, dtype=torch.int32), words])
+
+
 def probs_batch(x: torch.Tensor, params: list) -> torch.Tensor:
     """The distributions non-greedy rows sample from: penalised logits [M, V] -> probs [M, V]
     (temperature, then what top-k, top-p and min-p exclude masked out), batched over rows with
@@ -140,7 +162,10 @@ def probs_batch(x: torch.Tensor, params: list) -> torch.Tensor:
     ks = [p.top_k if 0 < p.top_k < V else V for p in params]  # V: no top-k for that row
     t, k, top_p, min_p = torch.tensor([[p.temperature for p in params], ks, [p.top_p for p in params],
                                        [p.min_p for p in params]], dtype=torch.float32, device=x.device)
-    x = x.float() / t[:, None]
+    # shifted so that each row's largest logit is 0 before the division: a temperature near 0
+    # (or a huge logit) then sends the others to -inf, never the largest to inf
+    x = x.float()
+    x = (x - x.amax(-1, keepdim=True)) / t[:, None]
     use_k, use_p = min(ks) < V, any(p.top_p < 1.0 for p in params)
     if use_k or use_p:
         # Top-p needs the whole row sorted; top-k alone only the largest max(k) of it.
@@ -153,6 +178,7 @@ def probs_batch(x: torch.Tensor, params: list) -> torch.Tensor:
             probs = vals.masked_fill(vals < kth, _NEG_INF).softmax(-1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
+            drop[:, 0] = False  # also when top_p is below the smallest fp32 value (1e-300 -> 0)
             x = x.masked_fill(torch.empty_like(drop).scatter_(1, order, drop), _NEG_INF)
     if any(p.min_p > 0.0 for p in params):
         probs = x.softmax(-1)
@@ -180,6 +206,23 @@ def token_logprobs(raw_row: torch.Tensor, token: int, n: int) -> dict[int, float
     vals = torch.cat([lp[token : token + 1], top.values, top.indices.to(lp.dtype)]).tolist()  # one copy
     n = len(top.values)
     return {token: vals[0], **{int(t): v for t, v in zip(vals[1 + n :], vals[1 : 1 + n])}}
+
+
+def prompt_logprobs(rows: torch.Tensor, tokens: list[int], n: int, block: int = 1024) -> list[dict[int, float]]:
+    """{token: logprob} of tokens[i] and the top-n under rows[i] (raw logits [R, V]), for every
+    row: token_logprobs over many rows with one device-to-host copy per block of rows (a
+    prompt's worth of rows would otherwise copy once each); fp32 log-softmax a block at a time."""
+    out = []
+    for start in range(0, rows.shape[0], block):
+        lp = torch.log_softmax(rows[start:start + block].float(), dim=-1)
+        picked = torch.tensor(tokens[start:start + block], device=lp.device)
+        own = lp.gather(1, picked[:, None])[:, 0]
+        top = torch.topk(lp, min(n, lp.shape[-1]), dim=-1)
+        host = torch.cat([own[:, None], top.values, top.indices.to(lp.dtype)], dim=1).tolist()
+        k = top.values.shape[1]
+        for token, row in zip(tokens[start:start + block], host):
+            out.append({token: row[0], **{int(t): v for t, v in zip(row[1 + k:], row[1:1 + k])}})
+    return out
 
 
 def _draw(probs: torch.Tensor, gens: list, generator: torch.Generator) -> torch.Tensor:

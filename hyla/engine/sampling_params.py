@@ -49,6 +49,10 @@ class SamplingParams:
     stop_token_ids: extra token ids that end the output (emitted, as vLLM does).
     ignore_eos: keep generating past the EOS token.
     logprobs: when set, the top-n log-probabilities of every emitted token are returned.
+    prompt_logprobs: when set, the log-probability of every prompt token after the first under
+        the tokens before it, and the top-n there (vLLM's prompt_logprobs; the first token has
+        none). Computed during prefill over every prompt position, so such a request does not
+        take a prefix-cache hit (the positions a hit skips would have no logits).
     repetition_penalty (multiplicative, prompt + output), presence_penalty and frequency_penalty
     (additive, output only), as in vLLM / OpenAI.
     logit_bias: {token id: bias in [-100, 100]} added to the logits before any sampling rule
@@ -56,6 +60,11 @@ class SamplingParams:
     guide: a compiled grammar (structured outputs) the output must follow: the tokens it does not
         allow are masked out of the logits before sampling, and the output ends when it is
         complete. Not combined with min_tokens or ignore_eos (the grammar decides the end).
+    reasoning_end_token_ids: with a guide, the grammar waits for a reasoning model's end of
+        thinking: it neither masks nor advances until the output's tokens end with this sequence
+        (e.g. the ids of "</think>"), and applies from the token after it on (vLLM's structured
+        outputs with a reasoning parser). The sequence is matched as these ids: the same text
+        written with other tokens does not count. None: the grammar applies from the first token.
     """
 
     temperature: float = 1.0
@@ -69,6 +78,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -76,6 +86,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     guide: Guide | None = None
+    reasoning_end_token_ids: list[int] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -110,6 +121,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in -2^63..2^64-1, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in 0..20, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be an integer in 0..20, got {self.prompt_logprobs!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
@@ -133,6 +148,12 @@ class SamplingParams:
             if self.min_tokens or self.ignore_eos:
                 raise ValueError("min_tokens and ignore_eos cannot be combined with structured outputs: the grammar "
                                  "decides where the output ends")
+        if self.reasoning_end_token_ids is not None:
+            ids = self.reasoning_end_token_ids
+            if (not isinstance(ids, (list, tuple)) or not ids
+                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
+                raise ValueError(f"reasoning_end_token_ids must be a non-empty list of token ids, got {ids!r}")
+            self.reasoning_end_token_ids = list(ids)
 
     @property
     def greedy(self) -> bool:

@@ -144,7 +144,9 @@ class Scheduler:
         without the hit (recomputed from scratch, the cache's unpinned entries evictable)
         instead of waiting forever."""
         cache = self.prefix_cache
-        hit = cache.match(seq) if cache is not None and seq.num_computed_tokens == 0 else None
+        # prompt logprobs need the logits of every prompt position: such a request computes them all
+        wants_all = seq.params.prompt_logprobs is not None
+        hit = cache.match(seq) if cache is not None and seq.num_computed_tokens == 0 and not wants_all else None
         n = min(seq.num_uncomputed, budget)
         if self.free_slot_available(self.slots_per_seq) and self.make_room(seq, n):
             return hit, n

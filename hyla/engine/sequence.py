@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 
 import torch
-from tokenizers.decoders import DecodeStream
 
 from hyla.engine.outputs import CompletionOutput, RequestOutput
 from hyla.engine.sampling_params import SamplingParams
@@ -49,12 +48,20 @@ class Sequence:
         # On the logits' device: the sampler draws a seeded request's noise there (no host sync).
         self.generator = (torch.Generator(device).manual_seed(params.seed) if params.seed is not None else None)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
-        # Structured outputs: this sequence's place in the grammar (the sampler masks by it).
-        self.guide = params.guide.matcher() if params.guide is not None else None
+        # prompt_logprobs[i]: prompt token i's logprob dict (None for token 0 and until computed)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
+        # Structured outputs: this sequence's place in the grammar (the sampler masks by it). With
+        # reasoning_end_token_ids the matcher waits in guide_pending (no mask, nothing accepted:
+        # the grammar constrains the answer, not the thinking) until the output ends with them.
+        matcher = params.guide.matcher() if params.guide is not None else None
+        waits = matcher is not None and params.reasoning_end_token_ids is not None
+        self.guide = None if waits else matcher
+        self.guide_pending = matcher if waits else None
         self.text = ""
-        # Incremental detokenisation (tokenizers' own; 2x faster than our offsets decoder and as
-        # exact: BENCHMARKS.md "Incremental detokenisation"); it has seen _num_decoded outputs.
-        self._decoder = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        # Incremental detokenisation (the tokenizer's decode_stream, made on the first check_stop);
+        # it has seen _num_decoded outputs.
+        self._decoder = None
         self._num_decoded = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -111,8 +118,24 @@ class Sequence:
             if not accepted and self.error is None:
                 self.error = f"token {token} is not allowed by the request's grammar"
         self.output_token_ids.append(token)
+        if self.guide_pending is not None:
+            end = self.params.reasoning_end_token_ids
+            if self.output_token_ids[-len(end):] == end:  # the grammar applies from the next token
+                self.guide, self.guide_pending = self.guide_pending, None
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
+
+    def guide_waits_for(self, drafts: list[int]) -> int | None:
+        """While the grammar is pending (speculative decoding checks drafts against it): how many
+        of `drafts`, tokens that may follow the output, come before it applies, i.e. up to and
+        including the one that completes the reasoning end marker; None when they do not."""
+        end = self.params.reasoning_end_token_ids
+        seen = self.output_token_ids[-len(end):] + list(drafts)
+        for j in range(1, len(drafts) + 1):
+            k = len(seen) - len(drafts) + j  # the tokens up to draft j
+            if k >= len(end) and seen[k - len(end):k] == end:
+                return j
+        return None
 
     # ---- stopping ----------------------------------------------------------------------------
     def check_stop(self, tokenizer) -> None:
@@ -153,23 +176,23 @@ class Sequence:
         return eos + [t for t in p.stop_token_ids if t not in eos]
 
     def _detokenize(self, tokenizer) -> None:
-        """Append the text of the output tokens not yet decoded. DecodeStream decodes each new
-        token together with the ones before it (a byte-level character split over two tokens, or
-        spaces a decoder adds between tokens, depend on that left context) and returns nothing
-        while the text ends in an incomplete UTF-8 sequence; the token that completes it returns
-        all of it. tokenizer: hyla's Tokenizer (DecodeStream wants the `tokenizers` one inside)
-        or a `tokenizers.Tokenizer`."""
-        hf = getattr(tokenizer, "tokenizer", tokenizer)
+        """Append the text of the output tokens not yet decoded. The tokenizer's decode_stream
+        decodes each new token together with the ones before it (a byte-level character split
+        over two tokens, or spaces a decoder adds between tokens, depend on that left context)
+        and returns nothing while the text ends in an incomplete UTF-8 sequence; the token that
+        completes it returns all of it. tokenizer: hyla's (hyla.models.tokenizer.BaseTokenizer)."""
         ids = self.output_token_ids
+        skip = self.params.skip_special_tokens
+        if self._decoder is None:
+            self._decoder = tokenizer.decode_stream(skip)
         for i in range(self._num_decoded, len(ids)):
             try:
-                self.text += self._decoder.step(hf, ids[i]) or ""
+                self.text += self._decoder.step(ids[i]) or ""
             except Exception:  # noqa: BLE001 - its InvalidPrefix must not fail the engine's step
                 # A decoder whose clean-up rewrites text left of the new token (e.g. WordPiece's):
                 # take the full decode as the text, and go on from a stream primed with every id.
-                skip = self.params.skip_special_tokens
-                self.text = hf.decode(ids[: i + 1], skip_special_tokens=skip).rstrip("\ufffd")
-                self._decoder = DecodeStream(ids=ids[: i + 1], skip_special_tokens=skip)
+                self.text = tokenizer.decode(ids[: i + 1], skip_special_tokens=skip).rstrip("\ufffd")
+                self._decoder = tokenizer.decode_stream(skip, ids=ids[: i + 1])
         self._num_decoded = len(ids)
 
     def finish(self, reason: str, stop_reason=None, drop_text_of_last: bool = False, tokenizer=None) -> None:
@@ -198,4 +221,5 @@ class Sequence:
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
         )
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
-                             finished=self.is_finished, error=self.error)
+                             finished=self.is_finished, error=self.error,
+                             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))

@@ -16,7 +16,7 @@ from itertools import pairwise
 import torch
 
 from hyla.engine.config import SpecConfig
-from hyla.engine.sampler import choose, distribution, guide_drafts, penalize, unpack_bitmask
+from hyla.engine.sampler import choose, distribution, guide_drafts, pending_guide_drafts, penalize, unpack_bitmask
 
 
 class Drafter:
@@ -140,10 +140,12 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq,
 
 def argmax_accepts(seq) -> bool:
     """Whether `accept` reduces to comparing drafts with the target's argmax for seq: greedy,
-    no grammar, and nothing that `penalize` would change (no logit bias, no repetition,
-    presence or frequency penalty)."""
+    no grammar (active or pending: a pending one applies from the reasoning's end, which may
+    come inside the drafts), and nothing that `penalize` would change (no logit bias, no
+    repetition, presence or frequency penalty)."""
     p = seq.params
-    return (p.greedy and getattr(seq, "guide", None) is None and p.repetition_penalty == 1.0
+    return (p.greedy and getattr(seq, "guide", None) is None and getattr(seq, "guide_pending", None) is None
+            and p.repetition_penalty == 1.0
             and not p.presence_penalty and not p.frequency_penalty and not p.logit_bias)
 
 
@@ -220,6 +222,8 @@ class SpecDecoder:
         for j, (seq, (d, q)) in enumerate(zip(seqs, proposals)):
             if seq.guide is not None:  # drafts past the grammar's first rejection are never verified
                 drafts[j], masks[j] = guide_drafts(seq.guide, d, q is not None, self.runner.model.config.vocab_size)
+            elif getattr(seq, "guide_pending", None) is not None:  # the grammar applies after the reasoning
+                drafts[j], masks[j] = pending_guide_drafts(seq, d, q is not None, self.runner.model.config.vocab_size)
         # Every row may be padded to 1 + k tokens (a fixed shape: a CUDA graph), also when a
         # request near its token limits drafts fewer: padding positions are never accepted, and
         # where their KV has no page it lands in the runner's scratch page.

@@ -22,11 +22,13 @@ from hyla.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MultimodalForCausalLM
 from hyla.models.qwen3_5_config import Qwen3_5Config, Qwen3_5MoeConfig
 from hyla.models.qwen3_next import Qwen3NextForCausalLM
 from hyla.models.qwen3_next_config import Qwen3NextConfig
+from hyla.models.tiktoken_tokenizer import TiktokenTokenizer
 from hyla.models.tokenizer import Tokenizer, load_tokenizer
+from hyla.models.tokenizer_base import BaseTokenizer
 
 __all__ = [
     "HybridForCausalLM", "KimiLinearConfig", "KimiLinearForCausalLM",
     "Qwen3NextConfig", "Qwen3NextForCausalLM", "Qwen3_5Config", "Qwen3_5MoeConfig", "Qwen3_5ForCausalLM",
     "Qwen3_5MultimodalForCausalLM", "Glm5NextConfig", "Glm5NextForCausalLM", "KimiK3Config", "KimiK3ForCausalLM", "load_config", "load_model", "MemoryReport", "memory_report",
-    "Tokenizer", "load_tokenizer", "default_model_path",
+    "Tokenizer", "TiktokenTokenizer", "BaseTokenizer", "load_tokenizer", "default_model_path",
 ]

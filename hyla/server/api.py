@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.llm_engine import LLMEngine
 from hyla.server.async_engine import AsyncEngine
+from hyla.server.chat_prompt import ChatPrompt, load_chat_template, render_prompt
 from hyla.server.chat_protocol import ChatCompletionRequest
 from hyla.server.choices import ChatChoice, CompletionChoice
 from hyla.server.errors import APIError, UnsupportedParameter, parse, read_json
@@ -33,6 +34,7 @@ from hyla.server.generate import respond
 from hyla.server.metrics import ServerMetrics
 from hyla.server.openapi import body_schema
 from hyla.server.protocol import CompletionRequest, Plan
+from hyla.server.reasoning_parsers import ReasoningParser, RequestReasoning, make_reasoning_parser
 from hyla.server.structured import Grammars, GuideError, GuideSpec
 from hyla.server.tool_choices import NamedToolChoice, RequiredToolChoice, ToolChatChoice, forced_spec
 from hyla.server.tool_parsers import make_parser
@@ -51,17 +53,34 @@ class ServerState:
     tool_call_parser: str | None = None  # --tool-call-parser: how tool calls are read from the text
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice: tool_choice "auto" allowed
     grammars: Grammars | None = None  # compiles structured-output constraints for this engine
+    chat_template: str | None = None  # --chat-template: used instead of the tokenizer's
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: a request may send its own
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser: the output's reasoning is split off
+    reasoning_end_ids: list[int] | None = None  # its end marker's tokens: a grammar applies after them
 
 
 def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> FastAPI:
+               tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+               chat_template: str | None = None, trust_request_chat_template: bool = False,
+               reasoning_parser: str | None = None) -> FastAPI:
+    """chat_template: a template file's path or the template's text (vLLM's --chat-template);
+    reasoning_parser: one of hyla.server.reasoning_parsers.PARSERS. Bad values fail here, at
+    start-up, not on the first request."""
     if tool_call_parser is not None:
-        make_parser(tool_call_parser)  # an unknown name fails at start-up, not on the first request
+        make_parser(tool_call_parser)
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    reasoning, end_ids = None, None
+    if reasoning_parser is not None:
+        reasoning = make_reasoning_parser(reasoning_parser)
+        if engine.tokenizer is None:
+            raise ValueError("--reasoning-parser needs the model's tokenizer")
+        end_ids = engine.tokenizer.encode(reasoning.end, add_special_tokens=False)
     metrics = ServerMetrics(engine)
     state = ServerState(engine, AsyncEngine(engine, on_output=metrics.observe), metrics, model_name, api_key,
-                        max_body_bytes, tool_call_parser, enable_auto_tool_choice, Grammars(engine))
+                        max_body_bytes, tool_call_parser, enable_auto_tool_choice, Grammars(engine),
+                        load_chat_template(chat_template) if chat_template is not None else None,
+                        trust_request_chat_template, reasoning, end_ids)
     app = FastAPI(title="hyla", lifespan=_lifespan)
     app.state.server = state
     app.add_exception_handler(APIError, _api_error)
@@ -135,14 +154,16 @@ async def _prepare(state: ServerState, req, prompt) -> tuple[list[int], Plan]:
     return _validate(state, prompt, plan), plan
 
 
-async def _guided(state: ServerState, plan: Plan, spec: GuideSpec | None, any_whitespace: bool, param: str) -> Plan:
+async def _guided(state: ServerState, plan: Plan, spec: GuideSpec | None, any_whitespace: bool, param: str,
+                  after: list[int] | None = None) -> Plan:
     """The plan with every sequence following `spec` (compiled once, in a worker thread: a large
-    schema must not stall the event loop)."""
+    schema must not stall the event loop); after: the grammar applies only once the output has
+    these tokens (the reasoning's end marker), as vLLM's structured outputs with a reasoning parser."""
     if spec is None:
         return plan
     try:
         guide = await asyncio.to_thread(state.grammars.compile, spec, any_whitespace)
-        params = [dataclasses.replace(p, guide=guide) for p in plan.params]
+        params = [dataclasses.replace(p, guide=guide, reasoning_end_token_ids=after) for p in plan.params]
     except (GuideError, ValueError) as e:
         raise APIError(400, str(e), param=param) from None
     return dataclasses.replace(plan, params=params)
@@ -214,6 +235,31 @@ async def completions(request: Request):
                          chunk_object="text_completion")
 
 
+def _chat_prompt(state: ServerState, req: ChatCompletionRequest, tools: list[dict] | None) -> ChatPrompt:
+    tokenizer = state.engine.tokenizer
+    if req.chat_template is not None and not state.trust_request_chat_template:
+        raise APIError(400, "this server does not take a chat template with the request (start it with "
+                       "--trust-request-chat-template)", param="chat_template")
+    template = req.chat_template or state.chat_template or (tokenizer.chat_template if tokenizer else None)
+    if tokenizer is None or not template:
+        raise APIError(400, "this model has no chat template; use /v1/completions")
+    try:
+        return render_prompt(tokenizer, req, tools, template)
+    except UnsupportedParameter as e:
+        raise APIError(400, str(e), param=e.param) from None
+
+
+def _reasoning(state: ServerState, req: ChatCompletionRequest, prompt: ChatPrompt) -> RequestReasoning | None:
+    """How this request's output splits into reasoning and content (None: no --reasoning-parser)."""
+    parser = state.reasoning_parser
+    if parser is None:
+        return None
+    if req.logprobs and not req.include_reasoning:
+        raise APIError(400, "include_reasoning false cannot be combined with logprobs, which would show the "
+                       "reasoning's tokens", param="include_reasoning")
+    return RequestReasoning(parser if parser.thinks(prompt.text, prompt.variables) else None, req.include_reasoning)
+
+
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
 async def chat(request: Request):
     state = _state(request)
@@ -221,8 +267,6 @@ async def chat(request: Request):
     req = parse(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
     req.apply_defaults(state.engine.generation_defaults.sampling)
     _check_model(state, req.model)
-    if engine.tokenizer is None or not engine.tokenizer.chat_template:
-        raise APIError(400, "this model has no chat template; use /v1/completions")
     try:
         mode = req.tool_mode()
     except UnsupportedParameter as e:
@@ -231,17 +275,12 @@ async def chat(request: Request):
         raise APIError(400, '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
                        "--tool-call-parser (or send tool_choice \"none\")", param="tool_choice")
     tools = req.tool_dicts()
-    try:
-        template_kwargs = {"tools": tools} if tools else {}
-        prompt_ids = engine.tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True,
-                                                          tokenize=True, **template_kwargs)
-    except UnsupportedParameter as e:
-        raise APIError(400, str(e), param=e.param) from None
-    except Exception as e:  # noqa: BLE001 - a template that rejects these messages is a client error
-        raise APIError(400, f"could not render the chat template: {e}", param="messages") from None
+    prompt = _chat_prompt(state, req, tools)
+    reasoning = _reasoning(state, req, prompt)
+    thinks = reasoning is not None and reasoning.parser is not None
     forced = mode in ("required", "named")  # the grammar writes the call
     try:
-        plan = req.plan(parse_tools=mode == "auto")
+        plan = req.plan(keep_special_tokens=mode == "auto" or thinks)
         spec, any_whitespace = req.guide_spec()
         param = req.guide_param()
         if forced:
@@ -252,8 +291,10 @@ async def chat(request: Request):
             spec, param = forced_spec(tools, req.forced_name), "tools"
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
-    plan = await _guided(state, plan, spec, any_whitespace, param)
-    ids = _validate(state, prompt_ids, plan)
+    # the grammar constrains the content, not the thinking (whether or not the reasoning is returned)
+    after = state.reasoning_end_ids if thinks else None
+    plan = await _guided(state, plan, spec, any_whitespace, param, after)
+    ids = _validate(state, prompt.ids, plan)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": state.model_name}
     n_top = (req.top_logprobs or 0) if req.logprobs else None
@@ -262,11 +303,11 @@ async def chat(request: Request):
 
     def make_choice(i: int):
         if mode == "auto":
-            return ToolChatChoice(i, tok, n_top, parser, tools)
+            return ToolChatChoice(i, tok, n_top, parser, tools, reasoning)
         if mode == "required":
-            return RequiredToolChoice(i, tok, n_top)
+            return RequiredToolChoice(i, tok, n_top, reasoning)
         if mode == "named":
-            return NamedToolChoice(i, tok, n_top, req.forced_name)
-        return ChatChoice(i, tok, n_top)
+            return NamedToolChoice(i, tok, n_top, req.forced_name, reasoning)
+        return ChatChoice(i, tok, n_top, reasoning)
 
     return await respond(request, state, req, ids, plan, head, make_choice, chunk_object="chat.completion.chunk")

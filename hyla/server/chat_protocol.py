@@ -1,10 +1,12 @@
-"""The chat request body: messages (with tool calls and tool results), tools and tool_choice."""
+"""The chat request body: messages (with tool calls, tool results and earlier reasoning), tools
+and tool_choice, and what the chat template is rendered with (add_generation_prompt,
+continue_final_message, chat_template, chat_template_kwargs, documents, reasoning_effort)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,6 +36,8 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool's result answers this call
+    reasoning: str | None = None  # an assistant's earlier reasoning (vLLM's name)
+    reasoning_content: str | None = None  # the same, under its former name
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -53,6 +57,9 @@ class ChatMessage(_Strict):
             m["name"] = self.name
         if self.tool_call_id is not None:
             m["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:  # where templates read it (the renderer also copies it to `thinking`)
+            m["reasoning_content"] = reasoning
         if self.tool_calls:
             calls = []
             for call in self.tool_calls:
@@ -90,6 +97,15 @@ class NamedToolChoice(_Strict):
     function: _Name
 
 
+# chat_template_kwargs keys that are not template variables: what to send instead
+_NOT_TEMPLATE_KWARGS = {"chat_template": "send the template in the chat_template field",
+                        "tokenize": "the prompt is always tokenized", "messages": "send them in the messages field",
+                        "tools": "send them in the tools field"}
+# request fields that chat_template_kwargs may also set (the field wins where the client set it)
+_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "documents", "reasoning_effort")
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
@@ -97,6 +113,14 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # the chat template (vLLM's fields)
+    add_generation_prompt: bool = True  # end the prompt with the header of an assistant turn
+    continue_final_message: bool = False  # leave the final (assistant) message open: the output continues it
+    chat_template: str | None = None  # a template's text, used instead of the model's (--trust-request-chat-template)
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the template (enable_thinking, ...)
+    documents: list[dict] | None = None  # for templates that render retrieved documents
+    reasoning_effort: ReasoningEffort | None = None  # a template variable; "none" also sets enable_thinking false
+    include_reasoning: bool = True  # with a --reasoning-parser: False drops the reasoning from the response
 
     def tool_mode(self) -> str | None:
         """None (no tools), "none", "auto", "required" or "named" (`forced_name`). With tools and
@@ -124,17 +148,53 @@ class ChatCompletionRequest(SamplingRequest):
     def template_messages(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
 
+    def template_arguments(self) -> dict:
+        """What the chat template is rendered with besides messages and tools: chat_template_kwargs
+        with add_generation_prompt, continue_final_message, documents and reasoning_effort
+        (as vLLM merges them, the request field wins where the client set it; a kwarg that
+        contradicts a field the client set is a 400; reasoning_effort also sets enable_thinking,
+        false for "none", unless chat_template_kwargs does). Keys that are not template variables
+        (chat_template, tokenize, messages, tools) and add_generation_prompt together with
+        continue_final_message are a 400, as in vLLM."""
+        args = dict(self.chat_template_kwargs or {})
+        for key, instead in _NOT_TEMPLATE_KWARGS.items():
+            if key in args:
+                raise UnsupportedParameter("chat_template_kwargs",
+                                           f"chat_template_kwargs cannot set {key!r}: {instead}")
+        thinking_given = "enable_thinking" in args
+        for name in _TEMPLATE_FIELDS:
+            field = getattr(self, name)
+            if name not in args or name in self.model_fields_set:
+                if name in args and args[name] != field:
+                    raise UnsupportedParameter("chat_template_kwargs", f"chat_template_kwargs sets {name} to "
+                                               f"{args[name]!r} but the request field is {field!r}")
+                args[name] = field
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(args[name], bool):
+                raise UnsupportedParameter("chat_template_kwargs", f"{name} must be a boolean")
+        if args["add_generation_prompt"] and args["continue_final_message"]:
+            raise UnsupportedParameter("continue_final_message", "Cannot set both `continue_final_message` and "
+                                       "`add_generation_prompt` to True.")
+        if args["reasoning_effort"] is None:
+            del args["reasoning_effort"]  # unset: not a template variable (vLLM drops None)
+        elif not thinking_given:
+            args["enable_thinking"] = args["reasoning_effort"] != "none"
+        return args
+
     def to_params(self) -> SamplingParams:
+        if (self.model_extra or {}).get("thinking_token_budget") is not None:  # vLLM's; not implemented
+            raise UnsupportedParameter("thinking_token_budget", "thinking_token_budget is not supported")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs: true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs)
 
-    def plan(self, parse_tools: bool = False) -> Plan:
-        """parse_tools: a tool-call parser reads the output. Its markers may be special tokens
-        (Kimi's are), so they are kept in the text unless the client set skip_special_tokens."""
+    def plan(self, keep_special_tokens: bool = False) -> Plan:
+        """keep_special_tokens: a tool-call or reasoning parser reads the output. Their markers may
+        be special tokens (Kimi's are), so they are kept in the text unless the client set
+        skip_special_tokens."""
         params = self.to_params()
-        if parse_tools and "skip_special_tokens" not in self.model_fields_set:
+        if keep_special_tokens and "skip_special_tokens" not in self.model_fields_set:
             params = dataclasses.replace(params, skip_special_tokens=False)
         return Plan(fan_out(params, self.n))

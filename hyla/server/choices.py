@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hyla.engine.outputs import CompletionOutput
 from hyla.server.logprobs import chat_logprobs, completion_logprobs
+from hyla.server.reasoning_parsers import RequestReasoning
 
 
 class CompletionChoice:
@@ -41,28 +42,61 @@ class CompletionChoice:
 
 
 class ChatChoice:
-    """/v1/chat/completions without tool parsing: the text is the message's content."""
+    """/v1/chat/completions without tool parsing: the text is the message's content.
 
-    def __init__(self, index: int, tokenizer, n_top: int | None):
+    reasoning: with a --reasoning-parser, how the text splits into reasoning and content; the
+    message then has `reasoning` and `reasoning_content` (the same text: vLLM's current and
+    former names), streamed as delta.reasoning / delta.reasoning_content, and the subclasses'
+    rules (tool calls) read the content only. The builders with tools override `_message` and
+    `_delta`, which see the content alone."""
+
+    def __init__(self, index: int, tokenizer, n_top: int | None, reasoning: RequestReasoning | None = None):
         self.index, self.tokenizer, self.n_top = index, tokenizer, n_top
-        self.sent_text = self.sent_tokens = 0
+        self.reasoning = reasoning
+        self.stream = reasoning.stream() if reasoning is not None else None
+        self.sent_text = self.sent_tokens = 0  # content characters and tokens streamed
 
     def _logprobs(self, c: CompletionOutput, start: int):
         return None if self.n_top is None else chat_logprobs(self.tokenizer, c, start, self.n_top)
 
     def whole(self, c: CompletionOutput) -> dict:
-        return {"index": self.index, "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason, "logprobs": self._logprobs(c, 0)}
+        if self.reasoning is None:
+            reasoning, content = None, c.text
+        else:
+            reasoning, content = self.reasoning.split(c.text)
+        message, finish_reason = self._message(content, c)
+        if self.reasoning is not None:
+            shown = reasoning if self.reasoning.include else None
+            message["reasoning"] = message["reasoning_content"] = shown
+        return {"index": self.index, "message": message, "finish_reason": finish_reason,
+                "logprobs": self._logprobs(c, 0)}
 
     def delta(self, c: CompletionOutput) -> dict | None:
-        delta = {"content": c.text[self.sent_text:]} if len(c.text) > self.sent_text else {}
-        if not (delta or c.finish_reason):
+        finished = c.finish_reason is not None
+        if self.stream is None:
+            reasoning, content = "", c.text
+        else:
+            reasoning, content = self.stream.step(c.text, finished)
+        fields, finish_reason = self._delta(content, c)
+        if reasoning and self.reasoning.include:
+            fields = {"reasoning": reasoning, "reasoning_content": reasoning, **fields}
+        if not (fields or finished):
             return None
-        choice = {"index": self.index, "delta": delta, "finish_reason": c.finish_reason,
+        choice = {"index": self.index, "delta": fields, "finish_reason": finish_reason,
                   "logprobs": self._logprobs(c, self.sent_tokens)}
-        self.sent_text, self.sent_tokens = len(c.text), len(c.token_ids)
+        self.sent_tokens = len(c.token_ids)
         return choice
+
+    def _message(self, content: str | None, c: CompletionOutput) -> tuple[dict, str | None]:
+        """The whole message (role, content, tool calls) from the content, and the finish reason."""
+        return {"role": "assistant", "content": content}, c.finish_reason
+
+    def _delta(self, content: str, c: CompletionOutput) -> tuple[dict, str | None]:
+        """What the content so far adds to the stream (delta fields, possibly none), and the
+        chunk's finish reason."""
+        delta = {"content": content[self.sent_text:]} if len(content) > self.sent_text else {}
+        self.sent_text = max(self.sent_text, len(content))
+        return delta, c.finish_reason
 
     def opening(self) -> dict:
         return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-

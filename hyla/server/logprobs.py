@@ -6,7 +6,12 @@ from hyla.engine.outputs import CompletionOutput
 
 
 def _tokens(tokenizer, c: CompletionOutput, start: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
-    decode = tokenizer.decode if tokenizer is not None else (lambda ids: str(ids[0]))
+    """(text, logprob, [(alternative's text, logprob), ...]) per token from `start`. A token's
+    text is its id decoded alone, special tokens included (vLLM decodes each with the
+    tokenizer's default, skip_special_tokens=False); without a tokenizer, the id as a string."""
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else str(ids[0])
+
     return [(decode([t]), lp[t], [(decode([k]), v) for k, v in lp.items()]) for t, lp in
             zip(c.token_ids[start:], (c.logprobs or [])[start:])]  # alternatives as pairs: two ids may decode alike
 

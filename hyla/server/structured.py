@@ -41,18 +41,6 @@ class XGrammarGuide:
         return xgr.GrammarMatcher(self.compiled, override_stop_tokens=self.stop_token_ids)
 
 
-def _vocab_type(tokenizer):
-    import xgrammar as xgr
-
-    decoder = json.loads(tokenizer.tokenizer.to_str()).get("decoder") or {}
-    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", []) or []}
-    if "ByteLevel" in kinds:
-        return xgr.VocabType.BYTE_LEVEL
-    if "ByteFallback" in kinds:
-        return xgr.VocabType.BYTE_FALLBACK
-    return xgr.VocabType.RAW
-
-
 def _choice_ebnf(choices: list[str]) -> str:
     """root ::= "a" | "b" ... with each choice as an EBNF string literal."""
     def literal(s: str) -> str:
@@ -88,13 +76,14 @@ class Grammars:
                 tok = self.engine.tokenizer
                 if tok is None:
                     raise GuideError("structured outputs need a tokenizer")
-                vocab = [""] * self.engine.vocab_size
-                specials = {a.content for a in tok.tokenizer.get_added_tokens_decoder().values() if a.special}
-                for text, i in tok.tokenizer.get_vocab(with_added_tokens=True).items():
-                    if i < len(vocab) and text not in specials:  # "": a special token, never text
-                        vocab[i] = text
+                # One entry per id of the model's vocabulary ("": never text, e.g. the ids the
+                # model has past the tokenizer's).
+                texts, vocab_type = tok.grammar_vocab()
+                size = self.engine.vocab_size
+                empty = b"" if texts and isinstance(texts[0], bytes) else ""  # xgrammar: all str or all bytes
+                vocab = texts[:size] + [empty] * max(0, size - len(texts))
                 stop = list(self.engine.eos_token_ids)  # every id that ends a request
-                info = xgr.TokenizerInfo(vocab, _vocab_type(tok), vocab_size=self.engine.vocab_size,
+                info = xgr.TokenizerInfo(vocab, xgr.VocabType[vocab_type], vocab_size=size,
                                          stop_token_ids=stop)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
                 self._stop = stop

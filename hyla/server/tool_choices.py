@@ -12,6 +12,7 @@ import json
 
 from hyla.engine.outputs import CompletionOutput
 from hyla.server.choices import ChatChoice
+from hyla.server.reasoning_parsers import RequestReasoning
 from hyla.server.structured import GuideSpec
 from hyla.server.tool_parsers import ToolCall, ToolParseError, extract, marker_hold
 
@@ -43,26 +44,27 @@ def _required_calls(text: str) -> list[ToolCall]:
 
 
 class ToolChatChoice(ChatChoice):
-    """Chat with tool_choice "auto": the text goes through a tool-call parser. Streamed, the
+    """Chat with tool_choice "auto": the content goes through a tool-call parser. Streamed, the
     content flows until a parser marker appears (a tail that may begin one is held back); each
     tool call is sent whole in `delta.tool_calls` once it is complete; finish_reason is
-    "tool_calls" when there were calls (vLLM's rule)."""
+    "tool_calls" when there were calls (vLLM's rule). With a reasoning parser, only the content
+    after the reasoning is parsed."""
 
-    def __init__(self, index: int, tokenizer, n_top: int | None, parser, tools: list[dict]):
-        super().__init__(index, tokenizer, n_top)
+    def __init__(self, index: int, tokenizer, n_top: int | None, parser, tools: list[dict],
+                 reasoning: RequestReasoning | None = None):
+        super().__init__(index, tokenizer, n_top, reasoning)
         self.parser, self.tools = parser, tools
         self.sent_calls = 0
 
-    def whole(self, c: CompletionOutput) -> dict:
-        content, calls = extract(self.parser, c.text, self.tools)
-        message = {"role": "assistant", "content": content}
+    def _message(self, content: str | None, c: CompletionOutput) -> tuple[dict, str | None]:
+        text, calls = extract(self.parser, content, self.tools) if content is not None else (None, [])
+        message = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = [call.to_dict() for call in calls]
-        return {"index": self.index, "message": message, "finish_reason": "tool_calls" if calls else c.finish_reason,
-                "logprobs": self._logprobs(c, 0)}
+        return message, "tool_calls" if calls else c.finish_reason
 
-    def delta(self, c: CompletionOutput) -> dict | None:
-        text, start, finished = c.text, self.parser.start, c.finish_reason is not None
+    def _delta(self, content: str, c: CompletionOutput) -> tuple[dict, str | None]:
+        text, start, finished = content, self.parser.start, c.finish_reason is not None
         at = text.find(start)
         calls = []
         if at < 0:
@@ -86,60 +88,48 @@ class ToolChatChoice(ChatChoice):
         if new:
             delta["tool_calls"] = [{"index": self.sent_calls + k, **call.to_dict()} for k, call in enumerate(new)]
             self.sent_calls += len(new)
-        if not (delta or finished):
-            return None
         reason = ("tool_calls" if self.sent_calls else c.finish_reason) if finished else None
-        choice = {"index": self.index, "delta": delta, "finish_reason": reason,
-                  "logprobs": self._logprobs(c, self.sent_tokens)}
-        self.sent_tokens = len(c.token_ids)
-        return choice
+        return delta, reason
 
 
 class NamedToolChoice(ChatChoice):
-    """tool_choice names a function: the output is its arguments; streamed as they come."""
+    """tool_choice names a function: the content is its arguments (the grammar wrote them);
+    streamed as they come."""
 
-    def __init__(self, index: int, tokenizer, n_top: int | None, name: str):
-        super().__init__(index, tokenizer, n_top)
+    def __init__(self, index: int, tokenizer, n_top: int | None, name: str,
+                 reasoning: RequestReasoning | None = None):
+        super().__init__(index, tokenizer, n_top, reasoning)
         self.call = ToolCall(name, "")
 
-    def whole(self, c: CompletionOutput) -> dict:
-        call = ToolCall(self.call.name, c.text, id=self.call.id).to_dict()
-        return {"index": self.index, "message": {"role": "assistant", "content": None, "tool_calls": [call]},
-                "finish_reason": c.finish_reason, "logprobs": self._logprobs(c, 0)}
+    def _message(self, content: str | None, c: CompletionOutput) -> tuple[dict, str | None]:
+        call = ToolCall(self.call.name, content or "", id=self.call.id).to_dict()
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, c.finish_reason
 
-    def delta(self, c: CompletionOutput) -> dict | None:
-        new = c.text[self.sent_text:]
-        if not (new or c.finish_reason):
-            return None
+    def _delta(self, content: str, c: CompletionOutput) -> tuple[dict, str | None]:
+        new = content[self.sent_text:]
         if self.sent_text == 0 and new:
             call = {"index": 0, **ToolCall(self.call.name, new, id=self.call.id).to_dict()}
         else:
             call = {"index": 0, "function": {"arguments": new}}
-        delta = {"tool_calls": [call]} if new else {}
-        choice = {"index": self.index, "delta": delta, "finish_reason": c.finish_reason,
-                  "logprobs": self._logprobs(c, self.sent_tokens)}
-        self.sent_text, self.sent_tokens = len(c.text), len(c.token_ids)
-        return choice
+        self.sent_text = len(content)
+        return ({"tool_calls": [call]} if new else {}), c.finish_reason
 
 
 class RequiredToolChoice(ChatChoice):
     """tool_choice "required": one or more calls; streamed whole at the end (the array is only
     known to be complete then)."""
 
-    def whole(self, c: CompletionOutput) -> dict:
-        calls = _required_calls(c.text) if c.finish_reason == "stop" else []
-        message = {"role": "assistant", "content": None if calls else c.text}
+    def _message(self, content: str | None, c: CompletionOutput) -> tuple[dict, str | None]:
+        calls = _required_calls(content) if c.finish_reason == "stop" and content is not None else []
+        message = {"role": "assistant", "content": None if calls else content}
         if calls:
             message["tool_calls"] = [call.to_dict() for call in calls]
-        return {"index": self.index, "message": message, "finish_reason": "tool_calls" if calls else c.finish_reason,
-                "logprobs": self._logprobs(c, 0)}
+        return message, "tool_calls" if calls else c.finish_reason
 
-    def delta(self, c: CompletionOutput) -> dict | None:
+    def _delta(self, content: str, c: CompletionOutput) -> tuple[dict, str | None]:
         if c.finish_reason is None:
-            return None
-        whole = self.whole(c)
-        message = whole["message"]
-        delta = ({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}
-                 if "tool_calls" in message else {"content": message["content"]})
-        return {"index": self.index, "delta": delta, "finish_reason": whole["finish_reason"],
-                "logprobs": self._logprobs(c, 0)}
+            return {}, None
+        message, reason = self._message(content, c)
+        if "tool_calls" in message:
+            return {"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}, reason
+        return {"content": message["content"]}, reason

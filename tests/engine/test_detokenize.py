@@ -9,7 +9,7 @@ import pytest
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.sequence import Sequence
 from hyla.models import default_model_path
-from hyla.models.tokenizer import load_tokenizer
+from hyla.models.tokenizer import Tokenizer, load_tokenizer
 
 
 class _Metaspace:
@@ -34,6 +34,9 @@ class _Metaspace:
 
     def decode(self, ids, skip_special_tokens=True):
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens=True, ids=None):
+        return Tokenizer(self.tokenizer).decode_stream(skip_special_tokens, ids)
 
 
 @pytest.fixture(scope="module", params=["byte-level", "metaspace"])
@@ -94,12 +97,12 @@ def test_a_stop_string_inside_one_long_token_is_found():
 
 
 class _FailsOnce:
-    """Stands in for DecodeStream, raising as its InvalidPrefix does once, then decoding."""
+    """Stands in for the tokenizer's decode_stream, raising as DecodeStream's InvalidPrefix does."""
 
     def __init__(self, tok):
         self.tok, self.calls = tok, 0
 
-    def step(self, tokenizer, token):
+    def step(self, token):
         self.calls += 1
         if self.calls == 3:
             raise Exception("DecodeStream failed: InvalidPrefix")  # noqa: TRY002 - what tokenizers raises

@@ -200,12 +200,40 @@ def test_a_non_finite_row_fails_only_that_request():
     assert set(logprobs[0]) >= {tokens[0]} and len(logprobs[4]) <= 2
 
 
-def test_overflowing_temperature_fails_only_that_request():
+def test_a_temperature_near_zero_or_huge_logits_never_overflow():
+    """Logits near fp32's largest divided by a small temperature used to overflow to inf (a
+    failed request); the rows are shifted to their largest first, so the distribution is the
+    right one: all of it on the largest logit."""
     logits = torch.full((2, V), 1e37)
     logits[:, 0] = 3e38
     seqs = [seq(SamplingParams(temperature=1e-3)), seq(SamplingParams(temperature=0.0))]
     tokens, logprobs = sample(logits, seqs, torch.Generator().manual_seed(0))
-    assert tokens == [None, 0] and isinstance(logprobs[0], RuntimeError)
+    assert tokens == [0, 0]
+
+
+@pytest.mark.parametrize("value", [1e-300, 5e-324, 2.2e-313])
+def test_extreme_top_p_and_repetition_penalty_give_their_limits(value):
+    """top_p below fp32's smallest value keeps the first token (greedy); a repetition penalty
+    that small makes the seen positive tokens win, the largest of them first (the limit), and
+    one that large makes them lose; never a non-finite distribution."""
+    gen = torch.Generator().manual_seed(3)
+    row = torch.randn(V, generator=gen) * 3
+    seen = [int(i) for i in torch.randperm(V, generator=gen)[:5]]
+    top_p = probs_batch(row[None], [SamplingParams(top_p=value)])[0]
+    assert torch.isfinite(top_p).all() and int(top_p.argmax()) == int(row.argmax()) and top_p.max() == 1.0
+    low = SamplingParams(repetition_penalty=value)
+    x = penalize_batch(row[None], [low], [seen], [[]])[0]
+    assert torch.isfinite(x).all()
+    positive = [t for t in seen if row[t] > 0]
+    if positive:
+        assert int(x.argmax()) == max(positive, key=lambda t: float(row[t]))
+        probs = probs_batch(x[None], [low])[0]
+        assert torch.isfinite(probs).all() and set(torch.nonzero(probs).flatten().tolist()) <= set(positive)
+    high = penalize_batch(row[None], [SamplingParams(repetition_penalty=1e300)], [seen], [[]])[0]
+    assert torch.isfinite(high).all() and int(high.argmax()) not in positive
+    tokens, logprobs = sample(row[None].repeat(2, 1), [seq(low, prompt=seen), seq(SamplingParams(top_p=value))],
+                              torch.Generator().manual_seed(0))
+    assert None not in tokens
 
 
 # ---- one device->host copy per step ----------------------------------------------------------

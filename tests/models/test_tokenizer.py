@@ -29,6 +29,7 @@ def test_chat_template(kimi_checkpoint):
 
 
 def test_missing_tokenizer_json(tmp_path):
-    (tmp_path / "tiktoken.model").write_text("")
-    with pytest.raises(ValueError, match="no tokenizer.json.*tiktoken.model"):
+    """Neither tokenizer.json nor tiktoken.model (tests/models/test_tiktoken_tokenizer.py loads the latter)."""
+    (tmp_path / "tokenizer.model").write_text("")
+    with pytest.raises(ValueError, match=f"no tokenizer in {tmp_path}: .*tokenizer.json.*tiktoken.model"):
         load_tokenizer(tmp_path)
