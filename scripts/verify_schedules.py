@@ -1,16 +1,15 @@
-"""Speculative verify over a K-last state pool (issue 20, eleventh and twelfth passes): the
-shipped launch, a no-work floor of the verify's pool traffic, the shipped kernel with the next
-token's inputs prefetched, and the persistent pool kernel.
+"""Speculative verify over a K-last state pool: the shipped launch (one warp per 8-column tile,
+the next token prefetched), a no-work floor of the verify's pool traffic, the same kernel without
+the prefetch, and the persistent pool kernel.
 
     python scripts/verify_schedules.py                              # GPU: the table
     TRITON_INTERPRET=1 python scripts/verify_schedules.py --check   # CPU: its kernels are exact
 
 The verify with rollback "slots" reads one state per (row, head) and writes T: the state after
-each of the row's T tokens goes to its own slot. At N = 64 rows x 2 tokens over 32 KDA heads the
-shipped one-program-per-tile launch moves those bytes at 83% of copy bandwidth (BENCHMARKS.md,
-eleventh and twelfth passes) against 87-92% for decode. Columns: "floor B" is the same reads and
-writes with no work (one program per B-column tile); "prefetch B" one program per B-column tile
-with token t + 1's inputs and state slot loaded before token t's stores (prefetch_next_token);
+each of the row's T tokens goes to its own slot (BENCHMARKS.md "Recurrent decode and verify").
+Columns: "floor B" is the same reads and writes with no work (one program per B-column tile);
+"no prefetch B" one program per B-column tile with token t + 1's inputs and state slot loaded only
+after token t's stores (prefetch_next_token=False); "prefetch 16" the shipped kernel on 16 columns;
 "all tokens first B / Ww" a scratch verify that loads all the row's inputs before its first store
 (registers grow with T: scripts/kernel_registers.py, BENCHMARKS.md twelfth pass);
 "persistent B / P" the persistent pool kernel (recurrent_decode.py) with P programs per SM
@@ -182,7 +181,8 @@ def table() -> None:
                 res[f"floor {bv}"] = t(lambda: floor_kernel[(D // bv, N * H)](pool, idx, T=T, HV=H, K=D, V=D, BV=bv,
                                                                               num_warps=1))
             for bv in (8, 16):
-                res[f"prefetch {bv}"] = t(lambda: run(prefetch_next_token=True, block_v=bv, num_warps=1))
+                res[f"no prefetch {bv}"] = t(lambda: run(prefetch_next_token=False, block_v=bv, num_warps=1))
+            res["prefetch 16"] = t(lambda: run(prefetch_next_token=True, block_v=16, num_warps=1))
             for bv, w in ((8, 1), (32, 4)):
                 res[f"all tokens first {bv} / {w}w"] = t(lambda: all_tokens_first(q, k, v, g, beta, pool, kw, bv, w))
             for bv, pps in ((8, 24), (16, 8)):

@@ -179,10 +179,11 @@ def _decode_launch(BK: int, V: int, state_bytes: int, block_v, num_warps, progra
 # prefetch loop (K <= 128) is faster. A per-channel gate computed in the kernel (KDA with
 # use_gate_in_kernel) costs each tile K activations, which one program per tile cannot hide at
 # N = 64 (80%): the persistent loop with 8-column tiles and 16 programs per SM does (87-89%).
-# Verify (several tokens, every position's state written), one warp: 8 columns with a
-# per-channel gate (KDA: 83-88%), 16 with a scalar one (GDN: 85-89%), against 55-75%.
+# Verify (several tokens, every position's state written): one warp, 8 columns, with the next
+# token prefetched (below), for KDA and GDN alike (88-91% of copy at N = 64 / 256 rows x 2 / 4
+# tokens; 16 columns 87-91%; BENCHMARKS.md "Recurrent decode and verify").
 _KLAST_DECODE_TILE = (8, 1)  # (block_v, num_warps) of one program per tile
-_KLAST_VERIFY_TILE = {True: (8, 1), False: (16, 1)}  # by "the gate is per channel"
+_KLAST_VERIFY_TILE = (8, 1)
 _KLAST_PERSISTENT_MAX_TILES_PER_SM = 48
 
 
@@ -196,15 +197,15 @@ def _klast_decode_launch(BK: int, tiles_per_sm: float, channel_gate_in_kernel: b
     return (False, *_KLAST_DECODE_TILE, 0)
 
 
-# One program per tile, rows of several tokens: whether token t + 1's inputs (and in a verify its
-# state slot) are loaded before token t is stepped and stored (recurrent_step.token_loads). Off
-# until the shipped form is timed on a GPU. What is known (BENCHMARKS.md, twelfth and thirteenth
-# passes): a scratch verify that loads both tokens of a 2-token row first ran KDA 64 x 2 at 88% of
-# copy (shipped: 83%) and 256 x 2 at 91% (86%). The sm_90a code (scripts/kernel_registers.py)
-# of the shipped verify loads each token's slot after its output store, a memory latency per
-# token that this form takes off; it runs KDA's 8-column verify on 80 registers (shipped 96),
-# GDN's 8-column on 96, GDN's 16-column on 230 (shipped 168: 12 -> 8 one-warp programs per SM).
-_PREFETCH_NEXT_TOKEN = False
+# One program per tile, rows of several tokens: token t + 1's inputs (and in a verify its state
+# slot) are loaded before token t is stepped and stored (recurrent_step.token_loads). Without it
+# each token's loads wait behind the previous token's stores (the compiler cannot hoist a load
+# over a store that may alias), a memory latency per token. Measured on an H200
+# (scripts/verify_schedules.py, BENCHMARKS.md "Recurrent decode and verify"), 8-column tiles, %
+# of copy bandwidth, without -> with: KDA 64 x 2 83 -> 89, 64 x 4 86 -> 88, 256 x 2 86 -> 91,
+# 256 x 4 88 -> 90; GDN (16 -> 8 columns) 64 x 2 84 -> 90, 256 x 4 89 -> 90. KDA's verify runs on
+# 80 registers (96 without), GDN's on 96.
+_PREFETCH_NEXT_TOKEN = True
 
 
 def _pool_is_k_last(pool: torch.Tensor) -> bool:
@@ -339,7 +340,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
         )
     elif n:
         if klast:
-            bv, warps = _KLAST_DECODE_TILE if one_token else _KLAST_VERIFY_TILE[gate == "kda"]
+            bv, warps = _KLAST_DECODE_TILE if one_token else _KLAST_VERIFY_TILE
             BV, warps = block_v or bv, num_warps or warps
         else:
             BV, warps = block_v or _block_v(n * HV, V, dev), num_warps or 4
