@@ -1,9 +1,9 @@
-"""Pool decode schedules side by side (issue 20, tenth and eleventh passes): the persistent
+"""Pool decode schedules side by side (BENCHMARKS.md "Recurrent decode and verify"): the persistent
 kernel's two loop forms at several launch shapes, one program per tile, and two floors of the
 same bytes, over a V-contiguous [slots, HV, K, V] pool; then the default launch and the RMW floor
 over a K-last pool (hyla.contract.state_pool, the engine's layout).
 
-    python scripts/decode_schedules.py                     # GPU: the table (BENCHMARKS.md, tenth pass)
+    python scripts/decode_schedules.py                     # GPU: the table
     python scripts/decode_schedules.py --threshold         # GPU: persistent vs one program per tile, small N
     TRITON_INTERPRET=1 python scripts/decode_schedules.py --check   # CPU: every schedule equals the default
 

@@ -11,7 +11,7 @@ Columns: "floor B" is the same reads and writes with no work (one program per B-
 "no prefetch B" one program per B-column tile with token t + 1's inputs and state slot loaded only
 after token t's stores (prefetch_next_token=False); "prefetch 16" the shipped kernel on 16 columns;
 "all tokens first B / Ww" a scratch verify that loads all the row's inputs before its first store
-(registers grow with T: scripts/kernel_registers.py, BENCHMARKS.md twelfth pass);
+(registers grow with T: scripts/kernel_registers.py, BENCHMARKS.md "Recurrent decode and verify");
 "persistent B / P" the persistent pool kernel (recurrent_decode.py) with P programs per SM
 walking B-column tiles, the next tile's state loaded before the current one is stepped. Uniform
 rows (T tokens each, every draft accepted at 1), KDA and GDN with precomputed gates, as the

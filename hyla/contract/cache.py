@@ -38,8 +38,9 @@ def state_pool(num_slots: int, heads: int, K: int, V: int, dtype: torch.dtype, d
     and the K reduction (S^T k, S^T q) must finish before a tile can be written back. With K
     contiguous, a tile of 16 value columns x K rows is one contiguous run of 16 * K * 4 bytes and
     its reduction stays inside one warp; with V contiguous the same tile is K strided 64-byte row
-    pieces, which HBM serves at ~80% of copy bandwidth instead of ~94% (BENCHMARKS.md, eleventh
-    pass). Torch ops and the Triton kernels accept either layout; everything else indexes slots."""
+    pieces, which HBM serves at ~80% of copy bandwidth instead of ~94% (BENCHMARKS.md
+    "Recurrent decode and verify"). Torch ops and the Triton kernels accept either layout;
+    everything else indexes slots."""
     return torch.zeros(num_slots, heads, V, K, dtype=dtype, device=device).transpose(-1, -2)
 
 

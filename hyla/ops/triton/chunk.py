@@ -130,7 +130,7 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
 def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32) -> int:
     """Value-block width of the scan: 64 unless that leaves three SMs in four idle or more (one
     64-token chunk step is a fixed latency, so a short grid wants narrower blocks), down to
-    `narrowest`. On an H200 (132 SMs, BENCHMARKS.md issue 20 ninth pass): 32 sequence-heads take
+    `narrowest`. On an H200 (132 SMs, BENCHMARKS.md "Chunk prefill vs fla"): 32 sequence-heads take
     BV = 32 (128 programs; 64 programs of BV = 64 took 21% longer for KDA), 64 take BV = 64 (128
     programs; 256 of BV = 32 took 6% longer)."""
     sms = num_sms(device)
@@ -217,7 +217,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               wu_in_scan=None):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
-    (the defaults were the fastest measured on an H200, see BENCHMARKS.md): warps and channel-slice
+    (the defaults: the H200's fastest, BENCHMARKS.md "Chunk prefill vs fla"): warps and channel-slice
     width of the chunk-local Gram kernel; value-block width (default: by grid size, down to
     scan_narrowest), warps and pipeline stages of the scan; width and warps of the slice programs
     of chunk_factors_kernel (factor_slice, factor_warps); precompute_gate: a fused gate's
@@ -230,7 +230,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     miscompiled, so low_precision_inverse=False sends KDA to the factor kernel's path;
     gram_maxnreg / factor_maxnreg: a register cap per thread for the two chunk-local kernels
     (more programs per SM, some spills to L1; default for the Gram kernel: 168 for KDA, 128
-    otherwise, the fastest of the H200 sweep in BENCHMARKS.md);
+    otherwise, the fastest of the H200 sweep in BENCHMARKS.md "Chunk prefill vs fla");
     wu_in_scan (the default): chunk_factors_kernel is not launched; the scan
     (chunk_scan_rows_kernel: one more [64, 64] product per chunk) builds w, u, qg and kg from four
     row scales per chunk and q, k, v as they are (scalar or no gate) or, for a per-channel gate,
@@ -254,7 +254,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
 
     if precompute_gate is None:
         # in the kernels: 0.13-0.16 ms faster for KDA's gates v1 and v2 on an H200 (32K tokens x 32
-        # heads; BENCHMARKS.md, issue 20 seventh pass) than writing the fp32 gate and reading it back
+        # heads; BENCHMARKS.md "Chunk prefill vs fla") than writing the fp32 gate and reading it back
         precompute_gate = False
     if factor_slice is None:  # 64-wide slices for scalar decays (fewer, larger programs), 32 for KDA
         factor_slice = 32 if gate == "kda" else 64

@@ -122,7 +122,8 @@ def chunk_scan_rows_kernel(
     q, k [T, H, K] and v [T, HV, V] are read where they are (no factor kernel writes four
     [64, K] tiles per chunk for this pass to read back), at the price of one more [64, 64]
     product per chunk. The matmul operands stay as loaded, so the loop keeps its pipelined
-    loads (scaling q and k elementwise here instead was measured 33% slower, BENCHMARKS.md).
+    loads (scaling q and k elementwise here instead was measured 33% slower, BENCHMARKS.md
+    "Chunk prefill vs fla").
 
     Checkpoints: this loop only stores the start state of each chunk that holds one
     (ck_slot[chunk] >= 0: ck_start[slot, HV, K, V]); chunk_checkpoint_rows_kernel exports them.

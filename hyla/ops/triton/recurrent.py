@@ -139,19 +139,20 @@ def _check_pool_shapes(idx, n_acc, pool, n):
 
 
 # The persistent decode kernel is the default from this many 16-column (value block, sequence,
-# head) tiles per SM on: on an H200 (BENCHMARKS.md, tenth pass) it beat one program per tile at
-# every size measured, down to 15.5 tiles per SM (N = 8, 16, 32 sequences x 32 heads at
-# K = V = 128: 1.30x, 1.30x, 1.11x; K = V = 64 likewise); a shorter grid gains nothing from a loop.
+# head) tiles per SM on: on an H200 (BENCHMARKS.md "Recurrent decode and verify") it beat one
+# program per tile at every size measured, down to 15.5 tiles per SM (N = 8, 16, 32 sequences x 32
+# heads at K = V = 128: 1.30x, 1.30x, 1.11x; K = V = 64 likewise); a shorter grid gains nothing
+# from a loop.
 _PERSISTENT_MIN_TILES_PER_SM = 15
 
 
-# Its launch (BENCHMARKS.md, tenth pass; H200, 32 heads). K <= 128: the one-tile register
-# prefetch, 16-column tiles, 1 warp, 8 programs per SM. K = 256: a [256, 16] fp32 tile twice over
-# (current and next) does not fit one warp's registers (it ran at 33-35% of copy bandwidth), so
-# the software-pipelined loop: the tiles wait in shared memory, STAGES - 1 of them per program
-# (16 KB each: 3 programs x 3 x 16 KB fit the budget below), 2 warps, 3 programs per SM, at
-# 0.65-0.70x the time. At K = 128 the pipelined loop with 32-column tiles was within +-3% of the
-# register prefetch (better at N = 64, worse at N = 256 and 512).
+# Its launch (BENCHMARKS.md "Recurrent decode and verify"; H200, 32 heads). K <= 128: the one-tile
+# register prefetch, 16-column tiles, 1 warp, 8 programs per SM. K = 256: a [256, 16] fp32 tile
+# twice over (current and next) does not fit one warp's registers (it ran at 33-35% of copy
+# bandwidth), so the software-pipelined loop: the tiles wait in shared memory, STAGES - 1 of them
+# per program (16 KB each: 3 programs x 3 x 16 KB fit the budget below), 2 warps, 3 programs per
+# SM, at 0.65-0.70x the time. At K = 128 the pipelined loop with 32-column tiles was within +-3% of
+# the register prefetch (better at N = 64, worse at N = 256 and 512).
 _DECODE_SMEM_BUDGET = 200_000
 
 
@@ -172,15 +173,15 @@ def _decode_launch(BK: int, V: int, state_bytes: int, block_v, num_warps, progra
 
 
 # Over a K-last pool (hyla.contract.state_pool) a tile of BV value columns is one contiguous
-# BV * K * 4-byte run and one warp reduces it over K. Measured on an H200 (BENCHMARKS.md, eleventh
-# pass; 32 value heads, K = V = 128 and 256): one program per 8-column tile, one warp, is the
-# fastest decode from 32 sequences on (87-95% of copy bandwidth at N >= 64, against 77-84% for
-# the best schedule over a V-contiguous pool); below ~48 16-column tiles per SM the persistent
-# prefetch loop (K <= 128) is faster. A per-channel gate computed in the kernel (KDA with
-# use_gate_in_kernel) costs each tile K activations, which one program per tile cannot hide at
-# N = 64 (80%): the persistent loop with 8-column tiles and 16 programs per SM does (87-89%).
+# BV * K * 4-byte run and one warp reduces it over K. Measured on an H200 (BENCHMARKS.md
+# "Recurrent decode and verify"; 32 value heads, K = V = 128 and 256): one program per 8-column
+# tile, one warp, is the fastest decode from 32 sequences on (87-95% of copy bandwidth at N >= 64,
+# against 77-84% for the best schedule over a V-contiguous pool); below ~48 16-column tiles per SM
+# the persistent prefetch loop (K <= 128) is faster. A per-channel gate computed in the kernel
+# (KDA with use_gate_in_kernel) costs each tile K activations, which one program per tile cannot
+# hide at N = 64 (80%): the persistent loop with 8-column tiles and 16 programs per SM does (87-89%).
 # Verify (several tokens, every position's state written): one warp, 8 columns, with the next
-# token prefetched (below), for KDA and GDN alike (88-91% of copy at N = 64 / 256 rows x 2 / 4
+# token prefetched (below), for KDA and GDN alike (88-92% of copy at N = 64 / 256 rows x 2 / 4
 # tokens; 16 columns 87-91%; BENCHMARKS.md "Recurrent decode and verify").
 _KLAST_DECODE_TILE = (8, 1)  # (block_v, num_warps) of one program per tile
 _KLAST_VERIFY_TILE = (8, 1)
@@ -223,7 +224,8 @@ def _pool_is_k_last(pool: torch.Tensor) -> bool:
 def _block_v(n_heads_total: int, V: int, device) -> int:
     """Value-block width: 64 columns (256 B rows of the fp32 state, 4 warps) when that still
     gives every SM four programs, else 32, else 16 (measured on an H200: at N = 64 and 256
-    sequences x 32 heads, 64-wide blocks beat 32-wide by 6-7%; see BENCHMARKS.md)."""
+    sequences x 32 heads, 64-wide blocks beat 32-wide by 6-7%; BENCHMARKS.md "Recurrent decode
+    and verify")."""
     bvf = max(16, triton.next_power_of_2(V))
     sms = num_sms(device)
     for bv in (64, 32):

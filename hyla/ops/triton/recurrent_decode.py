@@ -7,8 +7,9 @@ as recurrent.recurrent_kernel with POOL and T = 1 (the same token_step); only th
 Why a second kernel. The step is bound by the pool traffic (K * V * 4 bytes read and written per
 head), and one program per (value block, sequence, head) spends most of its life waiting: it
 loads its state tile, then reduces over K, then stores, and too few programs fit on an SM to keep
-DRAM busy through those phases (BENCHMARKS.md: 67-74% of copy bandwidth). Here a fixed grid of
-programs walks the (value block, sequence, head) tiles with a stride and keeps the next tiles'
+DRAM busy through those phases (BENCHMARKS.md "Recurrent decode and verify": 69-77% of copy
+bandwidth over a V-contiguous pool). Here a fixed grid of programs walks the (value block,
+sequence, head) tiles with a stride and keeps the next tiles'
 loads in flight while it works on the current one. Two ways (recurrent._decode_launch picks):
 - STAGES = 0, K <= 128: the next tile's state is loaded into registers before the current tile
   is worked on (16-column tiles, one warp: the K reduction never leaves the warp).
@@ -19,8 +20,8 @@ The pool may be V-contiguous or K-last (KLAST, recurrent_step.state_offsets); ov
 recurrent.py takes this kernel only for short grids and KDA's in-kernel gate (_klast_decode_launch).
 It also takes rows of several tokens (ROWS) and speculative verify (SPEC: the state after each
 token to its own slot) when asked (recurrent_fwd(persistent=True)); for verify it measured
-slower than one program per tile at every launch tried (BENCHMARKS.md, twelfth pass: 60-85% of
-copy against 83-89%), so it is never the default there.
+slower than one program per tile at every launch tried (BENCHMARKS.md "Recurrent decode and verify":
+75-85% of copy against 88-92%), so it is never the default there.
 """
 
 from __future__ import annotations
