@@ -1,4 +1,21 @@
-"""hyla.engine: continuous batching over paged KV + state slots (vLLM-style API)."""
+"""hyla.engine: continuous batching over paged KV + state slots (vLLM-style API).
+
+One step, LLMEngine.step():
+  Scheduler.schedule()      the ScheduledBatch: sequences and their new-token counts, KV pages,
+                            state slots, checkpoint exports, the copies a prefix-cache hit needs
+  ModelRunner.apply_copies  restores hit checkpoints / partial pages into the request's own slot
+  plain rows: ModelRunner.run -> ForwardBatch.build -> model.forward_batch, per layer:
+                            KDA / GDN (hyla.ops chunk or recurrent Triton kernels over the slot
+                            pool, short conv), MLA / gated attention (paged Triton kernels), MoE
+                            (fused-MoE Triton) -> logits of the rows to sample (a pure-decode
+                            batch replays one CUDA graph of all of it)
+  speculating rows: SpecDecoder -> drafter.propose, ModelRunner.verify over [x0, d1..dk],
+                            acceptance, rollback ("slots": pick a slot; "replay": re-step)
+  sampler.sample            penalties, grammar masks, temperature / top-k / top-p / min-p, the
+                            draw: one device-to-host copy
+  LLMEngine._emit           Sequence.check_stop (detokenise, stop rules); a finished request's
+                            slots and pages go back, the prefix cache keeps its final state
+"""
 
 from hyla.engine.config import EngineConfig
 from hyla.engine.llm import LLM
