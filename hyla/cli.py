@@ -50,6 +50,9 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--memory-budget", type=int, default=None, help="bytes for KV pages + state slots")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory this engine may use: weights, a worst-case step and the "
+                   "KV pages + state slots (vLLM's flag; --memory-budget overrides the pools' share)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=prefix_cache_default)
     p.add_argument("--speculative-config", type=json.loads, default=None, help='JSON, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4}\'')
@@ -60,6 +63,9 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--enable-expert-parallel", action="store_true", help="whole experts per rank (with -tp N)")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights from config.json alone (benchmarks)")
+    p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+                   help="fp8: block-quantise a bf16 checkpoint's projections and experts to FP8 while loading "
+                        "(an FP8 checkpoint is read as FP8 without it)")
 
 
 def _engine_config(args):
@@ -79,19 +85,20 @@ def _engine_config(args):
         model=model, revision=args.revision, generation_config=args.generation_config, dtype=args.dtype,
         device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, memory_budget=args.memory_budget,
-        enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
         enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-        enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format)
+        enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format,
+        quantization=getattr(args, "quantization", None),
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))  # a serve flag
 
 
 def _serve(args) -> None:
     import logging
     import os
 
-    import uvicorn
-
     from hyla.engine import LLMEngine
     from hyla.server import create_app
+    from hyla.server.shutdown import serve
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = _engine_config(args)
@@ -111,14 +118,14 @@ def _serve(args) -> None:
             logging.getLogger("hyla").error("%s: stopping the server", err)
             for rid in list(engine.requests):  # nothing left to step: the loop idles until shutdown
                 engine.abort_request(rid)
+            app.state.server.async_engine.stop_all()  # their clients get their 503s now
             os.kill(os.getpid(), signal.SIGTERM)
 
         engine.workers.on_failure = stop
     # SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to the drain time,
-    # then cancel them (their requests are aborted) and exit.
+    # then answer the rest (a 503, or a stream's error event and [DONE]) and exit.
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=args.shutdown_drain_s)
+        serve(app, args.host, args.port, args.shutdown_drain_s)
     finally:
         engine.shutdown()
     if failure:
@@ -162,7 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--shutdown-drain-s", type=float, default=10.0,
-                       help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+                       help="on SIGTERM, seconds in-flight requests may take to finish; those still running then "
+                       "are aborted and answered (a 503, or a stream's error event and [DONE]) before the exit")
+    serve.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                       help="fcfs: first come, first served; priority: a request's `priority` orders the waiting "
+                       "queue (lower first) and preemption takes the lowest-priority running request (vLLM's)")
     serve.add_argument("--tool-call-parser", default=None,
                        choices=["hermes", "qwen3_coder", "kimi_k2", "glm45", "glm47"], help="how tool calls are read from the model's text (vLLM's names)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -188,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--tokens", type=int, default=300)
     demo.set_defaults(func=_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks: ops, kernels, throughput, prefix-cache, spec",
+    bench = sub.add_parser("bench", help="benchmarks: ops, kernels, throughput, prefix-cache, spec, moe, serve",
                            add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=lambda a: __import__("hyla.bench.__main__", fromlist=["main"]).main(a.rest))

@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "prefix-cache": "hyla.bench.prefix_cache",
     "spec": "hyla.bench.spec",
     "moe": "hyla.bench.moe",
+    "serve": "hyla.bench.serve",
 }
 
 

@@ -74,8 +74,9 @@ class EngineConfig:
     (None = checkpoint dtype on CPU, bf16 on CUDA; device None = CUDA when available). max_num_seqs: running requests at most
     (clamped to the state slots the budget holds). max_num_batched_tokens: tokens per step
     (prefill chunks + decodes). max_model_len: prompt + output tokens per request (None = the
-    model's limit). memory_budget: bytes for KV pages + state slots (None = derived, see
-    pools.size_pools). state_dtype: recurrent state precision (fp32 default, bf16 option).
+    model's limit). memory_budget: bytes for KV pages + state slots (None = derived: on
+    CUDA gpu_memory_utilization (default 0.9) of the device's total memory less what is in use and
+    a profiled worst-case step, hyla.engine.memory_profile; on the CPU pools.size_pools). state_dtype: recurrent state precision (fp32 default, bf16 option).
     enable_prefix_caching: reuse KV pages + state checkpoints across requests (prefix_cache.py);
     checkpoint_interval: also export a state every that many prompt tokens (default off).
     speculative_config: a dict (or its JSON text) of SpecConfig's fields, or None.
@@ -85,7 +86,10 @@ class EngineConfig:
     random weights, no safetensors read (benchmarks of released shapes from their config.json).
     generation_config: "auto" = the checkpoint's generation_config.json (sampling defaults for
     requests that leave them unset, and its EOS ids), "vllm" = none of it, or another directory
-    holding a generation_config.json (vLLM's `--generation-config`; hyla.engine.generation_config)."""
+    holding a generation_config.json (vLLM's `--generation-config`; hyla.engine.generation_config).
+    quantization: None, or "fp8" (vLLM's `--quantization fp8`): block-quantise a bf16 checkpoint's
+    projections and experts to FP8 while loading; an FP8 checkpoint is read as FP8 either way
+    (hyla.models.fp8; another value, or "fp8" on another quantised format, is a ValueError)."""
 
     model: str
     dtype: torch.dtype | str | None = None
@@ -104,8 +108,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     load_format: str = "auto"
+    quantization: str | None = None  # "fp8": block-quantise a bf16 checkpoint while loading (hyla.models.fp8)
     revision: str | None = None
     generation_config: str = "auto"
+    scheduling_policy: str = "fcfs"  # or "priority": SamplingParams.priority orders the waiting queue
+    gpu_memory_utilization: float = 0.9
     model_limit: int = field(init=False, default=0)  # the checkpoint's max_position_embeddings (or 2^20)
 
     def __post_init__(self):
@@ -121,11 +128,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {u!r}")
         if self.memory_budget is not None and (not isinstance(self.memory_budget, int) or self.memory_budget <= 0):
             raise ValueError(f"memory_budget must be a positive number of bytes, got {self.memory_budget!r}")
         if self.checkpoint_interval is not None and (not isinstance(self.checkpoint_interval, int)
                                                      or self.checkpoint_interval < 1):
             raise ValueError(f"checkpoint_interval must be a positive integer, got {self.checkpoint_interval!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not isinstance(self.seed, int):
@@ -145,6 +157,10 @@ class EngineConfig:
                              f"got {self.generation_config!r}")
 
         target = load_config(self.model)
+        from hyla.models.config import read_config_json
+        from hyla.models.fp8 import check_quantization, quantization_config_of
+
+        check_quantization(self.quantization, quantization_config_of(read_config_json(self.model)))
         self._check_parallel(target)
         self.model_limit = getattr(target, "max_position_embeddings", None) or 1 << 20
         # Without an explicit max_model_len: the model's limit, but at most 8192 tokens so that the

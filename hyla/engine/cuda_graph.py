@@ -118,7 +118,7 @@ class DecodeGraphs:
         keep = [n for n, rows in enumerate(logit_rows) if rows]
         if len(keep) == len(seqs):
             return logits.clone()  # the graph's output buffer is overwritten by the next replay
-        return logits[torch.tensor(keep, device=logits.device)]
+        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]  # keep may be empty
 
     @torch.inference_mode()
     def run_decode(self, token_ids: list[int], context_lens: list[int], slots: list[int],

@@ -16,6 +16,7 @@ import torch
 
 from hyla.engine.config import EngineConfig
 from hyla.engine.generation_config import read_generation_config, token_ids
+from hyla.engine.memory_profile import device_pool_budget, profile_step_bytes
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.outputs import RequestOutput
 from hyla.engine.pools import Pools, size_pools
@@ -45,7 +46,8 @@ class LLMEngine:
             self.workers = start_tensor_parallel(config, dtype)
             model = self.workers.model  # rank 0's shard: its pools, sizes and bytes are per rank
         self.model = model if model is not None else load_model(config.model, dtype=dtype, device=config.device,
-                                                                random_weights=config.load_format == "dummy")
+                                                                random_weights=config.load_format == "dummy",
+                                                                quantization=config.quantization)
         if tokenizer is None and has_tokenizer(config.model):
             tokenizer = load_tokenizer(config.model)  # a broken tokenizer file is an error, not "none"
         self.tokenizer = tokenizer
@@ -68,6 +70,11 @@ class LLMEngine:
         later = drafter.bind_weight_bytes(self.model) if drafter is not None else 0  # loaded by bind
         if budget is not None and config.memory_budget is None:  # measured free memory, before bind
             budget = max(0, budget - later)
+        if budget is None and self.model.device.type == "cuda":
+            step = profile_step_bytes(self.model, num_tokens=config.max_num_batched_tokens,
+                                      num_logit_rows=config.max_num_seqs, page_size=config.page_size,
+                                      state_dtype=config.state_dtype)
+            budget = device_pool_budget(self.model.device, config.gpu_memory_utilization, step, later)
         self.kv_bytes_per_page = (self.model.kv_bytes_per_token() + extra_kv) * config.page_size
         num_slots, num_pages = size_pools(
             self.model, budget=budget, max_num_seqs=config.max_num_seqs,
@@ -75,6 +82,7 @@ class LLMEngine:
             device=self.model.device, extra_slots=extra, slots_per_seq=per_seq, extra_kv_bytes_per_token=extra_kv,
             reserved_bytes=later)
         self.pools = Pools(num_pages, num_slots, config.page_size)
+        self._log_capacity(num_slots, num_pages, per_seq)
         if self.workers is not None:
             from hyla.parallel.runner import tp_runner
 
@@ -88,7 +96,7 @@ class LLMEngine:
         self.scheduler = Scheduler(max(1, min(config.max_num_seqs, num_slots // per_seq)),
                                    config.max_num_batched_tokens, self.pools, self.prefix_cache, per_seq,
                                    num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, policy=config.scheduling_policy)
         self.generator = torch.Generator(self.model.device).manual_seed(config.seed)  # the sampler draws there
         self.generation_defaults = read_generation_config(
             config.model if config.generation_config in ("auto", "vllm") else config.generation_config,
@@ -105,7 +113,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         # Counters the engine itself advances; get_metrics adds the scheduler's and the pools'.
         self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_requests_failed": 0,
-                        "prompt_tokens": 0, "generation_tokens": 0, "spec_num_draft_tokens": 0,
+                        "prompt_tokens": 0, "generation_tokens": 0, "spec_num_draft_tokens": 0, "spec_num_drafts": 0,
                         "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0, "num_steps": 0}
         self.spec = SpecDecoder(spec_cfg, drafter, self.runner) if drafter is not None else None
         # MTP's fused greedy steps in CUDA graphs: the next one launched before this one is read
@@ -116,6 +124,23 @@ class LLMEngine:
 
             self.chain = self.spec.drafter.chain = OverlapChain(self, self.spec.drafter, spec_cfg.rollback)
         self._drained: list[RequestOutput] = []  # outputs of a step collected outside `step` (drain)
+
+    def _log_capacity(self, num_slots: int, num_pages: int, per_seq: int) -> None:
+        """What the pools allow, as the engine will run it: the scheduler runs up to
+        min(max_num_seqs, slots // slots per request) requests; prefix-cache checkpoints live in
+        slots no request holds and are evicted when a request needs one."""
+        cfg = self.config
+        slot_bytes = self.model.state_bytes_per_slot(cfg.state_dtype)
+        running = max(1, min(cfg.max_num_seqs, num_slots // per_seq))
+        full_length = num_pages // -(-self.max_model_len // cfg.page_size)
+        log.info("pools: %d state slots (%.2f GiB, %d per request), %d KV pages of %d tokens (%d tokens, %.2f GiB): "
+                 "up to %d requests at once (max_num_seqs=%d), %d of them at max_model_len=%d", num_slots,
+                 num_slots * slot_bytes / 2**30, per_seq, num_pages, cfg.page_size, num_pages * cfg.page_size,
+                 num_pages * self.kv_bytes_per_page / 2**30, running, cfg.max_num_seqs, full_length,
+                 self.max_model_len)
+        if running < cfg.max_num_seqs:
+            log.warning("max_num_seqs=%d: the memory holds state slots for %d running requests", cfg.max_num_seqs,
+                        running)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         """Every id that ends a request (unless ignore_eos): config.json's `eos_token_id` (one id
@@ -164,6 +189,21 @@ class LLMEngine:
             raise ValueError(f"logit_bias token id {biased[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        outside = [t for t in (params.allowed_token_ids or []) if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"allowed_token_ids token id {outside[0]} is outside the vocabulary "
+                             f"(0..{self.vocab_size - 1})")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer")
+            params.resolve_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+            outside = [t for word in params.bad_words_token_ids for t in word if t >= self.vocab_size]
+            if outside:
+                raise ValueError(f"bad_words token id {outside[0]} is outside the vocabulary "
+                                 f"(0..{self.vocab_size - 1})")
+        if params.priority and self.scheduler.policy != "priority":
+            raise ValueError(f"priority {params.priority} needs the priority scheduling policy "
+                             "(scheduling_policy='priority'); this engine schedules first come, first served")
         return params.max_tokens if params.max_tokens is not None else room
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -227,8 +267,10 @@ class LLMEngine:
             if positions:
                 rows = logits[at:at + len(positions)]
                 targets = [seq.prompt_token_ids[p + 1] for p in positions]
-                for p, lp in zip(positions, prompt_logprobs(rows, targets, seq.params.prompt_logprobs)):
+                scores, ranks = prompt_logprobs(rows, targets, seq.params.prompt_logprobs)
+                for p, lp, rank in zip(positions, scores, ranks):
                     seq.prompt_logprobs[p + 1] = lp
+                    seq.prompt_token_ranks[p + 1] = rank
             at += len(positions)
             if s:
                 keep.append(at)
@@ -255,8 +297,10 @@ class LLMEngine:
             self._drained += self._collect_flight(launch=False)
 
     def _plain_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """Prefill chunks and (non-speculative) decodes: one forward, one sample per finished prompt."""
-        sampling = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        """Prefill chunks and (non-speculative) decodes: one forward, one sample per finished prompt
+        (none for a max_tokens=0 request, which ends there)."""
+        fed = [seq.num_computed_tokens + n == seq.num_tokens for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        sampling = [f and seq.max_tokens > 0 for seq, f in zip(batch.seqs, fed)]
         scored = [_scored_prompt_positions(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         rows = [[p - seq.num_computed_tokens for p in ps] + ([n - 1] if s else [])
                 for seq, n, s, ps in zip(batch.seqs, batch.num_new_tokens, sampling, scored)]
@@ -295,7 +339,20 @@ class LLMEngine:
             outputs.append(seq.to_output())
         if to_drafter:  # after sampling: a finished prompt's last row pairs with the token just sampled
             self.spec.commit_prefill(batch.seqs, batch.num_new_tokens)
+        for seq, f, s in zip(batch.seqs, fed, sampling):
+            if f and not s:  # after the drafter's commit: finishing releases the request's drafter state
+                outputs.append(self._finish_prefill_only(seq))
         return outputs
+
+    def _finish_prefill_only(self, seq: Sequence) -> RequestOutput:
+        """A max_tokens=0 request whose prompt is computed (its prompt logprobs too): it finishes
+        with no token sampled, finish_reason "length", and gives back its slots and pages (the
+        prefix cache files its state as any finished request's)."""
+        seq.suspect = False  # it ran without error
+        self.metrics["prompt_tokens"] += len(seq.prompt_token_ids)
+        seq.finish("length")
+        self.on_finish(seq)
+        return seq.to_output()
 
     def _spec_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Speculative decodes: SpecDecoder drafts, verifies and accepts; here the tokens are
@@ -319,6 +376,7 @@ class LLMEngine:
             seq.suspect = False
             kept.append(self.append_tokens(seq, r.tokens, r.logits))
             self.metrics["spec_num_draft_tokens"] += r.num_drafted
+            self.metrics["spec_num_drafts"] += r.num_drafted > 0  # verify steps that drafted (vLLM's num_drafts)
             self.metrics["spec_num_accepted_tokens"] += r.num_accepted
             self.metrics["spec_num_verify_steps"] += 1
         self.spec.commit(seqs, kept, state_committed=self.chain is not None and self.chain.take_state_committed())

@@ -28,7 +28,11 @@ class CompletionOutput:
 class RequestOutput:
     """prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token: None for
     the first, then {token_id: logprob} holding the prompt token and the top-n at its position
-    (filled as the prefill goes; complete once the first output token exists)."""
+    (filled as the prefill goes; complete once the first output token exists, or, with
+    max_tokens=0, once the request finished); prompt_token_ranks: with them, each prompt token's
+    rank at its position (how many tokens are at least as likely, itself included: vLLM's rank,
+    1 = the most likely; None for the first). num_cached_tokens: the prompt tokens a prefix-cache hit served when the
+    request started (0 without one)."""
 
     request_id: str
     prompt: str | None
@@ -37,3 +41,5 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None
+    num_cached_tokens: int = 0

@@ -118,10 +118,10 @@ def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: i
     Slots first, slots_per_seq for each of up to max_num_seqs running requests (1 + k with
     speculative "slots" rollback) + extra_slots for checkpoints, but never
     more than half the budget; pages take the rest and must hold at least one request of
-    max_model_len tokens. budget None: on CUDA 90% of the free memory less reserved_bytes (weights
-    loaded after the pools: an MTP head); on the CPU what the
-    configuration needs at most (every request at full length), capped at 256 MiB (when it fits,
-    every wanted slot is granted).
+    max_model_len tokens. budget None: what the configuration needs at most (every request at full
+    length), capped on CUDA at 90% of the free memory less reserved_bytes (weights loaded after the
+    pools: an MTP head), on the CPU at 256 MiB; when it fits, every wanted slot is granted. (The
+    engine passes its budget from hyla.engine.memory_profile on CUDA.)
     """
     slot_bytes = max(1, model.state_bytes_per_slot(state_dtype))
     page_bytes = max(1, (model.kv_bytes_per_token() + extra_kv_bytes_per_token) * page_size)
@@ -129,14 +129,15 @@ def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: i
     wanted_slots = max_num_seqs * slots_per_seq + extra_slots
     slot_cap = None
     if budget is None:
-        if device.type == "cuda":
+        want = wanted_slots * slot_bytes + max_num_seqs * pages_per_seq * page_bytes
+        if device.type == "cuda":  # what the configuration needs at most, within 90% of the free memory
             free, _ = torch.cuda.mem_get_info(device)
-            budget = max(0, int(free * 0.9) - reserved_bytes)
+            cap = max(0, int(free * 0.9) - reserved_bytes)
         else:
-            want = wanted_slots * slot_bytes + max_num_seqs * pages_per_seq * page_bytes
-            if want <= 256 << 20:
-                slot_cap = wanted_slots  # everything fits: no need to ration slots
-            budget = min(want, 256 << 20)
+            cap = 256 << 20
+        if want <= cap:
+            slot_cap = wanted_slots  # everything fits: no need to ration slots
+        budget = min(want, cap)
     if slot_cap is None:
         slot_cap = max(slots_per_seq, (budget // 2) // slot_bytes)
     num_slots = min(wanted_slots, slot_cap)
@@ -145,8 +146,4 @@ def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: i
         raise ValueError(
             f"memory_budget of {budget} bytes cannot hold one request of max_model_len={max_model_len} tokens "
             f"({pages_per_seq} pages of {page_bytes} bytes) plus a state slot of {slot_bytes} bytes")
-    runnable = max(1, (num_slots - extra_slots) // slots_per_seq)
-    if runnable < max_num_seqs:
-        log.warning("max_num_seqs=%d exceeds what the budget's %d state slots hold: running at most %d requests",
-                    max_num_seqs, num_slots, runnable)
     return num_slots, int(num_pages)

@@ -9,7 +9,8 @@ after logit_bias and the penalties, before greedy or sampled choice; under specu
 `guide_drafts` cuts a request's drafts where its grammar rejects one and gives the mask of every
 verify position, which the acceptance rule applies in the same place. A grammar that waits for
 the reasoning's end (Sequence.guide_pending) masks nothing until then (`pending_guide_drafts`:
-from the draft after the marker on).
+from the draft after the marker on). allowed_token_ids and bad_words mask the same way
+(`restrict_batch`, rows that have them only), in the plain step and in every verify position.
 
 Draws use the exponential race: argmax(probs / E) with E ~ Exp(1) is a draw from probs, so no
 torch.multinomial is needed. A seeded request draws its E from its own generator (on the device),
@@ -75,6 +76,46 @@ def penalize_batch(x: torch.Tensor, params: list, token_ids: list[list[int]],
 def penalize(row: torch.Tensor, params, token_ids: list[int], output_ids: list[int]) -> torch.Tensor:
     """`penalize_batch` for one row of logits [V]."""
     return penalize_batch(row[None], [params], [token_ids], [output_ids])[0]
+
+
+def banned_tokens(params, output_ids: list[int]) -> list[int]:
+    """The tokens bad_words forbid next after `output_ids` (vLLM's rule, over the output only):
+    the last token of each of params.bad_words_token_ids whose other tokens end the output
+    (a one-token word: always)."""
+    out = []
+    for word in params.bad_words_token_ids or ():
+        n = len(word) - 1
+        if n <= len(output_ids) and (n == 0 or output_ids[-n:] == word[:-1]):
+            out.append(word[-1])
+    return out
+
+
+def restrict_batch(x: torch.Tensor, params: list, output_ids: list[list[int]]) -> torch.Tensor:
+    """allowed_token_ids and bad_words on logits x [M, V], out of place: -inf on every token
+    outside a row's allowed_token_ids and on the tokens its bad_words forbid after its output so
+    far; rows with neither are untouched. The (row, token) pairs are gathered on the host, where
+    the outputs are, and go to the device without a sync."""
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    banned = [(i, t) for i, p in enumerate(params) if p.bad_words_token_ids for t in banned_tokens(p, output_ids[i])]
+    if not allowed and not banned:
+        return x
+    x = x.clone()
+    dev = lambda v: torch.tensor(v, dtype=torch.long).to(x.device, non_blocking=True)  # noqa: E731 - no sync
+    if allowed:
+        ids = [params[i].allowed_token_ids for i in allowed]
+        keep = torch.zeros(len(allowed), x.shape[-1], dtype=torch.bool, device=x.device)
+        keep[dev([j for j, row in enumerate(ids) for _ in row]), dev([t for row in ids for t in row])] = True
+        rows = dev(allowed)
+        x[rows] = x[rows].masked_fill(~keep, _NEG_INF)
+    if banned:
+        rows, toks = zip(*banned)
+        x.index_put_((dev(rows), dev(toks)), x.new_full((len(banned),), _NEG_INF))
+    return x
+
+
+def restrict(row: torch.Tensor, params, output_ids: list[int]) -> torch.Tensor:
+    """`restrict_batch` for one row of logits [V]."""
+    return restrict_batch(row[None], [params], [output_ids])[0]
 
 
 def guide_mask(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -208,21 +249,26 @@ def token_logprobs(raw_row: torch.Tensor, token: int, n: int) -> dict[int, float
     return {token: vals[0], **{int(t): v for t, v in zip(vals[1 + n :], vals[1 : 1 + n])}}
 
 
-def prompt_logprobs(rows: torch.Tensor, tokens: list[int], n: int, block: int = 1024) -> list[dict[int, float]]:
-    """{token: logprob} of tokens[i] and the top-n under rows[i] (raw logits [R, V]), for every
-    row: token_logprobs over many rows with one device-to-host copy per block of rows (a
-    prompt's worth of rows would otherwise copy once each); fp32 log-softmax a block at a time."""
-    out = []
+def prompt_logprobs(rows: torch.Tensor, tokens: list[int], n: int,
+                    block: int = 1024) -> tuple[list[dict[int, float]], list[int]]:
+    """({token: logprob} of tokens[i] and the top-n under rows[i] (raw logits [R, V]), the rank
+    of tokens[i] there: how many tokens have a logprob >= its own, itself included, as vLLM
+    counts) for every row: token_logprobs over many rows with one device-to-host copy per block
+    of rows (a prompt's worth of rows would otherwise copy once each); fp32 log-softmax a block
+    at a time."""
+    out, ranks = [], []
     for start in range(0, rows.shape[0], block):
         lp = torch.log_softmax(rows[start:start + block].float(), dim=-1)
         picked = torch.tensor(tokens[start:start + block], device=lp.device)
         own = lp.gather(1, picked[:, None])[:, 0]
+        rank = (lp >= own[:, None]).sum(-1).to(lp.dtype)  # exact in fp32 below 2^24 (any vocabulary)
         top = torch.topk(lp, min(n, lp.shape[-1]), dim=-1)
-        host = torch.cat([own[:, None], top.values, top.indices.to(lp.dtype)], dim=1).tolist()
+        host = torch.cat([own[:, None], rank[:, None], top.values, top.indices.to(lp.dtype)], dim=1).tolist()
         k = top.values.shape[1]
         for token, row in zip(tokens[start:start + block], host):
-            out.append({token: row[0], **{int(t): v for t, v in zip(row[1 + k:], row[1:1 + k])}})
-    return out
+            out.append({token: row[0], **{int(t): v for t, v in zip(row[2 + k:], row[2:2 + k])}})
+            ranks.append(int(row[1]))
+    return out, ranks
 
 
 def _draw(probs: torch.Tensor, gens: list, generator: torch.Generator) -> torch.Tensor:
@@ -250,6 +296,7 @@ def _sample_on_device(logits: torch.Tensor, seqs: list[Sequence], generator: tor
     hist = [s.token_ids if s.params.repetition_penalty != 1.0 else [] for s in seqs]
     x = penalize_batch(raw, params, hist, [s.output_token_ids for s in seqs])
     x = guide_mask(x, seqs)  # after logit_bias and the penalties, before any sampling rule (greedy too)
+    x = restrict_batch(x, params, [s.output_token_ids for s in seqs])  # allowed_token_ids, bad_words
     tokens = x.argmax(-1)  # the greedy rows' answer; sampled rows are overwritten below
     failed = ~torch.isfinite(x.amax(-1))  # nan, +inf or no finite logit (max propagates nan)
     drawn = [i for i, p in enumerate(params) if not p.greedy]

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 GREEDY_BELOW = 1e-5  # temperature under which sampling is greedy (see SamplingParams.greedy)
+MAX_BAD_WORD_SEQUENCES = 128  # token sequences bad_words may expand to (vLLM's VLLM_MAX_NUM_BAD_WORDS)
+MAX_BAD_WORD_TOKENS = 1024  # their tokens in all (vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS)
 
 
 class GuideMatcher(Protocol):
@@ -43,7 +46,9 @@ class SamplingParams:
         sampling. Every number must be finite.
     top_p, top_k, min_p: nucleus, top-k (0 or -1 = off) and min-p filtering.
     seed: per-request seed; the same seed gives the same tokens whatever else is batched.
-    max_tokens: new tokens to generate at most (None = up to the model's max length).
+    max_tokens: new tokens to generate at most (None = up to the model's max length); 0 = prefill
+        only: the request ends once its prompt is computed, with no token sampled (finish_reason
+        "length"), as a request that only scores its prompt (prompt_logprobs) runs.
     stop: strings that end the output; the matched string is not emitted unless
         include_stop_str_in_output.
     stop_token_ids: extra token ids that end the output (emitted, as vLLM does).
@@ -65,6 +70,13 @@ class SamplingParams:
         (e.g. the ids of "</think>"), and applies from the token after it on (vLLM's structured
         outputs with a reasoning parser). The sequence is matched as these ids: the same text
         written with other tokens does not count. None: the grammar applies from the first token.
+    allowed_token_ids: only these ids may be sampled (every other logit is masked to -inf, greedy
+        too), as vLLM's; a non-empty list of ids inside the vocabulary (the engine checks the bound).
+    bad_words: words that may not be generated (vLLM's rule): each word, and the word after a
+        space, is tokenised (`resolve_bad_words`, done by the engine with its tokenizer); the last
+        token of such a sequence is masked whenever the output ends with the tokens before it.
+    priority: the request's place in the waiting queue under the engine's "priority" scheduling
+        policy (lower first, arrival order among equals); must be 0 under "fcfs" (vLLM's rule).
     """
 
     temperature: float = 1.0
@@ -87,7 +99,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     guide: Guide | None = None
     reasoning_end_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    priority: int = 0
     stop_strings: list[str] = field(init=False, repr=False)
+    # bad_words as token sequences (resolve_bad_words); None until resolved or without bad_words
+    bad_words_token_ids: list[list[int]] | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         def num(name, lo=None, hi=None, lo_open=False):
@@ -110,8 +127,8 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
         if self.max_tokens is not None and (isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int)
-                                            or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+                                            or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be an integer >= 0, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -154,6 +171,45 @@ class SamplingParams:
                     or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
                 raise ValueError(f"reasoning_end_token_ids must be a non-empty list of token ids, got {ids!r}")
             self.reasoning_end_token_ids = list(ids)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if (not isinstance(ids, (list, tuple)) or not ids
+                    or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            self.allowed_token_ids = sorted(set(ids))
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) or not w for w in words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}")
+            self.bad_words = list(dict.fromkeys(words)) or None
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+
+    def resolve_bad_words(self, encode: Callable[[str], list[int]]) -> None:
+        """Fill bad_words_token_ids from bad_words with `encode` (text -> ids, no special
+        tokens), as vLLM's update_from_tokenizer: each word with its leading whitespace stripped,
+        then the same after one space (the word in mid-text), the latter only when it tokenises
+        to as many tokens as the former with a different first token (else it adds nothing).
+        ValueError when a word tokenises to nothing or the sequences pass MAX_BAD_WORD_SEQUENCES
+        / MAX_BAD_WORD_TOKENS."""
+        if not self.bad_words:
+            self.bad_words_token_ids = None
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            bare = list(encode(word.lstrip()))
+            if not bare:
+                raise ValueError(f"bad_words entry {word!r} tokenises to no token")
+            sequences.append(bare)
+            spaced = list(encode(" " + word.lstrip()))
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        if len(sequences) > MAX_BAD_WORD_SEQUENCES:
+            raise ValueError(f"bad_words expand to {len(sequences)} token sequences; at most "
+                             f"{MAX_BAD_WORD_SEQUENCES} are allowed")
+        if sum(map(len, sequences)) > MAX_BAD_WORD_TOKENS:
+            raise ValueError(f"bad_words expand to more than {MAX_BAD_WORD_TOKENS} tokens")
+        self.bad_words_token_ids = sequences
 
     @property
     def greedy(self) -> bool:

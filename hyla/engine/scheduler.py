@@ -12,10 +12,17 @@ device copies to run before the forward (prefix-cache restores); ModelRunner exe
 When pages run out, the newest running sequence is preempted: it gives back its slots and pages
 and is recomputed later from its prompt + output so far (exact, since recomputation replays the
 same tokens). No waiting sequence is admitted in a step that preempted.
+
+Policies (vLLM's --scheduling-policy): "fcfs" admits in arrival order and puts a preempted
+sequence back at the head of the queue. "priority" keeps the waiting queue ordered by
+(SamplingParams.priority, arrival): a lower value first, arrival order among equals, a preempted
+sequence back in its place; the victim of a preemption is the running sequence with the largest
+(priority, arrival), also when the step had already planned it (it is then taken out of the batch).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -45,6 +52,14 @@ class ScheduledBatch:
         self.exports.append(exports or [])
         self.max_drafts.append(max_drafts)
 
+    def remove(self, seq: Sequence) -> int:
+        """Take seq out of the plan (preempted after it was planned) -> the tokens it had."""
+        i = self.seqs.index(seq)
+        n = self.num_new_tokens[i]
+        for column in (self.seqs, self.num_new_tokens, self.exports, self.max_drafts):
+            del column[i]
+        return n
+
     @property
     def is_empty(self) -> bool:
         return not self.seqs
@@ -60,10 +75,18 @@ class ScheduledBatch:
 class Scheduler:
     """slots_per_seq: state slots a running request holds (1, or 1 + k with speculative "slots"
     rollback). num_speculative_tokens: k when speculative decoding is on (0: off); max_model_len
-    bounds the draft positions."""
+    bounds the draft positions. policy: "fcfs" or "priority" (see the module docstring)."""
+
+    POLICIES = ("fcfs", "priority")
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, pools: Pools, prefix_cache=None,
-                 slots_per_seq: int = 1, num_speculative_tokens: int = 0, max_model_len: int = 1 << 30):
+                 slots_per_seq: int = 1, num_speculative_tokens: int = 0, max_model_len: int = 1 << 30,
+                 policy: str = "fcfs"):
+        if policy not in self.POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {self.POLICIES}, got {policy!r}")
+        self.policy = policy
+        self._arrivals = itertools.count()
+        self._arrival: dict[str, int] = {}  # request id -> arrival number (kept across preemptions)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.pools = pools
@@ -78,7 +101,29 @@ class Scheduler:
         self.cache_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._arrival[seq.request_id] = next(self._arrivals)
+        if self.policy == "priority":
+            self._enqueue(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        """Priority order: (priority, arrival); smaller runs first and is preempted last."""
+        return seq.params.priority, self._arrival[seq.request_id]
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Insert into the priority-ordered waiting queue, after every sequence of a smaller or
+        equal key (a linear scan: waiting queues are short next to a step's work)."""
+        key = self._key(seq)
+        at = next((j for j, s in enumerate(self.waiting) if self._key(s) > key), len(self.waiting))
+        self.waiting.insert(at, seq)
+
+    def _victim(self) -> Sequence:
+        """The running sequence a preemption takes: the newest (fcfs), or the one with the
+        largest (priority, arrival)."""
+        if self.policy == "priority":
+            return max(self.running, key=self._key)
+        return self.running[-1]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -100,17 +145,20 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
             while not self.make_room(seq, n):
-                victim = self.running[-1]
+                victim = self._victim()
                 self.preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
+                if victim in batch.seqs:  # planned earlier in this step (priority policy): unplanned
+                    budget += batch.remove(victim)
+                    n = min(seq.num_uncomputed, budget)
             if seq.status is not Status.RUNNING:
                 break
             self.pools.allocate(seq, n)
             batch.add(seq, n)
             budget -= n
-            i += 1
+            i = self.running.index(seq) + 1  # a preemption may have removed a sequence before it
         if preempted:
             return self._plan_extras(batch)
         cache = self.prefix_cache
@@ -127,6 +175,8 @@ class Scheduler:
                 self.cache_query_tokens += seq.num_tokens
                 hit_tokens, slot_copies, page_copies = cache.restore(seq, hit)
                 self.cache_hit_tokens += hit_tokens
+                if seq.num_preemptions == 0:  # what the request reports: its first start's hit (vLLM's)
+                    seq.num_cached_tokens = hit_tokens
                 batch.slot_copies += slot_copies
                 batch.page_copies += page_copies
             batch.add(seq, n)
@@ -250,7 +300,7 @@ class Scheduler:
             if not others:
                 self.preempt(seq)
                 return batch
-            self.preempt(others[-1])
+            self.preempt(max(others, key=self._key) if self.policy == "priority" else others[-1])
         self.pools.allocate(seq, n)
         batch.add(seq, n)
         return batch
@@ -278,7 +328,10 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.policy == "priority":
+            self._enqueue(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, file_in_cache: bool = False) -> None:
         """Release a finished (or aborted, or failed) sequence's resources and drop it from the
@@ -293,4 +346,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._arrival.pop(seq.request_id, None)
         self.pools.free(seq)

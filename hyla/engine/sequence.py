@@ -51,6 +51,9 @@ class Sequence:
         # prompt_logprobs[i]: prompt token i's logprob dict (None for token 0 and until computed)
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
+        self.prompt_token_ranks: list[int | None] | None = (
+            [None] * len(self.prompt_token_ids) if params.prompt_logprobs is not None else None)
+        self.num_cached_tokens = 0  # the prefix-cache hit it started with (set at its first admission)
         # Structured outputs: this sequence's place in the grammar (the sampler masks by it). With
         # reasoning_end_token_ids the matcher waits in guide_pending (no mask, nothing accepted:
         # the grammar constrains the answer, not the thinking) until the output ends with them.
@@ -222,4 +225,7 @@ class Sequence:
         )
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
                              finished=self.is_finished, error=self.error,
-                             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+                             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+                             prompt_token_ranks=(None if self.prompt_token_ranks is None
+                                                 else list(self.prompt_token_ranks)),
+                             num_cached_tokens=self.num_cached_tokens)

@@ -16,7 +16,15 @@ from itertools import pairwise
 import torch
 
 from hyla.engine.config import SpecConfig
-from hyla.engine.sampler import choose, distribution, guide_drafts, pending_guide_drafts, penalize, unpack_bitmask
+from hyla.engine.sampler import (
+    choose,
+    distribution,
+    guide_drafts,
+    penalize,
+    pending_guide_drafts,
+    restrict,
+    unpack_bitmask,
+)
 
 
 class Drafter:
@@ -93,7 +101,8 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq,
 
     logits: [1 + k, V] raw target logits at x0, d1..dk; q: [k, V] draft probabilities (None: the
     drafts were certain, as from prompt lookup); allowed: [1 + k, V] bool, a guided request's
-    grammar mask at each position (guide_drafts), applied where the sampler applies it.
+    grammar mask at each position (guide_drafts), applied where the sampler applies it, as are
+    allowed_token_ids and bad_words (over the output with the drafts accepted before position i).
     Greedy: accept the longest prefix of drafts equal to the target's argmax, then emit the
     target's own token. Sampling (the standard rule, Leviathan et al. / Chen et al.):
       accept d_i with probability min(1, p(d_i) / q(d_i));
@@ -106,7 +115,7 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq,
     history, out_hist = list(seq.token_ids), list(seq.output_token_ids)
     out: list[int] = []
     for i in range(len(drafts) + 1):
-        row = penalize(logits[i].float(), params, history, out_hist)
+        row = restrict(penalize(logits[i].float(), params, history, out_hist), params, out_hist)
         if allowed is not None:  # p is the grammar-masked distribution the plain sampler draws from
             row = row.masked_fill(~allowed[i], float("-inf"))
         if i == len(drafts):
@@ -141,12 +150,14 @@ def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq,
 def argmax_accepts(seq) -> bool:
     """Whether `accept` reduces to comparing drafts with the target's argmax for seq: greedy,
     no grammar (active or pending: a pending one applies from the reasoning's end, which may
-    come inside the drafts), and nothing that `penalize` would change (no logit bias, no
-    repetition, presence or frequency penalty)."""
+    come inside the drafts), and nothing that `penalize` or `restrict` would change (no logit
+    bias, no repetition, presence or frequency penalty, no allowed_token_ids or bad_words). The
+    fused MTP step and its overlap take only such requests too."""
     p = seq.params
     return (p.greedy and getattr(seq, "guide", None) is None and getattr(seq, "guide_pending", None) is None
             and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and not p.logit_bias)
+            and not p.presence_penalty and not p.frequency_penalty and not p.logit_bias
+            and p.allowed_token_ids is None and not p.bad_words)
 
 
 def accept_argmax(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:

@@ -53,6 +53,14 @@ class PackedLinears:
     projections, views of the MoE's stacked experts: StackedExperts.stack_shared) are packed in
     place: the packed weight is a view over them, nothing is copied or re-pointed."""
 
+    def __new__(cls, linears):
+        if cls is PackedLinears and any(hasattr(lin, "weight_scale_inv") for lin in linears):
+            # FP8 block-quantised projections pack by their own rules (same contract)
+            from hyla.layers.fp8_linear import PackedFp8Linears
+
+            return PackedFp8Linears(linears)
+        return super().__new__(cls)
+
     def __init__(self, linears):
         self.linears = list(linears)
         ws = [lin.weight for lin in self.linears]

@@ -13,6 +13,12 @@ their slices, one tensor at a time, so loading never holds a second copy of the 
 fused tensors under those two names load as they are. Tensors of parts a family does not build (Qwen3-Next's `mtp.*`
 multi-token-prediction head) are skipped, as transformers skips them.
 
+FP8 weights (hyla.models.fp8): a checkpoint whose quantization_config is FP8, or any checkpoint
+with `quantization="fp8"`, loads through hyla.models.fp8_loading: its (weight, weight_scale_inv)
+pairs into FP8 modules on CUDA (the expert pairs slice by slice into the stacked FP8 experts, the
+scales cut with their weights under tensor parallelism), dequantised into the ordinary model
+elsewhere; bf16 weights are quantised as they are read.
+
 Everything is validated from the safetensors headers before any weight memory is allocated: a
 missing or unexpected tensor, or a shape mismatch, fails with a ValueError naming it. Pickle
 checkpoints (`*.bin`, `*.pt`) are never read.
@@ -33,6 +39,9 @@ from hyla.models.base import HybridForCausalLM
 from hyla.models.config import read_config_json
 from hyla.models.hub import resolve_model
 from hyla.models.memory import FP32_TENSORS
+from hyla.models.fp8 import SCALE_SUFFIX as FP8_SCALE
+from hyla.models.fp8 import check_quantization, quantization_config_of
+from hyla.models.fp8_loading import Fp8Shard, LoadPlan, convert_model, fp8_modules_on, init_random_fp8_
 from hyla.models.random_init import init_random_
 
 # model_type -> ("module:ConfigClass", "module:ModelClass"). A new family adds a line here and its
@@ -125,7 +134,10 @@ def _keeps_fp32(name: str) -> bool:
 # (hyla.layers.moe.StackedExperts): Kimi names w1 (gate) / w3 (up) / w2 (down), Qwen
 # gate_proj / up_proj / down_proj. Piece index: (expert, half) of gate_up_proj [E, 2I, H]
 # (half 0 = gate rows, 1 = up rows) or (expert, None) of down_proj [E, H, I].
-_EXPERT_PIECE = re.compile(r"^(?P<moe>.+)\.experts\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# An FP8 checkpoint's per-expert `.weight_scale_inv` fills the same slice of the stacked
+# `..._scale_inv` tensor (hyla.layers.fp8_moe.Fp8StackedExperts).
+_EXPERT_PIECE = re.compile(r"^(?P<moe>.+)\.experts\.(?P<e>\d+)\.(?P<proj>w1|w2|w3|gate_proj|up_proj|down_proj)"
+                           r"\.weight(?P<scale>_scale_inv)?$")
 _PIECE_OF = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
              "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
 
@@ -141,7 +153,7 @@ def _target(name: str, expected: dict) -> tuple[Target | None, tuple | None]:
     if not m:
         return None, None
     stacked, half = _PIECE_OF[m["proj"]]
-    target = _canonical(f"{m['moe']}.experts.{stacked}", expected)
+    target = _canonical(f"{m['moe']}.experts.{stacked}{m['scale'] or ''}", expected)
     if target not in expected:
         return None, None
     E, rows, cols = expected[target]
@@ -152,16 +164,19 @@ def _target(name: str, expected: dict) -> tuple[Target | None, tuple | None]:
 
 
 def _plan(files: dict[str, str], expected: dict[str, torch.Size], optional: set[str],
-          ignored: tuple[str, ...] = (), shard=None) -> dict[str, Target]:
+          ignored: tuple[str, ...] = (), shard=None, view=None) -> dict[str, Target]:
     """Map every checkpoint tensor to a model tensor or a slice of one, checking names and shapes
     from the headers. Tensors whose names start with one of `ignored` are skipped. shard: a
     tensor-parallel plan (hyla.parallel.tensor.ShardPlan): names and shapes are this rank's
-    (`rename`, `shape`), tensors of other ranks' experts skipped. Returns {checkpoint name:
-    (model name, slice)}."""
+    (`rename`, `shape`), tensors of other ranks' experts skipped. view: fn(open file) -> the file
+    as the load sees it (hyla.models.fp8_loading.Fp8View), None for the file itself. Returns
+    {checkpoint name: (model name, slice)}."""
     files = {name: file for name, file in files.items() if not name.startswith(ignored)}
     plan, shapes = {}, {}
+    view = view or (lambda f: f)
     for file in sorted(set(files.values())):
-        with safe_open(file, "pt") as f:
+        with safe_open(file, "pt") as raw:
+            f = view(raw)
             for name in f.keys():
                 if files.get(name) == file:
                     shapes[name] = tuple(f.get_slice(name).get_shape())
@@ -195,7 +210,7 @@ def _plan(files: dict[str, str], expected: dict[str, torch.Size], optional: set[
     for name, shape in expected.items():
         if name in optional or (name, None) in filled:
             continue
-        halves = (0, 1) if name.endswith("gate_up_proj") else (None,)
+        halves = (0, 1) if name.endswith(("gate_up_proj", "gate_up_proj_scale_inv")) else (None,)
         have = pieces.get(name, set())
         gaps = [(e, h) for e in range(shape[0]) for h in halves if (e, h) not in have] if have else [None]
         if gaps:
@@ -215,14 +230,16 @@ def _copy_into(t: torch.Tensor, index: tuple | None, value: torch.Tensor) -> Non
     dst.copy_(value)
 
 
-def _fill(model: torch.nn.Module, files: dict[str, str], plan: dict[str, Target], shard) -> None:
+def _fill(model: torch.nn.Module, files: dict[str, str], plan: dict[str, Target], shard, view=None) -> None:
     """Copy every planned checkpoint tensor into `model`. Its own function so that the
     name -> parameter map is gone when it returns: held across prepare_for_inference(), it kept
     every replaced expert tensor alive (the weights plus a second copy of every MoE layer)."""
     targets = model.state_dict(keep_vars=True)
+    view = view or (lambda f: f)
     with torch.no_grad():
         for file in sorted(set(files.values())):
-            with safe_open(file, "pt", device="cpu") as f:
+            with safe_open(file, "pt", device="cpu") as raw:
+                f = view(raw)
                 for name in f.keys():
                     if files.get(name) == file and name in plan:  # not ignored (mtp.*)
                         target, index = plan[name]
@@ -230,8 +247,25 @@ def _fill(model: torch.nn.Module, files: dict[str, str], plan: dict[str, Target]
                         _copy_into(targets[target], index, value)
 
 
+def _fp8_plan(model, fp8_config, files: dict[str, str], expected: dict, shard, device) -> LoadPlan:
+    """The FP8 load plan (hyla.models.fp8_loading): the meta model's FP8 modules swapped in (on
+    CUDA, or as HYLA_FP8_WEIGHTS says), checkpoint names mapped to model tensors as `_plan` maps
+    them."""
+    def target_of(name: str) -> str | None:
+        local = shard.rename(name) if shard is not None else name
+        target = _target(local, expected)[0] if local is not None else None
+        return None if target is None else target[0]
+
+    # a released FP8 checkpoint's scales say which modules are FP8; without files (dummy weights) or
+    # quantising online, the config's rule does
+    prequantized = any(name.endswith(FP8_SCALE) for name in files)
+    fp8 = LoadPlan(fp8_config, prequantized, fp8_modules_on(device), target_of, device)
+    convert_model(model, fp8, list(files))
+    return fp8
+
+
 def load_model(path, dtype=None, device=None, shard=None, random_weights: bool = False,
-               revision: str | None = None) -> HybridForCausalLM:
+               revision: str | None = None, quantization: str | None = None) -> HybridForCausalLM:
     """Build the model described by `path`/config.json (the family its `model_type` names) and
     fill it from its safetensors. path: a checkpoint directory, a bundled model's name or a
     Hugging Face Hub id (`org/name` at `revision`: hyla.models.hub.resolve_model).
@@ -242,6 +276,11 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
     from its per-rank config and only this rank's part of each tensor is read.
     random_weights: no safetensors are read (a config.json is enough); every tensor is drawn as
     hyla.models.random_init (benchmarks of released shapes, vLLM's load_format="dummy").
+    quantization: None, or "fp8" (vLLM's name) to block-quantise an unquantised checkpoint's
+    projections and experts while loading. An FP8 checkpoint (config.json's quantization_config,
+    hyla.models.fp8) loads as FP8 with None or "fp8": into FP8 modules on CUDA, dequantised
+    elsewhere (hyla.models.fp8_loading; HYLA_FP8_WEIGHTS overrides). Any other value, or "fp8"
+    on another quantised format: ValueError.
     Returns the model in eval mode with gradients disabled.
 
     Peak memory: the weights plus one layer's transient. Nothing here keeps a reference to a
@@ -251,6 +290,7 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint directory {path} does not exist")
     config = load_config(path)
+    fp8_config = check_quantization(quantization, quantization_config_of(read_config_json(path)))
     if shard is not None:
         config = shard.configure(config)
     model_cls = family_classes(config.model_type)[1]
@@ -262,10 +302,15 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
             shard.prepare(model)
     expected = {name: t.shape for name, t in model.state_dict().items()}
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    files, plan = {}, {}
+    ignored = getattr(model_cls, "ignored_checkpoint_prefixes", ())
+    files, plan, view = ({} if random_weights else weight_files(path)), {}, None
+    if fp8_config is not None:
+        fp8 = _fp8_plan(model, fp8_config, files, expected, shard, device)
+        files, view = fp8.weight_map(files), fp8.open
+        shard = shard if shard is None else Fp8Shard(shard, fp8)
+        expected = {name: t.shape for name, t in model.state_dict().items()}  # FP8 modules' tensors
     if not random_weights:
-        files = weight_files(path)
-        plan = _plan(files, expected, optional, getattr(model_cls, "ignored_checkpoint_prefixes", ()), shard)
+        plan = _plan(files, expected, optional, ignored, shard, view)
 
     model.to(dtype)
     family_fp32 = getattr(model_cls, "fp32_tensors", ())  # a family's own fp32 tensors (name suffixes)
@@ -277,7 +322,8 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
         model.lm_head.weight = model.model.embed_tokens.weight
     if random_weights:
         init_random_(model, 0.02, seed=0 if shard is None else shard.rank)
-    _fill(model, files, plan, shard)
+        init_random_fp8_(model, 0.02, seed=0 if shard is None else shard.rank)
+    _fill(model, files, plan, shard, view)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
     return model

@@ -38,5 +38,5 @@ def init_random_(model: torch.nn.Module, std: float, seed: int = 0) -> None:
                 t.add_(1.0)
         elif name.endswith("e_score_correction_bias"):
             t.normal_(0.0, 0.02, generator=gen)
-        elif t.is_floating_point():
+        elif t.is_floating_point() and t.element_size() > 1:  # FP8 codes: drawn by fp8_loading.init_random_fp8_
             t.normal_(0.0, std, generator=gen)

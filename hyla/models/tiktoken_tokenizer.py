@@ -65,6 +65,24 @@ _DEFAULT_ADDITIONAL_SPECIAL_TOKENS = ("<|im_end|>", "<|im_user|>", "<|im_assista
                                       "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>")
 
 
+def _byte_characters() -> list[str]:
+    """GPT-2's byte-to-unicode table, which byte-level BPE vocabularies (and the released
+    tokenizer's token strings) write bytes in: the printable Latin-1 bytes as themselves, every
+    other byte as the character 256 + its place among those."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+_BYTE_CHARACTERS = _byte_characters()
+
+
 def read_tiktoken_ranks(file: str) -> dict[bytes, int]:
     """tiktoken.model -> {token bytes: rank}. ValueError naming the file (and line) when a line
     is not "<base64> <rank>", or the ranks are not exactly 0..N-1 (the special ids follow N)."""
@@ -223,6 +241,12 @@ class TiktokenTokenizer(BaseTokenizer):
         skipped = self._skipped if skip_special_tokens else ()
         n = self.encoding.n_vocab
         return self.encoding.decode([i for i in ids if 0 <= i < n and i not in skipped])
+
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        # a base token's bytes in byte-level characters; a special token's name (its "bytes" here)
+        num_base_tokens = len(self._base_ranks)
+        return [self._token_bytes[i].decode() if i >= num_base_tokens
+                else "".join(_BYTE_CHARACTERS[b] for b in self._token_bytes[i]) for i in map(int, ids)]
 
     def decode_stream(self, skip_special_tokens: bool = True, ids: list[int] | None = None) -> IncrementalDecoder:
         return _TiktokenDecodeStream(self._token_bytes, self._skipped if skip_special_tokens else frozenset(), ids)

@@ -96,6 +96,13 @@ class BaseTokenizer(abc.ABC):
         raise NotImplementedError
 
     @abc.abstractmethod
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        """Each id's entry in the vocabulary, as transformers' convert_ids_to_tokens gives it (a
+        byte-level BPE piece in its byte-to-unicode characters, e.g. "Ġthe"; a special token's
+        name): what vLLM's /tokenize returns as token_strs."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
     def decode_stream(self, skip_special_tokens: bool = True, ids: list[int] | None = None) -> IncrementalDecoder:
         """An incremental decoder whose steps concatenate to `decode(all ids)`; `ids`: tokens
         already decoded (their text is not returned again, but later tokens see them)."""

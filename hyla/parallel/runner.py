@@ -139,7 +139,7 @@ def start_tensor_parallel(config, dtype) -> WorkerGroup:
     group = WorkerGroup(config.tensor_parallel_size, config.device)
     spec = dict(model=config.model, model_type=load_config(config.model).model_type, dtype=dtype,
                 device=str(config.device), expert_parallel=config.enable_expert_parallel,
-                random_weights=config.load_format == "dummy")
+                random_weights=config.load_format == "dummy", quantization=config.quantization)
     try:
         group.call("load", spec, reply=True)
     except BaseException:

@@ -67,7 +67,8 @@ class Worker:
                                      spec["expert_parallel"])
         device = rank_device(torch.device(spec["device"]), self.rank)
         self.model = load_model(spec["model"], dtype=spec["dtype"], device=device, shard=plan,
-                                random_weights=spec.get("random_weights", False))
+                                random_weights=spec.get("random_weights", False),
+                                quantization=spec.get("quantization"))
         warm = torch.ones(1, device=device)
         dist.all_reduce(warm)  # the model group's communicators exist before any CUDA-graph capture
 

@@ -1,7 +1,10 @@
 """The OpenAI-compatible HTTP API (FastAPI) over one AsyncEngine.
 
 Routes: GET /health, GET /metrics, GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
-POST /v1/chat/completions (`stream: true` -> server-sent events ending with `data: [DONE]`). Every client mistake gets an
+POST /v1/chat/completions (`stream: true` -> server-sent events ending with `data: [DONE]`); vLLM's
+/tokenize, /detokenize, /version and /ping in hyla.server.tokenize_api; OpenAI's /v1/responses and
+Anthropic's /v1/messages in responses_api and messages_api, which run the chat route's preparation
+(hyla.server.prepare.prepare_chat) and render its choices their way. Every client mistake gets an
 OpenAI-style error body with a 4xx; a client that disconnects has its request aborted, which frees
 its state slots and KV pages.
 
@@ -13,9 +16,7 @@ as server-sent events); an endpoint only says how an output becomes a choice (`c
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,18 +26,24 @@ from fastapi.responses import PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.llm_engine import LLMEngine
+from hyla.server import messages_api, responses_api
 from hyla.server.async_engine import AsyncEngine
-from hyla.server.chat_prompt import ChatPrompt, load_chat_template, render_prompt
+from hyla.server.chat_prompt import load_chat_template
 from hyla.server.chat_protocol import ChatCompletionRequest
-from hyla.server.choices import ChatChoice, CompletionChoice
+from hyla.server.choices import CompletionChoice, echoed
 from hyla.server.errors import APIError, UnsupportedParameter, parse, read_json
 from hyla.server.generate import respond
 from hyla.server.metrics import ServerMetrics
-from hyla.server.openapi import body_schema
+from hyla.server.openapi import METRICS_RESPONSES, body_schema
+from hyla.server.prepare import check_model as _check_model
+from hyla.server.prepare import guided as _guided
+from hyla.server.prepare import prepare_chat
+from hyla.server.prepare import validate as _validate
 from hyla.server.protocol import CompletionRequest, Plan
-from hyla.server.reasoning_parsers import ReasoningParser, RequestReasoning, make_reasoning_parser
-from hyla.server.structured import Grammars, GuideError, GuideSpec
-from hyla.server.tool_choices import NamedToolChoice, RequiredToolChoice, ToolChatChoice, forced_spec
+from hyla.server.reasoning_parsers import ReasoningParser, make_reasoning_parser
+from hyla.server.structured import Grammars
+from hyla.server.token_names import token_namer
+from hyla.server.tokenize_api import router as tokenize_router
 from hyla.server.tool_parsers import make_parser
 
 
@@ -76,8 +83,9 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
         if engine.tokenizer is None:
             raise ValueError("--reasoning-parser needs the model's tokenizer")
         end_ids = engine.tokenizer.encode(reasoning.end, add_special_tokens=False)
-    metrics = ServerMetrics(engine)
-    state = ServerState(engine, AsyncEngine(engine, on_output=metrics.observe), metrics, model_name, api_key,
+    metrics = ServerMetrics(engine, model_name)
+    async_engine = AsyncEngine(engine, on_output=metrics.observe, on_abort=metrics.forget)
+    state = ServerState(engine, async_engine, metrics, model_name, api_key,
                         max_body_bytes, tool_call_parser, enable_auto_tool_choice, Grammars(engine),
                         load_chat_template(chat_template) if chat_template is not None else None,
                         trust_request_chat_template, reasoning, end_ids)
@@ -88,6 +96,9 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(_ApiKey)
     app.include_router(router)
+    app.include_router(tokenize_router)  # /tokenize, /detokenize, /version, /ping
+    app.include_router(responses_api.router)
+    app.include_router(messages_api.router)
     return app
 
 
@@ -120,7 +131,9 @@ async def _internal_error(_request, exc: Exception):
 class _ApiKey:
     """The API key check on every /v1 route, as a plain ASGI middleware: Starlette's
     BaseHTTPMiddleware would wrap `receive`, and a handler could then no longer see its client
-    disconnect (Request.is_disconnected), which is how an abandoned request gets aborted."""
+    disconnect (Request.is_disconnected), which is how an abandoned request gets aborted. The key
+    comes as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's);
+    /v1/messages answers a missing key in Anthropic's error shape."""
 
     def __init__(self, app):
         self.app = app
@@ -128,55 +141,40 @@ class _ApiKey:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             api_key = scope["app"].state.server.api_key
-            got = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if api_key is not None and got != f"Bearer {api_key}":
-                response = APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
-                                    "authentication_error", code="invalid_api_key").response()
+            headers = dict(scope["headers"])
+            got = headers.get(b"authorization", b"").decode("latin-1")
+            got_x = headers.get(b"x-api-key", b"").decode("latin-1")
+            if api_key is not None and got != f"Bearer {api_key}" and got_x != api_key:
+                message = "missing or invalid API key (Authorization: Bearer ... or x-api-key: ...)"
+                if scope["path"].startswith("/v1/messages"):
+                    response = messages_api.error_response(401, message)
+                else:
+                    response = APIError(401, message, "authentication_error", code="invalid_api_key").response()
                 return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
 
 # ---- what both generation endpoints share -----------------------------------------------------
 
-def _check_model(state: ServerState, name) -> None:
-    if name is not None and name != state.model_name:
-        raise APIError(404, f"the model `{name}` does not exist; this server serves `{state.model_name}`",
-                       param="model", code="model_not_found")
-
-
-async def _prepare(state: ServerState, req, prompt) -> tuple[list[int], Plan]:
+async def _prepare(state: ServerState, req: CompletionRequest, prompts: list,
+                   batched: bool) -> tuple[list[list[int]], Plan]:
+    """The plan (with its grammar) and every prompt's ids, each checked by the engine before any
+    runs; a bad prompt of a batch is a 400 that gives its index."""
     try:
         plan = req.plan()
         spec, any_whitespace = req.guide_spec()
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
     plan = await _guided(state, plan, spec, any_whitespace, req.guide_param())
-    return _validate(state, prompt, plan), plan
-
-
-async def _guided(state: ServerState, plan: Plan, spec: GuideSpec | None, any_whitespace: bool, param: str,
-                  after: list[int] | None = None) -> Plan:
-    """The plan with every sequence following `spec` (compiled once, in a worker thread: a large
-    schema must not stall the event loop); after: the grammar applies only once the output has
-    these tokens (the reasoning's end marker), as vLLM's structured outputs with a reasoning parser."""
-    if spec is None:
-        return plan
-    try:
-        guide = await asyncio.to_thread(state.grammars.compile, spec, any_whitespace)
-        params = [dataclasses.replace(p, guide=guide, reasoning_end_token_ids=after) for p in plan.params]
-    except (GuideError, ValueError) as e:
-        raise APIError(400, str(e), param=param) from None
-    return dataclasses.replace(plan, params=params)
-
-
-def _validate(state: ServerState, prompt, plan: Plan) -> list[int]:
-    """The prompt's ids, checked with the plan's params by the engine (before any work)."""
-    try:
-        _, ids = state.engine.encode(prompt)
-        state.engine.validate(ids, plan.params[0])  # the sequences differ only in their seeds
-    except ValueError as e:
-        raise APIError(400, str(e), param="prompt" if "prompt" in str(e) or "token" in str(e) else None) from None
-    return ids
+    ids = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids.append(_validate(state, prompt, plan))
+        except APIError as e:
+            if not batched or e.param != "prompt":
+                raise
+            raise APIError(e.status, f"prompt[{i}]: {e.message}", e.type, param="prompt", code=e.code) from None
+    return ids, plan
 
 
 # ---- routes -----------------------------------------------------------------------------------
@@ -189,7 +187,7 @@ async def health():
     return {"status": "ok"}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses=METRICS_RESPONSES)
 async def prometheus(request: Request):
     return PlainTextResponse(_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -218,96 +216,35 @@ async def completions(request: Request):
     req.apply_defaults(state.engine.generation_defaults.sampling)
     _check_model(state, req.model)
     try:
-        prompt = req.prompt_value()
+        prompts, batched = req.prompts()
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
-    ids, plan = await _prepare(state, req, prompt)
+    ids, plan = await _prepare(state, req, prompts, batched)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": state.model_name}
     tok = state.engine.tokenizer
-    echo = None
-    if req.echo:
-        echo = prompt if isinstance(prompt, str) else (tok.decode(ids, skip_special_tokens=False) if tok else None)
-        if echo is None:
+    view = None
+    if req.echo:  # the prompt's text (a token-id prompt's decoded, as vLLM does) in front of each choice
+        if tok is None and not all(isinstance(p, str) for p in prompts):
             raise APIError(400, "echo of a token-id prompt needs a tokenizer", param="echo")
+        whole = plan.truncate_prompt_tokens is None  # else the tokens it ran on, decoded
+        texts = [p if isinstance(p, str) and whole else tok.decode(i, skip_special_tokens=False)
+                 for p, i in zip(prompts, ids)]
+        view = lambda p, out: echoed(out, texts[p])  # noqa: E731
     n_top = None if plan.strip_logprobs else plan.params[0].logprobs
-    return await respond(request, state, req, ids, plan, head, lambda i: CompletionChoice(i, tok, n_top, echo),
-                         chunk_object="text_completion")
-
-
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest, tools: list[dict] | None) -> ChatPrompt:
-    tokenizer = state.engine.tokenizer
-    if req.chat_template is not None and not state.trust_request_chat_template:
-        raise APIError(400, "this server does not take a chat template with the request (start it with "
-                       "--trust-request-chat-template)", param="chat_template")
-    template = req.chat_template or state.chat_template or (tokenizer.chat_template if tokenizer else None)
-    if tokenizer is None or not template:
-        raise APIError(400, "this model has no chat template; use /v1/completions")
-    try:
-        return render_prompt(tokenizer, req, tools, template)
-    except UnsupportedParameter as e:
-        raise APIError(400, str(e), param=e.param) from None
-
-
-def _reasoning(state: ServerState, req: ChatCompletionRequest, prompt: ChatPrompt) -> RequestReasoning | None:
-    """How this request's output splits into reasoning and content (None: no --reasoning-parser)."""
-    parser = state.reasoning_parser
-    if parser is None:
-        return None
-    if req.logprobs and not req.include_reasoning:
-        raise APIError(400, "include_reasoning false cannot be combined with logprobs, which would show the "
-                       "reasoning's tokens", param="include_reasoning")
-    return RequestReasoning(parser if parser.thinks(prompt.text, prompt.variables) else None, req.include_reasoning)
+    names = token_namer(tok, req.return_tokens_as_token_ids)  # what the logprobs name tokens with
+    return await respond(request, state, req, ids, plan, head, lambda i: CompletionChoice(i, names, n_top),
+                         chunk_object="text_completion", view=view, prompt_logprobs_in_choices=True)
 
 
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
 async def chat(request: Request):
     state = _state(request)
-    engine = state.engine
     req = parse(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
     req.apply_defaults(state.engine.generation_defaults.sampling)
     _check_model(state, req.model)
-    try:
-        mode = req.tool_mode()
-    except UnsupportedParameter as e:
-        raise APIError(400, str(e), param=e.param) from None
-    if mode == "auto" and not state.enable_auto_tool_choice:
-        raise APIError(400, '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
-                       "--tool-call-parser (or send tool_choice \"none\")", param="tool_choice")
-    tools = req.tool_dicts()
-    prompt = _chat_prompt(state, req, tools)
-    reasoning = _reasoning(state, req, prompt)
-    thinks = reasoning is not None and reasoning.parser is not None
-    forced = mode in ("required", "named")  # the grammar writes the call
-    try:
-        plan = req.plan(keep_special_tokens=mode == "auto" or thinks)
-        spec, any_whitespace = req.guide_spec()
-        param = req.guide_param()
-        if forced:
-            if spec is not None:
-                forcing = "required" if mode == "required" else f"naming {req.forced_name!r}"
-                raise UnsupportedParameter(param, f"{param} cannot be combined with tool_choice {forcing}, which "
-                                           "constrains the output to the tools' schemas")
-            spec, param = forced_spec(tools, req.forced_name), "tools"
-    except UnsupportedParameter as e:
-        raise APIError(400, str(e), param=e.param) from None
-    # the grammar constrains the content, not the thinking (whether or not the reasoning is returned)
-    after = state.reasoning_end_ids if thinks else None
-    plan = await _guided(state, plan, spec, any_whitespace, param, after)
-    ids = _validate(state, prompt.ids, plan)
+    run = await prepare_chat(state, req)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": state.model_name}
-    n_top = (req.top_logprobs or 0) if req.logprobs else None
-    tok = engine.tokenizer
-    parser = make_parser(state.tool_call_parser) if mode == "auto" else None
-
-    def make_choice(i: int):
-        if mode == "auto":
-            return ToolChatChoice(i, tok, n_top, parser, tools, reasoning)
-        if mode == "required":
-            return RequiredToolChoice(i, tok, n_top, reasoning)
-        if mode == "named":
-            return NamedToolChoice(i, tok, n_top, req.forced_name, reasoning)
-        return ChatChoice(i, tok, n_top, reasoning)
-
-    return await respond(request, state, req, ids, plan, head, make_choice, chunk_object="chat.completion.chunk")
+    return await respond(request, state, req, run.ids, run.plan, head, run.make_choice,
+                         chunk_object="chat.completion.chunk")

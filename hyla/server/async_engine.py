@@ -4,6 +4,10 @@ The engine is not thread-safe, so only the loop thread touches it: HTTP handlers
 (add / abort) through a queue, and the loop hands every RequestOutput back to the handler's
 asyncio queue with `call_soon_threadsafe`. Validation (`encode` / `validate`) is read-only and
 runs in the handler, so a bad request is answered before it reaches the loop.
+
+Shutdown: `stop_all` (at the end of the server's drain, hyla.server.shutdown) aborts every
+request and hands each handler a `Shutdown` in place of its next output, as it does to any
+request submitted after; the handlers answer 503 (or end their stream with an error event).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from hyla.engine.llm_engine import LLMEngine
 from hyla.engine.outputs import RequestOutput
@@ -22,13 +27,23 @@ from hyla.engine.sampling_params import SamplingParams
 log = logging.getLogger("hyla.server")
 
 
+@dataclass(frozen=True)
+class Shutdown:
+    """Delivered in place of a request's output when the server stops it (`stop_all`)."""
+
+    request_id: str
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None):
+    def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None,
+                 on_abort: Callable[[str], None] | None = None):
         self.engine = engine
         self.on_output = on_output  # on_output(output: RequestOutput, now: time.monotonic()) in the loop thread
+        self.on_abort = on_abort  # on_abort(request_id) in the loop thread: it ends with no finished output
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        self._stopping = False  # stop_all ran: every request is answered with a Shutdown
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -60,13 +75,18 @@ class AsyncEngine:
         """Abort (e.g. the client went away): frees its slot and pages at the next loop turn."""
         self._commands.put(("abort", request_id))
 
+    def stop_all(self) -> None:
+        """Stop serving (any thread): at the next loop turn every request is aborted and its
+        handler gets a Shutdown, as does every request submitted from then on."""
+        self._commands.put(("stop_all",))
+
     # ---- loop thread ---------------------------------------------------------------------------
-    def _deliver(self, request_id: str, output: RequestOutput) -> None:
+    def _deliver(self, request_id: str, output: RequestOutput | Shutdown) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
             return
         loop, q = stream
-        if output.finished:
+        if isinstance(output, Shutdown) or output.finished:
             self._streams.pop(request_id, None)
         try:
             loop.call_soon_threadsafe(q.put_nowait, output)
@@ -77,6 +97,9 @@ class AsyncEngine:
         kind = command[0]
         if kind == "add":
             _, rid, ids, params = command
+            if self._stopping:
+                self._deliver(rid, Shutdown(rid))
+                return
             try:
                 self.engine.add_request(rid, ids, params)
             except ValueError as e:
@@ -85,6 +108,18 @@ class AsyncEngine:
             rid = command[1]
             self.engine.abort_request(rid)
             self._streams.pop(rid, None)
+            self._aborted(rid)
+        elif kind == "stop_all":
+            self._stopping = True
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)
+                self._aborted(rid)
+            for rid in list(self._streams):
+                self._deliver(rid, Shutdown(rid))
+
+    def _aborted(self, request_id: str) -> None:
+        if self.on_abort is not None:
+            self.on_abort(request_id)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

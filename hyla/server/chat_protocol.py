@@ -197,4 +197,4 @@ class ChatCompletionRequest(SamplingRequest):
         params = self.to_params()
         if keep_special_tokens and "skip_special_tokens" not in self.model_fields_set:
             params = dataclasses.replace(params, skip_special_tokens=False)
-        return Plan(fan_out(params, self.n))
+        return Plan(fan_out(params, self.n), truncate_prompt_tokens=self.truncate_prompt_tokens)

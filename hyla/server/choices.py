@@ -6,34 +6,49 @@ only what is new since the last one.
 
 from __future__ import annotations
 
-from hyla.engine.outputs import CompletionOutput
+import dataclasses
+
+from hyla.engine.outputs import CompletionOutput, RequestOutput
 from hyla.server.logprobs import chat_logprobs, completion_logprobs
 from hyla.server.reasoning_parsers import RequestReasoning
 
 
+def echoed(out: RequestOutput, prompt_text: str) -> CompletionOutput:
+    """What a /v1/completions choice with echo shows of a sequence's output (vLLM's rule): the
+    prompt's text, token ids and logprobs (None for its first token) in front of the output's.
+    Logprobs only when the sequence has them (then its prompt logprobs were computed too)."""
+    c = out.outputs[0]
+    ids = out.prompt_token_ids
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = [*(out.prompt_logprobs or [None] * len(ids)), *c.logprobs]
+    return dataclasses.replace(c, text=prompt_text + c.text, token_ids=[*ids, *c.token_ids], logprobs=logprobs)
+
+
 class CompletionChoice:
-    """/v1/completions. echo: the prompt's text goes in front of the completion (the first chunk
-    of a stream carries it); n_top: None unless logprobs were asked for."""
+    """/v1/completions. n_top: None unless logprobs were asked for. The output it is given is
+    the choice's whole text and tokens (with echo, `echoed` puts the prompt in front)."""
 
-    def __init__(self, index: int, tokenizer, n_top: int | None, echo: str | None = None):
-        self.index, self.tokenizer, self.n_top, self.echo = index, tokenizer, n_top, echo
+    def __init__(self, index: int, tokenizer, n_top: int | None):
+        self.index, self.tokenizer, self.n_top = index, tokenizer, n_top
         self.sent_text = self.sent_tokens = 0
-        self.echoed = False
+        self.sent_offset = 0  # text_offset of the next token to stream: its tokens' texts so far
 
-    def _logprobs(self, c: CompletionOutput, start: int):
+    def _logprobs(self, c: CompletionOutput, start: int, offset: int):
         if self.n_top is None:
             return None
-        return completion_logprobs(self.tokenizer, c, start, self.n_top, offset=len(self.echo or ""))
+        return completion_logprobs(self.tokenizer, c, start, self.n_top, offset)
 
     def whole(self, c: CompletionOutput) -> dict:
-        return {"index": self.index, "text": (self.echo or "") + c.text, "finish_reason": c.finish_reason,
-                "logprobs": self._logprobs(c, 0)}
+        return {"index": self.index, "text": c.text, "finish_reason": c.finish_reason,
+                "logprobs": self._logprobs(c, 0, 0)}
 
     def delta(self, c: CompletionOutput) -> dict | None:
-        prefix = "" if self.echoed else (self.echo or "")
-        self.echoed = True
-        choice = {"index": self.index, "text": prefix + c.text[self.sent_text:], "finish_reason": c.finish_reason,
-                  "logprobs": self._logprobs(c, self.sent_tokens)}
+        logprobs = self._logprobs(c, self.sent_tokens, self.sent_offset)
+        if logprobs is not None and logprobs["tokens"]:
+            self.sent_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        choice = {"index": self.index, "text": c.text[self.sent_text:], "finish_reason": c.finish_reason,
+                  "logprobs": logprobs}
         self.sent_text, self.sent_tokens = len(c.text), len(c.token_ids)
         return choice
 

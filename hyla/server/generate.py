@@ -1,15 +1,21 @@
 """Running one HTTP request's sequences and answering it, whole or as server-sent events.
 
-A request with n choices (or best_of candidates) is n engine requests that share one output
-queue. The first is submitted alone and the others once it has produced its first token: its
-prefill has then filed a state checkpoint at the prompt's end in the prefix cache, so the
-others hit it instead of computing the prompt again. The client is asked about every
-DISCONNECT_CHECK_S whether it is still there; if not, every unfinished sequence is aborted.
+A request runs m sequences (its n choices, or best_of candidates) for each of its prompts (one,
+or a /v1/completions batch): sequence k = p * m + j runs prompt p with params j. The sequences
+of a request are engine requests that share one output queue. Each prompt's first sequence is
+submitted at once and its others once it has produced its first token: its prefill has then
+filed a state checkpoint at the prompt's end in the prefix cache, so the others hit it instead
+of computing the prompt again (and only the first scores the prompt when prompt logprobs are
+asked for: the others report its scores). The client is asked about every DISCONNECT_CHECK_S
+whether it is still there; if not, every unfinished sequence is aborted.
+
+Choices are indexed prompt-major, as OpenAI and vLLM do: choice p * n + i is prompt p's i-th.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,11 +26,13 @@ from fastapi.responses import StreamingResponse
 
 from hyla.engine.outputs import CompletionOutput, RequestOutput
 from hyla.engine.sampling_params import SamplingParams
+from hyla.server.async_engine import Shutdown
 from hyla.server.errors import APIError
-from hyla.server.logprobs import cumulative_logprob
+from hyla.server.logprobs import cumulative_logprob, prompt_logprobs
 from hyla.server.protocol import Plan
 
 DISCONNECT_CHECK_S = 0.25  # how often a running request asks whether its client is still there
+SHUTDOWN_MESSAGE = "the server is shutting down: the request did not finish within its drain time"
 
 
 class ChoiceBuilder(Protocol):
@@ -40,25 +48,43 @@ class ChoiceBuilder(Protocol):
         """The choice of a first chunk sent before any token (chat's role), or None."""
 
 
-async def outputs(request: Request, state, rid: str, ids: list[int],
+# How a sequence's output shows in its choice: view(prompt index, output) -> the CompletionOutput
+# its builder reads (completions' echo puts the prompt in front); None: the output itself.
+View = Callable[[int, RequestOutput], CompletionOutput]
+
+
+def _prompts(ids: list[int] | list[list[int]]) -> list[list[int]]:
+    """One prompt's ids, or a batch of prompts' ids -> the batch."""
+    return [ids] if ids and isinstance(ids[0], int) else ids
+
+
+async def outputs(request: Request, state, rid: str, ids: list[int] | list[list[int]],
                   params: list[SamplingParams]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Yield (sequence index, cumulative output) until every sequence finished; abort the
-    unfinished ones if the client goes away or the caller stops early."""
-    rids = [rid] if len(params) == 1 else [f"{rid}-{i}" for i in range(len(params))]
-    index = {r: i for i, r in enumerate(rids)}
+    unfinished ones if the client goes away or the caller stops early. ids: one prompt's token
+    ids, or a batch of prompts'; sequence k runs prompt k // len(params) with params[k % len(params)]."""
+    prompts, m = _prompts(ids), len(params)
+    total = len(prompts) * m
+    rids = [rid] if total == 1 else [f"{rid}-{k}" for k in range(total)]
+    index = {r: k for k, r in enumerate(rids)}
+    # a prompt's later sequences take its first one's prompt scores (and its prefix-cache checkpoint)
+    later = [dataclasses.replace(p, prompt_logprobs=None) if p.prompt_logprobs is not None else p for p in params]
+    scored: dict[int, RequestOutput] = {}  # prompt -> its first sequence's latest output
     queue: asyncio.Queue = asyncio.Queue()
     submitted: list[str] = []
     done: set[int] = set()
 
-    def submit(i: int) -> None:
-        state.metrics.arrived(rids[i])
-        state.async_engine.submit(rids[i], ids, params[i], out=queue)
-        submitted.append(rids[i])
+    def submit(k: int) -> None:
+        p, j = divmod(k, m)
+        state.metrics.arrived(rids[k])
+        state.async_engine.submit(rids[k], prompts[p], params[j] if j == 0 else later[j], out=queue)
+        submitted.append(rids[k])
 
-    submit(0)
+    for p in range(len(prompts)):
+        submit(p * m)
     checked = time.monotonic()
     try:
-        while len(done) < len(params):
+        while len(done) < total:
             try:
                 out = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
             except asyncio.TimeoutError:
@@ -70,56 +96,93 @@ async def outputs(request: Request, state, rid: str, ids: list[int],
                     return
             if out is None:
                 continue
-            i = index[out.request_id]
+            k = index[out.request_id]
+            if isinstance(out, Shutdown):  # the server stopped it at the end of its drain (hyla.server.shutdown)
+                done.add(k)
+                raise APIError(503, SHUTDOWN_MESSAGE, "server_error", code="server_shutting_down")
+            p, j = divmod(k, m)
             if out.error:  # the request was validated before it was submitted: a server failure
-                done.add(i)
+                done.add(k)
                 raise APIError(500, f"the engine failed on this request: {out.error}", "server_error")
-            if i == 0 and len(submitted) == 1:
-                for j in range(1, len(params)):  # the prompt's prefill is in the prefix cache now
-                    submit(j)
+            if j == 0:
+                if p not in scored:
+                    for later_k in range(k + 1, k + m):  # the prompt's prefill is in the prefix cache now
+                        submit(later_k)
+                scored[p] = out
+            elif params[j].prompt_logprobs is not None:
+                first = scored[p]
+                out = dataclasses.replace(out, prompt_logprobs=first.prompt_logprobs,
+                                          prompt_token_ranks=first.prompt_token_ranks)
             if out.finished:
-                done.add(i)
-            yield i, out
+                done.add(k)
+            yield k, out
     finally:
         for r in submitted:
             if index[r] not in done:
                 state.async_engine.abort(r)
 
 
-def usage(ids: list[int], finals: dict[int, RequestOutput]) -> dict:
-    """The prompt once, the completion tokens of every sequence (also best_of's dropped ones)."""
+def usage(ids: list[int] | list[list[int]], finals: dict[int, RequestOutput], per_prompt: int = 1) -> dict:
+    """Each prompt once, the completion tokens of every sequence (also best_of's dropped ones),
+    and the prompt tokens the prefix cache served (each prompt's first sequence's hit: the later
+    ones hit its own checkpoint). per_prompt: sequences per prompt (sequence k runs prompt
+    k // per_prompt)."""
+    prompts = _prompts(ids)
+    prompt_tokens = sum(len(p) for p in prompts)
     n = sum(len(o.outputs[0].token_ids) for o in finals.values() if o.outputs)
-    return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+    cached = sum(finals[k].num_cached_tokens for k in range(0, len(prompts) * per_prompt, per_prompt) if k in finals)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def sse(data) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-async def respond(request: Request, state, req, ids: list[int], plan: Plan, head: dict,
-                  make_choice: Callable[[int], ChoiceBuilder], chunk_object: str):
-    """Run the plan and answer: the whole response, or (req.stream) server-sent events: each
-    choice's opening, one chunk per engine output (that choice's delta, with its index), the
-    usage when stream_options.include_usage, then `data: [DONE]`."""
-    rid = head["id"]
+async def respond(request: Request, state, req, ids: list[int] | list[list[int]], plan: Plan, head: dict,
+                  make_choice: Callable[[int], ChoiceBuilder], chunk_object: str, view: View | None = None,
+                  prompt_logprobs_in_choices: bool = False):
+    """Run the plan on the prompt `ids` (or on each prompt of a batch) and answer: the whole
+    response, or (req.stream) server-sent events: each choice's opening, one chunk per engine
+    output (that choice's delta, with its index), the usage when stream_options.include_usage,
+    then `data: [DONE]`. view: how an output shows in its choice (None: as it is).
+    Prompt logprobs (when the params ask for them) go where vLLM puts them: in each choice
+    (completions, prompt_logprobs_in_choices) or in the whole response (chat); a stream has none."""
+    prompts, m = _prompts(ids), len(plan.params)
+    n_prompt_top = plan.params[0].prompt_logprobs
+    tok = state.engine.tokenizer
+
+    def shown(k: int, out: RequestOutput) -> CompletionOutput:
+        return view(k // m, out) if view is not None else out.outputs[0]
+
     if not req.stream:
         finals: dict[int, RequestOutput] = {}
-        async for i, out in outputs(request, state, rid, ids, plan.params):
-            finals[i] = out
-        if len(finals) < len(plan.params) or not all(o.finished for o in finals.values()):
+        async for k, out in outputs(request, state, head["id"], prompts, plan.params):
+            finals[k] = out
+        if len(finals) < len(prompts) * m or not all(o.finished for o in finals.values()):
             raise APIError(499, "client closed the request")
-        order = sorted(finals)
-        if plan.keep is not None:  # best_of: the candidates with the highest cumulative logprob
-            order = sorted(order, key=lambda i: -cumulative_logprob(finals[i].outputs[0]))[: plan.keep]
+        keep = plan.keep if plan.keep is not None else m
         choices = []
-        for new_index, i in enumerate(order):
-            c = finals[i].outputs[0]
-            if plan.strip_logprobs:
-                c = CompletionOutput(c.index, c.text, c.token_ids, None, c.finish_reason, c.stop_reason)
-            choices.append(make_choice(new_index).whole(c))
-        return {**head, "choices": choices, "usage": usage(ids, finals)}
+        for p in range(len(prompts)):
+            order = list(range(p * m, (p + 1) * m))
+            if plan.keep is not None:  # best_of: the candidates with the highest cumulative logprob
+                order = sorted(order, key=lambda k: -cumulative_logprob(finals[k].outputs[0]))[:keep]
+            for i, k in enumerate(order):
+                c = shown(k, finals[k])
+                if plan.strip_logprobs:
+                    c = dataclasses.replace(c, logprobs=None)
+                choice = make_choice(p * keep + i).whole(c)
+                if prompt_logprobs_in_choices and n_prompt_top is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs(tok, finals[k], n_prompt_top)
+                choices.append(choice)
+        body = {**head, "choices": choices, "usage": usage(prompts, finals, m)}
+        if not prompt_logprobs_in_choices and n_prompt_top is not None:
+            body["prompt_logprobs"] = prompt_logprobs(tok, finals[0], n_prompt_top)
+        return body
     chunk_head = {**head, "object": chunk_object}
-    builders = [make_choice(i) for i in range(len(plan.params))]
+    options = req.stream_options  # vLLM's continuous_usage_stats: the usage so far in every chunk too
+    continuous = options is not None and options.include_usage and options.continuous_usage_stats
+    builders = [make_choice(k) for k in range(len(prompts) * m)]  # a stream has no best_of: choice k is sequence k
 
     async def events():
         for b in builders:
@@ -128,17 +191,18 @@ async def respond(request: Request, state, req, ids: list[int], plan: Plan, head
                 yield sse({**chunk_head, "choices": [opening]})
         finals: dict[int, RequestOutput] = {}
         try:
-            async for i, out in outputs(request, state, rid, ids, plan.params):
-                finals[i] = out
-                c = builders[i].delta(out.outputs[0])
+            async for k, out in outputs(request, state, head["id"], prompts, plan.params):
+                finals[k] = out
+                c = builders[k].delta(shown(k, out))
                 if c is not None:
-                    yield sse({**chunk_head, "choices": [c]})
+                    chunk = {**chunk_head, "choices": [c]}
+                    yield sse({**chunk, "usage": usage(prompts, finals, m)} if continuous else chunk)
         except APIError as e:  # the status line is sent: an error event, then the end of the stream
             yield sse(e.body())
             yield "data: [DONE]\n\n"
             return
         if finals and req.stream_options and req.stream_options.include_usage:
-            yield sse({**chunk_head, "choices": [], "usage": usage(ids, finals)})
+            yield sse({**chunk_head, "choices": [], "usage": usage(prompts, finals, m)})
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -17,6 +17,7 @@ from hyla.server.structured_protocol import StructuredFields
 
 MAX_STOP = 16
 MAX_CHOICES = 16  # n and best_of: sequences one request may run
+MAX_PROMPTS = 256  # prompts one /v1/completions request may batch (vLLM has no bound)
 _SEED_RANGE = 1 << 64  # torch seeds are -2^63..2^64-1
 
 
@@ -32,11 +33,27 @@ def child_seed(seed: int | None, i: int) -> int | None:
 @dataclass
 class Plan:
     """What to run for one HTTP request: the sequences' params (one per choice or candidate) and,
-    for best_of, how many of the candidates to return (the highest cumulative logprob first)."""
+    for best_of, how many of the candidates to return (the highest cumulative logprob first);
+    truncate_prompt_tokens: keep only the prompt's last tokens (`prompt_ids`)."""
 
     params: list[SamplingParams]
     keep: int | None = None
     strip_logprobs: bool = False  # logprobs were switched on only to rank best_of candidates
+    truncate_prompt_tokens: int | None = None
+
+    def prompt_ids(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt the sequences run on: with truncate_prompt_tokens k, its last k tokens
+        (vLLM's rule: k may not exceed max_model_len - max_tokens, the room the output leaves;
+        -1 keeps that many; 0 keeps none, which the engine then refuses as an empty prompt)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        room = max_model_len - (self.params[0].max_tokens or 0)
+        if k > room:
+            raise UnsupportedParameter("truncate_prompt_tokens", f"truncate_prompt_tokens={k} cannot be greater "
+                                       f"than max_model_len - max_tokens = {room}: ask for a smaller truncation")
+        keep = room if k == -1 else k
+        return ids[-keep:] if keep else []
 
 
 def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -44,7 +61,14 @@ def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk (with include_usage)
+
+    def given(self) -> bool:
+        """Whether the client wrote anything in it: vLLM accepts an empty `{}` without stream."""
+        return bool(self.model_fields_set or self.model_extra)
 
 
 class SamplingRequest(StructuredFields):
@@ -73,14 +97,29 @@ class SamplingRequest(StructuredFields):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extra sampling fields
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words the output may not contain (SamplingParams.bad_words)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: all that fit)
+    priority: int = 0  # lower runs first; needs the server's --scheduling-policy priority
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N"
+    use_beam_search: bool = False  # refused when true: hyla has no beam search
+    length_penalty: float = 1.0  # beam search's: refused unless 1
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and the top-n at each
 
     # accepted by OpenAI / vLLM, not implemented here: a 400 naming them rather than silence
-    _NOT_IMPLEMENTED = ("prompt_logprobs", "functions", "function_call", "guided_whitespace_pattern")
+    _NOT_IMPLEMENTED = ("functions", "function_call", "guided_whitespace_pattern")
 
     def _reject_unimplemented(self) -> None:
         for name in self._NOT_IMPLEMENTED:
             if (self.model_extra or {}).get(name) is not None:
                 raise UnsupportedParameter(name, f"{name} is not supported")
+        if self.use_beam_search:
+            raise UnsupportedParameter("use_beam_search", "use_beam_search is not supported: hyla has no beam "
+                                       "search (sample n or best_of candidates instead)")
+        if self.length_penalty != 1.0:
+            raise UnsupportedParameter("length_penalty", "length_penalty applies to beam search, which hyla "
+                                       "does not implement")
 
     def apply_defaults(self, defaults: dict) -> None:
         """Take the checkpoint's generation_config.json defaults ({SamplingParams field: value},
@@ -101,9 +140,31 @@ class SamplingRequest(StructuredFields):
         except ValueError:
             raise UnsupportedParameter("logit_bias", "logit_bias keys must be token ids (integers as strings)") from None
 
+    def _prompt_logprobs(self) -> int | None:
+        """How many top tokens the engine scores at each prompt position (None: none)."""
+        return self.prompt_logprobs
+
+    def _prefill_only(self) -> bool:
+        """Whether max_tokens 0 is allowed: the request wants its prompt alone."""
+        return False
+
+    def _check_prompt_logprobs(self) -> None:
+        """vLLM's rules for the prompt_logprobs field (the engine bounds it to 0..20)."""
+        if self.prompt_logprobs is None:
+            return
+        if self.prompt_logprobs == -1:
+            raise UnsupportedParameter("prompt_logprobs", "prompt_logprobs -1 (the whole vocabulary at every "
+                                       "position) is not supported: at most 20")
+        if self.stream and self.prompt_logprobs > 0:
+            raise UnsupportedParameter("prompt_logprobs", "prompt_logprobs are not available when stream is true")
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._reject_unimplemented()
-        if self.stream_options is not None and not self.stream:
+        if max_tokens is not None and max_tokens < 1 and not (max_tokens == 0 and self._prefill_only()):
+            raise UnsupportedParameter("max_tokens", f"max_tokens must be at least 1, got {max_tokens} (0 only "
+                                       "with echo on /v1/completions: the prompt alone)")
+        self._check_prompt_logprobs()
+        if self.stream_options is not None and self.stream_options.given() and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options is only allowed when stream is true")
         if not 1 <= self.n <= MAX_CHOICES:
             raise UnsupportedParameter("n", f"n must be in 1..{MAX_CHOICES}, got {self.n}")
@@ -114,10 +175,12 @@ class SamplingRequest(StructuredFields):
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
                 max_tokens=max_tokens, stop=stop or None, stop_token_ids=self.stop_token_ids,
-                ignore_eos=self.ignore_eos, logprobs=logprobs, presence_penalty=self.presence_penalty,
+                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self._prompt_logprobs(),
+                presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                 min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, priority=self.priority,
             )
         except ValueError as e:
             param = str(e).split(" ", 1)[0]
@@ -125,24 +188,36 @@ class SamplingRequest(StructuredFields):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] = Field(...)
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    # one prompt (text or token ids) or a batch of them (texts or token-id lists)
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(...)
+    max_tokens: int | None = 16  # 0 with echo: the prompt alone, nothing generated
+    logprobs: int | None = None  # with echo, the prompt's tokens' too (the first one's null)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
-    def prompt_value(self):
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise UnsupportedParameter("prompt", "a batch of prompts is not supported: send one request each")
-            return self.prompt[0]
-        return self.prompt
+    def prompts(self) -> tuple[list[str | list[int]], bool]:
+        """(the prompts, whether the request sent a batch: a list of texts or of token-id lists,
+        each prompt answered with its own choices)."""
+        batch = isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+        if not batch:
+            return [self.prompt], False
+        if len(self.prompt) > MAX_PROMPTS:
+            raise UnsupportedParameter("prompt", f"a batch holds at most {MAX_PROMPTS} prompts, got "
+                                       f"{len(self.prompt)}")
+        return list(self.prompt), True
+
+    def _prompt_logprobs(self) -> int | None:
+        # echo with logprobs shows the prompt's tokens with theirs (vLLM: prompt_logprobs, when the
+        # request leaves it unset, takes logprobs' value under echo)
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    def _prefill_only(self) -> bool:
+        return self.echo
 
     def to_params(self) -> SamplingParams:
-        if self.echo and self.logprobs is not None:
-            raise UnsupportedParameter("echo", "echo with logprobs needs the prompt's logprobs, which hyla does not "
-                                       "compute: send echo or logprobs, not both")
         if self.suffix:
             raise UnsupportedParameter("suffix", "suffix is not supported")
         return self.sampling_params(self.max_tokens, self.logprobs)
@@ -156,10 +231,11 @@ class CompletionRequest(SamplingRequest):
         if not self.n <= best_of <= MAX_CHOICES:
             raise UnsupportedParameter("best_of", f"best_of must be in n..{MAX_CHOICES} (n={self.n}), got {best_of}")
         if best_of == self.n:
-            return Plan(fan_out(params, self.n))
+            return Plan(fan_out(params, self.n), truncate_prompt_tokens=self.truncate_prompt_tokens)
         if self.stream:
             raise UnsupportedParameter("best_of", "best_of > n cannot be streamed (the best are known only at the end)")
         strip = params.logprobs is None
         if strip:
             params = dataclasses.replace(params, logprobs=0)
-        return Plan(fan_out(params, best_of), keep=self.n, strip_logprobs=strip)
+        return Plan(fan_out(params, best_of), keep=self.n, strip_logprobs=strip,
+                    truncate_prompt_tokens=self.truncate_prompt_tokens)

@@ -21,7 +21,8 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ", re.MULTILINE)
 class GuideSpec:
     """What the output must follow. kind: json (value: a JSON schema, dict), json_object (any
     JSON object), regex (a pattern), choice (value: a list of strings), grammar (EBNF with a
-    `root` rule, or Lark)."""
+    `root` rule, or Lark), structural_tag (value: xgrammar's structural tag as JSON text, the
+    {"format": ...} form or the older {"structures": ..., "triggers": ...} one)."""
 
     kind: str
     value: object = None
@@ -54,6 +55,24 @@ def _choice_ebnf(choices: list[str]) -> str:
                 out.append(ch)
         return '"' + "".join(out) + '"'
     return "root ::= " + " | ".join(literal(c) for c in choices)
+
+
+def _compile_structural_tag(compiler, text: str):
+    """A structural tag (JSON text) -> compiled grammar, as vLLM's xgrammar backend does: the
+    older form (structures of begin / schema / end, and the triggers that start them) through
+    xgrammar's item list, the format form as it is."""
+    import xgrammar as xgr
+
+    tag = json.loads(text)
+    if "structures" not in tag:
+        return compiler.compile_structural_tag(text)
+    try:
+        items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                 for s in tag["structures"]]
+        triggers = list(tag["triggers"])
+    except (KeyError, TypeError) as e:
+        raise GuideError(f"the structural tag's structures need begin, schema and end, and triggers: {e}") from None
+    return compiler.compile_structural_tag(items, triggers)
 
 
 class Grammars:
@@ -109,6 +128,8 @@ class Grammars:
             elif spec.kind == "grammar":
                 g = spec.value
                 compiled = compiler.compile_grammar(g) if "::=" in g else compiler.compile_lark(g)
+            elif spec.kind == "structural_tag":
+                compiled = _compile_structural_tag(compiler, spec.value)
             else:
                 raise GuideError(f"unknown structured output kind {spec.kind!r}")
         except GuideError:

@@ -1,7 +1,11 @@
 """The request fields that ask for structured outputs, and the one GuideSpec they give.
 
     response_format      {"type": "json_object"} | {"type": "json_schema", "json_schema": {"schema": ...}}
-    structured_outputs   vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...,
+                         | {"type": "structural_tag", "format": {...}} (xgrammar's structural tag)
+                         | {"type": "structural_tag", "structures": [{"begin", "schema", "end"}],
+                            "triggers": [...]} (the older form)
+    structured_outputs   vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object" |
+                         "structural_tag" (either form above, as JSON text or an object): ...,
                          "disable_any_whitespace": bool}
     guided_json / guided_regex / guided_choice / guided_grammar   vLLM's older extras
 
@@ -11,7 +15,7 @@ At most one of them may say what the output follows (a 400 names the clash).
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,9 +36,35 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
+class TagStructure(_Strict):
+    """One structure of the older structural-tag form: after `begin`, JSON following `schema`,
+    then `end`."""
+
+    begin: str
+    schema_: dict | bool = Field(..., alias="schema")
+    end: str
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag: xgrammar's format object, or the older structures + triggers
+    format: dict[str, Any] | None = None
+    structures: list[TagStructure] | None = None
+    triggers: list[str] | None = None
+
+    def structural_tag(self) -> str:
+        """The structural tag as JSON text, as vLLM hands it to xgrammar."""
+        if self.format is not None:
+            if self.structures is not None or self.triggers is not None:
+                raise UnsupportedParameter("response_format", "a structural tag has either a format or "
+                                           "structures and triggers, not both")
+            return json.dumps({"type": "structural_tag", "format": self.format})
+        if self.structures is None or self.triggers is None:
+            raise UnsupportedParameter("response_format", "response_format structural_tag needs a format (or "
+                                       "structures and triggers)")
+        structures = [{"begin": t.begin, "schema": t.schema_, "end": t.end} for t in self.structures]
+        return json.dumps({"type": "structural_tag", "structures": structures, "triggers": self.triggers})
 
 
 class StructuredOutputs(_Strict):
@@ -43,8 +73,21 @@ class StructuredOutputs(_Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
     disable_fallback: bool = False  # there is one backend, so never a fallback: honoured as it is
+
+
+def _structural_tag(value, param: str) -> str:
+    """structured_outputs.structural_tag (JSON text, as vLLM takes it, or the object) -> JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise UnsupportedParameter(param, f"{param} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise UnsupportedParameter(param, f"{param} must be a structural tag (an object)")
+    return json.dumps(value)
 
 
 def _schema(value, param: str):
@@ -78,6 +121,8 @@ class StructuredFields(BaseModel):
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise UnsupportedParameter("response_format", "response_format json_schema needs json_schema.schema")
             found.append(("response_format", GuideSpec("json", rf.json_schema.schema_)))
+        elif rf is not None and rf.type == "structural_tag":
+            found.append(("response_format", GuideSpec("structural_tag", rf.structural_tag())))
         so = self.structured_outputs
         if so is not None:
             if so.json_ is not None:
@@ -91,6 +136,9 @@ class StructuredFields(BaseModel):
                 found.append(("structured_outputs.grammar", GuideSpec("grammar", so.grammar)))
             if so.json_object:
                 found.append(("structured_outputs.json_object", GuideSpec("json_object")))
+            if so.structural_tag is not None:
+                tag = _structural_tag(so.structural_tag, "structured_outputs.structural_tag")
+                found.append(("structured_outputs.structural_tag", GuideSpec("structural_tag", tag)))
         if self.guided_json is not None:
             found.append(("guided_json", GuideSpec("json", _schema(self.guided_json, "guided_json"))))
         if self.guided_regex is not None:

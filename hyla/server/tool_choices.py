@@ -14,7 +14,7 @@ from hyla.engine.outputs import CompletionOutput
 from hyla.server.choices import ChatChoice
 from hyla.server.reasoning_parsers import RequestReasoning
 from hyla.server.structured import GuideSpec
-from hyla.server.tool_parsers import ToolCall, ToolParseError, extract, marker_hold
+from hyla.server.tool_parsers import ToolCall, ToolParseError, marker_hold
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -43,12 +43,62 @@ def _required_calls(text: str) -> list[ToolCall]:
         return []  # cut short (finish_reason "length"): the text is returned as content
 
 
+def complete_calls(parser, section: str, tools: list[dict]) -> list[ToolCall]:
+    """The closed calls at the start of `section` (the text from the parser's first marker) up
+    to the first that does not parse: what a stream may already have sent, whatever its chunks
+    (a parse error only grows with the text, so the longest prefix of the section whose closed
+    calls parse is found by bisection)."""
+    try:
+        return parser.calls(section, tools, final=False)
+    except ToolParseError:
+        pass
+    lo, hi = 0, len(section)  # calls(section[:lo]) parse, calls(section[:hi]) do not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            parser.calls(section[:mid], tools, final=False)
+            lo = mid
+        except ToolParseError:
+            hi = mid
+    return parser.calls(section[:lo], tools, final=False)
+
+
+def auto_tool_calls(parser, text: str, tools: list[dict], finish_reason: str | None
+                    ) -> tuple[str | None, list[ToolCall]]:
+    """A finished output under tool_choice "auto" -> (content, calls): the one rule a whole
+    response and the end of a stream share.
+
+    No marker: the text is the content. Otherwise the content is the text before the first
+    marker, and the calls are every call when they all parse (a last unclosed one included when
+    the model stopped by itself); else the closed calls before the first that does not parse,
+    the rest (a call cut by max_tokens, or a malformed one after good ones) being dropped: no
+    marker is ever content. When no call parses at all, a model that stopped by itself wrote
+    text that only looks like a call: all of it is the content (vLLM's rule); a cut one gets
+    the text before the marker."""
+    at = text.find(parser.start)
+    if at < 0:
+        return text, []
+    section = text[at:]
+    if finish_reason != "length":  # a cut last call is incomplete, however it parses
+        try:
+            calls = parser.calls(section, tools, final=True)
+        except ToolParseError:
+            calls = []
+        if calls:
+            return text[:at] or None, calls
+    calls = complete_calls(parser, section, tools)
+    if calls or finish_reason == "length":
+        return text[:at] or None, calls
+    return text, []
+
+
 class ToolChatChoice(ChatChoice):
     """Chat with tool_choice "auto": the content goes through a tool-call parser. Streamed, the
     content flows until a parser marker appears (a tail that may begin one is held back); each
-    tool call is sent whole in `delta.tool_calls` once it is complete; finish_reason is
-    "tool_calls" when there were calls (vLLM's rule). With a reasoning parser, only the content
-    after the reasoning is parsed."""
+    tool call is sent whole in `delta.tool_calls` once it is complete; at the end the stream
+    sends what `auto_tool_calls` adds, so that streamed and whole agree. finish_reason is
+    "tool_calls" when there were calls (vLLM's rule), also when max_tokens cut a later call.
+    With a reasoning parser, only the content after the reasoning is parsed."""
 
     def __init__(self, index: int, tokenizer, n_top: int | None, parser, tools: list[dict],
                  reasoning: RequestReasoning | None = None):
@@ -57,7 +107,8 @@ class ToolChatChoice(ChatChoice):
         self.sent_calls = 0
 
     def _message(self, content: str | None, c: CompletionOutput) -> tuple[dict, str | None]:
-        text, calls = extract(self.parser, content, self.tools) if content is not None else (None, [])
+        text, calls = (auto_tool_calls(self.parser, content, self.tools, c.finish_reason) if content is not None
+                       else (None, []))
         message = {"role": "assistant", "content": text}
         if calls:
             message["tool_calls"] = [call.to_dict() for call in calls]
@@ -66,20 +117,13 @@ class ToolChatChoice(ChatChoice):
     def _delta(self, content: str, c: CompletionOutput) -> tuple[dict, str | None]:
         text, start, finished = content, self.parser.start, c.finish_reason is not None
         at = text.find(start)
-        calls = []
-        if at < 0:
-            content = text if finished else text[: len(text) - marker_hold(text, start)]
+        if finished:
+            content, calls = auto_tool_calls(self.parser, text, self.tools, c.finish_reason)
+            content = content or ""
+        elif at < 0:
+            content, calls = text[: len(text) - marker_hold(text, start)], []
         else:
-            content = text[:at]
-            if finished:
-                _, calls = extract(self.parser, text, self.tools)
-                if not calls:  # the calls do not parse: what was held back is content after all
-                    content = text
-            else:
-                try:
-                    calls = self.parser.calls(text[at:], self.tools, final=False)
-                except ToolParseError:
-                    calls = []
+            content, calls = text[:at], complete_calls(self.parser, text[at:], self.tools)
         delta: dict = {}
         if len(content) > self.sent_text:
             delta["content"] = content[self.sent_text:]

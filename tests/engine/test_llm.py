@@ -153,9 +153,9 @@ def test_bad_requests_rejected_before_any_work(ckpt, prompts, prompt, params, ma
     assert m["num_steps"] == 0 and m["num_requests_waiting"] == 0
 
 
-def test_max_tokens_below_one_is_a_value_error():
+def test_max_tokens_below_zero_is_a_value_error():
     with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)  # 0 is a prefill-only request (tests/engine/test_prefill_only.py)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):

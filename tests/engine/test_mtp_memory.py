@@ -3,10 +3,10 @@ budget keeps their bytes out: the drafter reports them from the checkpoint's hea
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hyla import LLM
-from hyla.engine.pools import size_pools
 from hyla.models.default import bundled_model_path
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
@@ -23,13 +23,19 @@ def test_reported_head_bytes_equal_the_loaded_head():
 
 
 def test_automatic_cuda_budget_keeps_the_reserved_bytes_out(monkeypatch):
-    llm = LLM(bundled_model_path("qwen3.5-mtp"), dtype="float32")
-    model = llm.engine.model
-    free = 64 << 20
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (free, 2 * free))
-    opts = dict(budget=None, max_num_seqs=4, max_model_len=256, page_size=16, state_dtype=torch.float32,
-                device=torch.device("cuda"))
-    slots, pages = size_pools(model, **opts)
-    slots_r, pages_r = size_pools(model, reserved_bytes=free // 4, **opts)
-    page_bytes = model.kv_bytes_per_token() * 16
-    assert slots_r == slots and pages - pages_r >= (free // 4) // page_bytes - 1
+    """The engine's CUDA budget (hyla.engine.memory_profile) takes the head's bytes out of the pools'
+    share: the same device state with reserved_bytes gives exactly that much less."""
+    from hyla.engine import memory_profile
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: type("P", (), {"total_memory": 100 * gib}))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (40 * gib, 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 58 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *_: 50 * gib)
+    device = torch.device("cuda")
+    budget = memory_profile.device_pool_budget(device, 0.9, step_bytes=2 * gib)
+    # 90 GiB asked; 60 GiB in use of which 8 GiB are PyTorch's cached free blocks (reclaimable)
+    assert budget == 90 * gib - (60 - 8) * gib - 2 * gib
+    assert memory_profile.device_pool_budget(device, 0.9, 2 * gib, reserved_bytes=gib // 4) == budget - gib // 4
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.5 of 100.0 GiB leaves nothing"):
+        memory_profile.device_pool_budget(device, 0.5, 2 * gib)

@@ -6,8 +6,8 @@ measured and the parent asserts, so a failure names the case and the rank.
 
 from __future__ import annotations
 
+import datetime
 import os
-import socket
 
 import pytest
 import torch
@@ -85,7 +85,8 @@ def _run_case(name, rank, world):
 def _worker(rank, world, port, out_dir):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         results = {name: _run_case(name, rank, world) for name in CASES}
     finally:
@@ -93,15 +94,13 @@ def _worker(rank, world, port, out_dir):
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_kcp_matches_single_process_on_gloo(world, tmp_path):
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    # the rendezvous store lives here, on a port the OS picks and this process holds (no window
+    # in which a parallel test could take it); the ranks connect to it as clients
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    mp.spawn(_worker, args=(world, store.port, str(tmp_path)), nprocs=world, join=True)
     per_rank = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
     for name, (_, lengths, B, H, HV, K, V, dtype, _, _) in CASES.items():
         tol = 1e-10 if dtype == torch.float64 else 1e-4

@@ -22,7 +22,25 @@ def free_port() -> int:
 
 
 def start(model, *extra) -> tuple[subprocess.Popen, str]:
-    """Start `hyla serve` on a free port; returns (process, base URL) once /health answers."""
+    """Start `hyla serve` on a free port; returns (process, base URL) once /health answers.
+
+    The port is free when chosen but not held until the server binds it: another process (a
+    parallel test worker's server, say) can take it in between, so a start that loses the port
+    is retried on a new one."""
+    for attempt in range(3):
+        try:
+            return _start_once(model, extra)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _start_once(model, extra) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "hyla.cli", "serve", "--model", str(model), "--port", str(port),
            "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--max-body-bytes", "20000", *extra]
@@ -32,7 +50,10 @@ def start(model, *extra) -> tuple[subprocess.Popen, str]:
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + proc.stdout.read())
+            output = proc.stdout.read()
+            if "address already in use" in output.lower():
+                raise _PortTaken(f"port {port} was taken before the server bound it:\n{output}")
+            raise RuntimeError("server exited:\n" + output)
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 return proc, base

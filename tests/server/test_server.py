@@ -90,7 +90,7 @@ BAD = [
     ("n too large", "/v1/completions", {"prompt": "a", "n": 17}, 400),
     ("best_of < n", "/v1/completions", {"prompt": "a", "n": 3, "best_of": 2}, 400),
     ("best_of streamed", "/v1/completions", {"prompt": "a", "n": 1, "best_of": 2, "stream": True}, 400),
-    ("echo with logprobs", "/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, 400),
+    ("prompt_logprobs streamed", "/v1/completions", {"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400),
     ("negative temperature", "/v1/completions", {"prompt": "a", "temperature": -0.5}, 400),
     ("top_p > 1", "/v1/completions", {"prompt": "a", "top_p": 1.5}, 400),
     ("logprobs too many", "/v1/completions", {"prompt": "a", "logprobs": 50}, 400),
@@ -305,7 +305,7 @@ def test_logit_bias_min_tokens_and_include_stop_str_are_honoured(client, server)
 
 
 @pytest.mark.parametrize("path,extra,param", [
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),  # the whole vocabulary
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
      "functions"),

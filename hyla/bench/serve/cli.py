@@ -1,0 +1,333 @@
+"""`hyla bench serve`: the flags (vLLM's names where vLLM has them) and the run.
+
+    hyla bench serve [--base-url URL | --host H --port P] [--model NAME] [--backend openai|openai-chat]
+        [--dataset-name random|sharegpt|prefix|agent] [--num-prompts N] [--request-rate R]
+        [--max-concurrency C] [--goodput ttft:MS ...] [--save-result] [--plot DIR] ...
+
+The run: ask /v1/models for the model when --model is omitted; find a tokenizer
+(hyla.bench.serve.tokens); build the requests (hyla.bench.serve.datasets); read the prefix-cache
+counters of /metrics; send everything (hyla.bench.serve.load); read the counters again; print and
+return the result (hyla.bench.serve.report), save it and draw it when asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+
+import httpx
+import numpy as np
+
+from hyla.bench.serve.client import OpenAIClient
+from hyla.bench.serve.datasets import DATASETS, DatasetSpec, build_workload
+from hyla.bench.serve.load import arrival_times, run_workload
+from hyla.bench.serve.metrics import PERCENTILE_METRICS, compute_metrics, parse_goodput, usage_prefix_cache
+from hyla.bench.serve.report import (
+    keep_selected_percentiles, now_stamp, per_request_lists, prefix_cache_fields, print_report, rate_value,
+    result_filename, save_result,
+)
+from hyla.bench.serve.server_metrics import scrape_prefix_cache
+from hyla.bench.serve.tokens import find_tokenizer
+
+BACKEND_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+DATASET_ALIASES = {"prefix_repetition": "prefix"}  # vLLM's name of the shared-prefix dataset
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                  "repetition_penalty")
+
+
+class FlagError(Exception):
+    """Flags (or the files they name) the benchmark cannot run with; main() reports it as argparse does."""
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _key_values(items: list[str] | None, flag: str) -> dict[str, str]:
+    pairs = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+        pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hyla bench serve", description="Load an OpenAI-compatible server "
+                                "(hyla serve, vllm serve, ...) and report TTFT, TPOT, ITL, E2EL and throughput.")
+    server = p.add_argument_group("server")
+    server.add_argument("--backend", choices=list(BACKEND_ENDPOINTS), default=None,
+                        help="openai: /v1/completions; openai-chat: /v1/chat/completions (default: from "
+                        "--endpoint, else openai, or openai-chat for the agent dataset)")
+    server.add_argument("--endpoint", default=None, help="the API path (default: the backend's)")
+    server.add_argument("--base-url", default=None, help="the server's URL, instead of --host and --port")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--model", default=None, help="the model (default: the first of the server's /v1/models)")
+    server.add_argument("--served-model-name", default=None,
+                        help="the name requests carry, when it differs from --model")
+    server.add_argument("--api-key", default=None, help="Bearer key (default: $OPENAI_API_KEY)")
+    server.add_argument("--header", nargs="*", metavar="KEY=VALUE", help="extra HTTP headers on every request")
+    server.add_argument("--tokenizer", default=None, help="checkpoint directory, bundled model or Hub id whose "
+                        "tokenizer writes the prompts (default: the served model's when found locally, else "
+                        "the server's /tokenize, else token-id prompts)")
+    server.add_argument("--skip-tokenizer-init", action="store_true",
+                        help="use no tokenizer: token-id prompts (words for chat)")
+
+    data = p.add_argument_group("dataset")
+    data.add_argument("--dataset-name", default="random", choices=[*DATASETS, *DATASET_ALIASES])
+    data.add_argument("--dataset-path", default=None, help="the sharegpt dataset's JSON file")
+    data.add_argument("--num-prompts", type=_count(1), default=None,
+                      help="requests to send (default 1000; agent: --num-sessions x --turns)")
+    data.add_argument("--seed", type=_count(0), default=0)
+    data.add_argument("--disable-shuffle", action="store_true", help="keep the dataset's order")
+    data.add_argument("--no-oversample", action="store_true",
+                      help="sharegpt: send fewer requests when the file has fewer usable samples")
+    data.add_argument("--input-len", type=_count(1), default=None, help="sets --random-input-len")
+    data.add_argument("--output-len", type=_count(1), default=None, help="sets every dataset's output length")
+    data.add_argument("--random-input-len", type=_count(1), default=1024)
+    data.add_argument("--random-output-len", type=_count(1), default=128)
+    data.add_argument("--random-range-ratio", type=float, default=0.0,
+                      help="lengths drawn from [len (1 - r), len (1 + r)], r in [0, 1)")
+    data.add_argument("--random-prefix-len", type=_count(0), default=0, help="a random prefix every prompt shares")
+    data.add_argument("--sharegpt-output-len", type=_count(1), default=None,
+                      help="output length of every request instead of the reply's")
+    data.add_argument("--prefix-len", "--prefix-repetition-prefix-len", dest="prefix_len", type=_count(1),
+                      default=256, help="prefix: tokens of each shared prefix (a chat request's system message)")
+    data.add_argument("--suffix-len", "--prefix-repetition-suffix-len", dest="suffix_len", type=_count(1),
+                      default=256, help="prefix: tokens of each request's own question")
+    data.add_argument("--num-prefixes", "--prefix-repetition-num-prefixes", dest="num_prefixes", type=_count(1),
+                      default=10, help="prefix: distinct shared prefixes")
+    data.add_argument("--prefix-output-len", "--prefix-repetition-output-len", dest="prefix_output_len",
+                      type=_count(1), default=128)
+    data.add_argument("--num-sessions", type=_count(1), default=8, help="agent: concurrent sessions")
+    data.add_argument("--turns", type=_count(1), default=5, help="agent: turns per session")
+    data.add_argument("--tool-output-len", type=_count(1), default=256, help="agent: tokens of each tool output")
+    data.add_argument("--question-len", type=_count(1), default=32, help="agent: tokens of each new question")
+    data.add_argument("--agent-output-len", type=_count(1), default=64, help="agent: max tokens of each reply")
+
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=math.inf,
+                      help="requests (agent: sessions) per second; inf sends all at once")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the gaps between arrivals: 1 Poisson, < 1 burstier, > 1 more even")
+    load.add_argument("--max-concurrency", type=_count(1), default=None, help="requests in flight at most")
+    load.add_argument("--ignore-eos", action="store_true", help="generate every requested token (always on "
+                      "with the random dataset, as in vLLM)")
+    for flag in SAMPLING_FLAGS:
+        load.add_argument(f"--{flag.replace('_', '-')}", type=int if flag == "top_k" else float, default=None,
+                          help="sent with every request when set")
+    load.add_argument("--extra-body", type=json.loads, default=None, help="JSON object merged into every request")
+    load.add_argument("--disable-tqdm", action="store_true")
+
+    out = p.add_argument_group("results")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                     help=f"comma-separated, of {','.join(PERCENTILE_METRICS)}")
+    out.add_argument("--metric-percentiles", default="99", help='comma-separated percentiles, e.g. "50,90,99"')
+    out.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                     help="SLOs of a good request: ttft, tpot, e2el in milliseconds")
+    out.add_argument("--save-result", action="store_true", help="write the result JSON")
+    out.add_argument("--save-detailed", action="store_true", help="with the per-request lists")
+    out.add_argument("--result-dir", default=None)
+    out.add_argument("--result-filename", default=None)
+    out.add_argument("--label", default=None, help="the result's label (default: the backend)")
+    out.add_argument("--metadata", nargs="*", metavar="KEY=VALUE", help="stored in the result JSON")
+    out.add_argument("--plot", default=None, metavar="DIR", help="draw the latency figures (PNG) into DIR")
+    return p
+
+
+def resolve_args(args: argparse.Namespace) -> None:
+    """Check the flags and fill in what they imply. Raises ValueError naming the problem."""
+    args.dataset_name = DATASET_ALIASES.get(args.dataset_name, args.dataset_name)
+    if args.request_rate <= 0 or math.isnan(args.request_rate):
+        raise ValueError(f"--request-rate must be positive (inf: all at once), got {args.request_rate}")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be positive, got {args.burstiness}")
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if args.dataset_name == "sharegpt" and args.dataset_path is None:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
+    if args.dataset_name != "sharegpt" and args.dataset_path is not None:
+        raise ValueError(f"--dataset-path is for the sharegpt dataset, not {args.dataset_name!r}")
+    if args.extra_body is not None and not isinstance(args.extra_body, dict):
+        raise ValueError("--extra-body must be a JSON object")
+
+    if args.endpoint is not None and not args.endpoint.startswith("/"):
+        raise ValueError(f"--endpoint must be a path starting with /, got {args.endpoint!r}")
+    if args.backend is None:
+        if args.endpoint is not None:
+            args.backend = "openai-chat" if args.endpoint.endswith("chat/completions") else "openai"
+        else:
+            args.backend = "openai-chat" if args.dataset_name == "agent" else "openai"
+    args.endpoint = args.endpoint or BACKEND_ENDPOINTS[args.backend]
+    chat = args.backend == "openai-chat"
+    if chat != args.endpoint.endswith("chat/completions") or not args.endpoint.endswith("completions"):
+        raise ValueError(f"--backend {args.backend} sends {'chat ' if chat else ''}completion requests; "
+                         f"--endpoint {args.endpoint} does not take them")
+    if args.dataset_name == "agent" and not chat:
+        raise ValueError("the agent dataset sends chat requests: use --backend openai-chat "
+                         "(--endpoint /v1/chat/completions)")
+
+    if args.dataset_name == "agent":
+        sessions = args.num_sessions * args.turns
+        if args.num_prompts is not None and args.num_prompts != sessions:
+            raise ValueError(f"the agent dataset sends --num-sessions x --turns = {sessions} requests; "
+                             f"--num-prompts {args.num_prompts} disagrees (leave it out)")
+        args.num_prompts = sessions
+    elif args.num_prompts is None:
+        args.num_prompts = 1000
+    if args.input_len is not None:
+        args.random_input_len = args.input_len
+    if args.output_len is not None:
+        for name in ("random_output_len", "sharegpt_output_len", "prefix_output_len", "agent_output_len"):
+            setattr(args, name, args.output_len)
+    if args.dataset_name == "random":  # as vLLM: random prompts run to their full output length
+        args.ignore_eos = True
+
+    args.selected_metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    unknown = [m for m in args.selected_metrics if m not in PERCENTILE_METRICS]
+    if unknown:
+        raise ValueError(f"--percentile-metrics: unknown {unknown}; choose from {','.join(PERCENTILE_METRICS)}")
+    try:
+        args.percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    except ValueError:
+        raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: expected numbers, e.g. 50,90,99") from None
+    if not args.percentiles or not all(0 <= p <= 100 for p in args.percentiles):
+        raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: each must be in [0, 100]")
+    args.slos = parse_goodput(args.goodput or [])
+    args.headers = _key_values(args.header, "--header")
+    args.metadata_pairs = _key_values(args.metadata, "--metadata")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    if api_key:
+        args.headers.setdefault("Authorization", f"Bearer {api_key}")
+    args.base_url = (args.base_url or f"http://{_host(args.host)}:{args.port}").rstrip("/")
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
+    return DatasetSpec(
+        name=args.dataset_name, num_prompts=args.num_prompts, seed=args.seed, shuffle=not args.disable_shuffle,
+        oversample=not args.no_oversample, path=args.dataset_path, random_input_len=args.random_input_len,
+        random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
+        random_prefix_len=args.random_prefix_len, sharegpt_output_len=args.sharegpt_output_len,
+        prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
+        prefix_output_len=args.prefix_output_len, num_sessions=args.num_sessions, turns=args.turns,
+        tool_output_len=args.tool_output_len, question_len=args.question_len,
+        agent_output_len=args.agent_output_len)
+
+
+def served_model(http: httpx.Client, base_url: str) -> tuple[str, str | None]:
+    """(the first model's id, its `root` when the server reports one) from GET /v1/models."""
+    response = http.get(base_url + "/v1/models")
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise RuntimeError(f"{base_url}/v1/models lists no model")
+    return models[0]["id"], models[0].get("root")
+
+
+async def _measure(args, conversations, sampling: dict) -> tuple[list, float, dict]:
+    """Send the workload over one connection pool; returns (outputs, duration, prefix-cache fields)."""
+    from tqdm import tqdm
+
+    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
+    timeout = httpx.Timeout(connect=60.0, read=None, write=60.0, pool=None)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+        client = OpenAIClient(http, args.base_url + args.endpoint, args.request_model, args.backend == "openai-chat",
+                              args.ignore_eos, sampling, args.headers)
+        before = await scrape_prefix_cache(http, args.base_url, args.headers)
+        arrivals = arrival_times(len(conversations), args.request_rate, args.burstiness,
+                                 np.random.default_rng(args.seed))
+        total = sum(len(c.requests) for c in conversations)
+        with tqdm(total=total, disable=args.disable_tqdm, desc="requests") as bar:
+            outputs, duration = await run_workload(client, conversations, arrivals, args.max_concurrency, bar)
+        after = await scrape_prefix_cache(http, args.base_url, args.headers)
+    from_usage = usage_prefix_cache(outputs)
+    if from_usage is not None:
+        cache = prefix_cache_fields("usage", *from_usage)
+    elif before is not None and after is not None:
+        cache = prefix_cache_fields("metrics", after[0] - before[0], after[1] - before[1])
+    else:
+        cache = prefix_cache_fields(None, None, None)
+    return outputs, duration, cache
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run a benchmark with resolved flags; returns the whole result (per-request lists included)."""
+    with httpx.Client(headers=args.headers, timeout=60.0) as http:
+        try:
+            if args.model is None:
+                model, root = served_model(http, args.base_url)
+            else:
+                model, root = args.model, None
+        except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as e:
+            raise SystemExit(f"hyla bench serve: cannot read the model from {args.base_url}/v1/models: {e}") from None
+        args.request_model = args.served_model_name or model
+        model_id = args.model or root or model
+        try:
+            tokenizer = None if args.skip_tokenizer_init else find_tokenizer(http, args.base_url, args.request_model,
+                                                                              model_id, args.tokenizer)
+            conversations = build_workload(dataset_spec(args), tokenizer, chat=args.backend == "openai-chat")
+        except ValueError as e:  # flags or files the dataset cannot be built from
+            raise FlagError(str(e)) from None
+    print(f"model {args.request_model} at {args.base_url}{args.endpoint}; dataset {args.dataset_name}; "
+          f"tokenizer {tokenizer.name if tokenizer else 'none (token ids or words)'}; "
+          f"{sum(len(c.requests) for c in conversations)} requests, rate {args.request_rate}, "
+          f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}")
+
+    sampling = {f: getattr(args, f) for f in SAMPLING_FLAGS if getattr(args, f) is not None}
+    sampling.update(args.extra_body or {})
+    outputs, duration, cache = asyncio.run(_measure(args, conversations, sampling))
+
+    date = now_stamp()
+    result = {"date": date, "endpoint_type": args.backend, "backend": args.backend, "label": args.label,
+              "model_id": model_id, "tokenizer_id": tokenizer.name if tokenizer else None,
+              "num_prompts": len(outputs), "dataset_name": args.dataset_name, **args.metadata_pairs,
+              "request_rate": rate_value(args.request_rate), "burstiness": rate_value(args.burstiness),
+              "max_concurrency": args.max_concurrency, "duration": duration}
+    metrics = compute_metrics(outputs, duration, args.percentiles, args.slos)
+    result.update(keep_selected_percentiles(metrics, args.selected_metrics, args.percentiles))
+    result.update(per_request_lists(outputs))
+    result.update(cache)
+    print_report(result, args.selected_metrics, args.percentiles)
+
+    if args.save_result:
+        path = result_filename(args.label or args.backend, args.request_rate, args.max_concurrency, model_id, date,
+                               args.result_filename, args.result_dir)
+        print(f"result: {save_result(result, path, args.save_detailed)}")
+    if args.plot:
+        from hyla.bench.serve.plots import render_serve_plots
+
+        for name, path in render_serve_plots(result, args.plot).items():
+            print(f"{name}: {path}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """`hyla bench serve ARGS`: run, print, and return the result (see `run`)."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        resolve_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        return run(args)
+    except FlagError as e:
+        parser.error(str(e))

@@ -1,0 +1,82 @@
+"""How much device memory the pools get, as vLLM users expect it (`--gpu-memory-utilization`).
+
+    budget = utilization x the device's total memory
+             - what this process and others hold that PyTorch cannot hand back (weights, CUDA
+               context, other processes; blocks PyTorch's allocator merely caches are reclaimable)
+             - the peak of a profiled worst-case step (activations, logits, the sampler's buffers)
+             - weights loaded after the pools (an MTP head: `reserved_bytes`)
+
+The worst-case step is measured, not estimated: one sequence of max_num_batched_tokens tokens
+through the model with throwaway pools of one slot, with logits for max_num_seqs rows and the
+sampler's filters over them, under torch.cuda's peak-memory counter.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("hyla.engine")
+
+GiB = 1 << 30
+
+
+class _ProfileSequence:
+    """What ModelRunner reads of a sequence, for the profiled step: num_tokens fresh tokens in
+    slot 0 and pages 0..n-1."""
+
+    def __init__(self, num_tokens: int, vocab_size: int, num_pages: int):
+        self.token_ids = [(7 * i + 1) % vocab_size for i in range(num_tokens)]
+        self.num_computed_tokens = 0
+        self.block_table = list(range(num_pages))
+        self.slot = 0
+        self.spec_slots: list[int] = []
+
+
+@torch.inference_mode()
+def profile_step_bytes(model, *, num_tokens: int, num_logit_rows: int, page_size: int,
+                       state_dtype: torch.dtype) -> int:
+    """Bytes a step of `num_tokens` tokens with `num_logit_rows` sampled rows allocates on the
+    model's CUDA device beyond what is allocated before it (0 off CUDA: nothing to size there)."""
+    from hyla.engine.model_runner import ModelRunner
+    from hyla.engine.sampler import probs_batch
+    from hyla.engine.sampling_params import SamplingParams
+
+    device = model.device
+    if device.type != "cuda":
+        return 0
+    pages = -(-num_tokens // page_size)
+    runner = ModelRunner(model, 1, pages, page_size, state_dtype, enforce_eager=True)
+    seq = _ProfileSequence(num_tokens, model.config.vocab_size, pages)
+    rows = list(range(num_tokens - min(num_logit_rows, num_tokens), num_tokens))
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    logits = runner.run([seq], [num_tokens], [rows])
+    probs = probs_batch(logits, [SamplingParams(top_p=0.9, top_k=50, min_p=0.01)] * logits.shape[0])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del runner, logits, probs
+    torch.cuda.empty_cache()
+    return max(0, peak)
+
+
+def device_pool_budget(device: torch.device, utilization: float, step_bytes: int, reserved_bytes: int = 0) -> int:
+    """The pools' bytes on a CUDA device (see the module docstring); ValueError when nothing is
+    left, naming the figures and the setting to change."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    held = total - free - cached  # weights, context, other processes: not ours to take
+    budget = int(utilization * total) - held - step_bytes - reserved_bytes
+    log.info("memory: gpu_memory_utilization %.2f of %.1f GiB = %.1f GiB; in use %.1f GiB (weights, context, "
+             "other processes); worst-case step %.2f GiB; weights loaded later %.2f GiB; pools %.1f GiB",
+             utilization, total / GiB, utilization * total / GiB, held / GiB, step_bytes / GiB,
+             reserved_bytes / GiB, max(budget, 0) / GiB)
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization} of {total / GiB:.1f} GiB leaves nothing for the KV "
+                         f"pages and state slots: {held / GiB:.1f} GiB are in use and a worst-case step takes "
+                         f"{step_bytes / GiB:.2f} GiB; raise gpu_memory_utilization, or lower "
+                         "max_num_batched_tokens / max_num_seqs")
+    return budget

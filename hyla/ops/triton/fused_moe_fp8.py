@@ -1,0 +1,211 @@
+"""Triton fused MoE over block-FP8 experts (W8A8: e4m3 weights with 128 x 128 block scales, the
+activations quantised per token and group of 128 columns at run time).
+
+Same contract and scheme as hyla.ops.triton.fused_moe (the (token, slot) pairs aligned into
+per-expert blocks by `align_pairs`, a gate/up GEMM with the gated-activation epilogue, a down GEMM
+scaled by the routing weight, the slot sum in fp32), with hyla.ops.fp8.fp8_moe_experts_torch as
+the definition of the arithmetic:
+
+    w13 [E, 2I, H] e4m3, s13 [E, 2 ceil(I/128), ceil(H/128)] fp32   gate rows' blocks, then up rows'
+                                                                     (each half blocked on its own)
+    w2  [E, H, I]  e4m3, s2  [E, ceil(H/128), ceil(I/128)]  fp32
+
+1. x [M, H] is quantised once per token group (hyla.ops.triton.fp8_gemm.per_token_group_quant):
+   xq [M, H] e4m3, xs [M, ceil(H/128)].
+2. `_gate_up_kernel`: a block of BM pairs (rows gathered from xq by token) times BN = 128 gate and
+   up rows of its expert; each K step is one 128-column group, so acc += dot(a, w) * s_a[row] *
+   s_w[column's block] in fp32. The epilogue computes act(gate, up) in fp32 and quantises it
+   right there: the program's 128 columns are exactly one activation group of h, so it writes h
+   as e4m3 codes hq [P, I] and scales hs [P, ceil(I/128)] (no second pass, no bf16 h in HBM).
+3. `_down_kernel`: hq rows (pairs) times w2 of the block's expert, the same K loop over groups of
+   I, scaled by the routing weight in the fp32 epilogue, written per pair in x's dtype: y [P, H].
+4. `sum_slots` (hyla.ops.triton.fused_moe): out[m] = sum_j y[m, j] in fp32, slot order.
+
+Tuned tables: hyla/assets/kernel_configs/fused_moe/ files named as the bf16 ones with
+",dtype=fp8_w8a8" before ".json" (`tuned_config`); BK is always 128 and the first GEMM's BN 128,
+so a table sets BM, the down GEMM's BN, GM and the launch options.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from hyla.ops.fp8_checks import check_fp8_experts
+from hyla.ops.gated_act import SILU, GatedActivation
+from hyla.ops.triton import _interpreter
+from hyla.ops.triton.fp8_gemm import ACT_EPS, BLOCK, per_token_group_quant, quantize_rows
+from hyla.ops.triton.fused_moe import _ACT, _block_ids, _gated, align_pairs, split_config, sum_slots
+from hyla.ops.triton.moe_configs import CONFIG_DIR, _device_name, _load, config_file_name
+
+_interpreter.apply()  # no-op unless TRITON_INTERPRET=1
+
+
+@triton.jit
+def _gate_up_kernel(xq, xs, w, ws, hq, hs, sorted_pairs, block_expert, P, I, H,
+                    s_xm, s_xsm, s_we, s_wn, s_wse, s_wsn, s_hm, s_hsm, NB, NN, NI, LIMIT, BETA, LBETA, EPS,
+                    top_k: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr,
+                    ACT: tl.constexpr, HAS_LBETA: tl.constexpr):
+    """hq / hs for one block of pairs and the BN (= 128, one group) columns i_n of h. NI = ceil(I / 128):
+    the up rows' first scale row."""
+    i_m, i_n = _block_ids(NB, NN, GM)
+    e = tl.load(block_expert + i_m).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(sorted_pairs + i_m * BM + tl.arange(0, BM))  # [BM]
+    live = pair < P
+    tok = (pair // top_k).to(tl.int64)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < I
+    o_k = tl.arange(0, BK)
+    a_ptr = xq + tok[:, None] * s_xm + o_k[None, :]  # [BM, BK]
+    as_ptr = xs + tok * s_xsm  # [BM]
+    rows = o_n[None, :].to(tl.int64)
+    g_ptr = w + e * s_we + rows * s_wn + o_k[:, None]  # [BK, BN] gate rows
+    u_ptr = g_ptr + I * s_wn  # up rows
+    sg_ptr = ws + e * s_wse + (o_n // BK).to(tl.int64) * s_wsn  # [BN] gate rows' block row
+    su_ptr = sg_ptr + NI * s_wsn  # up rows' block row
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for g in range(0, tl.cdiv(H, BK)):
+        k0 = g * BK
+        m_k = (k0 + o_k) < H
+        m_w = m_k[:, None] & m_n[None, :]
+        a = tl.load(a_ptr + k0, mask=live[:, None] & m_k[None, :], other=0.0)
+        sa = tl.load(as_ptr + g, mask=live, other=0.0)
+        bg = tl.load(g_ptr + k0, mask=m_w, other=0.0)
+        bu = tl.load(u_ptr + k0, mask=m_w, other=0.0)
+        sg = tl.load(sg_ptr + g, mask=m_n, other=0.0)
+        su = tl.load(su_ptr + g, mask=m_n, other=0.0)
+        acc_g += tl.dot(a, bg) * sa[:, None] * sg[None, :]
+        acc_u += tl.dot(a, bu) * sa[:, None] * su[None, :]
+    out = _gated(acc_g, acc_u, ACT, LIMIT, BETA, LBETA, HAS_LBETA)  # [BM, BN] fp32
+    out = tl.where(m_n[None, :], out, 0.0)  # columns past I take no part in the group's amax
+    codes, scale = quantize_rows(out, EPS)
+    prow = pair.to(tl.int64)
+    tl.store(hq + prow[:, None] * s_hm + o_n[None, :], codes.to(hq.dtype.element_ty),
+             mask=live[:, None] & m_n[None, :])
+    tl.store(hs + prow * s_hsm + i_n, scale, mask=live)
+
+
+@triton.jit
+def _down_kernel(hq, hs, w, ws, y, weights, sorted_pairs, block_expert, P, H, I,
+                 s_hm, s_hsm, s_we, s_wn, s_wse, s_wsn, s_ym, NB, NN,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr):
+    """y[pair, n] = w_pair * sum_g (hq[pair, g] . w2_q[n, g]) s_h[pair, g] s_w[n // 128, g]."""
+    i_m, i_n = _block_ids(NB, NN, GM)
+    e = tl.load(block_expert + i_m).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(sorted_pairs + i_m * BM + tl.arange(0, BM))  # [BM]
+    live = pair < P
+    prow = tl.where(live, pair, 0).to(tl.int64)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_n = o_n < H
+    o_k = tl.arange(0, BK)
+    a_ptr = hq + prow[:, None] * s_hm + o_k[None, :]  # [BM, BK]
+    as_ptr = hs + prow * s_hsm
+    b_ptr = w + e * s_we + o_n[None, :].to(tl.int64) * s_wn + o_k[:, None]  # [BK, BN]
+    bs_ptr = ws + e * s_wse + (o_n // BK).to(tl.int64) * s_wsn  # [BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for g in range(0, tl.cdiv(I, BK)):
+        k0 = g * BK
+        m_k = (k0 + o_k) < I
+        a = tl.load(a_ptr + k0, mask=live[:, None] & m_k[None, :], other=0.0)
+        sa = tl.load(as_ptr + g, mask=live, other=0.0)
+        b = tl.load(b_ptr + k0, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        sb = tl.load(bs_ptr + g, mask=m_n, other=0.0)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+    scale = tl.load(weights + prow, mask=live, other=0.0).to(tl.float32)  # [BM] routing weights
+    tl.store(y + prow[:, None] * s_ym + o_n[None, :], (acc * scale[:, None]).to(y.dtype.element_ty),
+             mask=live[:, None] & m_n[None, :])
+
+
+def _config(pairs: int, num_experts: int) -> dict:
+    """Blocks by the expected rows per expert, as hyla.ops.triton.fused_moe._config; BK and the
+    first GEMM's BN are the block size (128). To be tuned on the device."""
+    per_expert = pairs / num_experts
+    if per_expert <= 16:
+        return dict(BM=16, BN=BLOCK, BK=BLOCK, GM=1, num_warps=4, num_stages=3, down=dict(BN=64))
+    if per_expert <= 64:
+        return dict(BM=32, BN=BLOCK, BK=BLOCK, GM=1, num_warps=4, num_stages=3, down=dict(BN=64))
+    return dict(BM=64, BN=BLOCK, BK=BLOCK, GM=8, num_warps=8, num_stages=3)
+
+
+def fp8_config_file_name(num_experts: int, intermediate: int, hidden: int, device_name: str) -> str:
+    """The tuned-table file of the FP8 kernels: the bf16 name with ",dtype=fp8_w8a8"."""
+    return config_file_name(num_experts, intermediate, hidden, device_name).removesuffix(".json") + ",dtype=fp8_w8a8.json"
+
+
+@functools.cache
+def _table(num_experts: int, intermediate: int, hidden: int, device_name: str, directory: Path) -> dict[int, dict]:
+    return _load(directory / fp8_config_file_name(num_experts, intermediate, hidden, device_name))
+
+
+def tuned_config(tokens: int, num_experts: int, intermediate: int, hidden: int, device: torch.device,
+                 directory: Path = CONFIG_DIR) -> dict | None:
+    """The tuned FP8 configuration for `tokens` rows on `device` (an entry within a factor of two
+    of `tokens`, as hyla.ops.triton.moe_configs.tuned_config), or None."""
+    if device.type != "cuda" or tokens <= 0:
+        return None
+    table = _table(num_experts, intermediate, hidden, _device_name(device.index), directory)
+    if not table:
+        return None
+    key = min(table, key=lambda m: abs(math.log(m / tokens)))
+    if not key / 2 <= tokens <= key * 2:
+        return None
+    cfg = dict(table[key])
+    cfg.setdefault("BN", BLOCK)
+    cfg.setdefault("BK", BLOCK)
+    if "down" in cfg:
+        cfg["down"] = dict(cfg["down"])
+    return cfg
+
+
+def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor, config: dict | None = None,
+                  activation: GatedActivation = SILU) -> torch.Tensor:
+    """x [M, H] (bf16 / fp16 / fp32); w13 [E, 2I, H] e4m3 with s13 [E, 2 ceil(I/128), ceil(H/128)];
+    w2 [E, H, I] e4m3 with s2 [E, ceil(H/128), ceil(I/128)]; weights [M, k] fp32; ids [M, k] int64
+    -> [M, H] in x.dtype (see the module docstring). config: blocks and launch options (keys of
+    `_config`'s result; BK and the first GEMM's BN must be 128) instead of the tuned table or the
+    heuristic. activation: the experts' gated activation, in the first GEMM's fp32 epilogue."""
+    check_fp8_experts(x, w13, s13, w2, s2, weights, ids)
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("the FP8 expert weights' last dimension must be contiguous")
+    M, k = ids.shape
+    E, two_i, H = w13.shape
+    I = two_i // 2
+    P = M * k
+    if P == 0:
+        return x.new_zeros(M, H)
+    if config is None:
+        config = tuned_config(M, E, I, H, x.device) or _config(P, E)
+    BM, (BN, BK, GM, cfg), (dBN, dBK, dGM, down) = split_config(config)
+    if BN != BLOCK or BK != BLOCK or dBK != BLOCK:
+        raise ValueError(f"the FP8 fused MoE needs BK = 128 and the gate/up BN = 128 (one activation group), "
+                         f"got BN={BN}, BK={BK}, down BK={dBK}")
+    xq, xs = per_token_group_quant(x)
+    sorted_pairs, block_expert = align_pairs(ids, E, BM)
+    nb = block_expert.shape[0]
+    ni = triton.cdiv(I, BLOCK)
+    hq = torch.empty(P, I, dtype=torch.float8_e4m3fn, device=x.device)
+    hs = torch.empty(P, ni, dtype=torch.float32, device=x.device)
+    nn_up, nn_down = ni, triton.cdiv(H, dBN)
+    _gate_up_kernel[(nb * nn_up,)](
+        xq, xs, w13, s13, hq, hs, sorted_pairs, block_expert, P, I, H, xq.stride(0), xs.stride(0), w13.stride(0),
+        w13.stride(1), s13.stride(0), s13.stride(1), hq.stride(0), hs.stride(0), nb, nn_up, ni,
+        float(activation.limit or 0.0), float(activation.beta or 1.0), float(activation.linear_beta or 1.0), ACT_EPS,
+        top_k=k, BM=BM, BN=BN, BK=BK, GM=GM, ACT=_ACT[activation.kind], HAS_LBETA=activation.linear_beta is not None,
+        **cfg)
+    y = torch.empty(P, H, dtype=x.dtype, device=x.device)  # per-pair outputs in x's dtype, as fused_moe
+    _down_kernel[(nb * nn_down,)](
+        hq, hs, w2, s2, y, weights.reshape(-1).float(), sorted_pairs, block_expert, P, H, I, hq.stride(0),
+        hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), nb, nn_down,
+        BM=BM, BN=dBN, BK=dBK, GM=dGM, **down)
+    return sum_slots(y, M, k)

@@ -1,0 +1,50 @@
+"""The whole suite's run settings: parallel workers by default, one torch thread per worker.
+
+`python -m pytest` runs on pytest-xdist workers (one per CPU, at most MAX_WORKERS) unless the
+command line says otherwise: `-n 0` or `-p no:xdist` runs in one process (for debugging, --pdb),
+`-n N` picks the count. The default lives here rather than in pyproject's addopts because
+`-p no:xdist` would reject an `-n` there.
+
+Each worker runs torch on one thread (and so do the processes the tests start: `hyla serve`, the
+tensor-parallel ranks, mp.spawn children, through OMP_NUM_THREADS): the workers already fill the
+cores, and the suite's tensors are tiny, so a second intra-op thread per process only adds
+contention.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+MAX_WORKERS = 4  # beyond this the per-worker start-up (imports, collection, fixtures) outweighs the gain
+DIST_MODE = "worksteal"  # contiguous runs of tests per worker (module fixtures built ~once), rebalanced at the tail
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # set before any test imports torch's thread pool; children inherit it
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Choose xdist workers when the command line chose nothing (runs before xdist's own hook,
+    which turns numprocesses into workers)."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return  # xdist disabled (-p no:xdist), or this is a worker
+    explicit = (config.option.numprocesses is not None or config.option.dist != "no" or config.option.tx)
+    if explicit or config.option.usepdb or config.option.collectonly:
+        return
+    workers = min(_cpu_count(), MAX_WORKERS)
+    if workers >= 2:
+        config.option.numprocesses = workers
+        config.option.dist = DIST_MODE

@@ -1,0 +1,104 @@
+"""Full-size device tests of the block-FP8 kernels (skipped without CUDA): Qwen3-Next-80B-A3B's
+shapes (hidden 2048; attention q/k/v packed 9216 x 2048, o_proj 2048 x 4096; Gated DeltaNet
+in_proj_qkvz 12288 x 2048, out_proj 2048 x 4096; 512 experts of width 512, top-10, plus the
+shared expert stacked as expert 513) at decode batch 1 and 64 and an 8192-token prefill.
+
+Each kernel against the torch definition (hyla.ops.fp8) on the same device, bf16 activations:
+the activation codes bit for bit, the outputs to relative L2 error <= 5e-3 (the two differ in
+fp32 summation order and then round to bf16, 2^-9 relative; the MoE also re-quantises h, where a
+different fp32 order can move a code by one ulp). Each prints its time next to the bf16 path's
+(F.linear / hyla's bf16 fused MoE): `pytest tests/gpu/test_fp8_kernels.py -s`. The cuBLAS path
+(torch._scaled_mm, timed beside the Triton GEMM) runs where this torch build takes blockwise scales.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from hyla.ops.fp8 import (block_quantize, fp8_linear_torch, fp8_moe_experts_torch,  # noqa: E402
+                          per_token_group_quant, quantize_gate_up)
+from hyla.ops.triton import fp8_gemm  # noqa: E402
+from hyla.ops.triton.fused_moe_fp8 import fused_moe_fp8  # noqa: E402
+
+DEV = "cuda"
+TOL = 5e-3
+GEMMS = {"qkv": (9216, 2048), "o_proj": (2048, 4096), "in_proj_qkvz": (12288, 2048), "out_proj": (2048, 4096)}
+TOKENS = (1, 64, 8192)
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def ms(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+@pytest.mark.parametrize("M", TOKENS)
+def test_group_quant_full_size(M):
+    x = torch.randn(M, 4096, device=DEV, dtype=torch.bfloat16)
+    q, s = fp8_gemm.per_token_group_quant(x)
+    rq, rs = per_token_group_quant(x)
+    assert torch.equal(s, rs) and torch.equal(q.float(), rq.float())
+
+
+@pytest.mark.parametrize("M", TOKENS)
+@pytest.mark.parametrize("name", list(GEMMS))
+def test_fp8_gemm_full_size(name, M):
+    N, K = GEMMS[name]
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    w_bf16 = (torch.randn(N, K, device=DEV, generator=gen) / K ** 0.5).to(torch.bfloat16)
+    w, s = block_quantize(w_bf16)
+    x = torch.randn(M, K, device=DEV, generator=gen).to(torch.bfloat16)
+    ref = fp8_linear_torch(x, w, s)
+    got = fp8_gemm.fp8_linear(x, w, s)
+    err = rel(got, ref)
+    line = (f"  {name} M={M}: triton rel err {err:.1e}, {ms(lambda: fp8_gemm.fp8_linear(x, w, s)):.4f} ms; "
+            f"bf16 F.linear {ms(lambda: F.linear(x, w_bf16)):.4f} ms")
+    if fp8_gemm.scaled_mm_supports(x, w):
+        try:
+            cublas = fp8_gemm.fp8_linear_scaled_mm(x, w, s)
+        except RuntimeError as e:  # this torch / cuBLAS takes no blockwise scales
+            line += f"; _scaled_mm unavailable: {str(e).splitlines()[0][:120]}"
+        else:
+            line += (f"; _scaled_mm rel err {rel(cublas, ref):.1e}, "
+                     f"{ms(lambda: fp8_gemm.fp8_linear_scaled_mm(x, w, s)):.4f} ms")
+            assert rel(cublas, ref) <= TOL
+    print(line)
+    assert err <= TOL
+
+
+@pytest.mark.parametrize("M", TOKENS)
+def test_fused_moe_fp8_full_size(M):
+    from hyla.ops.triton.fused_moe import fused_moe
+
+    E, H, I, k = 513, 2048, 512, 11  # 512 routed + the stacked shared expert; top-10 + the shared slot
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    w13_bf16 = (torch.randn(E, 2 * I, H, device=DEV, generator=gen) / H ** 0.5).to(torch.bfloat16)
+    w2_bf16 = (torch.randn(E, H, I, device=DEV, generator=gen) / I ** 0.5).to(torch.bfloat16)
+    w13, s13 = quantize_gate_up(w13_bf16)
+    w2, s2 = block_quantize(w2_bf16)
+    x = torch.randn(M, H, device=DEV, generator=gen).to(torch.bfloat16)
+    routed = torch.rand(M, E - 1, device=DEV, generator=gen).topk(k - 1, dim=-1).indices
+    ids = torch.cat([routed, torch.full((M, 1), E - 1, device=DEV)], 1)
+    weights = torch.rand(M, k, device=DEV, generator=gen)
+    got = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
+    ref = fp8_moe_experts_torch(x, w13, s13, w2, s2, weights, ids)
+    err = rel(got, ref)
+    t8 = ms(lambda: fused_moe_fp8(x, w13, s13, w2, s2, weights, ids))
+    t16 = ms(lambda: fused_moe(x, w13_bf16, w2_bf16, weights, ids))
+    print(f"  fused MoE M={M}: fp8 rel err {err:.1e}, {t8:.4f} ms; bf16 {t16:.4f} ms")
+    assert err <= TOL

@@ -1,0 +1,375 @@
+"""FP8 block-quantised weights (hyla.models.fp8, hyla.models.fp8_loading): released-layout FP8
+checkpoints written here, online quantisation, the FP8 modules on the CPU, tensor-parallel cuts.
+
+The checkpoints: tiny Kimi-Linear and Qwen3-Next models saved by transformers at hidden 200 (two
+column blocks, the second partial) and expert width 160 (two row blocks, partial), weights
+N(0, 0.02) (the released models' initializer range; the oracles' 0.1 makes every sub-layer
+dominate the residual stream and multiplies quantisation noise layer after layer), then rewritten
+in the released FP8 layout by `write_fp8` below, the format's independent oracle (a loop over
+128 x 128 blocks: s = amax / 448, q = w / s cast to e4m3; `<m>.weight_scale_inv` [ceil(out/128),
+ceil(in/128)], per-expert tensors each with their own scales), with one module per family named
+in modules_to_not_convert and kept in the checkpoint's dtype. Next to each, the "dequantised"
+checkpoint: the same model with every FP8 weight replaced by q x s in fp32, no
+quantization_config.
+
+Tolerances. CPU loads dequantise exactly as the dequantised checkpoint holds the weights, so
+their logits agree to 1e-5 (fp32; in fact bit for bit). The FP8 modules run W8A8: every
+activation entering an FP8 GEMM is rounded to e4m3 per token and 128 columns (relative error up
+to 2^-4 per value, ~2^-4/sqrt(3) rms), at 16-24 GEMMs in series in these 4-layer models with
+random weights; measured relative L2 error of the logits 0.09 (Kimi) and 0.11 (Qwen3-Next),
+asserted < 0.25. With the
+activation quantisation switched off (a monkeypatched identity) the FP8 modules compute with the
+dequantised weights themselves and agree to 1e-5, which pins the weights, scales, packing and
+expert layout exactly.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hyla.layers.fp8_linear import Fp8Linear
+from hyla.layers.fp8_moe import Fp8StackedExperts
+from hyla.models import load_model
+from hyla.models.fp8 import block_dequantize, block_quantize, check_quantization, parse_fp8_config, skipped
+from hyla.parallel.plans import make_plan
+
+FP8_MAX = 448.0
+GOOD = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+IDS = torch.tensor([[1, 17, 42, 99, 3, 250, 7, 8, 64, 11, 200], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])
+
+
+# -- the format's oracle ---------------------------------------------------------------------------
+
+def oracle_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q e4m3 [N, K], s fp32 [ceil(N/128), ceil(K/128)]), block by block."""
+    N, K = w.shape
+    q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    s = torch.empty((N + 127) // 128, (K + 127) // 128)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            blk = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            amax = blk.abs().max()
+            s[i, j] = amax / FP8_MAX if amax > 0 else 1.0
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (blk / s[i, j]).clamp(-FP8_MAX, FP8_MAX).to(q.dtype)
+    return q, s
+
+
+def oracle_dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    out = q.float()
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            out[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] *= s[i, j]
+    return out
+
+
+def _converted(name: str, t: torch.Tensor, skip) -> bool:
+    """What a released FP8 checkpoint quantises: 2-D projection weights (not embeddings, norms,
+    routers, convolutions, lm_head), minus modules_to_not_convert."""
+    if not name.endswith(".weight") or t.ndim != 2:
+        return False
+    module = name[: -len(".weight")]
+    last = module.rsplit(".", 1)[-1]
+    if last in ("embed_tokens", "gate", "lm_head") or "norm" in last:
+        return False
+    return not skipped(module, skip)
+
+
+def write_fp8(src: Path, dst: Path, deq: Path, skip) -> None:
+    """src (a safetensors checkpoint) -> dst in the released FP8 layout and deq, its dequantised twin."""
+    fp8, plain = {}, {}
+    with safe_open(src / "model.safetensors", "pt") as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            if _converted(name, t, skip):
+                q, s = oracle_quantize(t)
+                fp8[name], fp8[name + "_scale_inv"] = q, s
+                plain[name] = oracle_dequantize(q, s)
+            else:
+                fp8[name] = plain[name] = t
+    for d, tensors in ((dst, fp8), (deq, plain)):
+        d.mkdir(parents=True)
+        save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (deq / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = dict(GOOD, modules_to_not_convert=list(skip))
+    (dst / "config.json").write_text(json.dumps(config))
+
+
+def _kimi(path: Path, **sizes) -> None:
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    from tests.oracles.kimi_checkpoint import TINY, VARIANTS, _randomise
+
+    torch.manual_seed(0)
+    model = KimiLinearForCausalLM(KimiLinearConfig(**{**TINY, **VARIANTS["moe"], **sizes})).eval()
+    _randomise(model, torch.Generator().manual_seed(1))
+    model.save_pretrained(path)
+
+
+def _qwen(path: Path, **sizes) -> None:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from tests.oracles.qwen3_next_checkpoint import TINY, VARIANTS, _randomise
+
+    torch.manual_seed(0)
+    cfg = Qwen3NextConfig(**{**TINY, **VARIANTS["moe"], **sizes})
+    model = Qwen3NextForCausalLM(cfg).eval()
+    _randomise(model, torch.Generator().manual_seed(1))
+    model.save_pretrained(path)
+
+
+FAMILIES = {
+    # hidden 200 and expert width 160: partial row and column blocks everywhere
+    "kimi": (lambda p: _kimi(p, hidden_size=200, initializer_range=0.02, intermediate_size=256, moe_intermediate_size=160,
+                             num_local_experts=8), ("lm_head", r"model\.layers\.\d+\.self_attn\.b_proj")),
+    "qwen3_next": (lambda p: _qwen(p, hidden_size=200, initializer_range=0.02, intermediate_size=256, moe_intermediate_size=160,
+                                   shared_expert_intermediate_size=160, num_experts=8),
+                   ("lm_head", "linear_attn.in_proj_ba")),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (bf16-layout source, FP8 checkpoint, dequantised twin), built once per module."""
+    root = tmp_path_factory.mktemp("fp8")
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            build, skip = FAMILIES[family]
+            src, dst, deq = root / f"{family}-src", root / f"{family}-fp8", root / f"{family}-deq"
+            build(src)
+            write_fp8(src, dst, deq, skip)
+            made[family] = (src, dst, deq)
+        return made[family]
+
+    return get
+
+
+@pytest.fixture
+def fp8_modules(monkeypatch):
+    """FP8 weights load into FP8 modules on the CPU too (the GPU path, run by the torch ops)."""
+    monkeypatch.setenv("HYLA_FP8_WEIGHTS", "fp8")
+
+
+def _fp8_module_names(model) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, (Fp8Linear, Fp8StackedExperts))}
+
+
+# -- format ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [("quant_method", "gptq"), ("fmt", "e5m2"), ("activation_scheme", "static"),
+                                          ("weight_block_size", [64, 64]), ("weight_block_size", None),
+                                          ("modules_to_not_convert", "lm_head")])
+def test_bad_quantization_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        parse_fp8_config(dict(GOOD, **{field: value}))
+
+
+def test_quantization_values():
+    assert check_quantization(None, None) is None
+    assert check_quantization("fp8", None).modules_to_not_convert == ("lm_head",)
+    assert check_quantization(None, GOOD) == check_quantization("fp8", GOOD)
+    with pytest.raises(ValueError, match="quantization"):
+        check_quantization("int4", None)
+    with pytest.raises(ValueError, match="compressed-tensors"):
+        check_quantization("fp8", {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"})
+
+
+def test_modules_to_not_convert_matching():
+    assert skipped("model.layers.1.mlp", ["model.layers.1"]) and not skipped("model.layers.11.mlp", ["model.layers.1"])
+    assert skipped("model.layers.3.mlp.gate", [r"model.layers.*.mlp.gate"])
+    assert not skipped("model.layers.3.mlp.gate_proj", [r"model.layers.*.mlp.gate"])
+    assert skipped("model.layers.3.linear_attn.in_proj_ba", ["in_proj_ba"]) and skipped("lm_head", ["lm_head"])
+
+
+def test_block_quantize_matches_the_oracle_on_partial_blocks():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 300, generator=gen) * torch.logspace(-3, 1, 300)  # blocks of very different ranges
+    w[:128, 128:256] = 0.0  # an all-zero block: scale 1
+    q, s = block_quantize(w)
+    oq, os_ = oracle_quantize(w)
+    assert s.shape == (2, 3) and torch.equal(s, os_) and torch.equal(q.float(), oq.float())
+    assert s[0, 1] == 1.0
+    back = block_dequantize(q, s)
+    assert torch.equal(back, oracle_dequantize(q, s))
+    # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 relative; subnormals (below 2^-6 s) 2^-10 s absolute
+    bound = torch.maximum(w.abs() * 2.0 ** -4, s.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+                          * 2.0 ** -10)
+    assert ((back - w).abs() <= bound * (1 + 1e-6)).all()
+
+
+# -- released FP8 checkpoints ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["kimi", "qwen3_next"])
+def test_fp8_checkpoint_on_cpu_equals_the_dequantised_model(checkpoints, family):
+    src, dst, deq = checkpoints(family)
+    model, ref = load_model(dst), load_model(deq)
+    assert not _fp8_module_names(model)  # dequantised while loading
+    torch.testing.assert_close(model(IDS), ref(IDS), rtol=0, atol=1e-5)
+    # the module in modules_to_not_convert is the checkpoint's tensor as it is
+    skip = FAMILIES[family][1][1]
+    with safe_open(dst / "model.safetensors", "pt") as f:
+        kept = [n for n in f.keys() if skipped(n[: -len(".weight")], [skip]) and n.endswith(".weight")]
+        assert kept and not any(n + "_scale_inv" in f.keys() for n in kept)
+        sd = model.state_dict()
+        for n in kept:
+            assert torch.equal(sd[n.replace("block_sparse_moe", "mlp") if n not in sd else n], f.get_tensor(n))
+
+
+@pytest.mark.parametrize("family", ["kimi", "qwen3_next"])
+def test_fp8_modules_on_cpu(checkpoints, family, fp8_modules, monkeypatch):
+    src, dst, deq = checkpoints(family)
+    model, ref = load_model(dst), load_model(deq)
+    names = _fp8_module_names(model)
+    assert any(n.endswith("experts") for n in names) and any(n.endswith("down_proj") for n in names)
+    assert not any(n.endswith(("kv_b_proj", "in_proj_ba", ".b_proj", "lm_head")) for n in names)
+    assert model.weight_bytes() < 0.5 * ref.weight_bytes()  # 1 byte a weight + scales vs fp32
+    logits, want = model(IDS), ref(IDS)
+    import hyla.ops.fp8 as ops
+
+    with monkeypatch.context() as m:
+        m.setattr(ops, "per_token_group_quant",
+                  lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
+        torch.testing.assert_close(model(IDS), want, rtol=0, atol=1e-5)
+    assert ((logits - want).norm() / want.norm()) < 0.25  # W8A8 noise, see the module docstring
+
+
+def test_fp8_checkpoint_validated_from_headers(checkpoints, tmp_path):
+    src, dst, deq = checkpoints("qwen3_next")
+    config = json.loads((dst / "config.json").read_text())
+    with safe_open(dst / "model.safetensors", "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    scale = next(n for n in tensors if n.endswith("shared_expert.down_proj.weight_scale_inv"))
+
+    def variant(name, change):
+        d = tmp_path / name
+        d.mkdir()
+        t = dict(tensors)
+        change(t)
+        save_file(t, d / "model.safetensors")
+        (d / "config.json").write_text(json.dumps(config))
+        return d
+
+    with pytest.raises(ValueError, match="weight_scale_inv has shape"):
+        load_model(variant("shape", lambda t: t.__setitem__(scale, torch.ones(1, 1))))
+    with pytest.raises(ValueError, match="has no .*weight_scale_inv"):
+        load_model(variant("missing", lambda t: t.pop(scale)))
+    weight = scale[: -len("_scale_inv")]
+    with pytest.raises(ValueError, match="stored as F32"):
+        load_model(variant("dtype", lambda t: t.__setitem__(weight, t[weight].float())))
+    bad = dict(config, quantization_config=dict(GOOD, activation_scheme="static"))
+    (dst.parent / "static").mkdir()
+    (dst.parent / "static" / "config.json").write_text(json.dumps(bad))
+    os.symlink(dst / "model.safetensors", dst.parent / "static" / "model.safetensors")
+    with pytest.raises(ValueError, match="activation_scheme"):
+        load_model(dst.parent / "static")
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(dst, quantization="int8")
+
+
+# -- online quantisation ---------------------------------------------------------------------------
+
+def test_online_quantisation_round_trip(checkpoints, monkeypatch):
+    src, _, _ = checkpoints("qwen3_next")
+    plain = load_model(src).state_dict()
+    cpu = load_model(src, quantization="fp8").state_dict()  # quantised then dequantised as it loads
+    monkeypatch.setenv("HYLA_FP8_WEIGHTS", "fp8")
+    model = load_model(src, quantization="fp8")
+    sd = model.state_dict()
+    names = _fp8_module_names(model)
+    assert "lm_head" not in names and any(n.endswith("in_proj_ba") for n in names)  # only lm_head is skipped
+    for name in names:
+        m = model.get_submodule(name)
+        if isinstance(m, Fp8Linear):
+            q, s = oracle_quantize(plain[name + ".weight"])
+            assert torch.equal(sd[name + ".weight_scale_inv"], s) and torch.equal(sd[name + ".weight"].float(), q.float())
+            assert torch.equal(cpu[name + ".weight"], oracle_dequantize(q, s))
+        else:
+            w13, w2 = m.dequantized()
+            assert torch.equal(w13, cpu[name + ".gate_up_proj"]) and torch.equal(w2, cpu[name + ".down_proj"])
+            q, s = oracle_quantize(plain[name + ".down_proj"][3])
+            assert torch.equal(sd[name + ".down_proj_scale_inv"][3], s)
+    assert torch.equal(cpu["lm_head.weight"], plain["lm_head.weight"])
+    assert torch.isfinite(model(IDS)).all()
+
+
+def test_dummy_fp8_weights(checkpoints, fp8_modules):
+    _, dst, _ = checkpoints("kimi")
+    model = load_model(dst, random_weights=True)
+    layer = next(m for m in model.modules() if isinstance(m, Fp8StackedExperts))
+    assert isinstance(layer, Fp8StackedExperts) and layer.gate_up_proj.dtype == torch.float8_e4m3fn
+    w13, _ = layer.dequantized()
+    assert 0.015 < w13.std() < 0.025  # N(0, 0.02) drawn in bf16, then quantised
+    assert torch.isfinite(model(IDS)).all()
+
+
+# -- tensor parallel -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory):
+    """A Qwen3-Next FP8 checkpoint whose TP=2 cuts fall on 128-row / column blocks (hidden 200:
+    never cut; every split dimension 256 or 768)."""
+    root = tmp_path_factory.mktemp("fp8tp")
+    _qwen(root / "src", hidden_size=200, intermediate_size=256, moe_intermediate_size=256,
+          shared_expert_intermediate_size=256, num_experts=4, num_experts_per_tok=2, linear_key_head_dim=64,
+          linear_value_head_dim=64, linear_num_value_heads=4, num_attention_heads=2, num_key_value_heads=2,
+          head_dim=128)
+    write_fp8(root / "src", root / "fp8", root / "deq", ("lm_head", "linear_attn.in_proj_ba"))
+    return root / "fp8"
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tensor", "expert"])
+def test_tensor_parallel_cuts_scales_with_their_blocks(aligned, ep, monkeypatch):
+    for rank in range(2):
+        monkeypatch.setenv("HYLA_FP8_WEIGHTS", "dequantized")
+        ref = load_model(aligned, shard=make_plan("qwen3_next", rank, 2, None, ep)).state_dict()
+        monkeypatch.setenv("HYLA_FP8_WEIGHTS", "fp8")
+        model = load_model(aligned, shard=make_plan("qwen3_next", rank, 2, None, ep))
+        names = _fp8_module_names(model)
+        assert any(n.endswith("o_proj") for n in names) and any(n.endswith("experts") for n in names)
+        for name in names:
+            m = model.get_submodule(name)
+            if isinstance(m, Fp8Linear):
+                assert torch.equal(m.dequantized_weight(), ref[name + ".weight"]), name
+            else:
+                w13, w2 = m.dequantized()
+                assert torch.equal(w13, ref[name + ".gate_up_proj"]) and torch.equal(w2, ref[name + ".down_proj"])
+
+
+def test_tensor_parallel_refuses_cuts_inside_a_block(checkpoints, fp8_modules):
+    _, dst, _ = checkpoints("qwen3_next")  # expert width 160: rank 1's rows start at 80
+    with pytest.raises(ValueError, match="weight_block_size"):
+        load_model(dst, shard=make_plan("qwen3_next", 1, 2))
+
+
+def test_weight_bytes_from_the_config(checkpoints, fp8_modules):
+    from hyla.models import load_config
+    from hyla.models.fp8 import parse_fp8_config
+    from hyla.models.fp8_memory import fp8_weight_bytes
+
+    for family in ("kimi", "qwen3_next"):
+        _, dst, _ = checkpoints(family)
+        q = json.loads((dst / "config.json").read_text())["quantization_config"]
+        model = load_model(dst, dtype=torch.bfloat16)
+        assert fp8_weight_bytes(load_config(dst), parse_fp8_config(q), torch.bfloat16) == model.weight_bytes()
+
+
+def test_engine_serves_fp8_checkpoints(checkpoints):
+    from hyla import LLM, SamplingParams
+    from hyla.engine.config import EngineConfig
+
+    src, dst, deq = checkpoints("qwen3_next")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = [[1, 17, 42, 99, 3]]
+    runs = [LLM(model=str(p), dtype="float32", quantization=q).generate(prompt, params, use_tqdm=False)
+            for p, q in ((dst, None), (deq, None), (dst, "fp8"))]
+    assert runs[0][0].outputs[0].token_ids == runs[1][0].outputs[0].token_ids == runs[2][0].outputs[0].token_ids
+    assert LLM(model=str(src), dtype="float32", quantization="fp8").generate(prompt, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model=str(src), quantization="awq")

@@ -1,0 +1,161 @@
+"""Block-FP8 kernels (hyla.ops.triton.fp8_gemm, hyla.ops.triton.fused_moe_fp8; Triton's interpreter
+without a GPU) against the torch definitions (hyla.ops.fp8), and the FP8 modules
+(hyla.layers.fp8_linear, hyla.layers.fp8_moe).
+
+Shapes are awkward on purpose: K = 200 and 130 (a partial last group / block), N = 72 and 300
+(partial row blocks, tiles crossing block boundaries), M not a multiple of the row tile, experts
+that get no pair, I = 160 (two activation groups of h, the second partial).
+
+Tolerances. Activation quantisation is compared bit for bit (the kernel rounds in fp32 arithmetic
+exactly as torch's cast does). The GEMM: the e4m3 products are exact in fp32 and the per-group
+scaling is the same two fp32 multiplies, so kernel and reference differ only in the fp32
+summation order: 1e-5 relative to the output's scale. The fused MoE adds one discontinuity: h is
+re-quantised to e4m3 after the first GEMM, and a gate/up sum that lands within fp32 rounding of an
+e4m3 rounding boundary can round the other way, one code one ulp (1/8 relative) apart, which
+moves an output by that h value times one w2 weight: 1e-4 of the output scale covers it (seen
+up to 4e-5). The W8A8 reference itself is checked against the exact product: each activation
+moves by at most 2^-4 of itself (3 mantissa bits) or 2^-10 of its group scale (subnormals).
+"""
+
+import pytest
+import torch
+
+from hyla.layers.delta_rule import PackedLinears
+from hyla.layers.fp8_linear import PackedFp8Linears, quantized_like
+from hyla.layers.fp8_moe import Fp8StackedExperts
+from hyla.layers.mlp import MLP
+from hyla.ops.fp8 import (block_dequantize, block_quantize, fp8_linear_torch, fp8_moe_experts_torch,
+                          per_token_group_quant, quantize_gate_up)
+from hyla.ops.gated_act import GatedActivation
+from tests.ops.triton_env import triton_module
+
+
+def _x(M, K, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen) * torch.logspace(-2, 1, K)  # groups of different ranges
+    x[0, :3] = torch.tensor([1.0625, 17.0, 2.0 ** -12])  # ties and a subnormal after scaling
+    if M > 2:
+        x[2] = 0.0  # an all-zero row: tiny scale, zero codes
+    return x.to(dtype)
+
+
+def _w(N, K, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return block_quantize(torch.randn(N, K, generator=gen) / K ** 0.5)
+
+
+@pytest.mark.parametrize("M, K", [(1, 64), (5, 200), (33, 384)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_quant_kernel_is_bitwise_torch(M, K, dtype):
+    mod, dev = triton_module("fp8_gemm")
+    x = _x(M, K, dtype=dtype)
+    q, s = mod.per_token_group_quant(x.to(dev))
+    rq, rs = per_token_group_quant(x)
+    assert torch.equal(s.cpu(), rs)
+    assert torch.equal(q.cpu().float(), rq.float())  # -0.0 == 0.0: the sign of zero may differ
+
+
+@pytest.mark.parametrize("M, N, K, bias", [(3, 72, 200, False), (17, 300, 130, True), (70, 128, 256, True)])
+def test_gemm_kernel_matches_the_reference(M, N, K, bias):
+    mod, dev = triton_module("fp8_gemm")
+    x = _x(M, K)
+    w, s = _w(N, K)
+    b = torch.randn(N) if bias else None
+    ref = fp8_linear_torch(x, w, s, b)
+    for config in (None, dict(BM=16, BN=32, GM=2, num_warps=4, num_stages=1)):  # tiles inside a block
+        out = mod.fp8_linear(x.to(dev), w.to(dev), s.to(dev), None if b is None else b.to(dev), config=config).cpu()
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+
+
+def test_reference_is_within_activation_rounding_of_the_exact_product():
+    x = _x(9, 200)
+    w, s = _w(72, 200)
+    W = block_dequantize(w, s, torch.float64)
+    exact = x.double() @ W.T
+    got = fp8_linear_torch(x.double(), w, s)
+    _, xs = per_token_group_quant(x)
+    err_bound = (x.double().abs() * 2.0 ** -4 + xs.double().repeat_interleave(128, 1)[:, :200] * 2.0 ** -10) @ W.abs().T
+    assert ((got - exact).abs() <= err_bound * (1 + 1e-9)).all()
+    assert (got - exact).abs().max() > 0  # activations are quantised: not the plain product
+
+
+def _experts(E, H, I, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    return (*quantize_gate_up(w13), *block_quantize(w2))
+
+
+@pytest.mark.parametrize("M, H, I, E, k, used", [(5, 200, 160, 6, 2, 4), (33, 130, 72, 4, 3, None)])
+@pytest.mark.parametrize("act", [GatedActivation(), GatedActivation("clamped_silu", limit=0.7)], ids=["silu", "clamped"])
+def test_fused_moe_kernel_matches_the_reference(M, H, I, E, k, used, act):
+    mod, dev = triton_module("fused_moe_fp8")
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(M, H, generator=gen)
+    w13, s13, w2, s2 = _experts(E, H, I)
+    ids = torch.rand(M, used or E, generator=gen).topk(k, dim=-1).indices  # experts past `used` get no pair
+    weights = torch.rand(M, k, generator=gen)
+    ref = fp8_moe_experts_torch(x, w13, s13, w2, s2, weights, ids, act)
+    on = [t.to(dev) for t in (x, w13, s13, w2, s2, weights, ids)]
+    out = mod.fused_moe_fp8(*on, activation=act).cpu()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-4 * ref.abs().max().item())
+
+
+def test_fp8_linear_module():
+    lin = torch.nn.Linear(200, 300, bias=True)
+    f = quantized_like(lin)
+    f.to(torch.bfloat16)  # a cast moves nothing: the codes and scales are the stored format
+    assert f.weight.dtype == torch.float8_e4m3fn and f.weight_scale_inv.dtype == torch.float32
+    assert f.bias.dtype == torch.bfloat16
+    x = _x(4, 200, dtype=torch.bfloat16)
+    torch.testing.assert_close(f(x), fp8_linear_torch(x, f.weight, f.weight_scale_inv, f.bias), rtol=0, atol=0)
+    assert set(f.state_dict()) == {"weight", "weight_scale_inv", "bias"}
+
+
+def test_packed_fp8_linears():
+    lins = [quantized_like(torch.nn.Linear(200, n, bias=False)) for n in (256, 128, 72)]
+    before = {i: (lin.weight.clone(), lin.weight_scale_inv.clone()) for i, lin in enumerate(lins)}
+    packed = PackedLinears(lins)
+    assert isinstance(packed, PackedFp8Linears) and packed.weight() is not None
+    for i, lin in enumerate(lins):  # the parts are views of the packed tensors, values unchanged
+        assert torch.equal(lin.weight.float(), before[i][0].float()) and torch.equal(lin.weight_scale_inv, before[i][1])
+    x = _x(5, 200)
+    for got, lin in zip(packed(x), lins):
+        torch.testing.assert_close(got, lin(x), rtol=0, atol=1e-5)
+    unaligned = PackedLinears([quantized_like(torch.nn.Linear(200, n, bias=False)) for n in (72, 128)])
+    mixed = PackedLinears([quantized_like(torch.nn.Linear(200, 128, bias=False)), torch.nn.Linear(200, 8)])
+    for p in (unaligned, mixed):
+        assert p.weight() is None and [o.shape[-1] for o in p(x)] == [lin.out_features for lin in p.linears]
+
+
+def test_fp8_experts_stack_their_shared_expert():
+    E, H, I = 4, 200, 128
+    experts = Fp8StackedExperts(E, H, I)
+    gen = torch.Generator().manual_seed(4)
+    experts.quantize_(torch.randn(E, 2 * I, H, generator=gen) * 0.05, torch.randn(E, H, I, generator=gen) * 0.05)
+    shared = MLP(H, I)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(shared, name, quantized_like(getattr(shared, name)))
+    x = _x(6, H)
+    ids = torch.randint(0, E, (6, 2), generator=gen)
+    weights = torch.rand(6, 2, generator=gen)
+    want = experts(x, weights, ids) + shared(x)
+    assert experts.stack_shared(shared) and experts.shared_is_stacked()
+    shared.prepare_for_inference()  # gate / up pack in place: adjacent rows of the stacked experts
+    assert shared._packed.weight() is not None
+    ids_s = torch.cat([ids, torch.full((6, 1), E)], 1)
+    got = experts(x, torch.cat([weights, torch.ones(6, 1)], 1), ids_s, shared=True)
+    # the shared expert's output now goes through the per-pair rounding and slot sum: fp32 order only
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(shared(x), MLP.forward(shared, x), rtol=0, atol=0)
+    assert experts.to(torch.bfloat16).gate_up_proj.dtype == torch.float8_e4m3fn
+
+
+def test_modules_dispatch_to_the_kernels(monkeypatch):
+    _, dev = triton_module("fp8_gemm")
+    if dev == "cpu":
+        monkeypatch.setenv("HYLA_BACKEND", "triton")
+    lin = quantized_like(torch.nn.Linear(200, 72)).to(dev)
+    x = _x(3, 200).to(dev)
+    ref = fp8_linear_torch(x.cpu(), lin.weight.cpu(), lin.weight_scale_inv.cpu(), lin.bias.cpu())
+    torch.testing.assert_close(lin(x).cpu(), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
