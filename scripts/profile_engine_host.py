@@ -59,15 +59,15 @@ def _hot_spots(llm: LLM, prompt: str, params: SamplingParams, top: int, key: str
 SECTIONS = [  # "module:owner.attr" of the host-side stages of a step (inclusive times)
     "hyla.engine.llm_engine:LLMEngine.step",
     "hyla.engine.scheduler:Scheduler.schedule",
-    "hyla.engine.mtp_overlap:OverlapChain.launch_after",
-    "hyla.engine.mtp_overlap:collect_fused",
-    "hyla.engine.mtp_fused:launch_fused",
-    "hyla.engine.mtp_fused:DerivedExtension.fill",
-    "hyla.engine.mtp_fused:_Extension.fill",
-    "hyla.engine.mtp_fused:DeriveGraphs.run",
-    "hyla.engine.mtp_fused:fill_long",
-    "hyla.engine.mtp_fused:FusedVerify.extension",
-    "hyla.engine.mtp_fused:Flight.__init__",
+    "hyla.engine.spec.mtp.overlap:OverlapChain.launch_after",
+    "hyla.engine.spec.mtp.overlap:collect_fused",
+    "hyla.engine.spec.mtp.fused:launch_fused",
+    "hyla.engine.spec.mtp.fused:DerivedExtension.fill",
+    "hyla.engine.spec.mtp.fused:_Extension.fill",
+    "hyla.engine.spec.mtp.fused:DeriveGraphs.run",
+    "hyla.engine.spec.mtp.fused:fill_long",
+    "hyla.engine.spec.mtp.fused:FusedVerify.extension",
+    "hyla.engine.spec.mtp.fused:Flight.__init__",
     "hyla.engine.cuda_graph_verify:CUDAGraphRunner.replay_verify",
     "hyla.engine.cuda_graph_verify:CUDAGraphRunner.verify_rows",
     "hyla.engine.cuda_graph_verify:CUDAGraphRunner.replay_commit",
@@ -78,8 +78,8 @@ SECTIONS = [  # "module:owner.attr" of the host-side stages of a step (inclusive
     "hyla.engine.llm_engine:sample",
     "hyla.engine.llm_engine:LLMEngine._emit_verified",
     "hyla.engine.llm_engine:LLMEngine.append_tokens",
-    "hyla.engine.spec_decode:SpecDecoder.step",
-    "hyla.engine.spec_decode:SpecDecoder.commit",
+    "hyla.engine.spec.decoder:SpecDecoder.step",
+    "hyla.engine.spec.decoder:SpecDecoder.commit",
     "hyla.engine.sequence:Sequence.check_stop",
     "hyla.engine.sequence:Sequence.to_output",
 ]
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((label, {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}))
         chain = getattr(llm.engine, "chain", None)
         if chain is not None:
-            print(f"## {label}: {chain.launched} steps launched in flight (hyla.engine.mtp_overlap)")
+            print(f"## {label}: {chain.launched} steps launched in flight (hyla.engine.spec.mtp.overlap)")
         if args.cprofile:
             print(f"## {label}\n" + _hot_spots(llm, FREE[0], params, args.cprofile))
         if args.sections:

@@ -70,8 +70,8 @@ class StepProfile:
     slot or the replay) and the engine's own bookkeeping (emitting tokens, stop checks, trimming
     pages: the rest of the speculative step) -- where a speculative step's time goes. With MTP
     head-step graphs, `propose: chained drafts` is the part of propose after the catch-up on the
-    greedy fast path (hyla.engine.mtp, HeadStepGraphs.run_chain); `verify (fused graph)` is MTP's
-    fused greedy step (hyla.engine.mtp_fused: the verify, the acceptance, the head's catch-up and
+    greedy fast path (hyla.engine.spec.mtp.drafter, HeadStepGraphs.run_chain); `verify (fused graph)` is MTP's
+    fused greedy step (hyla.engine.spec.mtp.fused: the verify, the acceptance, the head's catch-up and
     the next drafts in one graph), after which propose has nothing left to run."""
 
     def __init__(self, llm):

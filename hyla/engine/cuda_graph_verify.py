@@ -24,7 +24,7 @@ the buffers here are filled from pinned host memory asynchronously (hyla.ops.tra
 a copy from pageable memory would wait for every kernel queued before it, so a step's host work
 could not overlap the replays before it.
 
-HeadStepGraphs: the MTP head's steps (hyla.engine.mtp) as graphs of the same batch buckets and
+HeadStepGraphs: the MTP head's steps (hyla.engine.spec.mtp.drafter) as graphs of the same batch buckets and
 page widths, sharing the runner's memory pool, W rows per request: W = 1 for a draft step (the
 head state and newest draft at the next position), W = 1 + k for the catch-up on a verify's
 kept rows (1 .. 1 + k of them, the rest padding). `hmeta [max_batch, 2 + W + width]` holds per
@@ -121,14 +121,14 @@ class CUDAGraphRunner(DecodeGraphs):
         its outputs (logits [bs, W, V], hidden [bs, W, hidden], + what the extension returns).
         extension: more work folded into the same graph after the verify forward (protocol:
         tag, pad(), fill(vmeta rows, rows) -- it writes the verify rows too --, forward(logits,
-        hidden); hyla.engine.mtp_fused): its graph is keyed by key + (extension.tag,), its
+        hidden); hyla.engine.spec.mtp.fused): its graph is keyed by key + (extension.tag,), its
         commit graph ("replay") too, so that commit_replay finds it through verify_key."""
         if extension is not None:
             key = key + (extension.tag,)
         graph, out, replay = self._verify_graph(key, extension)
         if extension is None:
             fill_long(self.vmeta[key[1:3]][:key[0]], rows)
-        else:  # it writes the verify rows with its own (hyla.engine.mtp_fused)
+        else:  # it writes the verify rows with its own (hyla.engine.spec.mtp.fused)
             extension.fill(self.vmeta[key[1:3]][:key[0]], rows)
         self.verify_key = key
         if graph is None:
@@ -159,7 +159,7 @@ class CUDAGraphRunner(DecodeGraphs):
     @torch.inference_mode()
     def replay_commit(self) -> None:
         """The commit of the last `run_verify` / `replay_verify` with the accepted counts already
-        in `accepted` (from the host, or written on the device: hyla.engine.mtp_overlap)."""
+        in `accepted` (from the host, or written on the device: hyla.engine.spec.mtp.overlap)."""
         bs = self.verify_key[0]
         graph = self.commit_graphs.get(self.verify_key)
         if graph is None:
@@ -376,7 +376,7 @@ class HeadStepGraphs:
         """`steps` one-row head steps: step j feeds (head state, ids) at head context ctx + j
         (y [bs, hidden], ids / ctx [bs], tables [bs, width]) and its argmax is the next step's ids
         -> every step's argmax [bs]. Nothing reads the host: capturable (the draft chain, and
-        the fused step's, hyla.engine.mtp_fused)."""
+        the fused step's, hyla.engine.spec.mtp.fused)."""
         out = []
         # the chain's rows, one per step, as the columns of one grid: their KV rows, masks and
         # RoPE tables computed once for all the steps

@@ -25,7 +25,7 @@ from hyla.engine.sampler import prompt_logprobs, sample, token_logprobs
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import ScheduledBatch, Scheduler
 from hyla.engine.sequence import Sequence, Status
-from hyla.engine.spec_decode import SpecDecoder, make_drafter
+from hyla.engine.spec.decoder import SpecDecoder, make_drafter
 from hyla.parallel.errors import TensorParallelError
 
 log = logging.getLogger("hyla.engine")
@@ -120,7 +120,7 @@ class LLMEngine:
         self.chain = None
         if (self.spec is not None and getattr(self.spec.drafter, "fused", None) is not None
                 and self.workers is None and self.runner.graphs is not None):
-            from hyla.engine.mtp_overlap import OverlapChain
+            from hyla.engine.spec.mtp.overlap import OverlapChain
 
             self.chain = self.spec.drafter.chain = OverlapChain(self, self.spec.drafter, spec_cfg.rollback)
         self._drained: list[RequestOutput] = []  # outputs of a step collected outside `step` (drain)
@@ -246,7 +246,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._drained = self._drained, []
         if self.chain is not None and self.chain.flight is not None:
-            # a step launched during the previous one (hyla.engine.mtp_overlap): no scheduling
+            # a step launched during the previous one (hyla.engine.spec.mtp.overlap): no scheduling
             self.metrics["num_steps"] += 1
             return outputs + self._collect_flight(launch=True)
         batch = self.scheduler.schedule()

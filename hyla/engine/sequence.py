@@ -172,7 +172,7 @@ class Sequence:
 
     def stop_ids(self) -> list[int]:
         """The token ids check_stop ends the request on (once past min_tokens): EOS unless
-        ignore_eos, then stop_token_ids (hyla.engine.mtp_overlap applies the same rule on the
+        ignore_eos, then stop_token_ids (hyla.engine.spec.mtp.overlap applies the same rule on the
         device)."""
         p = self.params
         eos = [] if p.ignore_eos else list(self.eos_token_ids)

@@ -1,6 +1,6 @@
 """The next fused MTP step's input rows, derived on the device from the step before it (torch
-reference; hyla.engine.mtp_overlap launches that next step before the host has read the
-previous one's results, see hyla.engine.mtp_fused.DerivedExtension).
+reference; hyla.engine.spec.mtp.overlap launches that next step before the host has read the
+previous one's results, see hyla.engine.spec.mtp.fused.DerivedExtension).
 
 Per request n (W = k + 1 verify rows, S stop ids):
 

@@ -1,6 +1,6 @@
 """TPDrafter: the MTP drafter under tensor parallelism, as SpecDecoder sees it on rank 0.
 
-Every rank holds an MTPDrafter (hyla.engine.mtp) over its own ModelRunner: its shard of the head
+Every rank holds an MTPDrafter (hyla.engine.spec.mtp.drafter) over its own ModelRunner: its shard of the head
 (split like the target's attention layers by the rank's ShardPlan), its head KV in its own
 pages, and the same per-request views. The engine drives the drafter on rank 0; TPDrafter runs
 each call on rank 0's MTPDrafter (with the real Sequences) and has ranks 1..N-1 run it too:
@@ -23,8 +23,8 @@ import logging
 
 import torch
 
-from hyla.engine.mtp import MTPDrafter
-from hyla.engine.spec_decode import Drafter
+from hyla.engine.spec.mtp.drafter import MTPDrafter
+from hyla.engine.spec.protocol import Drafter
 from hyla.parallel.views import DraftView
 
 log = logging.getLogger("hyla.parallel")

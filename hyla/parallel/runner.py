@@ -80,7 +80,7 @@ class TPRunner:
     def shard_drafter(self, drafter):
         """The drafter SpecDecoder drives under tensor parallelism: an MTP head runs on every rank
         (hyla.parallel.drafter.TPDrafter); n-gram and draft-model drafters run on rank 0 alone."""
-        from hyla.engine.mtp import MTPDrafter
+        from hyla.engine.spec.mtp.drafter import MTPDrafter
 
         if isinstance(drafter, MTPDrafter):
             from hyla.parallel.drafter import TPDrafter

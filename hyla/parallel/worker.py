@@ -101,7 +101,7 @@ class Worker:
     def mtp_bind(self, cfg, page_size: int) -> tuple[int, int]:
         """This rank's MTPDrafter: its shard of the head (the rank's plan) and its KV per page
         -> (the head's weight bytes, its KV bytes per token) on this rank."""
-        from hyla.engine.mtp import MTPDrafter
+        from hyla.engine.spec.mtp.drafter import MTPDrafter
 
         self.drafter = MTPDrafter(cfg, page_size=page_size)
         self.drafter.bind(self.runner, shard=self.plan)

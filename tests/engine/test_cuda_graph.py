@@ -334,7 +334,7 @@ def test_graph_mtp_equals_plain_greedy_cuda(tmp_path, rollback):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("k,rollback", [(1, "slots"), (2, "replay"), (3, "slots"), (3, "replay")])
 def test_graph_mtp_fused_equals_plain_greedy_cuda(tmp_path, k, rollback):
-    """MTP's fused greedy step (hyla.engine.mtp_fused: verify + acceptance + the head's catch-up
+    """MTP's fused greedy step (hyla.engine.spec.mtp.fused: verify + acceptance + the head's catch-up
     + the next draft chain in one captured graph) equals plain greedy decoding, fp32, prefix
     cache on (a second pass hits), requests finishing at different steps; the fused graph (and
     with "replay" its commit graph) was captured and replayed, the prefetched drafts used."""
@@ -361,7 +361,7 @@ def test_graph_mtp_fused_equals_plain_greedy_cuda(tmp_path, k, rollback):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("k,rollback", [(2, "slots"), (3, "slots"), (3, "replay")])
 def test_overlapped_mtp_steps_equal_plain_greedy_cuda(tmp_path, k, rollback):
-    """MTP with steps launched in flight (hyla.engine.mtp_overlap) on the GPU, fp32, captured
+    """MTP with steps launched in flight (hyla.engine.spec.mtp.overlap) on the GPU, fp32, captured
     graphs, prefix cache on: plain greedy token for token, alone and as a batch, and with
     requests stopping on a token mid-chain; steps were launched in flight."""
     path, prompts, params, want = _mtp_case(tmp_path)

@@ -9,7 +9,7 @@ import torch
 
 from hyla import LLM, SamplingParams
 from hyla.engine import model_runner
-from hyla.engine.mtp import MTPDrafter
+from hyla.engine.spec.mtp.drafter import MTPDrafter
 from tests.engine.test_mtp_graph import build_leaky_head
 from tests.oracles.variants import rand_tokens as rand
 

@@ -1,4 +1,4 @@
-"""MTP's fused greedy step (hyla.engine.mtp_fused), on the CPU: the verify, the acceptance, the
+"""MTP's fused greedy step (hyla.engine.spec.mtp.fused), on the CPU: the verify, the acceptance, the
 head's catch-up and the next draft chain run as one function over the verify graph's buffers
 (a CUDAGraphRunner with capture off runs it eagerly: what a capture records). Output equals plain
 greedy token for token with the fused path taken (counted), for k = 1..3, both rollbacks, prefix
@@ -9,8 +9,9 @@ path's drafts; the device part reads nothing on the host."""
 import pytest
 
 from hyla import LLM, SamplingParams
-from hyla.engine import model_runner, mtp
-from hyla.engine.mtp_fused import FusedVerify
+from hyla.engine import model_runner
+from hyla.engine.spec.mtp import drafter as mtp
+from hyla.engine.spec.mtp.fused import FusedVerify
 from tests.engine.test_mtp_graph import _guarded, build_leaky_head
 from tests.oracles.variants import rand_tokens as rand
 
@@ -41,7 +42,7 @@ def _engine(ckpt, k: int, rollback: str, monkeypatch, fused: bool = True, graphs
     drafter = llm.engine.spec.drafter
     assert (drafter.fused is not None) == graphs
     assert (llm.engine.chain is not None) == graphs
-    if not fused or not chain:  # no overlapped steps (hyla.engine.mtp_overlap): one readback per step
+    if not fused or not chain:  # no overlapped steps (hyla.engine.spec.mtp.overlap): one readback per step
         llm.engine.chain = drafter.chain = None
     if not fused:
         drafter.fused = None
@@ -216,7 +217,7 @@ def test_fused_under_eviction_and_preemption(k, rollback, tmp_path, monkeypatch)
     m = llm.get_metrics()
     assert m["num_preemptions"] > 0 and m["prefix_cache_hit_tokens"] > 0, m
     assert llm.engine.spec.drafter.fused.runs > 0
-    assert llm.engine.chain.launched > 0  # steps launched in flight (hyla.engine.mtp_overlap) under pressure too
+    assert llm.engine.chain.launched > 0  # steps launched in flight (hyla.engine.spec.mtp.overlap) under pressure too
     assert not llm.engine.spec.drafter.views
 
 

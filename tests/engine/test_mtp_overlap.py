@@ -1,4 +1,4 @@
-"""Overlapped MTP steps (hyla.engine.mtp_overlap), on the CPU: the next fused step launched
+"""Overlapped MTP steps (hyla.engine.spec.mtp.overlap), on the CPU: the next fused step launched
 before the current one's readback is read, its inputs derived from the current step's outputs
 (DerivedExtension). A CUDAGraphRunner with capture off runs the same functions eagerly on the
 same buffers. Output equals plain greedy token for token with steps launched in flight
@@ -11,7 +11,7 @@ host."""
 import pytest
 
 from hyla import SamplingParams
-from hyla.engine.mtp_fused import DerivedExtension
+from hyla.engine.spec.mtp.fused import DerivedExtension
 from tests.engine.test_mtp_fused import _engine, _generate
 from tests.engine.test_mtp_graph import _guarded
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hyla.engine.spec_decode as spec_decode
+import hyla.engine.spec.decoder as spec_decode
 from hyla import LLM, SamplingParams
 from hyla.engine.sampler import guide_mask, pending_guide_drafts
 from hyla.engine.sequence import Sequence
-from hyla.engine.spec_decode import argmax_accepts
+from hyla.engine.spec.acceptance import argmax_accepts
 from hyla.models import default_model_path
 
 V = 40

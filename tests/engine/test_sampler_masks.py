@@ -11,7 +11,7 @@ import torch
 from hyla import LLM, SamplingParams
 from hyla.engine import sampler
 from hyla.engine.sampler import banned_tokens, restrict_batch, sample
-from hyla.engine.spec_decode import argmax_accepts
+from hyla.engine.spec.acceptance import argmax_accepts
 from tests.oracles.kimi_checkpoint import WORDS, build_kimi_checkpoint
 from tests.oracles.qwen3_5_checkpoint import add_mtp_shard, build_qwen3_5_checkpoint
 from tests.oracles.variants import noisy_lm_head_copy

@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from hyla import LLM, SamplingParams
-from hyla.engine.spec_decode import (
-    SpecConfig,
-    SpecDecoder,
-    accept,
-    accept_argmax,
-    argmax_accepts,
-)
+from hyla.engine.spec.decoder import SpecConfig, SpecDecoder
+from hyla.engine.spec.acceptance import accept, accept_argmax, argmax_accepts
 from tests.engine.spec_check import assert_spec_equals_greedy
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
 from tests.oracles.variants import noisy_lm_head_copy
@@ -270,7 +265,7 @@ def test_profile_splits_a_speculative_step(ckpt):
 def test_a_greedy_batch_accepts_without_the_per_request_rule(ckpt, reference, monkeypatch):
     """Plain greedy requests never go through `accept` (one batched argmax instead); a request
     with a repetition penalty does. Output stays plain greedy."""
-    from hyla.engine import spec_decode
+    from hyla.engine.spec import decoder as spec_decode
 
     calls = []
     monkeypatch.setattr(spec_decode, "accept", lambda *a, **k: calls.append(1) or accept(*a, **k))

@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("xgrammar")
 
-import hyla.engine.spec_decode as spec_decode  # noqa: E402
+import hyla.engine.spec.decoder as spec_decode  # noqa: E402
 from hyla import LLM, SamplingParams  # noqa: E402
 from hyla.engine.sampler import guide_drafts, unpack_bitmask  # noqa: E402
-from hyla.engine.spec_decode import accept  # noqa: E402
+from hyla.engine.spec.decoder import accept  # noqa: E402
 from hyla.models import default_model_path  # noqa: E402
 from hyla.server.structured import Grammars, GuideSpec  # noqa: E402
 from tests.engine.test_spec_decode import _chi2_pvalue  # noqa: E402

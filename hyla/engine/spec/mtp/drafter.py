@@ -53,7 +53,7 @@ there) the scratch page, and its extra drafts are dropped. Sampling requests, an
 under tensor parallelism or without graphs, draft one step at a time (`_stepped_drafts`).
 Outputs are exact whatever the head drafts: the target verifies every draft.
 
-Fused greedy step (hyla.engine.mtp_fused; `verify`, the SpecDecoder hook): for a batch of
+Fused greedy step (hyla.engine.spec.mtp.fused; `verify`, the SpecDecoder hook): for a batch of
 argmax-accepting requests (no logprobs, no tensor parallelism, graphs on) whose views consumed
 everything before x0, the verify, the acceptance, the head's catch-up over the W verify rows and
 the next draft chain run as one graph with one readback; commit advances `done` by the kept
@@ -74,9 +74,9 @@ import torch.distributed as dist
 from hyla.contract import ForwardBatch
 from hyla.engine.cuda_graph import graph_safe
 from hyla.engine.cuda_graph_verify import HeadStepGraphs
-from hyla.engine.mtp_fused import FusedResult, FusedVerify, commit_fused, fused_verify
+from hyla.engine.spec.mtp.fused import FusedResult, FusedVerify, commit_fused, fused_verify
 from hyla.engine.sampler import distribution
-from hyla.engine.spec_decode import Drafter
+from hyla.engine.spec.protocol import Drafter
 from hyla.ops.transfer import to_device_long
 
 
@@ -85,7 +85,7 @@ class _View:
     committed pairs after them not yet run, in chunks (hidden [n, hidden], the n tokens at the
     next positions). generation: the request's preemption count when the view began (a
     preempted request loses its KV: its view starts over). prefetched: the drafts a fused step
-    (hyla.engine.mtp_fused) made for the next propose, valid while nothing else is committed."""
+    (hyla.engine.spec.mtp.fused) made for the next propose, valid while nothing else is committed."""
 
     def __init__(self, start: int, generation: int):
         self.start, self.done, self.generation = start, 0, generation
@@ -117,7 +117,7 @@ class MTPDrafter(Drafter):
         self._seen: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (first row's position, rows)
         self._fused: dict[str, FusedResult] = {}  # request -> its fused verify step, until commit
         self.fused: FusedVerify | None = None
-        self.chain = None  # hyla.engine.mtp_overlap.OverlapChain, bound by the engine when it applies
+        self.chain = None  # hyla.engine.spec.mtp.overlap.OverlapChain, bound by the engine when it applies
         self.leader, self.group = True, None  # tensor parallel: whether this is rank 0; the model group
 
     @staticmethod
@@ -226,7 +226,7 @@ class MTPDrafter(Drafter):
         self._fused.pop(seq.request_id, None)
 
     def verify(self, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int):
-        """The fused greedy step (hyla.engine.mtp_fused) when it applies, else None."""
+        """The fused greedy step (hyla.engine.spec.mtp.fused) when it applies, else None."""
         return fused_verify(self, seqs, drafts, runner, rollback, pad_to)
 
     # -- drafting -------------------------------------------------------------------------

@@ -35,7 +35,7 @@ next propose, if any, runs the normal path.
 
 Launch and readback are separate (`launch_fused` -> a Flight, `collect_fused`): the packed rows
 travel to pinned host memory in one asynchronous copy enqueued right behind the replay, so a
-further step may be launched before they are read (hyla.engine.mtp_overlap; its inputs derived
+further step may be launched before they are read (hyla.engine.spec.mtp.overlap; its inputs derived
 on the device from this step's outputs by DerivedExtension).
 
 When it runs (`fused_verify`, else None and SpecDecoder runs the unfused step): CUDA graphs on,
@@ -55,7 +55,7 @@ import torch
 from hyla.engine.cuda_graph import width_bucket
 from hyla.engine.cuda_graph_verify import HeadStepGraphs, _table_row, _verify_pad_row
 from hyla.engine.sequence import Status
-from hyla.engine.spec_decode import Verified, argmax_accepts
+from hyla.engine.spec.acceptance import Verified, argmax_accepts
 from hyla.ops import constants, dispatch
 from hyla.ops.transfer import fill_long
 
@@ -169,7 +169,7 @@ class Readback:
     """Pinned host buffers (and their CUDA events) for the flights' readbacks, reused round
     robin per shape instead of a pinned allocation and an event per step. Safe with DEPTH
     buffers per shape: at most two flights are alive at once (the one being read and the one
-    launched behind it, hyla.engine.mtp_overlap), and a flight's buffer is read before the
+    launched behind it, hyla.engine.spec.mtp.overlap), and a flight's buffer is read before the
     flight is dropped."""
 
     DEPTH = 3
@@ -233,7 +233,7 @@ def fused_verify(drafter, seqs, drafts: list[list[int]], runner, rollback: str, 
                  ) -> list[Verified] | None:
     """The fused step for seqs (drafter: the MTPDrafter) -> their Verified results, the next
     drafts kept in drafter._fused until commit; None (nothing ran) when it does not apply.
-    With an overlap chain (hyla.engine.mtp_overlap) bound, the step after it may be launched
+    With an overlap chain (hyla.engine.spec.mtp.overlap) bound, the step after it may be launched
     before this one's readback is read (it then stays in flight when this returns)."""
     flight = launch_fused(drafter, seqs, drafts, runner, rollback, pad_to)
     if flight is None:

@@ -14,7 +14,7 @@ import torch
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.pools import Pools, size_pools
 from hyla.engine.sampler import distribution
-from hyla.engine.spec_decode import Drafter
+from hyla.engine.spec.protocol import Drafter
 
 
 class _DraftView:

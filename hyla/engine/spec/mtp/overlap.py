@@ -1,13 +1,13 @@
 """Overlapped MTP steps: the next fused greedy step launched before this one's readback is read.
 
-A fused step (hyla.engine.mtp_fused) of a small model is a graph of ~0.6 ms on an H200, and the
+A fused step (hyla.engine.spec.mtp.fused) of a small model is a graph of ~0.6 ms on an H200, and the
 host work around it (emitting and detokenising tokens, stop checks, commits, outputs, the
 caller's loop, the next schedule) was another ~0.35 ms during which the GPU sat idle. The
 inputs of the next step are on the device as soon as the step has run: per request the tokens
 kept (the accepted drafts and the bonus token), hence the next context, the accepted slot, the
 next verify row [bonus, d'] and the head's next drafts d'. So, when the batch will certainly
 step again unchanged, the next step is launched right behind the current one
-(mtp_fused.DerivedExtension derives its inputs on the device), and the host reads and handles
+(fused.DerivedExtension derives its inputs on the device), and the host reads and handles
 the current step's results while the GPU runs the next: the engine step's host time leaves the
 critical path. The engine collects the step in flight at its next `step`.
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from hyla.engine.mtp_fused import DerivedExtension, Flight, collect_fused
-from hyla.engine.spec_decode import argmax_accepts
+from hyla.engine.spec.mtp.fused import DerivedExtension, Flight, collect_fused
+from hyla.engine.spec.acceptance import argmax_accepts
 
 MAX_STOPS = 4  # stop ids per request the device check takes (EOS + stop_token_ids)
 
