@@ -28,13 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from hyla.models.memory import MemoryReport, _nbytes, memory_report
-
-# GLM-5.3-Flash: transformers 5.24's Glm5NextTextConfig defaults are the released sizes; the
-# indexer pools 4 tokens per key in the released model (seed 000: vLLM's indexer spec has
-# tokens_per_state = 4, its kernels need index_kpool x 32 = 128), not the class default of 16.
-GLM_5_3_FLASH = {"model_type": "glm5_next", "dtype": "bfloat16", "text_config": {
-    "vocab_size": 154880, "hidden_size": 4096, "num_hidden_layers": 45, "index_kpool": 4}}
-
+from hyla.models.presets import GLM_5_3_FLASH
 
 def released_config():
     """The GLM-5.3-Flash-sized Glm5NextConfig (GLM_5_3_FLASH)."""

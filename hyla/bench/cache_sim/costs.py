@@ -25,22 +25,7 @@ import torch
 
 from hyla.models.config import SPARSE, KimiLinearConfig
 from hyla.models.memory import memory_report, parameter_counts
-
-# moonshotai/Kimi-Linear-48B-A3B-Instruct config.json (sizes and schedules).
-KIMI_LINEAR_48B = {
-    "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "dtype": "bfloat16",
-    "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216, "moe_intermediate_size": 1024,
-    "num_hidden_layers": 27, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 72,
-    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "mla_use_nope": True, "tie_word_embeddings": False, "first_k_dense_replace": 1, "moe_renormalize": True,
-    "num_experts": 256, "num_experts_per_token": 8, "num_shared_experts": 1, "num_expert_group": 1, "topk_group": 1,
-    "routed_scaling_factor": 2.446, "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
-    "linear_attn_config": {
-        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27], "head_dim": 128, "num_heads": 32, "short_conv_kernel_size": 4,
-        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
-    },
-}
-
+from hyla.models.presets import KIMI_LINEAR_48B  # noqa: F401  (re-exported: the traces price this shape)
 
 def vllm_block_size(kv_bytes_per_token_per_layer: int, state_bytes_per_layer: int, alignment: int = 128) -> int:
     """vLLM's hybrid attention block size (`_align_hybrid_block_size`): the smallest multiple of
