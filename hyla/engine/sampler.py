@@ -100,7 +100,10 @@ def restrict_batch(x: torch.Tensor, params: list, output_ids: list[list[int]]) -
     if not allowed and not banned:
         return x
     x = x.clone()
-    dev = lambda v: torch.tensor(v, dtype=torch.long).to(x.device, non_blocking=True)  # noqa: E731 - no sync
+
+    def dev(values) -> torch.Tensor:  # host ids -> the device, without a sync
+        return torch.tensor(values, dtype=torch.long).to(x.device, non_blocking=True)
+
     if allowed:
         ids = [params[i].allowed_token_ids for i in allowed]
         keep = torch.zeros(len(allowed), x.shape[-1], dtype=torch.bool, device=x.device)

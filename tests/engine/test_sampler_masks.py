@@ -3,6 +3,7 @@ tokenised by vLLM's rule, the engine honours both (greedy and sampled), refuses 
 honour, and greedy output with speculation (n-gram, a draft model, an MTP head) equals the plain
 greedy output under the masks."""
 
+import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -175,7 +176,7 @@ def test_the_engine_honours_both(llm, reference):
                                                             use_tqdm=False)]
     for out in reference + sampled:
         assert set(out) <= set(WORD_IDS) and cat not in out
-        assert all((a, b) != (sat, on) for a, b in zip(out, out[1:])), _words(llm, out)
+        assert all(pair != (sat, on) for pair in itertools.pairwise(out)), _words(llm, out)
     allowed_one = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True,
                                                             allowed_token_ids=[11]), use_tqdm=False)
     assert allowed_one[0].outputs[0].token_ids == [11] * 5

@@ -26,7 +26,12 @@ from hyla import LLM
 from hyla.engine.outputs import CompletionOutput, RequestOutput
 from hyla.models import default_model_path
 from hyla.server.api import create_app
-from hyla.server.errors import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, APIError, check_json_tree
+from hyla.server.errors import (
+    MAX_JSON_DEPTH,
+    MAX_SCHEMA_DEPTH,
+    APIError,
+    check_json_tree,
+)
 from hyla.server.tool_choices import ToolChatChoice
 from hyla.server.tool_parsers import make_parser
 
