@@ -1,9 +1,10 @@
 """The whole suite's run settings: parallel workers by default, one torch thread per worker.
 
-`python -m pytest` runs on pytest-xdist workers (one per CPU, at most MAX_WORKERS) unless the
-command line says otherwise: `-n 0` or `-p no:xdist` runs in one process (for debugging, --pdb),
-`-n N` picks the count. The default lives here rather than in pyproject's addopts because
-`-p no:xdist` would reject an `-n` there.
+`python -m pytest` (the whole suite: no file or folder named) runs on pytest-xdist workers, one per
+CPU and at most MAX_WORKERS, unless the command line says otherwise: `-n 0` or `-p no:xdist` runs
+in one process (for debugging; --pdb does too), `-n N` picks the count. Named files or folders run
+in one process unless `-n` is given. The default lives here rather than in pyproject's addopts
+because `-p no:xdist` would reject an `-n` there.
 
 Each worker runs torch on one thread (and so do the processes the tests start: `hyla serve`, the
 tensor-parallel ranks, mp.spawn children, through OMP_NUM_THREADS): the workers already fill the
@@ -37,14 +38,17 @@ def _cpu_count() -> int:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
-    """Choose xdist workers when the command line chose nothing (runs before xdist's own hook,
-    which turns numprocesses into workers)."""
+    """Choose xdist workers for a run of the whole suite when the command line chose none (runs
+    before xdist's own hook, which turns numprocesses into workers). A run of named files or
+    folders stays in one process, where start-up is quicker and output is read live."""
     if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
         return  # xdist disabled (-p no:xdist), or this is a worker
-    explicit = (config.option.numprocesses is not None or config.option.dist != "no" or config.option.tx)
-    if explicit or config.option.usepdb or config.option.collectonly:
+    if config.option.numprocesses is not None or config.option.tx:
+        return  # -n / --tx given
+    if config.args_source == pytest.Config.ArgsSource.ARGS or config.option.usepdb or config.option.collectonly:
         return
     workers = min(_cpu_count(), MAX_WORKERS)
     if workers >= 2:
         config.option.numprocesses = workers
-        config.option.dist = DIST_MODE
+        if config.option.dist == "no":
+            config.option.dist = DIST_MODE
