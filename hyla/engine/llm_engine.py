@@ -33,9 +33,6 @@ log = logging.getLogger("hyla.engine")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
-        from hyla.models import load_model, load_tokenizer
-        from hyla.models.tokenizer import has_tokenizer
-
         self.config = config
         # On the CPU, bf16 / fp16 matmuls are several times slower than fp32: default to fp32 there.
         dtype = config.dtype or (torch.float32 if config.device.type == "cpu" else None)
@@ -45,6 +42,18 @@ class LLMEngine:
 
             self.workers = start_tensor_parallel(config, dtype)
             model = self.workers.model  # rank 0's shard: its pools, sizes and bytes are per rank
+        try:
+            self._build(config, model, tokenizer, dtype)
+        except BaseException:
+            self.shutdown()  # a failed start leaves no worker process and no process group behind
+            raise
+
+    def _build(self, config: EngineConfig, model, tokenizer, dtype) -> None:
+        """Everything after the tensor-parallel workers started: the model, tokenizer, pools,
+        runner, scheduler and drafter."""
+        from hyla.models import load_model, load_tokenizer
+        from hyla.models.tokenizer import has_tokenizer
+
         self.model = model if model is not None else load_model(config.model, dtype=dtype, device=config.device,
                                                                 random_weights=config.load_format == "dummy",
                                                                 quantization=config.quantization)

@@ -149,3 +149,11 @@ def test_a_collected_llm_releases_its_workers_and_a_second_engine_starts(kimi):
     again.shutdown()
     again.shutdown()  # idempotent
     assert not dist.is_initialized()
+
+
+def test_an_engine_that_fails_after_its_workers_started_leaves_nothing_behind(kimi):
+    """A budget too small for one request fails after the workers loaded their shards: the
+    workers are stopped and the process group left before the error reaches the caller."""
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        LLM(str(kimi), dtype="float32", tensor_parallel_size=2, memory_budget=1024)
+    assert not dist.is_initialized()
