@@ -8,7 +8,6 @@ the engine loop decodes it), and the grammar's wait for </think> by the params i
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from hyla import LLM
 from hyla.cli import main as cli_main
-from hyla.engine.outputs import CompletionOutput, RequestOutput
+from hyla.engine.outputs import CompletionOutput
 from hyla.server.api import create_app
 from hyla.server.chat_prompt import load_chat_template
 from hyla.server.choices import ChatChoice
@@ -25,6 +24,7 @@ from hyla.server.reasoning_parsers import PARSERS, RequestReasoning, make_reason
 from hyla.server.tool_choices import NamedToolChoice, ToolChatChoice
 from hyla.server.tool_parsers import make_parser
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
+from tests.server.recording import RecordingEngine
 
 MSGS = [{"role": "user", "content": "the sun"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -178,35 +178,6 @@ TEMPLATE = ("{{ bos_token }}{% if enable_thinking is defined %}{% if enable_thin
             "{{ raise_exception('no raising') }}{% endif %}<|{{ m['role'] }}|> {{ m['content'] }} {{ eos_token }} "
             "{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-class RecordingEngine:
-    """Stands in for AsyncEngine: answers every request with `pieces` (one per step) and keeps
-    what it was submitted."""
-
-    def __init__(self):
-        self.pieces: list[str] = ["the cat"]
-        self.submitted: list[tuple[list[int], object]] = []
-
-    def start(self):
-        pass
-
-    def shutdown(self):
-        pass
-
-    def abort(self, rid):
-        pass
-
-    def submit(self, rid, ids, params, out=None):
-        self.submitted.append((list(ids), params))
-        loop = asyncio.get_running_loop()
-        text = ""
-        for k, piece in enumerate(self.pieces):
-            text += piece
-            last = k == len(self.pieces) - 1
-            c = CompletionOutput(0, text, list(range(k + 1)), None, "stop" if last else None)
-            loop.call_soon(out.put_nowait, RequestOutput(rid, None, ids, [c], finished=last))
-        return out
 
 
 @pytest.fixture(scope="module")

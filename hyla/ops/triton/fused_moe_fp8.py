@@ -28,8 +28,6 @@ so a table sets BM, the down GEMM's BN, GM and the launch options.
 
 from __future__ import annotations
 
-import functools
-import math
 from pathlib import Path
 
 import torch
@@ -41,7 +39,8 @@ from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.fp8_gemm import ACT_EPS, BLOCK, per_token_group_quant, quantize_rows
 from hyla.ops.triton.fused_moe import _ACT, _block_ids, _gated, align_pairs, split_config, sum_slots
-from hyla.ops.triton.moe_configs import CONFIG_DIR, _device_name, _load, config_file_name
+from hyla.ops.triton import moe_configs
+from hyla.ops.triton.moe_configs import CONFIG_DIR
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -137,33 +136,14 @@ def _config(pairs: int, num_experts: int) -> dict:
     return dict(BM=64, BN=BLOCK, BK=BLOCK, GM=8, num_warps=8, num_stages=3)
 
 
-def fp8_config_file_name(num_experts: int, intermediate: int, hidden: int, device_name: str) -> str:
-    """The tuned-table file of the FP8 kernels: the bf16 name with ",dtype=fp8_w8a8"."""
-    return config_file_name(num_experts, intermediate, hidden, device_name).removesuffix(".json") + ",dtype=fp8_w8a8.json"
-
-
-@functools.cache
-def _table(num_experts: int, intermediate: int, hidden: int, device_name: str, directory: Path) -> dict[int, dict]:
-    return _load(directory / fp8_config_file_name(num_experts, intermediate, hidden, device_name))
-
-
 def tuned_config(tokens: int, num_experts: int, intermediate: int, hidden: int, device: torch.device,
                  directory: Path = CONFIG_DIR) -> dict | None:
-    """The tuned FP8 configuration for `tokens` rows on `device` (an entry within a factor of two
-    of `tokens`, as hyla.ops.triton.moe_configs.tuned_config), or None."""
-    if device.type != "cuda" or tokens <= 0:
-        return None
-    table = _table(num_experts, intermediate, hidden, _device_name(device.index), directory)
-    if not table:
-        return None
-    key = min(table, key=lambda m: abs(math.log(m / tokens)))
-    if not key / 2 <= tokens <= key * 2:
-        return None
-    cfg = dict(table[key])
-    cfg.setdefault("BN", BLOCK)
-    cfg.setdefault("BK", BLOCK)
-    if "down" in cfg:
-        cfg["down"] = dict(cfg["down"])
+    """The FP8 kernels' tuned configuration (hyla.ops.triton.moe_configs, dtype "fp8_w8a8"), with
+    BN and BK defaulting to the block size; None without a table entry near `tokens`."""
+    cfg = moe_configs.tuned_config(tokens, num_experts, intermediate, hidden, device, directory, dtype="fp8_w8a8")
+    if cfg is not None:
+        cfg.setdefault("BN", BLOCK)
+        cfg.setdefault("BK", BLOCK)
     return cfg
 
 

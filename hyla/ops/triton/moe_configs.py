@@ -27,8 +27,12 @@ import torch
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "assets" / "kernel_configs" / "fused_moe"
 
 
-def config_file_name(num_experts: int, intermediate: int, hidden: int, device_name: str) -> str:
-    return f"E={num_experts},N={intermediate},H={hidden},device={device_name.replace(' ', '_')}.json"
+def config_file_name(num_experts: int, intermediate: int, hidden: int, device_name: str,
+                     dtype: str | None = None) -> str:
+    """dtype: None for the bf16 kernels, "fp8_w8a8" for the block-FP8 ones (",dtype=..." before
+    ".json", vLLM's naming)."""
+    tag = f",dtype={dtype}" if dtype else ""
+    return f"E={num_experts},N={intermediate},H={hidden},device={device_name.replace(' ', '_')}{tag}.json"
 
 
 @functools.cache
@@ -37,9 +41,10 @@ def _device_name(index: int | None) -> str:
 
 
 @functools.cache
-def _table(num_experts: int, intermediate: int, hidden: int, device_name: str, directory: Path) -> dict[int, dict]:
+def _table(num_experts: int, intermediate: int, hidden: int, device_name: str, directory: Path,
+           dtype: str | None) -> dict[int, dict]:
     """The table of one shape on one device kind, read once (every MoE layer call asks)."""
-    return _load(directory / config_file_name(num_experts, intermediate, hidden, device_name))
+    return _load(directory / config_file_name(num_experts, intermediate, hidden, device_name, dtype))
 
 
 def _load(path: Path) -> dict[int, dict]:
@@ -49,11 +54,12 @@ def _load(path: Path) -> dict[int, dict]:
 
 
 def tuned_config(tokens: int, num_experts: int, intermediate: int, hidden: int,
-                 device: torch.device, directory: Path = CONFIG_DIR) -> dict | None:
-    """The tuned configuration for `tokens` rows on `device` (a copy), or None."""
+                 device: torch.device, directory: Path = CONFIG_DIR, dtype: str | None = None) -> dict | None:
+    """The tuned configuration for `tokens` rows on `device` (a copy), or None; dtype: which
+    kernels' tables (see config_file_name)."""
     if device.type != "cuda" or tokens <= 0:
         return None
-    table = _table(num_experts, intermediate, hidden, _device_name(device.index), directory)
+    table = _table(num_experts, intermediate, hidden, _device_name(device.index), directory, dtype)
     if not table:
         return None
     key = min(table, key=lambda m: abs(math.log(m / tokens)))
