@@ -312,15 +312,17 @@ class Fp8Shard:
             return self._scale_cut(name, full)
         return self._shard.cut(name, full)
 
+    # ShardPlan's own shape / read, run with this object's `cut` (the wrapped plan's methods would
+    # call the wrapped plan's cut, which does not know the scales)
     def shape(self, name: str, full: tuple) -> tuple:
-        cut = self.cut(name, full)
-        return tuple(full) if cut is None else cut.shape(full)
+        from hyla.parallel.tensor import ShardPlan
+
+        return ShardPlan.shape(self, name, full)
 
     def read(self, name: str, f) -> torch.Tensor:
-        sl = f.get_slice(name)
-        full = tuple(sl.get_shape())
-        cut = self.cut(name, full)
-        return f.get_tensor(name) if cut is None else cut.read(sl, full)
+        from hyla.parallel.tensor import ShardPlan
+
+        return ShardPlan.read(self, name, f)
 
 
 @torch.no_grad()

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from hyla import LLM
-from hyla.engine.outputs import CompletionOutput, RequestOutput
+from hyla.engine.outputs import CompletionOutput
 from hyla.models import default_model_path
 from hyla.server.api import create_app
 from hyla.server.errors import (
@@ -34,6 +33,7 @@ from hyla.server.errors import (
 )
 from hyla.server.tool_choices import ToolChatChoice
 from hyla.server.tool_parsers import make_parser
+from tests.server.recording import RecordingEngine
 
 PROMPT = "The cat"
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -153,37 +153,12 @@ def test_streamed_and_whole_auto_tool_calls_agree_at_every_chunking(output, fini
             (content, calls, reason), cut
 
 
-class _Scripted:
-    """Stands in for AsyncEngine: every request's output is `pieces`, one per step, the last
-    finishing with `finish`."""
-
-    def __init__(self, pieces: list[str], finish: str):
-        self.pieces, self.finish = pieces, finish
-
-    def start(self):
-        pass
-
-    def shutdown(self):
-        pass
-
-    def abort(self, rid):
-        pass
-
-    def submit(self, rid, ids, params, out=None):
-        out = out if out is not None else asyncio.Queue()
-        loop, text = asyncio.get_running_loop(), ""
-        for k, piece in enumerate(self.pieces):
-            text += piece
-            last = k == len(self.pieces) - 1
-            c = CompletionOutput(0, text, list(range(k + 1)), None, self.finish if last else None)
-            loop.call_soon(out.put_nowait, RequestOutput(rid, None, ids, [c], finished=last))
-        return out
-
-
 def test_a_call_cut_by_max_tokens_over_http(engine):
     app = create_app(engine, "m", tool_call_parser="hermes", enable_auto_tool_choice=True)
-    app.state.server.async_engine = _Scripted(["Sure. ", CALL, '<tool_call>{"name": "get_we', 'ather", "argu'],
-                                              "length")
+    recorder = RecordingEngine()
+    recorder.pieces = ["Sure. ", CALL, '<tool_call>{"name": "get_we', 'ather", "argu']
+    recorder.finish = "length"
+    app.state.server.async_engine = recorder
     body = {"messages": MSGS, "tools": TOOLS, "max_tokens": 40}
     with TestClient(app) as http:
         whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
