@@ -36,6 +36,20 @@ def _demo(args) -> None:
     print(f"  one decode step over a state pool (slot 2, in place): |o| = {o_dec.norm():.3f}")
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+               "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """'68719476736', '64GiB', '64G' (binary) or '64GB' (decimal) -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 68719476736, 64GiB, 64GB)")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
 def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory, a Hugging Face Hub id (org/name, from the "
                    "local Hugging Face cache, downloaded when missing), or a bundled model's name: default (the "
@@ -54,6 +68,16 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
                    help="fraction of the GPU's memory this engine may use: weights, a worst-case step and the "
                    "KV pages + state slots (vLLM's flag; --memory-budget overrides the pools' share)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=prefix_cache_default)
+    p.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float32", "bfloat16"], default=None,
+                   help="recurrent state precision (vLLM's flag; auto = float32)")
+    p.add_argument("--checkpoint-dtype", choices=["auto", "int8"], default="auto",
+                   help="int8: prefix-cache state checkpoints stored with int8 rows and fp32 scales "
+                        "(~3.6x as many in the same memory with a float32 state)")
+    p.add_argument("--enable-int8-mamba-checkpoint", dest="checkpoint_dtype", action="store_const", const="int8",
+                   help="the same as --checkpoint-dtype int8 (SGLang's flag)")
+    p.add_argument("--host-cache-bytes", type=_byte_size, default=0,
+                   help="pinned host memory for a second prefix-cache tier: what the device tier evicts goes "
+                        "there and comes back on a hit (e.g. 64GiB; 0: none)")
     p.add_argument("--speculative-config", type=json.loads, default=None, help='JSON, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4}\'')
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -66,6 +90,12 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
                    help="fp8: block-quantise a bf16 checkpoint's projections and experts to FP8 while loading "
                         "(an FP8 checkpoint is read as FP8 without it)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                   help="auto: attention KV pages in the model dtype; fp8 (= fp8_e4m3): e4m3 pages with per-token "
+                        "scales, about twice the tokens per byte of bf16 (vLLM's flag)")
+    p.add_argument("--backend", choices=["auto", "torch", "triton"], default=None,
+                   help="the ops' kernels: auto (Triton on CUDA, torch elsewhere), torch or triton "
+                        "(default: the HYLA_BACKEND environment variable, else auto)")
 
 
 def _engine_config(args):
@@ -88,8 +118,11 @@ def _engine_config(args):
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
         enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format,
-        quantization=getattr(args, "quantization", None),
-        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))  # a serve flag
+        quantization=getattr(args, "quantization", None), backend=getattr(args, "backend", None),
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),  # a serve flag
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, checkpoint_dtype=args.checkpoint_dtype,
+        host_cache_bytes=args.host_cache_bytes)
 
 
 def _serve(args) -> None:

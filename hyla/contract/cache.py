@@ -12,6 +12,10 @@ every LinearLayerCache as linear and every PagedLayerCache as attention):
   MLA: one compressed latent per token, `[num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`,
   shared by all heads; with a DSA indexer (DSALayerCache) also per-token indexer keys and one
   pooled key per kpool tokens, under the same page ids. Full attention (GQA): keys and values, each `[num_pages, page_size, Hkv, D]`.
+  With FP8 pages (kv_cache_dtype "fp8", hyla.ops.kv_fp8) the latents / keys / values are
+  float8_e4m3fn and each has a paged fp32 scale tensor beside it (MLA `kv_scale` [num_pages,
+  page_size, groups], GQA `k_scale` / `v_scale` [num_pages, page_size, Hkv, 1]), listed in
+  tensors() so that page copies and byte counts include them; without FP8 they are None.
 
 Replay inputs: a speculative verify step with rollback "replay" leaves, on each cache whose layer
 keeps state, the per-token inputs its layer's `commit_replay` needs afterwards. Whoever runs the
@@ -24,7 +28,7 @@ The model owns these shapes; the engine owns which request holds which slot / pa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -116,12 +120,15 @@ class GDNLayerCache(LinearLayerCache):
 
 @dataclass
 class MLALayerCache(PagedLayerCache):
-    """kv: [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] latents (normed c_kv ++ k_pe)."""
+    """kv: [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] latents (normed c_kv ++ k_pe);
+    kv_scale: None, or with FP8 latents (kv e4m3) their scales [num_pages, page_size, groups] fp32
+    (hyla.ops.kv_fp8: groups c and k_pe, or c alone without a positional part)."""
 
     kv: torch.Tensor
+    kv_scale: torch.Tensor | None = field(default=None, kw_only=True)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.kv]
+        return [self.kv] if self.kv_scale is None else [self.kv, self.kv_scale]
 
 
 @dataclass
@@ -135,11 +142,11 @@ class DSALayerCache(MLALayerCache):
     index_pooled: torch.Tensor
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.kv, self.index_tokens, self.index_pooled]
+        return [*super().tensors(), self.index_tokens, self.index_pooled]
 
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         """Token rows as MLALayerCache; pooled keys of the pools complete within those rows."""
-        for t in (self.kv, self.index_tokens):
+        for t in (*super().tensors(), self.index_tokens):
             t[dst, :rows].copy_(t[src, :rows])
         pools = rows * self.index_pooled.shape[1] // self.kv.shape[1]
         self.index_pooled[dst, :pools].copy_(self.index_pooled[src, :pools])
@@ -147,13 +154,19 @@ class DSALayerCache(MLALayerCache):
 
 @dataclass
 class KVLayerCache(PagedLayerCache):
-    """k, v: [num_pages, page_size, Hkv, D] (keys after their norm and RoPE; values)."""
+    """k, v: [num_pages, page_size, Hkv, D] (keys after their norm and RoPE; values); k_scale,
+    v_scale: None, or with FP8 pages (k, v e4m3) one fp32 scale per token and KV head each,
+    [num_pages, page_size, Hkv, 1] (hyla.ops.kv_fp8)."""
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = field(default=None, kw_only=True)
+    v_scale: torch.Tensor | None = field(default=None, kw_only=True)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
+        if self.k_scale is None:
+            return [self.k, self.v]
+        return [self.k, self.v, self.k_scale, self.v_scale]
 
 
 class HybridCache:

@@ -2,8 +2,8 @@
 
 One step, LLMEngine.step():
   Scheduler.schedule()      the ScheduledBatch: sequences and their new-token counts, KV pages,
-                            state slots, checkpoint exports, the copies a prefix-cache hit needs
-  ModelRunner.apply_copies  restores hit checkpoints / partial pages into the request's own slot
+                            state slots, checkpoint exports, the prefix cache's planned copies
+  ModelRunner.apply_transfers  restores into the request's own slot / pages, tier moves
   plain rows: ModelRunner.run -> ForwardBatch.build -> model.forward_batch, per layer:
                             KDA / GDN (hyla.ops chunk or recurrent Triton kernels over the slot
                             pool, short conv), MLA / gated attention (paged Triton kernels), MoE

@@ -87,9 +87,20 @@ class EngineConfig:
     generation_config: "auto" = the checkpoint's generation_config.json (sampling defaults for
     requests that leave them unset, and its EOS ids), "vllm" = none of it, or another directory
     holding a generation_config.json (vLLM's `--generation-config`; hyla.engine.generation_config).
+    mamba_ssm_cache_dtype: vLLM's name for state_dtype ("auto" = float32). checkpoint_dtype "int8":
+    prefix-cache state checkpoints stored with int8 rows and fp32 scales (hyla.engine.checkpoint_codec),
+    in the memory the checkpoints' state slots would take. host_cache_bytes: a host-memory tier
+    that receives what the prefix cache's device tier evicts (hyla.engine.cache_tiers).
     quantization: None, or "fp8" (vLLM's `--quantization fp8`): block-quantise a bf16 checkpoint's
     projections and experts to FP8 while loading; an FP8 checkpoint is read as FP8 either way
-    (hyla.models.fp8; another value, or "fp8" on another quantised format, is a ValueError)."""
+    (hyla.models.fp8; another value, or "fp8" on another quantised format, is a ValueError).
+    backend: the ops' kernels for the whole process, applied when the engine starts
+    (hyla.ops.dispatch.set_backend): "auto" (Triton on CUDA, torch elsewhere), "torch" or
+    "triton"; None keeps the process's choice (the HYLA_BACKEND environment variable, else auto).
+    kv_cache_dtype: "auto" (attention KV pages in the model dtype), or "fp8" / "fp8_e4m3" (vLLM's
+    `--kv-cache-dtype fp8`): MLA latents / GQA keys and values stored in e4m3 with per-token fp32
+    scales, about half the bytes per token of bf16, so the same budget holds about twice the pages
+    (hyla.ops.kv_fp8); anything else, vLLM's "fp8_e5m2" and "fp8_inc" included, is a ValueError."""
 
     model: str
     dtype: torch.dtype | str | None = None
@@ -109,10 +120,15 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     load_format: str = "auto"
     quantization: str | None = None  # "fp8": block-quantise a bf16 checkpoint while loading (hyla.models.fp8)
+    kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3": e4m3 KV pages with per-token scales (hyla.ops.kv_fp8)
     revision: str | None = None
     generation_config: str = "auto"
     scheduling_policy: str = "fcfs"  # or "priority": SamplingParams.priority orders the waiting queue
     gpu_memory_utilization: float = 0.9
+    mamba_ssm_cache_dtype: str | None = None  # vLLM's name for state_dtype: "auto" (float32), "float32", "bfloat16"
+    checkpoint_dtype: str = "auto"  # "int8": prefix-cache state checkpoints stored int8 (hyla.engine.checkpoint_codec)
+    host_cache_bytes: int = 0  # a host-memory tier under the prefix cache, in bytes (0: none)
+    backend: str | None = None  # "auto" / "torch" / "triton": the ops' backend (None: HYLA_BACKEND's, else auto)
     model_limit: int = field(init=False, default=0)  # the checkpoint's max_position_embeddings (or 2^20)
 
     def __post_init__(self):
@@ -120,6 +136,7 @@ class EngineConfig:
         model's), never a weight, so a bad configuration fails before any model loads."""
         self.dtype = parse_dtype(self.dtype, "dtype")
         self.state_dtype = parse_dtype(self.state_dtype, "state_dtype") or torch.float32
+        self._resolve_cache_fields()
         if self.state_dtype not in (torch.float32, torch.bfloat16, torch.float64):
             raise ValueError(f"state_dtype must be float32, bfloat16 or float64, got {self.state_dtype}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
@@ -136,10 +153,15 @@ class EngineConfig:
         if self.checkpoint_interval is not None and (not isinstance(self.checkpoint_interval, int)
                                                      or self.checkpoint_interval < 1):
             raise ValueError(f"checkpoint_interval must be a positive integer, got {self.checkpoint_interval!r}")
+        if self.backend is not None and self.backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {self.backend!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        from hyla.ops.kv_fp8 import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype, "kv_cache_dtype")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device is None:
@@ -183,6 +205,26 @@ class EngineConfig:
                 raise ValueError(f"speculative method 'mtp' needs a checkpoint with a multi-token-prediction head; "
                                  f"{self.model} has no `mtp.*` tensors")
             spec.model = self.model  # the drafter reads the head from there
+
+    def _resolve_cache_fields(self) -> None:
+        """mamba_ssm_cache_dtype (vLLM's flag; sets state_dtype), checkpoint_dtype, host_cache_bytes."""
+        name = self.mamba_ssm_cache_dtype
+        if name is not None:
+            states = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
+            if name not in states:
+                raise ValueError(f"mamba_ssm_cache_dtype must be one of {sorted(states)}, got {name!r} "
+                                 "(the recurrent state runs in float32 or bfloat16)")
+            if self.state_dtype != torch.float32 and self.state_dtype != states[name]:
+                raise ValueError(f"mamba_ssm_cache_dtype={name!r} contradicts state_dtype={self.state_dtype}")
+            self.state_dtype = states[name]
+        if self.checkpoint_dtype not in ("auto", "int8"):
+            raise ValueError(f"checkpoint_dtype must be 'auto' or 'int8', got {self.checkpoint_dtype!r}")
+        h = self.host_cache_bytes
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise ValueError(f"host_cache_bytes must be a number of bytes >= 0, got {h!r}")
+        if (self.checkpoint_dtype != "auto" or h) and not self.enable_prefix_caching:
+            raise ValueError("checkpoint_dtype='int8' and host_cache_bytes store prefix-cache entries: "
+                             "they need enable_prefix_caching")
 
     def _check_parallel(self, target) -> None:
         """tensor_parallel_size: enough devices, a family with a plan, sizes it divides (the

@@ -1,7 +1,7 @@
 """LLMEngine: the incremental engine (add_request / step / abort_request), one step at a time.
 
     step() = schedule (Scheduler: the plan, every page / slot / copy of the step)
-             -> ModelRunner.apply_copies -> run the model (a plain forward and / or a
+             -> ModelRunner.apply_transfers -> run the model (a plain forward and / or a
              SpecDecoder verify) -> sample -> postprocess (emit, stop checks, freeing)
 
 Outputs are cumulative RequestOutputs for every request that made progress in the step; a
@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from hyla.engine.cache_tiers import TierSizes, int8_entry_bytes
 from hyla.engine.config import EngineConfig
 from hyla.engine.generation_config import read_generation_config, token_ids
 from hyla.engine.memory_profile import device_pool_budget, profile_step_bytes
@@ -26,6 +27,7 @@ from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import ScheduledBatch, Scheduler
 from hyla.engine.sequence import Sequence, Status
 from hyla.engine.spec.decoder import SpecDecoder, make_drafter
+from hyla.ops import dispatch
 from hyla.parallel.errors import TensorParallelError
 
 log = logging.getLogger("hyla.engine")
@@ -34,6 +36,8 @@ log = logging.getLogger("hyla.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
         self.config = config
+        if config.backend is not None:  # the ops' backend, for this process (and its tensor-parallel ranks)
+            dispatch.set_backend(config.backend)
         # On the CPU, bf16 / fp16 matmuls are several times slower than fp32: default to fp32 there.
         dtype = config.dtype or (torch.float32 if config.device.type == "cpu" else None)
         self.workers = None  # tensor parallel: the WorkerGroup (rank 0 is this process)
@@ -57,6 +61,7 @@ class LLMEngine:
         self.model = model if model is not None else load_model(config.model, dtype=dtype, device=config.device,
                                                                 random_weights=config.load_format == "dummy",
                                                                 quantization=config.quantization)
+        self._set_kv_cache_dtype(config.kv_cache_dtype)  # before the pools are sized from the model's bytes
         if tokenizer is None and has_tokenizer(config.model):
             tokenizer = load_tokenizer(config.model)  # a broken tokenizer file is an error, not "none"
         self.tokenizer = tokenizer
@@ -90,17 +95,22 @@ class LLMEngine:
             max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
             device=self.model.device, extra_slots=extra, slots_per_seq=per_seq, extra_kv_bytes_per_token=extra_kv,
             reserved_bytes=later)
+        tiers = TierSizes()
+        if config.enable_prefix_caching:
+            num_slots, tiers = self._cache_tiers(num_slots, num_pages, per_seq)
         self.pools = Pools(num_pages, num_slots, config.page_size)
         self._log_capacity(num_slots, num_pages, per_seq)
         if self.workers is not None:
             from hyla.parallel.runner import tp_runner
 
             self.runner = tp_runner(self.workers, num_slots, num_pages, config.page_size, config.state_dtype,
-                                    config.enforce_eager)
+                                    config.enforce_eager, kv_cache_dtype=config.kv_cache_dtype)
         else:
             self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype,
                                       enforce_eager=config.enforce_eager)
-        self.prefix_cache = (PrefixCache(self.pools, config.checkpoint_interval)
+        if tiers != TierSizes():
+            self.runner.attach_tiers(tiers)
+        self.prefix_cache = (PrefixCache(self.pools, config.checkpoint_interval, tiers)
                              if config.enable_prefix_caching else None)
         self.scheduler = Scheduler(max(1, min(config.max_num_seqs, num_slots // per_seq)),
                                    config.max_num_batched_tokens, self.pools, self.prefix_cache, per_seq,
@@ -124,15 +134,65 @@ class LLMEngine:
         self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_requests_failed": 0,
                         "prompt_tokens": 0, "generation_tokens": 0, "spec_num_draft_tokens": 0, "spec_num_drafts": 0,
                         "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0, "num_steps": 0}
+        if drafter is not None and self.workers is not None:
+            drafter = self.runner.shard_drafter(drafter)  # MTP: a shard of the head on every rank
         self.spec = SpecDecoder(spec_cfg, drafter, self.runner) if drafter is not None else None
-        # MTP's fused greedy steps in CUDA graphs: the next one launched before this one is read
+        # MTP's fused greedy steps (its graph extension) in CUDA graphs: the next one launched
+        # before this one is read
         self.chain = None
-        if (self.spec is not None and getattr(self.spec.drafter, "fused", None) is not None
+        if (self.spec is not None and self.spec.drafter.graph_extension is not None
                 and self.workers is None and self.runner.graphs is not None):
             from hyla.engine.spec.mtp.overlap import OverlapChain
 
-            self.chain = self.spec.drafter.chain = OverlapChain(self, self.spec.drafter, spec_cfg.rollback)
+            self.chain = OverlapChain(self, self.spec.drafter, spec_cfg.rollback)
         self._drained: list[RequestOutput] = []  # outputs of a step collected outside `step` (drain)
+
+    def _cache_tiers(self, num_slots: int, num_pages: int, per_seq: int) -> tuple[int, TierSizes]:
+        """The prefix cache's storage beside the running pools -> (state slots, TierSizes).
+
+        checkpoint_dtype "int8": the slots size_pools set aside for checkpoints (those beyond the
+        running requests') become int8 entries, in the same bytes, less a few slots the step's
+        prefills export into before a checkpoint is packed (best effort: an export without a slot
+        is a checkpoint not filed). host_cache_bytes: split between host pages and host
+        checkpoints in the proportion the device gives them."""
+        cfg = self.config
+        slot_bytes = self.model.state_bytes_per_slot(cfg.state_dtype)
+        running = max(1, min(cfg.max_num_seqs, num_slots // per_seq))
+        reserve = max(0, num_slots - running * per_seq)
+        int8_entries, ckpt_bytes, device_ckpt_bytes = 0, slot_bytes, reserve * slot_bytes
+        if cfg.checkpoint_dtype == "int8":
+            meta = self.model.allocate_cache(1, 1, cfg.page_size, cfg.state_dtype, device="meta")
+            ckpt_bytes = int8_entry_bytes(meta)
+            exports = min(reserve, max(1, running // 4))
+            int8_entries = (reserve - exports) * slot_bytes // ckpt_bytes
+            num_slots = running * per_seq + exports
+            device_ckpt_bytes = int8_entries * ckpt_bytes
+            if not int8_entries:
+                log.warning("checkpoint_dtype='int8': the budget leaves no memory for checkpoints beside the "
+                            "running requests' state slots")
+        host_pages = host_ckpts = 0
+        self.checkpoint_bytes = ckpt_bytes  # one checkpoint in its device home (get_metrics)
+        if cfg.host_cache_bytes:
+            page_bytes = self.model.kv_bytes_per_token() * cfg.page_size
+            share = device_ckpt_bytes / max(1, device_ckpt_bytes + num_pages * page_bytes)
+            host_ckpts = int(cfg.host_cache_bytes * share) // ckpt_bytes
+            host_pages = (cfg.host_cache_bytes - host_ckpts * ckpt_bytes) // max(1, page_bytes)
+            log.info("host tier: %d KV pages + %d checkpoints (%.2f GiB of host memory)", host_pages, host_ckpts,
+                     (host_pages * page_bytes + host_ckpts * ckpt_bytes) / 2**30)
+        if int8_entries:
+            log.info("prefix-cache checkpoints: %d int8 entries of %.2f MiB (a state slot: %.2f MiB)", int8_entries,
+                     ckpt_bytes / 2**20, slot_bytes / 2**20)
+        return num_slots, TierSizes(int8_entries, host_pages, host_ckpts)
+
+    def _set_kv_cache_dtype(self, value: str) -> None:
+        """Tell the model how its attention pages are stored (its allocate_cache and
+        kv_bytes_per_token read it); FP8 pages on a model that cannot hold them are a ValueError."""
+        from hyla.ops.kv_fp8 import is_fp8_kv
+
+        if hasattr(self.model, "kv_cache_dtype"):
+            self.model.kv_cache_dtype = value
+        elif is_fp8_kv(value):
+            raise ValueError(f"kv_cache_dtype={value!r}: {type(self.model).__name__} has no FP8 KV pages")
 
     def _log_capacity(self, num_slots: int, num_pages: int, per_seq: int) -> None:
         """What the pools allow, as the engine will run it: the scheduler runs up to
@@ -147,6 +207,14 @@ class LLMEngine:
                  num_slots * slot_bytes / 2**30, per_seq, num_pages, cfg.page_size, num_pages * cfg.page_size,
                  num_pages * self.kv_bytes_per_page / 2**30, running, cfg.max_num_seqs, full_length,
                  self.max_model_len)
+        from hyla.ops.kv_fp8 import is_fp8_kv
+
+        if is_fp8_kv(cfg.kv_cache_dtype):
+            auto = self.model.kv_bytes_per_token("auto")
+            log.info("pools: KV pages in fp8 e4m3 with per-token fp32 scales (kv_cache_dtype=%s): %d B of KV per "
+                     "token instead of %d B in %s (%.2fx the tokens per byte)", cfg.kv_cache_dtype,
+                     self.model.kv_bytes_per_token(), auto, str(self.model.dtype).replace("torch.", ""),
+                     auto / max(1, self.model.kv_bytes_per_token()))
         if running < cfg.max_num_seqs:
             log.warning("max_num_seqs=%d: the memory holds state slots for %d running requests", cfg.max_num_seqs,
                         running)
@@ -257,15 +325,25 @@ class LLMEngine:
         if self.chain is not None and self.chain.flight is not None:
             # a step launched during the previous one (hyla.engine.spec.mtp.overlap): no scheduling
             self.metrics["num_steps"] += 1
-            return outputs + self._collect_flight(launch=True)
+            outputs += self._collect_flight(launch=True)
+            self._apply_cache_transfers()
+            return outputs
         batch = self.scheduler.schedule()
+        self.runner.apply_transfers(batch.transfers)  # also with no request to run: evictions planned copies
         if batch.is_empty:
             return outputs
         self.metrics["num_steps"] += 1
-        self.runner.apply_copies(batch.slot_copies, batch.page_copies)
         plain, spec = batch.split()
         outputs += self._plain_step(plain) if plain.seqs else []
-        return outputs + (self._spec_step(spec) if spec.seqs else [])
+        outputs += self._spec_step(spec) if spec.seqs else []
+        self._apply_cache_transfers()
+        return outputs
+
+    def _apply_cache_transfers(self) -> None:
+        """Run the copies the prefix cache planned while the step's requests were filed (an int8
+        checkpoint packed from the slot just given back) before anything can reuse those slots."""
+        if self.prefix_cache is not None:
+            self.runner.apply_transfers(self.prefix_cache.take_transfers())
 
     @staticmethod
     def _score_prompts(seqs, scored: list[list[int]], sampling: list[bool], logits: torch.Tensor) -> torch.Tensor:
@@ -369,7 +447,7 @@ class LLMEngine:
         tokens and the pages of rejected positions go back."""
         seqs = batch.seqs
         try:
-            results = self.spec.step(seqs, batch.max_drafts, self.generator)
+            results = self.spec.step(seqs, batch.max_drafts, self.generator, self.chain)
         except TensorParallelError:
             raise
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
@@ -458,13 +536,15 @@ class LLMEngine:
         m["num_preemptions"] = self.scheduler.num_preemptions
         m["prefix_cache_query_tokens"] = self.scheduler.cache_query_tokens
         m["prefix_cache_hit_tokens"] = self.scheduler.cache_hit_tokens
-        m.update(cached_pages=0, cached_checkpoints=0)  # reported with the cache off too (0)
+        # reported with the cache (or its tiers) off too: 0
+        m.update(cached_pages=0, cached_checkpoints=0, host_cached_pages=0, host_cached_checkpoints=0, hits_device=0,
+                 hits_host=0, hit_tokens_host=0, bytes_to_host=0, bytes_from_host=0, restore_seconds=0.0)
         if self.prefix_cache is not None:
             usage = self.prefix_cache.usage()
             m.update(usage)
-            m["prefix_cache_bytes"] = (usage["cached_pages"] * self.kv_bytes_per_page
-                                       + usage["cached_checkpoints"] * self.model.state_bytes_per_slot(
-                                           self.config.state_dtype))
+            on_device = usage["cached_checkpoints"] - usage["host_cached_checkpoints"]
+            m["prefix_cache_bytes"] = usage["cached_pages"] * self.kv_bytes_per_page + on_device * self.checkpoint_bytes
+            m.update(self.runner.tier_stats())
         running = self.scheduler.running
         m.update(state_slots_running=sum(len(s.spec_slots) or 1 for s in running),
                  kv_pages_running=len({p for s in running for p in s.block_table}))

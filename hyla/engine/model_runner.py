@@ -12,20 +12,24 @@ import torch
 
 from hyla.contract import ForwardBatch
 from hyla.ops.transfer import to_device_long
+from hyla.engine.cache_tiers import CacheTiers, TierSizes, plain_transfers
 from hyla.engine.cuda_graph import SCRATCH, use_cuda_graphs
 from hyla.engine.cuda_graph_verify import CUDAGraphRunner
 
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, num_pages: int, page_size: int, state_dtype: torch.dtype,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, kv_cache_dtype: str | None = None):
+        """kv_cache_dtype: how the attention pages are stored ("auto", "fp8": hyla.ops.kv_fp8);
+        None = the model's own (model.kv_cache_dtype)."""
         self.model = model
         self.device = model.device
         self.page_size = page_size
         graphs = use_cuda_graphs(model, enforce_eager)  # padding rows write one scratch slot / page
         extra = SCRATCH if graphs else 0
+        kv = {} if kv_cache_dtype is None else {"kv_cache_dtype": kv_cache_dtype}
         self.cache = model.allocate_cache(num_slots + extra, num_pages + extra, page_size=page_size,
-                                          state_dtype=state_dtype)
+                                          state_dtype=state_dtype, **kv)
         self.graphs = CUDAGraphRunner(model, self.cache, max_batch=num_slots) if graphs else None
         self.verified_in_graph = False  # the last verify step ran padded in a graph (commit_replay)
 
@@ -154,11 +158,24 @@ class ModelRunner:
     def copy_page_rows(self, src: int, dst: int, rows: int) -> None:
         self.cache.copy_page_rows(src, dst, rows)
 
+    def attach_tiers(self, sizes: TierSizes) -> None:
+        """Allocate the prefix cache's int8 / host tiers beside the pools (hyla.engine.cache_tiers)."""
+        self.tiers = CacheTiers(self.cache, sizes)
+
+    def tier_stats(self) -> dict:
+        """Bytes moved to / from the host tier and the time its restores took (zeros without one)."""
+        tiers = getattr(self, "tiers", None)
+        return dict(tiers.stats) if tiers is not None else {"bytes_to_host": 0, "bytes_from_host": 0,
+                                                             "restore_seconds": 0.0}
+
     @torch.inference_mode()
-    def apply_copies(self, slot_copies: list[tuple[int, int]], page_copies: list[tuple[int, int, int]]) -> None:
-        """The device copies a ScheduledBatch plans (prefix-cache restores), in order, before its
-        forward: slot copies (src, dst), then page-row copies (src page, dst page, rows)."""
-        for src, dst in slot_copies:
-            self.cache.copy_slot(src, dst)
-        for src, dst, rows in page_copies:
-            self.cache.copy_page_rows(src, dst, rows)
+    def apply_transfers(self, plan: list[tuple]) -> None:
+        """The copies a ScheduledBatch (or the prefix cache after a step) planned, in order, before
+        anything else touches those slots / pages: restores, and moves between the cache's tiers."""
+        if not plan:
+            return
+        tiers = getattr(self, "tiers", None)
+        if tiers is not None:
+            tiers.apply(plan)
+        else:
+            plain_transfers(self.cache, plan)

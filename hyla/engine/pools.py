@@ -52,6 +52,8 @@ class PagePool:
 
 
 class SlotPool:
+    """A free list of indices 0..n-1 (state slots; also the prefix cache's int8 and host entries)."""
+
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self._free = deque(range(num_slots))

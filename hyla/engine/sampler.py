@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from hyla.engine.sequence import Sequence
+# `seqs` / `seq` below: hyla.engine.sequence.Sequence, or a stand-in with the fields read (not
+# imported here: the Sequence's stop rule lives in hyla.engine.spec.acceptance, which imports this).
 
 _NEG_INF = float("-inf")
 
@@ -121,7 +122,7 @@ def restrict(row: torch.Tensor, params, output_ids: list[int]) -> torch.Tensor:
     return restrict_batch(row[None], [params], [output_ids])[0]
 
 
-def guide_mask(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def guide_mask(x: torch.Tensor, seqs: list) -> torch.Tensor:
     """Structured outputs: -inf on the tokens each guided row's grammar does not allow next, out
     of place; unguided rows are untouched, so one request's grammar never affects another's.
     The matchers fill one int32 bitmask [G, ceil(V / 32)] on the host, which goes to the device
@@ -185,7 +186,7 @@ def guide_drafts(guide, drafts: list[int], keep_rejected: bool, V: int) -> tuple
     return drafts[:cut], words[: 1 + cut]
 
 
-def pending_guide_drafts(seq: Sequence, drafts: list[int], keep_rejected: bool, V: int
+def pending_guide_drafts(seq, drafts: list[int], keep_rejected: bool, V: int
                          ) -> tuple[list[int], torch.Tensor | None]:
     """`guide_drafts` for a sequence whose grammar waits for the reasoning end marker
     (seq.guide_pending): the drafts up to the one completing the marker are unmasked (rows of
@@ -290,7 +291,7 @@ def _draw(probs: torch.Tensor, gens: list, generator: torch.Generator) -> torch.
     return (probs / e.clamp_min_(torch.finfo(e.dtype).tiny)).argmax(-1)
 
 
-def _sample_on_device(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator):
+def _sample_on_device(logits: torch.Tensor, seqs: list, generator: torch.Generator):
     """Everything but the host copy. -> (packed [2M + L(1 + 2n)] float64 on the device, L rows'
     indices, n): tokens [M], failed [M], then for the L rows that want logprobs: the sampled
     token's logprob [L], the top-n values [L, n] and their ids [L, n]."""
@@ -325,7 +326,7 @@ def _to_host(packed: torch.Tensor) -> list[float]:
     return packed.tolist()
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> tuple[list, list]:
+def sample(logits: torch.Tensor, seqs: list, generator: torch.Generator) -> tuple[list, list]:
     """logits: [M, V] for M sequences, on the model's device (generator and the seeded sequences'
     generators on that device too) -> (token ids [M], per-row logprob dicts or None). A row
     whose logits are not finite, or whose distribution is not valid, gets token None and the

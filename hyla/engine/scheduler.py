@@ -7,7 +7,8 @@ waiting sequences in arrival order while state slots, pages and budget remain. P
 decodes share one step (continuous batching with chunked prefill). Then, for the step's
 sequences: the pages of speculative draft positions (best effort) and the state slots of the
 checkpoints their prefill exports (best effort). The ScheduledBatch carries all of it, with the
-device copies to run before the forward (prefix-cache restores); ModelRunner executes them.
+copies the prefix cache planned meanwhile (restores, and moves between its storage tiers) to run
+before the forward; ModelRunner executes them.
 
 When pages run out, the newest running sequence is preempted: it gives back its slots and pages
 and is recomputed later from its prompt + output so far (exact, since recomputation replays the
@@ -36,15 +37,14 @@ class ScheduledBatch:
     position, state slot) checkpoints seqs[i]'s prefill exports in this step (the slots are
     already allocated). max_drafts[i]: None for a plain step, else seqs[i] is a speculative
     decode that may draft that many tokens (pages for its 1 + max_drafts positions are
-    reserved). slot_copies [(src, dst)] and page_copies [(src page, dst page, rows)]: device
-    copies to run, in order, before the step's forward (prefix-cache restores)."""
+    reserved). transfers: the prefix cache's copies (hyla.engine.cache_tiers) to run, in order,
+    before the step's forward."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     exports: list[list[tuple[int, int]]] = field(default_factory=list)
     max_drafts: list[int | None] = field(default_factory=list)
-    slot_copies: list[tuple[int, int]] = field(default_factory=list)
-    page_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    transfers: list[tuple] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int, exports=None, max_drafts: int | None = None) -> None:
         self.seqs.append(seq)
@@ -173,12 +173,10 @@ class Scheduler:
             self.pools.allocate(seq, n)
             if cache is not None:
                 self.cache_query_tokens += seq.num_tokens
-                hit_tokens, slot_copies, page_copies = cache.restore(seq, hit)
+                hit_tokens = cache.restore(seq, hit)
                 self.cache_hit_tokens += hit_tokens
                 if seq.num_preemptions == 0:  # what the request reports: its first start's hit (vLLM's)
                     seq.num_cached_tokens = hit_tokens
-                batch.slot_copies += slot_copies
-                batch.page_copies += page_copies
             batch.add(seq, n)
             budget -= n
         return self._plan_extras(batch)
@@ -232,6 +230,8 @@ class Scheduler:
                 batch.max_drafts[i] = self._reserve_drafts(seq)
             else:
                 batch.exports[i] = self._plan_exports(seq, n)
+        if self.prefix_cache is not None:  # evictions and restores planned copies: before the forward
+            batch.transfers = self.prefix_cache.take_transfers()
         return batch
 
     @staticmethod

@@ -16,6 +16,7 @@ import torch
 
 from hyla.engine.outputs import CompletionOutput, RequestOutput
 from hyla.engine.sampling_params import SamplingParams
+from hyla.engine.spec.acceptance import reaches_length, stop_ids, stopping_token
 
 
 class Status(enum.Enum):
@@ -144,7 +145,8 @@ class Sequence:
     def check_stop(self, tokenizer) -> None:
         """After a token was appended: update the text and decide whether the request is done.
         Stop strings are matched on the decoded text and cut out; stop / EOS tokens are checked
-        on ids. The text is held back while it ends in an incomplete UTF-8 sequence."""
+        on ids. The text is held back while it ends in an incomplete UTF-8 sequence. The stop
+        rule's host form (hyla.engine.spec.acceptance holds its device form beside it)."""
         token = self.output_token_ids[-1]
         p = self.params
         n_out = len(self.output_token_ids)
@@ -155,11 +157,12 @@ class Sequence:
             return self.finish("error")
         if self.guide is not None and self.guide.is_terminated():  # the grammar is complete (its stop token came)
             return self.finish("stop", token, drop_text_of_last=True, tokenizer=tokenizer)
+        by_id = stopping_token(p, self.eos_token_ids, token, n_out)
+        if by_id == "eos":
+            return self.finish("stop", token, drop_text_of_last=True, tokenizer=tokenizer)
+        if by_id == "stop":
+            return self.finish("stop", token)
         if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return self.finish("stop", token, drop_text_of_last=True, tokenizer=tokenizer)
-            if token in p.stop_token_ids:
-                return self.finish("stop", token)
             for s in p.stop_strings:
                 # Only the newly decoded text can complete a stop string: search from where a match
                 # ending in it may start (a token can hold a stop string and more, e.g. "\n" + spaces).
@@ -167,16 +170,14 @@ class Sequence:
                 if at >= 0:
                     self.text = self.text[:at + len(s)] if p.include_stop_str_in_output else self.text[:at]
                     return self.finish("stop", s)
-        if n_out >= self.max_tokens:
+        if reaches_length(n_out, self.max_tokens):
             self.finish("length")
 
     def stop_ids(self) -> list[int]:
         """The token ids check_stop ends the request on (once past min_tokens): EOS unless
-        ignore_eos, then stop_token_ids (hyla.engine.spec.mtp.overlap applies the same rule on the
-        device)."""
-        p = self.params
-        eos = [] if p.ignore_eos else list(self.eos_token_ids)
-        return eos + [t for t in p.stop_token_ids if t not in eos]
+        ignore_eos, then stop_token_ids (hyla.engine.spec.acceptance.stop_ids; the overlapped
+        MTP step applies the same rule on the device)."""
+        return stop_ids(self.params, self.eos_token_ids)
 
     def _detokenize(self, tokenizer) -> None:
         """Append the text of the output tokens not yet decoded. The tokenizer's decode_stream

@@ -24,6 +24,12 @@ A decode or verify step on the Triton path (CUDA, no grad, not fp64: hyla.ops.di
 gated_attention_kernels) runs everything between that GEMM and o_proj as two fused ops
 (hyla.ops.paged_attention): norms, RoPE and the KV write in one launch, the paged attention and
 the gate in one more (two past 512 keys). Elsewhere the torch code below runs.
+
+FP8 pages (a KVLayerCache with k_scale / v_scale, kv_cache_dtype "fp8": hyla.ops.kv_fp8): each
+new key head (normed, rotated, in the model dtype) and value head is stored in e4m3 with a
+per-token scale, and every read dequantises the rows to the model dtype first, so the
+attention below runs as over a cache in the model dtype (hyla.ops.kv_fp8_dispatch picks the
+fused kernels with their scales).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.masks import causal_after_prefix
 from hyla.layers.norm import ZeroCentredRMSNorm
-from hyla.ops import dispatch
+from hyla.ops import dispatch, kv_fp8, kv_fp8_dispatch
 from hyla.ops.dtypes import work_dtype
 
 
@@ -187,13 +193,21 @@ class GatedAttention(nn.Module):
         otherwise sequences with one new token batched, the others one by one with a causal mask
         offset by their context length."""
         w = batch.uniform_width
-        if w is not None and dispatch.gated_attention_kernels(x, cache.k):
+        fp8 = cache.k_scale is not None
+        if w is not None and (kv_fp8_dispatch.attention_kernels(x, cache.k) if fp8
+                              else dispatch.gated_attention_kernels(x, cache.k)):
             return self._fused_step(x, batch, cache, w)
         q, k, v, gate = self.qkv(x, batch.positions, batch)  # [T_total, H | Hkv, D]
         page_size = cache.k.shape[1]
         rows = batch.kv_slot_mapping(page_size)
-        cache.k.view(-1, self.num_kv_heads, self.head_dim)[rows] = k.to(cache.k.dtype)
-        cache.v.view(-1, self.num_kv_heads, self.head_dim)[rows] = v.to(cache.v.dtype)
+        if fp8:
+            for pool, scales, t in ((cache.k, cache.k_scale, k), (cache.v, cache.v_scale, v)):
+                tq, ts = kv_fp8.quantize_rows(t, (self.head_dim,))
+                pool.view(-1, self.num_kv_heads, self.head_dim)[rows] = tq
+                scales.view(-1, self.num_kv_heads, 1)[rows] = ts
+        else:
+            cache.k.view(-1, self.num_kv_heads, self.head_dim)[rows] = k.to(cache.k.dtype)
+            cache.v.view(-1, self.num_kv_heads, self.head_dim)[rows] = v.to(cache.v.dtype)
         if w is not None:  # no host -> device copies (CUDA-graph safe)
             out = self._windowed(q.unflatten(0, (batch.num_seqs, w)), cache, *batch.query_window(page_size))
             return self.o_proj(out.flatten(0, 1).to(x.dtype) * torch.sigmoid(gate))
@@ -210,6 +224,9 @@ class GatedAttention(nn.Module):
             total = ctx + new
             pages = batch.context_pages(n, total, page_size)
             ks, vs = (t[pages].flatten(0, 1)[:total] for t in (cache.k, cache.v))  # [L, Hkv, D]
+            if fp8:
+                ks, vs = (kv_fp8.dequantize_rows(t, sc[pages].flatten(0, 1)[:total], (self.head_dim,), q.dtype)
+                          for t, sc in ((ks, cache.k_scale), (vs, cache.v_scale)))
             # causal without a built [new, L] mask: plain without a prefix, lower-right aligned with one
             bias = None if ctx == 0 else causal_after_prefix(new, total)
             out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], ks[None], vs[None], bias,
@@ -223,6 +240,13 @@ class GatedAttention(nn.Module):
         masks or gathered windows. x: [S * W, hidden] -> [S * W, hidden]."""
         q, gate, k, v = self._project(x)
         batch.check_written_pages(cache.k.shape[1])
+        if cache.k_scale is not None:  # FP8 pages: the same two ops with the pages' scales
+            q = kv_fp8_dispatch.qk_norm_rope_write(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                                   self.rotary.inv_freq(x.device), batch.positions, cache.k, cache.v,
+                                                   batch.block_tables, w, cache.k_scale, cache.v_scale)
+            out = kv_fp8_dispatch.paged_window_attention(q, cache.k, cache.v, batch.block_tables, batch.context_lens,
+                                                         self.scaling, gate, cache.k_scale, cache.v_scale)
+            return self.o_proj(out)
         q = dispatch.qk_norm_rope_write(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                         self.rotary.inv_freq(x.device), batch.positions, cache.k, cache.v,
                                         batch.block_tables, w)
@@ -237,6 +261,9 @@ class GatedAttention(nn.Module):
         window tokens each query may not attend to; unread: [S, L] those no query attends to
         (ForwardBatch.query_window / decode_window) -> [S, W, H * D]."""
         ks, vs = (t.view(-1, *t.shape[2:])[rows] for t in (cache.k, cache.v))  # [S, L, Hkv, D]
+        if cache.k_scale is not None:  # FP8 pages: the rows in the model dtype
+            ks, vs = (kv_fp8.dequantize_rows(t, sc.view(-1, *sc.shape[2:])[rows], (self.head_dim,), q.dtype)
+                      for t, sc in ((ks, cache.k_scale), (vs, cache.v_scale)))
         qg = q.unflatten(2, (self.num_kv_heads, self.groups))  # [S, W, Hkv, G, D]
         work = work_dtype(ks)  # softmax in >= fp32
         scores = torch.einsum("swkgd,sjkd->swkgj", qg, ks).to(work) * self.scaling  # [S, W, Hkv, G, L]

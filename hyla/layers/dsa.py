@@ -33,6 +33,7 @@ from hyla.layers.dsa_paged import (
     attend_selected, select_from_pooled, select_uniform, write_completed_pools, write_pooled_keys,
 )
 from hyla.layers.mla import MLAAttention
+from hyla.ops import kv_fp8
 
 INDEXER_NORM_EPS = 1e-6  # transformers builds the indexer's k_norm with LayerNorm(eps=1e-6)
 
@@ -170,7 +171,12 @@ class DSAAttention(MLAAttention):
         batch.check_written_pages(page_size)
         rows = batch.kv_slot_mapping(page_size)  # [T_total] flat page rows of the new tokens
         q, q_resid, kv = self.project_query(x)
-        cache.kv.view(-1, cache.kv.shape[-1])[rows] = self._latent_from(kv).to(cache.kv.dtype)
+        if cache.kv_scale is not None:  # FP8 latents (hyla.ops.kv_fp8): one scale per token (NoPE: c only)
+            lq, ls = kv_fp8.quantize_rows(self._latent_from(kv), (cache.kv.shape[-1],))
+            cache.kv.view(-1, cache.kv.shape[-1])[rows] = lq
+            cache.kv_scale.view(-1, 1)[rows] = ls
+        else:
+            cache.kv.view(-1, cache.kv.shape[-1])[rows] = self._latent_from(kv).to(cache.kv.dtype)
         if self.indexer is not None:
             cache.index_tokens.view(-1, cache.index_tokens.shape[-1])[rows] = \
                 self.indexer.token_keys(x).to(cache.index_tokens.dtype)
@@ -181,7 +187,8 @@ class DSAAttention(MLAAttention):
             if self.indexer is not None:
                 write_pooled_keys(self.indexer, cache, batch, page_size)
                 selection = select_uniform(self.indexer, x, q_resid, cache, batch, w)
-            out = attend_selected(self, q, cache.kv, batch.block_tables, batch.token_seq_ids(), selection)
+            out = attend_selected(self, q, cache.kv, batch.block_tables, batch.token_seq_ids(), selection,
+                                  cache.kv_scale)
             return self.o_proj(out), selection
         return self._prefill(x, q, q_resid, batch, cache, selection)
 
@@ -208,7 +215,7 @@ class DSAAttention(MLAAttention):
                     sel = (selection[0][blk], selection[1][blk])
                 sels.append(sel)
                 seq0 = torch.zeros(blk.stop - blk.start, dtype=torch.long, device=x.device)
-                out[blk] = attend_selected(self, q[blk], cache.kv, pages[None], seq0, sel)
+                out[blk] = attend_selected(self, q[blk], cache.kv, pages[None], seq0, sel, cache.kv_scale)
         if self.indexer is not None:
             selection = (torch.cat([s for s, _ in sels]), torch.cat([v for _, v in sels]))
         return self.o_proj(out), selection

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from hyla.contract import ForwardBatch
+from hyla.ops import kv_fp8
 
 
 def write_pooled_keys(indexer, cache, batch: ForwardBatch, page_size: int) -> None:
@@ -72,14 +73,19 @@ def select_uniform(indexer, x: torch.Tensor, q_resid: torch.Tensor, cache, batch
 
 
 def attend_selected(layer, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, seq_ids: torch.Tensor,
-                    selection: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                    selection: tuple[torch.Tensor, torch.Tensor], kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA over the selected latents. q: [T, H, nope]; kv: [num_pages, page_size, r];
-    tables: [N, MP] page ids; seq_ids: [T] each query's row of `tables` -> [T, H * v_dim].
-    A query with nothing selected outputs zeros (as SDPA's fully masked row)."""
+    tables: [N, MP] page ids; seq_ids: [T] each query's row of `tables`; kv_scale: FP8 latents'
+    scales [num_pages, page_size, 1] or None -> [T, H * v_dim]. A query with nothing selected
+    outputs zeros (as SDPA's fully masked row)."""
     sel, valid = selection
     page_size = kv.shape[1]
     pages = tables[seq_ids[:, None], sel // page_size]  # [T, S]
-    lat = kv[pages, sel % page_size].to(q.dtype)  # [T, S, r]
+    if kv_scale is not None:  # FP8 latents: the gathered rows dequantised to the model dtype
+        lat = kv_fp8.dequantize_rows(kv[pages, sel % page_size], kv_scale[pages, sel % page_size],
+                                     (kv.shape[2],), q.dtype)
+    else:
+        lat = kv[pages, sel % page_size].to(q.dtype)  # [T, S, r]
     w = layer.kv_b_proj.weight.unflatten(0, (layer.num_heads, layer.nope + layer.v_dim))  # [H, nope + v, r]
     w_uk, w_uv = w[:, :layer.nope], w[:, layer.nope:]
     q_lat = torch.einsum("thn,hnr->thr", q, w_uk)

@@ -16,6 +16,11 @@ kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj.
 `prepare_for_inference()` packs the two projections from x (q_proj or q_a_proj, and
 kv_a_proj_with_mqa) into one weight (hyla.layers.delta_rule.PackedLinears; state_dict unchanged),
 so an engine step runs them as one GEMM.
+
+FP8 latents (an MLALayerCache with kv_scale, kv_cache_dtype "fp8": hyla.ops.kv_fp8): each new
+latent is stored in e4m3 with a per-token scale for c and one for k_pe; every read dequantises
+the rows to the model dtype first (the paged ops take the scales: hyla.ops.mla), so attention
+runs as over a cache in the model dtype.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from hyla.contract import ForwardBatch, MLALayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.masks import causal_after_prefix
 from hyla.layers.norm import RMSNorm
-from hyla.ops import dispatch
+from hyla.ops import dispatch, kv_fp8
 
 # transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
 # config.rms_norm_eps; the checkpoints were trained that way (GLM-5-Next passes its rms_norm_eps).
@@ -129,23 +134,27 @@ class MLAAttention(nn.Module):
         w = batch.uniform_width
         batch.check_written_pages(page_size)
         dispatch.write_latents(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache.kv, batch.block_tables,
-                               batch.positions, w if w is not None else batch.token_seq_ids())
+                               batch.positions, w if w is not None else batch.token_seq_ids(), kv_scale=cache.kv_scale)
         q = self._query_from(q_in)  # [T_total, H, D]
         if w is not None:  # no host -> device copies (CUDA-graph safe)
             # each query attends up to its own position: `positions` is that list already
-            return self.output(self._absorbed(q, cache.kv, batch.block_tables, batch.positions), x)
+            return self.output(self._absorbed(q, cache.kv, batch.block_tables, batch.positions, cache.kv_scale), x)
         out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
         single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
         if single:
             rows = torch.tensor([batch.cu_seqlens_list[n] for n in single], device=x.device)
             seqs = torch.tensor(single, device=x.device)
-            out[rows] = self._absorbed(q[rows], cache.kv, batch.block_tables[seqs], batch.positions[rows])
+            out[rows] = self._absorbed(q[rows], cache.kv, batch.block_tables[seqs], batch.positions[rows],
+                                       cache.kv_scale)
         cu = batch.cu_seqlens_list
         for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
             if new <= 1:
                 continue
             pages = batch.context_pages(n, ctx + new, page_size)
             lat = cache.kv[pages].flatten(0, 1)[:ctx + new]  # [L, r + rope]
+            if cache.kv_scale is not None:  # FP8 latents: the rows in the model dtype
+                lat = kv_fp8.dequantize_rows(lat, cache.kv_scale[pages].flatten(0, 1)[:ctx + new],
+                                             kv_fp8.latent_groups(self.kv_lora_rank, self.rope), q.dtype)
             out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], lat, ctx)
         return self.output(out, x)
 
@@ -163,13 +172,15 @@ class MLAAttention(nn.Module):
         bias = causal_after_prefix(q.shape[0], latent.shape[0])
         return self._attend(q[None], latent[None], bias, causal=False)[0]
 
-    def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, last: torch.Tensor,
+                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Absorbed form (queries meet the cached latents directly; kv_b_proj folded into them).
         q: [N, H, nope + rope], W = N / S consecutive query tokens of each of S sequences;
         kv: [num_pages, page_size, r + rope]; tables: [S, P] page ids; last: [N] the last
-        position each query attends to -> [N, H * v_dim] in q's dtype."""
+        position each query attends to; kv_scale: FP8 latents' scales or None -> [N, H * v_dim]
+        in q's dtype."""
         w = self.kv_b_proj.weight.unflatten(0, (self.num_heads, self.nope + self.v_dim))  # [H, nope+v, r]
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, r]
-        return dispatch.paged_mla_decode(q_lat, q_pe, kv, tables, last, w_uv, self.scaling)
+        return dispatch.paged_mla_decode(q_lat, q_pe, kv, tables, last, w_uv, self.scaling, kv_scale=kv_scale)

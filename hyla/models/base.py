@@ -18,6 +18,7 @@ from torch import nn
 
 from hyla.contract import ForwardBatch, HybridCache
 from hyla.models import memory
+from hyla.ops import kv_fp8
 
 
 class LanguageModelHolder(nn.Module):
@@ -53,6 +54,10 @@ class HybridForCausalLM(nn.Module):
     config: object
     model: nn.Module
     lm_head: nn.Linear
+    # How attention KV pages are stored (EngineConfig.kv_cache_dtype, which the engine sets here
+    # before it sizes the pools): "auto" = the model dtype, "fp8" / "fp8_e4m3" = e4m3 with per-token
+    # scales (hyla.ops.kv_fp8). allocate_cache and kv_bytes_per_token read it unless given one.
+    kv_cache_dtype: str = "auto"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -107,8 +112,21 @@ class HybridForCausalLM(nn.Module):
         return self.lm_head(hidden).argmax(-1)
 
     def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
-                       state_dtype: torch.dtype = torch.float32, device=None, dtype=None) -> HybridCache:
+                       state_dtype: torch.dtype = torch.float32, device=None, dtype=None,
+                       kv_cache_dtype: str | None = None) -> HybridCache:
+        """Zeroed pools; kv_cache_dtype None = self.kv_cache_dtype (FP8 pages: hyla.ops.kv_fp8)."""
         raise NotImplementedError
+
+    def _kv_fp8(self, kv_cache_dtype: str | None) -> bool:
+        """Whether attention pages are FP8 (kv_cache_dtype, or the model's when None)."""
+        return kv_fp8.is_fp8_kv(self.kv_cache_dtype if kv_cache_dtype is None else kv_cache_dtype)
+
+    def load_mtp_head(self, path, shard=None) -> nn.Module | None:
+        """The checkpoint's multi-token-prediction head for this model (loaded from `path`, the
+        checkpoint this model was loaded from; shard: the rank's tensor-parallel plan), in the
+        family's own layout; None for a family without one (the default). Speculative method
+        "mtp" (hyla.engine.spec.mtp) loads it through here."""
+        return None
 
     @staticmethod
     def _check_pool_sizes(num_slots: int, num_pages: int, page_size: int) -> None:
@@ -120,9 +138,13 @@ class HybridForCausalLM(nn.Module):
         """Bytes one state slot takes across all linear layers: recurrent state + conv windows."""
         return memory.state_bytes_per_slot(self.config, state_dtype, self.dtype)
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of cached KV per token across all attention layers."""
-        return memory.kv_bytes_per_token(self.config, self.dtype)
+    def kv_bytes_per_token(self, kv_cache_dtype: str | None = None) -> int:
+        """Bytes of cached KV per token across all attention layers (kv_cache_dtype None: the
+        model's; FP8 pages count their scales)."""
+        return memory.kv_bytes_per_token(self.config, self.dtype, self._kv_name(kv_cache_dtype))
+
+    def _kv_name(self, kv_cache_dtype: str | None) -> str:
+        return kv_fp8.check_kv_cache_dtype(self.kv_cache_dtype if kv_cache_dtype is None else kv_cache_dtype)
 
     def weight_bytes(self) -> int:
         """Bytes of the checkpoint's tensors as loaded (tied tensors once; derived buffers such as
@@ -133,4 +155,5 @@ class HybridForCausalLM(nn.Module):
         return sum(seen.values())
 
     def memory_report(self, state_dtype: torch.dtype = torch.float32) -> memory.MemoryReport:
-        return memory.memory_report(self.config, self.dtype, state_dtype, weight_bytes=self.weight_bytes())
+        return memory.memory_report(self.config, self.dtype, state_dtype, weight_bytes=self.weight_bytes(),
+                                    kv_cache_dtype=self._kv_name(None))

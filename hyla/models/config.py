@@ -25,6 +25,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from hyla.ops.kv_fp8 import latent_groups
+
 LINEAR = "linear_attention"
 FULL = "full_attention"
 DENSE = "dense"
@@ -64,6 +66,8 @@ class LayerSizes:
     conv_per_slot: int  # one linear layer's conv windows, per request (model dtype)
     kv_per_token: int  # one attention layer's cache, per token (model dtype)
     kv_contents: str  # what that cache holds, e.g. "MLA latents", "keys + values"
+    # fp32 scales per token of one attention layer's cache with FP8 pages (hyla.ops.kv_fp8)
+    kv_scales_per_token: int = 0
 
 # Alternative spellings seen in Kimi-Linear configs: transformers' attribute names on the left of
 # its attribute_map, the released checkpoint's keys on the right. The first key found wins.
@@ -145,7 +149,8 @@ class KimiLinearConfig:
         h, k = self.linear_num_heads, self.linear_head_dim
         return LayerSizes(linear_kind="KDA", attention_kind="MLA", state_per_slot=h * k * k,
                           conv_per_slot=3 * h * k * (self.conv_kernel_size - 1),
-                          kv_per_token=self.kv_lora_rank + self.qk_rope_head_dim, kv_contents="MLA latents")
+                          kv_per_token=self.kv_lora_rank + self.qk_rope_head_dim, kv_contents="MLA latents",
+                          kv_scales_per_token=len(latent_groups(self.kv_lora_rank, self.qk_rope_head_dim)))
 
     def parameter_counts(self) -> tuple[int, int]:
         """(parameters stored in the model dtype, parameters kept in fp32), from the config alone."""

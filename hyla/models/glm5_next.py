@@ -35,6 +35,7 @@ from hyla.models.base import HybridForCausalLM, LanguageModelHolder
 from hyla.models.config import LINEAR, SPARSE
 from hyla.models.glm5_next_config import FULL_INDEXER, Glm5NextConfig
 from hyla.models.glm5_next_memory import indexer_bytes_per_token
+from hyla.ops import kv_fp8
 
 log = logging.getLogger(__name__)
 
@@ -135,17 +136,24 @@ class Glm5NextForCausalLM(HybridForCausalLM):
         if config.has_vision:  # once per model built (the loader builds one)
             log.info("glm5_next: serving the text model; the vision tower's weights (model.visual.*) are skipped")
 
-    def kv_bytes_per_token(self) -> int:
-        """MLA latents plus the indexer's per-token rows and pooled keys (hyla.models.glm5_next_memory)."""
-        return memory.kv_bytes_per_token(self.config, self.dtype) + indexer_bytes_per_token(self.config, self.dtype)
+    def kv_bytes_per_token(self, kv_cache_dtype: str | None = None) -> int:
+        """MLA latents plus the indexer's per-token rows and pooled keys (hyla.models.glm5_next_memory;
+        with FP8 pages the latents are e4m3 with a scale per token, the indexer's rows stay in the
+        model dtype)."""
+        return (memory.kv_bytes_per_token(self.config, self.dtype, self._kv_name(kv_cache_dtype))
+                + indexer_bytes_per_token(self.config, self.dtype))
 
     def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
-                       state_dtype: torch.dtype = torch.float32, device=None, dtype=None) -> HybridCache:
+                       state_dtype: torch.dtype = torch.float32, device=None, dtype=None,
+                       kv_cache_dtype: str | None = None) -> HybridCache:
         """Zeroed pools: per KDA layer a state [num_slots, H, K, K] (state_dtype) and three conv
         windows [num_slots, H*K, W-1]; per indexed layer latents [num_pages, page_size,
         kv_lora_rank], and with a full indexer also index_tokens [num_pages, page_size, 2D] and
-        index_pooled [num_pages, page_size // kpool, D], under the same page ids (dtype).
+        index_pooled [num_pages, page_size // kpool, D], under the same page ids (dtype). With FP8
+        pages (kv_cache_dtype, default the model's) the latents are e4m3 with one scale per token,
+        kv_scale [num_pages, page_size, 1] (hyla.ops.kv_fp8); the indexer's rows keep the dtype.
         page_size must be a multiple of index_kpool, so that a page holds whole pools."""
+        fp8 = self._kv_fp8(kv_cache_dtype)
         self._check_pool_sizes(num_slots, num_pages, page_size)
         c = self.config
         if page_size % c.index_kpool:
@@ -160,12 +168,16 @@ class Glm5NextForCausalLM(HybridForCausalLM):
                 conv = tuple(torch.zeros(num_slots, d, w, dtype=dtype, device=device) for _ in range(3))
                 layers.append(KDALayerCache(state, conv))
                 continue
-            kv = torch.zeros(num_pages, page_size, c.kv_lora_rank, dtype=dtype, device=device)
+            if fp8:
+                kv, scale = kv_fp8.paged_pair((num_pages, page_size, c.kv_lora_rank),
+                                              kv_fp8.latent_groups(c.kv_lora_rank, 0), device)
+            else:
+                kv, scale = torch.zeros(num_pages, page_size, c.kv_lora_rank, dtype=dtype, device=device), None
             if c.indexer_types[i] != FULL_INDEXER:
-                layers.append(MLALayerCache(kv))
+                layers.append(MLALayerCache(kv, kv_scale=scale))
                 continue
             di = c.index_head_dim
             tokens = torch.zeros(num_pages, page_size, 2 * di, dtype=dtype, device=device)
             pooled = torch.zeros(num_pages, page_size // c.index_kpool, di, dtype=dtype, device=device)
-            layers.append(DSALayerCache(kv, tokens, pooled))
+            layers.append(DSALayerCache(kv, tokens, pooled, kv_scale=scale))
         return HybridCache(layers, num_slots, num_pages, page_size)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from hyla.models.config import (
     DENSE, LINEAR, SPARSE, LayerSizes, TransformersNames, _check_int, _req, read_config_json,
 )
+from hyla.ops.kv_fp8 import latent_groups
 
 MODEL_TYPE = "glm5_next"
 TEXT_MODEL_TYPE = "glm5_next_text"
@@ -131,7 +132,8 @@ class Glm5NextConfig:
         h, k = self.linear_num_heads, self.linear_head_dim
         return LayerSizes(linear_kind="KDA", attention_kind="DSA-MLA", state_per_slot=h * k * k,
                           conv_per_slot=3 * h * k * (self.linear_conv_kernel_dim - 1),
-                          kv_per_token=self.kv_lora_rank + self.qk_rope_head_dim, kv_contents="MLA latents")
+                          kv_per_token=self.kv_lora_rank + self.qk_rope_head_dim, kv_contents="MLA latents",
+                          kv_scales_per_token=len(latent_groups(self.kv_lora_rank, self.qk_rope_head_dim)))
 
     def parameter_counts(self) -> tuple[int, int]:
         """(parameters stored in the model dtype, parameters kept in fp32), from the config alone."""

@@ -161,11 +161,13 @@ class KimiK3ForCausalLM(HybridForCausalLM):
         super().prepare_for_inference()
 
     def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
-                       state_dtype: torch.dtype = torch.float32, device=None, dtype=None) -> HybridCache:
+                       state_dtype: torch.dtype = torch.float32, device=None, dtype=None,
+                       kv_cache_dtype: str | None = None) -> HybridCache:
         """Zeroed pools, Kimi-Linear's (kimi_linear.kda_mla_pools): the residual bank needs none."""
         self._check_pool_sizes(num_slots, num_pages, page_size)
         return kda_mla_pools(self.config, num_slots, num_pages, page_size, state_dtype,
-                             self.device if device is None else device, self.dtype if dtype is None else dtype)
+                             self.device if device is None else device, self.dtype if dtype is None else dtype,
+                             fp8=self._kv_fp8(kv_cache_dtype))
 
 
 def _dequantized(packed: Mxfp4Experts, dtype: torch.dtype) -> SituExperts:

@@ -23,6 +23,7 @@ from hyla.layers.moe import MoE
 from hyla.layers.norm import RMSNorm
 from hyla.models.base import HybridForCausalLM
 from hyla.models.config import LINEAR, SPARSE, KimiLinearConfig
+from hyla.ops import kv_fp8
 
 
 class DecoderLayer(nn.Module):
@@ -107,18 +108,21 @@ class KimiLinearForCausalLM(HybridForCausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
-                       state_dtype: torch.dtype = torch.float32, device=None, dtype=None) -> HybridCache:
-        """Zeroed pools (kda_mla_pools); dtype / device default to the model's."""
+                       state_dtype: torch.dtype = torch.float32, device=None, dtype=None,
+                       kv_cache_dtype: str | None = None) -> HybridCache:
+        """Zeroed pools (kda_mla_pools); dtype / device / kv_cache_dtype default to the model's."""
         self._check_pool_sizes(num_slots, num_pages, page_size)
         return kda_mla_pools(self.config, num_slots, num_pages, page_size, state_dtype,
-                             self.device if device is None else device, self.dtype if dtype is None else dtype)
+                             self.device if device is None else device, self.dtype if dtype is None else dtype,
+                             fp8=self._kv_fp8(kv_cache_dtype))
 
 
 def kda_mla_pools(c, num_slots: int, num_pages: int, page_size: int, state_dtype: torch.dtype,
-                  device, dtype: torch.dtype) -> HybridCache:
+                  device, dtype: torch.dtype, fp8: bool = False) -> HybridCache:
     """The pools of a KDA + MLA layer stack (Kimi-Linear, Kimi K3): per KDA layer a state
     [num_slots, H, K, K] (state_dtype) and three conv windows [num_slots, H*K, W-1] (dtype); per
-    MLA layer latents [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] (dtype)."""
+    MLA layer latents [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] (dtype; with fp8
+    e4m3 and their scales [num_pages, page_size, 2 | 1], hyla.ops.kv_fp8)."""
     d, kk, w = c.linear_num_heads * c.linear_head_dim, c.linear_head_dim, c.conv_kernel_size - 1
     layers = []
     for kind in c.layer_types:
@@ -126,6 +130,10 @@ def kda_mla_pools(c, num_slots: int, num_pages: int, page_size: int, state_dtype
             state = state_pool(num_slots, c.linear_num_heads, kk, kk, state_dtype, device)
             conv = tuple(torch.zeros(num_slots, d, w, dtype=dtype, device=device) for _ in range(3))
             layers.append(KDALayerCache(state, conv))
+        elif fp8:
+            kv, scale = kv_fp8.paged_pair((num_pages, page_size, c.kv_lora_rank + c.qk_rope_head_dim),
+                                          kv_fp8.latent_groups(c.kv_lora_rank, c.qk_rope_head_dim), device)
+            layers.append(MLALayerCache(kv, kv_scale=scale))
         else:
             kv = torch.zeros(num_pages, page_size, c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype, device=device)
             layers.append(MLALayerCache(kv))

@@ -10,7 +10,10 @@ family answers in its own config module. What a serving engine has to budget for
   plus its conv windows in the model dtype: KDA three (q, k, v), each H*K x (W-1); Gated
   DeltaNet one over its q|k|v channels, (2*H*K + HV*V) x (W-1);
 - per token: each MLA layer's latent, kv_lora_rank + qk_rope_head_dim values; each full-attention
-  (GQA) layer's key and value, 2 x Hkv x head_dim values; in the model dtype;
+  (GQA) layer's key and value, 2 x Hkv x head_dim values; in the model dtype, or with FP8 pages
+  (kv_cache_dtype "fp8", hyla.ops.kv_fp8) one byte each plus 4 per fp32 scale
+  (LayerSizes.kv_scales_per_token: 2 per MLA latent with a positional part, 1 without, 2 x Hkv
+  per GQA layer);
 - weights: every tensor of the checkpoint, the few kept in fp32 (FP32_TENSORS) at 4 bytes.
 """
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from hyla.models.config import FULL, LINEAR
+from hyla.ops import kv_fp8
 
 # Tensors the loader keeps in fp32 whatever the model dtype: they feed exponentials, sigmoids
 # and top-k choices where bf16 rounding changes results (transformers keeps the router's and
@@ -57,9 +61,15 @@ def _conv_bytes(config, dtype) -> int:
     return _num_layers(config, LINEAR) * config.layer_sizes().conv_per_slot * _nbytes(dtype)
 
 
-def kv_bytes_per_token(config, dtype=torch.bfloat16) -> int:
-    """Bytes of cached KV per token over all attention layers (MLA latents or GQA keys + values)."""
-    return _num_layers(config, FULL) * config.layer_sizes().kv_per_token * _nbytes(dtype)
+def kv_bytes_per_token(config, dtype=torch.bfloat16, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of cached KV per token over all attention layers (MLA latents or GQA keys + values):
+    in dtype, or with kv_cache_dtype "fp8" / "fp8_e4m3" one byte per value plus the fp32 scales."""
+    sizes = config.layer_sizes()
+    if kv_fp8.is_fp8_kv(kv_cache_dtype):
+        per_layer = sizes.kv_per_token * 1 + sizes.kv_scales_per_token * _nbytes(kv_fp8.SCALE_DTYPE)
+    else:
+        per_layer = sizes.kv_per_token * _nbytes(dtype)
+    return _num_layers(config, FULL) * per_layer
 
 
 def parameter_counts(config) -> tuple[int, int]:
@@ -83,6 +93,7 @@ class MemoryReport:
     linear_kind: str  # LayerSizes.linear_kind, e.g. "KDA" | "GDN"
     attention_kind: str  # e.g. "MLA" | "GQA"
     kv_contents: str  # e.g. "MLA latents" | "keys + values"
+    kv_cache_dtype: str = "auto"  # "fp8": e4m3 pages with fp32 scales (hyla.ops.kv_fp8)
 
     @property
     def num_kda_layers(self) -> int:  # the names of the Kimi-only report
@@ -107,14 +118,17 @@ class MemoryReport:
             f"weights           {self.weight_bytes / 2**30:,.2f} GiB ({self.num_parameters:,} parameters, {dt})",
             f"state / request   {mib(self.state_bytes_per_request)} = recurrent "
             f"{mib(self.recurrent_state_bytes_per_request)} ({st}) + conv {mib(self.conv_state_bytes_per_request)}",
-            f"KV / token        {self.kv_bytes_per_token:,} B ({self.kv_contents}, {dt})",
+            f"KV / token        {self.kv_bytes_per_token:,} B ({self.kv_contents}, "
+            f"{dt if not kv_fp8.is_fp8_kv(self.kv_cache_dtype) else 'fp8 e4m3 + fp32 scales'})",
         ])
 
 
 def memory_report(config, dtype: torch.dtype = torch.bfloat16,
-                  state_dtype: torch.dtype = torch.float32, weight_bytes: int | None = None) -> MemoryReport:
+                  state_dtype: torch.dtype = torch.float32, weight_bytes: int | None = None,
+                  kv_cache_dtype: str = "auto") -> MemoryReport:
     """Report for `config` with weights / conv windows / KV in `dtype` and recurrent states in
-    `state_dtype`. weight_bytes: the measured size of a loaded model (computed when None)."""
+    `state_dtype`. weight_bytes: the measured size of a loaded model (computed when None).
+    kv_cache_dtype "fp8": KV pages in e4m3 with their scales."""
     main, fp32 = parameter_counts(config)
     if weight_bytes is None:
         weight_bytes = main * _nbytes(dtype) + fp32 * 4
@@ -124,6 +138,7 @@ def memory_report(config, dtype: torch.dtype = torch.bfloat16,
         state_dtype=state_dtype, num_parameters=main + fp32, weight_bytes=weight_bytes,
         recurrent_state_bytes_per_request=_recurrent_bytes(config, state_dtype),
         conv_state_bytes_per_request=_conv_bytes(config, dtype),
-        kv_bytes_per_token=kv_bytes_per_token(config, dtype),
+        kv_bytes_per_token=kv_bytes_per_token(config, dtype, kv_cache_dtype),
         linear_kind=sizes.linear_kind, attention_kind=sizes.attention_kind, kv_contents=sizes.kv_contents,
+        kv_cache_dtype=kv_cache_dtype,
     )

@@ -27,6 +27,7 @@ from hyla.layers.qwen_moe import Qwen3NextSparseMoE
 from hyla.models.base import HybridForCausalLM
 from hyla.models.config import LINEAR, SPARSE
 from hyla.models.qwen3_next_config import Qwen3NextConfig
+from hyla.ops import kv_fp8
 
 
 class Qwen3NextDecoderLayer(nn.Module):
@@ -113,12 +114,22 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def load_mtp_head(self, path, shard=None):
+        """The `mtp.*` head Qwen3-Next and Qwen3.5 checkpoints ship (hyla.models.qwen3_5_mtp:
+        ValueError when the checkpoint has none)."""
+        from hyla.models.qwen3_5_mtp import load_mtp_head
+
+        return load_mtp_head(path, self, shard=shard)
+
     def allocate_cache(self, num_slots: int, num_pages: int, page_size: int = 16,
-                       state_dtype: torch.dtype = torch.float32, device=None, dtype=None) -> HybridCache:
+                       state_dtype: torch.dtype = torch.float32, device=None, dtype=None,
+                       kv_cache_dtype: str | None = None) -> HybridCache:
         """Zeroed pools: per Gated DeltaNet layer a state [num_slots, HV, K, V] (state_dtype) and
         one conv window [num_slots, 2*H*K + HV*V, W-1] (dtype); per attention layer keys and
-        values, each [num_pages, page_size, Hkv, head_dim] (dtype). dtype / device default to the
-        model's."""
+        values, each [num_pages, page_size, Hkv, head_dim] (dtype; with FP8 pages e4m3 and a
+        scale each per token and KV head, [num_pages, page_size, Hkv, 1], hyla.ops.kv_fp8).
+        dtype / device / kv_cache_dtype default to the model's."""
+        fp8 = self._kv_fp8(kv_cache_dtype)
         self._check_pool_sizes(num_slots, num_pages, page_size)
         c = self.config
         device = self.device if device is None else device
@@ -130,6 +141,10 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
                                    c.linear_value_head_dim, state_dtype, device)
                 conv = torch.zeros(num_slots, c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 layers.append(GDNLayerCache(state, (conv,)))
+            elif fp8:
+                shape = (num_pages, page_size, c.num_key_value_heads, c.head_dim)
+                (k, k_scale), (v, v_scale) = (kv_fp8.paged_pair(shape, (c.head_dim,), device) for _ in range(2))
+                layers.append(KVLayerCache(k, v, k_scale=k_scale, v_scale=v_scale))
             else:
                 k, v = (torch.zeros(num_pages, page_size, c.num_key_value_heads, c.head_dim, dtype=dtype,
                                     device=device) for _ in range(2))

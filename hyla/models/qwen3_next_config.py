@@ -100,7 +100,8 @@ class Qwen3NextConfig:
             linear_kind="GDN", attention_kind="GQA",
             state_per_slot=self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim,
             conv_per_slot=self.conv_dim * (self.linear_conv_kernel_dim - 1),
-            kv_per_token=2 * self.num_key_value_heads * self.head_dim, kv_contents="keys + values")
+            kv_per_token=2 * self.num_key_value_heads * self.head_dim, kv_contents="keys + values",
+            kv_scales_per_token=2 * self.num_key_value_heads)  # FP8 pages: a scale per token and KV head each
 
     def parameter_counts(self) -> tuple[int, int]:
         """(parameters stored in the model dtype, parameters kept in fp32), from the config alone."""

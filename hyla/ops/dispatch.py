@@ -10,9 +10,11 @@ and gates: Triton kernels on CUDA, torch elsewhere.
   - K and V are at most 256 (the chunk and recurrent ops);
 
 otherwise to the torch implementation (hyla.ops.chunk / hyla.ops.recurrent), whose contract the
-kernels share. The environment variable HYLA_BACKEND overrides the device rule:
-`torch` forces torch, `triton` forces the kernels also for CPU tensors (useful only under
-TRITON_INTERPRET=1), `auto` (the default) is the rule above.
+kernels share. The process-wide backend choice overrides the device rule: `torch` forces torch,
+`triton` forces the kernels also for CPU tensors (useful only under TRITON_INTERPRET=1), `auto`
+(the default) is the rule above. It is read once: from the environment variable HYLA_BACKEND when
+this module is imported, then `set_backend` (EngineConfig.backend, applied by the engine at
+startup; tests) changes it; no op call reads the environment.
 """
 
 from __future__ import annotations
@@ -36,23 +38,46 @@ from hyla.ops import step_rows as _torch_step_rows
 from hyla.ops import triton as _triton
 from hyla.ops.dtypes import check_lower_bound
 
-__all__ = ["backend_for", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
+__all__ = ["backend_for", "get_backend", "set_backend", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
            "silu_gated_rms_norm", "kda_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
            "write_latents", "paged_mla_decode", "gated_attention_kernels", "qk_norm_rope_write",
            "paged_window_attention", "silu_mul", "mtp_fc_input", "derive_step_rows"]
 
-_BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton")
 _MAX_HEAD_DIM = 256
+
+
+def _parse_backend(choice) -> str:
+    value = (choice.strip().lower() if isinstance(choice, str) else choice) or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"the backend (EngineConfig.backend, HYLA_BACKEND) must be one of {BACKENDS}, got {choice!r}")
+    return value
+
+
+# The backend choice of this process: HYLA_BACKEND at import (so that a test or a child process
+# setting it before importing hyla gets it), then whatever set_backend sets.
+_backend = _parse_backend(os.environ.get("HYLA_BACKEND", "auto"))
+
+
+def set_backend(choice: str) -> str:
+    """Choose the backend of every dispatched op in this process: "auto", "torch" or "triton"
+    (see the module docstring) -> the previous choice. ValueError for anything else."""
+    global _backend
+    previous, _backend = _backend, _parse_backend(choice)
+    return previous
+
+
+def get_backend() -> str:
+    """The backend choice in force: "auto", "torch" or "triton"."""
+    return _backend
 
 
 def backend_for(q: torch.Tensor, v: torch.Tensor, tensors, *, heads: bool = True) -> str:
     """'triton' or 'torch' for a call with query `q`, value `v` and all tensor arguments `tensors`.
     heads=False for the short conv (x as both q and v): no [B, T, H, D] layout or head-size rule."""
-    choice = os.environ.get("HYLA_BACKEND", "auto").strip().lower() or "auto"
-    if choice not in _BACKENDS:
-        raise ValueError(f"HYLA_BACKEND must be one of {_BACKENDS}, got {choice!r}")
+    choice = _backend
     if choice == "torch":
         return "torch"
     if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor)):
@@ -67,9 +92,10 @@ def backend_for(q: torch.Tensor, v: torch.Tensor, tensors, *, heads: bool = True
         return "torch"
     if choice == "triton":
         if not _triton.is_available():
-            raise RuntimeError("HYLA_BACKEND=triton but triton is not installed")
+            raise RuntimeError("backend 'triton' (HYLA_BACKEND / set_backend) but triton is not installed")
         if not q.is_cuda and not _triton.interpreting():
-            raise RuntimeError("HYLA_BACKEND=triton with CPU tensors needs TRITON_INTERPRET=1")
+            raise RuntimeError("backend 'triton' (HYLA_BACKEND / set_backend) with CPU tensors needs "
+                               "TRITON_INTERPRET=1")
         return "triton"
     return "triton" if q.is_cuda and _triton.is_available() else "torch"
 
@@ -84,8 +110,8 @@ def _dispatched(torch_fn, name: str, q_name: str = "q", v_name: str = "v", heads
     """torch_fn's op, run by the Triton kernel of the same name when backend_for says so. A
     kernel whose block config does not fit the device (Triton's OutOfResources at launch, e.g.
     fp32 inputs on a config sized for bf16) is not an error in the auto mode: the call, and every
-    later call of that op, dtype and head size, runs the torch path, with one warning. Under
-    HYLA_BACKEND=triton it is raised."""
+    later call of that op, dtype and head size, runs the torch path, with one warning. Under the
+    backend "triton" it is raised."""
     params = torch_fn.__code__.co_varnames[: torch_fn.__code__.co_argcount]
     i_q, i_v = params.index(q_name), params.index(v_name)
 
@@ -100,8 +126,7 @@ def _dispatched(torch_fn, name: str, q_name: str = "q", v_name: str = "v", heads
                 try:
                     return getattr(_triton, name)(*args, **kwargs)
                 except Exception as err:  # noqa: BLE001 - only OutOfResources is caught
-                    forced = os.environ.get("HYLA_BACKEND", "auto").strip().lower() == "triton"
-                    if type(err).__name__ != "OutOfResources" or forced:
+                    if type(err).__name__ != "OutOfResources" or _backend == "triton":
                         raise
                     _NO_FIT.add(key)
                     _log.warning("%s: the Triton kernel does not fit this device for %s at head sizes %d/%d "
@@ -281,7 +306,7 @@ def mtp_fc_input(ids: torch.Tensor, embed: torch.Tensor, hidden: torch.Tensor, w
 def derive_step_rows(base: torch.Tensor, prev: torch.Tensor, vmeta: torch.Tensor, emeta: torch.Tensor,
                      vpad: torch.Tensor, epad: torch.Tensor, kept: torch.Tensor | None = None) -> None:
     """hyla.ops.step_rows.derive_step_rows (the next overlapped MTP step's input rows), one
-    Triton launch on CUDA (HYLA_BACKEND=triton: also the interpreter on CPU tensors)."""
+    Triton launch on CUDA (backend "triton": also the interpreter on CPU tensors)."""
     if backend_for(prev, prev, (), heads=False) == "triton" and all(
             t.stride(-1) == 1 for t in (base, prev, vmeta, emeta, vpad, epad)):
         return _triton.derive_step_rows(base, prev, vmeta, emeta, vpad, epad, kept)

@@ -21,6 +21,10 @@ dequantised in fp32, fp32 products), so a kernel matches them up to fp32 summati
 rule) and the torch definitions elsewhere. (cuBLAS through torch._scaled_mm, with the same
 quantised activations, sits beside the Triton GEMM in hyla.ops.triton.fp8_gemm for the GPU test
 that times the two; the product uses the Triton GEMM until that timing picks.)
+
+The e4m3 rounding and `per_token_group_quant` are defined in hyla.ops.fp8_quant (no dispatch
+import there: the FP8 KV pages' torch ops, which hyla.ops.dispatch routes, quantise with them
+too) and re-exported here.
 """
 
 from __future__ import annotations
@@ -28,22 +32,15 @@ from __future__ import annotations
 import torch
 
 from hyla.ops.fp8_checks import BLOCK, FP8_DTYPE, cdiv, check_fp8_experts, scale_shape
+from hyla.ops.fp8_quant import ACT_EPS, FP8_MAX, per_token_group_quant  # noqa: F401 (re-exported)
+from hyla.ops.fp8_quant import to_e4m3 as _to_e4m3
 from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.moe_pairs import sort_pairs_by_expert
 from hyla.ops.utils import work_dtype
 
-FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
-ACT_EPS = 1e-10  # an activation group's amax floor: an all-zero group gets a tiny scale, not 0 / 0
-
 __all__ = ["FP8_DTYPE", "FP8_MAX", "BLOCK", "cdiv", "scale_shape", "block_quantize", "block_dequantize",
            "per_token_group_quant", "quantize_gate_up", "dequantize_gate_up", "fp8_linear", "fp8_linear_torch", "fp8_moe_experts",
            "fp8_moe_experts_torch"]
-
-
-def _to_e4m3(v: torch.Tensor) -> torch.Tensor:
-    """fp32 values within +-448 (up to rounding) -> e4m3, round to nearest even (torch's cast);
-    clamped first since the cast to e4m3fn turns overflow into NaN."""
-    return v.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def _expand_blocks(s: torch.Tensor, rows: int, cols: int, block: int) -> torch.Tensor:
@@ -83,19 +80,6 @@ def block_dequantize(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = torc
                          f"{tuple(q.shape)} weight (expected {tuple(q.shape[:-2]) + scale_shape(N, K, block)})")
     work = torch.float64 if dtype == torch.float64 else torch.float32
     return (q.to(work) * _expand_blocks(s.to(work), N, K, block)).to(dtype)
-
-
-def per_token_group_quant(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (q [M, K] e4m3, s [M, ceil(K/group)] fp32): each row's groups of `group`
-    columns (the last one partial) scaled by s = max(amax, 1e-10) / 448, q = x / s rounded to
-    nearest even. The Triton kernels quantise bit for bit the same (hyla.ops.triton.fp8_gemm)."""
-    M, K = x.shape
-    g = cdiv(K, group)
-    x32 = x.float()
-    amax = torch.nn.functional.pad(x32.abs(), (0, g * group - K)).view(M, g, group).amax(-1)
-    s = amax.clamp(min=ACT_EPS) / FP8_MAX
-    q = _to_e4m3(x32 / s.repeat_interleave(group, dim=-1)[:, :K])
-    return q, s
 
 
 def _group_dequant(q: torch.Tensor, s: torch.Tensor, work: torch.dtype, group: int = BLOCK) -> torch.Tensor:

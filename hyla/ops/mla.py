@@ -15,12 +15,19 @@ C = r + rope: the normalised compressed KV (r = kv_lora_rank) followed by the po
 
 hyla.ops.dispatch sends CUDA calls to hyla.ops.triton.mla (one kernel for the latents, a
 split-KV kernel and a combine + W_UV kernel for attention); these are the contracts.
+
+FP8 latents (kv_cache_dtype "fp8", hyla.ops.kv_fp8): both ops take `kv_scale`, the pages'
+scales [num_pages, page_size, G] (G = 2: c and kpe scaled apart, or 1 over the row). The writer
+rounds the latent to its dtype as above, then quantises each group of the row (per-token dynamic
+scale); the reader dequantises the rows it gathers to q_lat's dtype and runs as over a cache in
+that dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hyla.ops import kv_fp8
 from hyla.ops.norm import rms_norm_rounded
 from hyla.ops.utils import work_dtype
 
@@ -45,21 +52,46 @@ def _check_latents(kv: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, 
     return weight.shape[0]
 
 
+def _check_scale(cache: torch.Tensor, kv_scale: torch.Tensor | None, r: int) -> tuple[int, ...] | None:
+    """The column groups of FP8 latents (None without kv_scale); ValueError for a bad pairing."""
+    if kv_scale is None:
+        if cache.dtype == kv_fp8.FP8_DTYPE:
+            raise ValueError("FP8 latents need their kv_scale")
+        return None
+    if cache.dtype != kv_fp8.FP8_DTYPE or kv_scale.dtype != kv_fp8.SCALE_DTYPE or kv_scale.ndim != 3 \
+            or kv_scale.shape[:2] != cache.shape[:2]:
+        raise ValueError(f"kv_scale must be float32 [pages, page_size, groups] beside a float8_e4m3fn cache; got "
+                         f"{kv_scale.dtype} {tuple(kv_scale.shape)} beside {cache.dtype} {tuple(cache.shape)}")
+    groups = kv_fp8.latent_groups(r, cache.shape[2] - r)
+    if kv_scale.shape[2] != len(groups):
+        raise ValueError(f"FP8 latents of {r} + {cache.shape[2] - r} columns carry {len(groups)} scales per token "
+                         f"(c{' and kpe' if len(groups) == 2 else ''}), kv_scale has {kv_scale.shape[2]}")
+    return groups
+
+
 def write_latents(kv: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
-                  block_tables: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor | int) -> None:
+                  block_tables: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor | int,
+                  kv_scale: torch.Tensor | None = None) -> None:
     """kv: [T, r + rope] (rows may be strided: a column block of a packed projection);
     weight: [r] the latent norm's weight; cache: [num_pages, page_size, r + rope];
     block_tables: [S, P] page ids; positions: [T] int64; seq_ids: [T] int64 the sequence of
     each token, or an int W when every sequence brings W tokens in order (token t is of
     sequence t // W). Token t goes to row positions[t] % page_size of page
     block_tables[seq, positions[t] // page_size]; a page id -1 counts from the end (the
-    CUDA-graph runner's padding rows write the last page, its scratch). In place."""
+    CUDA-graph runner's padding rows write the last page, its scratch). In place. kv_scale:
+    with an FP8 cache, its scales [num_pages, page_size, G] (the module docstring), also written."""
     r = _check_latents(kv, weight, cache, block_tables, positions, seq_ids)
+    groups = _check_scale(cache, kv_scale, r)
     seq = torch.arange(kv.shape[0], device=kv.device) // seq_ids if isinstance(seq_ids, int) else seq_ids
     ps = cache.shape[1]
     slots = block_tables[seq, positions // ps] * ps + positions % ps
     c, kpe = kv[:, :r], kv[:, r:]
     latent = torch.cat([rms_norm_rounded(c, weight, eps), kpe.to(torch.promote_types(weight.dtype, kv.dtype))], -1)
+    if groups is not None:
+        q, s = kv_fp8.quantize_rows(latent, groups)
+        cache.view(-1, cache.shape[-1])[slots] = q
+        kv_scale.view(-1, kv_scale.shape[-1])[slots] = s
+        return
     cache.view(-1, cache.shape[-1])[slots] = latent.to(cache.dtype)
 
 
@@ -79,7 +111,8 @@ def _check_decode(q_lat, q_pe, cache, block_tables, last, w_uv) -> None:
 
 
 def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                     last: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+                     last: torch.Tensor, w_uv: torch.Tensor, scale: float,
+                     kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA over paged latents for N = S * W query tokens (W consecutive queries per
     sequence: 1 for decode, 1 + k for a speculative verify).
 
@@ -88,11 +121,17 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     page 0 and masked); last: [N] int64 the last position query n may attend to (its own);
     w_uv: [H, v, r] the value half of kv_b_proj -> [N, H * v] in q_lat's dtype.
     Softmax in fp32 (fp64 for fp64 inputs); probabilities rounded to the cache dtype before
-    they weight the latents, as the expanded form's bf16 attention does."""
+    they weight the latents, as the expanded form's bf16 attention does. kv_scale: with FP8
+    latents their scales [num_pages, page_size, G]: the gathered rows are dequantised to q_lat's
+    dtype, which then stands for the cache dtype above."""
     _check_decode(q_lat, q_pe, cache, block_tables, last, w_uv)
     N, H, r = q_lat.shape
     S = block_tables.shape[0]
-    lat = cache[block_tables.clamp(min=0)].flatten(1, 2)  # [S, L, C]
+    groups = _check_scale(cache, kv_scale, r)
+    pages = block_tables.clamp(min=0)
+    lat = cache[pages].flatten(1, 2)  # [S, L, C]
+    if groups is not None:
+        lat = kv_fp8.dequantize_rows(lat, kv_scale[pages].flatten(1, 2), groups, q_lat.dtype)
     q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], -1).view(S, N // S, H, -1)
     work = work_dtype(lat)
     scores = torch.einsum("swhc,slc->swhl", q.to(lat.dtype), lat).to(work) * scale

@@ -19,12 +19,19 @@ Pool layout: keys and values [num_pages, page_size, Hkv, D] each. Token t of the
 sequence t // W and sits at positions[t]; its row is
 block_tables[seq, pos // page_size] * page_size + pos % page_size, where a page id -1 counts from
 the end (the CUDA-graph runners' scratch page, which their padding rows write).
+
+FP8 pages (kv_cache_dtype "fp8", hyla.ops.kv_fp8): both ops take `k_scale` and `v_scale`, one
+fp32 scale per token and KV head, [pages, page_size, Hkv, 1]. The writer quantises each key head
+(normed, rotated and rounded to q's dtype, as above) and value head with its own per-token
+scale; the reader dequantises the rows it gathers to q's dtype, which then stands for the pool's
+dtype below.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hyla.ops import kv_fp8
 from hyla.ops.norm import rms_norm_zero_centred
 from hyla.ops.utils import work_dtype
 
@@ -64,18 +71,39 @@ def _check_write(q, k, v, q_weight, k_weight, inv_freq, positions, cache_k, cach
         raise ValueError(f"{T} tokens are not {width} per sequence of block_tables {tuple(block_tables.shape)}")
 
 
+def check_scales(cache_k: torch.Tensor, cache_v: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None) -> bool:
+    """Whether the pools are FP8 with their scales (False: no scales, pools not FP8); ValueError
+    for anything between."""
+    fp8 = cache_k.dtype == kv_fp8.FP8_DTYPE or cache_v.dtype == kv_fp8.FP8_DTYPE
+    if k_scale is None and v_scale is None and not fp8:
+        return False
+    want = (*cache_k.shape[:3], 1)
+    if not (fp8 and cache_k.dtype == cache_v.dtype and k_scale is not None and v_scale is not None
+            and k_scale.shape == want and v_scale.shape == want
+            and k_scale.dtype == v_scale.dtype == kv_fp8.SCALE_DTYPE):
+        raise ValueError(f"FP8 pools need float32 k_scale and v_scale {want} (and FP8 pools need them); got "
+                         f"pools {cache_k.dtype} / {cache_v.dtype}, scales "
+                         f"{None if k_scale is None else (k_scale.dtype, tuple(k_scale.shape))} / "
+                         f"{None if v_scale is None else (v_scale.dtype, tuple(v_scale.shape))}")
+    return True
+
+
 def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                        k_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, positions: torch.Tensor,
                        cache_k: torch.Tensor, cache_v: torch.Tensor, block_tables: torch.Tensor,
-                       width: int) -> torch.Tensor:
+                       width: int, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D], k, v: [T, Hkv, D] (any strides: column blocks of a packed projection);
     q_weight, k_weight: [D] zero-centred norm weights (the norm multiplies 1 + w); inv_freq:
     [rotary_dim / 2] fp32; positions: [T] int64; cache_k, cache_v: [pages, page_size, Hkv, D];
     block_tables: [S, P]; width: the W new tokens of each of the S sequences (T = S * W)
     -> the normed, rotated queries [T, H, D] in q.dtype. Writes the normed, rotated keys and the
     values into their pool rows (in the pool's dtype). Rotation in q.dtype:
-    x * cos + x[pair] * sin, cos / sin = cos / signed sin of fp32 angles position * frequency."""
+    x * cos + x[pair] * sin, cos / sin = cos / signed sin of fp32 angles position * frequency.
+    k_scale, v_scale: with FP8 pools their scales [pages, page_size, Hkv, 1], also written."""
     _check_write(q, k, v, q_weight, k_weight, inv_freq, positions, cache_k, cache_v, block_tables, width)
+    fp8 = check_scales(cache_k, cache_v, k_scale, v_scale)
     D = q.shape[2]
     freq, sign, perm = rope_tables(inv_freq.float(), D)
     angles = positions[:, None] * freq  # fp32: float(position) * frequency
@@ -86,6 +114,12 @@ def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
     ps = cache_k.shape[1]
     seq = torch.arange(q.shape[0], device=q.device) // width
     rows = block_tables[seq, positions // ps] * ps + positions % ps  # page -1: the last page's rows
+    if fp8:
+        for pool, scales, x in ((cache_k, k_scale, qk[:, H:]), (cache_v, v_scale, v)):
+            xq, xs = kv_fp8.quantize_rows(x, (D,))
+            pool.view(-1, Hkv, D)[rows] = xq
+            scales.view(-1, Hkv, 1)[rows] = xs
+        return qk[:, :H].contiguous()
     cache_k.view(-1, Hkv, D)[rows] = qk[:, H:].to(cache_k.dtype)
     cache_v.view(-1, Hkv, D)[rows] = v.to(cache_v.dtype)
     return qk[:, :H].contiguous()
@@ -108,7 +142,8 @@ def _check_attend(q, cache_k, cache_v, block_tables, context_lens, gate) -> None
 
 def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           gate: torch.Tensor | None = None) -> torch.Tensor:
+                           gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of W = T / S consecutive query tokens per sequence over their pages.
 
     q: [T, H, D] (query head h reads KV head h // (H / Hkv)); cache_k, cache_v:
@@ -117,14 +152,19 @@ def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     written: the step's own keys first); gate: [T, H, D] (any strides) or None
     -> [T, H * D] in q.dtype: softmax(q k^T * scale) v, times sigmoid(gate) in q.dtype.
     Scores and softmax in fp32 (fp64 for fp64 input), probabilities rounded to the pool's dtype
-    before they weight the values."""
+    before they weight the values. k_scale, v_scale: with FP8 pools their scales [pages,
+    page_size, Hkv, 1]: the gathered rows are dequantised to q's dtype (the pool's dtype above)."""
     _check_attend(q, cache_k, cache_v, block_tables, context_lens, gate)
+    fp8 = check_scales(cache_k, cache_v, k_scale, v_scale)
     T, H, D = q.shape
     S, P = block_tables.shape
     W, ps, Hkv = T // S, cache_k.shape[1], cache_k.shape[2]
     dev = q.device
     rows = (block_tables[:, :, None] * ps + torch.arange(ps, device=dev)).flatten(1)  # [S, L]
     ks, vs = (c.view(-1, Hkv, D)[rows] for c in (cache_k, cache_v))  # [S, L, Hkv, D]
+    if fp8:
+        ks, vs = (kv_fp8.dequantize_rows(t, sc.view(-1, Hkv, 1)[rows], (D,), q.dtype)
+                  for t, sc in ((ks, k_scale), (vs, v_scale)))
     last = context_lens[:, None] + torch.arange(W, device=dev)  # [S, W]
     t = torch.arange(P * ps, device=dev)
     masked = t[None, None, :] > last[:, :, None]  # [S, W, L]

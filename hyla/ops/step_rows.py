@@ -14,6 +14,8 @@ Per request n (W = k + 1 verify rows, S stop ids):
                    its rows of the next step are padding rows (nothing of it may be written)
     kept count     stopped: 1 + the index of the first kept stop token (the host keeps the
                    tokens up to it); else acc + 1
+                   (stopped and kept count: kept_through_stop, the stop rule's device form;
+                   hyla.engine.spec.acceptance states the rule with its host form)
     vmeta[n]       [context + 1 + acc, slot, a_acc, d'_1 .. d'_k, <slots and pages as given>]
                    slot: 1 with rollback "replay" (the state is in the row's one slot, committed
                    before the verify), else acc + 1 (the slot after the kept tokens)
@@ -29,7 +31,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["derive_step_rows", "check_step_rows"]
+__all__ = ["derive_step_rows", "check_step_rows", "kept_through_stop"]
+
+
+def kept_through_stop(top: torch.Tensor, acc: torch.Tensor, stops: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stop rule on the device (hyla.engine.spec.acceptance holds it beside its host form,
+    Sequence.check_stop's): top [n, W] a verify step's tokens, of which request i keeps the
+    first acc[i] + 1 (acc [n, 1] int64); stops [n, S] its stop ids (-1: none) -> (stopped [n, 1]
+    bool: a kept token is a stop id; kept [n, 1] int64: the tokens the host keeps, 1 + the index
+    of the first kept stop token when stopped, else acc + 1). Reads nothing on the host."""
+    W = top.shape[1]
+    kept_ids = torch.where(torch.arange(W, device=top.device)[None, :] <= acc, top, -2)  # -2: matches no stop id
+    hit = (kept_ids[:, :, None] == stops[:, None, :]).any(-1)  # [n, W]
+    stopped = hit.any(-1, keepdim=True)  # [n, 1]
+    return stopped, torch.where(stopped, hit.int().argmax(-1, keepdim=True) + 1, acc + 1)
 
 
 def check_step_rows(base: torch.Tensor, prev: torch.Tensor, vmeta: torch.Tensor, emeta: torch.Tensor,
@@ -61,16 +76,12 @@ def derive_step_rows(base: torch.Tensor, prev: torch.Tensor, vmeta: torch.Tensor
     "replay": written) -> None. int64 throughout; see the module docstring."""
     W = check_step_rows(base, prev, vmeta, emeta, vpad, epad, kept)
     n, k = base.shape[0], W - 1
-    dev = base.device
     prev = prev[:n]
     acc = prev[:, W:W + 1]  # [n, 1]
     top, nxt = prev[:, :W], prev[:, W + 1:]
-    kept_ids = torch.where(torch.arange(W, device=dev)[None, :] <= acc, top, -2)  # -2: matches no stop id
-    hit = (kept_ids[:, :, None] == base[:, None, 2:]).any(-1)  # [n, W]
-    stopped = hit.any(-1, keepdim=True)  # [n, 1]
+    stopped, kept_count = kept_through_stop(top, acc, base[:, 2:])
     if kept is not None:
-        first = hit.int().argmax(-1, keepdim=True) + 1
-        kept[:n] = torch.where(stopped, first, acc + 1)[:, 0]
+        kept[:n] = kept_count[:, 0]
         kept[n:] = 1
         slot = torch.ones_like(acc)
     else:

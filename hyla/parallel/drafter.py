@@ -5,9 +5,10 @@ Every rank holds an MTPDrafter (hyla.engine.spec.mtp.drafter) over its own Model
 pages, and the same per-request views. The engine drives the drafter on rank 0; TPDrafter runs
 each call on rank 0's MTPDrafter (with the real Sequences) and has ranks 1..N-1 run it too:
 
-- `catch_up` and `propose` run the head (all-reduces, the vocab-parallel embedding and lm_head):
-  one command each, executed on every rank at once (TPRunner.drafter_call); in `propose` rank 0
-  draws the drafts and broadcasts each step's tokens (MTPDrafter._agree);
+- `propose` and a prefill's `commit` (its catch-up) run the head (all-reduces, the
+  vocab-parallel embedding and lm_head): one command each, executed on every rank at once
+  (TPRunner.drafter_call); in `propose` rank 0 draws the drafts and broadcasts each step's tokens
+  (MTPDrafter._agree);
 - `observe`, `commit` and `release` only update the views: deferred, they travel with the next
   command (TPRunner.defer), so they cost no broadcast. `observe` reads the hidden states the
   rank's last forward kept (hyla.parallel.worker.Worker: every rank's own copy, the same
@@ -24,13 +25,13 @@ import logging
 import torch
 
 from hyla.engine.spec.mtp.drafter import MTPDrafter
-from hyla.engine.spec.protocol import Drafter
+from hyla.engine.spec.protocol import Proposer
 from hyla.parallel.views import DraftView
 
 log = logging.getLogger("hyla.parallel")
 
 
-class TPDrafter(Drafter):
+class TPDrafter(Proposer):
     needs_hidden = True
     kv_bytes_per_token = staticmethod(MTPDrafter.kv_bytes_per_token)  # rank 0's shard: the bytes per rank
 
@@ -64,15 +65,15 @@ class TPDrafter(Drafter):
             self._first[seq.request_id] = p
         self.runner.defer("observe", ([DraftView.of(s, pages=False) for s in seqs], list(positions), list(counts)))
 
-    def commit(self, seqs, kept: list[int]) -> None:
-        """Ranks 1..N-1 get the tokens after each request's observed rows (what they pair with)."""
+    def commit(self, seqs, kept: list[int], prefill: bool = False) -> None:
+        """Ranks 1..N-1 get the tokens after each request's observed rows (what they pair with);
+        after a prefill every rank runs the head's catch-up at once (MTPDrafter.catch_up)."""
         self.local.commit(seqs, kept)
         views = [DraftView.of(s, self._first.pop(s.request_id, s.num_tokens) + 1, pages=False) for s in seqs]
         self.runner.defer("commit", (views, list(kept)))
-
-    def catch_up(self, seqs) -> None:
-        views = [DraftView.of(s) for s in seqs]
-        self.runner.drafter_call("catch_up", (views,), local=lambda: self.local.catch_up(seqs))
+        if prefill:
+            views = [DraftView.of(s) for s in seqs]
+            self.runner.drafter_call("catch_up", (views,), local=lambda: self.local.catch_up(seqs))
 
     def propose(self, seqs, ks: list[int], generator: torch.Generator | None = None
                 ) -> list[tuple[list[int], torch.Tensor | None]]:

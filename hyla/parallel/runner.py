@@ -1,5 +1,5 @@
 """TPRunner: what LLMEngine holds as its runner under tensor parallelism -- the ModelRunner API
-(run / verify / commit_replay / apply_copies / copy_slot / copy_page_rows), each call broadcast
+(run / verify / commit_replay / apply_transfers / attach_tiers / copy_slot / copy_page_rows), each call broadcast
 to the workers and then run on rank 0's own shard. Every rank runs the same ModelRunner code
 over its own pools (same page and slot counts, per-rank shapes), so the scheduler, the prefix
 cache's checkpoint copies and speculative rollback stay exactly as on one device.
@@ -123,9 +123,17 @@ class TPRunner:
     def copy_page_rows(self, src: int, dst: int, rows: int) -> None:
         self._call("copy_page_rows", src, dst, rows)
 
-    def apply_copies(self, slot_copies, page_copies) -> None:
-        if slot_copies or page_copies:  # most steps have none: no broadcast
-            self._call("apply_copies", list(slot_copies), list(page_copies))
+    def apply_transfers(self, plan: list[tuple]) -> None:
+        if plan:  # most steps have none: no broadcast
+            self._call("apply_transfers", list(plan))
+
+    def attach_tiers(self, sizes) -> None:
+        """Every rank allocates the prefix cache's tiers for its own shard (the same entry counts)."""
+        self._call("attach_tiers", sizes)
+
+    def tier_stats(self) -> dict:
+        """Rank 0's transfer counters (every rank moves the same entries of its own shard)."""
+        return self.local.tier_stats()
 
     def close(self) -> None:
         self.group.close()
@@ -135,11 +143,13 @@ def start_tensor_parallel(config, dtype) -> WorkerGroup:
     """Start config.tensor_parallel_size ranks and load every rank's shard of config.model.
     Raises TensorParallelError (a worker died or never started) or the load error of any rank."""
     from hyla.models.loader import load_config
+    from hyla.ops import dispatch
 
     group = WorkerGroup(config.tensor_parallel_size, config.device)
     spec = dict(model=config.model, model_type=load_config(config.model).model_type, dtype=dtype,
                 device=str(config.device), expert_parallel=config.enable_expert_parallel,
-                random_weights=config.load_format == "dummy", quantization=config.quantization)
+                random_weights=config.load_format == "dummy", quantization=config.quantization,
+                backend=dispatch.get_backend())  # every rank runs the ops' backend rank 0 runs
     try:
         group.call("load", spec, reply=True)
     except BaseException:
@@ -151,10 +161,12 @@ def start_tensor_parallel(config, dtype) -> WorkerGroup:
 
 
 def tp_runner(group: WorkerGroup, num_slots: int, num_pages: int, page_size: int, state_dtype,
-              enforce_eager: bool) -> TPRunner:
-    """Every rank allocates its pools (the same counts, its own shapes) -> rank 0's TPRunner."""
+              enforce_eager: bool, kv_cache_dtype: str = "auto") -> TPRunner:
+    """Every rank allocates its pools (the same counts, its own shapes; FP8 pages with
+    kv_cache_dtype "fp8") -> rank 0's TPRunner."""
     try:
-        group.call("make_runner", num_slots, num_pages, page_size, state_dtype, enforce_eager, reply=True)
+        group.call("make_runner", num_slots, num_pages, page_size, state_dtype, enforce_eager, kv_cache_dtype,
+                   reply=True)
     except BaseException:
         group.close()
         raise

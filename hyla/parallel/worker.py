@@ -59,10 +59,13 @@ class Worker:
 
     def load(self, spec: dict) -> None:
         """spec: model (checkpoint path), model_type, dtype, device (rank 0's), expert_parallel,
-        random_weights (load_format "dummy")."""
+        random_weights (load_format "dummy"), backend (rank 0's ops backend: hyla.ops.dispatch)."""
         from hyla.models.loader import load_model
+        from hyla.ops import dispatch
         from hyla.parallel.plans import make_plan
 
+        if spec.get("backend") is not None:
+            dispatch.set_backend(spec["backend"])
         plan = self.plan = make_plan(spec["model_type"], self.rank, self.world, dist.group.WORLD,
                                      spec["expert_parallel"])
         device = rank_device(torch.device(spec["device"]), self.rank)
@@ -77,10 +80,13 @@ class Worker:
         device = self.model.device
         return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
 
-    def make_runner(self, num_slots: int, num_pages: int, page_size: int, state_dtype, enforce_eager: bool) -> None:
+    def make_runner(self, num_slots: int, num_pages: int, page_size: int, state_dtype, enforce_eager: bool,
+                    kv_cache_dtype: str = "auto") -> None:
         from hyla.engine.model_runner import ModelRunner
 
-        self.runner = ModelRunner(self.model, num_slots, num_pages, page_size, state_dtype, enforce_eager)
+        self.model.kv_cache_dtype = kv_cache_dtype  # the rank's pages (and byte counts) as rank 0's
+        self.runner = ModelRunner(self.model, num_slots, num_pages, page_size, state_dtype, enforce_eager,
+                                  kv_cache_dtype=kv_cache_dtype)
 
     # The runner's calls (hyla.parallel.runner.TPRunner sends them).
     def run(self, *args, return_hidden: bool = False):
@@ -139,8 +145,11 @@ class Worker:
     def commit_replay(self, accepted):
         self.runner.commit_replay(accepted)
 
-    def apply_copies(self, slot_copies, page_copies):
-        self.runner.apply_copies(slot_copies, page_copies)
+    def apply_transfers(self, plan):
+        self.runner.apply_transfers(plan)
+
+    def attach_tiers(self, sizes):
+        self.runner.attach_tiers(sizes)
 
     def copy_slot(self, src, dst):
         self.runner.copy_slot(src, dst)

@@ -53,6 +53,20 @@ _GAUGES = {
     "cached_pages": "KV pages held by the prefix cache",
     "cached_checkpoints": "State checkpoints held by the prefix cache",
 }
+# The prefix cache's tiers: exported name -> (the engine key, help)
+_TIER_COUNTERS = {
+    "prefix_cache_device_hits": ("hits_device", "Prefix-cache hits served from device memory alone (requests)"),
+    "prefix_cache_host_hits": ("hits_host", "Prefix-cache hits that read pages or a checkpoint from the host tier "
+                               "(requests)"),
+    "prefix_cache_host_hit_tokens": ("hit_tokens_host", "Prompt tokens of hits that read the host tier"),
+    "prefix_cache_bytes_to_host": ("bytes_to_host", "Bytes the prefix cache copied to the host tier"),
+    "prefix_cache_bytes_from_host": ("bytes_from_host", "Bytes the prefix cache copied back from the host tier"),
+    "prefix_cache_restore_seconds": ("restore_seconds", "Seconds spent issuing restores from the host tier"),
+}
+_TIER_GAUGES = {
+    "prefix_cache_host_pages": ("host_cached_pages", "KV pages held in the host tier"),
+    "prefix_cache_host_checkpoints": ("host_cached_checkpoints", "State checkpoints held in the host tier"),
+}
 # vLLM's names -> (the engine key, vLLM's help text)
 _VLLM_GAUGES = {
     "vllm:num_requests_running": ("num_requests_running", "Number of requests in model execution batches."),
@@ -96,6 +110,10 @@ class _EngineCollector:
             yield CounterMetricFamily(f"hyla_{name}", doc, value=m[name])
         for name, doc in _GAUGES.items():
             yield GaugeMetricFamily(f"hyla_{name}", doc, value=m[name])
+        for name, (key, doc) in _TIER_COUNTERS.items():
+            yield CounterMetricFamily(f"hyla_{name}", doc, value=m[key])
+        for name, (key, doc) in _TIER_GAUGES.items():
+            yield GaugeMetricFamily(f"hyla_{name}", doc, value=m[key])
         yield from self._vllm(m)
 
     def _vllm(self, m: dict):

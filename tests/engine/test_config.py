@@ -76,3 +76,18 @@ def test_text_prompts_are_tokenised_once(tmp_path):
     out = llm.generate("the cat sat", SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
     assert calls == ["the cat sat"] and out.prompt == "the cat sat"
     assert out.prompt_token_ids == real("the cat sat")
+
+
+def test_backend_is_checked_and_applied_when_the_engine_starts(ckpt, monkeypatch):
+    """EngineConfig.backend: one of auto / torch / triton (None: the process's choice, from
+    HYLA_BACKEND), set for the whole process (hyla.ops.dispatch) when the engine starts."""
+    from hyla.ops import dispatch
+    from tests.ops.helpers import use_backend
+
+    with pytest.raises(ValueError, match="backend"):
+        EngineConfig(str(ckpt), backend="cuda")
+    use_backend(monkeypatch, "auto")
+    LLM(str(ckpt), device="cpu")
+    assert dispatch.get_backend() == "auto"
+    LLM(str(ckpt), device="cpu", backend="torch")
+    assert dispatch.get_backend() == "torch"

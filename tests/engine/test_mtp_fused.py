@@ -169,14 +169,14 @@ def test_sampling_in_the_batch_falls_back(ckpt, plain, monkeypatch):
               for i, p in enumerate(PARAMS)]
     want = _generate(_engine(ckpt, 3, "slots", monkeypatch, graphs=False), params=params)
     llm = _engine(ckpt, 3, "slots", monkeypatch)
-    drafter, batches = llm.engine.spec.drafter, []
-    verify = drafter.verify
+    spec, batches = llm.engine.spec, []
+    verify = spec._verify_extended  # the verify with the drafter's graph extension: the fused step
 
-    def record(seqs, drafts, runner, rollback, pad_to):
-        out = verify(seqs, drafts, runner, rollback, pad_to)
+    def record(seqs, drafts, pad_to, chain=None):
+        out = verify(seqs, drafts, pad_to, chain)
         batches.append((any(not s.params.greedy for s in seqs), out is not None))
         return out
-    drafter.verify = record
+    spec._verify_extended = record
     got = _generate(llm, params=params)
     assert got == want
     assert [got[i] for i in range(1, len(PROMPTS), 2)] == [plain[i] for i in range(1, len(PROMPTS), 2)]
@@ -237,12 +237,12 @@ def test_fused_device_part_reads_nothing_on_the_host(ckpt, plain, monkeypatch):
 
 def test_fused_off_without_graphs_or_under_tensor_parallelism(ckpt, monkeypatch):
     eager = _engine(ckpt, 2, "slots", monkeypatch, graphs=False).engine.spec.drafter
-    assert eager.fused is None and eager.verify([], [], None, "slots", 3) is None
+    assert eager.fused is None and eager.graph_extension is None
     llm = _engine(ckpt, 2, "slots", monkeypatch)
     drafter = llm.engine.spec.drafter
-    assert isinstance(drafter.fused, FusedVerify)
+    assert isinstance(drafter.fused, FusedVerify) and drafter.graph_extension is drafter.fused
     drafter.group = object()  # a model group: each step's tokens would be broadcast
-    assert drafter.verify([], [], llm.engine.runner, "slots", 3) is None
+    assert drafter.graph_extension.extend([], [], 3) is None
 
 
 def test_a_fused_step_reads_the_host_once(bundled, monkeypatch):

@@ -40,10 +40,12 @@ def test_match_returns_a_handle_with_the_longest_hit_and_shares_the_full_pages()
     assert all(memory.pages.refs[p] == 2 for p in s.block_table)
     s.slot = memory.slots.allocate()
     memory.allocate(s, s.num_uncomputed)
-    served, slot_copies, page_copies = cache.restore(s, hit)
+    served = cache.restore(s, hit)
     assert served == 10 and hit.node.locks == 0
-    assert slot_copies == [(hit.node.checkpoints[2], s.slot)]
-    assert page_copies == [(hit.node.page, s.block_table[2], 2)]  # copy-on-write of the partial page
+    assert hit.node.checkpoints[2][0] == "slot"
+    assert cache.take_transfers() == [("copy_rows", hit.node.page, s.block_table[2], 2),  # copy-on-write
+                                      ("copy_slot", hit.node.checkpoints[2][1], s.slot)]
+    assert cache.take_transfers() == []
 
 
 def test_no_hit_without_a_checkpoint_and_hit_capped_below_the_prompt_length():

@@ -40,7 +40,7 @@ def test_admission_plans_pages_and_slots_within_the_token_budget():
     assert len(a.block_table) == 2 and len(b.block_table) == 1
     assert a.slot is not None and b.slot is not None and a.slot != b.slot
     assert in_use(pools) == (3, 2)
-    assert batch.slot_copies == [] and batch.max_drafts == [None, None]
+    assert batch.transfers == [] and batch.max_drafts == [None, None]
 
 
 def test_waiting_requests_wait_for_a_free_slot():
@@ -140,8 +140,8 @@ def test_checkpoint_exports_and_restore_copies_are_in_the_plan():
     batch = sched.schedule()
     assert sched.cache_hit_tokens == 10 and b.num_computed_tokens == 10 and batch.num_new_tokens == [2]
     ckpt = cache.root.children[0][0].children[4][0].children[8][0]  # the page of tokens 8..9
-    assert batch.slot_copies == [(ckpt.checkpoints[2], b.slot)]
-    assert batch.page_copies == [(ckpt.page, b.block_table[2], 2)]
+    assert batch.transfers == [("copy_rows", ckpt.page, b.block_table[2], 2),
+                               ("copy_slot", ckpt.checkpoints[2][1], b.slot)]
 
 
 def test_failed_step_gives_the_export_slots_back():

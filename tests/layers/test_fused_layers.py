@@ -22,6 +22,7 @@ from hyla.contract import ForwardBatch, GDNLayerCache, KDALayerCache, KVLayerCac
 from hyla.layers import GatedDeltaNet, KimiDeltaAttention
 from hyla.layers.attention import GatedAttention
 from hyla.layers.mla import MLAAttention
+from tests.ops.helpers import use_backend
 from tests.oracles.kimi_checkpoint import kimi_checkpoint  # noqa: F401  (session fixture)
 from tests.oracles.qwen3_next_checkpoint import qwen3_next_checkpoint  # noqa: F401  (session fixture)
 
@@ -153,9 +154,9 @@ def test_triton_decode_step_matches_torch(kind, monkeypatch):
     layer.prepare_for_inference()
     layer.requires_grad_(False)
     c_torch, c_triton = (make_cache(layer, dtype=torch.float32, device=dev) for _ in range(2))
-    monkeypatch.setenv("HYLA_BACKEND", "torch")
+    use_backend(monkeypatch, "torch")
     ref = run_steps(layer, c_torch, dtype=torch.float32)
-    monkeypatch.setenv("HYLA_BACKEND", "triton" if dev == "cpu" else "auto")
+    use_backend(monkeypatch, "triton" if dev == "cpu" else "auto")
     got = run_steps(layer, c_triton, dtype=torch.float32)
     for a, b in zip(got, ref):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()

@@ -14,11 +14,12 @@ from tests.models.test_qwen3_next_config import QWEN3_NEXT_80B
 def test_both_families_answer_layer_sizes():
     kimi = KimiLinearConfig.from_hf_dict(KIMI_LINEAR_48B).layer_sizes()
     assert kimi == LayerSizes(linear_kind="KDA", attention_kind="MLA", state_per_slot=32 * 128 * 128,
-                              conv_per_slot=3 * 32 * 128 * 3, kv_per_token=512 + 64, kv_contents="MLA latents")
+                              conv_per_slot=3 * 32 * 128 * 3, kv_per_token=512 + 64, kv_contents="MLA latents",
+                              kv_scales_per_token=2)  # FP8 pages: a scale for c and one for k_pe
     qwen = Qwen3NextConfig.from_hf_dict(QWEN3_NEXT_80B).layer_sizes()
     assert qwen == LayerSizes(linear_kind="GDN", attention_kind="GQA", state_per_slot=32 * 128 * 128,
                               conv_per_slot=(2 * 16 * 128 + 32 * 128) * 3, kv_per_token=2 * 2 * 256,
-                              kv_contents="keys + values")
+                              kv_contents="keys + values", kv_scales_per_token=2 * 2)  # per KV head, k and v
 
 
 def test_report_is_layer_counts_times_layer_sizes():
@@ -30,6 +31,10 @@ def test_report_is_layer_counts_times_layer_sizes():
         assert r.recurrent_state_bytes_per_request == n_lin * sizes.state_per_slot * 4
         assert r.conv_state_bytes_per_request == n_lin * sizes.conv_per_slot * 2
         assert r.kv_bytes_per_token == kv_bytes_per_token(config) == n_att * sizes.kv_per_token * 2
+        fp8 = memory_report(config, torch.bfloat16, torch.float32, kv_cache_dtype="fp8")
+        assert fp8.kv_bytes_per_token == kv_bytes_per_token(config, torch.bfloat16, "fp8_e4m3") \
+            == n_att * (sizes.kv_per_token + 4 * sizes.kv_scales_per_token)
+        assert "fp8 e4m3 + fp32 scales" in str(fp8) and "fp8" not in str(r)
         assert r.state_bytes_per_request == state_bytes_per_slot(config, torch.float32, torch.bfloat16)
         assert r.num_parameters == sum(config.parameter_counts())
         assert f"{n_lin} {sizes.linear_kind} + {n_att} {sizes.attention_kind}" in str(r)

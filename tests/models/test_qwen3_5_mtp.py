@@ -110,3 +110,14 @@ def test_mtp_shard_is_skipped_by_the_model_loader(with_mtp):
     gate_up = head.layers[0].mlp.experts.gate_up_proj  # per-expert tensors stacked in place
     assert torch.equal(gate_up[3, :32], t["mtp.layers.0.mlp.experts.3.gate_proj.weight"])
     assert head.layers[0].mlp.gate.weight.dtype == torch.float32
+
+
+def test_the_family_loads_its_head(with_mtp, tmp_path):
+    """The engine loads the head through the model's family (HybridForCausalLM.load_mtp_head):
+    Qwen's is this module's head; a family without one gives None."""
+    from hyla.models.base import HybridForCausalLM
+
+    path, t = with_mtp("dense", "text")
+    head = load_model(path).load_mtp_head(path)
+    assert torch.equal(head.fc.weight, t["mtp.fc.weight"])
+    assert HybridForCausalLM.load_mtp_head(object(), path) is None

@@ -3,6 +3,15 @@
 import torch
 import torch.nn.functional as F
 
+from hyla.ops import dispatch
+
+
+def use_backend(monkeypatch, choice: str) -> None:
+    """dispatch.set_backend(choice) for the rest of the test: monkeypatch puts the choice in force
+    before it back afterwards (the backend is read once, not from HYLA_BACKEND on each call)."""
+    monkeypatch.setattr(dispatch, "_backend", dispatch.get_backend())  # what teardown restores
+    dispatch.set_backend(choice)
+
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative Frobenius error; NaN anywhere counts as infinitely wrong."""

@@ -27,6 +27,7 @@ from hyla.layers.mlp import MLP
 from hyla.ops.fp8 import (block_dequantize, block_quantize, fp8_linear_torch, fp8_moe_experts_torch,
                           per_token_group_quant, quantize_gate_up)
 from hyla.ops.gated_act import GatedActivation
+from tests.ops.helpers import use_backend
 from tests.ops.triton_env import triton_module
 
 
@@ -154,7 +155,7 @@ def test_fp8_experts_stack_their_shared_expert():
 def test_modules_dispatch_to_the_kernels(monkeypatch):
     _, dev = triton_module("fp8_gemm")
     if dev == "cpu":
-        monkeypatch.setenv("HYLA_BACKEND", "triton")
+        use_backend(monkeypatch, "triton")
     lin = quantized_like(torch.nn.Linear(200, 72)).to(dev)
     x = _x(3, 200).to(dev)
     ref = fp8_linear_torch(x.cpu(), lin.weight.cpu(), lin.weight_scale_inv.cpu(), lin.bias.cpu())

@@ -288,33 +288,34 @@ def test_packed_conv_two_dim_input_and_no_activation():
         assert torch.equal(p, r)
 
 
-def test_packed_conv_falls_back_to_one_launch_per_pool(monkeypatch):
-    """If the multi-pool launch cannot compile, each pool gets its own launch; same results."""
-    from hyla.ops import conv as torch_conv
+def test_packed_conv_launches_the_segments_of_one_dtype_together(monkeypatch):
+    """A launch picks each program's pool and weight pointers, so it takes up to three segments
+    whose pools share a dtype and whose weights share a dtype (decided from the arguments, never
+    from a failed launch); a segment of another dtype gets a launch of its own. Each conv's output
+    and pool equal the same conv packed alone."""
     from hyla.ops.triton import conv as triton_conv
     real = triton_conv._launch_packed
     calls = []
 
-    def flaky(x3, cols, y, idx, group, *rest):
-        calls.append(len({id(s[0]) for s in group}))
-        if calls[-1] > 1:
-            raise RuntimeError("simulated compile failure")
+    def counted(x3, cols, y, idx, group, *rest):
+        calls.append([s[0].dtype for s in group])
         return real(x3, cols, y, idx, group, *rest)
 
-    monkeypatch.setattr(triton_conv, "_launch_packed", flaky)
-    monkeypatch.setattr(triton_conv, "_SPLIT_POOLS", [False])
+    monkeypatch.setattr(triton_conv, "_launch_packed", counted)
+    f32, bf16 = torch.float32, torch.bfloat16
     sizes = [[24], [24], [24]]
     x = _randn(3, 1, 72, seed=11)
     weights = [_randn(24, 1, 4, seed=12 + i) for i in range(3)]
-    pools = _pools(sizes, 4, 4, 15, torch.float32)
-    ref_pools = [p.clone() for p in pools]
     idx = torch.tensor([2, 0, 3], device=DEV)
+    pools = _pools(sizes, 4, 4, 15, f32)
+    triton_conv.causal_conv1d_update_packed(x, pools, weights, sizes, "silu", idx)
+    assert calls == [[f32] * 3]
+    del calls[:]
+    pools[1] = pools[1].to(bf16)
+    alone = [p.clone() for p in pools]
     ys = triton_conv.causal_conv1d_update_packed(x, pools, weights, sizes, "silu", idx)
-    refs = torch_conv.causal_conv1d_update_packed(x, ref_pools, weights, sizes, "silu", idx)
-    assert calls == [3, 1, 1, 1] and triton_conv._SPLIT_POOLS[0]
-    for y, r in zip(ys, refs):
-        assert_ulps(y, r)
-    for p, r in zip(pools, ref_pools):
-        assert torch.equal(p, r)
-    ys = triton_conv.causal_conv1d_update_packed(x, [r.clone() for r in ref_pools], weights, sizes, "silu", idx)
-    assert calls[4:] == [1, 1, 1]
+    assert calls == [[f32, f32], [bf16]]
+    for i in range(3):
+        want = triton_conv.causal_conv1d_update_packed(x[..., 24 * i:24 * (i + 1)], [alone[i]], [weights[i]],
+                                                       [sizes[i]], "silu", idx)[0]
+        assert torch.equal(ys[i], want) and torch.equal(pools[i], alone[i])

@@ -20,6 +20,7 @@ import torch
 from hyla.models.mxfp4 import Mxfp4Experts, dequantize_mxfp4, row_bytes
 from hyla.ops.gated_act import GatedActivation
 from hyla.ops.moe import moe_experts_torch
+from tests.ops.helpers import use_backend
 from tests.ops.triton_env import triton_module
 
 SITU = GatedActivation("situ", beta=4.0, linear_beta=25.0)  # Kimi K3's experts
@@ -145,11 +146,11 @@ def test_holder_runs_the_kernel_and_the_torch_path_alike(monkeypatch):
     holder.load_packed(w13, w2)
     assert holder.gate_up_proj.shape == (8, 64, row_bytes(64)) and holder.gate_up_proj.dtype == torch.uint8
     assert torch.equal(holder.w13()[1], w13[1]) and torch.equal(holder.w2()[0], w2[0])
-    monkeypatch.setenv("HYLA_BACKEND", "torch")
+    use_backend(monkeypatch, "torch")
     torch_out = holder(x, weights, ids)
     W13, W2 = (dequantize_mxfp4(*w, torch.float32) for w in (w13, w2))
     assert torch.equal(torch_out, moe_experts_torch(x, W13, W2, weights, ids, SITU))
-    monkeypatch.setenv("HYLA_BACKEND", "triton" if dev == "cpu" else "auto")
+    use_backend(monkeypatch, "triton" if dev == "cpu" else "auto")
     holder.to(dev)
     kernel_out = holder(x.to(dev), weights.to(dev), ids.to(dev)).cpu()
     assert rel(kernel_out, torch_out) < 1e-5

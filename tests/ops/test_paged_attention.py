@@ -15,6 +15,7 @@ import torch
 
 from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.ops import paged_attention as ref
+from tests.ops.helpers import use_backend
 from tests.ops.paged_tables import random_block_tables
 from tests.ops.triton_env import triton_module
 
@@ -185,7 +186,7 @@ def test_gated_attention_triton_path_equals_torch_path(W, monkeypatch):
     x = torch.randn(3 * W, 40).to(dev)
     outs, pools = [], []
     for backend in ("torch", "triton"):
-        monkeypatch.setenv("HYLA_BACKEND", backend)
+        use_backend(monkeypatch, backend)
         g = torch.Generator().manual_seed(1)
         cache = KVLayerCache(*(torch.randn(13, 4, 2, 16, generator=g).to(dev) for _ in range(2)))
         slots = [[(W + 1) * i + j for j in range(W + 1)] for i in range(3)] if W > 1 else [0, 1, 2]

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.ops.helpers import use_backend
 from tests.ops.test_fused_decode import fill_empties_with_nan, ulp_diff
 from tests.ops.triton_env import triton_module
 
@@ -78,7 +79,7 @@ def test_dispatch_routes_to_the_kernel(monkeypatch):
     mod, dev = triton_module("gated_act")
     from hyla.ops import dispatch
 
-    monkeypatch.setenv("HYLA_BACKEND", "triton")
+    use_backend(monkeypatch, "triton")
     calls = []
     kernel = mod.silu_mul
 

@@ -20,7 +20,7 @@ from hyla.contract import as_k_last  # noqa: E402
 from hyla.ops import chunk as torch_chunk  # noqa: E402
 from hyla.ops import recurrent as torch_rec  # noqa: E402
 from hyla.ops import triton as hyla_triton  # noqa: E402
-from tests.ops.helpers import make_inputs, rel_err  # noqa: E402
+from tests.ops.helpers import make_inputs, rel_err, use_backend  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-4
@@ -703,25 +703,24 @@ def test_dispatch_routes_by_backend_and_keeps_autograd_on_torch(monkeypatch):
     from hyla.ops.dispatch import backend_for
 
     q, k, v, g, beta, _ = _f32(*make_inputs(1, 20, 2, 32, 32, seed=71))
-    monkeypatch.setenv("HYLA_BACKEND", "triton")
+    use_backend(monkeypatch, "triton")
     assert backend_for(q, v, [q, k, v]) == "triton"
     o_fast, _ = ops.chunk_kda(q, k, v, g, beta)
-    monkeypatch.setenv("HYLA_BACKEND", "torch")
+    use_backend(monkeypatch, "torch")
     assert backend_for(q, v, [q, k, v]) == "torch"
     o_torch, _ = ops.chunk_kda(q, k, v, g, beta)
     _check(o_fast, o_torch, "dispatched o")
-    monkeypatch.setenv("HYLA_BACKEND", "triton")
+    use_backend(monkeypatch, "triton")
     qg = q.clone().requires_grad_()
     assert backend_for(qg, v, [qg, k, v]) == "torch"
     o, _ = ops.chunk_kda(qg, k, v, g, beta)
     o.sum().backward()  # the torch path, with autograd
     assert qg.grad is not None
     assert backend_for(q.double(), v.double(), [q]) == "torch"
-    monkeypatch.setenv("HYLA_BACKEND", "auto")
+    use_backend(monkeypatch, "auto")
     assert backend_for(q, v, [q]) == ("triton" if q.is_cuda else "torch")
-    monkeypatch.setenv("HYLA_BACKEND", "cuda")
     with pytest.raises(ValueError, match="HYLA_BACKEND"):
-        backend_for(q, v, [q])
+        use_backend(monkeypatch, "cuda")
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
@@ -731,13 +730,13 @@ def test_kcp_local_pass_on_the_kernel(gate, monkeypatch):
     from hyla.ops.affine import segment_affine
     from hyla.parallel import add_incoming, local_pass
 
-    monkeypatch.setenv("HYLA_BACKEND", "triton")
+    use_backend(monkeypatch, "triton")
     name, ref = CHUNK[gate]
     q, k, v, g, beta, s_in = make_inputs(1, 70, 2, 16, 24, gate=gate, seed=5)
     o_zero, P, M, S = local_pass(*_f32(q, k, v, g, beta), gate=gate)
     o_ref, _ = ref(q, k, v, g, beta, initial_state=s_in)
     _check(add_incoming(o_zero, P, s_in.float().to(DEV)), o_ref, "o")
-    monkeypatch.setenv("HYLA_BACKEND", "torch")
+    use_backend(monkeypatch, "torch")
     M_ref, S_ref = segment_affine(k, v, g, beta, gate=gate)
     _check(M, M_ref, "M")
     _check(S, S_ref, "S~")

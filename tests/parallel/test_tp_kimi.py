@@ -78,6 +78,23 @@ def test_tp2_prefix_cache_ngram_preemption_chunked_prefill(ckpt, first, referenc
     assert m["prefix_cache_hit_tokens"] > 0 and m["spec_num_draft_tokens"] > 0 and m["num_preemptions"] > 0
 
 
+def test_tp2_host_tier_and_int8_checkpoints(ckpt, first, reference):
+    """The prefix cache's host tier and int8 checkpoints under tensor parallelism: every rank
+    moves its own shard of the same entries. The budget keeps 2 slots for checkpoints beside the
+    running requests (the int8 tier takes them but 1) and 12 pages: the second turn's hits come
+    back from the host. int8 restores may move a logprob by more than LOGPROB_TOL, so tokens only."""
+    slot, token = rank_bytes(ckpt, 2)
+    llm = _tp(ckpt, enable_prefix_caching=True, max_num_seqs=2, max_model_len=128, memory_budget=4 * slot + 12 * 16 * token,
+              host_cache_bytes=40 * slot, checkpoint_dtype="int8")
+    try:
+        got = generate(llm, first, [r[0] for r in reference])
+        m = llm.get_metrics()
+    finally:
+        llm.shutdown()
+    assert [g[0] for g in got] == [r[0] for r in reference]
+    assert m["hits_host"] > 0 and m["bytes_from_host"] > 0 and m["checkpoints_to_int8"] > 0
+
+
 def test_expert_parallel_with_a_draft_model(ckpt, first, reference, dense):
     """Whole experts per rank == tensor-sharded experts (both == TP = 1); the draft model (the
     dense checkpoint, unsharded) runs on rank 0 beside the scheduler."""

@@ -4,7 +4,7 @@ instead of exporting 0."""
 import pytest
 
 from hyla import LLM
-from hyla.server.metrics import _COUNTERS, _GAUGES, ServerMetrics
+from hyla.server.metrics import _COUNTERS, _GAUGES, _TIER_COUNTERS, _TIER_GAUGES, ServerMetrics
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
 
 DERIVED = {"kv_pages_used", "state_slots_used"}  # computed by the collector from two engine keys
@@ -16,9 +16,11 @@ def test_every_exported_metric_is_an_engine_key(tmp_path, prefix_cache):
               enable_prefix_caching=prefix_cache)
     m = llm.get_metrics()
     missing = [name for name in {**_COUNTERS, **_GAUGES} if name not in m and name not in DERIVED]
+    missing += [key for key, _ in {**_TIER_COUNTERS, **_TIER_GAUGES}.values() if key not in m]
     assert not missing, f"exported metrics the engine does not report: {missing}"
     text = ServerMetrics(llm.engine).render().decode()
     assert "hyla_kv_pages_total " in text and "hyla_cached_checkpoints " in text
+    assert "hyla_prefix_cache_host_hits_total " in text and "hyla_prefix_cache_host_pages " in text
 
 
 class _Renamed:

@@ -1,7 +1,21 @@
-"""The acceptance rule of speculative decoding, greedy and sampled (`accept`), its batched greedy
-form for requests whose acceptance is a plain argmax comparison (`argmax_accepts`,
-`accept_argmax`), and what one verify step yields (`Verified`). The fused MTP step applies the
-same greedy rule on the device (hyla.engine.spec.mtp.fused)."""
+"""What a step keeps of its tokens: the acceptance rule of speculative decoding (greedy and
+sampled) and the stop rule, each defined here once, in its host form and, beside it, its device
+form (what the fused MTP step and the step launched behind it evaluate inside a CUDA graph,
+reading nothing on the host). The two forms of a rule decide the same: tests/engine/
+test_stop_rule.py checks them against each other on random inputs.
+
+    acceptance   host    accept: greedy and sampled, one request (the standard rule);
+                         accept_argmax: greedy, a batch, one copy of the argmaxes to the host
+                 device  accepted_drafts: greedy, the drafts equal to the target's argmax
+                         (hyla.engine.spec.mtp.fused.FusedVerify.forward)
+                 argmax_accepts: the requests whose acceptance is that argmax comparison
+    stop rule    host    stop_ids, stopping_token, reaches_length (Sequence.check_stop, with the
+                         text's stop strings and the grammar's end, which only the host sees)
+                 device  device_stop_ids: the requests the device may decide and their stop ids;
+                         kept_through_stop: the tokens kept up to the first stop token
+                         (hyla.ops.step_rows.derive_step_rows, the overlapped MTP step's inputs)
+    Verified     what one verify step yields
+"""
 
 from __future__ import annotations
 
@@ -10,6 +24,14 @@ from dataclasses import dataclass
 import torch
 
 from hyla.engine.sampler import choose, distribution, penalize, restrict
+
+# The stop rule's device form: its torch definition lives beside the op that evaluates it
+# (hyla.ops.step_rows.derive_step_rows, whose Triton kernel is checked bit for bit against it),
+# since hyla.ops imports nothing of the engine; it is this module's rule (see below).
+from hyla.ops.step_rows import kept_through_stop
+
+__all__ = ["accept", "argmax_accepts", "accept_argmax", "accepted_drafts", "stop_ids", "stopping_token",
+           "reaches_length", "device_stop_ids", "kept_through_stop", "Verified"]
 
 
 def accept(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, seq, generator,
@@ -91,6 +113,64 @@ def accept_argmax(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[in
         out.append(row[: n + 1])
         start += 1 + len(d)
     return out
+
+
+def accepted_drafts(top: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """The device form of `accept_argmax` (the same rule, on padded rows): top [bs, W] the
+    target's argmax at each verify row, drafts [bs, W - 1] the drafts checked (-1 past a
+    request's drafts: no argmax equals it) -> [bs] int64 the drafts accepted, n: the longest
+    prefix with d_i == top[i - 1]. The tokens kept are top[:, :n + 1] (the accepted drafts, then
+    the target's own token). Reads nothing on the host: a CUDA graph captures it."""
+    return (drafts == top[:, :drafts.shape[1]]).cumprod(-1).sum(-1)  # cumprod of bools: int64
+
+
+# ---- the stop rule ---------------------------------------------------------------------------
+# Host form: after each output token, in order (Sequence.check_stop): an error ends the request;
+# the grammar's end (its stop token came) ends it; once the output holds at least min_tokens
+# tokens, an EOS id (unless ignore_eos), a stop_token_ids id or a stop string ends it; at
+# max_tokens tokens it ends by length. Device form: over a verify step's kept tokens, the first
+# that is one of stop_ids ends the request there (kept_through_stop) -- the same decision for
+# the requests device_stop_ids admits: past min_tokens, not within reach of max_tokens, with no
+# stop strings, grammar or error (what only the host can see).
+
+
+def stop_ids(params, eos_token_ids) -> list[int]:
+    """The token ids that end a request once past min_tokens: its EOS ids (config.json's,
+    generation_config.json's, the tokenizer's) unless ignore_eos, then params.stop_token_ids."""
+    eos = [] if params.ignore_eos else list(eos_token_ids)
+    return eos + [t for t in params.stop_token_ids if t not in eos]
+
+
+def stopping_token(params, eos_token_ids, token: int, num_output: int) -> str | None:
+    """Whether output token `token`, the output's num_output-th, ends the request by its id:
+    "eos" (an EOS id, unless ignore_eos: its text is dropped), "stop" (a stop_token_ids id), or
+    None; not None exactly when num_output >= min_tokens and token is in stop_ids(params,
+    eos_token_ids)."""
+    if num_output < params.min_tokens:
+        return None
+    if not params.ignore_eos and token in eos_token_ids:
+        return "eos"
+    if token in params.stop_token_ids:
+        return "stop"
+    return None
+
+
+def reaches_length(num_output: int, max_tokens: int) -> bool:
+    """Whether an output of num_output tokens ends the request by length."""
+    return num_output >= max_tokens
+
+
+def device_stop_ids(seq, horizon: int) -> list[int] | None:
+    """The stop ids with which the device form (kept_through_stop) decides seq's next `horizon`
+    output tokens exactly as the host form would, or None when it cannot: before min_tokens (a
+    stop id does not end it yet), within `horizon` tokens of max_tokens (the length does), with
+    stop strings (matched on the text), a grammar (its end) or an error. Otherwise the host form
+    over those tokens reduces to "the first token in stop_ids ends the request"."""
+    p, n = seq.params, len(seq.output_token_ids)
+    if (p.stop_strings or seq.error is not None or seq.guide is not None or seq.guide_pending is not None
+            or n < p.min_tokens or n + horizon >= seq.max_tokens):
+        return None
+    return stop_ids(p, seq.eos_token_ids)
 
 
 @dataclass

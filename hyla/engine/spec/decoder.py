@@ -21,7 +21,7 @@ from hyla.engine.sampler import (
 )
 from hyla.engine.spec.acceptance import Verified, accept, accept_argmax, argmax_accepts
 from hyla.engine.spec.ngram import NgramDrafter
-from hyla.engine.spec.protocol import Drafter
+from hyla.engine.spec.protocol import Proposer
 
 
 def make_drafter(cfg: SpecConfig, *, vocab_size: int, max_num_seqs: int, max_model_len: int, page_size: int,
@@ -42,40 +42,42 @@ def make_drafter(cfg: SpecConfig, *, vocab_size: int, max_num_seqs: int, max_mod
 
 
 class SpecDecoder:
-    """The decode steps of speculating requests: draft -> one verify forward -> accept, then
-    (commit, once the engine knows how many tokens it kept) advance the state: pick the accepted
-    slot, or replay. It allocates nothing (the Scheduler reserved the draft positions' pages) and
-    touches no engine state: the engine appends the tokens, finishes requests, rolls back pages
-    and recovers from a failed step."""
+    """The decode steps of speculating requests: propose -> one verify forward (the decoder runs
+    the target: plain, or with the proposer's graph extension) -> accept, then (commit, once the
+    engine knows how many tokens it kept) advance the state: pick the accepted slot, or replay.
+    It allocates nothing (the Scheduler reserved the draft positions' pages) and touches no
+    engine state: the engine appends the tokens, finishes requests, rolls back pages and
+    recovers from a failed step."""
 
-    def __init__(self, cfg: SpecConfig, drafter: Drafter, runner):
+    def __init__(self, cfg: SpecConfig, drafter: Proposer, runner):
+        """drafter: the proposer, bound here to the target's runner (under tensor parallelism the
+        engine passes the runner's stand-in for it: hyla.parallel.runner.TPRunner.shard_drafter)."""
         self.cfg = cfg
-        # A tensor-parallel runner (hyla.parallel.runner.TPRunner) may stand a drafter in for it
-        # that runs on every rank (MTP: the head is sharded as the target is).
-        shard = getattr(runner, "shard_drafter", None)
-        self.drafter = drafter = shard(drafter) if shard is not None else drafter
+        self.drafter = drafter
         self.runner = runner
         drafter.bind(runner)
 
-    def step(self, seqs, max_drafts: list[int], generator: torch.Generator) -> list[Verified]:
+    def step(self, seqs, max_drafts: list[int], generator: torch.Generator, chain=None) -> list[Verified]:
         """Draft up to max_drafts[i] tokens for seqs[i], verify them all in one forward and
-        accept. generator: where unseeded requests draw (seeded ones use their own). Raises what
-        the verify forward raises (the engine isolates the failing request)."""
+        accept. generator: where unseeded requests draw (seeded ones use their own); chain: the
+        engine's overlap chain (hyla.engine.spec.mtp.overlap) or None. Raises what the verify
+        forward raises (the engine isolates the failing request)."""
         proposals = self.drafter.propose(seqs, max_drafts, generator)
         drafts = [d for d, _ in proposals]
         masks: list[torch.Tensor | None] = [None] * len(seqs)
         for j, (seq, (d, q)) in enumerate(zip(seqs, proposals)):
             if seq.guide is not None:  # drafts past the grammar's first rejection are never verified
                 drafts[j], masks[j] = guide_drafts(seq.guide, d, q is not None, self.runner.model.config.vocab_size)
-            elif getattr(seq, "guide_pending", None) is not None:  # the grammar applies after the reasoning
+            elif seq.guide_pending is not None:  # the grammar applies after the reasoning
                 drafts[j], masks[j] = pending_guide_drafts(seq, d, q is not None, self.runner.model.config.vocab_size)
         # Every row may be padded to 1 + k tokens (a fixed shape: a CUDA graph), also when a
         # request near its token limits drafts fewer: padding positions are never accepted, and
         # where their KV has no page it lands in the runner's scratch page.
         pad_to = 1 + self.cfg.num_speculative_tokens
-        fused = self.drafter.verify(seqs, drafts, self.runner, self.cfg.rollback, pad_to)
-        if fused is not None:
-            return fused
+        if self.drafter.graph_extension is not None:
+            verified = self._verify_extended(seqs, drafts, pad_to, chain)
+            if verified is not None:
+                return verified
         # every request argmax-accepting: the acceptance is one argmax on the device (accept_argmax)
         on_device = all(argmax_accepts(seq) for seq in seqs)
         if self.drafter.needs_hidden:  # the rows' hidden states feed the drafter's next proposal
@@ -88,6 +90,29 @@ class SpecDecoder:
             logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to,
                                         device_logits=on_device).float()
         return self._accept(seqs, drafts, [q for _, q in proposals], masks, logits, generator)
+
+    def _verify_extended(self, seqs, drafts: list[list[int]], pad_to: int, chain=None) -> list[Verified] | None:
+        """The verify with the proposer's graph extension (one graph: the target's forward, the
+        acceptance on the device, the proposer's next proposal; one readback) -> the Verified
+        results, or None (nothing ran) when it does not apply. With an overlap chain the step
+        after this one may be launched before this one's readback is read (it is then in flight
+        when this returns)."""
+        ext = self.drafter.graph_extension
+        part = ext.extend(seqs, drafts, pad_to)
+        if part is None:
+            return None
+        out = self.runner.verify_extended(seqs, drafts, self.cfg.rollback, pad_to, part)
+        if out is None:
+            return None
+        flight = ext.launched(seqs, drafts, out, pad_to)
+        try:
+            if chain is not None:
+                chain.launch_after(flight)
+            return ext.collect(flight)
+        except BaseException:
+            if chain is not None:
+                chain.abandon()
+            raise
 
     @staticmethod
     def _accept(seqs, drafts: list[list[int]], qs: list, masks: list, logits: torch.Tensor, generator
@@ -125,9 +150,8 @@ class SpecDecoder:
 
     def commit_prefill(self, seqs, num_new_tokens: list[int]) -> None:
         """After the plain step sampled: its rows pair with the tokens after them (the last row of
-        a finished prompt with the token just sampled), and the drafter catches up on them."""
-        self.drafter.commit(seqs, list(num_new_tokens))
-        self.drafter.catch_up(seqs)
+        a finished prompt with the token just sampled), and the drafter may work on them now."""
+        self.drafter.commit(seqs, list(num_new_tokens), prefill=True)
 
     def commit(self, seqs, kept: list[int], state_committed: bool = False) -> None:
         """The engine kept kept[i] tokens of seqs[i]'s verify step (fewer than accepted when the

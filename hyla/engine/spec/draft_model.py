@@ -14,7 +14,7 @@ import torch
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.pools import Pools, size_pools
 from hyla.engine.sampler import distribution
-from hyla.engine.spec.protocol import Drafter
+from hyla.engine.spec.protocol import Proposer
 
 
 class _DraftView:
@@ -34,7 +34,7 @@ class _DraftView:
         return self.token_ids[i]
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(Proposer):
     def __init__(self, cfg, *, vocab_size: int, max_num_seqs: int, max_model_len: int, page_size: int,
                  state_dtype, dtype, device, enforce_eager: bool = False):
         from hyla.models import load_model

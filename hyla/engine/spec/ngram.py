@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from hyla.engine.config import SpecConfig
-from hyla.engine.spec.protocol import Drafter
+from hyla.engine.spec.protocol import Proposer
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(Proposer):
     """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n from
     prompt_lookup_max down to prompt_lookup_min) and propose the tokens that followed it."""
 

@@ -205,7 +205,16 @@ def packed_conv_kernel(x, cols, y, idx, s0, s1, s2, w0, w1, w2, N, L, sx_n, sx_l
             tl.store(st_row + ch * P + c, to_dtype(v, state.dtype.element_ty), mask=m_d)
 
 
-_SPLIT_POOLS = [False]  # set when the multi-pool launch failed to compile
+def _launch_groups(segs: list[tuple]) -> list[list[tuple]]:
+    """The segments of causal_conv1d_update_packed in launches of up to three. A launch picks its
+    pool and weight pointers per program, which compiles when they are one pointer type: the
+    segments of one launch share the pools' dtype and the weights' dtype (always so for a model,
+    whose conv pools and weights each have one dtype: one launch per three segments); segments of
+    other dtypes get launches of their own."""
+    kinds: dict[tuple, list[tuple]] = {}
+    for s in segs:
+        kinds.setdefault((s[0].dtype, s[1].dtype), []).append(s)
+    return [mine[g:g + 3] for mine in kinds.values() for g in range(0, len(mine), 3)]
 
 
 def _launch_packed(x3, cols, y, idx, group, N, L, P, activation) -> None:
@@ -248,23 +257,7 @@ def causal_conv1d_update_packed(x: torch.Tensor, conv_states, weights, sizes, ac
     y = torch.empty(N * L * total, device=x.device, dtype=x.dtype)
     idx = idx.contiguous()
     if N and L:
-        groups = [segs[g:g + 3] for g in range(0, len(segs), 3)]
-        if _SPLIT_POOLS[0]:  # one launch per pool (see below)
-            groups = []
-            for st in {id(s[0]): s[0] for s in segs}.values():
-                mine = [s for s in segs if s[0] is st]
-                groups += [mine[g:g + 3] for g in range(0, len(mine), 3)]
-        for group in groups:
-            try:
-                _launch_packed(x3, cols, y, idx, group, N, L, P, activation)
-            except Exception:
-                one_pool = all(s[0] is group[0][0] for s in group)
-                if one_pool or _SPLIT_POOLS[0]:
-                    raise
-                # Picking pool pointers per program did not compile on this Triton: from now on
-                # one launch per pool (the segments of one pool still share a launch).
-                _SPLIT_POOLS[0] = True
-                for st in {id(s[0]): s[0] for s in group}.values():
-                    _launch_packed(x3, cols, y, idx, [s for s in group if s[0] is st], N, L, P, activation)
+        for group in _launch_groups(segs):
+            _launch_packed(x3, cols, y, idx, group, N, L, P, activation)
     out = [y[N * L * c:N * L * (c + d)].view(N, L, d) for _, _, d, c, _ in segs]
     return [t.squeeze(1) for t in out] if squeeze else out

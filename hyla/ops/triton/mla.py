@@ -16,6 +16,11 @@ norm, cat and index_put.
    softmax sum, rounds to the value dtype and multiplies by W_UV of its head (a dot per 128
    latent columns), storing [N, H * v] ready for o_proj.
 The latents are read once per head block straight from the pages (no gathered copy).
+
+FP8 latents (kv_scale given; hyla.ops.kv_fp8): the writer rounds each latent to its dtype, then
+quantises c and kpe with a scale each (hyla.ops.triton.kv_fp8: the torch writer's codes);
+the split kernel loads e4m3 rows and their scales and dequantises them to the queries' dtype
+in registers (half the bytes of a bf16 page read; the dots as over a bf16 / fp32 cache).
 """
 
 from __future__ import annotations
@@ -24,16 +29,18 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.ops.mla import _check_decode, _check_latents
+from hyla.ops.mla import _check_decode, _check_latents, _check_scale
 from hyla.ops.triton import _interpreter
+from hyla.ops.triton.kv_fp8 import compute_dtype, quantize_groups
 from hyla.ops.triton.norm import to_dtype
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
 @triton.jit
-def _latents_kernel(kv, s_kv, w, cache, tables, s_t, positions, s_pos, seq_ids, W, num_pages, eps, R, C,
+def _latents_kernel(kv, s_kv, w, cache, scales, tables, s_t, positions, s_pos, seq_ids, W, num_pages, eps, R, C,
                     PS: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, HAS_PE: tl.constexpr,
-                    MID_BF16: tl.constexpr, UNIFORM: tl.constexpr):
+                    MID_BF16: tl.constexpr, UNIFORM: tl.constexpr, FP8: tl.constexpr, G: tl.constexpr,
+                    LAT_DT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     if UNIFORM:
         seq = t // W
@@ -51,40 +58,59 @@ def _latents_kernel(kv, s_kv, w, cache, tables, s_t, positions, s_pos, seq_ids, 
     y = tl.load(w + o, mask=m, other=0.0).to(tl.float32) * to_dtype(n, c.dtype).to(tl.float32)
     if MID_BF16:  # weight * normed is computed in bf16 before the cache's dtype
         y = to_dtype(y, tl.bfloat16).to(tl.float32)
-    tl.store(cache + row * C + o, to_dtype(y, cache.dtype.element_ty), mask=m)
+    if FP8:  # the latent in its dtype, then c and kpe quantised with a scale each
+        yq, ys = quantize_groups(to_dtype(y, LAT_DT).to(tl.float32)[None, :])  # masked lanes hold 0
+        tl.store(cache + row * C + o[None, :], yq.to(cache.dtype.element_ty), mask=m[None, :])
+        tl.store(scales + row * G + tl.arange(0, 1), ys)
+    else:
+        tl.store(cache + row * C + o, to_dtype(y, cache.dtype.element_ty), mask=m)
     if HAS_PE:
         op = tl.arange(0, BP)
         mp = op < C - R
         pe = tl.load(kv + t * s_kv + R + op, mask=mp, other=0.0)
-        tl.store(cache + row * C + R + op, pe.to(cache.dtype.element_ty), mask=mp)
+        if FP8:
+            pq, p_s = quantize_groups(to_dtype(pe.to(tl.float32), LAT_DT).to(tl.float32)[None, :])
+            tl.store(cache + row * C + R + op[None, :], pq.to(cache.dtype.element_ty), mask=mp[None, :])
+            tl.store(scales + row * G + 1 + tl.arange(0, 1), p_s)
+        else:
+            tl.store(cache + row * C + R + op, pe.to(cache.dtype.element_ty), mask=mp)
+
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def write_latents(kv: torch.Tensor, weight: torch.Tensor, eps: float, cache: torch.Tensor,
-                  block_tables: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor | int) -> None:
+                  block_tables: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor | int,
+                  kv_scale: torch.Tensor | None = None) -> None:
     """The Triton version of hyla.ops.mla.write_latents (the cache row of each token found in
     the kernel: no slot tensor is built)."""
     r = _check_latents(kv, weight, cache, block_tables, positions, seq_ids)
+    groups = _check_scale(cache, kv_scale, r)
     if kv.stride(1) != 1:
         kv = kv.contiguous()
     T, C = kv.shape
     if T == 0:
         return
     uniform = isinstance(seq_ids, int)
-    mid_bf16 = torch.promote_types(weight.dtype, kv.dtype) == torch.bfloat16 and cache.dtype != torch.bfloat16
-    _latents_kernel[(T,)](kv, kv.stride(0), weight.contiguous(), cache, block_tables, block_tables.stride(0),
-                          positions, positions.stride(0), positions if uniform else seq_ids,
+    lat_dtype = torch.promote_types(weight.dtype, kv.dtype)
+    mid_bf16 = lat_dtype == torch.bfloat16 and cache.dtype != torch.bfloat16
+    fp8 = groups is not None
+    _latents_kernel[(T,)](kv, kv.stride(0), weight.contiguous(), cache, kv_scale if fp8 else cache, block_tables,
+                          block_tables.stride(0), positions, positions.stride(0), positions if uniform else seq_ids,
                           seq_ids if uniform else 1, cache.shape[0],
                           float(eps), r, C, PS=cache.shape[1], BR=triton.next_power_of_2(r),
                           BP=max(16, triton.next_power_of_2(C - r)), HAS_PE=C > r, MID_BF16=mid_bf16,
-                          UNIFORM=uniform, num_warps=4)
+                          UNIFORM=uniform, FP8=fp8, G=len(groups) if fp8 else 1,
+                          LAT_DT=_TL[lat_dtype] if fp8 else tl.float32, num_warps=4)
 
 
 @triton.jit
-def _decode_split_kernel(q_lat, q_pe, cache, tables, last, m_out, l_out, acc_out,
+def _decode_split_kernel(q_lat, q_pe, cache, scales, tables, last, m_out, l_out, acc_out,
                          s_qn, s_qh, s_pn, s_ph, s_t, s_last, P, H, R, ROPE, W, scale,
                          PS: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
                          HAS_PE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                         FP8: tl.constexpr, G: tl.constexpr, CT: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -97,11 +123,11 @@ def _decode_split_kernel(q_lat, q_pe, cache, tables, last, m_out, l_out, acc_out
     hm = h < H
     o_r = tl.arange(0, BR)
     q1 = tl.load(q_lat + n * s_qn + h[:, None] * s_qh + o_r[None, :], mask=hm[:, None] & (o_r[None, :] < R),
-                 other=0.0).to(cache.dtype.element_ty)
+                 other=0.0).to(CT)
     if HAS_PE:
         o_p = tl.arange(0, BP)
         q2 = tl.load(q_pe + n * s_pn + h[:, None] * s_ph + o_p[None, :], mask=hm[:, None] & (o_p[None, :] < ROPE),
-                     other=0.0).to(cache.dtype.element_ty)
+                     other=0.0).to(CT)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BR), tl.float32)
@@ -111,6 +137,8 @@ def _decode_split_kernel(q_lat, q_pe, cache, tables, last, m_out, l_out, acc_out
         page = tl.maximum(tl.load(tables + seq * s_t + t // PS, mask=tm, other=0), 0)
         row = page.to(tl.int64) * PS + t % PS
         c = tl.load(cache + row[:, None] * C + o_r[None, :], mask=tm[:, None] & (o_r[None, :] < R), other=0.0)
+        if FP8:  # dequantised to the queries' dtype: q x s in fp32, rounded once
+            c = to_dtype(c.to(tl.float32) * tl.load(scales + row * G, mask=tm, other=0.0)[:, None], CT)
         if IEEE:
             s = tl.dot(q1, tl.trans(c), input_precision="ieee")
         else:
@@ -118,6 +146,8 @@ def _decode_split_kernel(q_lat, q_pe, cache, tables, last, m_out, l_out, acc_out
         if HAS_PE:
             pe = tl.load(cache + row[:, None] * C + R + o_p[None, :], mask=tm[:, None] & (o_p[None, :] < ROPE),
                          other=0.0)
+            if FP8:
+                pe = to_dtype(pe.to(tl.float32) * tl.load(scales + row * G + 1, mask=tm, other=0.0)[:, None], CT)
             if IEEE:
                 s += tl.dot(q2, tl.trans(pe), input_precision="ieee")
             else:
@@ -180,13 +210,15 @@ def _combine_kernel(m_in, l_in, acc_in, w_uv, out, N, H, V, R, s_wh, s_wv,
 
 def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                      last: torch.Tensor, w_uv: torch.Tensor, scale: float, block_h: int = 16,
-                     block_n: int = 32, num_splits: int = 4, min_split: int = 128) -> torch.Tensor:
+                     block_n: int = 32, num_splits: int = 4, min_split: int = 128,
+                     kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton version of hyla.ops.mla.paged_mla_decode. block_h / block_n: tile sizes; a
     sequence of L tokens is cut into at most num_splits slices of max(min_split, L / num_splits)
     tokens (rounded up to block_n). The cut depends on L alone, not on the batch size or the
     table width, so a CUDA-graph replay (padded batch, every table column) gives the eager
-    step's numbers bit for bit."""
+    step's numbers bit for bit. kv_scale: FP8 latents' scales (hyla.ops.mla)."""
     _check_decode(q_lat, q_pe, cache, block_tables, last, w_uv)
+    groups = _check_scale(cache, kv_scale, q_lat.shape[2])
     N, H, R = q_lat.shape
     ROPE = q_pe.shape[2]
     _, PS, C = cache.shape
@@ -205,13 +237,15 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     m = torch.empty(N, H, num_splits, device=dev, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(N, H, num_splits, BR, device=dev, dtype=torch.float32)
-    ieee = cache.dtype == torch.float32
+    ct = compute_dtype(cache, q_lat)  # the dtype rows are read in (FP8: the queries')
+    ieee = bool(ct == tl.float32)
+    fp8 = groups is not None
     _decode_split_kernel[(N, hb, num_splits)](
-        q_lat, q_pe, cache, block_tables, last, m, l, acc,
+        q_lat, q_pe, cache, kv_scale if fp8 else cache, block_tables, last, m, l, acc,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), last.stride(0), P, H, R, ROPE,
         N // S, float(scale), PS=PS, C=C, BR=BR, BP=max(16, triton.next_power_of_2(ROPE)), HAS_PE=ROPE > 0,
         BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(min_split, block_n), IEEE=ieee,
-        num_warps=4, num_stages=2)
+        FP8=fp8, G=len(groups) if fp8 else 1, CT=ct, num_warps=4, num_stages=2)
     out = torch.empty(N, H * V, device=dev, dtype=q_lat.dtype)
     BQ = 16
     _combine_kernel[(triton.cdiv(N, BQ), H)](

@@ -17,6 +17,11 @@ widest table does no work for pages a short sequence lacks, and the split bounda
 numbers, depend on the length alone (not on the batch, the table width or the split count).
 With one slice the program finishes the output itself (divide, round, times sigmoid(gate));
 otherwise each writes (max, sum, partial output) and `_combine_kernel` finishes.
+
+FP8 pages (k_scale / v_scale given; hyla.ops.kv_fp8): the write kernel quantises each key head
+(after its rounding to the input dtype) and value head with a per-token scale (the torch
+writer's codes, hyla.ops.triton.kv_fp8); the attention kernel loads e4m3 rows and their scales and
+dequantises them to the queries' dtype in registers before the dots.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.ops.paged_attention import _check_attend, _check_write
+from hyla.ops.paged_attention import _check_attend, _check_write, check_scales
 from hyla.ops.triton import _interpreter, interpreting
+from hyla.ops.triton.kv_fp8 import compute_dtype, quantize_groups
 from hyla.ops.triton.norm import _sigmoid, to_dtype
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -51,10 +57,10 @@ def _norm_rope(x_ptr, rows, hm, c, perm, D, w, w_perm, cos, sin, eps, DT: tl.con
 
 
 @triton.jit
-def _qk_rope_write_kernel(q, k, v, qw, kw, inv_freq, positions, tables, q_out, cache_k, cache_v,
+def _qk_rope_write_kernel(q, k, v, qw, kw, inv_freq, positions, tables, q_out, cache_k, cache_v, k_scale, v_scale,
                           s_q0, s_q1, s_k0, s_k1, s_v0, s_v1, s_t, s_pos, W, H, HKV, D, HALF, num_pages, eps,
                           PS: tl.constexpr, BH: tl.constexpr, BKV: tl.constexpr, BD: tl.constexpr,
-                          DT: tl.constexpr):
+                          DT: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     seq = t // W
     pos = tl.load(positions + t * s_pos)
@@ -84,9 +90,17 @@ def _qk_rope_write_kernel(q, k, v, qw, kw, inv_freq, positions, tables, q_out, c
     m = gm[:, None] & cm[None, :]
     kr = to_dtype(_norm_rope(k + t * s_k0, g * s_k1, gm, c, perm, D, kwv, kwp, cos, sin, eps, DT), DT)
     dst = row * HKV * D + g[:, None] * D + c[None, :]
-    tl.store(cache_k + dst, kr.to(cache_k.dtype.element_ty), mask=m)
     vv = tl.load(v + t * s_v0 + g[:, None] * s_v1 + c[None, :], mask=m, other=0.0)
-    tl.store(cache_v + dst, vv.to(cache_v.dtype.element_ty), mask=m)
+    if FP8:  # each head's row with its own per-token scale
+        kq, ks = quantize_groups(kr.to(tl.float32))  # masked lanes hold 0
+        vq, vs = quantize_groups(vv.to(tl.float32))
+        tl.store(cache_k + dst, kq.to(cache_k.dtype.element_ty), mask=m)
+        tl.store(cache_v + dst, vq.to(cache_v.dtype.element_ty), mask=m)
+        tl.store(k_scale + row * HKV + g, ks, mask=gm)
+        tl.store(v_scale + row * HKV + g, vs, mask=gm)
+    else:
+        tl.store(cache_k + dst, kr.to(cache_k.dtype.element_ty), mask=m)
+        tl.store(cache_v + dst, vv.to(cache_v.dtype.element_ty), mask=m)
 
 
 def _torch_to_tl(dtype: torch.dtype):
@@ -96,9 +110,11 @@ def _torch_to_tl(dtype: torch.dtype):
 def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                        k_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, positions: torch.Tensor,
                        cache_k: torch.Tensor, cache_v: torch.Tensor, block_tables: torch.Tensor,
-                       width: int) -> torch.Tensor:
+                       width: int, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton version of hyla.ops.paged_attention.qk_norm_rope_write (one launch)."""
     _check_write(q, k, v, q_weight, k_weight, inv_freq, positions, cache_k, cache_v, block_tables, width)
+    fp8 = check_scales(cache_k, cache_v, k_scale, v_scale)
     T, H, D = q.shape
     Hkv = k.shape[1]
     q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
@@ -109,19 +125,20 @@ def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
     BH = triton.next_power_of_2(H)
     _qk_rope_write_kernel[(T,)](
         q, k, v, q_weight.contiguous(), k_weight.contiguous(), inv_freq.float().contiguous(), positions, block_tables,
-        out, cache_k, cache_v, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out, cache_k, cache_v, k_scale if fp8 else cache_k, v_scale if fp8 else cache_v, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_tables.stride(0), positions.stride(0), width, H, Hkv, D, inv_freq.shape[0], cache_k.shape[0],
         float(eps), PS=cache_k.shape[1], BH=BH, BKV=triton.next_power_of_2(Hkv), BD=BD, DT=_torch_to_tl(q.dtype),
-        num_warps=max(1, min(8, BH * BD // 256)))
+        FP8=fp8, num_warps=max(1, min(8, BH * BD // 256)))
     return out
 
 
 @triton.jit
-def _window_kernel(q, cache_k, cache_v, tables, context_lens, gate, out, m_out, l_out, acc_out,
+def _window_kernel(q, cache_k, cache_v, k_scale, v_scale, tables, context_lens, gate, out, m_out, l_out, acc_out,
                    s_q0, s_q1, s_t, s_ctx, s_g0, s_g1, W, H, HKV, G, D, num_pages, scale,
                    PS: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT_N: tl.constexpr, SINGLE: tl.constexpr, HAS_GATE: tl.constexpr, IEEE: tl.constexpr,
-                   DT: tl.constexpr, UPCAST: tl.constexpr):
+                   DT: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, CT: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -137,7 +154,7 @@ def _window_kernel(q, cache_k, cache_v, tables, context_lens, gate, out, m_out, 
     c = tl.arange(0, BD)
     cm = c < D
     qv = tl.load(q + qrow[:, None] * s_q0 + head[:, None] * s_q1 + c[None, :], mask=rm[:, None] & cm[None, :],
-                 other=0.0).to(cache_k.dtype.element_ty)
+                 other=0.0).to(CT)
     limit = ctx + wq  # [BM] the last key each query row attends to
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
@@ -150,6 +167,9 @@ def _window_kernel(q, cache_k, cache_v, tables, context_lens, gate, out, m_out, 
         krow = (page.to(tl.int64) * PS + t % PS) * HKV * D + kh * D
         km = tm[:, None] & cm[None, :]
         kv = tl.load(cache_k + krow[:, None] + c[None, :], mask=km, other=0.0)
+        if FP8:  # dequantised to the queries' dtype: q x s in fp32, rounded once
+            srow = (page.to(tl.int64) * PS + t % PS) * HKV + kh
+            kv = to_dtype(kv.to(tl.float32) * tl.load(k_scale + srow, mask=tm, other=0.0)[:, None], CT)
         if UPCAST:  # the interpreter's low-precision dots are wrong: the same products in fp32
             kv = kv.to(tl.float32)
             qv = qv.to(tl.float32)
@@ -165,6 +185,8 @@ def _window_kernel(q, cache_k, cache_v, tables, context_lens, gate, out, m_out, 
         p = tl.exp(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         vv = tl.load(cache_v + krow[:, None] + c[None, :], mask=km, other=0.0)
+        if FP8:
+            vv = to_dtype(vv.to(tl.float32) * tl.load(v_scale + srow, mask=tm, other=0.0)[:, None], CT)
         pv = p.to(vv.dtype)
         if UPCAST:
             pv = pv.to(tl.float32)
@@ -222,12 +244,14 @@ def _combine_kernel(m_in, l_in, acc_in, gate, out, s_g0, s_g1, W, H, HKV, G, D, 
 
 def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           gate: torch.Tensor | None = None, block_n: int = 64, split: int = SPLIT) -> torch.Tensor:
+                           gate: torch.Tensor | None = None, block_n: int = 64, split: int = SPLIT,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton version of hyla.ops.paged_attention.paged_window_attention. Keys are cut into
     slices of `split` (a multiple of block_n) from position 0; as many programs per sequence and
     KV head as the table's width can need (P * page_size / split), those past a sequence's
-    length idle."""
+    length idle. k_scale, v_scale: FP8 pages' scales (hyla.ops.paged_attention)."""
     _check_attend(q, cache_k, cache_v, block_tables, context_lens, gate)
+    fp8 = check_scales(cache_k, cache_v, k_scale, v_scale)
     if split % block_n:
         raise ValueError(f"split ({split}) must be a multiple of block_n ({block_n})")
     T, H, D = q.shape
@@ -245,7 +269,8 @@ def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     BD = triton.next_power_of_2(D)
     nsp = triton.cdiv(P * PS, split)
     dt = _torch_to_tl(q.dtype)
-    ieee = cache_k.dtype == torch.float32
+    ct = compute_dtype(cache_k, q)  # the dtype rows are read in (FP8: the queries')
+    ieee = bool(ct == tl.float32)
     single = nsp == 1
     if single:
         m = l = acc = out  # unused
@@ -255,11 +280,12 @@ def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
         acc = torch.empty(S, Hkv, nsp, BM, BD, device=q.device, dtype=torch.float32)
     g = gate if gate is not None else out.view(T, H, D)
     _window_kernel[(S, Hkv, nsp)](
-        q, cache_k, cache_v, block_tables, context_lens, g, out, m, l, acc,
+        q, cache_k, cache_v, k_scale if fp8 else cache_k, v_scale if fp8 else cache_v, block_tables, context_lens, g,
+        out, m, l, acc,
         q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), g.stride(0), g.stride(1), W, H, Hkv, G, D, cache_k.shape[0],
         float(scale), PS=PS, BM=BM, BD=BD, BLOCK_N=block_n, SPLIT_N=split, SINGLE=single,
-        HAS_GATE=gate is not None, IEEE=ieee, DT=dt, UPCAST=interpreting() and ieee is False, num_warps=4,
-        num_stages=2)
+        HAS_GATE=gate is not None, IEEE=ieee, DT=dt, UPCAST=interpreting() and ieee is False, FP8=fp8, CT=ct,
+        num_warps=4, num_stages=2)
     if not single:
         _combine_kernel[(S, Hkv)](m, l, acc, g, out, g.stride(0), g.stride(1), W, H, Hkv, G, D, nsp, BM=BM, BD=BD,
                                   HAS_GATE=gate is not None, DT=dt, num_warps=4)

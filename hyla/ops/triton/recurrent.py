@@ -198,17 +198,6 @@ def _klast_decode_launch(BK: int, tiles_per_sm: float, channel_gate_in_kernel: b
     return (False, *_KLAST_DECODE_TILE, 0)
 
 
-# One program per tile, rows of several tokens: token t + 1's inputs (and in a verify its state
-# slot) are loaded before token t is stepped and stored (recurrent_step.token_loads). Without it
-# each token's loads wait behind the previous token's stores (the compiler cannot hoist a load
-# over a store that may alias), a memory latency per token. Measured on an H200
-# (scripts/verify_schedules.py, BENCHMARKS.md "Recurrent decode and verify"), 8-column tiles, %
-# of copy bandwidth, without -> with: KDA 64 x 2 83 -> 89, 64 x 4 86 -> 88, 256 x 2 86 -> 91,
-# 256 x 4 88 -> 90; GDN (16 -> 8 columns) 64 x 2 84 -> 90, 256 x 4 89 -> 90. KDA's verify runs on
-# 80 registers (96 without), GDN's on 96.
-_PREFETCH_NEXT_TOKEN = True
-
-
 def _pool_is_k_last(pool: torch.Tensor) -> bool:
     """The state pool's layout: False for a contiguous [num_slots, HV, K, V] (fla's), True for
     K-last, the transposed view of a contiguous [num_slots, HV, V, K]. Any other strides are an
@@ -245,7 +234,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
     SM); for the persistent kernel only, programs_per_sm and decode_stages (0: the next tile
     prefetched into registers, >= 1: Triton's pipelined loop; _decode_launch); for one program
     per tile only, prefetch_next_token (token t + 1's inputs, and a verify's slot for its state,
-    loaded before token t's stores: recurrent_step.token_loads; None: _PREFETCH_NEXT_TOKEN)."""
+    loaded before token t's stores: recurrent_step.token_loads; None: on, the measured default)."""
     pooled = ssm_state_indices is not None
     # Shape checks only: this path never reads device values on the host (no synchronisation),
     # so it can be captured in a CUDA graph. Slot ranges are the caller's contract.
@@ -341,6 +330,15 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             SPEC=spec, num_warps=warps,
         )
     elif n:
+        # prefetch_next_token, on unless a call turns it off: with one program per tile and rows of
+        # several tokens, token t + 1's inputs (and in a verify its state slot) are loaded before
+        # token t is stepped and stored (recurrent_step.token_loads). Without it each token's loads
+        # wait behind the previous token's stores (the compiler cannot hoist a load over a store
+        # that may alias), a memory latency per token. Measured on an H200 (scripts/
+        # verify_schedules.py, BENCHMARKS.md "Recurrent decode and verify"), 8-column tiles, % of
+        # copy bandwidth, without -> with: KDA 64 x 2 83 -> 89, 64 x 4 86 -> 88, 256 x 2 86 -> 91,
+        # 256 x 4 88 -> 90; GDN (16 -> 8 columns) 64 x 2 84 -> 90, 256 x 4 89 -> 90. KDA's verify
+        # runs on 80 registers (96 without), GDN's on 96.
         if klast:
             bv, warps = _KLAST_DECODE_TILE if one_token else _KLAST_VERIFY_TILE
             BV, warps = block_v or bv, num_warps or warps
@@ -357,7 +355,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
             IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=store_ht,
             POOL=pooled, SPEC=spec, KLAST=klast,
-            PREFETCH=_PREFETCH_NEXT_TOKEN if prefetch_next_token is None else prefetch_next_token,
+            PREFETCH=prefetch_next_token is not False,  # None: on (see above)
             num_warps=warps,
         )
     if pooled:

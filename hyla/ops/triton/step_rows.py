@@ -1,7 +1,9 @@
 """Triton kernel for the next fused MTP step's input rows (contract: hyla.ops.step_rows): one
 program per batch row reads the previous step's packed outputs and the host's base row and
 writes the verify row, the head row and (rollback "replay") the kept count. One launch instead
-of ~15 small torch ops: this runs on the host's critical path once per overlapped step."""
+of ~15 small torch ops: this runs on the host's critical path once per overlapped step. Its
+stop decision is hyla.ops.step_rows.kept_through_stop (the stop rule's device form, stated in
+hyla.engine.spec.acceptance), per row: tests/ops/test_step_rows.py checks them bit for bit."""
 
 from __future__ import annotations
 

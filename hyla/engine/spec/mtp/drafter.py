@@ -1,5 +1,6 @@
-"""MTP drafter: the target checkpoint's own multi-token-prediction head (hyla.models.qwen3_5_mtp)
-proposes k tokens from the target's final-norm hidden states.
+"""MTP drafter: the target checkpoint's own multi-token-prediction head (loaded by the model's
+family: HybridForCausalLM.load_mtp_head, e.g. hyla.models.qwen3_5_mtp) proposes k tokens from
+the target's final-norm hidden states.
 
 What the head reads. Every target forward of a request hands the drafter the final-norm hidden
 states of its rows (`observe`): prefill chunks (ModelRunner.run with return_hidden) and verify
@@ -8,9 +9,9 @@ its logits). Once the engine knows which tokens follow those rows (`commit`: aft
 step sampled, after a verify step kept n tokens) they become committed pairs: row i at
 position p + i pairs with the token now at p + i + 1 (the last prompt row with the first
 sampled token; a verify's n kept rows with the n tokens kept), so the head's context covers the
-prompt and a request's first speculative step already drafts. After a prefill step the head
-runs that step's pairs at once (`catch_up`, all but the newest, which propose starts from): a
-long prompt's head work is spread over its chunks as the target's is.
+prompt and a request's first speculative step already drafts. After a prefill step (`commit`
+with prefill) the head runs that step's pairs at once (`catch_up`, all but the newest, which
+propose starts from): a long prompt's head work is spread over its chunks as the target's is.
 
 Where its KV lives: in the engine's page pool, addressed by the request's own block table (the
 same page ids as the target; the head's attention layer is one more layer's worth of bytes per
@@ -53,12 +54,13 @@ there) the scratch page, and its extra drafts are dropped. Sampling requests, an
 under tensor parallelism or without graphs, draft one step at a time (`_stepped_drafts`).
 Outputs are exact whatever the head drafts: the target verifies every draft.
 
-Fused greedy step (hyla.engine.spec.mtp.fused; `verify`, the SpecDecoder hook): for a batch of
-argmax-accepting requests (no logprobs, no tensor parallelism, graphs on) whose views consumed
-everything before x0, the verify, the acceptance, the head's catch-up over the W verify rows and
-the next draft chain run as one graph with one readback; commit advances `done` by the kept
-n + 1 rows and keeps the next drafts as `prefetched`, which the next propose returns without
-running the head. Anything else runs the unfused path above.
+Fused greedy step (hyla.engine.spec.mtp.fused.FusedVerify, the drafter's graph extension, which
+SpecDecoder runs with its verify): for a batch of argmax-accepting requests (no logprobs, no
+tensor parallelism, graphs on) whose views consumed everything before x0, the verify, the
+acceptance, the head's catch-up over the W verify rows and the next draft chain run as one graph
+with one readback; commit advances `done` by the kept n + 1 rows and keeps the next drafts as
+`prefetched`, which the next propose returns without running the head. Anything else runs the
+unfused path above.
 
 Under tensor parallelism every rank holds such a drafter over its own ModelRunner (bound with the
 rank's ShardPlan: the head's layer split like the target's attention layers, its KV per rank) and
@@ -74,9 +76,9 @@ import torch.distributed as dist
 from hyla.contract import ForwardBatch
 from hyla.engine.cuda_graph import graph_safe
 from hyla.engine.cuda_graph_verify import HeadStepGraphs
-from hyla.engine.spec.mtp.fused import FusedResult, FusedVerify, commit_fused, fused_verify
+from hyla.engine.spec.mtp.fused import FusedResult, FusedVerify, commit_fused
 from hyla.engine.sampler import distribution
-from hyla.engine.spec.protocol import Drafter
+from hyla.engine.spec.protocol import Proposer
 from hyla.ops.transfer import to_device_long
 
 
@@ -107,7 +109,7 @@ class _View:
         return self.start + self.done + self.num_pending
 
 
-class MTPDrafter(Drafter):
+class MTPDrafter(Proposer):
     needs_hidden = True
 
     def __init__(self, cfg, *, page_size: int):
@@ -116,8 +118,7 @@ class MTPDrafter(Drafter):
         self.views: dict[str, _View] = {}
         self._seen: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (first row's position, rows)
         self._fused: dict[str, FusedResult] = {}  # request -> its fused verify step, until commit
-        self.fused: FusedVerify | None = None
-        self.chain = None  # hyla.engine.spec.mtp.overlap.OverlapChain, bound by the engine when it applies
+        self.fused: FusedVerify | None = None  # the graph extension, when the runner has CUDA graphs (bind)
         self.leader, self.group = True, None  # tensor parallel: whether this is rank 0; the model group
 
     @staticmethod
@@ -152,20 +153,28 @@ class MTPDrafter(Drafter):
         """Load the head from the target checkpoint, beside runner.model (whose embeddings,
         lm_head, dtype and device it shares), and its KV for every page of runner.cache.
         shard: the rank's tensor-parallel plan (runner.model is that rank's shard): the head is
-        loaded split the same way and the drafts come from rank 0 (`_agree`)."""
-        from hyla.models.qwen3_5_mtp import load_mtp_head
-
+        loaded split the same way and the drafts come from rank 0 (`_agree`). The model's family
+        loads the head (HybridForCausalLM.load_mtp_head); ValueError for a family without one."""
         model = self.model = runner.model
         if shard is not None and shard.world > 1:
             self.leader, self.group = shard.rank == 0, shard.group
-        self.head = load_mtp_head(self.path, model, shard=shard)
+        self.head = model.load_mtp_head(self.path, shard=shard)
+        if self.head is None:
+            raise ValueError(f"speculative method 'mtp': the {type(model).__name__} family has no multi-token-"
+                             "prediction head")
         if len(self.head.layers) != 1:
             raise ValueError(f"the MTP head of {self.path} has {len(self.head.layers)} layers; hyla drafts with one")
         self.kv = self.head.allocate_kv(runner.cache.num_pages, runner.cache.page_size)
-        graphs = getattr(runner, "graphs", None)  # the runner's CUDA graphs: the head's draft steps get some too
+        graphs = runner.graphs  # the runner's CUDA graphs (or None): the head's draft steps get some too
         self.step_graphs = (HeadStepGraphs(graphs, self.head, model, self.kv, max_width=1 + self.k)
                             if graphs is not None and graph_safe(self.head) else None)
-        self.fused = FusedVerify(self.step_graphs, self.k) if self.step_graphs is not None else None
+        self.fused = FusedVerify(self.step_graphs, self.k, self) if self.step_graphs is not None else None
+
+    @property
+    def graph_extension(self) -> FusedVerify | None:
+        """The protocol's optional graph extension: the fused greedy step (None without CUDA
+        graphs; it declines steps it cannot take: FusedVerify.extend)."""
+        return self.fused
 
     # -- what the target's forwards hand over ------------------------------------------------
 
@@ -176,11 +185,11 @@ class MTPDrafter(Drafter):
             self._seen[seq.request_id] = (p, hidden[start : start + n])
             start += n
 
-    def commit(self, seqs, kept: list[int]) -> None:
+    def commit(self, seqs, kept: list[int], prefill: bool = False) -> None:
         """seqs[i] kept the first kept[i] of its observed rows (a verify: the tokens it accepted,
         already appended to its token_ids; a prefill chunk: all of them). Row j at position
         p + j pairs with the token now at p + j + 1; a row whose next token does not exist yet
-        (none: the engine commits after sampling) is dropped."""
+        (none: the engine commits after sampling) is dropped. prefill: then `catch_up`."""
         for seq, n in zip(seqs, kept):
             fused = self._fused.pop(seq.request_id, None)
             if fused is not None and commit_fused(self, seq, n, fused):
@@ -199,6 +208,8 @@ class MTPDrafter(Drafter):
                 view = self.views[seq.request_id] = _View(p, seq.num_preemptions)
             if n > 0:
                 view.pending.append((rows[:n], seq.token_range(p + 1, p + 1 + n)))
+        if prefill:
+            self.catch_up(seqs)
 
     @torch.inference_mode()
     def catch_up(self, seqs) -> None:
@@ -224,10 +235,6 @@ class MTPDrafter(Drafter):
         self.views.pop(seq.request_id, None)
         self._seen.pop(seq.request_id, None)
         self._fused.pop(seq.request_id, None)
-
-    def verify(self, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int):
-        """The fused greedy step (hyla.engine.spec.mtp.fused) when it applies, else None."""
-        return fused_verify(self, seqs, drafts, runner, rollback, pad_to)
 
     # -- drafting -------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ graph goes on, with no host sync in between:
     verify forward            -> logits [bs, W, V], hidden [bs, W, hidden]   (W = 1 + k)
     a = argmax(logits)        -> [bs, W]
     n = cumprod(d_i == a_{i-1}).sum()  (missing drafts are -1: never equal)  -> [bs]
+                                 (hyla.engine.spec.acceptance.accepted_drafts: the greedy
+                                 acceptance rule's device form)
     head over all W rows (h_i, a_i) at head rows done .. done + W - 1        -> head states [bs, W, hidden]
     head state at row n       -> d'_1 = argmax(its logits); d'_2 .. d'_k: one-row head steps at
                                  head rows done + n + 1 .., each step's argmax feeding the next
@@ -33,13 +35,16 @@ as the view's `prefetched` drafts, which the next propose returns without runnin
 the drafts are dropped and the kept rows become pending pairs, as after an unfused verify: the
 next propose, if any, runs the normal path.
 
-Launch and readback are separate (`launch_fused` -> a Flight, `collect_fused`): the packed rows
-travel to pinned host memory in one asynchronous copy enqueued right behind the replay, so a
-further step may be launched before they are read (hyla.engine.spec.mtp.overlap; its inputs derived
-on the device from this step's outputs by DerivedExtension).
+FusedVerify is the MTP drafter's graph extension (hyla.engine.spec.protocol.GraphExtension):
+SpecDecoder asks it for a step's extension (`extend`), runs the verify with it
+(ModelRunner.verify_extended), and hands the launched step back (`launched` -> a Flight,
+`collect`). Launch and readback are separate: the packed rows travel to pinned host memory in
+one asynchronous copy enqueued right behind the replay, so a further step may be launched before
+they are read (hyla.engine.spec.mtp.overlap; its inputs derived on the device from this step's
+outputs by DerivedExtension).
 
-When it runs (`fused_verify`, else None and SpecDecoder runs the unfused step): CUDA graphs on,
-no tensor parallelism, every request argmax-accepting (greedy, no grammar, no penalties or logit
+When it applies (`extend`, else None and SpecDecoder runs the unfused step): CUDA graphs on, no
+tensor parallelism, every request argmax-accepting (greedy, no grammar, no penalties or logit
 bias) and asking no logprobs, every request's view having consumed everything before its last
 token (after any propose that drafted for it, or a prefetch), and the verify running padded in
 a graph. On the CPU (capture off) the same function runs eagerly on the same buffers: what the
@@ -55,7 +60,8 @@ import torch
 from hyla.engine.cuda_graph import width_bucket
 from hyla.engine.cuda_graph_verify import HeadStepGraphs, _table_row, _verify_pad_row
 from hyla.engine.sequence import Status
-from hyla.engine.spec.acceptance import Verified, argmax_accepts
+from hyla.engine.spec.acceptance import Verified, accepted_drafts, argmax_accepts
+from hyla.engine.spec.protocol import GraphExtension
 from hyla.ops import constants, dispatch
 from hyla.ops.transfer import fill_long
 
@@ -65,18 +71,62 @@ def _pad_row(k: int, width: int) -> list[int]:
     return [0] + [-1] * k + [-1] * width
 
 
-class FusedVerify:
-    """The fused steps' head-side inputs and graphs' extension (see the module docstring).
-    `meta[width] [max_batch, 1 + k + width]` holds per request its head context (the view's
-    done), the k drafts (-1 past its drafts: no argmax equals it, so the acceptance needs no
-    count of them) and the head's block table."""
+class FusedVerify(GraphExtension):
+    """The fused steps' head-side inputs and graphs' extension (see the module docstring), for
+    `drafter` (the MTPDrafter whose head it runs). `meta[width] [max_batch, 1 + k + width]`
+    holds per request its head context (the view's done), the k drafts (-1 past its drafts: no
+    argmax equals it, so the acceptance needs no count of them) and the head's block table."""
 
-    def __init__(self, steps: HeadStepGraphs, k: int):
-        self.steps, self.k = steps, k
+    def __init__(self, steps: HeadStepGraphs, k: int, drafter):
+        self.steps, self.k, self.drafter = steps, k, drafter
         self.meta: dict[int, torch.Tensor] = {}
         self.runs = 0  # fused steps run (the tests assert the path was taken)
         self.readback = Readback()
         self.derive = DeriveGraphs()
+
+    # -- the graph extension SpecDecoder drives (hyla.engine.spec.protocol.GraphExtension) -------
+
+    def extend(self, seqs, drafts: list[list[int]], pad_to: int) -> _Extension | None:
+        """The fused step's extension of this verify, None when it does not apply (see the module
+        docstring; the verify's own graph is the runner's to decide: verify_extended)."""
+        drafter = self.drafter
+        if (drafter.group is not None or pad_to != 1 + self.k
+                or not all(argmax_accepts(s) and s.params.logprobs is None for s in seqs)):
+            return None
+        views = []
+        for seq in seqs:
+            view = drafter.views.get(seq.request_id)
+            if view is None or view.pending or not view.at(seq, seq.num_computed_tokens):
+                return None  # its head has not consumed everything before x0: the unfused path
+            views.append(view)
+        return self.extension([v.done for v in views], drafts, [drafter._pages(s, v) for s, v in zip(seqs, views)])
+
+    def launched(self, seqs, drafts: list[list[int]] | None, outputs: tuple, pad_to: int) -> Flight:
+        return Flight(seqs, drafts, outputs, pad_to, self.readback)
+
+    def collect(self, flight: Flight) -> list[Verified | None]:
+        """Wait for a launched fused step's readback -> its Verified results (the host state of
+        its requests must be where the step started: nothing of it committed yet), None for a
+        request that finished before it (its row was padding); the next drafts are kept in the
+        drafter's `_fused` until commit."""
+        if flight.ready is not None:
+            flight.ready.synchronize()
+        host = flight.host.tolist()  # the step's one readback
+        W, k = flight.W, flight.W - 1
+        self.runs += 1
+        results = []
+        for i, (seq, row) in enumerate(zip(flight.seqs, host)):
+            if seq.status is not Status.RUNNING:  # it finished in the step before: a padding row here
+                results.append(None)
+                continue
+            acc = row[W]  # the drafts accepted on the device (accepted_drafts): the tokens kept are row[:acc + 1]
+            self.drafter._fused[seq.request_id] = FusedResult(acc, row[W + 1:], flight.hidden[i],
+                                                              seq.num_computed_tokens, seq.num_preemptions)
+            drafted = k if flight.drafts is None else len(flight.drafts[i])
+            results.append(Verified(row[:acc + 1], flight.logits[i, :1 + drafted], drafted))
+        return results
+
+    # -- the fused step's parts -----------------------------------------------------------------
 
     def extension(self, done: list[int], drafts: list[list[int]], tables: list[list[int]]) -> _Extension:
         """The head's part of one fused step for N requests: done[n] head rows already in
@@ -100,7 +150,7 @@ class FusedVerify:
         meta = self.meta[width][:bs]
         ctx, drafts, tables = meta[:, 0], meta[:, 1:1 + k], meta[:, 1 + k:]
         top = logits.argmax(-1)  # [bs, W]
-        n = (drafts == top[:, :k]).cumprod(-1).sum(-1)  # [bs] (cumprod of bools: int64)
+        n = accepted_drafts(top, drafts)  # [bs]: the acceptance rule's device form
         y = steps.head.forward_batch(hidden.reshape(bs * W, -1).to(steps.hidden.dtype), top.reshape(-1), steps.model,
                                      steps.rows_batch(ctx, tables, W), steps.kv).view(bs, W, -1)
         y = y[constants.arange(bs, y.device), n]  # the head state at each request's newest kept row
@@ -183,70 +233,6 @@ class Readback:
             self._rings[key] = itertools.cycle([(torch.empty(key, dtype=torch.long, pin_memory=True),
                                                  torch.cuda.Event()) for _ in range(self.DEPTH)])
         return next(self._rings[key])
-
-
-def launch_fused(drafter, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int) -> Flight | None:
-    """Launch the fused step for seqs (drafter: the MTPDrafter); None (nothing ran) when it does
-    not apply. collect_fused reads its results."""
-    fused = drafter.fused
-    if (fused is None or drafter.group is not None or pad_to != 1 + fused.k
-            or not all(argmax_accepts(s) and s.params.logprobs is None for s in seqs)):
-        return None
-    views = []
-    for seq in seqs:
-        view = drafter.views.get(seq.request_id)
-        if view is None or view.pending or not view.at(seq, seq.num_computed_tokens):
-            return None  # its head has not consumed everything before x0: the unfused path
-        views.append(view)
-    ext = fused.extension([v.done for v in views], drafts,
-                          [drafter._pages(s, v) for s, v in zip(seqs, views)])
-    out = runner.verify_extended(seqs, drafts, rollback, pad_to, ext)
-    if out is None:
-        return None
-    return Flight(seqs, drafts, out, pad_to, fused.readback)
-
-
-def collect_fused(drafter, flight: Flight) -> list[Verified]:
-    """Wait for a launched fused step's readback -> its Verified results (the host state of its
-    requests must be where the step started: nothing of it committed yet), None for a request
-    that finished before it (its row was padding); the next drafts are kept in drafter._fused
-    until commit."""
-    if flight.ready is not None:
-        flight.ready.synchronize()
-    host = flight.host.tolist()  # the step's one readback
-    W, k = flight.W, flight.W - 1
-    drafter.fused.runs += 1
-    results = []
-    for i, (seq, row) in enumerate(zip(flight.seqs, host)):
-        if seq.status is not Status.RUNNING:  # it finished in the step before: a padding row here
-            results.append(None)
-            continue
-        acc = row[W]
-        drafter._fused[seq.request_id] = FusedResult(acc, row[W + 1:], flight.hidden[i], seq.num_computed_tokens,
-                                                     seq.num_preemptions)
-        drafted = k if flight.drafts is None else len(flight.drafts[i])
-        results.append(Verified(row[:acc + 1], flight.logits[i, :1 + drafted], drafted))
-    return results
-
-
-def fused_verify(drafter, seqs, drafts: list[list[int]], runner, rollback: str, pad_to: int
-                 ) -> list[Verified] | None:
-    """The fused step for seqs (drafter: the MTPDrafter) -> their Verified results, the next
-    drafts kept in drafter._fused until commit; None (nothing ran) when it does not apply.
-    With an overlap chain (hyla.engine.spec.mtp.overlap) bound, the step after it may be launched
-    before this one's readback is read (it then stays in flight when this returns)."""
-    flight = launch_fused(drafter, seqs, drafts, runner, rollback, pad_to)
-    if flight is None:
-        return None
-    chain = drafter.chain
-    try:
-        if chain is not None:
-            chain.launch_after(flight)
-        return collect_fused(drafter, flight)
-    except BaseException:
-        if chain is not None:
-            chain.abandon()
-        raise
 
 
 class DerivedExtension(_Extension):

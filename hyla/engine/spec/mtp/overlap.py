@@ -20,7 +20,8 @@ stop_token_ids) and at least two more full steps of room before max_tokens and m
 step's worst case (its verify rows may start up to W positions later); the graphs of the next
 step's bucket already captured. A request that emits a stop token in the current step is a
 padding row of the next (its state, KV and head rows untouched), decided on the device by the
-same rule as Sequence.check_stop; the engine then finishes it as usual and the chain ends (the
+stop rule's device form (hyla.engine.spec.acceptance: kept_through_stop, for the requests
+device_stop_ids admits); the engine then finishes it as usual and the chain ends (the
 running set changed). With rollback "replay" the current step's commit (advancing each state by
 its kept tokens: up to the first stop token, as the host keeps them) is replayed on the device
 before the next step's verify, from the same device-side counts, and the host does not commit
@@ -37,8 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from hyla.engine.spec.mtp.fused import DerivedExtension, Flight, collect_fused
-from hyla.engine.spec.acceptance import argmax_accepts
+from hyla.engine.spec.mtp.fused import DerivedExtension, Flight
+from hyla.engine.spec.acceptance import argmax_accepts, device_stop_ids
 
 MAX_STOPS = 4  # stop ids per request the device check takes (EOS + stop_token_ids)
 
@@ -53,16 +54,16 @@ class OverlapChain:
         self.launched = 0  # steps launched in flight (the tests assert the path was taken)
 
     def stops(self, seq) -> list[int] | None:
-        """seq's stop ids for the device check, None when the chain cannot take seq."""
-        p, eng = seq.params, self.engine
+        """seq's stop ids for the device check, None when the chain cannot take seq: the stop
+        rule's device form must decide its next two steps' tokens as the host would
+        (acceptance.device_stop_ids), its acceptance be the argmax comparison, and neither step
+        reach max_model_len."""
         W = self.drafter.k + 1
-        if (not argmax_accepts(seq) or p.logprobs is not None or p.stop_strings or seq.error is not None
-                or len(seq.output_token_ids) < p.min_tokens
-                or len(seq.output_token_ids) + 2 * W >= seq.max_tokens
-                or seq.num_tokens + 2 * W + 1 >= eng.max_model_len):
+        if (not argmax_accepts(seq) or seq.params.logprobs is not None
+                or seq.num_tokens + 2 * W + 1 >= self.engine.max_model_len):
             return None
-        ids = seq.stop_ids()
-        return ids if len(ids) <= MAX_STOPS else None
+        ids = device_stop_ids(seq, 2 * W)
+        return ids if ids is not None and len(ids) <= MAX_STOPS else None
 
     @torch.inference_mode()
     def launch_after(self, flight: Flight) -> None:
@@ -101,7 +102,7 @@ class OverlapChain:
         derived = DerivedExtension(drafter.fused, ext.bs, ext.width, ext.rows, graphs, flight.packed, base,
                                    rollback == "replay")
         out = graphs.replay_verify(key, rows, derived)
-        self.flight = Flight(seqs, None, out, W, drafter.fused.readback)
+        self.flight = drafter.fused.launched(seqs, None, out, W)
         self.state_committed = rollback == "replay"
         self.launched += 1
 
@@ -118,7 +119,7 @@ class OverlapChain:
         try:
             if launch:
                 self.launch_after(flight)
-            return collect_fused(self.drafter, flight)
+            return self.drafter.fused.collect(flight)
         except BaseException:
             self.abandon()
             raise

@@ -1,0 +1,245 @@
+"""The tensors of the prefix cache's storage tiers beside the running pools, and the transfers
+between them. The PrefixCache decides what moves where (it owns the indices); this module only
+holds memory and copies.
+
+Tiers of a checkpoint (every linear layer's state + conv windows after some prefix):
+- "slot": a state slot of the running pools (HybridCache), in the running dtype;
+- "int8": an entry of the device's compact store (checkpoint_dtype "int8"): each state row in int8
+  with an fp32 scale (hyla.engine.checkpoint_codec), conv windows as they are;
+- "host": an entry of the host store (host_cache_bytes > 0), in pinned CPU memory on CUDA: a
+  slot's bytes, or with checkpoint_dtype "int8" an int8 entry's (a slot is packed on its way).
+Tiers of a KV page: a device page of the running pools, or a host page (the bytes of every
+attention layer's page).
+
+A transfer is a tuple (picklable: the tensor-parallel runner sends the same plan to every rank,
+each of which moves its own shard):
+    ("copy_slot", src_slot, dst_slot)        device checkpoint restore (slot home)
+    ("copy_rows", src_page, dst_page, rows)  copy-on-write of a partially shared page
+    ("pack", slot, entry)                    slot -> int8 entry (a checkpoint filed)
+    ("unpack", entry, slot)                  int8 entry -> slot (restore)
+    ("ckpt_out", tier, src, host)            slot or int8 entry (tier "slot" / "int8") -> host entry
+    ("ckpt_in", host, slot)                  host entry -> slot (restore; dequantised with int8)
+    ("page_out", page, host_page)            device page -> host page (eviction to the host)
+    ("page_in", host_page, page)             host page -> device page (restore)
+Plans run in order on one stream: a transfer that reads an index always precedes whatever reuses
+it later in the plan or in the step's forward, so an index may be freed as soon as its copy is
+planned. On CUDA the host copies are asynchronous (pinned memory, non_blocking): the host
+thread never waits for them, and the forward that follows on the same stream sees their result.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hyla.contract.cache import HybridCache
+from hyla.engine.checkpoint_codec import dequantize_rows, quantize_rows, rows_of
+
+CHECKPOINT_DTYPES = ("auto", "int8")
+
+
+@dataclass(frozen=True)
+class TierSizes:
+    """Entries of each tier beside the running pools: int8 entries on the device (0: checkpoints
+    live in state slots), host pages and host checkpoints (0 and 0: no host tier)."""
+
+    int8_entries: int = 0
+    host_pages: int = 0
+    host_checkpoints: int = 0
+
+    @property
+    def has_host(self) -> bool:
+        return self.host_pages > 0 or self.host_checkpoints > 0
+
+
+def _memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous view of a pool row (a K-last state slot is [.., K, V] over [.., V, K] memory)."""
+    if t.is_contiguous():
+        return t
+    view = t.transpose(-1, -2)
+    if view.is_contiguous():
+        return view
+    raise ValueError(f"a pool row of shape {tuple(t.shape)} and strides {t.stride()} is not contiguous")
+
+
+def int8_entry_bytes(cache: HybridCache) -> int:
+    """Bytes of one int8 checkpoint of `cache`'s linear layers (int8 state + fp32 row scales +
+    conv windows as stored)."""
+    total = 0
+    for layer in cache.linear_layers:
+        state, *conv = layer.tensors()
+        elems = state[0].numel()
+        total += elems + 4 * elems // state.shape[-2]  # one fp32 scale per row of K entries
+        total += sum(c[0].numel() * c.element_size() for c in conv)
+    return total
+
+
+def slot_bytes(cache: HybridCache) -> int:
+    """Bytes of one state slot of `cache` (every linear layer's tensors)."""
+    return sum(t[0].numel() * t.element_size() for layer in cache.linear_layers for t in layer.tensors())
+
+
+def page_bytes(cache: HybridCache) -> int:
+    """Bytes of one KV page of `cache` (every attention layer's tensors)."""
+    return sum(t[0].numel() * t.element_size() for layer in cache.attention_layers for t in layer.tensors())
+
+
+class _Int8Store:
+    """Per linear layer: q [E, HV, V, K] int8, scale [E, HV, V] fp32, conv copies [E, ...]."""
+
+    def __init__(self, cache: HybridCache, entries: int, device, pin: bool = False):
+        self.layers = []
+        for layer in cache.linear_layers:
+            state, *conv = layer.tensors()
+            rows = rows_of(state[0])
+            q = torch.empty((entries, *rows.shape), dtype=torch.int8, device=device, pin_memory=pin)
+            scale = torch.empty((entries, *rows.shape[:-1]), dtype=torch.float32, device=device, pin_memory=pin)
+            convs = [torch.empty((entries, *_memory_order(c[0]).shape), dtype=c.dtype, device=device, pin_memory=pin)
+                     for c in conv]
+            self.layers.append((q, scale, convs))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for q, s, convs in self.layers for t in (q, s, *convs)]
+
+
+class _FullStore:
+    """Per linear layer, every slot tensor's bytes [E, ...] (in memory order)."""
+
+    def __init__(self, cache: HybridCache, entries: int, device, pin: bool = False):
+        self.tensors_ = [torch.empty((entries, *_memory_order(t[0]).shape), dtype=t.dtype, device=device,
+                                     pin_memory=pin)
+                         for layer in cache.linear_layers for t in layer.tensors()]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.tensors_
+
+
+class CacheTiers:
+    """The int8 store and the host store of one runner's cache (one rank's shard), and the code
+    that runs a transfer plan against them and the running pools."""
+
+    def __init__(self, cache: HybridCache, sizes: TierSizes):
+        self.cache = cache
+        self.sizes = sizes
+        device = self._device()
+        pin = device.type == "cuda"
+        self.int8 = _Int8Store(cache, sizes.int8_entries, device) if sizes.int8_entries else None
+        self.host_checkpoints = None
+        if sizes.host_checkpoints:
+            kind = _Int8Store if self.int8 is not None else _FullStore
+            self.host_checkpoints = kind(cache, sizes.host_checkpoints, "cpu", pin)
+        self.page_tensors = [t for layer in cache.attention_layers for t in layer.tensors()]
+        self.host_pages = [torch.empty((sizes.host_pages, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
+                           for t in self.page_tensors] if sizes.host_pages else None
+        self.stats = {"bytes_to_host": 0, "bytes_from_host": 0, "restore_seconds": 0.0}
+
+    def _device(self) -> torch.device:
+        for layer in self.cache.layers:
+            for t in layer.tensors():
+                return t.device
+        return torch.device("cpu")
+
+    def nbytes(self) -> tuple[int, int]:
+        """(device bytes, host bytes) the tiers hold."""
+        dev = sum(t.numel() * t.element_size() for t in (self.int8.tensors() if self.int8 else []))
+        host = sum(t.numel() * t.element_size() for t in (self.host_checkpoints.tensors()
+                                                          if self.host_checkpoints else []))
+        host += sum(t.numel() * t.element_size() for t in (self.host_pages or []))
+        return dev, host
+
+    # ---- the transfers -------------------------------------------------------------------
+    def apply(self, plan: list[tuple]) -> None:
+        """Run a transfer plan in order (see the module docstring)."""
+        for op, *args in plan:
+            getattr(self, "_" + op)(*args)
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        self.cache.copy_slot(src, dst)
+
+    def _copy_rows(self, src: int, dst: int, rows: int) -> None:
+        self.cache.copy_page_rows(src, dst, rows)
+
+    def _pack(self, slot: int, entry: int) -> None:
+        _pack_into(self.cache, slot, self.int8, entry)
+
+    def _unpack(self, entry: int, slot: int) -> None:
+        _unpack_from(self.int8, entry, self.cache, slot)
+
+    def _ckpt_out(self, tier: str, src: int, host: int) -> None:
+        if tier == "int8":  # the int8 entry's bytes
+            for h, d in zip(self.host_checkpoints.tensors(), self.int8.tensors()):
+                h[host].copy_(d[src], non_blocking=True)
+                self.stats["bytes_to_host"] += d[src].numel() * d.element_size()
+            return
+        if self.int8 is not None:  # a slot, packed on its way to the int8 host store
+            _pack_into(self.cache, src, self.host_checkpoints, host)
+            self.stats["bytes_to_host"] += sum(t[host].numel() * t.element_size()
+                                               for t in self.host_checkpoints.tensors())
+            return
+        slot_tensors = [t for layer in self.cache.linear_layers for t in layer.tensors()]
+        for h, t in zip(self.host_checkpoints.tensors(), slot_tensors):
+            h[host].copy_(_memory_order(t[src]), non_blocking=True)
+            self.stats["bytes_to_host"] += t[src].numel() * t.element_size()
+
+    def _ckpt_in(self, host: int, slot: int) -> None:
+        start = time.perf_counter()
+        if self.int8 is not None:
+            device = self._device()
+            for (q, scale, convs), layer in zip(self.host_checkpoints.layers, self.cache.linear_layers):
+                state, *conv = layer.tensors()
+                dequantize_rows(q[host].to(device, non_blocking=True), scale[host].to(device, non_blocking=True),
+                                rows_of(state[slot]))
+                for c_host, c in zip(convs, conv):
+                    _memory_order(c[slot]).copy_(c_host[host], non_blocking=True)
+                self.stats["bytes_from_host"] += sum(t[host].numel() * t.element_size() for t in (q, scale, *convs))
+        else:
+            slot_tensors = [t for layer in self.cache.linear_layers for t in layer.tensors()]
+            for h, t in zip(self.host_checkpoints.tensors(), slot_tensors):
+                _memory_order(t[slot]).copy_(h[host], non_blocking=True)
+                self.stats["bytes_from_host"] += h[host].numel() * h.element_size()
+        self.stats["restore_seconds"] += time.perf_counter() - start
+
+    def _page_out(self, page: int, host: int) -> None:
+        for h, t in zip(self.host_pages, self.page_tensors):
+            h[host].copy_(t[page], non_blocking=True)
+            self.stats["bytes_to_host"] += t[page].numel() * t.element_size()
+
+    def _page_in(self, host: int, page: int) -> None:
+        """The whole page, also the rows past a partial hit: the request writes those positions
+        before anything reads them (attention is causal), as it would in a fresh page."""
+        start = time.perf_counter()
+        for h, t in zip(self.host_pages, self.page_tensors):
+            t[page].copy_(h[host], non_blocking=True)
+            self.stats["bytes_from_host"] += h[host].numel() * h.element_size()
+        self.stats["restore_seconds"] += time.perf_counter() - start
+
+
+def _pack_into(cache: HybridCache, slot: int, store: _Int8Store, entry: int) -> None:
+    for (q, scale, convs), layer in zip(store.layers, cache.linear_layers):
+        state, *conv = layer.tensors()
+        q_rows, s_rows = quantize_rows(rows_of(state[slot]))
+        q[entry].copy_(q_rows, non_blocking=True)  # the store may be the host's
+        scale[entry].copy_(s_rows, non_blocking=True)
+        for c_store, c in zip(convs, conv):
+            c_store[entry].copy_(_memory_order(c[slot]), non_blocking=True)
+
+
+def _unpack_from(store: _Int8Store, entry: int, cache: HybridCache, slot: int) -> None:
+    for (q, scale, convs), layer in zip(store.layers, cache.linear_layers):
+        state, *conv = layer.tensors()
+        dequantize_rows(q[entry], scale[entry], rows_of(state[slot]))
+        for c_store, c in zip(convs, conv):
+            _memory_order(c[slot]).copy_(c_store[entry])
+
+
+def plain_transfers(cache: HybridCache, plan: list[tuple]) -> None:
+    """Run a plan that uses no tier (device copies only): the engine without int8 or host tiers."""
+    for op, *args in plan:
+        if op == "copy_slot":
+            cache.copy_slot(*args)
+        elif op == "copy_rows":
+            cache.copy_page_rows(*args)
+        else:
+            raise ValueError(f"transfer {op!r} needs the prefix cache's tiers, which this runner does not have")

@@ -1,0 +1,96 @@
+"""Int8 checkpoints (hyla.engine.checkpoint_codec) and the tier copies (hyla.engine.cache_tiers)
+on a tiny model's real pools: the per-row bound, exact round trips of host copies."""
+
+import pytest
+import torch
+
+from hyla.contract.cache import state_pool
+from hyla.engine.cache_tiers import CacheTiers, TierSizes, int8_entry_bytes, slot_bytes
+from hyla.engine.checkpoint_codec import dequantize_rows, quantize_rows, restore_error_bound, rows_of
+from hyla.models.presets import random_model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_int8_rows_restore_within_the_per_row_bound(dtype):
+    g = torch.Generator().manual_seed(3)
+    H, K, V = 3, 37, 19  # awkward sizes
+    state = state_pool(2, H, K, V, dtype, "cpu")
+    scales = torch.logspace(-4, 2, V, dtype=torch.float64)  # columns of very different magnitudes
+    state[0].copy_(torch.randn(H, K, V, generator=g, dtype=torch.float64) * scales)
+    state[0, 1, :, 4] = 0  # a zero row
+    q, s = quantize_rows(rows_of(state[0]))
+    assert q.dtype == torch.int8 and s.shape == (H, V) and int(q.abs().max()) <= 127
+    dequantize_rows(q, s, rows_of(state[1]))
+    err = (state[1].double() - state[0].double()).abs().amax(dim=-2)  # per row [H, V]
+    bound = restore_error_bound(state[0]).double()
+    # rounding to the nearest multiple of the scale (half a scale), plus the running dtype's own
+    # rounding of the restored value (bf16: 2^-9 relative)
+    slack = {torch.float32: 1e-6, torch.bfloat16: 2.0**-8, torch.float64: 1e-12}[dtype]
+    amax = rows_of(state[0]).double().abs().amax(-1)
+    assert bool((err <= bound * (1 + 1e-6) + slack * amax).all())
+    assert bool((state[1, 1, :, 4] == 0).all())
+
+
+def _tiny_cache(num_slots=4, num_pages=6):
+    model = random_model("tiny", layers=4)
+    cache = model.allocate_cache(num_slots, num_pages, page_size=4, state_dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    for layer in cache.layers:
+        for t in layer.tensors():
+            t.copy_(torch.randn(t.shape, generator=g))
+    return cache
+
+
+def test_host_copies_of_pages_and_checkpoints_are_bit_exact():
+    cache = _tiny_cache()
+    tiers = CacheTiers(cache, TierSizes(host_pages=2, host_checkpoints=2))
+    slot2 = [t[2].clone() for layer in cache.linear_layers for t in layer.tensors()]
+    page3 = [t[3].clone() for layer in cache.attention_layers for t in layer.tensors()]
+    tiers.apply([("ckpt_out", "slot", 2, 1), ("page_out", 3, 0), ("ckpt_in", 1, 0), ("page_in", 0, 5)])
+    assert all(torch.equal(t[0], ref) for t, ref in zip((t for layer in cache.linear_layers for t in layer.tensors()),
+                                                         slot2))
+    assert all(torch.equal(t[5], ref) for t, ref in zip((t for layer in cache.attention_layers
+                                                          for t in layer.tensors()), page3))
+    moved = sum(r.numel() * r.element_size() for r in slot2 + page3)
+    assert tiers.stats["bytes_to_host"] == moved and tiers.stats["bytes_from_host"] == moved
+
+
+def test_int8_pack_unpack_and_through_the_host():
+    cache = _tiny_cache()
+    tiers = CacheTiers(cache, TierSizes(int8_entries=2, host_checkpoints=2))
+    before = [t[1].clone() for layer in cache.linear_layers for t in layer.tensors()]
+    tiers.apply([("pack", 1, 0), ("ckpt_out", "int8", 0, 0), ("ckpt_in", 0, 2), ("unpack", 0, 3),
+                 ("ckpt_out", "slot", 1, 1), ("ckpt_in", 1, 0)])
+    for slot in (0, 2, 3):  # a slot packed on its way to the host, an int8 entry through the host, the entry
+        for layer, (state_ref, *conv_ref) in zip(cache.linear_layers, _split(cache, before)):
+            state, *conv = layer.tensors()
+            assert bool(((state[slot] - state_ref).abs() <= restore_error_bound(state_ref).unsqueeze(-2) + 1e-6).all())
+            assert all(torch.equal(c[slot], r) for c, r in zip(conv, conv_ref))  # conv windows stay exact
+    expected = sum(layer.state[0].numel() * (1 + 4 / layer.state.shape[-2])
+                   + sum(c[0].numel() * c.element_size() for c in layer.conv) for layer in cache.linear_layers)
+    assert int8_entry_bytes(cache) == expected
+
+
+def test_int8_checkpoints_of_the_48b_shape_take_under_a_third_of_a_slot():
+    from hyla.models.kimi_linear import kda_mla_pools
+    from hyla.models.presets import model_config
+
+    cache = kda_mla_pools(model_config("kimi-linear-48b-a3b"), 1, 1, 16, torch.float32, "meta", torch.bfloat16)
+    ratio = int8_entry_bytes(cache) / slot_bytes(cache)
+    assert 0.27 < ratio < 0.29  # 1/4 + 4/128 of the fp32 state, the bf16 conv windows as they are
+
+
+def _split(cache, flat):
+    out, i = [], 0
+    for layer in cache.linear_layers:
+        n = len(layer.tensors())
+        out.append(flat[i:i + n])
+        i += n
+    return out
+
+
+def test_a_plan_needing_tiers_fails_clearly_without_them():
+    from hyla.engine.cache_tiers import plain_transfers
+
+    with pytest.raises(ValueError, match="tiers"):
+        plain_transfers(_tiny_cache(), [("page_out", 0, 0)])
