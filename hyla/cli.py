@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--tokens", type=int, default=300)
     demo.set_defaults(func=_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks: ops, kernels, throughput, prefix-cache, spec, moe, serve",
+    bench = sub.add_parser("bench", help="benchmarks: ops, kernels, throughput, prefix-cache, spec, moe, serve, shape",
                            add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=lambda a: __import__("hyla.bench.__main__", fromlist=["main"]).main(a.rest))

@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "spec": "hyla.bench.spec",
     "moe": "hyla.bench.moe",
     "serve": "hyla.bench.serve",
+    "shape": "hyla.bench.shape",
 }
 
 

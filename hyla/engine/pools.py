@@ -144,6 +144,8 @@ def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: i
         slot_cap = max(slots_per_seq, (budget // 2) // slot_bytes)
     num_slots = min(wanted_slots, slot_cap)
     num_pages = (budget - num_slots * slot_bytes) // page_bytes
+    if model.kv_bytes_per_token() + extra_kv_bytes_per_token == 0:  # no attention layer: pages cost nothing,
+        num_pages = max_num_seqs * pages_per_seq  # only the block tables need their ids
     if num_pages < pages_per_seq:
         raise ValueError(
             f"memory_budget of {budget} bytes cannot hold one request of max_model_len={max_model_len} tokens "

@@ -28,8 +28,8 @@ the gate in one more (two past 512 keys). Elsewhere the torch code below runs.
 FP8 pages (a KVLayerCache with k_scale / v_scale, kv_cache_dtype "fp8": hyla.ops.kv_fp8): each
 new key head (normed, rotated, in the model dtype) and value head is stored in e4m3 with a
 per-token scale, and every read dequantises the rows to the model dtype first, so the
-attention below runs as over a cache in the model dtype (hyla.ops.kv_fp8_dispatch picks the
-fused kernels with their scales).
+attention below runs as over a cache in the model dtype (hyla.ops.dispatch gives the fused
+kernels the scales).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.masks import causal_after_prefix
 from hyla.layers.norm import ZeroCentredRMSNorm
-from hyla.ops import dispatch, kv_fp8, kv_fp8_dispatch
+from hyla.ops import dispatch, kv_fp8
 from hyla.ops.dtypes import work_dtype
 
 
@@ -194,8 +194,7 @@ class GatedAttention(nn.Module):
         offset by their context length."""
         w = batch.uniform_width
         fp8 = cache.k_scale is not None
-        if w is not None and (kv_fp8_dispatch.attention_kernels(x, cache.k) if fp8
-                              else dispatch.gated_attention_kernels(x, cache.k)):
+        if w is not None and dispatch.gated_attention_kernels(x, cache.k, fp8):
             return self._fused_step(x, batch, cache, w)
         q, k, v, gate = self.qkv(x, batch.positions, batch)  # [T_total, H | Hkv, D]
         page_size = cache.k.shape[1]
@@ -240,18 +239,12 @@ class GatedAttention(nn.Module):
         masks or gathered windows. x: [S * W, hidden] -> [S * W, hidden]."""
         q, gate, k, v = self._project(x)
         batch.check_written_pages(cache.k.shape[1])
-        if cache.k_scale is not None:  # FP8 pages: the same two ops with the pages' scales
-            q = kv_fp8_dispatch.qk_norm_rope_write(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                                   self.rotary.inv_freq(x.device), batch.positions, cache.k, cache.v,
-                                                   batch.block_tables, w, cache.k_scale, cache.v_scale)
-            out = kv_fp8_dispatch.paged_window_attention(q, cache.k, cache.v, batch.block_tables, batch.context_lens,
-                                                         self.scaling, gate, cache.k_scale, cache.v_scale)
-            return self.o_proj(out)
+        # FP8 pages: the same two ops with the pages' scales (None otherwise)
         q = dispatch.qk_norm_rope_write(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                         self.rotary.inv_freq(x.device), batch.positions, cache.k, cache.v,
-                                        batch.block_tables, w)
+                                        batch.block_tables, w, cache.k_scale, cache.v_scale)
         out = dispatch.paged_window_attention(q, cache.k, cache.v, batch.block_tables, batch.context_lens,
-                                              self.scaling, gate)
+                                              self.scaling, gate, cache.k_scale, cache.v_scale)
         return self.o_proj(out)
 
     def _windowed(self, q: torch.Tensor, cache: KVLayerCache, rows: torch.Tensor, masked: torch.Tensor,

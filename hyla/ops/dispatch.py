@@ -245,38 +245,47 @@ def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
 # -- gated attention of a decode / verify step over paged KV (hyla.ops.triton.paged_attention) ------
 
 
-def gated_attention_kernels(x: torch.Tensor, cache_k: torch.Tensor) -> bool:
+def gated_attention_kernels(x: torch.Tensor, cache_k: torch.Tensor, fp8: bool = False) -> bool:
     """Whether a decode / verify step's gated attention (activations x, key pool cache_k
     [pages, page_size, Hkv, D]) runs as the two fused ops below on the Triton path: the device /
-    grad / backend rule of backend_for, fp32 / bf16 / fp16, D <= 256. Otherwise the layer keeps
-    its torch code (the CPU path, which the transformers oracles check)."""
-    return _attention_triton(x, cache_k)
+    grad / backend rule of backend_for, fp32 / bf16 / fp16, D <= 256. fp8: the pools are FP8
+    pages with per-token scales (hyla.ops.kv_fp8), which the kernels dequantise as they read, so
+    only the activations' dtype counts. Otherwise the layer keeps its torch code (the CPU path,
+    which the transformers oracles check)."""
+    return _attention_triton(x, cache_k, fp8)
 
 
-def _attention_triton(x: torch.Tensor, cache_k: torch.Tensor) -> bool:
+def _attention_triton(x: torch.Tensor, cache_k: torch.Tensor, fp8: bool = False) -> bool:
     return (isinstance(cache_k, torch.Tensor) and cache_k.ndim == 4 and cache_k.shape[-1] <= _MAX_HEAD_DIM
-            and _elementwise_triton(x, (x, cache_k)))
+            and _elementwise_triton(x, (x,) if fp8 else (x, cache_k)))
 
 
 def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
                        k_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, positions: torch.Tensor,
                        cache_k: torch.Tensor, cache_v: torch.Tensor, block_tables: torch.Tensor,
-                       width: int) -> torch.Tensor:
-    """hyla.ops.paged_attention.qk_norm_rope_write, one Triton launch on CUDA."""
-    if _attention_triton(q, cache_k) and _elementwise_triton(q, (k, v, q_weight, k_weight)):
+                       width: int, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """hyla.ops.paged_attention.qk_norm_rope_write, one Triton launch on CUDA; k_scale / v_scale:
+    FP8 pages' per-token scales (None: pools in an activation dtype)."""
+    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+    if _attention_triton(q, cache_k, bool(scales)) and _elementwise_triton(q, (k, v, q_weight, k_weight)):
         return _triton.qk_norm_rope_write(q, k, v, q_weight, k_weight, eps, inv_freq, positions, cache_k, cache_v,
-                                          block_tables, width)
+                                          block_tables, width, **scales)
     return _torch_paged_attention.qk_norm_rope_write(q, k, v, q_weight, k_weight, eps, inv_freq, positions, cache_k,
-                                                     cache_v, block_tables, width)
+                                                     cache_v, block_tables, width, **scales)
 
 
 def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           gate: torch.Tensor | None = None) -> torch.Tensor:
-    """hyla.ops.paged_attention.paged_window_attention, one or two Triton launches on CUDA."""
-    if _attention_triton(q, cache_k) and _elementwise_triton(q, (cache_v, gate)):
-        return _triton.paged_window_attention(q, cache_k, cache_v, block_tables, context_lens, scale, gate)
-    return _torch_paged_attention.paged_window_attention(q, cache_k, cache_v, block_tables, context_lens, scale, gate)
+                           gate: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """hyla.ops.paged_attention.paged_window_attention, one or two Triton launches on CUDA;
+    k_scale / v_scale as in qk_norm_rope_write."""
+    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+    if _attention_triton(q, cache_k, bool(scales)) and _elementwise_triton(q, (gate,) if scales else (cache_v, gate)):
+        return _triton.paged_window_attention(q, cache_k, cache_v, block_tables, context_lens, scale, gate, **scales)
+    return _torch_paged_attention.paged_window_attention(q, cache_k, cache_v, block_tables, context_lens, scale, gate,
+                                                         **scales)
 
 
 # -- the SwiGLU activation of a dense MLP / shared expert (hyla.ops.triton.gated_act; torch: hyla.ops.gated_act) --

@@ -36,7 +36,7 @@ magnitude (3 mantissa bits; half an ulp), plus 2^-10 x s below e4m3's normal ran
 Memory: per token and layer C bytes + 4 G (hyla.models.memory.kv_bytes_per_token).
 
 Where: the torch ops hyla.ops.mla / hyla.ops.paged_attention (kv_scale / k_scale, v_scale), their
-Triton kernels (hyla.ops.triton.kv_fp8; gated attention routed by hyla.ops.kv_fp8_dispatch), the
+Triton kernels (hyla.ops.triton.kv_fp8; gated attention routed by hyla.ops.dispatch with the scales), the
 layers' own torch code (hyla.layers.mla, attention, dsa), and every family's allocate_cache
 (model.kv_cache_dtype, which the engine sets from EngineConfig.kv_cache_dtype). Not FP8: GLM-5-Next's
 indexer rows, an MTP head's pages and a draft model's pools (model dtype).

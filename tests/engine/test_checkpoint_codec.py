@@ -31,8 +31,9 @@ def test_int8_rows_restore_within_the_per_row_bound(dtype):
     assert bool((state[1, 1, :, 4] == 0).all())
 
 
-def _tiny_cache(num_slots=4, num_pages=6):
+def _tiny_cache(num_slots=4, num_pages=6, kv_cache_dtype="auto"):
     model = random_model("tiny", layers=4)
+    model.kv_cache_dtype = kv_cache_dtype
     cache = model.allocate_cache(num_slots, num_pages, page_size=4, state_dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     for layer in cache.layers:
@@ -41,16 +42,24 @@ def _tiny_cache(num_slots=4, num_pages=6):
     return cache
 
 
-def test_host_copies_of_pages_and_checkpoints_are_bit_exact():
-    cache = _tiny_cache()
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_host_copies_of_pages_and_checkpoints_are_bit_exact(kv_cache_dtype):
+    cache = _tiny_cache(kv_cache_dtype=kv_cache_dtype)  # fp8: e4m3 pages with their fp32 scales
     tiers = CacheTiers(cache, TierSizes(host_pages=2, host_checkpoints=2))
     slot2 = [t[2].clone() for layer in cache.linear_layers for t in layer.tensors()]
     page3 = [t[3].clone() for layer in cache.attention_layers for t in layer.tensors()]
     tiers.apply([("ckpt_out", "slot", 2, 1), ("page_out", 3, 0), ("ckpt_in", 1, 0), ("page_in", 0, 5)])
     assert all(torch.equal(t[0], ref) for t, ref in zip((t for layer in cache.linear_layers for t in layer.tensors()),
                                                          slot2))
-    assert all(torch.equal(t[5], ref) for t, ref in zip((t for layer in cache.attention_layers
-                                                          for t in layer.tensors()), page3))
+    assert all(torch.equal(_bits(t[5]), _bits(ref)) for t, ref in zip((t for layer in cache.attention_layers
+                                                                        for t in layer.tensors()), page3))
+    if kv_cache_dtype == "fp8":
+        assert {t.dtype for layer in cache.attention_layers for t in layer.tensors()} == {torch.float8_e4m3fn,
+                                                                                          torch.float32}
     moved = sum(r.numel() * r.element_size() for r in slot2 + page3)
     assert tiers.stats["bytes_to_host"] == moved and tiers.stats["bytes_from_host"] == moved
 

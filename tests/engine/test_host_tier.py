@@ -34,14 +34,16 @@ def agent_trace(llm, sessions=SESSIONS, turns=TURNS, together=False, start=70):
     return outs, llm.get_metrics()
 
 
-def budget(ckpt, pages: int, slots: int) -> int:
-    """A memory budget of `slots` state slots and `pages` KV pages of 16 tokens (fp64)."""
+def budget(ckpt, pages: int, slots: int, kv_cache_dtype: str = "auto") -> int:
+    """A memory budget of `slots` state slots (fp32 state, the engine's default) and `pages` KV
+    pages of 16 tokens."""
+    import torch
+
     from hyla.models import load_model
 
     model = load_model(str(ckpt), dtype="float64")
-    import torch
-
-    return slots * model.state_bytes_per_slot(torch.float64) + pages * 16 * model.kv_bytes_per_token()
+    model.kv_cache_dtype = kv_cache_dtype
+    return slots * model.state_bytes_per_slot(torch.float32) + pages * 16 * model.kv_bytes_per_token()
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,15 @@ def test_sessions_beyond_the_device_come_back_from_the_host_exactly(ckpt, refere
     assert m["hits_host"] > 0 and m["pages_to_host"] > 0 and m["checkpoints_from_host"] > 0
     assert m["prefix_cache_hit_tokens"] >= 2 * max(1, m0["prefix_cache_hit_tokens"])
     assert m["bytes_to_host"] > 0 and m["bytes_from_host"] > 0 and m["restore_seconds"] > 0
+
+
+def test_fp8_pages_travel_through_the_host_tier_with_their_scales(ckpt):
+    """With FP8 KV pages the host tier serves hits, equal to the engine with FP8 pages and no
+    cache (the pages' bit-exact round trip with their scales: test_checkpoint_codec)."""
+    small = budget(ckpt, pages=14, slots=4)  # in FP8 pages: about twice as many pages
+    ref = agent_trace(LLM(str(ckpt), dtype="float64", max_model_len=160, kv_cache_dtype="fp8"))[0]
+    outs, m = agent_trace(_llm(ckpt, memory_budget=small, host_cache_bytes=4 * small, kv_cache_dtype="fp8"))
+    assert outs == ref and m["hits_host"] > 0
 
 
 def test_host_tier_with_preemption_and_ngram_speculation(ckpt):

@@ -303,7 +303,7 @@ def _fp8_pool(shape, groups, g, dev):
 def test_layer_step_over_fp8_pages_triton_equals_torch(kind, monkeypatch):
     """A verify-shaped step (W = 2 tokens per sequence, shuffled pages) of GatedAttention / MLA
     with FP8 pages, HYLA_BACKEND=triton (the fused writes and paged kernels with their scales:
-    hyla.ops.kv_fp8_dispatch, hyla.ops.dispatch) against torch: the outputs agree to fp32
+    hyla.ops.dispatch) against torch: the outputs agree to fp32
     rounding, the pages the step wrote too, up to a rare code one e4m3 step apart where a key's
     last fp32 bit moved its rounding (test_gqa_triton_fp8_write_and_attention_match_the_torch_path;
     none here)."""
