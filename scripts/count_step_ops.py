@@ -158,7 +158,7 @@ class _Recorder:
             stack.enter_context(_patched(dispatch, name, counter.fused(name, getattr(dispatch, name))))
         # the attention layers take the route they take on the GPU (their two fused ops, run here
         # by the torch references and counted one each)
-        stack.enter_context(_patched(dispatch, "gated_attention_kernels", lambda x, cache_k: True))
+        stack.enter_context(_patched(dispatch, "gated_attention_kernels", lambda x, cache_k, fp8=False: True))
         graphs = engine.runner.graphs
         if graphs is not None:
             stack.enter_context(_patched(graphs, "_forward", counter.labelled("decode forward", graphs._forward)))

@@ -73,7 +73,7 @@ SECTIONS = [  # "module:owner.attr" of the host-side stages of a step (inclusive
     "hyla.engine.cuda_graph_verify:CUDAGraphRunner.replay_commit",
     "hyla.engine.cuda_graph:DecodeGraphs.run_decode",
     "hyla.engine.cuda_graph:DecodeGraphs.prepare",
-    "hyla.engine.model_runner:ModelRunner.run",
+    "hyla.engine.model_runner:ModelRunner.execute",
     "hyla.engine.sampler:sample",
     "hyla.engine.llm_engine:sample",
     "hyla.engine.llm_engine:LLMEngine._emit_verified",

@@ -10,7 +10,6 @@ top kernels. A hint for what to fuse next, not a benchmark figure.
 from __future__ import annotations
 
 import argparse
-import types
 
 import torch
 
@@ -18,6 +17,7 @@ from hyla.bench import floor as fl
 from hyla.bench.random_models import RANDOM_CONFIGS, random_model
 from hyla.bench.step_bench import make_runner
 from hyla.contract import ForwardBatch
+from hyla.engine.step_plan import StepPlan
 
 
 def op_profile(fn, top: int) -> str:
@@ -175,9 +175,9 @@ def main() -> None:
     runner = make_runner(model, b_max, args.context, prefill_tokens=args.prefill)
     T = args.prefill
     prompt = torch.randint(3, model.config.vocab_size, (T,)).tolist()
-    seq = types.SimpleNamespace(token_ids=prompt, num_computed_tokens=0, block_table=list(range(-(-(T + 1) // 16))),
-                                slot=0)
-    run = lambda: runner.run([seq], [T], [[T - 1]])  # noqa: E731
+    table = list(range(-(-(T + 1) // 16)))
+    run = lambda: runner.execute(StepPlan(token_ids=prompt, seq_lens=[T], context_lens=[0],  # noqa: E731
+                                          block_tables=[table], state_slots=[0], logit_rows=[[T - 1]]))
     run()
     print(f"# {args.random_config}, {args.layers} layers: prefill of {T} tokens: {fl.kernel_profile(run, args.top)}")
     print(f"# prefill by torch op:\n{op_profile(run, args.top)}")

@@ -62,6 +62,16 @@ def _release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _step_kind(args, kwargs, result) -> str:
+    """StepProfile's key of a ModelRunner.execute call: a plain step, MTP's fused greedy step
+    (verify + head in one graph: a graph extension), a verify in a CUDA graph or eager."""
+    if not args[0].is_verify:
+        return "plain step"
+    if kwargs.get("extension") is not None:
+        return "verify (fused graph)"
+    return "verify (graph)" if result.in_graph else "verify (eager)"
+
+
 class StepProfile:
     """Wall time (device-synchronised) of an engine's calls, by kind: plain steps (prefill /
     decode, graph or eager), the whole engine step, and the parts of a speculative step: the
@@ -78,11 +88,7 @@ class StepProfile:
         self.times: dict[str, list[float]] = {}
         self._wrapped: list[tuple[object, str]] = []
         engine = llm.engine
-        runner = self.runner = engine.runner
-        self._wrap(runner, "run", "plain step")
-        self._wrap(runner, "verify", "verify")
-        if hasattr(runner, "verify_extended"):  # MTP's fused greedy step: verify + head in one graph
-            self._wrap(runner, "verify_extended", "verify (fused graph)")
+        self._wrap(engine.runner, "execute", _step_kind)
         self._wrap(engine, "step", "engine step (all)")
         if engine.spec is not None:
             self._wrap(engine, "_spec_step", "spec step (all)")
@@ -93,7 +99,8 @@ class StepProfile:
             if graphs is not None:
                 self._wrap(graphs, "run_chain", "propose: chained drafts")
 
-    def _wrap(self, obj, name, label: str):
+    def _wrap(self, obj, name, label):
+        """Time obj.<name>; label: the key, or a function of (args, kwargs, result) giving it."""
         inner = getattr(obj, name)
 
         def timed(*a, **k):
@@ -101,9 +108,7 @@ class StepProfile:
             t = time.perf_counter()
             out = inner(*a, **k)
             _sync()
-            key = label
-            if key == "verify":
-                key = "verify (graph)" if self.runner.verified_in_graph else "verify (eager)"
+            key = label(a, k, out) if callable(label) else label
             self.times.setdefault(key, []).append(time.perf_counter() - t)
             return out
         setattr(obj, name, timed)

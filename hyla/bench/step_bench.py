@@ -6,7 +6,7 @@ each optionally against transformers on the same weights (hyla.bench.hf_peer).
   or for a module that is not graph-safe) and the eager `forward_batch` + `compute_logits`; caches
   filled with random values. Floor = hyla.bench.floor.step_bytes / copy bandwidth.
   transformers: one decode forward after a prefill of the context (hf_peer.decode_step_ms).
-- `prefill`: one prompt of T tokens; hyla through `ModelRunner.run`, as one engine step of all T
+- `prefill`: one prompt of T tokens; hyla through `ModelRunner.execute`, as one engine step of all T
   tokens (`--prefill-chunk C`: steps of C tokens, as the engine's chunked prefill with
   max_num_batched_tokens = C; its default is 4096), logits of the last token only; transformers
   one forward of the same T tokens (logits_to_keep=1). Median of --prefill-repeat.
@@ -19,12 +19,11 @@ A transformers cell that runs out of memory prints n/a; the rest of the table go
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 from hyla.bench import floor as fl
 from hyla.bench import hf_peer
+from hyla.engine.step_plan import StepPlan
 
 PAGE = 16
 
@@ -132,14 +131,14 @@ def prefill(model, runner, args, hf=None) -> list[dict]:
         gen = torch.Generator().manual_seed(args.seed)
         prompt = torch.randint(3, model.config.vocab_size, (T,), generator=gen).tolist()
         chunk = args.prefill_chunk or T
-        seq = types.SimpleNamespace(token_ids=prompt, num_computed_tokens=0, block_table=list(range(_pages(T + 1))),
-                                    slot=0)
+        table = list(range(_pages(T + 1)))
 
         def run():
             for start in range(0, T, chunk):
                 n = min(chunk, T - start)
-                seq.num_computed_tokens = start
-                runner.run([seq], [n], [[n - 1]] if start + n == T else [[]])
+                runner.execute(StepPlan(token_ids=prompt[start:start + n], seq_lens=[n], context_lens=[start],
+                                        block_tables=[table], state_slots=[0],
+                                        logit_rows=[[n - 1]] if start + n == T else [[]]))
         ms = fl.median_ms(run, args.prefill_repeat, device=device)
         r = dict(tokens=T, chunk=chunk, hyla_ms=ms, hyla_tok_s=T / ms * 1e3)
         line = f"{r['tokens']:>7} {r['chunk']:>6} {r['hyla_ms']:>9.2f} {r['hyla_tok_s']:>11.0f}"

@@ -201,7 +201,7 @@ def _step_benches(path, args, dtype) -> dict:
               f"compute_logits; transformers = median of {args.hf_repeat} decode forwards after a prefill")
         results["decode"] = step_bench.decode(model, runner, args, bw, hf)
     if "prefill" in args.mode:
-        print(f"# prefill: one prompt, hyla through ModelRunner.run (chunk = tokens per engine step), "
+        print(f"# prefill: one prompt, hyla through ModelRunner.execute (chunk = tokens per engine step), "
               f"transformers one forward; medians of {args.prefill_repeat}")
         results["prefill"] = step_bench.prefill(model, runner, args, hf)
     if "moe-layer" in args.mode:

@@ -106,17 +106,16 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
 
-    def can_run(self, seqs, num_new_tokens, logit_rows, checkpoints=None) -> bool:
-        return (0 < len(seqs) <= self.max_batch and all(n == 1 for n in num_new_tokens)
-                and not (checkpoints and any(checkpoints)) and all(r in ([], [0]) for r in logit_rows))
+    def can_run(self, plan) -> bool:
+        """Whether a plain StepPlan (hyla.engine.step_plan) is a pure decode a graph takes."""
+        return (0 < plan.num_rows <= self.max_batch and all(n == 1 for n in plan.seq_lens)
+                and not (plan.checkpoints and any(plan.checkpoints)) and all(r in ([], [0]) for r in plan.logit_rows))
 
-    def run(self, seqs, logit_rows) -> torch.Tensor:
-        """A pure-decode step for `seqs` (one new token each) -> fp32 logits of the rows asked for."""
-        logits = self.run_decode([s.token_ids[s.num_computed_tokens] for s in seqs],
-                                 [s.num_computed_tokens for s in seqs], [s.slot for s in seqs],
-                                 [s.block_table for s in seqs])
-        keep = [n for n, rows in enumerate(logit_rows) if rows]
-        if len(keep) == len(seqs):
+    def run(self, plan) -> torch.Tensor:
+        """A pure-decode plan (one new token per row) -> fp32 logits of the rows asked for."""
+        logits = self.run_decode(plan.token_ids, plan.context_lens, plan.state_slots, plan.block_tables)
+        keep = [n for n, rows in enumerate(plan.logit_rows) if rows]
+        if len(keep) == plan.num_rows:
             return logits.clone()  # the graph's output buffer is overwritten by the next replay
         return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]  # keep may be empty
 

@@ -1,8 +1,9 @@
 """LLMEngine: the incremental engine (add_request / step / abort_request), one step at a time.
 
     step() = schedule (Scheduler: the plan, every page / slot / copy of the step)
-             -> ModelRunner.apply_transfers -> run the model (a plain forward and / or a
-             SpecDecoder verify) -> sample -> postprocess (emit, stop checks, freeing)
+             -> ModelRunner.apply_transfers -> run the model (ModelRunner.execute of a plain
+             StepPlan and / or a SpecDecoder verify) -> sample -> postprocess (emit, stop
+             checks, freeing)
 
 Outputs are cumulative RequestOutputs for every request that made progress in the step; a
 streaming front-end diffs consecutive outputs.
@@ -27,6 +28,7 @@ from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import ScheduledBatch, Scheduler
 from hyla.engine.sequence import Sequence, Status
 from hyla.engine.spec.decoder import SpecDecoder, make_drafter
+from hyla.engine.step_plan import StepPlan
 from hyla.ops import dispatch
 from hyla.parallel.errors import TensorParallelError
 
@@ -375,7 +377,8 @@ class LLMEngine:
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
             return self.recover([s for s in seqs if s.status is Status.RUNNING], err)
         live = [i for i, r in enumerate(results) if r is not None]  # the rest finished the step before
-        return self._emit_verified([seqs[i] for i in live], [results[i] for i in live])
+        # a step in flight always ran in the verify graphs (its "replay" commit is theirs)
+        return self._emit_verified([seqs[i] for i in live], [results[i] for i in live], in_graph=True)
 
     def drain(self) -> None:
         """Collect a step in flight now (its outputs come with the next `step`): before anything
@@ -395,18 +398,16 @@ class LLMEngine:
                        for seq, e in zip(batch.seqs, batch.exports)] if any(batch.exports) else None
         to_drafter = self.spec is not None and self.spec.wants_prefill_hidden  # an MTP head reads the prompt too
         try:
-            if to_drafter:
-                logits, hidden_rows = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints,
-                                                      return_hidden=True)
-            else:
-                logits = self.runner.run(batch.seqs, batch.num_new_tokens, rows, checkpoints)
+            result = self.runner.execute(StepPlan.plain(batch.seqs, batch.num_new_tokens, rows, checkpoints),
+                                         return_hidden=to_drafter)
         except TensorParallelError:
             raise  # the worker group is gone: no request can run
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
             self.scheduler.drop_exports(batch)
             return self.recover(batch.seqs, err)
+        logits = result.logits
         if to_drafter:
-            self.spec.observe_prefill(batch.seqs, batch.num_new_tokens, hidden_rows)
+            self.spec.observe_prefill(batch.seqs, batch.num_new_tokens, result.hidden)
         if any(scored):
             logits = self._score_prompts(batch.seqs, scored, sampling, logits)
         for seq, n, e in zip(batch.seqs, batch.num_new_tokens, batch.exports):
@@ -452,11 +453,12 @@ class LLMEngine:
             raise
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
             return self.recover(seqs, err)
-        return self._emit_verified(seqs, results)
+        return self._emit_verified(seqs, results, in_graph=results[0].in_graph)  # one verify: the same for all
 
-    def _emit_verified(self, seqs: list[Sequence], results) -> list[RequestOutput]:
-        """Emit a verify step's tokens, commit the states to the kept ones, trim the rejected
-        positions' pages (not while a later step is in flight: its block tables are fixed)."""
+    def _emit_verified(self, seqs: list[Sequence], results, in_graph: bool) -> list[RequestOutput]:
+        """Emit a verify step's tokens, commit the states to the kept ones (in_graph: the verify
+        ran in a CUDA graph), trim the rejected positions' pages (not while a later step is in
+        flight: its block tables are fixed)."""
         trim = self.chain is None or self.chain.flight is None
         kept = []
         for seq, r in zip(seqs, results):
@@ -466,7 +468,8 @@ class LLMEngine:
             self.metrics["spec_num_drafts"] += r.num_drafted > 0  # verify steps that drafted (vLLM's num_drafts)
             self.metrics["spec_num_accepted_tokens"] += r.num_accepted
             self.metrics["spec_num_verify_steps"] += 1
-        self.spec.commit(seqs, kept, state_committed=self.chain is not None and self.chain.take_state_committed())
+        self.spec.commit(seqs, kept, in_graph,
+                         state_committed=self.chain is not None and self.chain.take_state_committed())
         outputs = []
         for seq, n in zip(seqs, kept):
             seq.num_computed_tokens += n

@@ -22,18 +22,6 @@ log = logging.getLogger("hyla.engine")
 GiB = 1 << 30
 
 
-class _ProfileSequence:
-    """What ModelRunner reads of a sequence, for the profiled step: num_tokens fresh tokens in
-    slot 0 and pages 0..n-1."""
-
-    def __init__(self, num_tokens: int, vocab_size: int, num_pages: int):
-        self.token_ids = [(7 * i + 1) % vocab_size for i in range(num_tokens)]
-        self.num_computed_tokens = 0
-        self.block_table = list(range(num_pages))
-        self.slot = 0
-        self.spec_slots: list[int] = []
-
-
 @torch.inference_mode()
 def profile_step_bytes(model, *, num_tokens: int, num_logit_rows: int, page_size: int,
                        state_dtype: torch.dtype) -> int:
@@ -42,18 +30,22 @@ def profile_step_bytes(model, *, num_tokens: int, num_logit_rows: int, page_size
     from hyla.engine.model_runner import ModelRunner
     from hyla.engine.sampler import probs_batch
     from hyla.engine.sampling_params import SamplingParams
+    from hyla.engine.step_plan import StepPlan
 
     device = model.device
     if device.type != "cuda":
         return 0
     pages = -(-num_tokens // page_size)
     runner = ModelRunner(model, 1, pages, page_size, state_dtype, enforce_eager=True)
-    seq = _ProfileSequence(num_tokens, model.config.vocab_size, pages)
     rows = list(range(num_tokens - min(num_logit_rows, num_tokens), num_tokens))
+    # num_tokens fresh tokens in slot 0 and pages 0..n-1
+    plan = StepPlan(token_ids=[(7 * i + 1) % model.config.vocab_size for i in range(num_tokens)],
+                    seq_lens=[num_tokens], context_lens=[0], block_tables=[list(range(pages))], state_slots=[0],
+                    logit_rows=[rows])
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    logits = runner.run([seq], [num_tokens], [rows])
+    logits = runner.execute(plan).logits
     probs = probs_batch(logits, [SamplingParams(top_p=0.9, top_k=50, min_p=0.01)] * logits.shape[0])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before

@@ -1,9 +1,12 @@
 """ModelRunner: owns the model, its pools (HybridCache) and every tensor of a step.
 
-One call to `run` turns a ScheduledBatch into one `forward_batch` over all its sequences (varlen
-prefill chunks and decodes packed together) and returns fp32 logits for the rows that need them.
-On CUDA, pure-decode steps replay a CUDA graph captured per batch-size bucket unless
-`enforce_eager`; the CPU path is always eager.
+One call, `execute(plan)`, runs a step (hyla.engine.step_plan.StepPlan): a plain one (varlen
+prefill chunks and decodes packed in one `forward_batch`, fp32 logits for the rows that need
+them) or a speculative verify over [x0, d1..dk] rows, optionally with a proposer's graph
+extension in the same graph, and returns a StepResult (logits, hidden states, the extension's
+outputs, and whether it ran in a graph: what a "replay" verify's `commit_replay` needs; the
+runner keeps nothing between calls). On CUDA, pure-decode steps and padded verify steps replay
+CUDA graphs captured per batch-size bucket unless `enforce_eager`; the CPU path is always eager.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from hyla.ops.transfer import to_device_long
 from hyla.engine.cache_tiers import CacheTiers, TierSizes, plain_transfers
 from hyla.engine.cuda_graph import SCRATCH, use_cuda_graphs
 from hyla.engine.cuda_graph_verify import CUDAGraphRunner
+from hyla.engine.step_plan import StepPlan, StepResult
 
 
 class ModelRunner:
@@ -31,123 +35,86 @@ class ModelRunner:
         self.cache = model.allocate_cache(num_slots + extra, num_pages + extra, page_size=page_size,
                                           state_dtype=state_dtype, **kv)
         self.graphs = CUDAGraphRunner(model, self.cache, max_batch=num_slots) if graphs else None
-        self.verified_in_graph = False  # the last verify step ran padded in a graph (commit_replay)
-
-    def build_batch(self, seqs, num_new_tokens, checkpoints=None) -> tuple[torch.Tensor, ForwardBatch]:
-        """Pack the new tokens of every scheduled sequence: ids [T_total] and the ForwardBatch."""
-        ids: list[int] = []
-        for seq, n in zip(seqs, num_new_tokens):
-            ids.extend(seq.token_ids[seq.num_computed_tokens : seq.num_computed_tokens + n])
-        batch = ForwardBatch.build(
-            seq_lens=list(num_new_tokens),
-            context_lens=[seq.num_computed_tokens for seq in seqs],
-            block_tables=[seq.block_table for seq in seqs],
-            state_slots=[seq.slot for seq in seqs],
-            checkpoints=checkpoints,
-            device=self.device,
-        )
-        return to_device_long(ids, self.device), batch
 
     @torch.inference_mode()
-    def run(self, seqs, num_new_tokens, logit_rows: list[list[int]], checkpoints=None, return_hidden: bool = False
-            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Run one step. logit_rows[n]: offsets within sequence n's new tokens whose logits are
-        wanted (usually [n_new - 1] when it finishes its prompt or decodes, [] mid-prompt).
-        Returns logits [sum(len(rows)), V] fp32 in that order; with return_hidden also the
-        final-norm hidden states of every new token [T_total, hidden] (packed as the tokens; an
-        MTP drafter reads the prompt's), and the step then runs eagerly."""
-        if (not return_hidden and self.graphs is not None
-                and self.graphs.can_run(seqs, num_new_tokens, logit_rows, checkpoints)):
-            return self.graphs.run(seqs, logit_rows)
-        ids, batch = self.build_batch(seqs, num_new_tokens, checkpoints)
-        hidden = self.model.forward_batch(ids, batch, self.cache)
+    def execute(self, plan: StepPlan, *, return_hidden: bool = False, device_logits: bool = False,
+                extension=None) -> StepResult | None:
+        """Run one step: a plain plan's rows (prefill chunks and decodes packed in one forward)
+        or a verify plan's [x0, d1..dk] rows. The StepResult holds the logits of the rows asked
+        for (every verify row), with return_hidden also their final-norm hidden states (on the
+        device: what an MTP drafter reads; a plain step then runs eagerly), and `in_graph`, which
+        a "replay" verify's commit_replay takes. A pure-decode plain step replays a decode graph;
+        a verify whose rows may be padded to pad_to tokens replays a verify graph (when the
+        runner has graphs). device_logits: the caller accepts on the device (every request
+        argmax-accepting: one argmax, a copy of ids), so a graph's logits stay there too; else
+        they come to the host in one copy (a sampling acceptance reads them row by row).
+        extension: work folded into the verify graph (CUDAGraphRunner.replay_verify's protocol,
+        hyla.engine.spec.mtp.fused): the result is then the graph's outputs for the batch bucket
+        ([bs, W, V] logits, [bs, W, hidden] hidden states, the extension's: views of its buffers,
+        valid until the next replay), or None (nothing ran) when the step cannot run padded in a
+        graph."""
+        if plan.is_verify:
+            return self._verify(plan, return_hidden, device_logits, extension)
+        if not return_hidden and self.graphs is not None and self.graphs.can_run(plan):
+            return StepResult(self.graphs.run(plan), in_graph=True)
+        batch = ForwardBatch.build(seq_lens=plan.seq_lens, context_lens=plan.context_lens,
+                                   block_tables=plan.block_tables, state_slots=plan.state_slots,
+                                   checkpoints=plan.checkpoints, device=self.device)
+        hidden = self.model.forward_batch(to_device_long(plan.token_ids, self.device), batch, self.cache)
         starts = batch.cu_seqlens_list[:-1]  # host values: no sync before the logits
-        index = [start + r for start, rows in zip(starts, logit_rows) for r in rows]
+        index = [start + r for start, rows in zip(starts, plan.logit_rows) for r in rows]
         if not index:
             logits = hidden.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
         else:
             logits = self.model.compute_logits(hidden[to_device_long(index, hidden.device)])
-        return (logits, hidden) if return_hidden else logits
+        return StepResult(logits, hidden if return_hidden else None)
 
-    @torch.inference_mode()
-    def verify(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int | None = None,
-               return_hidden: bool = False, device_logits: bool = False
-               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """One verify forward over [x0, d1..dk] per sequence -> logits at every position
-        [sum(1 + k_n), V] fp32, and with return_hidden also the final-norm hidden states of the
-        same rows [sum(1 + k_n), hidden] (on the device; what an MTP drafter reads). "slots":
-        seq.spec_slots are the per-position slots and seq.slot (one of them) holds the current
-        state; "replay": seq.slot only. pad_to: W = 1 + k when every row may be padded to W
-        tokens (each request has W state slots with "slots"): the step then replays a CUDA graph
-        when the runner has them. device_logits: the caller accepts on the device (every request
-        argmax-accepting: one argmax, a copy of ids), so a graph's logits stay there too; else they
-        come to the host in one copy (a sampling acceptance reads them row by row)."""
-        rows, accepted = self._verify_slots(seqs, rollback)
-        self.verified_in_graph = False
-        if self._graph_verifies(seqs, drafts, rows, rollback, pad_to):
-            return self._verify_in_graph(seqs, drafts, rows, accepted, rollback, pad_to, return_hidden,
-                                         device_logits)
-        ids = [t for seq, d in zip(seqs, drafts) for t in [seq.last_token_id, *d]]
-        batch = ForwardBatch.build(
-            seq_lens=[1 + len(d) for d in drafts], context_lens=[seq.num_computed_tokens for seq in seqs],
-            block_tables=[seq.block_table for seq in seqs], state_slots=rows, device=self.device,
-            num_accepted_tokens=accepted, rollback=rollback)
-        hidden = self.model.forward_batch(to_device_long(ids, self.device), batch, self.cache)
-        logits = self.model.compute_logits(hidden)
-        return (logits, hidden) if return_hidden else logits
+    def _verify(self, plan: StepPlan, return_hidden: bool, device_logits: bool, extension) -> StepResult | None:
+        """execute's verify steps: in a graph (with the extension, or padded: _verify_in_graph)
+        or eagerly, the rows as they are."""
+        graphed = self._graph_verifies(plan)
+        if extension is not None:
+            if not graphed:
+                return None
+            key, vrows = self.graphs.verify_rows(plan.padded_rows(), plan.context_lens, plan.state_slots,
+                                                 plan.accepted, plan.block_tables, plan.rollback)
+            logits, hidden, *ext = self.graphs.replay_verify(key, vrows, extension)
+            return StepResult(logits, hidden, tuple(ext), in_graph=True)
+        if graphed:
+            return self._verify_in_graph(plan, return_hidden, device_logits)
+        batch = ForwardBatch.build(seq_lens=plan.seq_lens, context_lens=plan.context_lens,
+                                   block_tables=plan.block_tables, state_slots=plan.state_slots, device=self.device,
+                                   num_accepted_tokens=plan.accepted, rollback=plan.rollback)
+        hidden = self.model.forward_batch(to_device_long(plan.token_ids, self.device), batch, self.cache)
+        return StepResult(self.model.compute_logits(hidden), hidden if return_hidden else None)
 
-    @staticmethod
-    def _verify_slots(seqs, rollback: str) -> tuple[list[list[int]], list[int]]:
-        """Per sequence (its state slots, 1 + the index of the one holding the current state)."""
-        if rollback == "slots":
-            return [seq.spec_slots for seq in seqs], [seq.spec_slots.index(seq.slot) + 1 for seq in seqs]
-        return [[seq.slot] for seq in seqs], [1] * len(seqs)
+    def _graph_verifies(self, plan: StepPlan) -> bool:
+        """Whether the verify plan runs padded to pad_to tokens per row in a graph."""
+        return bool(self.graphs is not None and plan.pad_to and self.graphs.can_verify(plan.num_rows)
+                    and all(n <= plan.pad_to for n in plan.seq_lens)
+                    and (plan.rollback == "replay" or all(len(s) == plan.pad_to for s in plan.state_slots)))
 
-    def _graph_verifies(self, seqs, drafts, rows, rollback: str, pad_to: int | None) -> bool:
-        """Whether the verify of seqs runs padded to pad_to tokens per row in a graph."""
-        return bool(self.graphs is not None and pad_to and self.graphs.can_verify(len(seqs))
-                    and all(len(d) < pad_to for d in drafts)
-                    and (rollback == "replay" or all(len(r) == pad_to for r in rows)))
-
-    @torch.inference_mode()
-    def verify_extended(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int, extension) -> tuple | None:
-        """verify in a graph with `extension` (CUDAGraphRunner.replay_verify) folded into the same
-        graph -> the graph's outputs for the batch bucket ([bs, W, V] logits, [bs, W, hidden] hidden
-        states, then the extension's: views of its buffers, valid until the next replay); None
-        (nothing ran) when the step cannot run padded in a graph."""
-        rows, accepted = self._verify_slots(seqs, rollback)
-        self.verified_in_graph = False
-        if not self._graph_verifies(seqs, drafts, rows, rollback, pad_to):
-            return None
-        tokens = [[seq.last_token_id, *d] + [0] * (pad_to - 1 - len(d)) for seq, d in zip(seqs, drafts)]
-        key, vrows = self.graphs.verify_rows(tokens, [seq.num_computed_tokens for seq in seqs], rows, accepted,
-                                             [seq.block_table for seq in seqs], rollback)
-        out = self.graphs.replay_verify(key, vrows, extension)
-        self.verified_in_graph = True  # commit_replay: the commit graph captured with it
-        return out
-
-    def _verify_in_graph(self, seqs, drafts, rows, accepted, rollback, pad_to, return_hidden, device_logits=False):
-        """verify's padded path: run_verify's [N, W, ...] outputs without their padding rows."""
-        tokens = [[seq.last_token_id, *d] + [0] * (pad_to - 1 - len(d)) for seq, d in zip(seqs, drafts)]
-        logits, hidden = self.graphs.run_verify(tokens, [seq.num_computed_tokens for seq in seqs], rows, accepted,
-                                                [seq.block_table for seq in seqs], rollback, return_hidden=True)
-        self.verified_in_graph = True
-        # the real rows, flat: row n's first 1 + len(d) positions of the [N, W] grid
-        keep = [n * pad_to + i for n, d in enumerate(drafts) for i in range(1 + len(d))]
+    def _verify_in_graph(self, plan: StepPlan, return_hidden: bool, device_logits: bool) -> StepResult:
+        """The padded verify: run_verify's [N, W, ...] outputs without their padding rows."""
+        W = plan.pad_to
+        logits, hidden = self.graphs.run_verify(plan.padded_rows(), plan.context_lens, plan.state_slots,
+                                                plan.accepted, plan.block_tables, plan.rollback, return_hidden=True)
+        # the real rows, flat: row n's first seq_lens[n] positions of the [N, W] grid
+        keep = [n * W + i for n, length in enumerate(plan.seq_lens) for i in range(length)]
         if device_logits:  # a gather on the device: the graph's buffer is overwritten by the next replay
             index = to_device_long(keep, logits.device)
             logits = logits.flatten(0, 1)[index]
         else:
             logits = logits.cpu().flatten(0, 1)[keep]  # one copy (the caller accepts on the host)
             index = to_device_long(keep, hidden.device) if return_hidden else None
-        if not return_hidden:
-            return logits
-        # a copy on the device: the graph's buffer is overwritten by the next replay
-        return logits, hidden.flatten(0, 1)[index]
+        # the hidden rows: a copy on the device (the graph's buffer is overwritten by the next replay)
+        return StepResult(logits, hidden.flatten(0, 1)[index] if return_hidden else None, in_graph=True)
 
-    def commit_replay(self, accepted: list[int]) -> None:
-        """After a "replay" verify: advance each sequence's state by its accepted tokens."""
-        if self.verified_in_graph:
+    def commit_replay(self, accepted: list[int], in_graph: bool) -> None:
+        """After a "replay" verify: advance each sequence's state by its accepted tokens.
+        in_graph: the verify's StepResult.in_graph (it ran in a graph: the commit graph captured
+        with it replays)."""
+        if in_graph:
             self.graphs.commit_replay(accepted)
         else:
             self.model.commit_replay(self.cache, accepted)
@@ -169,13 +136,13 @@ class ModelRunner:
                                                              "restore_seconds": 0.0}
 
     @torch.inference_mode()
-    def apply_transfers(self, plan: list[tuple]) -> None:
+    def apply_transfers(self, transfers: list[tuple]) -> None:
         """The copies a ScheduledBatch (or the prefix cache after a step) planned, in order, before
         anything else touches those slots / pages: restores, and moves between the cache's tiers."""
-        if not plan:
+        if not transfers:
             return
         tiers = getattr(self, "tiers", None)
         if tiers is not None:
-            tiers.apply(plan)
+            tiers.apply(transfers)
         else:
-            plain_transfers(self.cache, plan)
+            plain_transfers(self.cache, transfers)

@@ -1,14 +1,14 @@
-"""TPRunner: what LLMEngine holds as its runner under tensor parallelism -- the ModelRunner API
-(run / verify / commit_replay / apply_transfers / attach_tiers / copy_slot / copy_page_rows), each call broadcast
-to the workers and then run on rank 0's own shard. Every rank runs the same ModelRunner code
+"""TPRunner: what LLMEngine holds as its runner under tensor parallelism -- ModelRunner's calls
+(execute / commit_replay / apply_transfers / attach_tiers / copy_slot / copy_page_rows) sent to
+every rank by name, each run on rank 0's own shard too. Every rank runs the same ModelRunner code
 over its own pools (same page and slot counts, per-rank shapes), so the scheduler, the prefix
 cache's checkpoint copies and speculative rollback stay exactly as on one device.
 
-A call carries SeqViews, not Sequences: the few fields a runner reads of a sequence, with only
-its new tokens (not the whole history). Logits come back all-gathered on every rank (the
-vocab-parallel lm_head); rank 0 samples. An MTP drafter runs on every rank
-(shard_drafter, hyla.parallel.drafter): its head steps are commands too, its bookkeeping rides
-along with the next command.
+A step travels as its StepPlan (hyla.engine.step_plan: plain data, only the new tokens, never a
+Sequence), the same object rank 0 runs. Logits come back all-gathered on every rank (the
+vocab-parallel lm_head); rank 0 samples. An MTP drafter runs on every rank (shard_drafter,
+hyla.parallel.drafter): its head steps are commands too, its bookkeeping rides along with the
+next command.
 
     tp = start_tensor_parallel(config, dtype)      # workers up, every rank's shard loaded
     runner = tp_runner(tp, num_slots, num_pages, page_size, state_dtype, enforce_eager)
@@ -17,38 +17,10 @@ along with the next command.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
-import torch
-
-from hyla.parallel.views import Suffix
 from hyla.parallel.workers import WorkerGroup
 
 log = logging.getLogger("hyla.parallel")
-
-
-@dataclass
-class SeqView:
-    """What ModelRunner (and its CUDA graphs) read of a Sequence, for one step."""
-
-    token_ids: Suffix
-    num_computed_tokens: int
-    block_table: list[int]
-    slot: int | None
-    spec_slots: list[int]
-    last_token_id: int
-
-    @classmethod
-    def of(cls, seq, num_new: int) -> SeqView:
-        start = seq.num_computed_tokens
-        return cls(Suffix(start, seq.token_range(start, start + num_new)), start, list(seq.block_table), seq.slot,
-                   list(seq.spec_slots), seq.last_token_id)
-
-    def token_range(self, start: int, stop: int) -> list[int]:
-        return self.token_ids[start:stop]
-
-    def token_at(self, i: int) -> int:
-        return self.token_ids[i]
 
 
 class TPRunner:
@@ -61,12 +33,11 @@ class TPRunner:
         # with the next command, in order (hyla.parallel.drafter.TPDrafter).
         self.deferred: list[tuple[str, tuple]] = []
 
-    def _call(self, name: str, *args, **kwargs):
-        """group.call, with the deferred drafter calls run before it on ranks 1..N-1."""
-        if not self.deferred:
-            return self.group.call(name, *args, **kwargs)
+    def _call(self, method: str, *args, **kwargs):
+        """ModelRunner.<method>(*args, **kwargs) on every rank (Worker.runner_call), the deferred
+        drafter calls run before it on ranks 1..N-1 -> rank 0's result."""
         ops, self.deferred = self.deferred, []
-        return self.group.call("with_drafter_ops", ops, name, args, kwargs)
+        return self.group.call("runner_call", ops, method, *args, **kwargs)
 
     def defer(self, method: str, args: tuple) -> None:
         self.deferred.append((method, args))
@@ -96,26 +67,14 @@ class TPRunner:
     def graphs(self):
         return self.local.graphs
 
-    @property
-    def verified_in_graph(self) -> bool:
-        return self.local.verified_in_graph
+    def execute(self, plan, *, return_hidden: bool = False, device_logits: bool = False):
+        """ModelRunner.execute on every rank -> rank 0's StepResult; with return_hidden every
+        rank keeps its own hidden states for its MTP drafter. No graph extension: the fused MTP
+        step declines tensor parallelism (hyla.engine.spec.mtp.fused)."""
+        return self._call("execute", plan, return_hidden=return_hidden, device_logits=device_logits)
 
-    def run(self, seqs, num_new_tokens, logit_rows: list[list[int]], checkpoints=None, return_hidden: bool = False
-            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """ModelRunner.run on every rank; return_hidden: also rank 0's final-norm hidden states
-        (every rank keeps its own for its MTP drafter)."""
-        views = [SeqView.of(s, n) for s, n in zip(seqs, num_new_tokens)]
-        return self._call("run", views, list(num_new_tokens), logit_rows, checkpoints, return_hidden=return_hidden)
-
-    def verify(self, seqs, drafts: list[list[int]], rollback: str, pad_to: int | None = None,
-               return_hidden: bool = False, device_logits: bool = False
-               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        views = [SeqView.of(s, 0) for s in seqs]
-        return self._call("verify", views, drafts, rollback, pad_to=pad_to, return_hidden=return_hidden,
-                          device_logits=device_logits)
-
-    def commit_replay(self, accepted: list[int]) -> None:
-        self._call("commit_replay", list(accepted))
+    def commit_replay(self, accepted: list[int], in_graph: bool) -> None:
+        self._call("commit_replay", list(accepted), in_graph)
 
     def copy_slot(self, src: int, dst: int) -> None:
         self._call("copy_slot", src, dst)
@@ -123,9 +82,9 @@ class TPRunner:
     def copy_page_rows(self, src: int, dst: int, rows: int) -> None:
         self._call("copy_page_rows", src, dst, rows)
 
-    def apply_transfers(self, plan: list[tuple]) -> None:
-        if plan:  # most steps have none: no broadcast
-            self._call("apply_transfers", list(plan))
+    def apply_transfers(self, transfers: list[tuple]) -> None:
+        if transfers:  # most steps have none: no broadcast
+            self._call("apply_transfers", list(transfers))
 
     def attach_tiers(self, sizes) -> None:
         """Every rank allocates the prefix cache's tiers for its own shard (the same entry counts)."""

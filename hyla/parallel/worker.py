@@ -26,6 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from hyla.engine.step_plan import StepResult
+
 log = logging.getLogger("hyla.parallel")
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # the command group: workers idle as long as the server
@@ -88,19 +90,16 @@ class Worker:
         self.runner = ModelRunner(self.model, num_slots, num_pages, page_size, state_dtype, enforce_eager,
                                   kv_cache_dtype=kv_cache_dtype)
 
-    # The runner's calls (hyla.parallel.runner.TPRunner sends them).
-    def run(self, *args, return_hidden: bool = False):
-        return self._keep_hidden(self.runner.run(*args, return_hidden=return_hidden), return_hidden)
-
-    def verify(self, *args, return_hidden: bool = False, **kwargs):
-        return self._keep_hidden(self.runner.verify(*args, return_hidden=return_hidden, **kwargs), return_hidden)
-
-    def _keep_hidden(self, out, return_hidden: bool):
-        """A forward's result; with return_hidden ((logits, hidden [T, hidden]): the final-norm
-        states, the same on every rank) ranks 1..N-1 keep the hidden states for their drafter's
-        `observe`, which rank 0's engine sends next (rank 0 hands them over itself)."""
-        if return_hidden and self.rank:
-            self.hidden = out[1]
+    def runner_call(self, ops: list, method: str, *args, **kwargs):
+        """The deferred drafter calls `ops`, then ModelRunner.<method>(*args, **kwargs) on this
+        rank's runner (hyla.parallel.runner.TPRunner sends them: one broadcast for both). A
+        forward's hidden states (execute with return_hidden: the final-norm states, the same on
+        every rank) stay on ranks 1..N-1 for their drafter's `observe`, which rank 0's engine
+        sends next (rank 0 hands them over itself)."""
+        self._drafter_ops(ops)
+        out = getattr(self.runner, method)(*args, **kwargs)
+        if self.rank and isinstance(out, StepResult) and out.hidden is not None:
+            self.hidden = out.hidden
         return out
 
     # The MTP drafter's calls (hyla.parallel.drafter.TPDrafter sends them).
@@ -125,11 +124,6 @@ class Worker:
         self._drafter_ops(ops)
         return getattr(self.drafter, method)(*args)
 
-    def with_drafter_ops(self, ops: list, name: str, args: tuple, kwargs: dict):
-        """The deferred drafter calls, then the runner call `name`: one broadcast for both."""
-        self._drafter_ops(ops)
-        return getattr(self, name)(*args, **kwargs)
-
     def _drafter_ops(self, ops: list) -> None:
         """Replay rank 0's drafter bookkeeping (observe / commit / release: no collectives) in its
         order; rank 0 did it when the engine called it."""
@@ -141,21 +135,6 @@ class Worker:
                 self.drafter.observe(*args, hidden)
             else:
                 getattr(self.drafter, method)(*args)
-
-    def commit_replay(self, accepted):
-        self.runner.commit_replay(accepted)
-
-    def apply_transfers(self, plan):
-        self.runner.apply_transfers(plan)
-
-    def attach_tiers(self, sizes):
-        self.runner.attach_tiers(sizes)
-
-    def copy_slot(self, src, dst):
-        self.runner.copy_slot(src, dst)
-
-    def copy_page_rows(self, src, dst, rows):
-        self.runner.copy_page_rows(src, dst, rows)
 
 
 def serve(worker: Worker, ctrl) -> int:

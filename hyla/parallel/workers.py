@@ -3,7 +3,7 @@ starts itself, one per device.
 
     group = WorkerGroup(2, torch.device("cpu"))         # spawns rank 1, joins the groups
     group.call("load", spec, reply=True)                # every rank loads its shard
-    group.call("run", views, ...)                       # a step: broadcast, then run here too
+    group.call("runner_call", [], "execute", plan)      # a step: broadcast, then run here too
     group.close()                                       # "exit" to the workers, reap them
 
 Startup: a TCPStore on a free port (port 0), the workers started as `python -m

@@ -1,9 +1,9 @@
-"""Sequence.token_range / token_at (and the tensor-parallel views' same calls) equal slicing and
-indexing token_ids, across the prompt / output boundary."""
+"""Sequence.token_range / token_at (and the step plan's tokens, the tensor-parallel views' same
+calls) equal slicing and indexing token_ids, across the prompt / output boundary."""
 
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.sequence import Sequence
-from hyla.parallel.runner import SeqView
+from hyla.engine.step_plan import StepPlan
 from hyla.parallel.views import DraftView
 
 
@@ -18,8 +18,8 @@ def test_token_range_and_token_at_equal_token_ids():
             assert seq.token_range(a, b) == ids[a:b]
     assert [seq.token_at(i) for i in range(n)] == ids
     seq.num_computed_tokens = 2
-    view = SeqView.of(seq, 3)
-    assert view.token_range(2, 5) == ids[2:5] and view.token_at(4) == ids[4]
+    plan = StepPlan.plain([seq], [3], [[2]])  # what a step sends the tensor-parallel ranks
+    assert plan.token_ids == ids[2:5] and plan.token_ids[4 - 2] == ids[4]
     draft = DraftView.of(seq, 3)
     assert draft.num_tokens == n and draft.token_range(3, n) == ids[3:] and draft.token_range(4, 6) == ids[4:6]
     assert DraftView.of(seq).num_tokens == n

@@ -1,4 +1,4 @@
-"""A greedy verify in a graph keeps its logits on the device (ModelRunner.verify device_logits):
+"""A greedy verify in a graph keeps its logits on the device (ModelRunner.execute device_logits):
 the acceptance is one argmax there and a copy of ids; a batch with a sampling request brings the
 logits to the host (its acceptance reads them row by row). On the CPU with a CUDAGraphRunner
 (capture off): which form each verify took, and plain greedy / the eager engine's output."""
@@ -8,6 +8,7 @@ import pytest
 from hyla import LLM, SamplingParams
 from hyla.engine import model_runner
 from hyla.engine.model_runner import ModelRunner
+from hyla.engine.spec.decoder import SpecDecoder
 from hyla.bench.spec import REPETITIVE as PROMPTS
 
 
@@ -26,12 +27,17 @@ def test_greedy_verify_keeps_logits_on_the_device(ckpt, rollback, monkeypatch):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback}
     plain = [o.outputs[0].token_ids for o in LLM(str(ckpt), dtype="float64", device="cpu").generate(PROMPTS, greedy, use_tqdm=False)]
     eager = LLM(str(ckpt), dtype="float64", device="cpu", speculative_config=spec).generate(PROMPTS, params, use_tqdm=False)
-    seen = []
-    inner = ModelRunner._verify_in_graph
+    seen, greedy = [], []
+    inner, step = ModelRunner._verify_in_graph, SpecDecoder.step
 
-    def record(self, seqs, *a):
-        seen.append((all(s.params.greedy for s in seqs), a[-1]))  # (greedy batch, device_logits)
-        return inner(self, seqs, *a)
+    def verifying(self, seqs, *a):  # the batch the next verify runs (its plan holds no Sequence)
+        greedy[:] = [all(s.params.greedy for s in seqs)]
+        return step(self, seqs, *a)
+
+    def record(self, plan, *a):
+        seen.append((greedy[0], a[-1]))  # (greedy batch, device_logits)
+        return inner(self, plan, *a)
+    monkeypatch.setattr(SpecDecoder, "step", verifying)
     monkeypatch.setattr(ModelRunner, "_verify_in_graph", record)
     with monkeypatch.context() as m:
         m.setattr(model_runner, "use_cuda_graphs", lambda model, e: True)

@@ -15,6 +15,7 @@ from hyla.engine.spec.draft_model import DraftModelDrafter
 from hyla.engine.spec.mtp.drafter import MTPDrafter
 from hyla.engine.spec.ngram import NgramDrafter
 from hyla.engine.spec.protocol import GraphExtension, Proposer
+from hyla.engine.step_plan import StepResult
 from hyla.parallel.drafter import TPDrafter
 
 STEP = ("propose", "observe", "commit", "release")
@@ -34,6 +35,9 @@ class _Seq:
         self.request_id, self.guide, self.guide_pending = str(i), None, None
         self.params = SamplingParams(temperature=0.0)
         self.token_ids, self.output_token_ids, self.generator = [1, 2, 3], [3], None
+        # what a verify's StepPlan reads: its last token, context, pages and slots
+        self.last_token_id, self.num_computed_tokens, self.block_table = 3, 2, [i]
+        self.slot, self.spec_slots = 3 * i, [3 * i, 3 * i + 1, 3 * i + 2]
 
 
 class _Runner:
@@ -43,13 +47,13 @@ class _Runner:
         self.calls = []
         self.model = type("M", (), {"config": type("C", (), {"vocab_size": 8})()})()
 
-    def verify(self, seqs, drafts, rollback, pad_to=None, return_hidden=False, device_logits=False):
-        self.calls.append(("verify", pad_to))
-        return torch.zeros(sum(1 + len(d) for d in drafts), 8)
-
-    def verify_extended(self, seqs, drafts, rollback, pad_to, extension):
-        self.calls.append(("verify_extended", extension))
-        return ("logits", "hidden", "packed")
+    def execute(self, plan, *, return_hidden=False, device_logits=False, extension=None):
+        assert plan.is_verify
+        if extension is not None:  # the verify with the proposer's graph extension
+            self.calls.append(("verify_extended", extension))
+            return StepResult("logits", "hidden", ("packed",), in_graph=True)
+        self.calls.append(("verify", plan.pad_to))
+        return StepResult(torch.zeros(sum(plan.seq_lens), 8))
 
 
 class _Extension(GraphExtension):

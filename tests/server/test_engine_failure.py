@@ -24,12 +24,12 @@ def test_engine_failure_is_a_500_and_a_stream_error_event(app_and_engine, monkey
     app, engine = app_and_engine
     body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3}
     with TestClient(app) as client:
-        real = engine.runner.run
+        real = engine.runner.execute
 
         def broken(*args, **kwargs):
             raise RuntimeError("device fell over")
 
-        monkeypatch.setattr(engine.runner, "run", broken)
+        monkeypatch.setattr(engine.runner, "execute", broken)
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 500
         err = r.json()["error"]
@@ -37,5 +37,5 @@ def test_engine_failure_is_a_500_and_a_stream_error_event(app_and_engine, monkey
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
             events = [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
-        monkeypatch.setattr(engine.runner, "run", real)
+        monkeypatch.setattr(engine.runner, "execute", real)
         assert client.post("/v1/completions", json=body).status_code == 200

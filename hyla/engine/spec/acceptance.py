@@ -176,11 +176,13 @@ def device_stop_ids(seq, horizon: int) -> list[int] | None:
 @dataclass
 class Verified:
     """One request's verify step: the tokens to append (accepted drafts + one from the target),
-    the raw target logits each was chosen from, and how many tokens were drafted."""
+    the raw target logits each was chosen from, how many tokens were drafted, and whether the
+    verify ran in a CUDA graph (StepResult.in_graph: what its "replay" commit needs)."""
 
     tokens: list[int]
     logits: torch.Tensor
     num_drafted: int
+    in_graph: bool = False
 
     @property
     def num_accepted(self) -> int:

@@ -22,6 +22,7 @@ from hyla.engine.sampler import (
 from hyla.engine.spec.acceptance import Verified, accept, accept_argmax, argmax_accepts
 from hyla.engine.spec.ngram import NgramDrafter
 from hyla.engine.spec.protocol import Proposer
+from hyla.engine.step_plan import StepPlan
 
 
 def make_drafter(cfg: SpecConfig, *, vocab_size: int, max_num_seqs: int, max_model_len: int, page_size: int,
@@ -80,16 +81,14 @@ class SpecDecoder:
                 return verified
         # every request argmax-accepting: the acceptance is one argmax on the device (accept_argmax)
         on_device = all(argmax_accepts(seq) for seq in seqs)
-        if self.drafter.needs_hidden:  # the rows' hidden states feed the drafter's next proposal
-            logits, hidden = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to, return_hidden=True,
-                                                device_logits=on_device)
-            logits = logits.float()
+        needs_hidden = self.drafter.needs_hidden  # the rows' hidden states feed the drafter's next proposal
+        result = self.runner.execute(StepPlan.verify(seqs, drafts, self.cfg.rollback, pad_to),
+                                     return_hidden=needs_hidden, device_logits=on_device)
+        if needs_hidden:
             self.drafter.observe(seqs, [seq.num_computed_tokens for seq in seqs], [1 + len(d) for d in drafts],
-                                 hidden)
-        else:
-            logits = self.runner.verify(seqs, drafts, self.cfg.rollback, pad_to=pad_to,
-                                        device_logits=on_device).float()
-        return self._accept(seqs, drafts, [q for _, q in proposals], masks, logits, generator)
+                                 result.hidden)
+        return self._accept(seqs, drafts, [q for _, q in proposals], masks, result.logits.float(), generator,
+                            result.in_graph)
 
     def _verify_extended(self, seqs, drafts: list[list[int]], pad_to: int, chain=None) -> list[Verified] | None:
         """The verify with the proposer's graph extension (one graph: the target's forward, the
@@ -101,10 +100,10 @@ class SpecDecoder:
         part = ext.extend(seqs, drafts, pad_to)
         if part is None:
             return None
-        out = self.runner.verify_extended(seqs, drafts, self.cfg.rollback, pad_to, part)
-        if out is None:
+        result = self.runner.execute(StepPlan.verify(seqs, drafts, self.cfg.rollback, pad_to), extension=part)
+        if result is None:
             return None
-        flight = ext.launched(seqs, drafts, out, pad_to)
+        flight = ext.launched(seqs, drafts, (result.logits, result.hidden, *result.extension), pad_to)
         try:
             if chain is not None:
                 chain.launch_after(flight)
@@ -115,11 +114,11 @@ class SpecDecoder:
             raise
 
     @staticmethod
-    def _accept(seqs, drafts: list[list[int]], qs: list, masks: list, logits: torch.Tensor, generator
-                ) -> list[Verified]:
+    def _accept(seqs, drafts: list[list[int]], qs: list, masks: list, logits: torch.Tensor, generator,
+                in_graph: bool = False) -> list[Verified]:
         """The acceptance rule per request over logits [sum(1 + len(drafts[n])), V] (the verify
         rows, packed): the requests for which `argmax_accepts` holds together, in one copy to the
-        host (accept_argmax), the rest one by one (accept)."""
+        host (accept_argmax), the rest one by one (accept). in_graph: the verify's (Verified)."""
         starts = [0]
         for d in drafts:
             starts.append(starts[-1] + 1 + len(d))
@@ -136,7 +135,7 @@ class SpecDecoder:
                 words = masks[n]
                 allowed = None if words is None else unpack_bitmask(words, rows[n].shape[-1], rows[n].device)
                 tokens[n] = accept(rows[n], drafts[n], qs[n], seq, gen, allowed)
-        return [Verified(t, r, len(d)) for t, r, d in zip(tokens, rows, drafts)]
+        return [Verified(t, r, len(d), in_graph) for t, r, d in zip(tokens, rows, drafts)]
 
     @property
     def wants_prefill_hidden(self) -> bool:
@@ -153,15 +152,17 @@ class SpecDecoder:
         a finished prompt with the token just sampled), and the drafter may work on them now."""
         self.drafter.commit(seqs, list(num_new_tokens), prefill=True)
 
-    def commit(self, seqs, kept: list[int], state_committed: bool = False) -> None:
+    def commit(self, seqs, kept: list[int], in_graph: bool, state_committed: bool = False) -> None:
         """The engine kept kept[i] tokens of seqs[i]'s verify step (fewer than accepted when the
         request finished early): make the state after exactly those tokens the current one.
-        state_committed: "replay" rollback whose commit already ran on the device with these
-        counts (hyla.engine.spec.mtp.overlap, before the step launched behind this one)."""
+        in_graph: the verify ran in a CUDA graph (Verified.in_graph): a "replay" commit replays
+        the commit graph captured with it. state_committed: "replay" rollback whose commit
+        already ran on the device with these counts (hyla.engine.spec.mtp.overlap, before the
+        step launched behind this one)."""
         self.drafter.commit(seqs, kept)
         if self.cfg.rollback == "replay":
             if not state_committed:
-                self.runner.commit_replay(kept)
+                self.runner.commit_replay(kept, in_graph)
         else:
             for seq, n in zip(seqs, kept):
                 seq.slot = seq.spec_slots[n - 1]

@@ -15,10 +15,12 @@ from hyla.engine.model_runner import ModelRunner
 from hyla.engine.pools import Pools, size_pools
 from hyla.engine.sampler import distribution
 from hyla.engine.spec.protocol import Proposer
+from hyla.engine.step_plan import StepPlan
 
 
 class _DraftView:
-    """What ModelRunner needs of a sequence: tokens, cached count, pages and a slot."""
+    """One request in the draft model's pools: its tokens, how many are computed, its pages and
+    its two slots (`slot`: the one the next step runs in). StepPlan.plain reads it as a sequence."""
 
     def __init__(self, slot: int, scratch: int):
         self.token_ids: list[int] = []
@@ -29,9 +31,6 @@ class _DraftView:
 
     def token_range(self, start: int, stop: int) -> list[int]:
         return self.token_ids[start:stop]
-
-    def token_at(self, i: int) -> int:
-        return self.token_ids[i]
 
 
 class DraftModelDrafter(Proposer):
@@ -92,7 +91,7 @@ class DraftModelDrafter(Proposer):
         for v in views:
             v.slot = v.committed
         news = [len(v.token_ids) - v.num_computed_tokens for v in views]
-        logits = self.runner.run(views, news, [[n - 1] for n in news])
+        logits = self.runner.execute(StepPlan.plain(views, news, [[n - 1] for n in news])).logits
         for v, n in zip(views, news):
             v.num_computed_tokens += n
             self.runner.copy_slot(v.committed, v.scratch)
@@ -117,7 +116,7 @@ class DraftModelDrafter(Proposer):
             for v, d, b in zip(views, drafts, base):
                 v.slot, v.token_ids = v.scratch, v.token_ids[:b] + d
                 v.num_computed_tokens = b + len(d) - 1
-            logits = self.runner.run(views, [1] * len(views), [[0]] * len(views))
+            logits = self.runner.execute(StepPlan.plain(views, [1] * len(views), [[0]] * len(views))).logits
         for j, (i, v, b) in enumerate(zip(live, views, base)):
             v.num_computed_tokens, v.slot = b, v.committed
             q = torch.stack(probs[j][: ks[i]]) if probs[j] else None

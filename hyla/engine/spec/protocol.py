@@ -23,8 +23,8 @@ class GraphExtension:
     """A proposer's part of the verify graph: after the target's forward, in the same CUDA graph,
     the greedy acceptance rule's device form and the proposer's next proposal, read back in one
     copy (hyla.engine.spec.mtp.fused.FusedVerify). The decoder asks for the extension of a verify
-    (`extend`), runs the verify with it (ModelRunner.verify_extended), then hands the launched
-    step over (`launched`) and reads it (`collect`)."""
+    (`extend`), runs the verify with it (ModelRunner.execute(plan, extension=...)), then hands
+    the launched step over (`launched`) and reads it (`collect`)."""
 
     def extend(self, seqs, drafts: list[list[int]], pad_to: int):
         """This verify's extension for seqs, drafts[i] checked for seqs[i] in rows of pad_to

@@ -3,8 +3,8 @@ family: HybridForCausalLM.load_mtp_head, e.g. hyla.models.qwen3_5_mtp) proposes 
 the target's final-norm hidden states.
 
 What the head reads. Every target forward of a request hands the drafter the final-norm hidden
-states of its rows (`observe`): prefill chunks (ModelRunner.run with return_hidden) and verify
-steps (ModelRunner.verify, eager or a CUDA graph, whose hidden-state output buffer is sliced like
+states of its rows (`observe`): prefill chunks and verify steps (ModelRunner.execute with
+return_hidden; a verify eager or in a CUDA graph, whose hidden-state output buffer is sliced like
 its logits). Once the engine knows which tokens follow those rows (`commit`: after a prefill
 step sampled, after a verify step kept n tokens) they become committed pairs: row i at
 position p + i pairs with the token now at p + i + 1 (the last prompt row with the first

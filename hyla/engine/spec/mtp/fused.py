@@ -37,7 +37,7 @@ next propose, if any, runs the normal path.
 
 FusedVerify is the MTP drafter's graph extension (hyla.engine.spec.protocol.GraphExtension):
 SpecDecoder asks it for a step's extension (`extend`), runs the verify with it
-(ModelRunner.verify_extended), and hands the launched step back (`launched` -> a Flight,
+(ModelRunner.execute(plan, extension=...)), and hands the launched step back (`launched` -> a Flight,
 `collect`). Launch and readback are separate: the packed rows travel to pinned host memory in
 one asynchronous copy enqueued right behind the replay, so a further step may be launched before
 they are read (hyla.engine.spec.mtp.overlap; its inputs derived on the device from this step's
@@ -88,7 +88,7 @@ class FusedVerify(GraphExtension):
 
     def extend(self, seqs, drafts: list[list[int]], pad_to: int) -> _Extension | None:
         """The fused step's extension of this verify, None when it does not apply (see the module
-        docstring; the verify's own graph is the runner's to decide: verify_extended)."""
+        docstring; the verify's own graph is the runner's to decide: ModelRunner.execute)."""
         drafter = self.drafter
         if (drafter.group is not None or pad_to != 1 + self.k
                 or not all(argmax_accepts(s) and s.params.logprobs is None for s in seqs)):
@@ -123,7 +123,7 @@ class FusedVerify(GraphExtension):
             self.drafter._fused[seq.request_id] = FusedResult(acc, row[W + 1:], flight.hidden[i],
                                                               seq.num_computed_tokens, seq.num_preemptions)
             drafted = k if flight.drafts is None else len(flight.drafts[i])
-            results.append(Verified(row[:acc + 1], flight.logits[i, :1 + drafted], drafted))
+            results.append(Verified(row[:acc + 1], flight.logits[i, :1 + drafted], drafted, in_graph=True))
         return results
 
     # -- the fused step's parts -----------------------------------------------------------------
