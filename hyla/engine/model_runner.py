@@ -35,6 +35,7 @@ class ModelRunner:
         self.cache = model.allocate_cache(num_slots + extra, num_pages + extra, page_size=page_size,
                                           state_dtype=state_dtype, **kv)
         self.graphs = CUDAGraphRunner(model, self.cache, max_batch=num_slots) if graphs else None
+        self.tiers: CacheTiers | None = None  # the prefix cache's int8 / host tiers (attach_tiers)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, *, return_hidden: bool = False, device_logits: bool = False,
@@ -131,9 +132,9 @@ class ModelRunner:
 
     def tier_stats(self) -> dict:
         """Bytes moved to / from the host tier and the time its restores took (zeros without one)."""
-        tiers = getattr(self, "tiers", None)
-        return dict(tiers.stats) if tiers is not None else {"bytes_to_host": 0, "bytes_from_host": 0,
-                                                             "restore_seconds": 0.0}
+        if self.tiers is None:
+            return {"bytes_to_host": 0, "bytes_from_host": 0, "restore_seconds": 0.0}
+        return dict(self.tiers.stats)
 
     @torch.inference_mode()
     def apply_transfers(self, transfers: list[tuple]) -> None:
@@ -141,8 +142,7 @@ class ModelRunner:
         anything else touches those slots / pages: restores, and moves between the cache's tiers."""
         if not transfers:
             return
-        tiers = getattr(self, "tiers", None)
-        if tiers is not None:
-            tiers.apply(transfers)
+        if self.tiers is not None:
+            self.tiers.apply(transfers)
         else:
             plain_transfers(self.cache, transfers)
