@@ -3,22 +3,24 @@
 Tree: every node covers up to one page (page_size tokens) of a token sequence; its children
 continue it, indexed by their first token (a bucket per first token: two pages may share their
 first tokens and diverge mid-page, and a page cannot be split). A node owns one reference to the
-physical KV page holding its tokens' KV, and a map {r: slot} of state checkpoints: slot holds
-every linear layer's recurrent state + conv window after the node's first r tokens (r in
-1..len(tokens)).
+physical KV page holding its tokens' KV (or a host page, below), and a map {r: (tier, index)} of
+state checkpoints: every linear layer's recurrent state + conv window after the node's first r
+tokens (r in 1..len(tokens)), kept in a state slot, an int8 entry or a host entry.
 
 A hit of length L = page_size * a + r needs both: the KV of positions < L (the pages of the
 path) and a checkpoint exactly at L, because a recurrent state cannot be cut back to a shorter
 prefix. The longest such L wins, capped at num_tokens - 1 (the last token must run for logits).
 
 Contracts:
-- match(seq) -> CacheHit | None shares the full pages of the hit (+1 ref each, the request owns
-  those refs from then on) and locks the node holding the checkpoint until restore(seq, hit) /
-  unmatch(seq, hit): nothing evicts a locked node's page or checkpoints.
+- match(seq) -> CacheHit | None shares the full device pages of the hit (+1 ref each, the request
+  owns those refs from then on) and locks the node holding the checkpoint and the hit's host
+  nodes until restore(seq, hit) / unmatch(seq, hit): nothing evicts a locked node's pages or
+  checkpoints.
 - restore(seq, hit) runs after the request has its own slot and pages: it plans the copies (run
-  by ModelRunner before the step's forward) of the checkpoint into the request's slot and of the
-  first r KV rows of a partially used page into the request's own page (copy-on-write: a request
-  never writes into a page someone else reads). The cache itself touches no tensor.
+  by ModelRunner before the step's forward) of the checkpoint into the request's slot, of the
+  hit's host pages into the request's own pages, and of the first r KV rows of a partially used
+  page into the request's own page (copy-on-write: a request never writes into a page someone
+  else reads). The cache itself touches no tensor.
 - insert(seq, pos, slot) files the request's pages for positions < pos and the checkpoint slot;
   the tree takes over the slot (the caller must not release it) and adds one page reference.
 - Eviction frees only what nobody else uses: a leaf whose page has no reference besides the tree
