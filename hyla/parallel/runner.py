@@ -114,6 +114,7 @@ def start_tensor_parallel(config, dtype) -> WorkerGroup:
     except BaseException:
         group.close()
         raise
+    group.model.kv_cache_dtype = config.kv_cache_dtype  # the report counts the pages as they will be stored
     log.info("tensor parallel over %d ranks (%s), per rank:\n%s", group.world, group.backend,
              group.model.memory_report(config.state_dtype))
     return group
