@@ -145,7 +145,8 @@ def test_int8_entries_full_move_their_lowest_key_to_the_host_or_drop_it():
     finished(pools, cache, [3, 3, 3, 3, 3, 3, 3], "c")
     assert cache.evict_slot()  # c's to int8, b's to the host, which drops a's (least recent)
     assert cache.stats["host_checkpoints_evicted"] == 1 and cache.num_checkpoints == 2
-    tiers = sorted(t for n in cache.root.child_nodes() for c in [n, *n.child_nodes()] for t, _ in c.checkpoints.values())
+    nodes = [c for n in cache.root.child_nodes() for c in [n, *n.child_nodes()]]
+    tiers = sorted(t for c in nodes for t, _ in c.checkpoints.values())
     assert tiers == [HOST, INT8]
 
 
