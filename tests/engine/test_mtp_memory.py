@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from hyla import LLM
-from hyla.models.default import bundled_model_path
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 

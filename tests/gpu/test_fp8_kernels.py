@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
+from hyla.bench.floor import time_ms  # noqa: E402
 from hyla.ops.fp8 import (block_quantize, fp8_linear_torch, fp8_moe_experts_torch,  # noqa: E402
                           per_token_group_quant, quantize_gate_up)
 from hyla.ops.triton import fp8_gemm  # noqa: E402
@@ -35,16 +36,9 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+def ms(fn) -> float:
+    """Mean ms of 20 back-to-back calls after one warm-up (hyla.bench.floor.time_ms)."""
+    return time_ms(fn, 20, warmup=1)
 
 
 @pytest.mark.parametrize("M", TOKENS)

@@ -381,18 +381,10 @@ def test_fused_moe_mxfp4_bf16_full_size(M):
     check(f"fused MoE MXFP4 M={M}", got, want, tol=1e-2)
     check(f"fused MoE MXFP4 vs bf16 kernel M={M}", got, bf16, tol=5e-3)
 
-    def ms(fn, reps=20):
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
+    from hyla.bench.floor import time_ms
 
-    t4 = ms(lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, activation=act))
-    t16 = ms(lambda: fused_moe(x, W13, W2, weights, ids, activation=act))
+    t4 = time_ms(lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids, activation=act), 20, warmup=1)
+    t16 = time_ms(lambda: fused_moe(x, W13, W2, weights, ids, activation=act), 20, warmup=1)
     print(f"  M={M}: MXFP4 {t4:.3f} ms, bf16 {t16:.3f} ms ({t16 / t4:.2f}x)")
 
 

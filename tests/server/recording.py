@@ -6,8 +6,13 @@ rendered (the tiny model cannot write a tool call or think by itself)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+
+from fastapi.testclient import TestClient
 
 from hyla.engine.outputs import CompletionOutput, RequestOutput
+from hyla.server import prepare
+from hyla.server.api import create_app
 
 # Writes the tools' names, the thinking / effort variables and each message's role, content,
 # earlier reasoning (in brackets: a <think> block would look like this turn's reasoning to a
@@ -75,3 +80,15 @@ class PromptLog:
     @property
     def last(self) -> str:
         return self.texts[-1]
+
+
+@contextlib.contextmanager
+def recording_app(engine, monkeypatch, **flags):
+    """create_app(engine, "m", TEMPLATE, **flags) with a RecordingEngine in place of the server's
+    engine and a PromptLog on render_prompt -> (TestClient, RecordingEngine, PromptLog)."""
+    prompts = PromptLog(prepare.render_prompt)
+    monkeypatch.setattr(prepare, "render_prompt", prompts)
+    app = create_app(engine, "m", chat_template=TEMPLATE, **flags)
+    recorder = app.state.server.async_engine = RecordingEngine()
+    with TestClient(app) as http:
+        yield http, recorder, prompts

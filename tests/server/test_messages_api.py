@@ -14,10 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hyla import LLM
-from hyla.server import prepare
-from hyla.server.api import create_app
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
-from tests.server.recording import TEMPLATE, PromptLog, RecordingEngine
+from tests.server.recording import PromptLog, RecordingEngine, recording_app
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -61,11 +59,8 @@ def serve(engine, monkeypatch):
 
     @contextlib.contextmanager
     def start(**flags):
-        prompts = PromptLog(prepare.render_prompt)
-        monkeypatch.setattr(prepare, "render_prompt", prompts)
-        app = create_app(engine, "m", chat_template=TEMPLATE, **flags)
-        recorder = app.state.server.async_engine = RecordingEngine()
-        with TestClient(app) as http:  # the client sends the server's key (if any) as x-api-key
+        with recording_app(engine, monkeypatch, **flags) as (http, recorder, prompts):
+            # the client sends the server's key (if any) as x-api-key
             client = anthropic.Anthropic(base_url="http://testserver", api_key=flags.get("api_key") or "x",
                                          http_client=http, max_retries=0)
             yield Served(client, http, recorder, prompts)

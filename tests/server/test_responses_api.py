@@ -16,11 +16,9 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from hyla import LLM
-from hyla.server import prepare
-from hyla.server.api import create_app
 from hyla.server.responses_api import ResponseStore
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
-from tests.server.recording import TEMPLATE, PromptLog, RecordingEngine
+from tests.server.recording import PromptLog, RecordingEngine, recording_app
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "the weather", "strict": False,
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
@@ -52,11 +50,7 @@ def serve(engine, monkeypatch):
 
     @contextlib.contextmanager
     def start(**flags):
-        prompts = PromptLog(prepare.render_prompt)
-        monkeypatch.setattr(prepare, "render_prompt", prompts)
-        app = create_app(engine, "m", chat_template=TEMPLATE, **flags)
-        recorder = app.state.server.async_engine = RecordingEngine()
-        with TestClient(app) as http:
+        with recording_app(engine, monkeypatch, **flags) as (http, recorder, prompts):
             client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
             yield Served(client, http, recorder, prompts)
 

@@ -4,7 +4,6 @@ the tiny model cannot write a tool call by itself; the engine still encodes and 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -13,9 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hyla import LLM
-from hyla.engine.outputs import CompletionOutput, RequestOutput
 from hyla.server.api import create_app
 from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
+from tests.server.recording import RecordingEngine
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather",
                                            "parameters": {"type": "object",
@@ -23,33 +22,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 MSGS = [{"role": "user", "content": "the sun"}]
 HERMES = ['Sure', '. <tool', '_call>{"name": "get_weather", ', '"arguments": {"city": "Paris"}}</tool_call>',
           '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>']
-
-
-class ScriptedEngine:
-    """Stands in for AsyncEngine: every request's output is `pieces`, one piece per step."""
-
-    def __init__(self):
-        self.pieces: list[str] = []
-
-    def start(self):
-        pass
-
-    def shutdown(self):
-        pass
-
-    def abort(self, rid):
-        pass
-
-    def submit(self, rid, ids, params, out=None):
-        out = out if out is not None else asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        text = ""
-        for k, piece in enumerate(self.pieces):
-            text += piece
-            last = k == len(self.pieces) - 1
-            c = CompletionOutput(0, text, list(range(k + 1)), None, "stop" if last else None)
-            loop.call_soon(out.put_nowait, RequestOutput(rid, None, ids, [c], finished=last))
-        return out
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +40,7 @@ def engine(model_path):
     return LLM(str(model_path), dtype="float32", max_model_len=128).engine
 
 
-def _client(engine, scripted: ScriptedEngine | None = None, **flags):
+def _client(engine, scripted: RecordingEngine | None = None, **flags):
     app = create_app(engine, "m", **flags)
     if scripted is not None:
         app.state.server.async_engine = scripted
@@ -84,7 +56,7 @@ def test_the_template_receives_the_tools(engine):
 
 
 def test_auto_needs_the_server_flags_and_none_does_not(engine):
-    scripted = ScriptedEngine()
+    scripted = RecordingEngine()
     scripted.pieces = HERMES
     with _client(engine, scripted) as http:
         r = http.post("/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS})
@@ -130,7 +102,7 @@ KIMI_K2 = ["Sure. <|tool_calls_section_begin|><|tool_call_begin|>functions.get_w
 
 @pytest.mark.parametrize("parser,pieces", [("hermes", HERMES), ("qwen3_coder", QWEN3_CODER), ("kimi_k2", KIMI_K2)])
 def test_auto_tool_calls_whole_and_streamed(engine, parser, pieces):
-    scripted = ScriptedEngine()
+    scripted = RecordingEngine()
     scripted.pieces = pieces
     with _client(engine, scripted, tool_call_parser=parser, enable_auto_tool_choice=True) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
@@ -154,7 +126,7 @@ def test_auto_tool_calls_whole_and_streamed(engine, parser, pieces):
 
 
 def test_kimi_k2_calls_keep_their_ids(engine):
-    scripted = ScriptedEngine()
+    scripted = RecordingEngine()
     scripted.pieces = ["<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0",
                        '<|tool_call_argument_begin|>{"city": "Lima"}<|tool_call_end|><|tool_calls_section_end|>']
     with _client(engine, scripted, tool_call_parser="kimi_k2", enable_auto_tool_choice=True) as http:
