@@ -37,7 +37,7 @@ import torch
 from hyla.contract.cache import HybridCache
 from hyla.engine.checkpoint_codec import dequantize_rows, quantize_rows, rows_of
 
-CHECKPOINT_DTYPES = ("auto", "int8")
+CHECKPOINT_DTYPES = ("auto", "int8")  # EngineConfig.checkpoint_dtype / --checkpoint-dtype
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,6 @@ class TierSizes:
     int8_entries: int = 0
     host_pages: int = 0
     host_checkpoints: int = 0
-
-    @property
-    def has_host(self) -> bool:
-        return self.host_pages > 0 or self.host_checkpoints > 0
 
 
 def _memory_order(t: torch.Tensor) -> torch.Tensor:
@@ -74,16 +70,6 @@ def int8_entry_bytes(cache: HybridCache) -> int:
         total += elems + 4 * elems // state.shape[-2]  # one fp32 scale per row of K entries
         total += sum(c[0].numel() * c.element_size() for c in conv)
     return total
-
-
-def slot_bytes(cache: HybridCache) -> int:
-    """Bytes of one state slot of `cache` (every linear layer's tensors)."""
-    return sum(t[0].numel() * t.element_size() for layer in cache.linear_layers for t in layer.tensors())
-
-
-def page_bytes(cache: HybridCache) -> int:
-    """Bytes of one KV page of `cache` (every attention layer's tensors)."""
-    return sum(t[0].numel() * t.element_size() for layer in cache.attention_layers for t in layer.tensors())
 
 
 class _Int8Store:
@@ -123,7 +109,7 @@ class CacheTiers:
     def __init__(self, cache: HybridCache, sizes: TierSizes):
         self.cache = cache
         self.sizes = sizes
-        device = self._device()
+        self.device = device = self._device()
         pin = device.type == "cuda"
         self.int8 = _Int8Store(cache, sizes.int8_entries, device) if sizes.int8_entries else None
         self.host_checkpoints = None
@@ -186,7 +172,7 @@ class CacheTiers:
     def _ckpt_in(self, host: int, slot: int) -> None:
         start = time.perf_counter()
         if self.int8 is not None:
-            device = self._device()
+            device = self.device
             for (q, scale, convs), layer in zip(self.host_checkpoints.layers, self.cache.linear_layers):
                 state, *conv = layer.tensors()
                 dequantize_rows(q[host].to(device, non_blocking=True), scale[host].to(device, non_blocking=True),

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hyla.engine.cache_tiers import CHECKPOINT_DTYPES
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float64": torch.float64,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -217,8 +219,8 @@ class EngineConfig:
             if self.state_dtype != torch.float32 and self.state_dtype != states[name]:
                 raise ValueError(f"mamba_ssm_cache_dtype={name!r} contradicts state_dtype={self.state_dtype}")
             self.state_dtype = states[name]
-        if self.checkpoint_dtype not in ("auto", "int8"):
-            raise ValueError(f"checkpoint_dtype must be 'auto' or 'int8', got {self.checkpoint_dtype!r}")
+        if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
+            raise ValueError(f"checkpoint_dtype must be one of {CHECKPOINT_DTYPES}, got {self.checkpoint_dtype!r}")
         h = self.host_cache_bytes
         if isinstance(h, bool) or not isinstance(h, int) or h < 0:
             raise ValueError(f"host_cache_bytes must be a number of bytes >= 0, got {h!r}")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hyla.contract.cache import state_pool
-from hyla.engine.cache_tiers import CacheTiers, TierSizes, int8_entry_bytes, slot_bytes
+from hyla.engine.cache_tiers import CacheTiers, TierSizes, int8_entry_bytes
 from hyla.engine.checkpoint_codec import dequantize_rows, quantize_rows, restore_error_bound, rows_of
 from hyla.models.presets import random_model
 
@@ -84,8 +84,11 @@ def test_int8_checkpoints_of_the_48b_shape_take_under_a_third_of_a_slot():
     from hyla.models.kimi_linear import kda_mla_pools
     from hyla.models.presets import model_config
 
-    cache = kda_mla_pools(model_config("kimi-linear-48b-a3b"), 1, 1, 16, torch.float32, "meta", torch.bfloat16)
-    ratio = int8_entry_bytes(cache) / slot_bytes(cache)
+    from hyla.models.memory import state_bytes_per_slot
+
+    config = model_config("kimi-linear-48b-a3b")
+    cache = kda_mla_pools(config, 1, 1, 16, torch.float32, "meta", torch.bfloat16)
+    ratio = int8_entry_bytes(cache) / state_bytes_per_slot(config, torch.float32, torch.bfloat16)
     assert 0.27 < ratio < 0.29  # 1/4 + 4/128 of the fp32 state, the bf16 conv windows as they are
 
 
