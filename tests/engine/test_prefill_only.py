@@ -8,19 +8,9 @@ import pytest
 import torch
 
 from hyla.engine import LLM, SamplingParams
-from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
+from tests.engine.test_prompt_logprobs import _llm, checkpoint  # noqa: F401 (a fixture)
 
 N_TOP = 2
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_kimi_checkpoint(tmp_path_factory.mktemp("prefill_only"), "moe")
-
-
-def _llm(path, **kwargs) -> LLM:
-    kwargs.setdefault("memory_budget", 1 << 22)
-    return LLM(str(path), dtype=torch.float64, device="cpu", max_num_seqs=4, max_model_len=96, **kwargs)
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -18,12 +18,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
 
-from hyla import LLM
 from hyla.engine.outputs import CompletionOutput
-from hyla.models import default_model_path
 from hyla.server.api import create_app
 from hyla.server.errors import (
     MAX_JSON_DEPTH,
@@ -34,26 +31,13 @@ from hyla.server.errors import (
 from hyla.server.tool_choices import ToolChatChoice
 from hyla.server.tool_parsers import make_parser
 from tests.server.recording import RecordingEngine
+from tests.server.test_structured import engine, http  # noqa: F401 (fixtures)
 
 PROMPT = "The cat"
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def engine():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the test machine's cores are shared: one thread is several times faster
-    yield LLM(default_model_path(), dtype="float32", max_model_len=256).engine
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def http(engine):
-    with TestClient(create_app(engine, "m", tool_call_parser="hermes", enable_auto_tool_choice=True)) as c:
-        yield c
 
 
 def text(http, **body) -> dict:
