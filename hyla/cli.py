@@ -81,6 +81,9 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--speculative-config", type=json.loads, default=None, help='JSON, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4}\'')
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch a decode step before the previous one's tokens are read (with CUDA graphs; "
+                        "same output)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N devices (worker processes started by the engine)")
@@ -122,7 +125,7 @@ def _engine_config(args):
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),  # a serve flag
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, checkpoint_dtype=args.checkpoint_dtype,
-        host_cache_bytes=args.host_cache_bytes)
+        host_cache_bytes=args.host_cache_bytes, async_scheduling=args.async_scheduling)
 
 
 def _serve(args) -> None:

@@ -102,7 +102,11 @@ class EngineConfig:
     kv_cache_dtype: "auto" (attention KV pages in the model dtype), or "fp8" / "fp8_e4m3" (vLLM's
     `--kv-cache-dtype fp8`): MLA latents / GQA keys and values stored in e4m3 with per-token fp32
     scales, about half the bytes per token of bf16, so the same budget holds about twice the pages
-    (hyla.ops.kv_fp8); anything else, vLLM's "fp8_e5m2" and "fp8_inc" included, is a ValueError."""
+    (hyla.ops.kv_fp8); anything else, vLLM's "fp8_e5m2" and "fp8_inc" included, is a ValueError.
+    async_scheduling (vLLM's `--async-scheduling`): when the next decode step is certain to run the
+    same requests, launch it before this step's tokens are read (hyla.engine.overlap; MTP's fused
+    steps likewise, hyla.engine.spec.mtp.overlap), so the host's per-step work runs beside the GPU;
+    it applies where the decode steps run in CUDA graphs; output is the same either way."""
 
     model: str
     dtype: torch.dtype | str | None = None
@@ -131,6 +135,7 @@ class EngineConfig:
     checkpoint_dtype: str = "auto"  # "int8": prefix-cache state checkpoints stored int8 (hyla.engine.checkpoint_codec)
     host_cache_bytes: int = 0  # a host-memory tier under the prefix cache, in bytes (0: none)
     backend: str | None = None  # "auto" / "torch" / "triton": the ops' backend (None: HYLA_BACKEND's, else auto)
+    async_scheduling: bool = True  # launch a decode step before the last one's tokens are read (hyla.engine.overlap)
     model_limit: int = field(init=False, default=0)  # the checkpoint's max_position_embeddings (or 2^20)
 
     def __post_init__(self):

@@ -132,6 +132,36 @@ class DecodeGraphs:
         return out[:n]
 
     @torch.inference_mode()
+    def run_fed(self, tokens: torch.Tensor, skip: torch.Tensor, context_lens: list[int], slots: list[int],
+                block_tables: list[list[int]]) -> torch.Tensor:
+        """A decode step whose token ids are on the device, not read by the host (the previous
+        step's draws: hyla.engine.overlap): tokens [N] int64; a row with skip [N] set runs as a
+        padding row (its request stopped on that token: nothing it owns is written). The graph
+        of the step's bucket must be captured already (`ready`). -> logits [N, V] fp32, a view
+        of the graph's output buffer (valid until the next replay)."""
+        n = len(context_lens)
+        graph, out, _ = self.prepare([0] * n, context_lens, slots, block_tables)
+        rows = self.meta[self._key[1]][:n]
+        rows[:, 0] = tokens
+        pad = rows.new_full((rows.shape[1],), -1)  # _decode_pad_row, built on the device: no host copy
+        pad[:2] = 0
+        rows.copy_(torch.where(skip[:, None], pad, rows))
+        if graph is None:
+            out = self._forward(*self._key)
+        else:
+            graph.replay()
+        return out[:n]
+
+    def ready(self, context_lens: list[int]) -> bool:
+        """Whether a decode step of these rows replays a graph captured already (or runs the
+        padded inputs eagerly: capture off), so that it can be queued behind unread work."""
+        if not 0 < len(context_lens) <= self.max_batch:
+            return False
+        bs = next(b for b in self.buckets if b >= len(context_lens))
+        need = max(-(-(c + 1) // self.page_size) for c in context_lens) if self.has_attention else 1
+        return not self.capture or (bs, width_bucket(need)) in self.graphs
+
+    @torch.inference_mode()
     def prepare(self, token_ids, context_lens, slots, block_tables):
         """Copy a step's rows (and padding) into the graph's input buffer, capturing its graph on
         first use -> (graph or None when not capturing, its output buffer, N)."""

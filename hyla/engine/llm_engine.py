@@ -21,15 +21,17 @@ from hyla.engine.generation_config import read_generation_config, token_ids
 from hyla.engine.memory_profile import device_pool_budget, profile_step_bytes
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.outputs import RequestOutput
+from hyla.engine.overlap import DecodeOverlap
 from hyla.engine.pools import Pools, size_pools
 from hyla.engine.prefix_cache import PrefixCache
-from hyla.engine.sampler import prompt_logprobs, sample, token_logprobs
+from hyla.engine.sampler import PendingSample, prompt_logprobs, token_logprobs
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import ScheduledBatch, Scheduler
 from hyla.engine.sequence import Sequence, Status
 from hyla.engine.spec.decoder import SpecDecoder, make_drafter
 from hyla.engine.step_plan import StepPlan
 from hyla.ops import dispatch
+from hyla.ops.transfer import to_device_long
 from hyla.parallel.errors import TensorParallelError
 
 log = logging.getLogger("hyla.engine")
@@ -142,11 +144,15 @@ class LLMEngine:
         # MTP's fused greedy steps (its graph extension) in CUDA graphs: the next one launched
         # before this one is read
         self.chain = None
-        if (self.spec is not None and self.spec.drafter.graph_extension is not None
-                and self.workers is None and self.runner.graphs is not None):
+        overlapped = config.async_scheduling and self.workers is None and self.runner.graphs is not None
+        if overlapped and self.spec is not None and self.spec.drafter.graph_extension is not None:
             from hyla.engine.spec.mtp.overlap import OverlapChain
 
             self.chain = OverlapChain(self, self.spec.drafter, spec_cfg.rollback)
+        # plain decode steps launched before the last one's draws are read (speculation decodes
+        # through verify steps instead)
+        self.overlap = DecodeOverlap(self.runner, self.scheduler, self.max_model_len) if (
+            overlapped and self.spec is None) else None
         self._drained: list[RequestOutput] = []  # outputs of a step collected outside `step` (drain)
 
     def _cache_tiers(self, num_slots: int, num_pages: int, per_seq: int) -> tuple[int, TierSizes]:
@@ -324,6 +330,12 @@ class LLMEngine:
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._drained = self._drained, []
+        if self.overlap is not None and self.overlap.flight is not None:
+            # a decode step launched during the previous one (hyla.engine.overlap): no scheduling
+            self.metrics["num_steps"] += 1
+            outputs += self._land_decode(launch=True)
+            self._apply_cache_transfers()
+            return outputs
         if self.chain is not None and self.chain.flight is not None:
             # a step launched during the previous one (hyla.engine.spec.mtp.overlap): no scheduling
             self.metrics["num_steps"] += 1
@@ -376,15 +388,44 @@ class LLMEngine:
             raise
         except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
             return self.recover([s for s in seqs if s.status is Status.RUNNING], err)
-        live = [i for i, r in enumerate(results) if r is not None]  # the rest finished the step before
-        # a step in flight always ran in the verify graphs (its "replay" commit is theirs)
-        return self._emit_verified([seqs[i] for i in live], [results[i] for i in live], in_graph=True)
+        # a step in flight always ran in the verify graphs (its "replay" commit is theirs); a None
+        # result: the request finished the step before (its row was padding)
+        return self._emit_verified(seqs, results, in_graph=True)
 
     def drain(self) -> None:
         """Collect a step in flight now (its outputs come with the next `step`): before anything
         changes its requests from outside the step loop."""
         if self.chain is not None and self.chain.flight is not None:
             self._drained += self._collect_flight(launch=False)
+        if self.overlap is not None and self.overlap.flight is not None:
+            self._drained += self._land_decode(launch=False)
+            self._apply_cache_transfers()
+
+    def _land_decode(self, launch: bool) -> list[RequestOutput]:
+        """Draw the tokens of the decode step in flight, launch the one after it when that
+        applies (launch), then read and emit them. Its requests that finished meanwhile (on the
+        token it was fed: padding rows) are left out."""
+        flight = self.overlap.take()
+        live = [i for i, seq in enumerate(flight.seqs) if not seq.is_finished]
+        seqs = [flight.seqs[i] for i in live]
+        if not seqs:
+            return []
+        try:
+            logits = flight.logits
+            if len(seqs) < len(flight.seqs):
+                logits = logits[to_device_long(live, logits.device)]
+            for seq in seqs:
+                seq.num_computed_tokens += 1  # the step in flight fed each its last token
+            draws = PendingSample(logits, seqs, self.generator)
+            if launch:
+                self.overlap.launch(seqs, draws)
+            tokens, logprobs = draws.result()
+        except TensorParallelError:
+            raise
+        except Exception as err:  # noqa: BLE001 - isolate the failing request, keep serving the rest
+            self.overlap.abandon(self.model.device)
+            return self.recover(seqs, err)
+        return self._emit_drawn(seqs, tokens, logprobs)
 
     def _plain_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Prefill chunks and (non-speculative) decodes: one forward, one sample per finished prompt
@@ -414,9 +455,29 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.scheduler.file_exports(seq, e)
         to_sample = [seq for seq, s in zip(batch.seqs, sampling) if s]
-        tokens, logprobs = sample(logits, to_sample, self.generator) if to_sample else ([], [])
+        draws = PendingSample(logits, to_sample, self.generator) if to_sample else None
+        if (self.overlap is not None and draws is not None and len(to_sample) == len(batch.seqs)
+                and all(n == 1 for n in batch.num_new_tokens) and not any(scored)):
+            try:  # the next decode step, queued before these draws are read (hyla.engine.overlap)
+                self.overlap.launch(batch.seqs, draws)
+            except TensorParallelError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a half-run launch: recompute its requests
+                self.overlap.abandon(self.model.device)
+                return self.recover(batch.seqs, err)
+        tokens, logprobs = draws.result() if draws is not None else ([], [])
+        outputs = self._emit_drawn(to_sample, tokens, logprobs)
+        if to_drafter:  # after sampling: a finished prompt's last row pairs with the token just sampled
+            self.spec.commit_prefill(batch.seqs, batch.num_new_tokens)
+        for seq, f, s in zip(batch.seqs, fed, sampling):
+            if f and not s:  # after the drafter's commit: finishing releases the request's drafter state
+                outputs.append(self._finish_prefill_only(seq))
+        return outputs
+
+    def _emit_drawn(self, seqs: list[Sequence], tokens: list, logprobs: list) -> list[RequestOutput]:
+        """Emit one drawn token per sequence (a failed draw finishes its request with the error)."""
         outputs = []
-        for seq, token, lp in zip(to_sample, tokens, logprobs):
+        for seq, token, lp in zip(seqs, tokens, logprobs):
             seq.suspect = False  # it ran without error
             if token is None:  # sampling failed for this row only (lp holds the error)
                 outputs += self.recover([seq], lp)
@@ -425,11 +486,6 @@ class LLMEngine:
             if seq.is_finished:
                 self.on_finish(seq)
             outputs.append(seq.to_output())
-        if to_drafter:  # after sampling: a finished prompt's last row pairs with the token just sampled
-            self.spec.commit_prefill(batch.seqs, batch.num_new_tokens)
-        for seq, f, s in zip(batch.seqs, fed, sampling):
-            if f and not s:  # after the drafter's commit: finishing releases the request's drafter state
-                outputs.append(self._finish_prefill_only(seq))
         return outputs
 
     def _finish_prefill_only(self, seq: Sequence) -> RequestOutput:
@@ -458,8 +514,13 @@ class LLMEngine:
     def _emit_verified(self, seqs: list[Sequence], results, in_graph: bool) -> list[RequestOutput]:
         """Emit a verify step's tokens, commit the states to the kept ones (in_graph: the verify
         ran in a CUDA graph), trim the rejected positions' pages (not while a later step is in
-        flight: its block tables are fixed)."""
+        flight: its block tables are fixed). results[i] None: seqs[i] finished before the step,
+        which ran its row as padding (a step in flight); the graph's commit still takes every
+        row in order."""
         trim = self.chain is None or self.chain.flight is None
+        row_kept = [1 if r is None else 0 for r in results]  # a padding row's commit touches scratch only
+        live = [i for i, r in enumerate(results) if r is not None]
+        seqs, results = [seqs[i] for i in live], [results[i] for i in live]
         kept = []
         for seq, r in zip(seqs, results):
             seq.suspect = False
@@ -468,8 +529,11 @@ class LLMEngine:
             self.metrics["spec_num_drafts"] += r.num_drafted > 0  # verify steps that drafted (vLLM's num_drafts)
             self.metrics["spec_num_accepted_tokens"] += r.num_accepted
             self.metrics["spec_num_verify_steps"] += 1
+        for i, n in zip(live, kept):
+            row_kept[i] = n
         self.spec.commit(seqs, kept, in_graph,
-                         state_committed=self.chain is not None and self.chain.take_state_committed())
+                         state_committed=self.chain is not None and self.chain.take_state_committed(),
+                         row_kept=row_kept)
         outputs = []
         for seq, n in zip(seqs, kept):
             seq.num_computed_tokens += n

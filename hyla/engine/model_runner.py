@@ -39,7 +39,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, *, return_hidden: bool = False, device_logits: bool = False,
-                extension=None) -> StepResult | None:
+                extension=None, fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepResult | None:
         """Run one step: a plain plan's rows (prefill chunks and decodes packed in one forward)
         or a verify plan's [x0, d1..dk] rows. The StepResult holds the logits of the rows asked
         for (every verify row), with return_hidden also their final-norm hidden states (on the
@@ -53,7 +53,13 @@ class ModelRunner:
         hyla.engine.spec.mtp.fused): the result is then the graph's outputs for the batch bucket
         ([bs, W, V] logits, [bs, W, hidden] hidden states, the extension's: views of its buffers,
         valid until the next replay), or None (nothing ran) when the step cannot run padded in a
-        graph."""
+        graph. fed = (tokens [N], skip [N]): a pure-decode plan whose token ids are these device
+        values instead of plan.token_ids, a row with skip set running as padding (a step launched
+        before the previous one's draws were read: hyla.engine.overlap; `can_feed` first); its
+        logits are a view of the graph's output buffer, valid until the next replay."""
+        if fed is not None:
+            logits = self.graphs.run_fed(*fed, plan.context_lens, plan.state_slots, plan.block_tables)
+            return StepResult(logits, in_graph=True)
         if plan.is_verify:
             return self._verify(plan, return_hidden, device_logits, extension)
         if not return_hidden and self.graphs is not None and self.graphs.can_run(plan):
@@ -69,6 +75,10 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden[to_device_long(index, hidden.device)])
         return StepResult(logits, hidden if return_hidden else None)
+
+    def can_feed(self, plan: StepPlan) -> bool:
+        """Whether `execute(plan, fed=...)` can run plan: a pure decode whose graph is ready."""
+        return self.graphs is not None and self.graphs.can_run(plan) and self.graphs.ready(plan.context_lens)
 
     def _verify(self, plan: StepPlan, return_hidden: bool, device_logits: bool, extension) -> StepResult | None:
         """execute's verify steps: in a graph (with the extension, or padded: _verify_in_graph)

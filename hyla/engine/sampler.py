@@ -326,13 +326,43 @@ def _to_host(packed: torch.Tensor) -> list[float]:
     return packed.tolist()
 
 
+class PendingSample:
+    """A step's draws, on the device and on their way to the host: `tokens` [M] (int64, on the
+    device: what an overlapped next step feeds, hyla.engine.overlap) and `failed` [M] (bool);
+    `result()` waits for the copy and returns what `sample` returns. On CUDA the copy goes into
+    pinned memory behind an event, so the host can queue more work before it waits."""
+
+    def __init__(self, logits: torch.Tensor, seqs: list, generator: torch.Generator):
+        self.seqs = seqs
+        self.packed, self.want, self.n = _sample_on_device(logits, seqs, generator)
+        M = len(seqs)
+        self.tokens = self.packed[:M].long()
+        self.failed = self.packed[M:2 * M] != 0
+        self.event = None
+        if self.packed.device.type == "cuda":
+            host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+            host.copy_(self.packed, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            self.packed = host
+
+    def result(self) -> tuple[list, list]:
+        if self.event is not None:
+            self.event.synchronize()
+        return _unpack(_to_host(self.packed), self.seqs, self.want, self.n)
+
+
 def sample(logits: torch.Tensor, seqs: list, generator: torch.Generator) -> tuple[list, list]:
     """logits: [M, V] for M sequences, on the model's device (generator and the seeded sequences'
     generators on that device too) -> (token ids [M], per-row logprob dicts or None). A row
     whose logits are not finite, or whose distribution is not valid, gets token None and the
     exception in place of its logprobs; the other rows are unaffected."""
     packed, want, n = _sample_on_device(logits, seqs, generator)
-    host = _to_host(packed)
+    return _unpack(_to_host(packed), seqs, want, n)
+
+
+def _unpack(host: list[float], seqs: list, want: list[int], n: int) -> tuple[list, list]:
+    """_sample_on_device's packed values, on the host -> sample's (tokens, logprobs)."""
     M, L = len(seqs), len(want)
     tokens = [int(t) for t in host[:M]]
     logprobs: list = [None] * M

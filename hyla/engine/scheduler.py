@@ -181,6 +181,23 @@ class Scheduler:
             budget -= n
         return self._plan_extras(batch)
 
+    def reserve_ahead(self, seqs: list[Sequence], num_tokens: int) -> list[tuple] | None:
+        """For a step launched before this one's tokens are read (hyla.engine.overlap): whether
+        the next step is certain to run `seqs` again, in this order (every running request, none
+        suspect, and no waiting request can be admitted: none waits, or max_num_seqs run), and
+        pages for each one's next num_tokens positions past its computed tokens. Those pages are
+        allocated now -> the prefix cache's copies the evictions planned (to run before the
+        launch: they read pages handed out here), or None (nothing reserved beyond what the
+        normal schedule would also hand out; the next step is scheduled as usual)."""
+        if ((self.waiting and len(self.running) < self.max_num_seqs) or len(self.running) != len(seqs)
+                or any(a is not b for a, b in zip(self.running, seqs)) or any(s.suspect for s in seqs)):
+            return None
+        for seq in seqs:
+            if not self.make_room(seq, num_tokens):
+                return None
+            self.pools.allocate(seq, num_tokens)
+        return self.prefix_cache.take_transfers() if self.prefix_cache is not None else []
+
     def _fit(self, seq: Sequence, budget: int, idle: bool):
         """(prefix-cache hit or None, tokens n) when the waiting seq can start now with n of its
         tokens (free slots and pages found, evicting cache entries as needed), else None with

@@ -161,3 +161,17 @@ def test_derivation_reads_nothing_on_the_host(bundled, monkeypatch):
         m.setattr(DerivedExtension, "fill", lambda self, *a: _guarded(nosync, fill)(self, *a))
         assert _generate(llm, prompts, params) == want
     assert llm.engine.chain.launched > 0
+
+
+@pytest.mark.parametrize("k,j", [(2, 5), (3, 11)])
+def test_replay_commit_of_a_step_past_a_finished_row(bundled, k, j, monkeypatch):
+    """Every request stops on its j-th token, on a fresh engine: a step in flight then holds
+    padding rows for requests that finished before it, ahead of live rows. Its "replay" commit
+    must advance each live row's state in the row it ran in (the counts go to the commit graph
+    in row order, the padding rows' too), or the rows after a padding row get another's count."""
+    path, prompts, params, want = bundled
+    llm = _engine(path, k, "replay", monkeypatch)
+    stops = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, stop_token_ids=[w[j]])
+             for w in want]
+    assert _generate(llm, prompts, stops) == [w[:w.index(w[j]) + 1] for w in want]
+    assert llm.engine.chain.launched > 0

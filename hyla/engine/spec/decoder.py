@@ -152,17 +152,20 @@ class SpecDecoder:
         a finished prompt with the token just sampled), and the drafter may work on them now."""
         self.drafter.commit(seqs, list(num_new_tokens), prefill=True)
 
-    def commit(self, seqs, kept: list[int], in_graph: bool, state_committed: bool = False) -> None:
+    def commit(self, seqs, kept: list[int], in_graph: bool, state_committed: bool = False,
+               row_kept: list[int] | None = None) -> None:
         """The engine kept kept[i] tokens of seqs[i]'s verify step (fewer than accepted when the
         request finished early): make the state after exactly those tokens the current one.
         in_graph: the verify ran in a CUDA graph (Verified.in_graph): a "replay" commit replays
         the commit graph captured with it. state_committed: "replay" rollback whose commit
         already ran on the device with these counts (hyla.engine.spec.mtp.overlap, before the
-        step launched behind this one)."""
+        step launched behind this one). row_kept: the counts per row of the verify as it ran,
+        when it also ran padding rows for requests that finished before it (a step in flight:
+        1 for those, whose slot was the scratch slot); default kept."""
         self.drafter.commit(seqs, kept)
         if self.cfg.rollback == "replay":
             if not state_committed:
-                self.runner.commit_replay(kept, in_graph)
+                self.runner.commit_replay(kept if row_kept is None else row_kept, in_graph)
         else:
             for seq, n in zip(seqs, kept):
                 seq.slot = seq.spec_slots[n - 1]

@@ -9,17 +9,17 @@ next verify row [bonus, d'] and the head's next drafts d'. So, when the batch wi
 step again unchanged, the next step is launched right behind the current one
 (fused.DerivedExtension derives its inputs on the device), and the host reads and handles
 the current step's results while the GPU runs the next: the engine step's host time leaves the
-critical path. The engine collects the step in flight at its next `step`.
+critical path. The engine collects the step in flight at its next `step`. (Plain decode
+steps overlap the same way: hyla.engine.overlap.)
 
 When it launches (`launch_after`), checked on the host against the state before the current
-step: every running request is in the step, in order, and nothing waits (no admission, so the
-next batch is the same); each request is greedy without grammar, logprobs, penalties or stop
-strings, past min_tokens, with at most MAX_STOPS stop ids (EOS unless ignore_eos, plus
-stop_token_ids) and at least two more full steps of room before max_tokens and max_model_len
-(so neither the current nor the next step can end it by length); pages reserved for the next
-step's worst case (its verify rows may start up to W positions later); the graphs of the next
-step's bucket already captured. A request that emits a stop token in the current step is a
-padding row of the next (its state, KV and head rows untouched), decided on the device by the
+step: the Scheduler says the next step is certain to be the same requests and reserves pages
+for its worst case, verify rows starting up to W positions later (`Scheduler.reserve_ahead`);
+each request is greedy without grammar, logprobs, penalties or stop strings, past min_tokens,
+with at most MAX_STOPS stop ids (EOS unless ignore_eos, plus stop_token_ids) and at least two
+more full steps of room before max_tokens and max_model_len (so neither the current nor the
+next step can end it by length); the graphs of the next step's bucket already captured. A
+request that emits a stop token in the current step is a padding row of the next (its state, KV and head rows untouched), decided on the device by the
 stop rule's device form (hyla.engine.spec.acceptance: kept_through_stop, for the requests
 device_stop_ids admits); the engine then finishes it as usual and the chain ends (the
 running set changed). With rollback "replay" the current step's commit (advancing each state by
@@ -39,9 +39,8 @@ from __future__ import annotations
 import torch
 
 from hyla.engine.spec.mtp.fused import DerivedExtension, Flight
+from hyla.engine.overlap import MAX_STOPS
 from hyla.engine.spec.acceptance import argmax_accepts, device_stop_ids
-
-MAX_STOPS = 4  # stop ids per request the device check takes (EOS + stop_token_ids)
 
 
 class OverlapChain:
@@ -72,8 +71,7 @@ class OverlapChain:
         eng, drafter = self.engine, self.drafter
         sched = eng.scheduler
         seqs = flight.seqs
-        if (self.flight is not None or sched.waiting or len(sched.running) != len(seqs)
-                or any(a is not b for a, b in zip(sched.running, seqs)) or any(s.suspect for s in seqs)):
+        if self.flight is not None:
             return
         W = flight.W
         stops, views = [], []
@@ -84,10 +82,12 @@ class OverlapChain:
                 return
             stops.append(ids + [-1] * (MAX_STOPS - len(ids)))
             views.append(view)
-        for seq in seqs:  # the next step's verify rows end at most 2W positions past these
-            if not sched.make_room(seq, 2 * W):
-                return
-            eng.pools.allocate(seq, 2 * W)
+        # the same requests next (the Scheduler's word), their verify rows ending at most 2W
+        # positions past these: pages reserved, evicted pages' copies run before the launch
+        transfers = sched.reserve_ahead(seqs, 2 * W)
+        if transfers is None:
+            return
+        eng.runner.apply_transfers(transfers)
         graphs, rollback = eng.runner.graphs, self.rollback
         # widths for the worst case: the next step's rows start up to W later than these
         slots = [s.spec_slots for s in seqs] if rollback == "slots" else [[s.slot] for s in seqs]
