@@ -81,6 +81,9 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--speculative-config", type=json.loads, default=None, help='JSON, e.g. \'{"method": "ngram", '
                    '"num_speculative_tokens": 4}\'')
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", metavar="N",
+                   help="batch sizes of the decode CUDA graphs captured at startup (default 1 2 4 8 16 24 ... "
+                        "max-num-seqs)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch a decode step before the previous one's tokens are read (with CUDA graphs; "
                         "same output)")
@@ -125,7 +128,8 @@ def _engine_config(args):
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),  # a serve flag
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, checkpoint_dtype=args.checkpoint_dtype,
-        host_cache_bytes=args.host_cache_bytes, async_scheduling=args.async_scheduling)
+        host_cache_bytes=args.host_cache_bytes, async_scheduling=args.async_scheduling,
+        cuda_graph_sizes=args.cuda_graph_sizes)
 
 
 def _serve(args) -> None:

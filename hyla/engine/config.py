@@ -106,7 +106,10 @@ class EngineConfig:
     async_scheduling (vLLM's `--async-scheduling`): when the next decode step is certain to run the
     same requests, launch it before this step's tokens are read (hyla.engine.overlap; MTP's fused
     steps likewise, hyla.engine.spec.mtp.overlap), so the host's per-step work runs beside the GPU;
-    it applies where the decode steps run in CUDA graphs; output is the same either way."""
+    it applies where the decode steps run in CUDA graphs; output is the same either way.
+    cuda_graph_sizes (vLLM's `--cuda-graph-sizes`): the batch sizes decode CUDA graphs are
+    captured for, at startup (hyla.engine.cuda_graph; a batch runs in the smallest size that
+    holds it, a larger one eagerly); None = 1, 2, 4, then multiples of 8 up to max_num_seqs."""
 
     model: str
     dtype: torch.dtype | str | None = None
@@ -136,6 +139,7 @@ class EngineConfig:
     host_cache_bytes: int = 0  # a host-memory tier under the prefix cache, in bytes (0: none)
     backend: str | None = None  # "auto" / "torch" / "triton": the ops' backend (None: HYLA_BACKEND's, else auto)
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read (hyla.engine.overlap)
+    cuda_graph_sizes: list[int] | None = None  # decode graphs' batch sizes (None: 1, 2, 4, 8, 16, ... max_num_seqs)
     model_limit: int = field(init=False, default=0)  # the checkpoint's max_position_embeddings (or 2^20)
 
     def __post_init__(self):
@@ -150,6 +154,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        sizes = self.cuda_graph_sizes
+        if sizes is not None and (not isinstance(sizes, (list, tuple)) or not sizes or any(
+                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes)):
+            raise ValueError(f"cuda_graph_sizes must be a non-empty list of integers >= 1, got {sizes!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         u = self.gpu_memory_utilization

@@ -21,10 +21,13 @@ python indexing reaches as slot -1 / page -1: a padding row's conv windows and l
 and the recurrent kernel skips slot < 0 outright. So padding rows read and write nothing a
 request owns.
 
-Buckets: batch sizes 1, 2, 4, 8, 16, 24, ... (multiples of 8, as vLLM) up to `max_batch`;
-page widths 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (MLA reads every column of the width, masked, so
-at most 1.5x the latents it needs). A graph is captured the first time its bucket is used; all
-share one memory pool.
+Buckets: batch sizes 1, 2, 4, 8, 16, 24, ... (multiples of 8, as vLLM) up to `max_batch`, or
+the configured EngineConfig.cuda_graph_sizes; page widths 1, 2, 3, 4, 6, 8, 12, 16, 24, ...
+(the kernels read a sequence's own pages only; the width sets the table and, for GQA, the grid).
+The engine captures every batch size at the widths up to max_model_len at startup
+(`capture_all`, at most 256 graphs: wider ones on first use), after its memory was accounted
+before the pools were sized (hyla.engine.memory_profile.profile_graph_bytes). All graphs share
+one memory pool and one logits buffer.
 
 MoE layers are captured like the rest: routing and the expert-sorted grouped GEMMs
 (hyla.ops.moe) run on the device with shapes fixed by the batch size. Left to the eager path:
@@ -85,6 +88,19 @@ def width_bucket(pages: int) -> int:
         p *= 2
 
 
+def startup_widths(max_context: int, page_size: int, has_attention: bool, num_batch_sizes: int,
+                   max_graphs: int = 256) -> list[int]:
+    """The page-width buckets whose decode graphs are captured at startup: those a context of up
+    to max_context tokens needs, smallest first, as many as keep num_batch_sizes x widths within
+    max_graphs (at least one)."""
+    pages = -(-(max_context + 1) // page_size) if has_attention else 1
+    widths, w = [], 0
+    while w < pages:
+        w = width_bucket(w + 1)
+        widths.append(w)
+    return widths[:max(1, max_graphs // max(1, num_batch_sizes))]
+
+
 def _decode_pad_row(width: int) -> list[int]:
     """A padding row of the decode buffer: token 0, context 0, slot -1, no pages."""
     return [0, 0, -1] + [-1] * width
@@ -94,17 +110,24 @@ class DecodeGraphs:
     """Replays captured decode steps. `capture=False` runs the same padded, fixed-shape inputs
     eagerly (how the CPU tests check the padding without a GPU)."""
 
-    def __init__(self, model, cache, max_batch: int, capture: bool | None = None):
+    def __init__(self, model, cache, max_batch: int, capture: bool | None = None,
+                 batch_sizes: list[int] | None = None):
+        """batch_sizes: the batch-size buckets (EngineConfig.cuda_graph_sizes; default
+        batch_buckets(max_batch)); the largest is the most rows a graph takes."""
         self.model, self.cache = model, cache
         self.device = model.device
         self.capture = self.device.type == "cuda" if capture is None else capture
-        self.buckets = batch_buckets(max_batch)
+        self.buckets = sorted(set(batch_sizes)) if batch_sizes else batch_buckets(max_batch)
+        max_batch = self.buckets[-1]
         self.max_batch = max_batch
         self.page_size = cache.page_size
         self.has_attention = bool(cache.attention_layers)
         self.meta: dict[int, torch.Tensor] = {}  # width -> [max_batch, 3 + width]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        # every decode graph writes its logits here (rows :bs): one [max_batch, V] buffer, not
+        # one per captured (batch, width)
+        self.logits = None
 
     def can_run(self, plan) -> bool:
         """Whether a plain StepPlan (hyla.engine.step_plan) is a pure decode a graph takes."""
@@ -189,7 +212,24 @@ class DecodeGraphs:
             block_tables=meta[:bs, 3:], state_slots=meta[:bs, 2], seq_lens=[1] * bs,
             context_lens_list=[1] * bs, cuda_graph=True)
         hidden = self.model.forward_batch(meta[:bs, 0], batch, self.cache)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        if self.logits is None:
+            self.logits = logits.new_empty(self.max_batch, logits.shape[-1])
+        out = self.logits[:bs]
+        out.copy_(logits)
+        return out
+
+    def capture_all(self, max_context: int, max_graphs: int = 256) -> tuple[int, int]:
+        """Capture the decode graph of every batch-size bucket at every page-width bucket a
+        context of up to max_context tokens needs, smallest widths first, at most max_graphs of
+        them (wider ones are captured on first use) -> (graphs captured, the widest width)."""
+        if not self.capture:
+            return 0, 0
+        widths = startup_widths(max_context, self.page_size, self.has_attention, len(self.buckets), max_graphs)
+        for width in widths:
+            for bs in self.buckets:
+                self._graph(bs, width)
+        return len(widths) * len(self.buckets), widths[-1]
 
     def _graph(self, bs: int, width: int):
         if width not in self.meta:

@@ -71,8 +71,10 @@ class CUDAGraphRunner(DecodeGraphs):
     """Replays captured decode steps (DecodeGraphs) and verify / commit steps. `capture=False`
     runs the same padded, fixed-shape inputs eagerly (how the CPU tests check the padding)."""
 
-    def __init__(self, model, cache, max_batch: int, capture: bool | None = None):
-        super().__init__(model, cache, max_batch, capture)
+    def __init__(self, model, cache, max_batch: int, capture: bool | None = None,
+                 batch_sizes: list[int] | None = None):
+        super().__init__(model, cache, max_batch, capture, batch_sizes)
+        max_batch = self.max_batch
         self.vmeta: dict[tuple[int, int], torch.Tensor] = {}  # (W, width) -> [max_batch, 2 + 2W + width]
         # (bs, W, width, rollback) -> (graph, (logits [bs, W, V], hidden [bs, W, hidden]), the layers' replay inputs)
         self.verify_graphs: dict[tuple, tuple] = {}

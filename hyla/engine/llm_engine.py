@@ -12,13 +12,15 @@ streaming front-end diffs consecutive outputs.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from hyla.engine.cache_tiers import TierSizes, int8_entry_bytes
 from hyla.engine.config import EngineConfig
 from hyla.engine.generation_config import read_generation_config, token_ids
-from hyla.engine.memory_profile import device_pool_budget, profile_step_bytes
+from hyla.engine.cuda_graph import batch_buckets, startup_widths, use_cuda_graphs
+from hyla.engine.memory_profile import device_pool_budget, profile_graph_bytes, profile_step_bytes
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.outputs import RequestOutput
 from hyla.engine.overlap import DecodeOverlap
@@ -88,10 +90,17 @@ class LLMEngine:
         later = drafter.bind_weight_bytes(self.model) if drafter is not None else 0  # loaded by bind
         if budget is not None and config.memory_budget is None:  # measured free memory, before bind
             budget = max(0, budget - later)
+        graph_sizes = config.cuda_graph_sizes or batch_buckets(config.max_num_seqs)
+        capture = self.workers is None and use_cuda_graphs(self.model, config.enforce_eager)
+        num_graphs = len(graph_sizes) * len(startup_widths(
+            self.max_model_len, config.page_size, bool(self.model.kv_bytes_per_token()), len(graph_sizes)))
         if budget is None and self.model.device.type == "cuda":
             step = profile_step_bytes(self.model, num_tokens=config.max_num_batched_tokens,
                                       num_logit_rows=config.max_num_seqs, page_size=config.page_size,
                                       state_dtype=config.state_dtype)
+            if capture:  # the decode graphs captured below, before the pools take the rest
+                step += profile_graph_bytes(self.model, batch_sizes=graph_sizes, num_graphs=num_graphs,
+                                            page_size=config.page_size, state_dtype=config.state_dtype)
             budget = device_pool_budget(self.model.device, config.gpu_memory_utilization, step, later)
         self.kv_bytes_per_page = (self.model.kv_bytes_per_token() + extra_kv) * config.page_size
         num_slots, num_pages = size_pools(
@@ -111,7 +120,8 @@ class LLMEngine:
                                     config.enforce_eager, kv_cache_dtype=config.kv_cache_dtype)
         else:
             self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype,
-                                      enforce_eager=config.enforce_eager)
+                                      enforce_eager=config.enforce_eager, cuda_graph_sizes=graph_sizes)
+            self._capture_graphs()
         if tiers != TierSizes():
             self.runner.attach_tiers(tiers)
         self.prefix_cache = (PrefixCache(self.pools, config.checkpoint_interval, tiers)
@@ -154,6 +164,20 @@ class LLMEngine:
         self.overlap = DecodeOverlap(self.runner, self.scheduler, self.max_model_len) if (
             overlapped and self.spec is None) else None
         self._drained: list[RequestOutput] = []  # outputs of a step collected outside `step` (drain)
+
+    def _capture_graphs(self) -> None:
+        """Capture the decode CUDA graphs now, not mid-serving (their memory was profiled before
+        the pools were sized)."""
+        if self.runner.graphs is None or not self.runner.graphs.capture:
+            return
+        device = self.model.device
+        start, free = time.perf_counter(), torch.cuda.mem_get_info(device)[0]
+        n, width = self.runner.capture_graphs(self.max_model_len)
+        torch.cuda.synchronize(device)
+        log.info("CUDA graphs: %d decode graphs captured in %.1f s (batch sizes %s; page widths up to %d = %d "
+                 "tokens, wider on first use), %.2f GiB", n, time.perf_counter() - start,
+                 self.runner.graphs.buckets, width, width * self.config.page_size,
+                 (free - torch.cuda.mem_get_info(device)[0]) / 2**30)
 
     def _cache_tiers(self, num_slots: int, num_pages: int, per_seq: int) -> tuple[int, TierSizes]:
         """The prefix cache's storage beside the running pools -> (state slots, TierSizes).

@@ -4,6 +4,8 @@
              - what this process and others hold that PyTorch cannot hand back (weights, CUDA
                context, other processes; blocks PyTorch's allocator merely caches are reclaimable)
              - the peak of a profiled worst-case step (activations, logits, the sampler's buffers)
+             - the decode CUDA graphs captured at startup (profiled the same way: their pool,
+               logits buffer and per-graph cost)
              - weights loaded after the pools (an MTP head: `reserved_bytes`)
 
 The worst-case step is measured, not estimated: one sequence of max_num_batched_tokens tokens
@@ -52,6 +54,37 @@ def profile_step_bytes(model, *, num_tokens: int, num_logit_rows: int, page_size
     del runner, logits, probs
     torch.cuda.empty_cache()
     return max(0, peak)
+
+
+@torch.inference_mode()
+def profile_graph_bytes(model, *, batch_sizes: list[int], num_graphs: int, page_size: int,
+                        state_dtype: torch.dtype) -> int:
+    """Device bytes the decode CUDA graphs the engine captures at startup will hold (0 off CUDA):
+    measured by capturing the largest batch size's graph, then one more, over throwaway pools of
+    one slot and one page (every row padding): the first holds the graphs' shared memory pool
+    (the step's activations) and logits buffer, the second what each further graph adds (the
+    driver's copy of its kernels, new pool blocks); the estimate is first + (num_graphs - 1) x
+    second."""
+    from hyla.engine.cuda_graph import SCRATCH
+    from hyla.engine.cuda_graph_verify import CUDAGraphRunner
+
+    device = model.device
+    if device.type != "cuda" or num_graphs == 0:
+        return 0
+    cache = model.allocate_cache(1 + SCRATCH, 1 + SCRATCH, page_size=page_size, state_dtype=state_dtype)
+    graphs = CUDAGraphRunner(model, cache, max_batch=max(batch_sizes), batch_sizes=batch_sizes)
+    costs = []
+    for bs, width in [(graphs.buckets[-1], 1), (graphs.buckets[0], 2)][:num_graphs]:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(device)[0]
+        graphs._graph(bs, width)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the warm-up's blocks: not the graphs'
+        costs.append(max(0, free - torch.cuda.mem_get_info(device)[0]))
+    del cache, graphs
+    torch.cuda.empty_cache()
+    return costs[0] + (num_graphs - 1) * (costs[1] if len(costs) > 1 else 0)
 
 
 def device_pool_budget(device: torch.device, utilization: float, step_bytes: int, reserved_bytes: int = 0) -> int:

@@ -23,9 +23,11 @@ from hyla.engine.step_plan import StepPlan, StepResult
 
 class ModelRunner:
     def __init__(self, model, num_slots: int, num_pages: int, page_size: int, state_dtype: torch.dtype,
-                 enforce_eager: bool = False, kv_cache_dtype: str | None = None):
+                 enforce_eager: bool = False, kv_cache_dtype: str | None = None,
+                 cuda_graph_sizes: list[int] | None = None):
         """kv_cache_dtype: how the attention pages are stored ("auto", "fp8": hyla.ops.kv_fp8);
-        None = the model's own (model.kv_cache_dtype)."""
+        None = the model's own (model.kv_cache_dtype). cuda_graph_sizes: the decode graphs'
+        batch-size buckets (default: 1, 2, 4, 8, 16, 24, ... up to num_slots)."""
         self.model = model
         self.device = model.device
         self.page_size = page_size
@@ -34,7 +36,8 @@ class ModelRunner:
         kv = {} if kv_cache_dtype is None else {"kv_cache_dtype": kv_cache_dtype}
         self.cache = model.allocate_cache(num_slots + extra, num_pages + extra, page_size=page_size,
                                           state_dtype=state_dtype, **kv)
-        self.graphs = CUDAGraphRunner(model, self.cache, max_batch=num_slots) if graphs else None
+        sizes = sorted({min(b, num_slots) for b in cuda_graph_sizes}) if cuda_graph_sizes else None  # <= requests
+        self.graphs = CUDAGraphRunner(model, self.cache, max_batch=num_slots, batch_sizes=sizes) if graphs else None
         self.tiers: CacheTiers | None = None  # the prefix cache's int8 / host tiers (attach_tiers)
 
     @torch.inference_mode()
@@ -75,6 +78,10 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden[to_device_long(index, hidden.device)])
         return StepResult(logits, hidden if return_hidden else None)
+
+    def capture_graphs(self, max_context: int) -> tuple[int, int]:
+        """Capture the decode graphs up front (DecodeGraphs.capture_all) -> (graphs, widest width)."""
+        return self.graphs.capture_all(max_context) if self.graphs is not None else (0, 0)
 
     def can_feed(self, plan: StepPlan) -> bool:
         """Whether `execute(plan, fed=...)` can run plan: a pure decode whose graph is ready."""

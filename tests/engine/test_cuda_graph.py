@@ -408,3 +408,42 @@ def test_overlapped_mtp_steps_equal_unoverlapped_bf16_cuda(k):
         del llm
         torch.cuda.empty_cache()
     assert runs[1] == runs[0]
+
+
+def test_startup_widths_and_graph_sizes():
+    from hyla.engine import EngineConfig
+    from hyla.engine.cuda_graph import startup_widths
+
+    # contexts up to 100 tokens in 16-token pages need 7 pages: widths 1, 2, 3, 4, 6, 8
+    assert startup_widths(100, 16, True, 4) == [1, 2, 3, 4, 6, 8]
+    assert startup_widths(100, 16, True, 4, max_graphs=12) == [1, 2, 3]  # 4 batch sizes x 3 widths
+    assert startup_widths(10**6, 16, False, 40) == [1]  # no attention: the width does not matter
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        EngineConfig(model="default", cuda_graph_sizes=[0, 8])
+
+
+def test_configured_sizes_share_one_logits_buffer(monkeypatch):
+    """The graphs' batch sizes are the configured ones; every graph writes its logits into one
+    [max_batch, V] buffer (rows :bs)."""
+    from hyla.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "use_cuda_graphs", lambda model, eager: True)
+    llm = LLM("default", device="cpu", dtype="float32", cuda_graph_sizes=[2, 5])
+    graphs = llm.engine.runner.graphs
+    assert graphs.buckets == [2, 5] and graphs.max_batch == 5
+    out = llm.generate(["a b", "c", "d e f"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    assert graphs.logits.shape == (5, llm.engine.vocab_size)
+    assert {key[0] for key in graphs.graphs} == {5}  # 3 rows: the bucket of 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_decode_graphs_are_captured_at_startup():
+    """Every batch size at the widths the contexts need is captured when the engine starts:
+    serving then captures nothing."""
+    llm = LLM("default", device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256)
+    graphs = llm.engine.runner.graphs
+    before = set(graphs.graphs)
+    assert {b for b, _ in before} == set(graphs.buckets) and all(g is not None for g, _ in graphs.graphs.values())
+    llm.generate(["def f(x):", "import os"] * 3, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
+    assert set(graphs.graphs) == before
