@@ -25,7 +25,7 @@ Buckets: batch sizes 1, 2, 4, 8, 16, 24, ... (multiples of 8, as vLLM) up to `ma
 the configured EngineConfig.cuda_graph_sizes; page widths 1, 2, 3, 4, 6, 8, 12, 16, 24, ...
 (the kernels read a sequence's own pages only; the width sets the table and, for GQA, the grid).
 The engine captures every batch size at the widths up to max_model_len at startup
-(`capture_all`, at most 256 graphs: wider ones on first use), after its memory was accounted
+(`capture_all`, at most 1024 graphs: wider ones on first use), after its memory was accounted
 before the pools were sized (hyla.engine.memory_profile.profile_graph_bytes). All graphs share
 one memory pool and one logits buffer.
 
@@ -89,7 +89,7 @@ def width_bucket(pages: int) -> int:
 
 
 def startup_widths(max_context: int, page_size: int, has_attention: bool, num_batch_sizes: int,
-                   max_graphs: int = 256) -> list[int]:
+                   max_graphs: int = 1024) -> list[int]:
     """The page-width buckets whose decode graphs are captured at startup: those a context of up
     to max_context tokens needs, smallest first, as many as keep num_batch_sizes x widths within
     max_graphs (at least one)."""
@@ -219,7 +219,7 @@ class DecodeGraphs:
         out.copy_(logits)
         return out
 
-    def capture_all(self, max_context: int, max_graphs: int = 256) -> tuple[int, int]:
+    def capture_all(self, max_context: int, max_graphs: int = 1024) -> tuple[int, int]:
         """Capture the decode graph of every batch-size bucket at every page-width bucket a
         context of up to max_context tokens needs, smallest widths first, at most max_graphs of
         them (wider ones are captured on first use) -> (graphs captured, the widest width)."""
