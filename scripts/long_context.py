@@ -49,8 +49,8 @@ def main() -> None:
         base = base or step_ms
         pages = -(-(L + a.decode) // engine.config.page_size)
         kv_gib = pages * engine.kv_bytes_per_page / 2**30
-        print(f"{L} | {ttft:.2f} | {L / ttft:,.0f} | {step_ms:.3f} | {step_ms / base:.2f} | {kv_gib:.2f} + {slot_gib:.3f}",
-              flush=True)
+        print(f"{L} | {ttft:.2f} | {L / ttft:,.0f} | {step_ms:.3f} | {step_ms / base:.2f} | "
+              f"{kv_gib:.2f} + {slot_gib:.3f}", flush=True)
 
 
 if __name__ == "__main__":
