@@ -43,7 +43,8 @@ import torch
 
 from hyla.contract import ForwardBatch
 from hyla.ops import constants
-from hyla.ops.transfer import fill_long
+from hyla.engine.block_table import table_key
+from hyla.ops.transfer import long_tensor
 
 log = logging.getLogger("hyla.engine")
 
@@ -106,6 +107,55 @@ def _decode_pad_row(width: int) -> list[int]:
     return [0, 0, -1] + [-1] * width
 
 
+class _MetaStage:
+    """One host copy of a width's decode buffer `meta [max_batch, 3 + width]` and what its rows
+    hold, kept between steps: a row whose block table is the same BlockTable, unchanged, as the
+    last time this buffer was filled keeps its page columns, so a step writes three numbers per
+    row, not the whole table (at a 128K context, 8192 page ids a row). Pinned on CUDA; `copied`
+    marks its transfer, which the next `fill` waits for before writing (the engine alternates
+    two stages per width, so that wait is for the copy of two steps before)."""
+
+    def __init__(self, max_batch: int, width: int, pinned: bool):
+        self.host = torch.full((max_batch, 3 + width), -1, dtype=torch.long, pin_memory=pinned)
+        self.host[:, :2] = 0
+        self.keys: list = [_PAD] * max_batch  # per row: its table's key, _PAD, or None (rewrite)
+        self.lengths = [0] * max_batch  # per row: page columns written (the rest hold -1)
+        self.event = None
+
+    def fill(self, token_ids, context_lens, slots, block_tables, bs: int) -> torch.Tensor:
+        """Rows 0 .. n-1 from the step's lists, n .. bs-1 padding -> host[:bs]."""
+        if self.event is not None:
+            self.event.synchronize()
+        n, width = len(token_ids), self.host.shape[1] - 3
+        self.host[:n, :3] = long_tensor([token_ids, context_lens, slots]).T
+        for i, table in enumerate(block_tables):
+            key = table_key(table)
+            if key is None or key != self.keys[i]:
+                self._pages(i, table[:width])
+                self.keys[i] = key
+        for i in range(n, bs):
+            if self.keys[i] is not _PAD:
+                self.host[i, :3] = torch.tensor([0, 0, -1])
+                self._pages(i, ())
+                self.keys[i] = _PAD
+        return self.host[:bs]
+
+    def _pages(self, row: int, pages) -> None:
+        k = len(pages)
+        if k:
+            self.host[row, 3:3 + k] = long_tensor(pages)
+        if self.lengths[row] > k:
+            self.host[row, 3 + k:3 + self.lengths[row]] = -1
+        self.lengths[row] = k
+
+    def copied(self) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+
+_PAD = ("pad",)  # a padding row's key
+
+
 class DecodeGraphs:
     """Replays captured decode steps. `capture=False` runs the same padded, fixed-shape inputs
     eagerly (how the CPU tests check the padding without a GPU)."""
@@ -125,6 +175,8 @@ class DecodeGraphs:
         self.meta: dict[int, torch.Tensor] = {}  # width -> [max_batch, 3 + width]
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._stages: dict[int, list[_MetaStage]] = {}  # width -> two host buffers, used in turn
+        self._turn = 0
         # every decode graph writes its logits here (rows :bs): one [max_batch, V] buffer, not
         # one per captured (batch, width)
         self.logits = None
@@ -192,14 +244,19 @@ class DecodeGraphs:
         bs = next(b for b in self.buckets if b >= n)
         need = max(-(-(c + 1) // self.page_size) for c in context_lens) if self.has_attention else 1
         width = width_bucket(need)
-        rows = [[t, c, s] + list(table[:width]) + [-1] * (width - len(table))
-                for t, c, s, table in zip(token_ids, context_lens, slots, block_tables)]
-        rows += [_decode_pad_row(width)] * (bs - n)
         for slot, ctx in zip(slots, context_lens):
             if ctx == 0:  # a one-token prompt: its slot may hold an old request's state
                 self.cache.zero_slot(slot)
         graph, out = self._graph(bs, width)
-        fill_long(self.meta[width][:bs], rows)  # asynchronous: no wait for the previous replay
+        stage = self._stages.setdefault(width, [_MetaStage(self.max_batch, width, self.capture) for _ in range(2)])
+        self._turn ^= 1
+        host = stage[self._turn].fill(token_ids, context_lens, slots, block_tables, bs)
+        dst = self.meta[width][:bs]
+        if dst.device.type == "cuda":  # from pinned memory, asynchronously: no wait for the previous replay
+            dst.copy_(host, non_blocking=True)
+            stage[self._turn].copied()
+        else:
+            dst.copy_(host)
         self._key = (bs, width)
         return graph, out, n
 

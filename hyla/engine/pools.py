@@ -15,6 +15,8 @@ from collections import deque
 
 import torch
 
+from hyla.engine.block_table import BlockTable
+
 log = logging.getLogger("hyla.engine")
 
 
@@ -102,7 +104,7 @@ class Pools:
     def free(self, seq) -> None:
         """Give back everything a sequence holds (finish, abort or preemption)."""
         self.pages.release(seq.block_table)
-        seq.block_table = []
+        seq.block_table = BlockTable()
         for slot in seq.spec_slots or ([seq.slot] if seq.slot is not None else []):
             self.slots.release(slot)
         seq.slot, seq.spec_slots = None, []

@@ -49,6 +49,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from hyla.engine.block_table import BlockTable
 from hyla.engine.cache_tiers import TierSizes
 from hyla.engine.eviction import LazyHeap, checkpoint_key, unlink_leaf
 from hyla.engine.pools import Pools, SlotPool
@@ -214,7 +215,7 @@ class PrefixCache:
         host_nodes = list(enumerate(full))[len(on_device):]
         assert all(n.page is None for _, n in host_nodes), "a host node above a device node"
         self.pools.pages.share(on_device)
-        seq.block_table = on_device
+        seq.block_table = BlockTable(on_device)
         seq.num_computed_tokens = pos
         found = CacheHit(node, r, pos, host_nodes)
         for n in found.locked:
@@ -246,7 +247,7 @@ class PrefixCache:
             for n in hit.locked:
                 n.locks -= 1
         self.pools.pages.release(seq.block_table)
-        seq.block_table = []
+        seq.block_table = BlockTable()
         seq.num_computed_tokens = 0
 
     def restore(self, seq, hit: CacheHit | None) -> int:

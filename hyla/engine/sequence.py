@@ -14,6 +14,7 @@ import enum
 
 import torch
 
+from hyla.engine.block_table import BlockTable
 from hyla.engine.outputs import CompletionOutput, RequestOutput
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.spec.acceptance import reaches_length, stop_ids, stopping_token
@@ -43,7 +44,7 @@ class Sequence:
         self.status = Status.WAITING
         self.slot: int | None = None  # the slot holding the state after num_computed_tokens tokens
         self.spec_slots: list[int] = []  # speculative "slots" rollback: 1 + k slots, `slot` is one of them
-        self.block_table: list[int] = []
+        self.block_table: list[int] = BlockTable()
         self.num_computed_tokens = 0
         self.pending_checkpoints: list[int] = []  # positions whose state the prefill exports
         # On the logits' device: the sampler draws a seeded request's noise there (no host sync).

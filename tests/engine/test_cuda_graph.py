@@ -447,3 +447,35 @@ def test_decode_graphs_are_captured_at_startup():
     assert {b for b, _ in before} == set(graphs.buckets) and all(g is not None for g, _ in graphs.graphs.values())
     llm.generate(["def f(x):", "import os"] * 3, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
     assert set(graphs.graphs) == before
+
+
+def test_meta_staging_writes_only_changed_tables():
+    """The decode buffer's host copy (cuda_graph._MetaStage) keeps a row's page columns while
+    its BlockTable is unchanged, rewrites them when it grows, shrinks (the columns past it back
+    to -1) or is another table, and resets rows that become padding: every fill equals the rows
+    built from scratch."""
+    from hyla.engine.block_table import BlockTable
+    from hyla.engine.cuda_graph import _MetaStage
+
+    def scratch(tokens, ctx, slots, tables, bs, width):
+        rows = [[t, c, s] + list(tb[:width]) + [-1] * (width - len(tb[:width]))
+                for t, c, s, tb in zip(tokens, ctx, slots, tables)]
+        return torch.tensor(rows + [[0, 0, -1] + [-1] * width] * (bs - len(rows)))
+
+    stage, width = _MetaStage(8, 6, pinned=False), 6
+    a, b, c = BlockTable([3, 4]), BlockTable([7]), [9, 10, 11]  # c: a plain list, rewritten each time
+    writes = []
+    real = stage._pages
+    stage._pages = lambda row, pages: writes.append(row) or real(row, pages)
+    steps = [([a, b, c], 4), ([a, b, c], 4), ([b, a], 2), ([b, a], 4), ([a], 1), ([a], 1)]
+    for step, (tables, bs) in enumerate(steps):
+        if step == 3:
+            a.extend([5, 6, 8, 12, 13])  # longer than the width: its first 6 columns
+            del b[:]
+        writes.clear()
+        n = len(tables)
+        got = stage.fill([1] * n, [step] * n, list(range(n)), tables, bs)
+        assert torch.equal(got, scratch([1] * n, [step] * n, list(range(n)), tables, bs, width)), step
+        if step == 1:
+            assert writes == [2]  # only the plain list's row
+    assert writes == []  # a in row 0 again, unchanged since it was written there: nothing
