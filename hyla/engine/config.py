@@ -108,8 +108,9 @@ class EngineConfig:
     steps likewise, hyla.engine.spec.mtp.overlap), so the host's per-step work runs beside the GPU;
     it applies where the decode steps run in CUDA graphs; output is the same either way.
     cuda_graph_sizes (vLLM's `--cuda-graph-sizes`): the batch sizes decode CUDA graphs are
-    captured for, at startup (hyla.engine.cuda_graph; a batch runs in the smallest size that
-    holds it, a larger one eagerly); None = 1, 2, 4, then multiples of 8 up to max_num_seqs."""
+    captured for (at startup, unless speculating: hyla.engine.cuda_graph; a batch runs in the
+    smallest size that holds it, a larger one eagerly); None = 1, 2, 4, then multiples of 8 up to
+    max_num_seqs."""
 
     model: str
     dtype: torch.dtype | str | None = None

@@ -91,7 +91,8 @@ class LLMEngine:
         if budget is not None and config.memory_budget is None:  # measured free memory, before bind
             budget = max(0, budget - later)
         graph_sizes = config.cuda_graph_sizes or batch_buckets(config.max_num_seqs)
-        capture = self.workers is None and use_cuda_graphs(self.model, config.enforce_eager)
+        # speculative decoding decodes through verify graphs: its decode graphs stay lazy
+        capture = self.workers is None and spec_cfg is None and use_cuda_graphs(self.model, config.enforce_eager)
         num_graphs = len(graph_sizes) * len(startup_widths(
             self.max_model_len, config.page_size, bool(self.model.kv_bytes_per_token()), len(graph_sizes)))
         if budget is None and self.model.device.type == "cuda":
@@ -121,7 +122,8 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype,
                                       enforce_eager=config.enforce_eager, cuda_graph_sizes=graph_sizes)
-            self._capture_graphs()
+            if capture:
+                self._capture_graphs()
         if tiers != TierSizes():
             self.runner.attach_tiers(tiers)
         self.prefix_cache = (PrefixCache(self.pools, config.checkpoint_interval, tiers)
