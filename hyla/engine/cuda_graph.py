@@ -232,18 +232,20 @@ class DecodeGraphs:
         padded inputs eagerly: capture off), so that it can be queued behind unread work."""
         if not 0 < len(context_lens) <= self.max_batch:
             return False
+        return not self.capture or self._bucket(context_lens) in self.graphs
+
+    def _bucket(self, context_lens: list[int]) -> tuple[int, int]:
+        """(batch-size bucket, page-width bucket) of a decode step of these rows."""
         bs = next(b for b in self.buckets if b >= len(context_lens))
         need = max(-(-(c + 1) // self.page_size) for c in context_lens) if self.has_attention else 1
-        return not self.capture or (bs, width_bucket(need)) in self.graphs
+        return bs, width_bucket(need)
 
     @torch.inference_mode()
     def prepare(self, token_ids, context_lens, slots, block_tables):
         """Copy a step's rows (and padding) into the graph's input buffer, capturing its graph on
         first use -> (graph or None when not capturing, its output buffer, N)."""
         n = len(token_ids)
-        bs = next(b for b in self.buckets if b >= n)
-        need = max(-(-(c + 1) // self.page_size) for c in context_lens) if self.has_attention else 1
-        width = width_bucket(need)
+        bs, width = self._bucket(context_lens)
         for slot, ctx in zip(slots, context_lens):
             if ctx == 0:  # a one-token prompt: its slot may hold an old request's state
                 self.cache.zero_slot(slot)

@@ -357,8 +357,7 @@ def sample(logits: torch.Tensor, seqs: list, generator: torch.Generator) -> tupl
     generators on that device too) -> (token ids [M], per-row logprob dicts or None). A row
     whose logits are not finite, or whose distribution is not valid, gets token None and the
     exception in place of its logprobs; the other rows are unaffected."""
-    packed, want, n = _sample_on_device(logits, seqs, generator)
-    return _unpack(_to_host(packed), seqs, want, n)
+    return PendingSample(logits, seqs, generator).result()
 
 
 def _unpack(host: list[float], seqs: list, want: list[int], n: int) -> tuple[list, list]:
