@@ -4,7 +4,8 @@
 tokens (chunked prefill, max_num_batched_tokens per step), then `--decode` greedy tokens. Prints
 the time to the first token (prefill tokens/s), the median decode step through the engine
 (CUDA graphs, async scheduling), its ratio to the first length's, and the request's memory
-(KV pages + its state slot)."""
+(KV pages + its state slot). `--quantization fp8`: the weights in block FP8, as `hyla serve
+--quantization fp8` serves them."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ def main() -> None:
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 131072])
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--quantization", choices=["fp8"], help="block-FP8 weights (drawn in FP8)")
     a = p.parse_args()
     top = max(a.lengths) + a.decode + 1
     engine = LLMEngine(EngineConfig(model=a.model, load_format="dummy", max_model_len=top, max_num_seqs=4,
-                                    max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False))
+                                    max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
+                                    quantization=a.quantization))
     vocab = engine.vocab_size
     slot_gib = engine.model.state_bytes_per_slot(engine.config.state_dtype) / 2**30
     rng = random.Random(0)

@@ -7,6 +7,7 @@ the GPU against their memory floors and against transformers + fla on the same w
         [--batch-sizes 1 16 64 256] [--context-lens 512 4096] [--steps 50]          # decode
         [--prefill-tokens 8192] [--prefill-chunk 0]                                  # prefill
         [--moe-layer] [--moe-tokens 64 256]                                          # one MoE block
+        [--quantization fp8]                                       # block-FP8 weights (not offline)
 
 Offline (the default on the CPU): the same N equal-length random prompts, greedy, the same number
 of new tokens, through hyla's `LLM.generate` and through transformers' `generate` on the same
@@ -177,13 +178,21 @@ def _step_benches(path, args, dtype) -> dict:
     from hyla.bench import floor, hf_peer, step_bench
     from hyla.models.config import read_config_json
 
-    if path is None:
+    if path is None and args.quantization:  # drawn in FP8 on the device, as load_format "dummy" does
+        from hyla.models import load_model
+
+        config_dict = random_config_dict(args.random_config, args.layers)
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(config_dict))
+            model = load_model(tmp, dtype=dtype, device=args.device, random_weights=True,
+                               quantization=args.quantization)
+    elif path is None:
         model = random_model(args.random_config, dtype=dtype, device=args.device, seed=args.seed, layers=args.layers)
         config_dict = random_config_dict(args.random_config, args.layers)
     else:
         from hyla.models import load_model
 
-        model = load_model(path, dtype=dtype, device=args.device)
+        model = load_model(path, dtype=dtype, device=args.device, quantization=args.quantization)
         config_dict = read_config_json(path)
     cuda = model.device.type == "cuda"
     bw = floor.copy_bandwidth(model.device, nbytes=(2 << 30) if cuda else (64 << 20))
@@ -238,6 +247,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--moe-repeat", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="list the kernels of one eager decode step (CUDA)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", "-q", choices=["fp8"],
+                   help="decode / prefill / moe-layer: block-FP8 weights (random ones drawn in FP8 with "
+                        "--random-config; a bf16 --model quantised while loading)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="offline through LLM over N ranks (random weights drawn on each rank with --random-config)")
     p.add_argument("--enable-expert-parallel", action="store_true")
@@ -262,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.prefill_tokens = [8192]
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (prefill is timed with 1)")
+    if args.quantization and "offline" in args.mode:
+        p.error("--quantization times the decode / prefill / moe-layer steps (not --mode offline)")
     if args.layers is not None and args.random_config is None:
         p.error("--layers cuts a --random-config")
     if ("offline" in args.mode and args.random_config and RANDOM_CONFIGS[args.random_config][0] is not None

@@ -48,15 +48,22 @@ def _expand_blocks(s: torch.Tensor, rows: int, cols: int, block: int) -> torch.T
     return s.repeat_interleave(block, dim=-2)[..., :rows, :].repeat_interleave(block, dim=-1)[..., :cols]
 
 
-def block_quantize(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def block_quantize(w: torch.Tensor, block: int = BLOCK,
+                   power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] (any float dtype) -> (q [..., N, K] float8_e4m3fn, s [..., ceil(N/block),
     ceil(K/block)] fp32), s = amax(|block|) / 448 (1 for an all-zero block), q = w / s rounded to
     nearest even. Partial edge blocks take the amax of the rows / columns they hold. Leading
-    dims (experts) are quantised one at a time, so the fp32 transient is one matrix."""
+    dims (experts) are quantised one at a time, so the fp32 transient is one matrix.
+
+    power_of_two: s = 2^ceil(log2(amax / 448)) instead, so that w / s only shifts exponents:
+    values of a coarser format with power-of-two group scales (MXFP4's E2M1 x 2^e) then land on
+    e4m3 codes exactly wherever a block's group exponents span at most 13 binades (E2M1's
+    largest code 6 x 2^e_max maps to 384 <= 448; its smallest, 0.5 x 2^e, needs e >= e_max - 13
+    to stay on e4m3's 2^-9 grid)."""
     if w.ndim < 2:
         raise ValueError(f"block_quantize needs a [..., N, K] weight, got shape {tuple(w.shape)}")
     if w.ndim > 2:
-        pairs = [block_quantize(m, block) for m in w.reshape(-1, *w.shape[-2:])]
+        pairs = [block_quantize(m, block, power_of_two) for m in w.reshape(-1, *w.shape[-2:])]
         q = torch.stack([p[0] for p in pairs]).reshape(w.shape)
         s = torch.stack([p[1] for p in pairs]).reshape(*w.shape[:-2], *pairs[0][1].shape)
         return q, s
@@ -66,6 +73,8 @@ def block_quantize(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, t
     padded = torch.nn.functional.pad(w32, (0, kb * block - K, 0, nb * block - N))
     amax = padded.abs().view(nb, block, kb, block).amax(dim=(1, 3))
     s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    if power_of_two:
+        s = torch.exp2(torch.ceil(torch.log2(s)))
     q = _to_e4m3(w32 / _expand_blocks(s, N, K, block))
     return q, s
 
@@ -143,11 +152,13 @@ def dequantize_gate_up(w13: torch.Tensor, s13: torch.Tensor, dtype: torch.dtype)
                       block_dequantize(w13[:, I:], s13[:, ni:], dtype)], dim=1)
 
 
-def quantize_gate_up(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_gate_up(w13: torch.Tensor, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate/up experts w13 [..., 2I, H] -> (e4m3 [..., 2I, H], scales [..., 2 ceil(I/128), ceil(H/128)]):
-    the gate rows and the up rows block-quantised apart (the layout `dequantize_gate_up` reads)."""
+    the gate rows and the up rows block-quantised apart (the layout `dequantize_gate_up` reads).
+    power_of_two: as block_quantize's."""
     I = w13.shape[-2] // 2
-    (qg, sg), (qu, su) = block_quantize(w13[..., :I, :]), block_quantize(w13[..., I:, :])
+    (qg, sg), (qu, su) = (block_quantize(w13[..., :I, :], power_of_two=power_of_two),
+                          block_quantize(w13[..., I:, :], power_of_two=power_of_two))
     return torch.cat([qg, qu], dim=-2), torch.cat([sg, su], dim=-2)
 
 

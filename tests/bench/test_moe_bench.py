@@ -116,6 +116,18 @@ def test_decode_prefill_and_moe_block_tables_on_cpu(capsys):
     assert "transf./hyla" in out and "hyla/transf." in out and "MoE block model.layers.1.block_sparse_moe" in out
 
 
+def test_decode_table_with_fp8_weights(capsys, monkeypatch):
+    """--quantization fp8 draws the random shape's weights in block FP8 (the FP8 modules, as on
+    CUDA): the floor then counts about half the bf16 weight bytes."""
+    monkeypatch.setenv("HYLA_FP8_WEIGHTS", "fp8")
+    args = ["--random-config", "tiny-qwen3-next-moe", "--device", "cpu", "--mode", "decode", "--dtype", "bfloat16",
+            "--batch-sizes", "1", "--context-lens", "5", "--steps", "1"]
+    fp8, bf16 = main(args + ["--quantization", "fp8"])["decode"], main(args)["decode"]
+    assert math.isfinite(fp8[0]["eager_ms"]) and 0.4 < fp8[0]["floor_ms"] / bf16[0]["floor_ms"] < 0.75
+    with pytest.raises(SystemExit):
+        main(["--random-config", "tiny", "--mode", "offline", "--quantization", "fp8"])
+
+
 def test_step_bytes_of_the_released_kimi_shape_on_meta():
     """The full 48B shape's floor accounting, for free on the meta device: 26 MoE layers x 8
     experts at batch 1, x E(1 - (1 - 8/256)^256) at batch 256; bf16 experts of 3 x 2304 x 1024."""
