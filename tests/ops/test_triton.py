@@ -144,10 +144,12 @@ def test_chunk_steep_decays_take_the_exact_diagonal_path():
     _check(c[0], c_ref[0], "checkpoints")
 
 
+# every variant with both gate modes and both wu paths, each (mode, wu path) pair at least once
+# per gate family: the paths are independent launches, so pairs cover them without the full product
 @pytest.mark.parametrize("variant,mode,wu_in_scan", [
-    (v, m, w) for v, m in (("kda_v1", "in_kernel"), ("kda_v1", "precompute"), ("kda_v2", "in_kernel"),
-                           ("kda_v2", "precompute"), ("gdn", "in_kernel"), ("gdn", "precompute"),
-                           ("gdn_gate", "in_kernel")) for w in (True, False)])
+    ("kda_v1", "in_kernel", True), ("kda_v1", "precompute", False), ("kda_v2", "in_kernel", False),
+    ("kda_v2", "precompute", True), ("gdn", "in_kernel", True), ("gdn", "precompute", False),
+    ("gdn_gate", "in_kernel", False), ("gdn_gate", "in_kernel", True)])
 def test_chunk_local_kernels_agree_with_torch(variant, mode, wu_in_scan):
     """chunk_gram_kernel with narrow slices (a chunk takes several), then either the scan from
     the Gram kernel's row scales (wu_in_scan, the default: raw q, k for GDN, the decayed tiles
