@@ -1,8 +1,9 @@
 #!/bin/bash
 # GPU round, quantisation: the FP8 / MXFP4 kernel tests (with their times), the tiny FP8
-# checkpoints on CUDA, then the Qwen3-Next-80B-A3B shape in FP8 (decode vs its floor, one request
-# through the engine at 1K context, the 8-layer prefill vs bf16) and Kimi-Linear-48B-A3B online
-# FP8 vs bf16 decode. Full shapes need the H200's memory; on a smaller card the 80B runs cut.
+# checkpoints on CUDA, the FP8 fused-MoE tables swept; then the Qwen3-Next-80B-A3B shape in FP8
+# (decode vs its floor, one request through the engine at 1K and 8K prompts), Kimi-Linear-48B-A3B
+# online FP8 vs bf16 decode, and the 80B's 8-layer prefill in FP8 vs bf16. Full shapes need the
+# H200's memory; on a smaller card they run cut.
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hyla-out}; mkdir -p $OUT
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -12,18 +13,22 @@ T="timeout 200 python3 -m hyla.bench throughput"
 echo "== kernel tests"
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_kernels.py tests/gpu/test_fp8_model.py \
   tests/gpu/test_triton_kernels.py -k "fp8 or mxfp4" 2>&1 | grep -E "ms|rel err|greedy|passed|failed|Error" | tee $OUT/fp8_kernels.log
+echo "== FP8 fused-MoE sweep (tables written in place, used by the runs below, copied to \$OUT)"
+timeout 240 python3 -m hyla.bench moe --fp8 --sweep --write-configs hyla/assets/kernel_configs/fused_moe \
+  --tokens 1 16 64 256 8192 --repeat 20 2>&1 | grep -v "^# config" | tail -14 | tee $OUT/fp8_moe.log
+cp hyla/assets/kernel_configs/fused_moe/*fp8_w8a8*.json $OUT/ 2>/dev/null
 CUT=""; [ "$MEM" -lt 120000 ] && CUT="--layers 24"
 echo "== 80B FP8 decode ${CUT:-(48 layers)}"
 $T --random-config qwen3-next-80b-a3b $CUT -q fp8 --mode decode --batch-sizes 1 64 --context-lens 1024 --steps 30 2>&1 | tail -4 | tee $OUT/fp8_decode80.log
 echo "== 80B one request through the engine, 1K prompt"
 python3 -m hyla.bench shape /tmp/q80 --random-config qwen3-next-80b-a3b $CUT >/dev/null || exit 1
 timeout 150 python3 scripts/long_context.py /tmp/q80 --lengths 1024 8192 --decode 128 --quantization fp8 2>&1 | grep -v Warn | tail -3 | tee $OUT/fp8_single80.log
-echo "== 80B 8 layers, prefill 8192: FP8 then bf16"
-for Q in "-q fp8" ""; do
-  $T --random-config qwen3-next-80b-a3b --layers 8 $Q --mode prefill --prefill-tokens 8192 2>&1 | tail -1
-done | tee $OUT/fp8_prefill80.log
 echo "== 48B decode: online FP8 then bf16"
 [ "$MEM" -lt 120000 ] && CUT="--layers 12"
 for Q in "-q fp8" ""; do
   $T --random-config kimi-linear-48b-a3b $CUT $Q --mode decode --batch-sizes 1 64 --context-lens 512 --steps 30 2>&1 | tail -2
 done | tee $OUT/fp8_decode48.log
+echo "== 80B 8 layers, prefill 8192: FP8 then bf16"
+for Q in "-q fp8" ""; do
+  $T --random-config qwen3-next-80b-a3b --layers 8 $Q --mode prefill --prefill-tokens 8192 2>&1 | tail -1
+done | tee $OUT/fp8_prefill80.log

@@ -15,6 +15,12 @@ family's own router: sigmoid noaux_tc for Kimi, softmax top-k for Qwen3-Next):
   from the routing) x the bytes of one expert, the shared expert, the router weight (fp32), the
   hidden states in and out (hyla.bench.floor.moe_block_parts). `--sweep` also times a few
   Triton block configurations.
+
+`--fp8`: the routed experts block-quantised (hyla.ops.fp8: e4m3, 128 x 128 scales) and the
+block-FP8 fused MoE (hyla.ops.triton.fused_moe_fp8) timed beside the bf16 kernel on the same
+routing, against its own floor (the touched experts at one byte a weight plus their scales);
+with `--sweep` its configurations are FP8_SWEEP (BK and the gate/up BN fixed at the 128-column
+block) and `--write-configs` writes the "fp8_w8a8" tables the FP8 kernel reads.
 """
 
 from __future__ import annotations
@@ -53,6 +59,21 @@ DOWN_SWEEP = [dict(BN=256, BK=64, GM=4, num_warps=8, num_stages=3), dict(BN=256,
               dict(BN=128, BK=128, GM=4, num_warps=8, num_stages=3), dict(BN=256, BK=32, GM=4, num_warps=8, num_stages=4),
               dict(BN=128, BK=64, GM=4, num_warps=4, num_stages=4), dict(BN=64, BK=128, GM=4, num_warps=4, num_stages=3),
               dict(BN=128, BK=64, GM=1, num_warps=8, num_stages=4)]
+
+# FP8 configurations: BK and the first GEMM's BN are the quantisation block (128); BM, the
+# launch options and the second GEMM's BN vary
+FP8_SWEEP = [dict(BM=bm, BN=128, BK=128, GM=gm, num_warps=w, num_stages=st, down=dict(BN=dn))
+             for bm, gm, w, st, dn in ((16, 1, 4, 3, 64), (16, 1, 4, 4, 128), (16, 1, 4, 2, 32), (32, 1, 4, 3, 64),
+                                       (32, 1, 4, 4, 128), (64, 8, 4, 3, 128), (64, 8, 8, 3, 128), (64, 8, 4, 4, 256),
+                                       (128, 8, 8, 3, 128), (128, 8, 8, 2, 256), (128, 16, 8, 3, 64))]
+
+
+def fp8_expert_bytes(hidden: int, inter: int) -> int:
+    """Bytes of one block-FP8 expert: gate, up and down at one byte a weight, plus their fp32
+    128 x 128 block scales (the gate and up halves blocked apart)."""
+    from hyla.ops.fp8 import cdiv
+
+    return 3 * hidden * inter + 4 * 3 * cdiv(inter, 128) * cdiv(hidden, 128)
 
 
 def build_block(shape: dict, device, dtype=torch.bfloat16, seed: int = 0):
@@ -106,9 +127,9 @@ def floor_bytes(block, distinct: int, tokens: int) -> int:
     return distinct * expert + other + 2 * tokens * block.experts.gate_up_proj.shape[2] * 2
 
 
-def _sweep(run, repeat: int) -> tuple[dict, dict]:
-    """Time run(config) for every SWEEP entry ("0".."n-1"), then for the DOWN_SWEEP overrides on
-    the fastest ("d0".."dn") -> (ms by label, the fastest configuration). A configuration that
+def _sweep(run, repeat: int, configs: list[dict] = SWEEP, downs: list[dict] = DOWN_SWEEP) -> tuple[dict, dict]:
+    """Time run(config) for every entry of `configs` ("0".."n-1"), then for the `downs` overrides
+    on the fastest ("d0".."dn") -> (ms by label, the fastest configuration). A configuration that
     does not fit the device (too much shared memory) is timed as nan."""
     def timed(cfg):
         try:
@@ -120,14 +141,14 @@ def _sweep(run, repeat: int) -> tuple[dict, dict]:
     def fastest(ms: dict) -> str:
         return min(ms, key=lambda i: ms[i] if ms[i] == ms[i] else float("inf"))
 
-    ms = {str(i): timed(cfg) for i, cfg in enumerate(SWEEP)}
-    best = dict(SWEEP[int(fastest(ms))])
-    configs = {str(i): cfg for i, cfg in enumerate(SWEEP)}
-    for j, down in enumerate(DOWN_SWEEP):
+    ms = {str(i): timed(cfg) for i, cfg in enumerate(configs)}
+    best = dict(configs[int(fastest(ms))])
+    labelled = {str(i): cfg for i, cfg in enumerate(configs)}
+    for j, down in enumerate(downs):
         cfg = {**best, "down": down}
-        configs[f"d{j}"] = cfg
+        labelled[f"d{j}"] = cfg
         ms[f"d{j}"] = timed(cfg)
-    return ms, configs[fastest(ms)]
+    return ms, labelled[fastest(ms)]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -140,11 +161,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--write-configs", type=Path, metavar="DIR",
                    help="with --sweep: write the fastest configuration per shape and token count into DIR "
                         "(hyla.ops.triton.moe_configs' file per shape and device)")
+    p.add_argument("--fp8", action="store_true", help="also the block-FP8 fused MoE on the experts quantised; "
+                   "with --sweep its configurations (FP8_SWEEP) are the ones swept and written")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("hyla bench moe needs a CUDA device")
+    from hyla.ops.fp8 import block_quantize, quantize_gate_up
     from hyla.ops.moe import moe_experts_torch
     from hyla.ops.triton.fused_moe import fused_moe
+    from hyla.ops.triton.fused_moe_fp8 import fused_moe_fp8
 
     device = torch.device("cuda")
     bw = copy_bandwidth(device)
@@ -155,6 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         shape = SHAPES[name]
         block = build_block(shape, device)
         w13, w2 = block.experts.gate_up_proj, block.experts.down_proj
+        q = (*quantize_gate_up(w13), *block_quantize(w2)) if args.fp8 else None
         for m in args.tokens:
             x = torch.randn(m, shape["hidden"], device=device, dtype=torch.bfloat16)
             with torch.inference_mode():
@@ -166,14 +192,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 t_block = graph_ms(lambda: block(x), args.repeat)
                 t_triton = graph_ms(lambda: fused_moe(x, w13, w2, weights, ids), args.repeat)
                 t_grouped = graph_ms(lambda: moe_experts_torch(x, w13, w2, weights, ids), args.repeat)
+                t_fp8 = fp8_err = fp8_floor = float("nan")
+                if q is not None:
+                    fp8_err = float((fused_moe_fp8(x, *q, weights, ids).float() - slow.float()).norm()
+                                    / slow.float().norm())
+                    t_fp8 = graph_ms(lambda: fused_moe_fp8(x, *q, weights, ids), args.repeat)
+                    fp8_floor = (distinct * fp8_expert_bytes(shape["hidden"], shape["inter"])
+                                 + 2 * m * shape["hidden"] * 2) / bw * 1e3
                 sweep, best_cfg = {}, None
-                if args.sweep:
+                if args.sweep and q is not None:
+                    sweep, best_cfg = _sweep(lambda cfg: fused_moe_fp8(x, *q, weights, ids, config=cfg),
+                                             args.repeat, FP8_SWEEP, [])
+                    tuned[(name, m)] = best_cfg
+                elif args.sweep:
                     sweep, best_cfg = _sweep(lambda cfg: fused_moe(x, w13, w2, weights, ids, config=cfg),
                                              args.repeat)
                     tuned[(name, m)] = best_cfg
             floor = floor_bytes(block, distinct, m) / bw * 1e3
             row = dict(shape=name, tokens=m, distinct=distinct, block_ms=t_block, triton_ms=t_triton,
-                       grouped_ms=t_grouped, floor_ms=floor, x_floor=t_block / floor, rel_err=err, sweep=sweep)
+                       grouped_ms=t_grouped, floor_ms=floor, x_floor=t_block / floor, rel_err=err, sweep=sweep,
+                       fp8_ms=t_fp8, fp8_floor_ms=fp8_floor, fp8_rel_err=fp8_err)
             rows.append(row)
             if sweep:
                 print(f"# {name} M={m}: sweep " + " ".join(f"{i}:{t:.3f}" for i, t in sweep.items())
@@ -181,16 +219,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"default {t_triton:.3f} ms)")
         if args.write_configs and any(n == name for n, _ in tuned):
             path = args.write_configs / config_file_name(shape["experts"], shape["inter"], shape["hidden"],
-                                                         torch.cuda.get_device_name(device))
+                                                         torch.cuda.get_device_name(device),
+                                                         "fp8_w8a8" if args.fp8 else None)
             write_configs(path, {m: cfg for (n, m), cfg in tuned.items() if n == name})
             print(f"# wrote {path}")
-        del block, w13, w2
+        del block, w13, w2, q
         torch.cuda.empty_cache()
     print(f"{'shape':<22} {'tokens':>6} {'experts':>7} {'block ms':>9} {'triton ms':>9} {'grouped ms':>10} "
           f"{'floor ms':>9} {'x floor':>8} {'rel err':>8}")
     for r in rows:
         print(f"{r['shape']:<22} {r['tokens']:>6} {r['distinct']:>7} {r['block_ms']:>9.3f} {r['triton_ms']:>9.3f} "
               f"{r['grouped_ms']:>10.3f} {r['floor_ms']:>9.3f} {r['x_floor']:>7.2f}x {r['rel_err']:>8.1e}")
+    if args.fp8:
+        print("# routed experts alone, the same routing: bf16 Triton vs block FP8 (rel err vs the grouped bf16 path: "
+              "+ e4m3 weights and activations)")
+        print(f"{'shape':<22} {'tokens':>6} {'bf16 ms':>8} {'fp8 ms':>8} {'bf16/fp8':>8} {'fp8 floor':>9} "
+              f"{'x floor':>8} {'rel err':>8}")
+        for r in rows:
+            print(f"{r['shape']:<22} {r['tokens']:>6} {r['triton_ms']:>8.3f} {r['fp8_ms']:>8.3f} "
+                  f"{r['triton_ms'] / r['fp8_ms']:>7.2f}x {r['fp8_floor_ms']:>9.3f} "
+                  f"{r['fp8_ms'] / r['fp8_floor_ms']:>7.2f}x {r['fp8_rel_err']:>8.1e}")
     return rows
 
 

@@ -88,7 +88,8 @@ def _experts(E, H, I, seed=2):
 
 
 @pytest.mark.parametrize("M, H, I, E, k, used", [(5, 200, 160, 6, 2, 4), (33, 130, 72, 4, 3, None)])
-@pytest.mark.parametrize("act", [GatedActivation(), GatedActivation("clamped_silu", limit=0.7)], ids=["silu", "clamped"])
+@pytest.mark.parametrize("act", [GatedActivation(), GatedActivation("clamped_silu", limit=0.7),
+                                 GatedActivation("situ", beta=4.0, linear_beta=25.0)], ids=["silu", "clamped", "situ"])
 def test_fused_moe_kernel_matches_the_reference(M, H, I, E, k, used, act):
     mod, dev = triton_module("fused_moe_fp8")
     gen = torch.Generator().manual_seed(3)
@@ -187,3 +188,22 @@ def test_power_of_two_scales_carry_mxfp4_values_exactly():
     back = block_dequantize(q, s)
     step = torch.repeat_interleave(torch.repeat_interleave(s, 128, 0), 128, 1)[:N, :K] * 2.0 ** -9
     assert not torch.equal(back, w) and bool(((back - w).abs() <= step / 2).all())
+
+
+def test_every_fp8_sweep_configuration_runs_and_agrees():
+    """hyla bench moe --fp8 --sweep's configurations (hyla.bench.moe.FP8_SWEEP) are ones the FP8
+    fused MoE takes (BK and the gate/up BN at the 128 block) and each computes the reference."""
+    from hyla.bench.moe import FP8_SWEEP
+
+    mod, dev = triton_module("fused_moe_fp8")
+    gen = torch.Generator().manual_seed(5)
+    M, H, I, E, k = 7, 130, 72, 4, 2
+    x = torch.randn(M, H, generator=gen)
+    w13, s13, w2, s2 = _experts(E, H, I)
+    ids = torch.rand(M, E, generator=gen).topk(k, dim=-1).indices
+    weights = torch.rand(M, k, generator=gen)
+    ref = fp8_moe_experts_torch(x, w13, s13, w2, s2, weights, ids)
+    on = [t.to(dev) for t in (x, w13, s13, w2, s2, weights, ids)]
+    for config in FP8_SWEEP:
+        out = mod.fused_moe_fp8(*on, config=config).cpu()
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-4 * ref.abs().max().item(), msg=str(config))
