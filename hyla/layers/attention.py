@@ -40,8 +40,8 @@ from torch import nn
 
 from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.delta_rule import PackedLinears
-from hyla.layers.masks import causal_after_prefix
 from hyla.layers.norm import ZeroCentredRMSNorm
+from hyla.layers.prefix_attention import attend_after_prefix
 from hyla.ops import dispatch, kv_fp8
 from hyla.ops.dtypes import work_dtype
 
@@ -226,10 +226,9 @@ class GatedAttention(nn.Module):
             if fp8:
                 ks, vs = (kv_fp8.dequantize_rows(t, sc[pages].flatten(0, 1)[:total], (self.head_dim,), q.dtype)
                           for t, sc in ((ks, cache.k_scale), (vs, cache.v_scale)))
-            # causal without a built [new, L] mask: plain without a prefix, lower-right aligned with one
-            bias = None if ctx == 0 else causal_after_prefix(new, total)
-            out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], ks[None], vs[None], bias,
-                                                causal=ctx == 0)[0]
+            ks, vs = (t.repeat_interleave(self.groups, dim=1).transpose(0, 1)[None] for t in (ks, vs))
+            o = attend_after_prefix(q[cu[n]:cu[n + 1]].transpose(0, 1)[None], ks, vs, self.scaling)
+            out[cu[n]:cu[n + 1]] = o[0].transpose(0, 1).flatten(-2)
         return self.o_proj(out * torch.sigmoid(gate))
 
     def _fused_step(self, x: torch.Tensor, batch: ForwardBatch, cache: KVLayerCache, w: int) -> torch.Tensor:

@@ -32,8 +32,8 @@ from torch import nn
 
 from hyla.contract import ForwardBatch, MLALayerCache
 from hyla.layers.delta_rule import PackedLinears
-from hyla.layers.masks import causal_after_prefix
 from hyla.layers.norm import RMSNorm
+from hyla.layers.prefix_attention import attend_after_prefix
 from hyla.ops import dispatch, kv_fp8
 
 # transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
@@ -165,12 +165,11 @@ class MLAAttention(nn.Module):
 
     def _attend_new(self, q: torch.Tensor, latent: torch.Tensor, ctx: int) -> torch.Tensor:
         """Expanded form for the new tokens of one sequence. q: [T, H, D] (positions ctx..ctx+T-1);
-        latent: [ctx + T, r + rope] -> [T, H * v_dim]. Causal: a plain causal kernel without a
-        prefix, the lower-right-aligned causal bias with one (no [T, L] mask is built)."""
-        if ctx == 0:
-            return self._attend(q[None], latent[None], None, causal=True)[0]
-        bias = causal_after_prefix(q.shape[0], latent.shape[0])
-        return self._attend(q[None], latent[None], bias, causal=False)[0]
+        latent: [ctx + T, r + rope] -> [T, H * v_dim] (hyla.layers.prefix_attention: causal over
+        the prefix and themselves, no [T, L] mask built where the kernel can avoid it)."""
+        k, v = self.expand(latent[None])  # [1, H, L, nope + rope], [1, H, L, v]
+        o = attend_after_prefix(q.transpose(0, 1)[None], k, v, self.scaling)
+        return o[0].transpose(0, 1).flatten(-2)
 
     def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, last: torch.Tensor,
                   kv_scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,9 +23,15 @@ def checkpoint(tmp_path_factory):
     return build_kimi_checkpoint(tmp_path_factory.mktemp("long_context"), "moe")  # 2 KDA + 2 MLA (RoPE) layers
 
 
-@pytest.mark.parametrize("chunk", [7, 63, 64, 65, 100, None])
-def test_many_pages_and_chunk_offsets_equal_the_full_forward(checkpoint, chunk):
-    # 7 is prime to 64: the boundaries 7k (k < 64, 448 tokens) fall at every offset mod 64 and mod 4
+@pytest.mark.parametrize("chunk,score_bytes", [(7, None), (63, None), (64, None), (65, None), (100, None),
+                                               (100, 1 << 14), (None, None)])
+def test_many_pages_and_chunk_offsets_equal_the_full_forward(checkpoint, chunk, score_bytes, monkeypatch):
+    # 7 is prime to 64: the boundaries 7k (k < 64, 448 tokens) fall at every offset mod 64 and mod 4.
+    # score_bytes: the MLA prefill over a prefix in CPU query blocks (hyla.layers.prefix_attention)
+    if score_bytes is not None:
+        import hyla.layers.prefix_attention as pa
+
+        monkeypatch.setattr(pa, "CPU_SCORE_BYTES", score_bytes)
     llm = LLM(str(checkpoint), dtype=torch.float64, device="cpu", max_num_seqs=1, page_size=PAGE_SIZE,
               max_model_len=PROMPT_LEN + NEW_TOKENS + 2, memory_budget=1 << 22,
               max_num_batched_tokens=chunk or 4096)
