@@ -119,7 +119,28 @@ class CacheTiers:
         self.page_tensors = [t for layer in cache.attention_layers for t in layer.tensors()]
         self.host_pages = [torch.empty((sizes.host_pages, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
                            for t in self.page_tensors] if sizes.host_pages else None
-        self.stats = {"bytes_to_host": 0, "bytes_from_host": 0, "restore_seconds": 0.0}
+        self._stats = {"bytes_to_host": 0, "bytes_from_host": 0, "restore_seconds": 0.0}
+        self._timing: list[tuple] = []  # CUDA: (start, end) events of restores not yet added up
+
+    @property
+    def stats(self) -> dict:
+        """bytes_to_host, bytes_from_host and restore_seconds: the time the restores (host ->
+        device copies, dequantisation included) took where they ran. On CUDA that is the device
+        time between events recorded around each restore on its stream, added up once they
+        completed (a restore still in flight counts at a later read); on the CPU the copies are
+        synchronous and their wall time is it."""
+        pending = []
+        for start, end in self._timing:
+            if end.query():
+                self._stats["restore_seconds"] += start.elapsed_time(end) / 1e3
+            else:
+                pending.append((start, end))
+        self._timing = pending
+        return self._stats
+
+    def _restore_timer(self):
+        """A context that adds a restore's time to restore_seconds (see `stats`)."""
+        return _DeviceTimer(self) if self.device.type == "cuda" else _WallTimer(self._stats)
 
     def _device(self) -> torch.device:
         for layer in self.cache.layers:
@@ -157,20 +178,23 @@ class CacheTiers:
         if tier == "int8":  # the int8 entry's bytes
             for h, d in zip(self.host_checkpoints.tensors(), self.int8.tensors()):
                 h[host].copy_(d[src], non_blocking=True)
-                self.stats["bytes_to_host"] += d[src].numel() * d.element_size()
+                self._stats["bytes_to_host"] += d[src].numel() * d.element_size()
             return
         if self.int8 is not None:  # a slot, packed on its way to the int8 host store
             _pack_into(self.cache, src, self.host_checkpoints, host)
-            self.stats["bytes_to_host"] += sum(t[host].numel() * t.element_size()
+            self._stats["bytes_to_host"] += sum(t[host].numel() * t.element_size()
                                                for t in self.host_checkpoints.tensors())
             return
         slot_tensors = [t for layer in self.cache.linear_layers for t in layer.tensors()]
         for h, t in zip(self.host_checkpoints.tensors(), slot_tensors):
             h[host].copy_(_memory_order(t[src]), non_blocking=True)
-            self.stats["bytes_to_host"] += t[src].numel() * t.element_size()
+            self._stats["bytes_to_host"] += t[src].numel() * t.element_size()
 
     def _ckpt_in(self, host: int, slot: int) -> None:
-        start = time.perf_counter()
+        with self._restore_timer():
+            self._copy_checkpoint_in(host, slot)
+
+    def _copy_checkpoint_in(self, host: int, slot: int) -> None:
         if self.int8 is not None:
             device = self.device
             for (q, scale, convs), layer in zip(self.host_checkpoints.layers, self.cache.linear_layers):
@@ -179,27 +203,55 @@ class CacheTiers:
                                 rows_of(state[slot]))
                 for c_host, c in zip(convs, conv):
                     _memory_order(c[slot]).copy_(c_host[host], non_blocking=True)
-                self.stats["bytes_from_host"] += sum(t[host].numel() * t.element_size() for t in (q, scale, *convs))
+                self._stats["bytes_from_host"] += sum(t[host].numel() * t.element_size() for t in (q, scale, *convs))
         else:
             slot_tensors = [t for layer in self.cache.linear_layers for t in layer.tensors()]
             for h, t in zip(self.host_checkpoints.tensors(), slot_tensors):
                 _memory_order(t[slot]).copy_(h[host], non_blocking=True)
-                self.stats["bytes_from_host"] += h[host].numel() * h.element_size()
-        self.stats["restore_seconds"] += time.perf_counter() - start
+                self._stats["bytes_from_host"] += h[host].numel() * h.element_size()
 
     def _page_out(self, page: int, host: int) -> None:
         for h, t in zip(self.host_pages, self.page_tensors):
             h[host].copy_(t[page], non_blocking=True)
-            self.stats["bytes_to_host"] += t[page].numel() * t.element_size()
+            self._stats["bytes_to_host"] += t[page].numel() * t.element_size()
 
     def _page_in(self, host: int, page: int) -> None:
         """The whole page, also the rows past a partial hit: the request writes those positions
         before anything reads them (attention is causal), as it would in a fresh page."""
-        start = time.perf_counter()
-        for h, t in zip(self.host_pages, self.page_tensors):
-            t[page].copy_(h[host], non_blocking=True)
-            self.stats["bytes_from_host"] += h[host].numel() * h.element_size()
-        self.stats["restore_seconds"] += time.perf_counter() - start
+        with self._restore_timer():
+            for h, t in zip(self.host_pages, self.page_tensors):
+                t[page].copy_(h[host], non_blocking=True)
+                self._stats["bytes_from_host"] += h[host].numel() * h.element_size()
+
+
+class _WallTimer:
+    """Adds the wall time of its block to stats["restore_seconds"] (synchronous CPU copies)."""
+
+    def __init__(self, stats: dict):
+        self.stats = stats
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.stats["restore_seconds"] += time.perf_counter() - self.start
+
+
+class _DeviceTimer:
+    """Records CUDA events around its block on the current stream; CacheTiers.stats adds their
+    elapsed time once the end event has completed."""
+
+    def __init__(self, tiers: CacheTiers):
+        self.tiers = tiers
+
+    def __enter__(self):
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.start.record()
+
+    def __exit__(self, *exc) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.tiers._timing.append((self.start, end))
 
 
 def _pack_into(cache: HybridCache, slot: int, store: _Int8Store, entry: int) -> None:

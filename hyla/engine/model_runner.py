@@ -148,7 +148,8 @@ class ModelRunner:
         self.tiers = CacheTiers(self.cache, sizes)
 
     def tier_stats(self) -> dict:
-        """Bytes moved to / from the host tier and the host time spent issuing restores (zeros without one)."""
+        """Bytes moved to / from the host tier and the time its restores took (CacheTiers.stats;
+        zeros without one)."""
         if self.tiers is None:
             return {"bytes_to_host": 0, "bytes_from_host": 0, "restore_seconds": 0.0}
         return dict(self.tiers.stats)

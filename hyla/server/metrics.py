@@ -61,7 +61,8 @@ _TIER_COUNTERS = {
     "prefix_cache_host_hit_tokens": ("hit_tokens_host", "Prompt tokens of hits that read the host tier"),
     "prefix_cache_bytes_to_host": ("bytes_to_host", "Bytes the prefix cache copied to the host tier"),
     "prefix_cache_bytes_from_host": ("bytes_from_host", "Bytes the prefix cache copied back from the host tier"),
-    "prefix_cache_restore_seconds": ("restore_seconds", "Seconds spent issuing restores from the host tier"),
+    "prefix_cache_restore_seconds": ("restore_seconds", "Seconds the restores from the host tier took where they "
+                                     "ran (CUDA events on a GPU, wall time on the CPU)"),
 }
 _TIER_GAUGES = {
     "prefix_cache_host_pages": ("host_cached_pages", "KV pages held in the host tier"),

@@ -174,3 +174,38 @@ def test_the_cli_flags_reach_the_engine_config(ckpt):
     assert _engine_config(p.parse_args(base + ["--enable-int8-mamba-checkpoint"])).checkpoint_dtype == "int8"
     with pytest.raises(SystemExit):
         p.parse_args(base + ["--host-cache-bytes", "lots"])
+
+
+def test_cuda_restore_time_is_added_once_its_events_complete(ckpt, monkeypatch):
+    """On CUDA restore_seconds is the device time between events recorded around each restore
+    (hyla.engine.cache_tiers): a restore whose end event has not completed is added at a later
+    read, once. Fake events stand in for CUDA's on the CPU."""
+    import torch
+
+    class Event:
+        done = False
+
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = len(recorded)
+            recorded.append(self)
+
+        def query(self):
+            return Event.done
+
+        def elapsed_time(self, end):
+            return 250.0 * (end.t - self.t)  # ms
+
+    recorded = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    llm = _llm(ckpt, memory_budget=budget(ckpt, pages=14, slots=4), host_cache_bytes=1 << 22)
+    tiers = llm.engine.runner.tiers
+    monkeypatch.setattr(tiers, "device", torch.device("cuda"))  # the timer CacheTiers uses on CUDA
+    before = tiers.stats["restore_seconds"]
+    tiers.apply([("page_in", 0, 0), ("page_in", 1, 1)])
+    assert len(recorded) == 4 and tiers.stats["restore_seconds"] == before  # in flight: not counted yet
+    Event.done = True
+    assert tiers.stats["restore_seconds"] == pytest.approx(before + 0.5)
+    assert tiers.stats["restore_seconds"] == pytest.approx(before + 0.5)  # counted once
