@@ -373,3 +373,32 @@ def test_engine_serves_fp8_checkpoints(checkpoints):
     assert LLM(model=str(src), dtype="float32", quantization="fp8").generate(prompt, params, use_tqdm=False)
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(model=str(src), quantization="awq")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "glm5_next"])
+def test_fp8_checkpoints_of_the_other_released_families(tmp_path, family, monkeypatch):
+    """Qwen3.5 and GLM-5-Next release FP8 block checkpoints too: the oracles' tiny checkpoints
+    rewritten in the released layout load dequantised (equal to the dequantised twin) and into
+    FP8 modules, which with the activation quantisation an identity compute with exactly the
+    dequantised weights (fp32 rounding; the W8A8 noise itself is measured on the Kimi and
+    Qwen3-Next checkpoints above: these oracles' 0.1 init range multiplies it)."""
+    import hyla.ops.fp8 as ops
+
+    if family == "qwen3_5":
+        from tests.oracles.qwen3_5_checkpoint import build_qwen3_5_checkpoint as build
+        src = build(tmp_path / "src", "moe")
+    else:
+        from tests.oracles.glm5_next_checkpoint import build_glm5_next_checkpoint as build
+        src = build(tmp_path / "src")
+    dst, deq = tmp_path / "fp8", tmp_path / "deq"
+    write_fp8(Path(src), dst, deq, ("lm_head",))
+    ref = load_model(deq)
+    ids = IDS.clamp(max=ref.config.vocab_size - 1)
+    want = ref(ids)
+    torch.testing.assert_close(load_model(dst)(ids), want, rtol=0, atol=1e-5)
+    monkeypatch.setenv("HYLA_FP8_WEIGHTS", "fp8")
+    model = load_model(dst)
+    assert any(n.endswith("experts") for n in _fp8_module_names(model))
+    monkeypatch.setattr(ops, "per_token_group_quant",
+                        lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
+    torch.testing.assert_close(model(ids), want, rtol=0, atol=1e-5 * want.abs().max().item())
