@@ -68,6 +68,7 @@ class LLMEngine:
                                                                 random_weights=config.load_format == "dummy",
                                                                 quantization=config.quantization)
         self._set_kv_cache_dtype(config.kv_cache_dtype)  # before the pools are sized from the model's bytes
+        self._log_weights()
         if tokenizer is None and has_tokenizer(config.model):
             tokenizer = load_tokenizer(config.model)  # a broken tokenizer file is an error, not "none"
         self.tokenizer = tokenizer
@@ -227,6 +228,19 @@ class LLMEngine:
             self.model.kv_cache_dtype = value
         elif is_fp8_kv(value):
             raise ValueError(f"kv_cache_dtype={value!r}: {type(self.model).__name__} has no FP8 KV pages")
+
+    def _log_weights(self) -> None:
+        """The weights as loaded: their bytes, dtype and, where some are block FP8 (a released FP8
+        checkpoint on CUDA, or quantization="fp8"), how many modules hold FP8 codes."""
+        from hyla.layers.fp8_linear import Fp8Linear
+        from hyla.layers.fp8_moe import Fp8StackedExperts
+
+        fp8 = sum(isinstance(m, (Fp8Linear, Fp8StackedExperts)) for m in self.model.modules())
+        kind = f"block FP8 in {fp8} modules, the rest {self.model.dtype}" if fp8 else f"{self.model.dtype}"
+        if not fp8 and self.config.quantization:
+            kind += f", quantization={self.config.quantization} dequantised on this device"
+        log.info("weights: %.2f GiB on %s (%s%s)", self.model.weight_bytes() / 2**30, self.model.device, kind,
+                 ", random (load_format=dummy)" if self.config.load_format == "dummy" else "")
 
     def _log_capacity(self, num_slots: int, num_pages: int, per_seq: int) -> None:
         """What the pools allow, as the engine will run it: the scheduler runs up to

@@ -402,3 +402,23 @@ def test_fp8_checkpoints_of_the_other_released_families(tmp_path, family, monkey
     monkeypatch.setattr(ops, "per_token_group_quant",
                         lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
     torch.testing.assert_close(model(ids), want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_engine_log_states_the_weights_format(checkpoints, fp8_modules, caplog, monkeypatch):
+    """The startup log says how the weights are held: FP8 modules counted, or the dequantised
+    fallback of quantization="fp8" where the FP8 modules are off."""
+    import logging
+
+    from hyla import LLM
+
+    src, dst, deq = checkpoints("qwen3_next")
+    with caplog.at_level(logging.INFO, logger="hyla.engine"):
+        LLM(model=str(dst), dtype="float32")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:"))
+    assert "block FP8 in" in line and "modules" in line, line
+    caplog.clear()
+    monkeypatch.setenv("HYLA_FP8_WEIGHTS", "dequantized")
+    with caplog.at_level(logging.INFO, logger="hyla.engine"):
+        LLM(model=str(src), dtype="float32", quantization="fp8")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:"))
+    assert "quantization=fp8 dequantised on this device" in line, line
