@@ -143,6 +143,10 @@ def test_agent_sessions_run_their_turns_in_order_and_hit_the_cache(server):
             assert r["start_times"][b] >= r["start_times"][a] + r["latencies"][a]
             assert r["input_lens"][b] > r["input_lens"][a] + r["output_lens"][a]
     assert r["prefix_cache_hit_rate"] > 0
+    # TTFT of the turns after each session's first, on their own (what a prefix cache serves)
+    assert r["turns"] == [0, 1, 2, 0, 1, 2]
+    returning = [t for t, turn in zip(r["ttfts"], r["turns"]) if turn > 0]
+    assert r["mean_ttft_returning_ms"] == pytest.approx(1000 * sum(returning) / len(returning))
 
 
 def test_sharegpt_dataset(server, tokenizer, tmp_path):

@@ -30,7 +30,8 @@ class RequestOutput:
     """What one request measured. Times in seconds; start_time from the benchmark's start;
     queue_time: waited for --max-concurrency before sending. prompt_len / output_tokens: the
     server's usage when reported (usage_reported), else the dataset's count / token chunks.
-    cached_tokens: usage.prompt_tokens_details.cached_tokens, None when not reported."""
+    cached_tokens: usage.prompt_tokens_details.cached_tokens, None when not reported.
+    turn: its index in its conversation (0: a first turn, or a request of a one-turn dataset)."""
 
     prompt_len: int
     success: bool = False
@@ -44,6 +45,7 @@ class RequestOutput:
     start_time: float = 0.0
     queue_time: float = 0.0
     generated_text: str = ""
+    turn: int = 0
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[str]:

@@ -76,6 +76,7 @@ async def run_workload(client: OpenAIClient, conversations: list[Conversation], 
                 if client.chat:
                     history += [{"role": "user", "content": request.prompt},
                                 {"role": "assistant", "content": out.generated_text}]
+            out.turn = turn
             outputs.append(out)
             if progress is not None:
                 progress.update(1)

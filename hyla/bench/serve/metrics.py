@@ -94,7 +94,9 @@ def compute_metrics(outputs: list[RequestOutput], duration: float, percentiles: 
     total_output_tokens, request_throughput, request_goodput (None without SLOs),
     output_throughput, total_token_throughput, max_output_tokens_per_s, max_concurrent_requests,
     and {mean,median,std}_{ttft,tpot,itl,e2el}_ms with p{P}_{metric}_ms for every metric (the CLI
-    keeps the percentiles of --percentile-metrics)."""
+    keeps the percentiles of --percentile-metrics); with multi-turn conversations (the agent
+    dataset) also {mean,median}_ttft_returning_ms over the turns after each conversation's first,
+    the requests a prefix cache can serve from their own history."""
     done = [o for o in outputs if o.success]
     total_input = sum(o.prompt_len for o in done)
     total_output = sum(o.output_tokens for o in done)
@@ -117,6 +119,10 @@ def compute_metrics(outputs: list[RequestOutput], duration: float, percentiles: 
         "max_output_tokens_per_s": peak_tokens,
         "max_concurrent_requests": peak_requests,
     }
+    returning = [o.ttft for o in done if o.turn > 0]
+    if returning:
+        stats = latency_stats(returning, [])
+        result["mean_ttft_returning_ms"], result["median_ttft_returning_ms"] = stats.mean, stats.median
     for name, values in series.items():
         stats = latency_stats(values, percentiles)
         result[f"mean_{name}_ms"], result[f"median_{name}_ms"], result[f"std_{name}_ms"] = (

@@ -31,6 +31,7 @@ def per_request_lists(outputs: list[RequestOutput]) -> dict:
         "generated_texts": [o.generated_text for o in outputs],
         "errors": [o.error for o in outputs],
         "cached_tokens": [o.cached_tokens for o in outputs],
+        "turns": [o.turn for o in outputs],
     }
 
 
@@ -106,6 +107,9 @@ def print_report(result: dict, selected: list[str], percentiles: list[float]) ->
         print(title.center(50, "-"))
         _line(f"Mean {short} (ms):", result[f"mean_{metric}_ms"], ".2f")
         _line(f"Median {short} (ms):", result[f"median_{metric}_ms"], ".2f")
+        if metric == "ttft" and "mean_ttft_returning_ms" in result:  # multi-turn: the turns after the first
+            _line("Mean TTFT, returning turns (ms):", result["mean_ttft_returning_ms"], ".2f")
+            _line("Median TTFT, returning turns (ms):", result["median_ttft_returning_ms"], ".2f")
         if metric in selected:
             for p in percentiles:
                 _line(f"P{percentile_word(p)} {short} (ms):", result[f"p{percentile_word(p)}_{metric}_ms"], ".2f")

@@ -1,0 +1,27 @@
+#!/bin/bash
+# GPU round, host tier (the prefix cache's second tier): the 48B shape served with a small device
+# budget for the pools (4 GiB: about 20 agent sessions' prefixes and checkpoints), then 128 agent
+# sessions (about 5x what the device holds) of 6 turns, 16 in flight, greedy: once without the
+# host tier and once with 64 GiB of it. Compare the hit rates, the mean TTFT of returning turns and
+# the throughput (`hyla bench serve` prints them; the saved JSON has every request).
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/hyla-out}; mkdir -p $OUT
+if [ -d .whl ]; then  # the server's packages as wheels, where the device has no index
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name --format=csv,noheader
+python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b >/dev/null || exit 1
+for HOST in 0 64GiB; do
+  python3 -m hyla serve /tmp/k48 --load-format dummy --port 8000 --max-num-seqs 16 --max-model-len 16384 \
+      --memory-budget $((4 << 30)) --host-cache-bytes $HOST > $OUT/serve-host-$HOST.log 2>&1 &
+  SP=$!
+  for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
+  grep -E "pools:|host tier" $OUT/serve-host-$HOST.log | cut -c1-300
+  timeout 240 python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT \
+      --disable-tqdm --label agent-host-$HOST --dataset-name agent --num-sessions 128 --turns 6 \
+      --tool-output-len 1024 --question-len 32 --output-len 64 --max-concurrency 16 --temperature 0 \
+      --ignore-eos 2>&1 | grep -E "throughput|TTFT|Failed|hit" | grep -v "Median\|P99 TTFT" | tr '\n' ';'; echo " <- host $HOST"
+  curl -s localhost:8000/metrics | grep -E "^hyla_prefix_cache_(host|device|bytes|restore)" | tr '\n' ';'; echo
+  kill $SP; wait $SP 2>/dev/null
+done
