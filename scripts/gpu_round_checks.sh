@@ -1,12 +1,6 @@
 #!/bin/bash
 # GPU round, checks: the GPU tests, then the MTP (k = 2) and 48B decode tables of BENCHMARKS.md.
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/hyla-out}; mkdir -p $OUT
-
-if [ -d .whl ]; then  # the server's packages as wheels, where the device has no index
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "rev $(git rev-parse --short HEAD 2>/dev/null || cat REV)"

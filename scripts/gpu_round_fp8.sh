@@ -4,9 +4,7 @@
 # (decode vs its floor, one request through the engine at 1K and 8K prompts), Kimi-Linear-48B-A3B
 # online FP8 vs bf16 decode, and the 80B's 8-layer prefill in FP8 vs bf16. Full shapes need the
 # H200's memory; on a smaller card they run cut.
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/hyla-out}; mkdir -p $OUT
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 T="timeout 200 python3 -m hyla.bench throughput"

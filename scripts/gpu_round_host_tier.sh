@@ -4,12 +4,7 @@
 # sessions (about 5x what the device holds) of 6 turns, 16 in flight, greedy: once without the
 # host tier and once with 64 GiB of it. Compare the hit rates, the mean TTFT of returning turns and
 # the throughput (`hyla bench serve` prints them; the saved JSON has every request).
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/hyla-out}; mkdir -p $OUT
-if [ -d .whl ]; then  # the server's packages as wheels, where the device has no index
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b >/dev/null || exit 1
 for HOST in 0 64GiB; do

@@ -1,10 +1,7 @@
 #!/bin/bash
 # GPU round, long contexts: MLA decode splits at long contexts; 48B long prompts end to end
 # (131072 on all 27 layers; 1048576 on the first 4 layers: 3 KDA + 1 MLA).
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/hyla-out}; mkdir -p $OUT
-
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name --format=csv,noheader
 echo "== MLA splits"
 timeout 100 python3 scripts/mla_splits.py 2>&1 | tail -12

@@ -1,12 +1,7 @@
 #!/bin/bash
 # GPU round, serving: the 48B shape served by `hyla serve --load-format dummy`, loaded
 # by `hyla bench serve`: random 1024/256 at concurrency 1/16/64/256, prefix and agent (cache on).
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/hyla-out}; mkdir -p $OUT
-if [ -d .whl ]; then  # the server's packages as wheels, where the device has no index
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-fi
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b || exit 1
 T0=$(date +%s)

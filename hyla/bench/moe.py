@@ -68,14 +68,6 @@ FP8_SWEEP = [dict(BM=bm, BN=128, BK=128, GM=gm, num_warps=w, num_stages=st, down
                                        (128, 8, 8, 3, 128), (128, 8, 8, 2, 256), (128, 16, 8, 3, 64))]
 
 
-def fp8_expert_bytes(hidden: int, inter: int) -> int:
-    """Bytes of one block-FP8 expert: gate, up and down at one byte a weight, plus their fp32
-    128 x 128 block scales (the gate and up halves blocked apart)."""
-    from hyla.ops.fp8 import cdiv
-
-    return 3 * hidden * inter + 4 * 3 * cdiv(inter, 128) * cdiv(hidden, 128)
-
-
 def build_block(shape: dict, device, dtype=torch.bfloat16, seed: int = 0):
     from hyla.layers import MoE, Qwen3NextSparseMoE
 
@@ -181,6 +173,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         block = build_block(shape, device)
         w13, w2 = block.experts.gate_up_proj, block.experts.down_proj
         q = (*quantize_gate_up(w13), *block_quantize(w2)) if args.fp8 else None
+        fp8_expert = sum(t.numel() * t.element_size() for t in q) // shape["experts"] if q else 0  # codes + scales
         for m in args.tokens:
             x = torch.randn(m, shape["hidden"], device=device, dtype=torch.bfloat16)
             with torch.inference_mode():
@@ -197,8 +190,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     fp8_err = float((fused_moe_fp8(x, *q, weights, ids).float() - slow.float()).norm()
                                     / slow.float().norm())
                     t_fp8 = graph_ms(lambda: fused_moe_fp8(x, *q, weights, ids), args.repeat)
-                    fp8_floor = (distinct * fp8_expert_bytes(shape["hidden"], shape["inter"])
-                                 + 2 * m * shape["hidden"] * 2) / bw * 1e3
+                    fp8_floor = (distinct * fp8_expert + 2 * m * shape["hidden"] * 2) / bw * 1e3
                 sweep, best_cfg = {}, None
                 if args.sweep and q is not None:
                     sweep, best_cfg = _sweep(lambda cfg: fused_moe_fp8(x, *q, weights, ids, config=cfg),

@@ -29,6 +29,7 @@ thread never waits for them, and the forward that follows on the same stream see
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -138,9 +139,20 @@ class CacheTiers:
         self._timing = pending
         return self._stats
 
+    @contextlib.contextmanager
     def _restore_timer(self):
-        """A context that adds a restore's time to restore_seconds (see `stats`)."""
-        return _DeviceTimer(self) if self.device.type == "cuda" else _WallTimer(self._stats)
+        """Adds the restore in its block to restore_seconds (see `stats`): CUDA events recorded
+        around it on the current stream, added up by `stats` once complete; wall time on the CPU."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._timing.append((start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self._stats["restore_seconds"] += time.perf_counter() - began
 
     def _device(self) -> torch.device:
         for layer in self.cache.layers:
@@ -192,23 +204,21 @@ class CacheTiers:
 
     def _ckpt_in(self, host: int, slot: int) -> None:
         with self._restore_timer():
-            self._copy_checkpoint_in(host, slot)
-
-    def _copy_checkpoint_in(self, host: int, slot: int) -> None:
-        if self.int8 is not None:
-            device = self.device
-            for (q, scale, convs), layer in zip(self.host_checkpoints.layers, self.cache.linear_layers):
-                state, *conv = layer.tensors()
-                dequantize_rows(q[host].to(device, non_blocking=True), scale[host].to(device, non_blocking=True),
-                                rows_of(state[slot]))
-                for c_host, c in zip(convs, conv):
-                    _memory_order(c[slot]).copy_(c_host[host], non_blocking=True)
-                self._stats["bytes_from_host"] += sum(t[host].numel() * t.element_size() for t in (q, scale, *convs))
-        else:
-            slot_tensors = [t for layer in self.cache.linear_layers for t in layer.tensors()]
-            for h, t in zip(self.host_checkpoints.tensors(), slot_tensors):
-                _memory_order(t[slot]).copy_(h[host], non_blocking=True)
-                self._stats["bytes_from_host"] += h[host].numel() * h.element_size()
+            if self.int8 is not None:
+                device = self.device
+                for (q, scale, convs), layer in zip(self.host_checkpoints.layers, self.cache.linear_layers):
+                    state, *conv = layer.tensors()
+                    dequantize_rows(q[host].to(device, non_blocking=True), scale[host].to(device, non_blocking=True),
+                                    rows_of(state[slot]))
+                    for c_host, c in zip(convs, conv):
+                        _memory_order(c[slot]).copy_(c_host[host], non_blocking=True)
+                    self._stats["bytes_from_host"] += sum(t[host].numel() * t.element_size()
+                                                          for t in (q, scale, *convs))
+            else:
+                slot_tensors = [t for layer in self.cache.linear_layers for t in layer.tensors()]
+                for h, t in zip(self.host_checkpoints.tensors(), slot_tensors):
+                    _memory_order(t[slot]).copy_(h[host], non_blocking=True)
+                    self._stats["bytes_from_host"] += h[host].numel() * h.element_size()
 
     def _page_out(self, page: int, host: int) -> None:
         for h, t in zip(self.host_pages, self.page_tensors):
@@ -222,36 +232,6 @@ class CacheTiers:
             for h, t in zip(self.host_pages, self.page_tensors):
                 t[page].copy_(h[host], non_blocking=True)
                 self._stats["bytes_from_host"] += h[host].numel() * h.element_size()
-
-
-class _WallTimer:
-    """Adds the wall time of its block to stats["restore_seconds"] (synchronous CPU copies)."""
-
-    def __init__(self, stats: dict):
-        self.stats = stats
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc) -> None:
-        self.stats["restore_seconds"] += time.perf_counter() - self.start
-
-
-class _DeviceTimer:
-    """Records CUDA events around its block on the current stream; CacheTiers.stats adds their
-    elapsed time once the end event has completed."""
-
-    def __init__(self, tiers: CacheTiers):
-        self.tiers = tiers
-
-    def __enter__(self):
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.start.record()
-
-    def __exit__(self, *exc) -> None:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self.tiers._timing.append((self.start, end))
 
 
 def _pack_into(cache: HybridCache, slot: int, store: _Int8Store, entry: int) -> None:

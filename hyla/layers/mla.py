@@ -155,7 +155,7 @@ class MLAAttention(nn.Module):
             if cache.kv_scale is not None:  # FP8 latents: the rows in the model dtype
                 lat = kv_fp8.dequantize_rows(lat, cache.kv_scale[pages].flatten(0, 1)[:ctx + new],
                                              kv_fp8.latent_groups(self.kv_lora_rank, self.rope), q.dtype)
-            out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], lat, ctx)
+            out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], lat)
         return self.output(out, x)
 
     def output(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +163,7 @@ class MLAAttention(nn.Module):
         (the hook an output-gated variant overrides, hyla.layers.gated_mla)."""
         return self.o_proj(attn)
 
-    def _attend_new(self, q: torch.Tensor, latent: torch.Tensor, ctx: int) -> torch.Tensor:
+    def _attend_new(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
         """Expanded form for the new tokens of one sequence. q: [T, H, D] (positions ctx..ctx+T-1);
         latent: [ctx + T, r + rope] -> [T, H * v_dim] (hyla.layers.prefix_attention: causal over
         the prefix and themselves, no [T, L] mask built where the kernel can avoid it)."""
