@@ -18,6 +18,7 @@ import os
 
 import pytest
 
+CUDA_TEST_POOL_BYTES = 2 << 30  # the KV pages and state slots of an engine a test builds on CUDA
 MAX_WORKERS = 4  # beyond this the per-worker start-up (imports, collection, fixtures) outweighs the gain
 DIST_MODE = "worksteal"  # contiguous runs of tests per worker (module fixtures built ~once), rebalanced at the tail
 
@@ -52,3 +53,18 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.numprocesses = workers
         if config.option.dist == "no":
             config.option.dist = DIST_MODE
+
+
+@pytest.fixture(autouse=True)
+def _bounded_cuda_pools(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CUDA machine an engine a test builds without a memory_budget takes CUDA_TEST_POOL_BYTES
+    of pools, not gpu_memory_utilization (90%) of the device: several xdist workers share the GPU,
+    and a test may hold two engines at once (each would count the other's pools as in use). A test
+    marked real_gpu_memory keeps the measured budget (tests/engine/test_memory_profile.py)."""
+    import torch
+
+    if not torch.cuda.is_available() or request.node.get_closest_marker("real_gpu_memory"):
+        return
+    from hyla.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "device_pool_budget", lambda *args, **kwargs: CUDA_TEST_POOL_BYTES)

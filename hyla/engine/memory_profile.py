@@ -15,6 +15,7 @@ sampler's filters over them, under torch.cuda's peak-memory counter.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -90,6 +91,7 @@ def profile_graph_bytes(model, *, batch_sizes: list[int], num_graphs: int, page_
 def device_pool_budget(device: torch.device, utilization: float, step_bytes: int, reserved_bytes: int = 0) -> int:
     """The pools' bytes on a CUDA device (see the module docstring); ValueError when nothing is
     left, naming the figures and the setting to change."""
+    gc.collect()  # an engine the caller dropped may sit in a reference cycle: its pools are free memory
     total = torch.cuda.get_device_properties(device).total_memory
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -49,6 +49,7 @@ def test_bad_gpu_memory_utilization_is_a_value_error(checkpoint, value):
         EngineConfig(model=str(checkpoint), device="cpu", gpu_memory_utilization=value)
 
 
+@pytest.mark.real_gpu_memory
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pools_fill_the_utilization_less_what_is_in_use(checkpoint):
     torch.cuda.empty_cache()

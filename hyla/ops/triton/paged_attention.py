@@ -266,7 +266,7 @@ def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
     if T == 0:
         return out
     BM = max(16, triton.next_power_of_2(W * G))
-    BD = triton.next_power_of_2(D)
+    BD = max(16, triton.next_power_of_2(D))  # tl.dot needs K >= 16; the columns past D are masked
     nsp = triton.cdiv(P * PS, split)
     dt = _torch_to_tl(q.dtype)
     ct = compute_dtype(cache_k, q)  # the dtype rows are read in (FP8: the queries')
