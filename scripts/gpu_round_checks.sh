@@ -5,10 +5,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "rev $(git rev-parse --short HEAD 2>/dev/null || cat REV)"
 echo "== tests"
-timeout 260 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu tests/engine/test_cuda_graph.py tests/engine/test_memory_profile.py \
+timeout 300 python3 -m pytest -q -n 4 --tb=line -rfE -p no:cacheprovider tests/gpu tests/engine/test_cuda_graph.py tests/engine/test_memory_profile.py \
   tests/engine/test_mtp_overlap.py tests/engine/test_mtp_fused.py tests/engine/test_mtp_graph.py tests/engine/test_mtp_chain.py \
   tests/engine/test_spec_device_accept.py tests/ops/test_fused_decode.py tests/layers/test_fused_layers.py \
-  tests/engine/test_kv_cache_fp8.py tests/ops/test_kv_fp8.py tests/engine/test_host_tier.py tests/engine/test_decode_overlap.py 2>&1 | tail -40 | tee $OUT/tests.log
+  tests/engine/test_kv_cache_fp8.py tests/ops/test_kv_fp8.py tests/engine/test_host_tier.py tests/engine/test_decode_overlap.py 2>&1 | tail -60 | tee $OUT/tests.log
 echo "== engine check"
 timeout 90 python3 scripts/gpu_engine_check.py 2>&1 | tail -8
 echo "== MTP k=2"

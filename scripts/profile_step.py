@@ -1,8 +1,10 @@
 """Where a prefill and a decode step spend GPU time: the kernels of one call, by total time.
 
     python scripts/profile_step.py --random-config kimi-linear-48b-a3b --layers 4 --prefill 8192 --decode-batch 1 64
+    python scripts/profile_step.py --random-config qwen3-next-80b-a3b --layers 4 --quantization fp8 --decode-batch 1
 
-Random bf16 weights on the device (hyla.bench.random_models); one warm-up call, then one call
+Random bf16 weights on the device (hyla.bench.random_models; with --quantization fp8 block-FP8
+weights drawn on the device, as `hyla bench throughput -q fp8` draws them); one warm-up call, then one call
 under torch.profiler (hyla.bench.floor.kernel_profile): kernel count, summed kernel time, the
 top kernels. A hint for what to fuse next, not a benchmark figure.
 """
@@ -10,11 +12,14 @@ top kernels. A hint for what to fuse next, not a benchmark figure.
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
+from pathlib import Path
 
 import torch
 
 from hyla.bench import floor as fl
-from hyla.bench.random_models import RANDOM_CONFIGS, random_model
+from hyla.bench.random_models import RANDOM_CONFIGS, random_config_dict, random_model
 from hyla.bench.step_bench import make_runner
 from hyla.contract import ForwardBatch
 from hyla.engine.step_plan import StepPlan
@@ -169,8 +174,17 @@ def main() -> None:
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--kernel-list", default=None, help="write the first decode batch's kernels in launch order, "
                    "by layer, to this file")
+    p.add_argument("--quantization", "-q", choices=["fp8"], default=None, help="block-FP8 weights")
     args = p.parse_args()
-    model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers)
+    if args.quantization:
+        from hyla.models import load_model
+
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(random_config_dict(args.random_config, args.layers)))
+            model = load_model(tmp, dtype=torch.bfloat16, device="cuda", random_weights=True,
+                               quantization=args.quantization)
+    else:
+        model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers)
     b_max = max(args.decode_batch or [1])
     runner = make_runner(model, b_max, args.context, prefill_tokens=args.prefill)
     T = args.prefill

@@ -56,15 +56,21 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _bounded_cuda_pools(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def _bounded_cuda_pools(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """On a CUDA machine an engine a test builds without a memory_budget takes CUDA_TEST_POOL_BYTES
     of pools, not gpu_memory_utilization (90%) of the device: several xdist workers share the GPU,
     and a test may hold two engines at once (each would count the other's pools as in use). A test
-    marked real_gpu_memory keeps the measured budget (tests/engine/test_memory_profile.py)."""
+    marked real_gpu_memory keeps the measured budget (tests/engine/test_memory_profile.py). After
+    each test the worker's cached blocks go back to the device (a full-size kernel test caches tens
+    of GiB that the other workers need)."""
     import torch
 
-    if not torch.cuda.is_available() or request.node.get_closest_marker("real_gpu_memory"):
+    if not torch.cuda.is_available():
+        yield
         return
-    from hyla.engine import llm_engine
+    if not request.node.get_closest_marker("real_gpu_memory"):
+        from hyla.engine import llm_engine
 
-    monkeypatch.setattr(llm_engine, "device_pool_budget", lambda *args, **kwargs: CUDA_TEST_POOL_BYTES)
+        monkeypatch.setattr(llm_engine, "device_pool_budget", lambda *args, **kwargs: CUDA_TEST_POOL_BYTES)
+    yield
+    torch.cuda.empty_cache()

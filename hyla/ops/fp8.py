@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from hyla.ops.fp8_checks import BLOCK, FP8_DTYPE, cdiv, check_fp8_experts, scale_shape
-from hyla.ops.fp8_quant import ACT_EPS, FP8_MAX, per_token_group_quant  # noqa: F401 (re-exported)
+from hyla.ops.fp8_quant import ACT_EPS, FP8_MAX, fp8_scale, per_token_group_quant  # noqa: F401 (re-exported)
 from hyla.ops.fp8_quant import to_e4m3 as _to_e4m3
 from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.moe_pairs import sort_pairs_by_expert
@@ -72,7 +72,7 @@ def block_quantize(w: torch.Tensor, block: int = BLOCK,
     w32 = w.float()
     padded = torch.nn.functional.pad(w32, (0, kb * block - K, 0, nb * block - N))
     amax = padded.abs().view(nb, block, kb, block).amax(dim=(1, 3))
-    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    s = torch.where(amax > 0, fp8_scale(amax), torch.ones_like(amax))
     if power_of_two:
         s = torch.exp2(torch.ceil(torch.log2(s)))
     q = _to_e4m3(w32 / _expand_blocks(s, N, K, block))

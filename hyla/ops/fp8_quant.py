@@ -13,7 +13,15 @@ from hyla.ops.fp8_checks import BLOCK, FP8_DTYPE, cdiv
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 ACT_EPS = 1e-10  # an activation group's amax floor: an all-zero group gets a tiny scale, not 0 / 0
 
-__all__ = ["FP8_MAX", "ACT_EPS", "to_e4m3", "per_token_group_quant"]
+__all__ = ["FP8_MAX", "ACT_EPS", "to_e4m3", "fp8_scale", "per_token_group_quant"]
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax (fp32, any shape) -> amax / 448 correctly rounded, on every device. A tensor divisor:
+    torch on CUDA divides by a Python scalar as a multiplication by its rounded reciprocal, an ulp
+    off for about 60% of amaxes (an H100: 1,217 of 2,048 groups), and an ulp on the scale moves the
+    codes of x / s that sit on a rounding tie, which bf16 inputs often do."""
+    return amax / torch.full_like(amax, FP8_MAX)
 
 
 def to_e4m3(v: torch.Tensor) -> torch.Tensor:
@@ -30,6 +38,6 @@ def per_token_group_quant(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Te
     g = cdiv(K, group)
     x32 = x.float()
     amax = torch.nn.functional.pad(x32.abs(), (0, g * group - K)).view(M, g, group).amax(-1)
-    s = amax.clamp(min=ACT_EPS) / FP8_MAX
+    s = fp8_scale(amax.clamp(min=ACT_EPS))
     q = to_e4m3(x32 / s.repeat_interleave(group, dim=-1)[:, :K])
     return q, s

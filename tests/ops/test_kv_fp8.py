@@ -342,7 +342,4 @@ def test_layer_step_over_fp8_pages_triton_equals_torch(kind, monkeypatch):
         pools.append([t.cpu().float() for t in cache.tensors()])
     assert (outs[0] - outs[1]).abs().max() <= 1e-5 * outs[0].abs().max()  # measured: 2e-7 (gqa), 3e-7 (mla)
     for a, b in zip(*pools):
-        # On CUDA the projections before the write (cuBLAS against the Triton norm / rope) differ in
-        # fp32's last bits, which moves a row's amax and so its scale by an ulp: 3 of 104 scales on
-        # an H100. Codes and scales stay within one e4m3 step; at most 5% of them move.
-        assert ((a - b).abs() <= 2 ** -3 * b.abs() + 1e-6).all() and (a != b).float().mean() < 0.05
+        assert ((a - b).abs() <= 2 ** -3 * b.abs() + 1e-6).all() and (a != b).float().mean() < 0.01
