@@ -24,7 +24,7 @@ from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.fp8_linear import PackedFp8Linears, quantized_like
 from hyla.layers.fp8_moe import Fp8StackedExperts
 from hyla.layers.mlp import MLP
-from hyla.ops.fp8 import (block_dequantize, block_quantize, fp8_linear_torch, fp8_moe_experts_torch,
+from hyla.ops.fp8 import (block_dequantize, block_quantize, fp8_scale, fp8_linear_torch, fp8_moe_experts_torch,
                           per_token_group_quant, quantize_gate_up)
 from hyla.ops.gated_act import GatedActivation
 from tests.ops.helpers import use_backend
@@ -43,6 +43,22 @@ def _x(M, K, seed=0, dtype=torch.float32):
 def _w(N, K, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return block_quantize(torch.randn(N, K, generator=gen) / K ** 0.5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_scales_are_amax_over_448_correctly_rounded(device):
+    """fp8_scale on any device equals amax / 448 rounded once from fp64 (no double-rounding risk:
+    a quotient by 7 * 2^6 never lands on an fp32 midpoint unless exact), so the torch definitions
+    and the Triton kernels (div_rn) quantise alike on CUDA too; the amaxes include bf16 values
+    whose quotient is exact (3.0625 / 448 = 7 / 1024), where a reciprocal product is an ulp off."""
+    gen = torch.Generator().manual_seed(0)
+    amax = torch.cat([torch.rand(4096, generator=gen) * 8, torch.randn(4096, generator=gen).abs().bfloat16().float(),
+                      torch.tensor([3.0625, 448.0, 1e-10])])
+    want = (amax.double() / 448).float()
+    assert torch.equal(fp8_scale(amax.to(device)).cpu(), want)
+    _, s = per_token_group_quant(amax.view(1, -1).to(device))
+    assert s.device.type == device
 
 
 @pytest.mark.parametrize("M, K", [(1, 64), (5, 200), (33, 384)])
