@@ -14,6 +14,5 @@ timeout 90 python3 scripts/gpu_engine_check.py 2>&1 | tail -8
 echo "== MTP k=2"
 timeout 150 python3 -m hyla.bench spec --model qwen3.5-mtp --device cuda --method ngram mtp --k 2 --rollback slots --max-tokens 128 --repeats 3 2>&1 | tail -25 | tee $OUT/mtp.log
 echo "== 48B decode"
-MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 [ "$MEM" -lt 120000 ] && { echo "skip: ${MEM} MiB"; exit 0; }
 timeout 240 python3 -m hyla.bench throughput --random-config kimi-linear-48b-a3b --mode decode --batch-sizes 1 64 256 --context-lens 512 --steps 30 2>&1 | tail -25 | tee $OUT/decode48.log

@@ -7,3 +7,8 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+# The 48B shape's bf16 weights (91.5 GiB) need a card of >= 120 GB; on a smaller one (an H100) the
+# rounds serve it with block-FP8 weights (about 48 GB) and say so.
+MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+Q48=""; [ "${MEM:-0}" -lt 120000 ] && Q48="--quantization fp8"
+echo "card memory ${MEM:-?} MiB; 48B weights: ${Q48:-bf16}"

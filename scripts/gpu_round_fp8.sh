@@ -6,7 +6,6 @@
 # H200's memory; on a smaller card they run cut.
 . "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 T="timeout 200 python3 -m hyla.bench throughput"
 echo "== kernel tests"
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_kernels.py tests/gpu/test_fp8_model.py \

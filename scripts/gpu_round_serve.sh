@@ -5,7 +5,7 @@
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b || exit 1
 T0=$(date +%s)
-python3 -m hyla serve /tmp/k48 --load-format dummy --port 8000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
     --max-model-len 8192 ${SERVE_EXTRA} > $OUT/serve.log 2>&1 &
 SP=$!
 for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
