@@ -316,6 +316,15 @@ class DecodeGraphs:
             step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = step()
+        except BaseException:
+            # A capture that fails (out of memory mid-capture, say) can leave the caching allocator
+            # still "recording" into this pool, and every later capture into it then fails too:
+            # the graphs captured from now on share a fresh pool instead. The step itself fails;
+            # the engine retries its requests (LLMEngine.recover).
+            log.warning("a CUDA graph capture failed: later graphs take a new memory pool")
+            self.pool = torch.cuda.graph_pool_handle()
+            raise
         return graph, out

@@ -437,6 +437,57 @@ def test_configured_sizes_share_one_logits_buffer(monkeypatch):
     assert {key[0] for key in graphs.graphs} == {5}  # 3 rows: the bucket of 5
 
 
+def test_a_failed_capture_moves_later_graphs_to_a_fresh_pool(monkeypatch):
+    """A capture that raises (out of memory mid-capture) propagates, and the runner's later
+    graphs go to a new memory pool: the old one may be left recording by the caching allocator,
+    which failed every later capture into it (seen on an H100). CUDA's stream and graph API are
+    stand-ins here; the runner's logic around them is what runs."""
+    from contextlib import nullcontext
+
+    from hyla.engine import cuda_graph
+
+    handles = iter(range(100))
+    pools_used = []
+
+    class Graph:  # torch.cuda.graph's stand-in records the pool and runs the step
+        def __init__(self, graph, pool):
+            pools_used.append(pool)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Stream:
+        def __init__(self, *a, **kw):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", Graph)
+    runner = cuda_graph.DecodeGraphs.__new__(cuda_graph.DecodeGraphs)
+    runner.device, runner.pool = torch.device("cpu"), torch.cuda.graph_pool_handle()
+    calls = iter([None, MemoryError("mid-capture")])  # warm-up passes, the captured call fails
+
+    def step():
+        err = next(calls, None)
+        if err is not None:
+            raise err
+        return "out"
+    with pytest.raises(MemoryError):
+        runner._capture(step)
+    assert pools_used == [0] and runner.pool == 1
+    _, out = runner._capture(lambda: "out")
+    assert out == "out" and pools_used == [0, 1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_decode_graphs_are_captured_at_startup():
     """Every batch size at the widths the contexts need is captured when the engine starts:
