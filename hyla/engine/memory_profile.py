@@ -1,8 +1,10 @@
 """How much device memory the pools get, as vLLM users expect it (`--gpu-memory-utilization`).
 
     budget = utilization x the device's total memory
-             - what this process and others hold that PyTorch cannot hand back (weights, CUDA
-               context, other processes; blocks PyTorch's allocator merely caches are reclaimable)
+             - what is not free on the device once PyTorch handed its cached blocks back (weights,
+               CUDA context, other processes, and the free fragments of segments the allocator
+               cannot release because a live tensor shares them: pool tensors are too large to
+               fit there)
              - the peak of a profiled worst-case step (activations, logits, the sampler's buffers)
              - the decode CUDA graphs captured at startup (profiled the same way: their pool,
                logits buffer and per-graph cost)
@@ -92,10 +94,13 @@ def device_pool_budget(device: torch.device, utilization: float, step_bytes: int
     """The pools' bytes on a CUDA device (see the module docstring); ValueError when nothing is
     left, naming the figures and the setting to change."""
     gc.collect()  # an engine the caller dropped may sit in a reference cycle: its pools are free memory
+    torch.cuda.empty_cache()  # loading's temporaries: cached blocks go back to the driver
     total = torch.cuda.get_device_properties(device).total_memory
     free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    held = total - free - cached  # weights, context, other processes: not ours to take
+    # What empty_cache could not release lies in segments shared with live tensors: counting it
+    # as free ran the 80B FP8 cut out of memory on an H100 (11 GiB cached, a 2.4 GiB page tensor
+    # refused), so it is held like the weights, the context and other processes.
+    held = total - free
     budget = int(utilization * total) - held - step_bytes - reserved_bytes
     log.info("memory: gpu_memory_utilization %.2f of %.1f GiB = %.1f GiB; in use %.1f GiB (weights, context, "
              "other processes); worst-case step %.2f GiB; weights loaded later %.2f GiB; pools %.1f GiB",

@@ -80,7 +80,10 @@ class Worker:
     def free_memory(self) -> int:
         """Free bytes on this rank's device (0 on the CPU): the pools are sized by the tightest rank."""
         device = self.model.device
-        return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+        if device.type != "cuda":
+            return 0
+        torch.cuda.empty_cache()  # loading's cached blocks back to the driver (hyla.engine.memory_profile)
+        return torch.cuda.mem_get_info(device)[0]
 
     def make_runner(self, num_slots: int, num_pages: int, page_size: int, state_dtype, enforce_eager: bool,
                     kv_cache_dtype: str = "auto") -> None:
