@@ -21,10 +21,16 @@ each of which moves its own shard):
     ("ckpt_in", host, slot)                  host entry -> slot (restore; dequantised with int8)
     ("page_out", page, host_page)            device page -> host page (eviction to the host)
     ("page_in", host_page, page)             host page -> device page (restore)
-Plans run in order on one stream: a transfer that reads an index always precedes whatever reuses
-it later in the plan or in the step's forward, so an index may be freed as soon as its copy is
-planned. On CUDA the host copies are asynchronous (pinned memory, non_blocking): the host
-thread never waits for them, and the forward that follows on the same stream sees their result.
+Plans run in order: a transfer that reads an index always precedes whatever reuses it later in
+the plan or in the step's forward, so an index may be freed as soon as its copy is planned. On
+CUDA the host copies (ckpt_out, page_out, ckpt_in, page_in) run on a side stream, from pinned
+memory, and the host thread never waits for them. The order holds across the two streams: the
+side stream starts after everything launched on the compute stream, and a device copy that
+follows host copies in a plan waits for them. At the end of a plan the compute stream waits for
+the evictions (the step's forward may reuse what they read) but not for the restores: those
+land while the step runs, for requests that start in the next step (Scheduler.schedule), and
+the compute stream waits for them when the next plan is applied (also an empty one), before
+anything of that step. On the CPU everything runs in order, at once.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from hyla.contract.cache import HybridCache
 from hyla.engine.checkpoint_codec import dequantize_rows, quantize_rows, rows_of
 
 CHECKPOINT_DTYPES = ("auto", "int8")  # EngineConfig.checkpoint_dtype / --checkpoint-dtype
+TO_HOST = ("ckpt_out", "page_out")  # transfers that read the device into the host tier (evictions)
+FROM_HOST = ("ckpt_in", "page_in")  # transfers that write the device from the host tier (restores)
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,12 @@ class TierSizes:
     int8_entries: int = 0
     host_pages: int = 0
     host_checkpoints: int = 0
+
+
+def restores_overlap(sizes: TierSizes, device: torch.device) -> bool:
+    """Whether host copies run on a side stream (a host tier on CUDA): restores then land while a
+    step runs, and the requests they serve must start in the next one (Scheduler.schedule)."""
+    return device.type == "cuda" and bool(sizes.host_pages or sizes.host_checkpoints)
 
 
 def _memory_order(t: torch.Tensor) -> torch.Tensor:
@@ -122,6 +136,8 @@ class CacheTiers:
                            for t in self.page_tensors] if sizes.host_pages else None
         self._stats = {"bytes_to_host": 0, "bytes_from_host": 0, "restore_seconds": 0.0}
         self._timing: list[tuple] = []  # CUDA: (start, end) events of restores not yet added up
+        self.copy_stream = torch.cuda.Stream(device) if restores_overlap(sizes, device) else None
+        self._restored = None  # CUDA event: the last plan's restores, awaited by the next plan
 
     @property
     def stats(self) -> dict:
@@ -170,9 +186,39 @@ class CacheTiers:
 
     # ---- the transfers -------------------------------------------------------------------
     def apply(self, plan: list[tuple]) -> None:
-        """Run a transfer plan in order (see the module docstring)."""
+        """Run a transfer plan in order (see the module docstring; an empty plan still lets the
+        compute stream wait for the previous plan's restores)."""
+        side = self.copy_stream
+        if side is None:
+            for op, *args in plan:
+                getattr(self, "_" + op)(*args)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if self._restored is not None:
+            compute.wait_event(self._restored)
+            self._restored = None
+        on_side = evicted = restored = False
         for op, *args in plan:
-            getattr(self, "_" + op)(*args)
+            host = op in TO_HOST or op in FROM_HOST
+            if host and not on_side:
+                side.wait_stream(compute)  # after everything launched before (the step in flight too)
+            elif not host and on_side:
+                compute.wait_stream(side)
+            on_side = host
+            if host:
+                with torch.cuda.stream(side):
+                    getattr(self, "_" + op)(*args)
+                evicted |= op in TO_HOST
+                restored |= op in FROM_HOST
+            else:
+                getattr(self, "_" + op)(*args)
+        if evicted or restored:
+            done = torch.cuda.Event()
+            done.record(side)
+            if evicted:  # the step's forward may write what the evictions read: they come first
+                compute.wait_event(done)
+            else:
+                self._restored = done
 
     def _copy_slot(self, src: int, dst: int) -> None:
         self.cache.copy_slot(src, dst)

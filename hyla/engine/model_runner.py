@@ -158,9 +158,7 @@ class ModelRunner:
     def apply_transfers(self, transfers: list[tuple]) -> None:
         """The copies a ScheduledBatch (or the prefix cache after a step) planned, in order, before
         anything else touches those slots / pages: restores, and moves between the cache's tiers."""
-        if not transfers:
-            return
         if self.tiers is not None:
-            self.tiers.apply(transfers)
-        else:
+            self.tiers.apply(transfers)  # also an empty plan: the previous plan's restores are awaited
+        elif transfers:
             plain_transfers(self.cache, transfers)

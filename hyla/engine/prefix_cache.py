@@ -95,6 +95,11 @@ class CacheHit:
     def locked(self) -> list[Node]:
         return [self.node] + [n for _, n in self.host_nodes]
 
+    @property
+    def from_host(self) -> bool:
+        """Whether restoring the hit copies anything from the host tier (pages or checkpoint)."""
+        return self.node.checkpoints[self.r][0] == HOST or bool(self.host_nodes) or self.node.page is None
+
 
 def common_prefix_len(a, b) -> int:
     """Length of the longest common prefix of two token sequences."""
@@ -120,6 +125,10 @@ class PrefixCache:
         self.num_checkpoints = 0
         self.inflation = 0.0  # the key of the last checkpoint evict_slot dropped (eviction.py)
         self.transfers: list[tuple] = []  # copies planned, not yet handed to the runner (take_transfers)
+        # The engine sets this where the runner copies from the host on a side stream (CUDA): a
+        # request whose hit comes from the host then starts one step after its restore was
+        # planned, so the copy overlaps that step (Scheduler.schedule; hyla.engine.cache_tiers).
+        self.defer_host_restores = False
         self._leaves = LazyHeap(lambda stamp, n: n.alive and n.page is not None and n.last_access == stamp
                                 and not self._has_device_child(n))
         self._checkpoints = {tier: LazyHeap(lambda key, c, tier=tier: c[0].alive and c[0].last_access == c[2]
@@ -275,7 +284,7 @@ class PrefixCache:
         tier, index = node.checkpoints[r]
         self.transfers.append({SLOT: ("copy_slot", index, seq.slot), INT8: ("unpack", index, seq.slot),
                                HOST: ("ckpt_in", index, seq.slot)}[tier])
-        from_host = tier == HOST or bool(hit.host_nodes) or node.page is None
+        from_host = hit.from_host
         self.stats[f"checkpoints_from_{tier}"] += 1
         self.stats["hits_host" if from_host else "hits_device"] += 1
         self.stats["hit_tokens_host" if from_host else "hit_tokens_device"] += hit.num_tokens
