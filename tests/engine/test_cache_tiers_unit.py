@@ -160,3 +160,63 @@ def test_slot_checkpoints_evicted_for_slots_go_to_the_host():
     s = seq(list(range(6)) + [1])
     admit(pools, cache, s)
     assert cache.take_transfers()[-1] == ("ckpt_in", host, s.slot)
+
+
+def test_host_copies_keep_the_plan_order_across_the_side_stream(monkeypatch):
+    """CacheTiers.apply on CUDA, with stand-ins for the streams and events (the order of waits is
+    what is checked): host copies run on the side stream after everything launched before; a
+    device copy after host copies waits for them; evictions are awaited by the compute stream
+    at the end of their plan, restores only when the next plan (even an empty one) is applied."""
+    from contextlib import contextmanager
+
+    import torch
+
+    from hyla.engine.cache_tiers import CacheTiers
+
+    log, current = [], []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+        def wait_event(self, event):
+            log.append(f"{self.name} waits event {event.id}")
+
+    class Event:
+        count = 0
+
+        def record(self, stream):
+            Event.count += 1
+            self.id = Event.count
+            log.append(f"event {self.id} on {stream.name}")
+
+    compute, side = Stream("compute"), Stream("side")
+
+    @contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: compute)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    tiers = CacheTiers.__new__(CacheTiers)
+    tiers.device, tiers.copy_stream, tiers._restored = torch.device("cuda"), side, None
+    for op in ("page_out", "ckpt_out", "page_in", "ckpt_in", "copy_rows", "copy_slot"):
+        monkeypatch.setattr(tiers, "_" + op, lambda *a, op=op: log.append(f"{op} on {(current or [compute])[-1].name}"))
+
+    tiers.apply([("page_out", 3, 0), ("copy_rows", 5, 3, 7), ("page_in", 1, 3)])
+    assert log == ["side waits compute", "page_out on side", "compute waits side", "copy_rows on compute",
+                   "side waits compute", "page_in on side", "event 1 on side", "compute waits event 1"]
+    log.clear()
+    tiers.apply([("page_in", 2, 9), ("ckpt_in", 4, 1)])  # restores alone: the step runs meanwhile
+    assert log == ["side waits compute", "page_in on side", "ckpt_in on side", "event 2 on side"]
+    log.clear()
+    tiers.apply([])  # the next plan, even empty: the compute stream waits for them first
+    tiers.apply([])
+    tiers.apply([("copy_slot", 1, 2)])
+    assert log == ["compute waits event 2", "copy_slot on compute"]
