@@ -22,11 +22,13 @@ fp32 -> fp8 cast rounds ties away from zero and mishandles overflow), up to the 
 
 `fp8_linear_scaled_mm` is the alternative second step: cuBLAS through torch._scaled_mm with
 BlockWise1x128 activation scales and BlockWise128x128 weight scales (Hopper, CUDA 12.9+),
-timed against the Triton GEMM by tests/gpu/test_fp8_kernels.py (not used by the product until that
-timing picks it).
+timed against the Triton GEMM by tests/gpu/test_fp8_kernels.py; `fp8_linear` takes it for
+prefill-sized inputs (SCALED_MM_MIN_ROWS), where that timing picked it.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import triton
@@ -35,6 +37,7 @@ import triton.language as tl
 from hyla.ops.triton import _interpreter
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
+log = logging.getLogger("hyla.ops")
 
 BLOCK = 128  # hyla.ops.fp8.BLOCK
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
@@ -174,9 +177,27 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, s: torch.Tenso
     return c
 
 
+# From this many rows a CUDA tensor goes through cuBLAS (torch._scaled_mm) where it takes the shape:
+# tests/gpu/test_fp8_kernels.py timed it at 8192 rows 1.6-1.85x faster than the Triton GEMM on the
+# released projections (one H100, BENCHMARKS.md "Block-FP8 weights on the GPU"), and at 64 rows
+# the Triton GEMM 1.1-1.2x faster (cuBLAS refuses one row); the rows between are not timed yet.
+SCALED_MM_MIN_ROWS = 4096
+_scaled_mm_refused: set[tuple[int, int]] = set()  # (N, K) cuBLAS turned down once: Triton from then on
+
+
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None,
                config: dict | None = None) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x.dtype: quantise x per token group, then the block-FP8 GEMM."""
+    """x [M, K] -> [M, N] in x.dtype: quantise x per token group, then the block-FP8 GEMM (cuBLAS
+    from SCALED_MM_MIN_ROWS rows on CUDA where it takes the shape, else Triton; config: the Triton
+    GEMM's tiles, which also keeps it Triton)."""
+    if (config is None and x.is_cuda and x.shape[0] >= SCALED_MM_MIN_ROWS and scaled_mm_supports(x, w)
+            and tuple(w.shape) not in _scaled_mm_refused):
+        try:
+            return fp8_linear_scaled_mm(x, w, s, bias)
+        except RuntimeError as err:  # this torch / cuBLAS build has no blockwise scaling
+            _scaled_mm_refused.add(tuple(w.shape))
+            log.warning("torch._scaled_mm refused a %s block-FP8 GEMM (%s): the Triton GEMM runs it",
+                        tuple(w.shape), str(err).splitlines()[0][:120])
     xq, xs = per_token_group_quant(x)
     return fp8_gemm(xq, xs, w, s, x.dtype, bias, config)
 
