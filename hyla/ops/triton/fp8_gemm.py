@@ -191,7 +191,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Te
     from SCALED_MM_MIN_ROWS rows on CUDA where it takes the shape, else Triton; config: the Triton
     GEMM's tiles, which also keeps it Triton)."""
     if (config is None and x.is_cuda and x.shape[0] >= SCALED_MM_MIN_ROWS and scaled_mm_supports(x, w)
-            and tuple(w.shape) not in _scaled_mm_refused):
+            and tuple(w.shape) not in _scaled_mm_refused
+            and not torch.cuda.is_current_stream_capturing()):  # a refusal inside a capture would void it
         try:
             return fp8_linear_scaled_mm(x, w, s, bias)
         except RuntimeError as err:  # this torch / cuBLAS build has no blockwise scaling
