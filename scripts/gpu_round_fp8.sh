@@ -1,6 +1,6 @@
 #!/bin/bash
 # GPU round, quantisation: the FP8 / MXFP4 kernel tests (with their times), the tiny FP8
-# checkpoints on CUDA, the FP8 fused-MoE tables swept; then the Qwen3-Next-80B-A3B shape in FP8
+# checkpoints on CUDA, the FP8 fused-MoE (where this card has none) and dense GEMM tables swept; then the Qwen3-Next-80B-A3B shape in FP8
 # (decode vs its floor, one request through the engine at 1K and 8K prompts), Kimi-Linear-48B-A3B
 # online FP8 vs bf16 decode, and the 80B's 8-layer prefill in FP8 vs bf16. Full shapes need the
 # H200's memory; on a smaller card they run cut.
@@ -10,10 +10,19 @@ T="timeout 200 python3 -m hyla.bench throughput"
 echo "== kernel tests"
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_kernels.py tests/gpu/test_fp8_model.py \
   tests/gpu/test_triton_kernels.py -k "fp8 or mxfp4" --tb=line 2>&1 | grep -E "ms|rel err|greedy|passed|failed|Error|^/" | tee $OUT/fp8_kernels.log
-echo "== FP8 fused-MoE sweep (tables written in place, used by the runs below, copied to \$OUT)"
-timeout 240 python3 -m hyla.bench moe --fp8 --sweep --write-configs hyla/assets/kernel_configs/fused_moe \
-  --tokens 1 16 64 256 8192 --repeat 20 2>&1 | grep -v "^# config" | tail -14 | tee $OUT/fp8_moe.log
-tar -cf $OUT/fp8_tables.tar hyla/assets/kernel_configs/fused_moe/*fp8_w8a8*.json  # names with = and , do not come back as files
+DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' _)
+if ls hyla/assets/kernel_configs/fused_moe/*device=${DEV},dtype=fp8_w8a8.json >/dev/null 2>&1 && [ -z "$SWEEP" ]; then
+  echo "== FP8 fused-MoE tables for $DEV shipped (SWEEP=1 sweeps again)"
+else
+  echo "== FP8 fused-MoE sweep (tables written in place, used by the runs below)"
+  timeout 240 python3 -m hyla.bench moe --fp8 --sweep --write-configs hyla/assets/kernel_configs/fused_moe \
+    --tokens 1 16 64 256 8192 --repeat 20 2>&1 | grep -v "^# config" | tail -14 | tee $OUT/fp8_moe.log
+fi
+echo "== FP8 GEMM sweep (tables written in place, used by the runs below)"
+timeout 300 python3 -m hyla.bench fp8-gemm --write-configs hyla/assets/kernel_configs/fp8_gemm 2>&1 \
+  | grep -v "^# config\|^# N=" | tail -80 | tee $OUT/fp8_gemm.log
+# the tables come back in a tar: names with = and , do not come back as files
+tar -cf $OUT/fp8_tables.tar hyla/assets/kernel_configs/fused_moe/*fp8_w8a8*.json hyla/assets/kernel_configs/fp8_gemm/*.json
 CUT=""; [ "$MEM" -lt 120000 ] && CUT="--layers 24"
 echo "== 80B FP8 decode ${CUT:-(48 layers)}"
 $T --random-config qwen3-next-80b-a3b $CUT -q fp8 --mode decode --batch-sizes 1 64 --context-lens 1024 --steps 30 2>&1 | tail -4 | tee $OUT/fp8_decode80.log

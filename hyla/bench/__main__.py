@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "prefix-cache": "hyla.bench.prefix_cache",
     "spec": "hyla.bench.spec",
     "moe": "hyla.bench.moe",
+    "fp8-gemm": "hyla.bench.fp8_gemm",
     "serve": "hyla.bench.serve",
     "shape": "hyla.bench.shape",
 }

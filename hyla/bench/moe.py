@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from hyla.bench.floor import copy_bandwidth, moe_block_parts
-from hyla.ops.triton.moe_configs import config_file_name, write_configs
+from hyla.ops.triton.kernel_tables import config_file_name, write_configs
 
 SHAPES = {
     # hidden, moe_intermediate, experts, top-k, shared intermediate, family
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    "then second-GEMM overrides (DOWN_SWEEP) on the best")
     p.add_argument("--write-configs", type=Path, metavar="DIR",
                    help="with --sweep: write the fastest configuration per shape and token count into DIR "
-                        "(hyla.ops.triton.moe_configs' file per shape and device)")
+                        "(hyla.ops.triton.kernel_tables' file per shape and device)")
     p.add_argument("--fp8", action="store_true", help="also the block-FP8 fused MoE on the experts quantised; "
                    "with --sweep its configurations (FP8_SWEEP) are the ones swept and written")
     args = p.parse_args(argv)

@@ -17,6 +17,8 @@ up to 4e-5). The W8A8 reference itself is checked against the exact product: eac
 moves by at most 2^-4 of itself (3 mantissa bits) or 2^-10 of its group scale (subnormals).
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -223,3 +225,49 @@ def test_every_fp8_sweep_configuration_runs_and_agrees():
     for config in FP8_SWEEP:
         out = mod.fused_moe_fp8(*on, config=config).cpu()
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-4 * ref.abs().max().item(), msg=str(config))
+
+
+def test_every_gemm_sweep_configuration_computes_the_reference():
+    """hyla bench fp8-gemm's configurations (hyla.bench.fp8_gemm.GEMM_SWEEP) each run the block-FP8
+    GEMM to the reference (partial row, column and K blocks)."""
+    from hyla.bench.fp8_gemm import GEMM_SWEEP
+
+    mod, dev = triton_module("fp8_gemm")
+    x = _x(19, 200)
+    w, s = _w(150, 200)
+    ref = fp8_linear_torch(x, w, s)
+    xq, xs = mod.per_token_group_quant(x.to(dev))
+    for config in GEMM_SWEEP:
+        out = mod.fp8_gemm(xq, xs, w.to(dev), s.to(dev), torch.float32, config=config).cpu()
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5 * ref.abs().max().item(), msg=str(config))
+
+
+def test_the_gemm_reads_its_tuned_table(tmp_path, monkeypatch):
+    """A tuned entry (hyla.ops.triton.kernel_tables) applies within a factor of two of its row
+    count, for its weight shape and device kind only, and fp8_gemm launches with it."""
+    from hyla.ops.triton import kernel_tables as kt
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Fake GPU 2")
+    monkeypatch.setattr(kt, "_device_name", functools.cache(kt._device_name.__wrapped__))
+    path = tmp_path / kt.gemm_file_name(150, 200, "Fake GPU 2")
+    assert path.name == "N=150,K=200,device=Fake_GPU_2,dtype=fp8_w8a8,block_shape=[128,128].json"
+    kt.write_configs(path, {16: dict(BM=16, BN=32, GM=1, num_warps=4, num_stages=2)})
+    cuda = torch.device("cuda")
+    assert kt.tuned_gemm_config(20, 150, 200, cuda, tmp_path)["BN"] == 32
+    assert kt.tuned_gemm_config(64, 150, 200, cuda, tmp_path) is None  # 4x away
+    assert kt.tuned_gemm_config(16, 150, 256, cuda, tmp_path) is None  # another shape
+    assert kt.tuned_gemm_config(16, 150, 200, torch.device("cpu"), tmp_path) is None
+
+    mod, dev = triton_module("fp8_gemm")
+    asked = []
+
+    def tuned(rows, n, k, device):
+        asked.append((rows, n, k))
+        return dict(BM=16, BN=32, GM=1, num_warps=4, num_stages=2)
+    monkeypatch.setattr(mod, "tuned_gemm_config", tuned)
+    x = _x(5, 200)
+    w, s = _w(150, 200)
+    out = mod.fp8_linear(x.to(dev), w.to(dev), s.to(dev)).cpu()
+    ref = fp8_linear_torch(x, w, s)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    assert asked == [(5, 150, 200)]

@@ -123,7 +123,7 @@ def test_split_config_gives_each_gemm_its_blocks_and_nothing_else():
 def test_tuned_table_is_used_near_its_token_counts(tmp_path, monkeypatch):
     """A tuned entry applies within a factor of two of its key, never to far-off sizes (a table
     tuned for prefill must not pick a decode step's blocks), and only on CUDA."""
-    from hyla.ops.triton import moe_configs as mc
+    from hyla.ops.triton import kernel_tables as mc
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Fake GPU 1")
     mc._device_name.cache_clear()  # the name is cached per device: forget the fake one afterwards too

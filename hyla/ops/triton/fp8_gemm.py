@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from hyla.ops.triton import _interpreter
+from hyla.ops.triton.kernel_tables import tuned_gemm_config
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 log = logging.getLogger("hyla.ops")
@@ -133,9 +134,9 @@ def _gemm_kernel(a, a_s, b, b_s, c, bias, M, N, K, s_am, s_asm, s_bn, s_bsn, s_c
 
 
 def gemm_config(M: int, N: int) -> dict:
-    """Tiles by the number of rows: decode-sized M reads weights (BM = 16 only pads, narrow column
-    tiles give the grid enough programs); prefill-sized M wants square 128 tiles. BK is the block
-    size. To be tuned on the device (see the GPU tests' shapes)."""
+    """Tiles by the number of rows, where no tuned table has an entry (hyla.ops.triton.kernel_tables,
+    `hyla bench fp8-gemm`): decode-sized M reads weights (BM = 16 only pads, narrow column tiles
+    give the grid enough programs); prefill-sized M wants square 128 tiles. BK is the block size."""
     if M <= 16:
         return dict(BM=16, BN=64, GM=1, num_warps=4, num_stages=4)
     if M <= 64:
@@ -168,7 +169,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, s: torch.Tenso
     c = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0:
         return c
-    cfg = dict(config or gemm_config(M, N))
+    cfg = dict(config or tuned_gemm_config(M, N, K, xq.device) or gemm_config(M, N))
     BM, BN, GM = cfg.pop("BM"), cfg.pop("BN"), cfg.pop("GM", 1)
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     _gemm_kernel[grid](xq, xs, w, s, c, bias if bias is not None else c, M, N, K, xq.stride(0), xs.stride(0),

@@ -34,7 +34,7 @@ from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.moe_pairs import check_expert_shapes
 from hyla.ops.moe_pairs import sort_pairs_by_expert
 from hyla.ops.triton import _interpreter
-from hyla.ops.triton.moe_configs import tuned_config
+from hyla.ops.triton.kernel_tables import tuned_config
 from hyla.ops.triton.norm import to_dtype
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -270,7 +270,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     """x: [M, H]; w13: [E, 2I, H]; w2: [E, H, I]; weights: [M, k] (fp32); ids: [M, k] int64 ->
     [M, H] in x.dtype. See the module docstring. config: block sizes and launch options (keys
     of `_config`'s result, optionally a "down" dict overriding them for the second GEMM) instead
-    of the tuned table for this device and shape (hyla.ops.triton.moe_configs) or, without one,
+    of the tuned table for this device and shape (hyla.ops.triton.kernel_tables) or, without one,
     the heuristic `_config`. activation: the
     experts' gated activation (hyla.ops.gated_act), computed in the first GEMM's epilogue."""
     check_expert_shapes(x, w13, w2, weights, ids)

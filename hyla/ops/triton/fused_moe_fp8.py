@@ -39,8 +39,8 @@ from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.fp8_gemm import ACT_EPS, BLOCK, per_token_group_quant, quantize_rows
 from hyla.ops.triton.fused_moe import _ACT, _block_ids, _gated, align_pairs, split_config, sum_slots
-from hyla.ops.triton import moe_configs
-from hyla.ops.triton.moe_configs import CONFIG_DIR
+from hyla.ops.triton import kernel_tables
+from hyla.ops.triton.kernel_tables import CONFIG_DIR
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -138,9 +138,9 @@ def _config(pairs: int, num_experts: int) -> dict:
 
 def tuned_config(tokens: int, num_experts: int, intermediate: int, hidden: int, device: torch.device,
                  directory: Path = CONFIG_DIR) -> dict | None:
-    """The FP8 kernels' tuned configuration (hyla.ops.triton.moe_configs, dtype "fp8_w8a8"), with
+    """The FP8 kernels' tuned configuration (hyla.ops.triton.kernel_tables, dtype "fp8_w8a8"), with
     BN and BK defaulting to the block size; None without a table entry near `tokens`."""
-    cfg = moe_configs.tuned_config(tokens, num_experts, intermediate, hidden, device, directory, dtype="fp8_w8a8")
+    cfg = kernel_tables.tuned_config(tokens, num_experts, intermediate, hidden, device, directory, dtype="fp8_w8a8")
     if cfg is not None:
         cfg.setdefault("BN", BLOCK)
         cfg.setdefault("BK", BLOCK)
