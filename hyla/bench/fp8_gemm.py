@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
                     times[i] = graph_ms(lambda: fp8_gemm.fp8_gemm(xq, xs, w, s, x.dtype, config=cfg), args.repeat)
                 except Exception as e:  # noqa: BLE001 - a configuration that does not fit is skipped
                     print(f"# N={n} K={k} rows={m} config {cfg}: {type(e).__name__}: {str(e)[:80]}")
+            if not times:
+                continue
             best = min(times, key=times.get)
             best_by_shape.setdefault((n, k), {})[m] = GEMM_SWEEP[best]
             cublas = float("nan")
