@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hyla.bench.moe import graph_ms
-from hyla.bench.random_models import random_config_dict
+from hyla.bench.random_models import RANDOM_CONFIGS, random_config_dict
 
 # BK is the 128 quantisation block; BM, BN, GM and the launch options vary
 GEMM_SWEEP = [dict(BM=bm, BN=bn, GM=gm, num_warps=w, num_stages=st) for bm, bn, gm, w, st in (
@@ -60,7 +60,7 @@ def model_shapes(name: str, device: torch.device) -> list[tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="hyla bench fp8-gemm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=sorted(RANDOM_CONFIGS))
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096, 8192])
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--write-configs", type=Path, metavar="DIR",
