@@ -8,7 +8,7 @@ echo "== tests"
 timeout 300 python3 -m pytest -q -n 4 --tb=line -rfE -p no:cacheprovider tests/gpu tests/engine/test_cuda_graph.py tests/engine/test_memory_profile.py \
   tests/engine/test_mtp_overlap.py tests/engine/test_mtp_fused.py tests/engine/test_mtp_graph.py tests/engine/test_mtp_chain.py \
   tests/engine/test_spec_device_accept.py tests/ops/test_fused_decode.py tests/layers/test_fused_layers.py \
-  tests/engine/test_kv_cache_fp8.py tests/ops/test_kv_fp8.py tests/engine/test_host_tier.py tests/engine/test_decode_overlap.py 2>&1 | tail -60 | tee $OUT/tests.log
+  tests/engine/test_kv_cache_fp8.py tests/ops/test_kv_fp8.py tests/ops/test_fp8_gemm.py tests/engine/test_host_tier.py tests/engine/test_decode_overlap.py 2>&1 | tail -60 | tee $OUT/tests.log
 echo "== engine check"
 timeout 90 python3 scripts/gpu_engine_check.py 2>&1 | tail -8
 echo "== MTP k=2"
