@@ -13,7 +13,7 @@ echo "server up after $(( $(date +%s) - T0 )) s"; grep -E "memory:|pools:|CUDA g
 B="python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT --disable-tqdm"
 for cn in ${CONC:-1:8 16:64 64:192 256:512}; do
   timeout 240 $B --label random-c${cn%:*} --random-input-len 1024 --random-output-len 256 --ignore-eos \
-      --max-concurrency ${cn%:*} --num-prompts ${cn#*:} 2>&1 | grep -E "throughput|TTFT|TPOT|ITL|E2E|Failed|Successful|hit" | grep -iv "median\|std" | tr '\n' ';' ; echo " <- c${cn%:*}"
+      --max-concurrency ${cn%:*} --num-prompts ${cn#*:} 2>&1 | grep -E "throughput|TTFT|TPOT|ITL|E2E|Failed|Successful|hit|Engine step time|Model execute" | grep -iv "median\|std" | tr '\n' ';' ; echo " <- c${cn%:*}"
 done
 timeout 200 $B --label prefix-${TAG:-on} --dataset-name prefix --prefix-len 4096 --suffix-len 256 --num-prefixes 1 \
     --num-prompts 128 --output-len 64 --max-concurrency 64 --temperature 0 --ignore-eos --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- prefix"

@@ -35,14 +35,13 @@ anything of that step. On the CPU everything runs in order, at once.
 
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
 
 from hyla.contract.cache import HybridCache
 from hyla.engine.checkpoint_codec import dequantize_rows, quantize_rows, rows_of
+from hyla.engine.device_timer import DeviceTimer
 
 CHECKPOINT_DTYPES = ("auto", "int8")  # EngineConfig.checkpoint_dtype / --checkpoint-dtype
 TO_HOST = ("ckpt_out", "page_out")  # transfers that read the device into the host tier (evictions)
@@ -134,41 +133,18 @@ class CacheTiers:
         self.page_tensors = [t for layer in cache.attention_layers for t in layer.tensors()]
         self.host_pages = [torch.empty((sizes.host_pages, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
                            for t in self.page_tensors] if sizes.host_pages else None
-        self._stats = {"bytes_to_host": 0, "bytes_from_host": 0, "restore_seconds": 0.0}
-        self._timing: list[tuple] = []  # CUDA: (start, end) events of restores not yet added up
+        self._stats = {"bytes_to_host": 0, "bytes_from_host": 0}
+        self.restore_time = DeviceTimer(device)  # the host -> device copies' device time
         self.copy_stream = torch.cuda.Stream(device) if restores_overlap(sizes, device) else None
         self._restored = None  # CUDA event: the last plan's restores, awaited by the next plan
 
     @property
     def stats(self) -> dict:
         """bytes_to_host, bytes_from_host and restore_seconds: the time the restores (host ->
-        device copies, dequantisation included) took where they ran. On CUDA that is the device
-        time between events recorded around each restore on its stream, added up once they
-        completed (a restore still in flight counts at a later read); on the CPU the copies are
-        synchronous and their wall time is it."""
-        pending = []
-        for start, end in self._timing:
-            if end.query():
-                self._stats["restore_seconds"] += start.elapsed_time(end) / 1e3
-            else:
-                pending.append((start, end))
-        self._timing = pending
-        return self._stats
-
-    @contextlib.contextmanager
-    def _restore_timer(self):
-        """Adds the restore in its block to restore_seconds (see `stats`): CUDA events recorded
-        around it on the current stream, added up by `stats` once complete; wall time on the CPU."""
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._timing.append((start, end))
-        else:
-            began = time.perf_counter()
-            yield
-            self._stats["restore_seconds"] += time.perf_counter() - began
+        device copies, dequantisation included) took where they ran (hyla.engine.device_timer:
+        CUDA events around each restore on its stream, counted once complete; wall time on the
+        CPU)."""
+        return {**self._stats, "restore_seconds": self.restore_time.seconds}
 
     def _device(self) -> torch.device:
         for layer in self.cache.layers:
@@ -249,7 +225,7 @@ class CacheTiers:
             self._stats["bytes_to_host"] += t[src].numel() * t.element_size()
 
     def _ckpt_in(self, host: int, slot: int) -> None:
-        with self._restore_timer():
+        with self.restore_time.measure():
             if self.int8 is not None:
                 device = self.device
                 for (q, scale, convs), layer in zip(self.host_checkpoints.layers, self.cache.linear_layers):
@@ -274,7 +250,7 @@ class CacheTiers:
     def _page_in(self, host: int, page: int) -> None:
         """The whole page, also the rows past a partial hit: the request writes those positions
         before anything reads them (attention is causal), as it would in a fresh page."""
-        with self._restore_timer():
+        with self.restore_time.measure():
             for h, t in zip(self.host_pages, self.page_tensors):
                 t[page].copy_(h[host], non_blocking=True)
                 self._stats["bytes_from_host"] += h[host].numel() * h.element_size()

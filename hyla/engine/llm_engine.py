@@ -152,7 +152,8 @@ class LLMEngine:
         # Counters the engine itself advances; get_metrics adds the scheduler's and the pools'.
         self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_requests_failed": 0,
                         "prompt_tokens": 0, "generation_tokens": 0, "spec_num_draft_tokens": 0, "spec_num_drafts": 0,
-                        "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0, "num_steps": 0}
+                        "spec_num_accepted_tokens": 0, "spec_num_verify_steps": 0, "num_steps": 0,
+                        "engine_step_seconds": 0.0}  # wall time inside step(), the host's share included
         if drafter is not None and self.workers is not None:
             drafter = self.runner.shard_drafter(drafter)  # MTP: a shard of the head on every rank
         self.spec = SpecDecoder(spec_cfg, drafter, self.runner) if drafter is not None else None
@@ -371,6 +372,13 @@ class LLMEngine:
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        began = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.metrics["engine_step_seconds"] += time.perf_counter() - began
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._drained = self._drained, []
         if self.overlap is not None and self.overlap.flight is not None:
             # a decode step launched during the previous one (hyla.engine.overlap): no scheduling
@@ -643,6 +651,7 @@ class LLMEngine:
     def get_metrics(self) -> dict:
         m = dict(self.metrics)
         m["num_preemptions"] = self.scheduler.num_preemptions
+        m["model_execute_seconds"] = self.runner.execute_seconds()
         m["prefix_cache_query_tokens"] = self.scheduler.cache_query_tokens
         m["prefix_cache_hit_tokens"] = self.scheduler.cache_hit_tokens
         # reported with the cache (or its tiers) off too: 0

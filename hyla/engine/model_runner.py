@@ -18,6 +18,7 @@ from hyla.ops.transfer import to_device_long
 from hyla.engine.cache_tiers import CacheTiers, TierSizes, plain_transfers
 from hyla.engine.cuda_graph import SCRATCH, use_cuda_graphs
 from hyla.engine.cuda_graph_verify import CUDAGraphRunner
+from hyla.engine.device_timer import DeviceTimer
 from hyla.engine.step_plan import StepPlan, StepResult
 
 
@@ -39,6 +40,7 @@ class ModelRunner:
         sizes = sorted({min(b, num_slots) for b in cuda_graph_sizes}) if cuda_graph_sizes else None  # <= requests
         self.graphs = CUDAGraphRunner(model, self.cache, max_batch=num_slots, batch_sizes=sizes) if graphs else None
         self.tiers: CacheTiers | None = None  # the prefix cache's int8 / host tiers (attach_tiers)
+        self.execute_time = DeviceTimer(self.device)  # the device time of `execute` calls
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, *, return_hidden: bool = False, device_logits: bool = False,
@@ -59,7 +61,13 @@ class ModelRunner:
         graph. fed = (tokens [N], skip [N]): a pure-decode plan whose token ids are these device
         values instead of plan.token_ids, a row with skip set running as padding (a step launched
         before the previous one's draws were read: hyla.engine.overlap; `can_feed` first); its
-        logits are a view of the graph's output buffer, valid until the next replay."""
+        logits are a view of the graph's output buffer, valid until the next replay. Its device
+        time adds to `execute_time` (hyla.engine.device_timer)."""
+        with self.execute_time.measure():
+            return self._execute(plan, return_hidden, device_logits, extension, fed)
+
+    def _execute(self, plan: StepPlan, return_hidden: bool, device_logits: bool, extension,
+                 fed: tuple[torch.Tensor, torch.Tensor] | None) -> StepResult | None:
         if fed is not None:
             logits = self.graphs.run_fed(*fed, plan.context_lens, plan.state_slots, plan.block_tables)
             return StepResult(logits, in_graph=True)
@@ -146,6 +154,10 @@ class ModelRunner:
     def attach_tiers(self, sizes: TierSizes) -> None:
         """Allocate the prefix cache's int8 / host tiers beside the pools (hyla.engine.cache_tiers)."""
         self.tiers = CacheTiers(self.cache, sizes)
+
+    def execute_seconds(self) -> float:
+        """The device time `execute` took so far (steps still in flight count later)."""
+        return self.execute_time.seconds
 
     def tier_stats(self) -> dict:
         """Bytes moved to / from the host tier and the time its restores took (CacheTiers.stats;

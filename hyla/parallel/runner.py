@@ -95,6 +95,10 @@ class TPRunner:
         """Every rank allocates the prefix cache's tiers for its own shard (the same entry counts)."""
         self._call("attach_tiers", sizes)
 
+    def execute_seconds(self) -> float:
+        """Rank 0's execute device time (the ranks run the same steps in lockstep)."""
+        return self.local.execute_seconds()
+
     def tier_stats(self) -> dict:
         """Rank 0's transfer counters (every rank moves the same entries of its own shard)."""
         return self.local.tier_stats()

@@ -40,6 +40,10 @@ _COUNTERS = {
     "spec_num_draft_tokens": "Speculative tokens drafted",
     "spec_num_accepted_tokens": "Speculative tokens accepted",
     "num_preemptions": "Requests preempted for recomputation",
+    "num_steps": "Engine steps run",
+    "engine_step_seconds": "Wall seconds spent inside engine steps (scheduling, host work and device waits)",
+    "model_execute_seconds": "Device seconds of the model's step executions (CUDA events on a GPU, wall time "
+                             "on the CPU; speculative drafting outside them)",
 }
 _GAUGES = {
     "num_requests_running": "Requests running",

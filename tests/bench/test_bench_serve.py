@@ -18,7 +18,7 @@ from hyla.bench.serve.client import RequestOutput
 from hyla.bench.serve.datasets import DatasetSpec, build_workload
 from hyla.bench.serve.load import arrival_times
 from hyla.bench.serve.metrics import compute_metrics, parse_goodput
-from hyla.bench.serve.server_metrics import parse_prometheus, prefix_cache_counters
+from hyla.bench.serve.server_metrics import engine_time, parse_prometheus, prefix_cache_counters
 from hyla.bench.serve.tokens import LocalTokenizer, fit_text, local_checkpoint
 from hyla.models.default import default_model_path
 from tests.server.live import MAX_MODEL_LEN, free_port, metric, start, stop
@@ -99,6 +99,9 @@ def test_random_dataset_counts_what_the_server_counted(server, prompts):
     assert r["output_throughput"] == pytest.approx(30 / r["duration"])
     assert r["total_token_throughput"] == pytest.approx((30 + r["total_input_tokens"]) / r["duration"])
     assert r["request_goodput"] is None
+    # where the run's time went (a hyla server's /metrics): the engine's steps, their model executions
+    assert r["engine_steps"] >= 5 and 0 < r["model_execute_seconds"] < r["engine_step_seconds"]
+    assert 0 < r["model_execute_share"] < r["engine_step_share"] <= 1.05
 
 
 def test_request_rate_and_max_concurrency(server):
@@ -213,7 +216,7 @@ def test_unreachable_server_fails_every_request():
     r = serve_bench(["--port", str(free_port()), "--model", "x", "--skip-tokenizer-init", *QUIET,
                      "--random-input-len", "4", "--random-output-len", "2", "--num-prompts", "3"])
     assert r["failed"] == 3 and all(e.startswith("ConnectError") for e in r["errors"])
-    assert r["prefix_cache_hit_rate"] is None
+    assert r["prefix_cache_hit_rate"] is None and r["engine_step_share"] is None
 
 
 # ---- the parts on their own -------------------------------------------------------------------
@@ -351,6 +354,15 @@ def test_parse_prometheus():
     del values["hyla_prefix_cache_hit_tokens"]
     assert prefix_cache_counters(values) == (7, 20)
     assert prefix_cache_counters({}) is None
+
+
+def test_engine_time_from_counters():
+    before = {"hyla_num_steps": 10, "hyla_engine_step_seconds": 1.0, "hyla_model_execute_seconds": 0.5}
+    after = {"hyla_num_steps": 30, "hyla_engine_step_seconds": 3.0, "hyla_model_execute_seconds": 1.5}
+    t = engine_time(before, after, duration=4.0)
+    assert t == {"engine_steps": 20, "engine_step_seconds": 2.0, "model_execute_seconds": 1.0,
+                 "engine_step_share": 0.5, "model_execute_share": 0.25}
+    assert engine_time({}, after, 4.0)["engine_steps"] is None  # a server without them (vLLM)
 
 
 def test_metrics_on_known_outputs():

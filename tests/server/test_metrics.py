@@ -36,7 +36,25 @@ class _Renamed:
 def test_a_renamed_engine_key_fails_the_scrape(tmp_path):
     llm = LLM(str(build_kimi_checkpoint(tmp_path, "dense")), dtype="float64", max_model_len=64)
     real = llm.get_metrics()
-    ServerMetrics(_Renamed(real, "num_steps")).render()  # not exported: no error
+    ServerMetrics(_Renamed(real, "spec_num_verify_steps")).render()  # not exported: no error
     for name in ("prompt_tokens", "num_requests_waiting"):
         with pytest.raises(KeyError, match=name):
             ServerMetrics(_Renamed(real, name)).render()
+
+
+def test_step_and_execute_time_are_counted(tmp_path):
+    """engine_step_seconds (wall time inside step) and model_execute_seconds (the model's step
+    executions: wall time on the CPU, CUDA events on a GPU) grow with the work, the second within
+    the first; /metrics exports both with the step count."""
+    from hyla import SamplingParams
+
+    llm = LLM(str(build_kimi_checkpoint(tmp_path, "dense")), dtype="float64", max_model_len=64)
+    before = llm.get_metrics()
+    llm.generate([[5, 6, 7, 8]] * 3, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    m = llm.get_metrics()
+    step = m["engine_step_seconds"] - before["engine_step_seconds"]
+    execute = m["model_execute_seconds"] - before["model_execute_seconds"]
+    assert m["num_steps"] - before["num_steps"] >= 6 and 0 < execute < step
+    text = ServerMetrics(llm.engine).render().decode()
+    assert "hyla_engine_step_seconds_total " in text and "hyla_model_execute_seconds_total " in text
+    assert "hyla_num_steps_total " in text

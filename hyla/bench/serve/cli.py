@@ -30,7 +30,7 @@ from hyla.bench.serve.report import (
     keep_selected_percentiles, now_stamp, per_request_lists, prefix_cache_fields, print_report, rate_value,
     result_filename, save_result,
 )
-from hyla.bench.serve.server_metrics import scrape_prefix_cache
+from hyla.bench.serve.server_metrics import engine_time, prefix_cache_counters, scrape
 from hyla.bench.serve.tokens import find_tokenizer
 
 BACKEND_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -243,7 +243,8 @@ def served_model(http: httpx.Client, base_url: str) -> tuple[str, str | None]:
 
 
 async def _measure(args, conversations, sampling: dict) -> tuple[list, float, dict]:
-    """Send the workload over one connection pool; returns (outputs, duration, prefix-cache fields)."""
+    """Send the workload over one connection pool; returns (outputs, duration, prefix-cache and
+    engine-time fields)."""
     from tqdm import tqdm
 
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
@@ -251,21 +252,22 @@ async def _measure(args, conversations, sampling: dict) -> tuple[list, float, di
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
         client = OpenAIClient(http, args.base_url + args.endpoint, args.request_model, args.backend == "openai-chat",
                               args.ignore_eos, sampling, args.headers)
-        before = await scrape_prefix_cache(http, args.base_url, args.headers)
+        before = await scrape(http, args.base_url, args.headers)
         arrivals = arrival_times(len(conversations), args.request_rate, args.burstiness,
                                  np.random.default_rng(args.seed))
         total = sum(len(c.requests) for c in conversations)
         with tqdm(total=total, disable=args.disable_tqdm, desc="requests") as bar:
             outputs, duration = await run_workload(client, conversations, arrivals, args.max_concurrency, bar)
-        after = await scrape_prefix_cache(http, args.base_url, args.headers)
+        after = await scrape(http, args.base_url, args.headers)
     from_usage = usage_prefix_cache(outputs)
+    counters = prefix_cache_counters(before), prefix_cache_counters(after)
     if from_usage is not None:
         cache = prefix_cache_fields("usage", *from_usage)
-    elif before is not None and after is not None:
-        cache = prefix_cache_fields("metrics", after[0] - before[0], after[1] - before[1])
+    elif None not in counters:
+        cache = prefix_cache_fields("metrics", counters[1][0] - counters[0][0], counters[1][1] - counters[0][1])
     else:
         cache = prefix_cache_fields(None, None, None)
-    return outputs, duration, cache
+    return outputs, duration, {**cache, **engine_time(before, after, duration)}
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -102,6 +102,10 @@ def print_report(result: dict, selected: list[str], percentiles: list[float]) ->
     if result["prefix_cache_hit_rate"] is not None:
         _line(f"Prefix cache hit rate (%, {result['prefix_cache_source']}):",
               100 * result["prefix_cache_hit_rate"], ".2f")
+    if result.get("engine_step_share") is not None:  # a hyla server: where the run's time went
+        _line("Engine steps:", result["engine_steps"], "d")
+        _line("Engine step time (% of the run):", 100 * result["engine_step_share"], ".2f")
+        _line("Model execute time (device, %):", 100 * result["model_execute_share"], ".2f")
     for metric in PERCENTILE_METRICS:
         short, title = METRIC_TITLES[metric]
         print(title.center(50, "-"))

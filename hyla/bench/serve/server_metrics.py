@@ -1,5 +1,7 @@
-"""The prefix cache's counters from the server's Prometheus `GET /metrics`, read before and after
-a run when the responses' usage does not report cached tokens.
+"""Counters from the server's Prometheus `GET /metrics`, read before and after a run: the prefix
+cache's (when the responses' usage does not report cached tokens) and, from a hyla server, the
+engine's time (`engine_time`: the steps' wall time and the model executions' device time, against
+which the run's duration shows what the host, the scheduler and the HTTP server cost).
 
 Known counter pairs (hits, queries), in prompt tokens: hyla's hyla_prefix_cache_hit_tokens /
 hyla_prefix_cache_query_tokens, vLLM's vllm:prefix_cache_hits / vllm:prefix_cache_queries (each
@@ -63,13 +65,28 @@ def prefix_cache_counters(values: dict[str, float]) -> tuple[float, float] | Non
     return None
 
 
-async def scrape_prefix_cache(http: httpx.AsyncClient, base_url: str,
-                              headers: dict[str, str] | None = None) -> tuple[float, float] | None:
-    """The server's prefix-cache counters now, or None when it has no /metrics or no known pair."""
+ENGINE_TIME_COUNTERS = ("hyla_num_steps", "hyla_engine_step_seconds", "hyla_model_execute_seconds")
+
+
+def engine_time(before: dict[str, float], after: dict[str, float], duration: float) -> dict:
+    """The run's engine steps, their wall seconds and the model executions' device seconds (the
+    counters' differences), each share of the run's duration; None values from a server without
+    them (vLLM)."""
+    if not all(k in before and k in after for k in ENGINE_TIME_COUNTERS):
+        return {"engine_steps": None, "engine_step_seconds": None, "model_execute_seconds": None,
+                "engine_step_share": None, "model_execute_share": None}
+    steps, step_s, execute_s = (after[k] - before[k] for k in ENGINE_TIME_COUNTERS)
+    share = (lambda x: x / duration) if duration > 0 else (lambda x: None)
+    return {"engine_steps": int(steps), "engine_step_seconds": step_s, "model_execute_seconds": execute_s,
+            "engine_step_share": share(step_s), "model_execute_share": share(execute_s)}
+
+
+async def scrape(http: httpx.AsyncClient, base_url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """The server's /metrics now (parse_prometheus), or {} when it has none."""
     try:
         response = await http.get(base_url + "/metrics", headers=headers)
     except httpx.HTTPError:
-        return None
+        return {}
     if response.status_code != 200:
-        return None
-    return prefix_cache_counters(parse_prometheus(response.text))
+        return {}
+    return parse_prometheus(response.text)
