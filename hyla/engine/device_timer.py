@@ -14,6 +14,9 @@ import time
 import torch
 
 
+FOLD_AT = 64  # pending event pairs that make `measure` fold the completed ones itself
+
+
 class DeviceTimer:
     """Adds up the device time of the blocks run under `measure()` (module docstring)."""
 
@@ -32,6 +35,8 @@ class DeviceTimer:
             yield
             end.record()
             self._pending.append((start, end))
+            if len(self._pending) >= FOLD_AT:  # unread for a while (no metrics scrape): fold the completed
+                self._fold()
         else:
             began = time.perf_counter()
             yield
@@ -40,6 +45,12 @@ class DeviceTimer:
     @property
     def seconds(self) -> float:
         """The blocks' seconds so far (on CUDA those whose events completed)."""
+        self._fold()
+        return self._seconds
+
+    def _fold(self) -> None:
+        """Add the completed blocks' time and drop their events (events are driver resources: a
+        timer nobody reads must not hold one pair per step forever)."""
         pending = []
         for start, end in self._pending:
             if end.query():
@@ -47,4 +58,3 @@ class DeviceTimer:
             else:
                 pending.append((start, end))
         self._pending = pending
-        return self._seconds

@@ -49,3 +49,31 @@ def test_cuda_blocks_count_once_complete_and_captures_are_skipped(monkeypatch):
     with timer.measure():
         pass
     assert len(recorded) == 2 and timer.seconds == pytest.approx(0.1)
+
+
+def test_an_unread_timer_keeps_few_events(monkeypatch):
+    """Blocks measured without anyone reading `seconds` (offline generation, no scrape): the
+    completed events are folded into the total as they pile up, never kept one pair per step."""
+    from hyla.engine import device_timer
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def query(self):
+            return True
+
+        def elapsed_time(self, end):
+            return 1.0  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    timer = DeviceTimer(torch.device("cuda"))
+    for _ in range(1000):
+        with timer.measure():
+            pass
+        assert len(timer._pending) < device_timer.FOLD_AT
+    assert timer.seconds == pytest.approx(1.0)
