@@ -24,13 +24,15 @@ class DeviceTimer:
         self.cuda = device.type == "cuda"
         self._seconds = 0.0
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._spare: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # folded pairs, recorded again
 
     @contextlib.contextmanager
     def measure(self):
         if self.cuda and torch.cuda.is_current_stream_capturing():
             yield
         elif self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = self._spare.pop() if self._spare else (torch.cuda.Event(enable_timing=True),
+                                                                 torch.cuda.Event(enable_timing=True))
             start.record()
             yield
             end.record()
@@ -49,12 +51,13 @@ class DeviceTimer:
         return self._seconds
 
     def _fold(self) -> None:
-        """Add the completed blocks' time and drop their events (events are driver resources: a
-        timer nobody reads must not hold one pair per step forever)."""
+        """Add the completed blocks' time and keep their events for reuse (a step's timing then
+        creates none; a timer nobody reads holds at most FOLD_AT pairs, not one per step)."""
         pending = []
         for start, end in self._pending:
             if end.query():
                 self._seconds += start.elapsed_time(end) / 1e3
+                self._spare.append((start, end))
             else:
                 pending.append((start, end))
         self._pending = pending

@@ -164,7 +164,7 @@ class ModelRunner:
         zeros without one)."""
         if self.tiers is None:
             return {"bytes_to_host": 0, "bytes_from_host": 0, "restore_seconds": 0.0}
-        return dict(self.tiers.stats)
+        return self.tiers.stats  # a fresh dict each read
 
     @torch.inference_mode()
     def apply_transfers(self, transfers: list[tuple]) -> None:

@@ -35,7 +35,6 @@ kernels the scales).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyla.contract import ForwardBatch, KVLayerCache
@@ -169,20 +168,17 @@ class GatedAttention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
         return q, k, v, gate.flatten(-2)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                causal: bool) -> torch.Tensor:
-        """q: [B, T, H, D]; k, v: [B, L, Hkv, D]; mask: [T, L] bool (True = attend), an attention
-        bias (causal_lower_right) or None -> [B, T, H * D]."""
-        k, v = (t.repeat_interleave(self.groups, dim=2) for t in (k, v))
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=mask, is_causal=causal, scale=self.scaling)
-        return o.transpose(1, 2).flatten(-2)
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, T, H, D], the last T of L positions; k, v: [B, L, Hkv, D] -> [B, T, H * D], causal
+        over the positions before them and among them (hyla.layers.prefix_attention)."""
+        k, v = (t.repeat_interleave(self.groups, dim=2).transpose(1, 2) for t in (k, v))
+        return attend_after_prefix(q.transpose(1, 2), k, v, self.scaling).transpose(1, 2).flatten(-2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden] whole sequences from position 0 -> [B, T, hidden]."""
         positions = torch.arange(x.shape[1], device=x.device)
         q, k, v, gate = self.qkv(x, positions)
-        return self.o_proj(self._attend(q, k, v, None, causal=True) * torch.sigmoid(gate))
+        return self.o_proj(self._attend(q, k, v) * torch.sigmoid(gate))
 
     # -- engine step --------------------------------------------------------------------------
 
@@ -226,9 +222,7 @@ class GatedAttention(nn.Module):
             if fp8:
                 ks, vs = (kv_fp8.dequantize_rows(t, sc[pages].flatten(0, 1)[:total], (self.head_dim,), q.dtype)
                           for t, sc in ((ks, cache.k_scale), (vs, cache.v_scale)))
-            ks, vs = (t.repeat_interleave(self.groups, dim=1).transpose(0, 1)[None] for t in (ks, vs))
-            o = attend_after_prefix(q[cu[n]:cu[n + 1]].transpose(0, 1)[None], ks, vs, self.scaling)
-            out[cu[n]:cu[n + 1]] = o[0].transpose(0, 1).flatten(-2)
+            out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], ks[None], vs[None])[0]
         return self.o_proj(out * torch.sigmoid(gate))
 
     def _fused_step(self, x: torch.Tensor, batch: ForwardBatch, cache: KVLayerCache, w: int) -> torch.Tensor:

@@ -56,9 +56,11 @@ def test_an_unread_timer_keeps_few_events(monkeypatch):
     completed events are folded into the total as they pile up, never kept one pair per step."""
     from hyla.engine import device_timer
 
+    created = []
+
     class Event:
         def __init__(self, enable_timing=False):
-            pass
+            created.append(self)
 
         def record(self):
             pass
@@ -77,3 +79,4 @@ def test_an_unread_timer_keeps_few_events(monkeypatch):
             pass
         assert len(timer._pending) < device_timer.FOLD_AT
     assert timer.seconds == pytest.approx(1.0)
+    assert len(created) <= 2 * device_timer.FOLD_AT  # folded pairs are recorded again, not re-created
