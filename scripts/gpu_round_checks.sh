@@ -5,7 +5,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "rev $(git rev-parse --short HEAD 2>/dev/null || cat REV)"
 echo "== tests"
-timeout 300 python3 -m pytest -q -n 4 --tb=line -rfE -p no:cacheprovider tests/gpu tests/engine/test_cuda_graph.py tests/engine/test_memory_profile.py \
+timeout 250 python3 -m pytest -q -n 4 --tb=line -rfE -p no:cacheprovider tests/gpu tests/engine/test_cuda_graph.py tests/engine/test_memory_profile.py \
   tests/engine/test_mtp_overlap.py tests/engine/test_mtp_fused.py tests/engine/test_mtp_graph.py tests/engine/test_mtp_chain.py \
   tests/engine/test_spec_device_accept.py tests/ops/test_fused_decode.py tests/layers/test_fused_layers.py \
   tests/engine/test_kv_cache_fp8.py tests/ops/test_kv_fp8.py tests/ops/test_fp8_gemm.py tests/engine/test_host_tier.py tests/engine/test_decode_overlap.py 2>&1 | tail -60 | tee $OUT/tests.log
@@ -15,4 +15,4 @@ echo "== MTP k=2"
 timeout 150 python3 -m hyla.bench spec --model qwen3.5-mtp --device cuda --method ngram mtp --k 2 --rollback slots --max-tokens 128 --repeats 3 2>&1 | tail -25 | tee $OUT/mtp.log
 echo "== 48B decode"
 [ "$MEM" -lt 120000 ] && { echo "skip: ${MEM} MiB"; exit 0; }
-timeout 240 python3 -m hyla.bench throughput --random-config kimi-linear-48b-a3b --mode decode --batch-sizes 1 64 256 --context-lens 512 --steps 30 2>&1 | tail -25 | tee $OUT/decode48.log
+timeout 200 python3 -m hyla.bench throughput --random-config kimi-linear-48b-a3b --mode decode --batch-sizes 1 64 256 --context-lens 512 --steps 30 2>&1 | tail -25 | tee $OUT/decode48.log

@@ -4,9 +4,12 @@
 # (decode vs its floor, one request through the engine at 1K and 8K prompts), Kimi-Linear-48B-A3B
 # online FP8 vs bf16 decode, and the 80B's 8-layer prefill in FP8 vs bf16. Full shapes need the
 # H200's memory; on a smaller card they run cut.
+# STAGE=tune runs the tests and the sweeps, STAGE=models the model runs (each fits one device call);
+# unset, both.
 . "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 T="timeout 200 python3 -m hyla.bench throughput"
+if [ "${STAGE:-tune}" = tune ]; then
 echo "== kernel tests"
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_kernels.py tests/gpu/test_fp8_model.py \
   tests/gpu/test_triton_kernels.py -k "fp8 or mxfp4" --tb=line 2>&1 | grep -E "ms|rel err|greedy|passed|failed|Error|^/" | tee $OUT/fp8_kernels.log
@@ -23,6 +26,8 @@ timeout 300 python3 -m hyla.bench fp8-gemm --write-configs hyla/assets/kernel_co
   | grep -v "^# config\|^# N=" | tail -80 | tee $OUT/fp8_gemm.log
 # the tables come back in a tar: names with = and , do not come back as files
 tar -cf $OUT/fp8_tables.tar hyla/assets/kernel_configs/fused_moe/*fp8_w8a8*.json hyla/assets/kernel_configs/fp8_gemm/*.json
+fi
+[ "${STAGE:-models}" = models ] || exit 0
 CUT=""; [ "$MEM" -lt 120000 ] && CUT="--layers 24"
 echo "== 80B FP8 decode ${CUT:-(48 layers)}"
 $T --random-config qwen3-next-80b-a3b $CUT -q fp8 --mode decode --batch-sizes 1 64 --context-lens 1024 --steps 30 2>&1 | tail -4 | tee $OUT/fp8_decode80.log
