@@ -1,25 +1,36 @@
 #!/bin/bash
 # GPU round, serving: the 48B shape served by `hyla serve --load-format dummy`, loaded
-# by `hyla bench serve`: random 1024/256 at concurrency 1/16/64/256, prefix and agent (cache on).
+# by `hyla bench serve`: random 1024/256 at concurrency 1/16/64/256, prefix and agent with the
+# prefix cache on, then (a second server) off; the saved outputs compare greedy tokens on / off.
 . "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b || exit 1
-T0=$(date +%s)
-python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-    --max-model-len 8192 ${SERVE_EXTRA} > $OUT/serve.log 2>&1 &
-SP=$!
-for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
-echo "server up after $(( $(date +%s) - T0 )) s"; grep -E "memory:|pools:|CUDA graphs" $OUT/serve.log | cut -c1-400
 B="python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT --disable-tqdm"
+serve() {  # start the 48B server with extra flags; wait for /health
+  T0=$(date +%s)
+  python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+      --max-model-len 8192 "$@" > $OUT/serve$TAG.log 2>&1 &
+  SP=$!
+  for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
+  echo "server up after $(( $(date +%s) - T0 )) s"; grep -E "memory:|pools:|CUDA graphs" $OUT/serve$TAG.log | cut -c1-400
+}
+cached() {  # the prefix and agent traces (greedy, outputs saved for the on / off comparison)
+  timeout 200 $B --label prefix-$TAG --dataset-name prefix --prefix-len 4096 --suffix-len 256 --num-prefixes 1 \
+      --num-prompts 128 --output-len 64 --max-concurrency 64 --temperature 0 --ignore-eos --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- prefix $TAG"
+  timeout 200 $B --label agent-$TAG --dataset-name agent --num-sessions 16 --turns 6 --tool-output-len 512 \
+      --question-len 32 --output-len 64 --temperature 0 --ignore-eos --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- agent $TAG"
+}
+TAG=on; serve
 for cn in ${CONC:-1:8 16:64 64:192 256:512}; do
   timeout 240 $B --label random-c${cn%:*} --random-input-len 1024 --random-output-len 256 --ignore-eos \
       --max-concurrency ${cn%:*} --num-prompts ${cn#*:} 2>&1 | grep -E "throughput|TTFT|TPOT|ITL|E2E|Failed|Successful|hit|Engine step time|Model execute" | grep -iv "median\|std" | tr '\n' ';' ; echo " <- c${cn%:*}"
 done
-timeout 200 $B --label prefix-${TAG:-on} --dataset-name prefix --prefix-len 4096 --suffix-len 256 --num-prefixes 1 \
-    --num-prompts 128 --output-len 64 --max-concurrency 64 --temperature 0 --ignore-eos --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- prefix"
-timeout 200 $B --label agent-${TAG:-on} --dataset-name agent --num-sessions 16 --turns 6 --tool-output-len 512 \
-    --question-len 32 --output-len 64 --temperature 0 --ignore-eos --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- agent"
+cached
 kill $SP; wait $SP 2>/dev/null
-grep -E "Error|Traceback|error" $OUT/serve.log | head -5
+grep -E "Error|Traceback|error" $OUT/serveon.log | head -5
+[ -n "$NO_OFF" ] && exit 0
+TAG=off; serve --no-enable-prefix-caching
+cached
+kill $SP; wait $SP 2>/dev/null
 echo "== MLA splits"
 timeout 100 python3 scripts/mla_splits.py 2>&1 | tail -12
