@@ -5,10 +5,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "rev $(git rev-parse --short HEAD 2>/dev/null || cat REV)"
 echo "== tests"
-timeout 250 python3 -m pytest -q -n 4 --tb=line -rfE -p no:cacheprovider tests/gpu tests/engine/test_cuda_graph.py tests/engine/test_memory_profile.py \
+# in parallel every test whose engines take a 2 GiB pool (tests/conftest.py), then alone the ones
+# that measure the whole device (marked real_gpu_memory)
+GPU_TESTS="tests/gpu tests/engine/test_cuda_graph.py tests/engine/test_memory_profile.py \
   tests/engine/test_mtp_overlap.py tests/engine/test_mtp_fused.py tests/engine/test_mtp_graph.py tests/engine/test_mtp_chain.py \
   tests/engine/test_spec_device_accept.py tests/ops/test_fused_decode.py tests/layers/test_fused_layers.py \
-  tests/engine/test_kv_cache_fp8.py tests/ops/test_kv_fp8.py tests/ops/test_fp8_gemm.py tests/engine/test_host_tier.py tests/engine/test_decode_overlap.py 2>&1 | tail -60 | tee $OUT/tests.log
+  tests/engine/test_kv_cache_fp8.py tests/ops/test_kv_fp8.py tests/ops/test_fp8_gemm.py tests/engine/test_host_tier.py tests/engine/test_decode_overlap.py"
+timeout 250 python3 -m pytest -q -n 6 -m "not real_gpu_memory" --tb=short -rfE -p no:cacheprovider $GPU_TESTS > $OUT/tests.log 2>&1
+timeout 60 python3 -m pytest -q -p no:xdist -m real_gpu_memory --tb=short -rfE -p no:cacheprovider $GPU_TESTS > $OUT/tests_real_memory.log 2>&1
+grep -hE "^(FAILED|ERROR) |passed|failed" $OUT/tests.log $OUT/tests_real_memory.log | cut -c1-200
 echo "== engine check"
 timeout 90 python3 scripts/gpu_engine_check.py 2>&1 | tail -8
 echo "== MTP k=2"

@@ -55,22 +55,40 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
             config.option.dist = DIST_MODE
 
 
-@pytest.fixture(autouse=True)
-def _bounded_cuda_pools(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """On a CUDA machine an engine a test builds without a memory_budget takes CUDA_TEST_POOL_BYTES
-    of pools, not gpu_memory_utilization (90%) of the device: several xdist workers share the GPU,
-    and a test may hold two engines at once (each would count the other's pools as in use). A test
-    marked real_gpu_memory keeps the measured budget (tests/engine/test_memory_profile.py). After
-    each test the worker's cached blocks go back to the device (a full-size kernel test caches tens
-    of GiB that the other workers need)."""
+@pytest.fixture(scope="session", autouse=True)
+def _cuda_pool_cap():
+    """On a CUDA machine every engine the tests build without a memory_budget takes
+    CUDA_TEST_POOL_BYTES of pools, not gpu_memory_utilization (90%) of the device: several xdist
+    workers share the GPU, and a test may hold two engines at once (each would count the other's
+    pools as in use). Session-wide, so that engines built by module- and session-scoped fixtures
+    (set up before any function-scoped fixture) are capped too. Yields the measuring function."""
     import torch
 
     if not torch.cuda.is_available():
+        yield None
+        return
+    from hyla.engine import llm_engine
+
+    measured = llm_engine.device_pool_budget
+    llm_engine.device_pool_budget = lambda *args, **kwargs: CUDA_TEST_POOL_BYTES
+    yield measured
+    llm_engine.device_pool_budget = measured
+
+
+@pytest.fixture(autouse=True)
+def _bounded_cuda_pools(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, _cuda_pool_cap):
+    """A test marked real_gpu_memory gets the measured budget back (tests/engine/test_memory_profile.py;
+    it measures the whole device, so the GPU round runs those tests alone, after the parallel run).
+    After each test the worker's cached blocks go back to the device (a full-size kernel test caches
+    tens of GiB that the other workers need)."""
+    if _cuda_pool_cap is None:
         yield
         return
-    if not request.node.get_closest_marker("real_gpu_memory"):
+    import torch
+
+    if request.node.get_closest_marker("real_gpu_memory"):
         from hyla.engine import llm_engine
 
-        monkeypatch.setattr(llm_engine, "device_pool_budget", lambda *args, **kwargs: CUDA_TEST_POOL_BYTES)
+        monkeypatch.setattr(llm_engine, "device_pool_budget", _cuda_pool_cap)
     yield
     torch.cuda.empty_cache()

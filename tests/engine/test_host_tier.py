@@ -123,7 +123,8 @@ def test_abort_of_a_request_whose_restore_is_planned(ckpt, defer):
     engine.step()  # admitted, its host entries loaded; without deferral its first chunk ran too
     assert llm.get_metrics()["hits_host"] == 1
     seq = engine.scheduler.running[0]
-    assert (seq.num_computed_tokens == seq.num_cached_tokens) == defer  # deferred: nothing computed yet
+    deferred = engine.prefix_cache.defer_host_restores  # `defer`, or always on CUDA
+    assert (seq.num_computed_tokens == seq.num_cached_tokens) == deferred  # deferred: nothing computed yet
     assert engine.abort_request("x")
     # the same prefix again, after the abort: served from the cache and equal to no cache
     out = llm.generate([first + rand(3, 7)], SP, use_tqdm=False)[0].outputs[0].token_ids
@@ -189,7 +190,7 @@ def test_the_cli_flags_reach_the_engine_config(ckpt):
 def test_cuda_restore_time_is_added_once_its_events_complete(ckpt, monkeypatch):
     """On CUDA restore_seconds is the device time between events recorded around each restore
     (hyla.engine.device_timer): a restore whose end event has not completed is added at a later
-    read, once. Fake events stand in for CUDA's on the CPU."""
+    read, once. Fake events stand in for CUDA's, with the engine on the CPU (on a CUDA machine too)."""
     import torch
 
     from hyla.engine.device_timer import DeviceTimer
@@ -213,7 +214,7 @@ def test_cuda_restore_time_is_added_once_its_events_complete(ckpt, monkeypatch):
     recorded = []
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    llm = _llm(ckpt, memory_budget=budget(ckpt, pages=14, slots=4), host_cache_bytes=1 << 22)
+    llm = _llm(ckpt, memory_budget=budget(ckpt, pages=14, slots=4), host_cache_bytes=1 << 22, device="cpu")
     tiers = llm.engine.runner.tiers
     tiers.restore_time = DeviceTimer(torch.device("cuda"))  # the timer CacheTiers keeps on CUDA
     tiers.apply([("page_in", 0, 0), ("page_in", 1, 1), ("page_out", 2, 3)])
