@@ -1,8 +1,8 @@
-"""MTP's greedy fast path, on the CPU: the draft steps chained on the device
-(HeadStepGraphs.run_chain, run eagerly with capture off: the same buffers and padding as the
-graph) draft exactly the tokens of the per-step path, write the same head KV rows, and write
-nothing outside the requests' pages but the scratch page; the engine takes it whenever every
-drafting request is greedy and keeps the per-step path for a batch with a sampling request."""
+"""MTP's greedy fast path, on the CPU (on a CUDA machine too: the fp64 model forced onto a graph
+runner could not be captured there): the draft steps chained on the device (HeadStepGraphs.run_chain,
+run eagerly with capture off: the same buffers and padding as the graph) draft exactly the
+tokens of the per-step path, write the same head KV rows, and write nothing outside the requests'
+pages but the scratch page; the engine takes it whenever every drafting request is greedy and keeps the per-step path for a batch with a sampling request."""
 
 import pytest
 import torch
@@ -26,7 +26,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(ckpt):
-    llm = LLM(str(ckpt), dtype="float64")
+    llm = LLM(str(ckpt), dtype="float64", device="cpu")
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
@@ -34,7 +34,7 @@ def _engine(ckpt, k: int, rollback: str, prefix_cache: bool, monkeypatch, graphs
     with monkeypatch.context() as m:
         if graphs:  # a CUDAGraphRunner with capture off: HeadStepGraphs run eagerly
             m.setattr(model_runner, "use_cuda_graphs", lambda model, eager: True)
-        llm = LLM(str(ckpt), dtype="float64", max_num_seqs=len(PROMPTS), enable_prefix_caching=prefix_cache,
+        llm = LLM(str(ckpt), dtype="float64", device="cpu", max_num_seqs=len(PROMPTS), enable_prefix_caching=prefix_cache,
                   speculative_config={"method": "mtp", "num_speculative_tokens": k, "rollback": rollback})
     llm.engine.spec.drafter.fused = None  # the unfused step (the fused one: test_mtp_fused.py)
     return llm
