@@ -2,7 +2,8 @@
 runner could not be captured there): the draft steps chained on the device (HeadStepGraphs.run_chain,
 run eagerly with capture off: the same buffers and padding as the graph) draft exactly the
 tokens of the per-step path, write the same head KV rows, and write nothing outside the requests'
-pages but the scratch page; the engine takes it whenever every drafting request is greedy and keeps the per-step path for a batch with a sampling request."""
+pages but the scratch page; the engine takes it whenever every drafting request is greedy and
+keeps the per-step path for a batch with a sampling request."""
 
 import pytest
 import torch
