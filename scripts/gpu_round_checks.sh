@@ -18,6 +18,8 @@ echo "== engine check"
 timeout 90 python3 scripts/gpu_engine_check.py 2>&1 | tail -8
 echo "== MTP k=2"
 timeout 150 python3 -m hyla.bench spec --model qwen3.5-mtp --device cuda --method ngram mtp --k 2 --rollback slots --max-tokens 128 --repeats 3 2>&1 | tail -25 | tee $OUT/mtp.log
+echo "== plain decode's host stages (overlapped, sync) beside MTP k=2"
+timeout 120 python3 scripts/profile_engine_host.py --k 2 --tokens 128 --sections --replay 2>&1 | grep -v Warn | tail -60 | tee $OUT/host_stages.log
 echo "== 48B decode"
 [ "$MEM" -lt 120000 ] && { echo "skip: ${MEM} MiB"; exit 0; }
 timeout 200 python3 -m hyla.bench throughput --random-config kimi-linear-48b-a3b --mode decode --batch-sizes 1 64 256 --context-lens 512 --steps 30 2>&1 | tail -25 | tee $OUT/decode48.log

@@ -2,7 +2,8 @@
 
     python scripts/profile_engine_host.py --model qwen3.5-mtp --k 2 3 --tokens 128 [--cprofile 30]
 
-For each configuration: decode one free-text prompt once (graph capture), then again with only
+Configurations: plain decoding (steps overlapped), "sync" (plain with async_scheduling off), MTP
+at each k. For each: decode one free-text prompt once (graph capture), then again with only
 perf_counter around engine.step (each step ends at its own readback, so no sync is added): the
 prefill step, the mean later step, tokens/s with and without the prefill. With --cprofile N, a
 third decode under cProfile prints the N functions with the most own time (host hot spots).
@@ -72,7 +73,13 @@ SECTIONS = [  # "module:owner.attr" of the host-side stages of a step (inclusive
     "hyla.engine.cuda_graph_verify:CUDAGraphRunner.verify_rows",
     "hyla.engine.cuda_graph_verify:CUDAGraphRunner.replay_commit",
     "hyla.engine.cuda_graph:DecodeGraphs.run_decode",
+    "hyla.engine.cuda_graph:DecodeGraphs.run_fed",
     "hyla.engine.cuda_graph:DecodeGraphs.prepare",
+    "hyla.engine.cuda_graph:_MetaStage.fill",
+    "hyla.engine.overlap:DecodeOverlap.launch",
+    "hyla.engine.sampler:PendingSample.__init__",
+    "hyla.engine.sampler:PendingSample.result",
+    "hyla.engine.llm_engine:LLMEngine._emit",
     "hyla.engine.model_runner:ModelRunner.execute",
     "hyla.engine.sampler:sample",
     "hyla.engine.llm_engine:sample",
@@ -159,11 +166,13 @@ def main(argv: list[str] | None = None) -> None:
     model = resolve_model(args.model)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     opts = dict(device=args.device, enable_prefix_caching=False, memory_budget=1 << 30)
-    configs = [("plain", None)] + [(f"mtp k={k}", {"method": "mtp", "num_speculative_tokens": k,
+    configs = [("plain", None), ("sync", None)] + [(f"mtp k={k}", {"method": "mtp", "num_speculative_tokens": k,
                                                    "rollback": "slots"}) for k in args.k]
     rows = []
     for label, spec in configs:
-        llm = LLM(model, speculative_config=spec, **opts)
+        # "sync": plain decoding without the overlap (async_scheduling off): each step's draws read
+        # before the next step is queued
+        llm = LLM(model, speculative_config=spec, async_scheduling=label != "sync", **opts)
         for prompt in FREE:
             llm.generate([prompt], params, use_tqdm=False)  # warm-up: every graph bucket
         stats = [_timed_decode(llm, prompt, params) for prompt in FREE]
