@@ -2,8 +2,10 @@
 
     python scripts/profile_engine_host.py --model qwen3.5-mtp --k 2 3 --tokens 128 [--cprofile 30]
 
-Configurations: plain decoding (steps overlapped), "sync" (plain with async_scheduling off), MTP
-at each k. For each: decode one free-text prompt once (graph capture), then again with only
+Configurations: plain decoding (steps overlapped), "sync" (plain with async_scheduling off),
+"eager" (plain without CUDA graphs: what a step costs when its graph is not replayed), "3 sizes"
+(plain with decode graphs for batch 1, 2, 4 only: a few dozen graphs captured, not ~1000),
+"no timer" (plain without the device timer's events around each execute), MTP at each k. For each: decode one free-text prompt once (graph capture), then again with only
 perf_counter around engine.step (each step ends at its own readback, so no sync is added): the
 prefill step, the mean later step, tokens/s with and without the prefill. With --cprofile N, a
 third decode under cProfile prints the N functions with the most own time (host hot spots).
@@ -14,6 +16,7 @@ prints each one's inclusive time per engine step: wall time without cProfile's i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import importlib
 import io
@@ -166,20 +169,28 @@ def main(argv: list[str] | None = None) -> None:
     model = resolve_model(args.model)
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     opts = dict(device=args.device, enable_prefix_caching=False, memory_budget=1 << 30)
-    configs = [("plain", None), ("sync", None)] + [(f"mtp k={k}", {"method": "mtp", "num_speculative_tokens": k,
-                                                   "rollback": "slots"}) for k in args.k]
+    # (label, speculative_config, engine options): "sync" reads each step's draws before the
+    # next step is queued; "eager" and "3 sizes" tell a graph that is not replayed, or a cost
+    # of many captured graphs, from host work
+    configs = [("plain", None, {}), ("sync", None, {"async_scheduling": False}),
+               ("eager", None, {"enforce_eager": True}), ("3 sizes", None, {"cuda_graph_sizes": [1, 2, 4]}),
+               ("no timer", None, {})]
+    configs += [(f"mtp k={k}", {"method": "mtp", "num_speculative_tokens": k, "rollback": "slots"}, {})
+                for k in args.k]
     rows = []
-    for label, spec in configs:
-        # "sync": plain decoding without the overlap (async_scheduling off): each step's draws read
-        # before the next step is queued
-        llm = LLM(model, speculative_config=spec, async_scheduling=label != "sync", **opts)
+    for label, spec, extra in configs:
+        llm = LLM(model, speculative_config=spec, **opts, **extra)
+        if label == "no timer":
+            llm.engine.runner.execute_time.measure = contextlib.nullcontext
+        graphs = llm.engine.runner.graphs
+        print(f"## {label}: {len(graphs.graphs) if graphs is not None else 0} decode graphs at startup")
         for prompt in FREE:
             llm.generate([prompt], params, use_tqdm=False)  # warm-up: every graph bucket
         stats = [_timed_decode(llm, prompt, params) for prompt in FREE]
         rows.append((label, {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}))
-        chain = getattr(llm.engine, "chain", None)
-        if chain is not None:
-            print(f"## {label}: {chain.launched} steps launched in flight (hyla.engine.spec.mtp.overlap)")
+        for flight in (llm.engine.chain, llm.engine.overlap):  # MTP's chain, plain decode's overlap
+            if flight is not None:
+                print(f"## {label}: {flight.launched} steps launched in flight ({type(flight).__name__})")
         if args.cprofile:
             print(f"## {label}\n" + _hot_spots(llm, FREE[0], params, args.cprofile))
         if args.sections:
