@@ -286,6 +286,27 @@ def test_random_dataset_lengths(tokenizer):
     assert all(10 + 5 <= r.prompt_len <= 30 + 5 + 1 for r in texts)
 
 
+def test_random_prompts_from_a_small_pool_differ():
+    """Pools smaller than a vocabulary (no tokenizer: 1,000 anonymous ids or WORDS; a server's
+    tokenizer: WORDS' ids) draw each id: consecutive runs from random offsets repeated, and the
+    prefix cache then served most of a 'random' run (99% hits against a synthetic vocabulary)."""
+    spec = DatasetSpec(num_prompts=200, random_input_len=16)
+    for chat in (False, True):
+        prompts = [c.requests[0].prompt for c in build_workload(spec, None, chat=chat)]
+        starts = {tuple(p[:4]) if not chat else tuple(p.split()[:4]) for p in prompts}
+        assert len(starts) == 200, chat
+
+
+def test_a_one_token_pool_is_refused():
+    class OneWord:  # a server tokenizer whose vocabulary has none of WORDS: one id for all of them
+        name = "http://server/tokenize"
+
+        def pool(self):
+            return np.array([7])
+    with pytest.raises(ValueError, match="1 ordinary token id.*--tokenizer"):
+        build_workload(DatasetSpec(num_prompts=2, random_input_len=8), OneWord(), chat=False)
+
+
 def test_prefix_and_agent_structure(tokenizer):
     spec = DatasetSpec(name="prefix", num_prompts=7, prefix_len=12, suffix_len=4, num_prefixes=3, shuffle=False)
     chat = [c.requests[0] for c in build_workload(spec, tokenizer, chat=True)]

@@ -4,7 +4,10 @@
   [floor(L (1 - r)), ceil(L (1 + r))] (L = --random-input-len less the tokens the tokenizer adds
   around a text, r = --random-range-ratio) and an output length likewise from
   --random-output-len (at least 1); the prompt is a shared random prefix of --random-prefix-len
-  tokens, then consecutive pool ids from a random offset.
+  tokens, then consecutive pool ids from a random offset (vLLM's form, over a whole vocabulary)
+  or, from a pool under CONSECUTIVE_MIN_POOL ids (the server's tokenizer knows only WORDS' ids;
+  no tokenizer), ids drawn one by one: consecutive runs of a small pool repeat, and requests
+  starting at the same offset would be the same prompt, served from the prefix cache.
 - sharegpt: a local ShareGPT JSON file (a list of {"conversations": [{"from": "human" | "gpt",
   "value": text}, ...]}): the first human turn is the prompt, the reply after it sets the output
   length (--sharegpt-output-len overrides it). As in vLLM: entries are shuffled, pairs with fewer
@@ -38,6 +41,9 @@ DATASETS = ("random", "sharegpt", "prefix", "agent")
 SHAREGPT_HUMAN = ("human", "user")
 # vLLM's is_valid_sequence bounds for ShareGPT pairs
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT_LEN, SHAREGPT_MAX_TOTAL_LEN = 4, 1024, 2048
+# Pools at least this large (a vocabulary) take vLLM's consecutive ids: two of 1,000 requests then
+# start at the same id with probability ~1e-3 per pair at 32K ids; smaller pools draw each id.
+CONSECUTIVE_MIN_POOL = 32768
 
 
 @dataclass(frozen=True)
@@ -104,8 +110,12 @@ def random_requests(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Genera
     offsets = rng.integers(0, len(pool), n)
     prefix = maker.random_ids(rng, spec.random_prefix_len)
     requests = []
+    consecutive = len(pool) >= CONSECUTIVE_MIN_POOL
     for i in range(n):
-        inner = pool[(offsets[i] + i + np.arange(input_lens[i])) % len(pool)].tolist()
+        if consecutive:
+            inner = pool[(offsets[i] + i + np.arange(input_lens[i])) % len(pool)].tolist()
+        else:
+            inner = maker.random_ids(rng, int(input_lens[i]))
         prompt, prompt_len = maker.render(prefix + inner, rng)
         requests.append(SampleRequest(prompt, prompt_len, int(output_lens[i])))
     return requests

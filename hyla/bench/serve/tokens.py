@@ -204,8 +204,11 @@ class PromptMaker:
             self.pool = np.arange(len(WORDS))
         else:
             self.pool = np.arange(ANONYMOUS_IDS.start, ANONYMOUS_IDS.stop)
-        if len(self.pool) == 0:
-            raise ValueError(f"the tokenizer {tokenizer.name!r} has no ordinary token to write prompts with")
+        if len(self.pool) < 2:
+            # one id: every random prompt (and every question of prefix / agent) would be the same
+            raise ValueError(f"the tokenizer {tokenizer.name!r} gives {len(self.pool)} ordinary token id(s) to write "
+                             "prompts with, so every prompt would be the same; pass --tokenizer with the served "
+                             "checkpoint's directory")
 
     def random_ids(self, rng: np.random.Generator, n: int) -> list[int]:
         return self.pool[rng.integers(0, len(self.pool), n)].tolist() if n > 0 else []
