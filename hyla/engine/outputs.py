@@ -26,7 +26,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token: None for
+    """prompt_token_ids: the request's prompt ids, the engine's own list in every output of the
+    request (read it; do not change it). prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token: None for
     the first, then {token_id: logprob} holding the prompt token and the top-n at its position
     (filled as the prefill goes; complete once the first output token exists, or, with
     max_tokens=0, once the request finished); prompt_token_ranks: with them, each prompt token's

@@ -220,12 +220,15 @@ class Sequence:
         return self.text[: len(self.text) - hold]
 
     def to_output(self) -> RequestOutput:
+        """The request's output so far (cumulative). Its prompt_token_ids is the request's own list,
+        not a copy (never changed after the request was made; a copy of a 1K-token prompt per
+        request per step was the largest host cost of an output at batch 256)."""
         completion = CompletionOutput(
             index=0, text=self.visible_text(), token_ids=list(self.output_token_ids),
             logprobs=None if self.logprobs is None else list(self.logprobs),
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
         )
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              finished=self.is_finished, error=self.error,
                              prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
                              prompt_token_ranks=(None if self.prompt_token_ranks is None

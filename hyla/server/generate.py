@@ -6,8 +6,11 @@ of a request are engine requests that share one output queue. Each prompt's firs
 submitted at once and its others once it has produced its first token: its prefill has then
 filed a state checkpoint at the prompt's end in the prefix cache, so the others hit it instead
 of computing the prompt again (and only the first scores the prompt when prompt logprobs are
-asked for: the others report its scores). The client is asked about every DISCONNECT_CHECK_S
-whether it is still there; if not, every unfinished sequence is aborted.
+asked for: the others report its scores). A watcher task asks the client every
+DISCONNECT_CHECK_S whether it is still there; if not, every unfinished sequence is aborted. (One
+task per request, not a timed wait per token: `asyncio.wait_for` costs a task and a timer per
+output, about 2.5x a plain `get` -- a third of a millisecond of the event loop per step at 256
+running requests.)
 
 Choices are indexed prompt-major, as OpenAI and vLLM do: choice p * n + i is prompt p's i-th.
 """
@@ -17,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -32,6 +34,7 @@ from hyla.server.logprobs import cumulative_logprob, prompt_logprobs
 from hyla.server.protocol import Plan
 
 DISCONNECT_CHECK_S = 0.25  # how often a running request asks whether its client is still there
+CLIENT_GONE = object()  # put on a request's output queue by its watcher when the client went away
 SHUTDOWN_MESSAGE = "the server is shutting down: the request did not finish within its drain time"
 
 
@@ -82,20 +85,12 @@ async def outputs(request: Request, state, rid: str, ids: list[int] | list[list[
 
     for p in range(len(prompts)):
         submit(p * m)
-    checked = time.monotonic()
+    watcher = asyncio.ensure_future(_watch_client(request, queue))
     try:
         while len(done) < total:
-            try:
-                out = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_CHECK_S)
-            except asyncio.TimeoutError:
-                out = None
-            # asked also while outputs keep coming: a non-streamed request produces one per step
-            if time.monotonic() - checked >= DISCONNECT_CHECK_S:
-                checked = time.monotonic()
-                if await request.is_disconnected():
-                    return
-            if out is None:
-                continue
+            out = await queue.get()
+            if out is CLIENT_GONE:
+                return
             k = index[out.request_id]
             if isinstance(out, Shutdown):  # the server stopped it at the end of its drain (hyla.server.shutdown)
                 done.add(k)
@@ -117,9 +112,20 @@ async def outputs(request: Request, state, rid: str, ids: list[int] | list[list[
                 done.add(k)
             yield k, out
     finally:
+        watcher.cancel()
         for r in submitted:
             if index[r] not in done:
                 state.async_engine.abort(r)
+
+
+async def _watch_client(request: Request, queue: asyncio.Queue) -> None:
+    """Every DISCONNECT_CHECK_S, ask whether the client is still there (also while outputs keep
+    coming: a non-streamed request produces one per step); put CLIENT_GONE when it is not."""
+    while True:
+        await asyncio.sleep(DISCONNECT_CHECK_S)
+        if await request.is_disconnected():
+            queue.put_nowait(CLIENT_GONE)
+            return
 
 
 def usage(ids: list[int] | list[list[int]], finals: dict[int, RequestOutput], per_prompt: int = 1) -> dict:
