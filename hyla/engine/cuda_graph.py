@@ -250,7 +250,9 @@ class DecodeGraphs:
             if ctx == 0:  # a one-token prompt: its slot may hold an old request's state
                 self.cache.zero_slot(slot)
         graph, out = self._graph(bs, width)
-        stage = self._stages.setdefault(width, [_MetaStage(self.max_batch, width, self.capture) for _ in range(2)])
+        stage = self._stages.get(width)
+        if stage is None:  # (not setdefault: its default, two pinned buffers, would be built every step)
+            stage = self._stages[width] = [_MetaStage(self.max_batch, width, self.capture) for _ in range(2)]
         self._turn ^= 1
         host = stage[self._turn].fill(token_ids, context_lens, slots, block_tables, bs)
         dst = self.meta[width][:bs]

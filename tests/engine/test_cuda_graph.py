@@ -10,6 +10,7 @@ import torch
 
 from hyla import LLM, SamplingParams
 from hyla.bench.throughput import random_checkpoint
+from hyla.engine import cuda_graph
 from hyla.engine.cuda_graph import SCRATCH, batch_buckets, width_bucket
 from hyla.engine.cuda_graph_verify import CUDAGraphRunner
 from hyla.contract import ForwardBatch
@@ -130,6 +131,9 @@ def test_padded_decode_equals_eager_cpu(ckpt, qwen_ckpt, moe_ckpts, family, monk
 
     runner = CUDAGraphRunner(model, graph, max_batch=slots, capture=False)
     nosync = _capture_mode(monkeypatch, runner, "_forward", recurrent_name)
+    built = []  # the host staging buffers: two per page width, built once (pinned on CUDA)
+    monkeypatch.setattr(cuda_graph._MetaStage, "__init__",
+                        lambda self, *a, _init=cuda_graph._MetaStage.__init__: (built.append(a), _init(self, *a))[1])
 
     for _ in range(steps):
         step = ForwardBatch.build([1] * 5, ctx, tables, seq_slots)
@@ -143,6 +147,7 @@ def test_padded_decode_equals_eager_cpu(ckpt, qwen_ckpt, moe_ckpts, family, monk
                 torch.testing.assert_close(tb[:ta.shape[0]], ta, rtol=1e-10, atol=1e-10)
         tokens = want.argmax(-1).tolist()
         ctx = [c + 1 for c in ctx]
+    assert len(built) == 2 * len(runner._stages), built
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
