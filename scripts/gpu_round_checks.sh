@@ -5,7 +5,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "rev $(git rev-parse --short HEAD 2>/dev/null || cat REV)"
 # STAGE=tests: the GPU tests and the engine check; STAGE=perf: the MTP table, plain decode's host
-# stages and the 48B decode table; unset: both (over 600 s on some cards: split it)
+# stages, a kernel profile of the 48B cut (prefill 8192, decode batch 1) and the 48B decode table;
+# unset: both (over 600 s on some cards: split it)
 if [ "${STAGE:-tests}" = tests ]; then
 echo "== tests"
 # in parallel every test whose engines take a 2 GiB pool (tests/conftest.py), then alone the ones
@@ -26,6 +27,9 @@ timeout 150 python3 -m hyla.bench spec --model qwen3.5-mtp --device cuda --metho
 echo "== plain decode's host stages (overlapped, sync) beside MTP k=2"
 timeout 200 python3 scripts/profile_engine_host.py --k 2 --tokens 128 --sections --replay > $OUT/host_stages.log 2>&1
 grep -E "^## .*(graphs at startup|launched|per replay)" $OUT/host_stages.log; tail -8 $OUT/host_stages.log
+echo "== where a 48B step goes: 4-layer cut, prefill of 8192 and decode at batch 1 (kernels in order: k1.txt)"
+timeout 150 python3 scripts/profile_step.py --layers 4 --prefill 8192 --decode-batch 1 --kernel-list $OUT/k1.txt \
+  > $OUT/profile_step.log 2>&1; grep -A12 -E "^# (kimi|decode batch)" $OUT/profile_step.log | cut -c1-160
 echo "== 48B decode"
 [ "$MEM" -lt 120000 ] && { echo "skip: ${MEM} MiB"; exit 0; }
 timeout 200 python3 -m hyla.bench throughput --random-config kimi-linear-48b-a3b --mode decode --batch-sizes 1 64 256 --context-lens 512 --steps 30 2>&1 | tail -25 | tee $OUT/decode48.log
