@@ -148,10 +148,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed, budget)
+            shifted = False  # a preemption in this turn may have removed a sequence before seq
             while not self.make_room(seq, n):
                 victim = self._victim()
                 self.preempt(victim)
-                preempted = True
+                preempted = shifted = True
                 if victim is seq:
                     break
                 if victim in batch.seqs:  # planned earlier in this step (priority policy): unplanned
@@ -162,7 +163,8 @@ class Scheduler:
             self.pools.allocate(seq, n)
             batch.add(seq, n)
             budget -= n
-            i = self.running.index(seq) + 1  # a preemption may have removed a sequence before it
+            # (found again only after a preemption: index() each turn made a step quadratic in the batch)
+            i = self.running.index(seq) + 1 if shifted else i + 1
         if preempted:
             return self._plan_extras(batch)
         cache = self.prefix_cache
