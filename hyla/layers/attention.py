@@ -40,7 +40,7 @@ from torch import nn
 from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import ZeroCentredRMSNorm
-from hyla.layers.prefix_attention import attend_after_prefix
+from hyla.layers.prefix_attention import attend_after_prefix, attend_key_blocks, key_block_positions
 from hyla.ops import dispatch, kv_fp8
 from hyla.ops.dtypes import work_dtype
 
@@ -170,9 +170,20 @@ class GatedAttention(nn.Module):
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, T, H, D], the last T of L positions; k, v: [B, L, Hkv, D] -> [B, T, H * D], causal
-        over the positions before them and among them (hyla.layers.prefix_attention)."""
-        k, v = (t.repeat_interleave(self.groups, dim=2).transpose(1, 2) for t in (k, v))
-        return attend_after_prefix(q.transpose(1, 2), k, v, self.scaling).transpose(1, 2).flatten(-2)
+        over the positions before them and among them (hyla.layers.prefix_attention; at long
+        contexts each KV head is repeated for its query group a block of positions at a time)."""
+        T, L = q.shape[1], k.shape[1]
+        per_position = 2 * k.element_size() * self.num_heads * self.head_dim * q.shape[0]  # repeated k and v
+
+        def heads(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return tuple(t.repeat_interleave(self.groups, dim=2).transpose(1, 2) for t in (k, v))
+        block = key_block_positions(L - T, T, per_position)
+        if block is None:
+            o = attend_after_prefix(q.transpose(1, 2), *heads(k, v), self.scaling)
+        else:
+            cuts = [(s, min(L - T, s + block)) for s in range(0, L - T, block)] + [(L - T, L)]
+            o = attend_key_blocks(q.transpose(1, 2), (heads(k[:, s:e], v[:, s:e]) for s, e in cuts), self.scaling)
+        return o.transpose(1, 2).flatten(-2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden] whole sequences from position 0 -> [B, T, hidden]."""

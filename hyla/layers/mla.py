@@ -33,7 +33,7 @@ from torch import nn
 from hyla.contract import ForwardBatch, MLALayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import RMSNorm
-from hyla.layers.prefix_attention import attend_after_prefix
+from hyla.layers.prefix_attention import attend_after_prefix, attend_key_blocks, key_block_positions
 from hyla.ops import dispatch, kv_fp8
 
 # transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
@@ -166,9 +166,20 @@ class MLAAttention(nn.Module):
     def _attend_new(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
         """Expanded form for the new tokens of one sequence. q: [T, H, D] (positions ctx..ctx+T-1);
         latent: [ctx + T, r + rope] -> [T, H * v_dim] (hyla.layers.prefix_attention: causal over
-        the prefix and themselves, no [T, L] mask built where the kernel can avoid it)."""
-        k, v = self.expand(latent[None])  # [1, H, L, nope + rope], [1, H, L, v]
-        o = attend_after_prefix(q.transpose(0, 1)[None], k, v, self.scaling)
+        the prefix and themselves, no [T, L] mask built where the kernel can avoid it; at long
+        contexts the latents are expanded a block of positions at a time)."""
+        T, L = q.shape[0], latent.shape[0]
+        # what expanding one position builds: the up-projection's output, the concatenated key
+        # and a contiguous value, every head
+        per_position = latent.element_size() * self.num_heads * (2 * self.nope + self.rope + 2 * self.v_dim)
+        block = key_block_positions(L - T, T, per_position)
+        qh = q.transpose(0, 1)[None]  # [1, H, T, D]
+        if block is None:
+            k, v = self.expand(latent[None])  # [1, H, L, nope + rope], [1, H, L, v]
+            o = attend_after_prefix(qh, k, v, self.scaling)
+        else:
+            prefix = [(s, min(L - T, s + block)) for s in range(0, L - T, block)] + [(L - T, L)]
+            o = attend_key_blocks(qh, (self.expand(latent[None, s:e]) for s, e in prefix), self.scaling)
         return o[0].transpose(0, 1).flatten(-2)
 
     def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, last: torch.Tensor,

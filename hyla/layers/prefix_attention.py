@@ -1,8 +1,23 @@
 """Causal attention of a sequence's new tokens over its cached prefix and themselves: the one
 call the prefill paths of hyla.layers.mla and hyla.layers.attention make for each sequence of a
-chunked prefill."""
+chunked prefill.
+
+Two forms. `attend_after_prefix` takes the whole context's keys and values at once. At long
+contexts those are too large to build: MLA expands each cached latent into every head's key and
+value (Kimi-Linear-48B-A3B: ~37 KB a token with the up-projection's output, 38 GB at 1M tokens),
+gated attention repeats each KV head for its query group. `attend_key_blocks` takes them a block of
+positions at a time (the caller builds each block when asked) and merges the blocks' results by
+their log-sum-exp, as split-KV decoding combines its splits:
+
+    o = sum_b exp(lse_b - lse) o_b,  lse = log sum_b exp(lse_b)
+
+exact up to the order of the additions. EXPAND_BYTES bounds a block; contexts whose keys and values
+fit it keep the one call.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +26,9 @@ from hyla.layers.masks import causal_after_prefix
 
 # The most score memory one CPU call may build (see attend_after_prefix).
 CPU_SCORE_BYTES = 256 << 20
+# The most memory the keys and values of one block of positions may take, with what building
+# them needs on the way (see attend_key_blocks); larger contexts go in blocks.
+EXPAND_BYTES = 1 << 30
 
 
 def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -37,3 +55,76 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         out.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys],
                                                   attn_mask=causal_after_prefix(stop - start, keys), scale=scale))
     return torch.cat(out, dim=2)
+
+
+def key_block_positions(context: int, new: int, bytes_per_position: int) -> int | None:
+    """Positions per prefix block for `new` tokens after `context` cached ones when building all
+    context + new positions' keys and values (bytes_per_position each) would pass EXPAND_BYTES;
+    None when they fit (one call)."""
+    if (context + new) * bytes_per_position <= EXPAND_BYTES:
+        return None
+    return max(1, EXPAND_BYTES // bytes_per_position)
+
+
+def attend_key_blocks(q: torch.Tensor, blocks: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                      scale: float) -> torch.Tensor:
+    """q [B, H, T, D]: the last T of the context's positions; blocks: the keys [B, H, L_b, D] and
+    values [B, H, L_b, Dv] of consecutive blocks of positions from 0, built lazily, the last block
+    exactly the T new positions (causal among themselves), every earlier one seen by every query
+    -> [B, H, T, Dv] in q's dtype, what attend_after_prefix gives over all of them at once."""
+    blocks = iter(blocks)
+    out = lse = None
+    k, v = next(blocks)
+    for following in blocks:
+        out, lse = _merge(out, lse, *attention_with_lse(q, k, v, scale, causal=False))
+        k, v = following
+    if k.shape[-2] != q.shape[-2]:
+        raise ValueError(f"the last key block must be the {q.shape[-2]} new positions, got {k.shape[-2]}")
+    out, _ = _merge(out, lse, *attention_with_lse(q, k, v, scale, causal=True))
+    return out.to(q.dtype)
+
+
+def _merge(out, lse, out_b: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two blocks' (outputs [B, H, T, Dv], log-sum-exps [B, H, T]) -> the union's, in fp32 (fp64
+    for fp64); a first block (out None) as it is."""
+    work = torch.float64 if out_b.dtype == torch.float64 else torch.float32
+    out_b, lse_b = out_b.to(work), lse_b.to(work)
+    if out is None:
+        return out_b, lse_b
+    total = torch.logaddexp(lse, lse_b)
+    return (out * (lse - total).exp()[..., None] + out_b * (lse_b - total).exp()[..., None]), total
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B, H, T, D] over k [B, H, L, D], v [B, H, L, Dv] (causal: T == L, query i
+    sees keys 0..i) -> (out [B, H, T, Dv], the log-sum-exp of each query's scaled scores [B, H, T]).
+    CUDA: the fused kernels torch's scaled_dot_product_attention dispatches to, asked for their
+    log-sum-exp (cuDNN for bf16 / fp16, the memory-efficient kernel otherwise); elsewhere score
+    blocks under CPU_SCORE_BYTES."""
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"a causal block is square: {q.shape[-2]} queries, {k.shape[-2]} keys")
+    T = q.shape[-2]
+    if q.device.type == "cuda":
+        k, v = k.contiguous(), v.contiguous()  # (an expanded value is a view of the up-projection)
+        if q.dtype in (torch.bfloat16, torch.float16):
+            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+        else:
+            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse.reshape(*q.shape[:2], -1)[..., :T]  # (the efficient kernel pads T to 32)
+    B, H, _, _ = q.shape
+    L = k.shape[-2]
+    rows = max(1, CPU_SCORE_BYTES // (B * H * L * 4))
+    outs, lses = [], []
+    for start in range(0, T, rows):
+        stop = min(T, start + rows)
+        scores = (q[:, :, start:stop] @ k.transpose(-1, -2)) * scale  # [B, H, rows, L]
+        if causal:
+            hidden = torch.arange(L, device=q.device)[None, :] > torch.arange(start, stop, device=q.device)[:, None]
+            scores = scores.masked_fill(hidden, float("-inf"))
+        lse = torch.logsumexp(scores.float() if scores.dtype != torch.float64 else scores, dim=-1)
+        outs.append(((scores - lse[..., None].to(scores.dtype)).exp() @ v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

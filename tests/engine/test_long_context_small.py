@@ -23,15 +23,25 @@ def checkpoint(tmp_path_factory):
     return build_kimi_checkpoint(tmp_path_factory.mktemp("long_context"), "moe")  # 2 KDA + 2 MLA (RoPE) layers
 
 
-@pytest.mark.parametrize("chunk,score_bytes", [(7, None), (63, None), (64, None), (65, None), (100, None),
-                                               (100, 1 << 14), (None, None)])
-def test_many_pages_and_chunk_offsets_equal_the_full_forward(checkpoint, chunk, score_bytes, monkeypatch):
+@pytest.mark.parametrize("chunk,score_bytes,expand_bytes", [
+    (7, None, None), (63, None, None), (64, None, None), (65, None, None), (100, None, None),
+    (100, 1 << 14, None), (None, None, None), (100, None, 1 << 16), (63, 1 << 14, 1 << 16)])
+def test_many_pages_and_chunk_offsets_equal_the_full_forward(checkpoint, chunk, score_bytes, expand_bytes,
+                                                             monkeypatch):
     # 7 is prime to 64: the boundaries 7k (k < 64, 448 tokens) fall at every offset mod 64 and mod 4.
-    # score_bytes: the MLA prefill over a prefix in CPU query blocks (hyla.layers.prefix_attention)
-    if score_bytes is not None:
-        import hyla.layers.prefix_attention as pa
+    # score_bytes: the MLA prefill over a prefix in CPU query blocks; expand_bytes: its prefix's
+    # keys and values built a block of positions at a time (hyla.layers.prefix_attention)
+    import hyla.layers.prefix_attention as pa
 
+    if score_bytes is not None:
         monkeypatch.setattr(pa, "CPU_SCORE_BYTES", score_bytes)
+    blocked = []
+    if expand_bytes is not None:
+        monkeypatch.setattr(pa, "EXPAND_BYTES", expand_bytes)
+        import hyla.layers.mla as mla
+
+        monkeypatch.setattr(mla, "attend_key_blocks",
+                            lambda q, blocks, scale: blocked.append(1) or pa.attend_key_blocks(q, blocks, scale))
     llm = LLM(str(checkpoint), dtype=torch.float64, device="cpu", max_num_seqs=1, page_size=PAGE_SIZE,
               max_model_len=PROMPT_LEN + NEW_TOKENS + 2, memory_budget=1 << 22,
               max_num_batched_tokens=chunk or 4096)
@@ -63,5 +73,6 @@ def test_many_pages_and_chunk_offsets_equal_the_full_forward(checkpoint, chunk, 
         row = lp[PROMPT_LEN - 1 + j]
         assert token == int(row.argmax()), j
         assert abs(logprobs[token] - row[token].item()) <= 1e-5, j
+    assert bool(blocked) == (expand_bytes is not None)
     # one step per prefill chunk, then one per token after the first
     assert metrics["num_steps"] == -(-PROMPT_LEN // (chunk or PROMPT_LEN)) + NEW_TOKENS - 1

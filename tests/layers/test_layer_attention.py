@@ -69,9 +69,15 @@ def test_forward_equals_loop(heads, kv_heads, factor, bias):
             assert torch.allclose(y[b], loop_reference(layer, x[b]), atol=1e-10, rtol=0)
 
 
-def test_paged_prefill_and_decode_equal_full_forward():
+@pytest.mark.parametrize("expand_bytes", [None, 5 * 2 * 8 * 4 * 12])
+def test_paged_prefill_and_decode_equal_full_forward(expand_bytes, monkeypatch):
     """Three sequences over shuffled pages (size 4): prefill in uneven pieces, mixing one-token
-    rows with longer ones and nonzero contexts, then batched decode steps."""
+    rows with longer ones and nonzero contexts, then batched decode steps. expand_bytes: the
+    prefix's repeated keys and values built 5 positions at a time (hyla.layers.prefix_attention)."""
+    if expand_bytes is not None:
+        import hyla.layers.prefix_attention as pa
+
+        monkeypatch.setattr(pa, "EXPAND_BYTES", expand_bytes)  # 2 x fp64 x 4 heads x 12 per position
     layer = _layer()
     cache = KVLayerCache(*(torch.full((24, 4, 2, 12), float("nan"), dtype=torch.float64) for _ in range(2)))
     xs = [torch.randn(n, HIDDEN, dtype=torch.float64) for n in (23, 9, 14)]
