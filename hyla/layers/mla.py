@@ -151,35 +151,47 @@ class MLAAttention(nn.Module):
             if new <= 1:
                 continue
             pages = batch.context_pages(n, ctx + new, page_size)
-            lat = cache.kv[pages].flatten(0, 1)[:ctx + new]  # [L, r + rope]
-            if cache.kv_scale is not None:  # FP8 latents: the rows in the model dtype
-                lat = kv_fp8.dequantize_rows(lat, cache.kv_scale[pages].flatten(0, 1)[:ctx + new],
-                                             kv_fp8.latent_groups(self.kv_lora_rank, self.rope), q.dtype)
-            out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], lat)
+            out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], ctx + new,
+                                                    lambda s, e, pages=pages: self._cached_latents(cache, pages, s, e, q.dtype))
         return self.output(out, x)
+
+    def _cached_latents(self, cache: MLALayerCache, pages: torch.Tensor, start: int, stop: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+        """The cached latents of positions start..stop-1 of a sequence whose pages are `pages`
+        -> [stop - start, r + rope] (FP8 latents dequantised to dtype). Only the pages holding
+        them are gathered: at a long context a block's, not the whole context's."""
+        page_size = cache.kv.shape[1]
+        first, last = start // page_size, -(-stop // page_size)
+        rows = slice(start - first * page_size, stop - first * page_size)
+        lat = cache.kv[pages[first:last]].flatten(0, 1)[rows]
+        if cache.kv_scale is not None:  # FP8 latents: the rows in the model dtype
+            lat = kv_fp8.dequantize_rows(lat, cache.kv_scale[pages[first:last]].flatten(0, 1)[rows],
+                                         kv_fp8.latent_groups(self.kv_lora_rank, self.rope), dtype)
+        return lat
 
     def output(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """attn: [..., H * v_dim] attention output, x: the layer input [..., hidden] -> o_proj(attn)
         (the hook an output-gated variant overrides, hyla.layers.gated_mla)."""
         return self.o_proj(attn)
 
-    def _attend_new(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-        """Expanded form for the new tokens of one sequence. q: [T, H, D] (positions ctx..ctx+T-1);
-        latent: [ctx + T, r + rope] -> [T, H * v_dim] (hyla.layers.prefix_attention: causal over
-        the prefix and themselves, no [T, L] mask built where the kernel can avoid it; at long
-        contexts the latents are expanded a block of positions at a time)."""
-        T, L = q.shape[0], latent.shape[0]
+    def _attend_new(self, q: torch.Tensor, L: int, latents) -> torch.Tensor:
+        """Expanded form for the new tokens of one sequence. q: [T, H, D] (positions L-T..L-1);
+        latents(start, stop): the latents of positions start..stop-1 [stop - start, r + rope]
+        -> [T, H * v_dim] (hyla.layers.prefix_attention: causal over the prefix and themselves,
+        no [T, L] mask built where the kernel can avoid it; at long contexts the latents are
+        gathered and expanded a block of positions at a time)."""
+        T = q.shape[0]
         # what expanding one position builds: the up-projection's output, the concatenated key
         # and a contiguous value, every head
-        per_position = latent.element_size() * self.num_heads * (2 * self.nope + self.rope + 2 * self.v_dim)
+        per_position = q.element_size() * self.num_heads * (2 * self.nope + self.rope + 2 * self.v_dim)
         block = key_block_positions(L - T, T, per_position)
         qh = q.transpose(0, 1)[None]  # [1, H, T, D]
         if block is None:
-            k, v = self.expand(latent[None])  # [1, H, L, nope + rope], [1, H, L, v]
+            k, v = self.expand(latents(0, L)[None])  # [1, H, L, nope + rope], [1, H, L, v]
             o = attend_after_prefix(qh, k, v, self.scaling)
         else:
             prefix = [(s, min(L - T, s + block)) for s in range(0, L - T, block)] + [(L - T, L)]
-            o = attend_key_blocks(qh, (self.expand(latent[None, s:e]) for s, e in prefix), self.scaling)
+            o = attend_key_blocks(qh, (self.expand(latents(s, e)[None]) for s, e in prefix), self.scaling)
         return o[0].transpose(0, 1).flatten(-2)
 
     def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, last: torch.Tensor,

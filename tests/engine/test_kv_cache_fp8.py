@@ -139,12 +139,27 @@ def fp8_reference(ckpts):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_prefix_cache_with_fp8_pages_gives_the_cache_off_tokens(ckpts, fp8_reference, family):
+@pytest.mark.parametrize("key_blocks", [False, True])
+def test_prefix_cache_with_fp8_pages_gives_the_cache_off_tokens(ckpts, fp8_reference, family, key_blocks,
+                                                                 monkeypatch):
+    """key_blocks: a hit's prefill attends over the cached prefix a few positions at a time, the
+    FP8 rows gathered and dequantised per block (hyla.layers.prefix_attention.EXPAND_BYTES)."""
     prompts, params, ref = fp8_reference
+    blocked = []
+    if key_blocks:
+        import hyla.layers.attention as attention
+        import hyla.layers.mla as mla
+        import hyla.layers.prefix_attention as pa
+
+        monkeypatch.setattr(pa, "EXPAND_BYTES", 1 << 12)
+        for module in (mla, attention):
+            monkeypatch.setattr(module, "attend_key_blocks",
+                                lambda *a: blocked.append(1) or pa.attend_key_blocks(*a))
     llm = LLM(str(ckpts[family]), dtype="float64", device="cpu", max_model_len=96, kv_cache_dtype="fp8",
               enable_prefix_caching=True)
     got = [_tokens(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]  # one by one: hits
     assert got == ref[family]
+    assert bool(blocked) == key_blocks
     assert llm.get_metrics()["prefix_cache_hit_tokens"] >= 32  # the shared 40 tokens' whole pages, at least
 
 
