@@ -13,10 +13,11 @@
 The worst-case step is measured, not estimated: one sequence of max_num_batched_tokens tokens
 through the model with throwaway pools of one slot, with logits for max_num_seqs rows and the
 sampler's filters over them, under torch.cuda's peak-memory counter. A chunk over a long cached
-context takes more than that profiled step (context 0): its attention gathers the context's cached
-rows (MLA latents: 1.2 GB at 1M tokens on the Kimi-Linear shape) and builds their keys and values a
-block of at most hyla.layers.prefix_attention.EXPAND_BYTES at a time; the memory the utilization
-leaves unused holds that (14 GB on an H200 at 0.9).
+context takes more than that profiled step (context 0): its attention builds the context's keys
+and values a block of at most hyla.layers.prefix_attention.EXPAND_BYTES at a time (MLA gathers
+each block's latents; gated attention gathers the context's K / V rows first: 0.5 GB at 262K
+tokens on the Qwen3-Next shape); the memory the utilization leaves unused holds that (14 GB on an
+H200 at 0.9).
 """
 
 from __future__ import annotations
