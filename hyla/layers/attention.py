@@ -40,7 +40,7 @@ from torch import nn
 from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import ZeroCentredRMSNorm
-from hyla.layers.prefix_attention import attend_after_prefix, attend_key_blocks, key_block_positions
+from hyla.layers.prefix_attention import attend_after_prefix, attend_key_blocks, key_blocks
 from hyla.ops import dispatch, kv_fp8
 from hyla.ops.dtypes import work_dtype
 
@@ -177,12 +177,11 @@ class GatedAttention(nn.Module):
 
         def heads(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return tuple(t.repeat_interleave(self.groups, dim=2).transpose(1, 2) for t in (k, v))
-        block = key_block_positions(L - T, T, per_position)
-        if block is None:
+        blocks = key_blocks(L - T, T, per_position)
+        if blocks is None:
             o = attend_after_prefix(q.transpose(1, 2), *heads(k, v), self.scaling)
         else:
-            cuts = [(s, min(L - T, s + block)) for s in range(0, L - T, block)] + [(L - T, L)]
-            o = attend_key_blocks(q.transpose(1, 2), (heads(k[:, s:e], v[:, s:e]) for s, e in cuts), self.scaling)
+            o = attend_key_blocks(q.transpose(1, 2), (heads(k[:, s:e], v[:, s:e]) for s, e in blocks), self.scaling)
         return o.transpose(1, 2).flatten(-2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import nn
 from hyla.contract import ForwardBatch, MLALayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import RMSNorm
-from hyla.layers.prefix_attention import attend_after_prefix, attend_key_blocks, key_block_positions
+from hyla.layers.prefix_attention import attend_after_prefix, attend_key_blocks, key_blocks
 from hyla.ops import dispatch, kv_fp8
 
 # transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
@@ -184,14 +184,13 @@ class MLAAttention(nn.Module):
         # what expanding one position builds: the up-projection's output, the concatenated key
         # and a contiguous value, every head
         per_position = q.element_size() * self.num_heads * (2 * self.nope + self.rope + 2 * self.v_dim)
-        block = key_block_positions(L - T, T, per_position)
+        blocks = key_blocks(L - T, T, per_position)
         qh = q.transpose(0, 1)[None]  # [1, H, T, D]
-        if block is None:
+        if blocks is None:
             k, v = self.expand(latents(0, L)[None])  # [1, H, L, nope + rope], [1, H, L, v]
             o = attend_after_prefix(qh, k, v, self.scaling)
         else:
-            prefix = [(s, min(L - T, s + block)) for s in range(0, L - T, block)] + [(L - T, L)]
-            o = attend_key_blocks(qh, (self.expand(latents(s, e)[None]) for s, e in prefix), self.scaling)
+            o = attend_key_blocks(qh, (self.expand(latents(s, e)[None]) for s, e in blocks), self.scaling)
         return o[0].transpose(0, 1).flatten(-2)
 
     def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, last: torch.Tensor,

@@ -57,13 +57,15 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return torch.cat(out, dim=2)
 
 
-def key_block_positions(context: int, new: int, bytes_per_position: int) -> int | None:
-    """Positions per prefix block for `new` tokens after `context` cached ones when building all
-    context + new positions' keys and values (bytes_per_position each) would pass EXPAND_BYTES;
-    None when they fit (one call)."""
+def key_blocks(context: int, new: int, bytes_per_position: int) -> list[tuple[int, int]] | None:
+    """The blocks of positions (start, stop) whose keys and values attend_key_blocks builds for
+    `new` tokens after `context` cached ones: the prefix in blocks of at most EXPAND_BYTES (at
+    bytes_per_position each), then the new positions. None when all context + new positions fit
+    EXPAND_BYTES (one call)."""
     if (context + new) * bytes_per_position <= EXPAND_BYTES:
         return None
-    return max(1, EXPAND_BYTES // bytes_per_position)
+    size = max(1, EXPAND_BYTES // bytes_per_position)
+    return [(s, min(context, s + size)) for s in range(0, context, size)] + [(context, context + new)]
 
 
 def attend_key_blocks(q: torch.Tensor, blocks: Iterable[tuple[torch.Tensor, torch.Tensor]],

@@ -9,8 +9,8 @@ of computing the prompt again (and only the first scores the prompt when prompt 
 asked for: the others report its scores). A watcher task asks the client every
 DISCONNECT_CHECK_S whether it is still there; if not, every unfinished sequence is aborted. (One
 task per request, not a timed wait per token: `asyncio.wait_for` costs a task and a timer per
-output, about 2.5x a plain `get` -- a third of a millisecond of the event loop per step at 256
-running requests.)
+output, about 2.5x a plain `get`: some 2 ms of the event loop per step at 256 running requests
+on a 2-core CPU box.)
 
 Choices are indexed prompt-major, as OpenAI and vLLM do: choice p * n + i is prompt p's i-th.
 """

@@ -87,5 +87,6 @@ def test_key_block_errors_and_sizes():
         pa.attention_with_lse(q, torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), 1.0, causal=True)
     with pytest.raises(ValueError, match="last key block must be the 3 new positions"):
         pa.attend_key_blocks(q, iter([(torch.randn(1, 1, 4, 4), torch.randn(1, 1, 4, 4))]), 1.0)
-    assert pa.key_block_positions(100, 10, pa.EXPAND_BYTES // 200) is None  # 110 positions fit
-    assert pa.key_block_positions(1000, 10, pa.EXPAND_BYTES // 200) == 200
+    assert pa.key_blocks(100, 10, pa.EXPAND_BYTES // 200) is None  # 110 positions fit
+    assert pa.key_blocks(450, 10, pa.EXPAND_BYTES // 200) == [(0, 200), (200, 400), (400, 450), (450, 460)]
+    assert pa.key_blocks(0, 300, pa.EXPAND_BYTES // 200) == [(0, 300)]  # no prefix: the new positions alone
