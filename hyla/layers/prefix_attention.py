@@ -75,6 +75,7 @@ def attend_key_blocks(q: torch.Tensor, blocks: Iterable[tuple[torch.Tensor, torc
     exactly the T new positions (causal among themselves), every earlier one seen by every query
     -> [B, H, T, Dv] in q's dtype, what attend_after_prefix gives over all of them at once."""
     blocks = iter(blocks)
+    q = q.contiguous()  # once for every block (attention_with_lse's kernels read dense rows)
     out = lse = None
     k, v = next(blocks)
     for following in blocks:
@@ -108,7 +109,10 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         raise ValueError(f"a causal block is square: {q.shape[-2]} queries, {k.shape[-2]} keys")
     T = q.shape[-2]
     if q.device.type == "cuda":
-        k, v = k.contiguous(), v.contiguous()  # (an expanded value is a view of the up-projection)
+        # the kernels read dense [B, H, L, D] rows (torch's sdpa checks a layout before it calls
+        # them; these calls skip that check): a query transposed from [T, H, D], an expanded
+        # value (a view of the up-projection) are copied
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if q.dtype in (torch.bfloat16, torch.float16):
             out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
                 q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
