@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"## {label}\n" + _hot_spots(llm, FREE[0], params, args.cprofile))
         if args.sections:
             print(f"## {label}: host stages\n" + _sections(llm, FREE[0], params))
-        if args.replay:
+        if args.replay and graphs is not None:  # (eager: no graphs)
             for name, ms in _replay_ms(llm).items():
                 print(f"## {label}: graph {name}: {ms:.3f} ms per replay")
         if args.prefill:
