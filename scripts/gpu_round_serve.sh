@@ -20,15 +20,16 @@ cached() {  # the prefix and agent traces (greedy, outputs saved for the on / of
   timeout 200 $B --label agent-$TAG --dataset-name agent --num-sessions 16 --turns 6 --tool-output-len 512 \
       --question-len 32 --output-len 64 --temperature 0 --ignore-eos --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- agent $TAG"
 }
+# PART=random: the random rows alone; PART=cached: prefix and agent, cache on and off; unset: all
 TAG=on; serve
-for cn in ${CONC:-1:8 16:64 64:192 256:512}; do
+[ "${PART:-random}" = random ] && for cn in ${CONC:-1:8 16:64 64:192 256:512}; do
   timeout 240 $B --label random-c${cn%:*} --random-input-len 1024 --random-output-len 256 --ignore-eos \
       --max-concurrency ${cn%:*} --num-prompts ${cn#*:} 2>&1 | grep -E "throughput|TTFT|TPOT|ITL|E2E|Failed|Successful|hit|Engine step time|Model execute" | grep -iv "median\|std" | tr '\n' ';' ; echo " <- c${cn%:*}"
 done
-cached
+[ "${PART:-cached}" = cached ] && cached
 kill $SP; wait $SP 2>/dev/null
 grep -E "Error|Traceback|error" $OUT/serveon.log | head -5
-[ -n "$NO_OFF" ] && exit 0
+[ -n "$NO_OFF" ] || [ "${PART:-cached}" != cached ] && exit 0
 TAG=off; serve --no-enable-prefix-caching
 cached
 kill $SP; wait $SP 2>/dev/null
