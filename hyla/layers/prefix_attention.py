@@ -75,7 +75,7 @@ def attend_key_blocks(q: torch.Tensor, blocks: Iterable[tuple[torch.Tensor, torc
     exactly the T new positions (causal among themselves), every earlier one seen by every query
     -> [B, H, T, Dv] in q's dtype, what attend_after_prefix gives over all of them at once."""
     blocks = iter(blocks)
-    q = q.contiguous()  # once for every block (attention_with_lse's kernels read dense rows)
+    q = q.contiguous()  # once for every block (attention_with_lse's kernel reads dense rows)
     out = lse = None
     k, v = next(blocks)
     for following in blocks:
@@ -102,24 +102,20 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B, H, T, D] over k [B, H, L, D], v [B, H, L, Dv] (causal: T == L, query i
     sees keys 0..i) -> (out [B, H, T, Dv], the log-sum-exp of each query's scaled scores [B, H, T]).
-    CUDA: the fused kernels torch's scaled_dot_product_attention dispatches to, asked for their
-    log-sum-exp (cuDNN for bf16 / fp16, the memory-efficient kernel otherwise); elsewhere score
-    blocks under CPU_SCORE_BYTES."""
+    CUDA: the memory-efficient kernel (the one torch's scaled_dot_product_attention takes for
+    MLA's narrower values and for the lower-right causal bias), asked for its log-sum-exp;
+    elsewhere score blocks under CPU_SCORE_BYTES."""
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"a causal block is square: {q.shape[-2]} queries, {k.shape[-2]} keys")
     T = q.shape[-2]
     if q.device.type == "cuda":
-        # the kernels read dense [B, H, L, D] rows (torch's sdpa checks a layout before it calls
-        # them; these calls skip that check): a query transposed from [T, H, D], an expanded
-        # value (a view of the up-projection) are copied
+        # the kernel reads dense [B, H, L, D] rows (torch's sdpa checks a layout before it calls
+        # it; this call skips that check): a query transposed from [T, H, D], an expanded value
+        # (a view of the up-projection) are copied
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if q.dtype in (torch.bfloat16, torch.float16):
-            out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
-        else:
-            out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, k, v, None, True, 0.0, causal, scale=scale)[:2]
-        return out, lse.reshape(*q.shape[:2], -1)[..., :T]  # (the efficient kernel pads T to 32)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse[..., :T]  # (the kernel pads T to a multiple of 32)
     B, H, _, _ = q.shape
     L = k.shape[-2]
     rows = max(1, CPU_SCORE_BYTES // (B * H * L * 4))

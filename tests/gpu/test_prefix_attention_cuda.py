@@ -1,7 +1,7 @@
-"""hyla.layers.prefix_attention on CUDA (skipped without): the key-blocked form, through the fused
-kernels' log-sum-exp (cuDNN for bf16, the memory-efficient kernel for fp32), against one call of
-scaled_dot_product_attention with the lower-right causal bias, at the Kimi-Linear MLA head shape
-(32 heads, keys 192 wide, values 128) and awkward block sizes.
+"""hyla.layers.prefix_attention on CUDA (skipped without): the key-blocked form, through the
+memory-efficient kernel's log-sum-exp, against one call of scaled_dot_product_attention with the
+lower-right causal bias, at the Kimi-Linear MLA head shape (32 heads, keys 192 wide, values 128)
+and awkward block sizes.
 
 Bounds: fp32 1e-5 relative (the kernels' own fp32 accumulation in another order); bf16 2e-2
 relative L2 (each block's output is rounded to bf16 before the fp32 merge; a bf16 attention
