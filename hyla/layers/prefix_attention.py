@@ -102,9 +102,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B, H, T, D] over k [B, H, L, D], v [B, H, L, Dv] (causal: T == L, query i
     sees keys 0..i) -> (out [B, H, T, Dv], the log-sum-exp of each query's scaled scores [B, H, T]).
-    CUDA: the memory-efficient kernel (the one torch's scaled_dot_product_attention takes for
-    MLA's narrower values and for the lower-right causal bias), asked for its log-sum-exp;
-    elsewhere score blocks under CPU_SCORE_BYTES."""
+    CUDA: torch's memory-efficient attention kernel (it takes values narrower than the keys, as
+    MLA's, in every dtype), asked for its log-sum-exp; elsewhere score blocks under
+    CPU_SCORE_BYTES."""
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"a causal block is square: {q.shape[-2]} queries, {k.shape[-2]} keys")
     T = q.shape[-2]
