@@ -36,6 +36,32 @@ class Shutdown:
     request_id: str
 
 
+UNREAD_OUTPUTS = 16  # unread outputs an OutputQueue holds before a new one replaces its request's last
+
+
+class OutputQueue(asyncio.Queue):
+    """The outputs of one HTTP request's engine requests, on their way to its handler.
+
+    An output is cumulative (its text and token ids so far), so a later one of the same request
+    says everything an unread earlier one does. While the handler lags -- a slow or stalled client
+    whose writes wait on the socket -- the engine still produces one output per step: once
+    UNREAD_OUTPUTS are waiting, a new output replaces its request's last unread one unless that
+    one ended the request. The handler then streams the skipped tokens in one chunk, and the
+    memory a stalled stream holds stays bounded (each output copies the token ids so far: a 32K-
+    token generation to a client that reads nothing would otherwise hold ~500M of them)."""
+
+    def _put(self, item) -> None:
+        pending = self._queue
+        if len(pending) >= UNREAD_OUTPUTS and isinstance(item, RequestOutput):
+            for i in range(len(pending) - 1, -1, -1):
+                old = pending[i]
+                if isinstance(old, RequestOutput) and old.request_id == item.request_id:
+                    if not old.finished:
+                        del pending[i]  # superseded by `item`
+                    break
+        pending.append(item)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None,
                  on_abort: Callable[[str], None] | None = None):
@@ -43,7 +69,7 @@ class AsyncEngine:
         self.on_output = on_output  # on_output(output: RequestOutput, now: time.monotonic()) in the loop thread
         self.on_abort = on_abort  # on_abort(request_id) in the loop thread: it ends with no finished output
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputQueue]] = {}
         self._stop = threading.Event()
         self._stopping = False  # stop_all ran: every request is answered with a Shutdown
         self._thread: threading.Thread | None = None
@@ -64,11 +90,11 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               out: asyncio.Queue | None = None) -> asyncio.Queue:
-        """Queue a validated request; returns the asyncio queue its outputs arrive on (the last one
-        has .finished set): `out` when given, so that several requests (the n choices of one
-        HTTP request) share one queue, told apart by RequestOutput.request_id."""
-        out = out if out is not None else asyncio.Queue()
+               out: OutputQueue | None = None) -> OutputQueue:
+        """Queue a validated request; returns the queue its outputs arrive on (the last one has
+        .finished set): `out` when given, so that several requests (the n choices of one HTTP
+        request) share one queue, told apart by RequestOutput.request_id."""
+        out = out if out is not None else OutputQueue()
         self._streams[request_id] = (asyncio.get_running_loop(), out)
         self._commands.put(("add", request_id, prompt_ids, params))
         return out
@@ -155,6 +181,6 @@ class AsyncEngine:
             self._deliver_all([(out.request_id, out) for out in outputs])
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | Shutdown]]) -> None:
+def _put_all(items: list[tuple[OutputQueue, RequestOutput | Shutdown]]) -> None:
     for q, output in items:
         q.put_nowait(output)

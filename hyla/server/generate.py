@@ -28,7 +28,7 @@ from fastapi.responses import StreamingResponse
 
 from hyla.engine.outputs import CompletionOutput, RequestOutput
 from hyla.engine.sampling_params import SamplingParams
-from hyla.server.async_engine import Shutdown
+from hyla.server.async_engine import OutputQueue, Shutdown
 from hyla.server.errors import APIError
 from hyla.server.logprobs import cumulative_logprob, prompt_logprobs
 from hyla.server.protocol import Plan
@@ -73,7 +73,7 @@ async def outputs(request: Request, state, rid: str, ids: list[int] | list[list[
     # a prompt's later sequences take its first one's prompt scores (and its prefix-cache checkpoint)
     later = [dataclasses.replace(p, prompt_logprobs=None) if p.prompt_logprobs is not None else p for p in params]
     scored: dict[int, RequestOutput] = {}  # prompt -> its first sequence's latest output
-    queue: asyncio.Queue = asyncio.Queue()
+    queue = OutputQueue()
     submitted: list[str] = []
     done: set[int] = set()
 
@@ -118,7 +118,7 @@ async def outputs(request: Request, state, rid: str, ids: list[int] | list[list[
                 state.async_engine.abort(r)
 
 
-async def _watch_client(request: Request, queue: asyncio.Queue) -> None:
+async def _watch_client(request: Request, queue: OutputQueue) -> None:
     """Every DISCONNECT_CHECK_S, ask whether the client is still there (also while outputs keep
     coming: a non-streamed request produces one per step); put CLIENT_GONE when it is not."""
     while True:
