@@ -40,7 +40,7 @@ from torch import nn
 from hyla.contract import ForwardBatch, KVLayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import ZeroCentredRMSNorm
-from hyla.layers.prefix_attention import attend_after_prefix, attend_key_blocks, key_blocks
+from hyla.layers.prefix_attention import attend_built
 from hyla.ops import dispatch, kv_fp8
 from hyla.ops.dtypes import work_dtype
 
@@ -172,16 +172,11 @@ class GatedAttention(nn.Module):
         """q: [B, T, H, D], the last T of L positions; k, v: [B, L, Hkv, D] -> [B, T, H * D], causal
         over the positions before them and among them (hyla.layers.prefix_attention; at long
         contexts each KV head is repeated for its query group a block of positions at a time)."""
-        T, L = q.shape[1], k.shape[1]
         per_position = 2 * k.element_size() * self.num_heads * self.head_dim * q.shape[0]  # repeated k and v
 
-        def heads(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return tuple(t.repeat_interleave(self.groups, dim=2).transpose(1, 2) for t in (k, v))
-        blocks = key_blocks(L - T, T, per_position)
-        if blocks is None:
-            o = attend_after_prefix(q.transpose(1, 2), *heads(k, v), self.scaling)
-        else:
-            o = attend_key_blocks(q.transpose(1, 2), (heads(k[:, s:e], v[:, s:e]) for s, e in blocks), self.scaling)
+        def heads(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:  # [B, H, n, D] each
+            return tuple(t[:, start:stop].repeat_interleave(self.groups, dim=2).transpose(1, 2) for t in (k, v))
+        o = attend_built(q.transpose(1, 2), heads, k.shape[1] - q.shape[1], per_position, self.scaling)
         return o.transpose(1, 2).flatten(-2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,15 +25,16 @@ runs as over a cache in the model dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 from hyla.contract import ForwardBatch, MLALayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import RMSNorm
-from hyla.layers.prefix_attention import attend_after_prefix, attend_key_blocks, key_blocks
+from hyla.layers.prefix_attention import attend_built
 from hyla.ops import dispatch, kv_fp8
 
 # transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
@@ -151,8 +152,8 @@ class MLAAttention(nn.Module):
             if new <= 1:
                 continue
             pages = batch.context_pages(n, ctx + new, page_size)
-            out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], ctx + new,
-                                                    lambda s, e, pages=pages: self._cached_latents(cache, pages, s, e, q.dtype))
+            latents = functools.partial(self._cached_latents, cache, pages, dtype=q.dtype)
+            out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], ctx + new, latents)
         return self.output(out, x)
 
     def _cached_latents(self, cache: MLALayerCache, pages: torch.Tensor, start: int, stop: int,
@@ -180,17 +181,11 @@ class MLAAttention(nn.Module):
         -> [T, H * v_dim] (hyla.layers.prefix_attention: causal over the prefix and themselves,
         no [T, L] mask built where the kernel can avoid it; at long contexts the latents are
         gathered and expanded a block of positions at a time)."""
-        T = q.shape[0]
         # what expanding one position builds: the up-projection's output, the concatenated key
         # and a contiguous value, every head
         per_position = q.element_size() * self.num_heads * (2 * self.nope + self.rope + 2 * self.v_dim)
-        blocks = key_blocks(L - T, T, per_position)
-        qh = q.transpose(0, 1)[None]  # [1, H, T, D]
-        if blocks is None:
-            k, v = self.expand(latents(0, L)[None])  # [1, H, L, nope + rope], [1, H, L, v]
-            o = attend_after_prefix(qh, k, v, self.scaling)
-        else:
-            o = attend_key_blocks(qh, (self.expand(latents(s, e)[None]) for s, e in blocks), self.scaling)
+        o = attend_built(q.transpose(0, 1)[None], lambda start, stop: self.expand(latents(start, stop)[None]),
+                         L - q.shape[0], per_position, self.scaling)  # k [1, H, n, nope + rope], v [1, H, n, v]
         return o[0].transpose(0, 1).flatten(-2)
 
     def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, last: torch.Tensor,

@@ -12,7 +12,8 @@ their log-sum-exp, as split-KV decoding combines its splits:
     o = sum_b exp(lse_b - lse) o_b,  lse = log sum_b exp(lse_b)
 
 exact up to the order of the additions. EXPAND_BYTES bounds a block; contexts whose keys and values
-fit it keep the one call.
+fit it keep the one call. `attend_built` makes that choice for the layers, which only say how to
+build the keys and values of a range of positions.
 """
 
 from __future__ import annotations
@@ -55,6 +56,18 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         out.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys],
                                                   attn_mask=causal_after_prefix(stop - start, keys), scale=scale))
     return torch.cat(out, dim=2)
+
+
+def attend_built(q: torch.Tensor, build, context: int, bytes_per_position: int, scale: float) -> torch.Tensor:
+    """q [B, H, T, D]: T new positions after `context` cached ones; build(start, stop) -> the keys
+    [B, H, n, D] and values [B, H, n, Dv] of positions start..stop-1, which take
+    bytes_per_position each to build -> [B, H, T, Dv]: one attend_after_prefix over all of them
+    when they fit EXPAND_BYTES, else attend_key_blocks over the blocks key_blocks gives (the one
+    rule both prefill paths follow)."""
+    blocks = key_blocks(context, q.shape[-2], bytes_per_position)
+    if blocks is None:
+        return attend_after_prefix(q, *build(0, context + q.shape[-2]), scale)
+    return attend_key_blocks(q, (build(start, stop) for start, stop in blocks), scale)
 
 
 def key_blocks(context: int, new: int, bytes_per_position: int) -> list[tuple[int, int]] | None:

@@ -147,14 +147,11 @@ def test_prefix_cache_with_fp8_pages_gives_the_cache_off_tokens(ckpts, fp8_refer
     prompts, params, ref = fp8_reference
     blocked = []
     if key_blocks:
-        import hyla.layers.attention as attention
-        import hyla.layers.mla as mla
         import hyla.layers.prefix_attention as pa
 
         monkeypatch.setattr(pa, "EXPAND_BYTES", 1 << 12)
-        for module in (mla, attention):
-            monkeypatch.setattr(module, "attend_key_blocks",
-                                lambda *a: blocked.append(1) or pa.attend_key_blocks(*a))
+        real = pa.attend_key_blocks
+        monkeypatch.setattr(pa, "attend_key_blocks", lambda *a: blocked.append(1) or real(*a))
     llm = LLM(str(ckpts[family]), dtype="float64", device="cpu", max_model_len=96, kv_cache_dtype="fp8",
               enable_prefix_caching=True)
     got = [_tokens(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]  # one by one: hits

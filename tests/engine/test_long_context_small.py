@@ -38,10 +38,8 @@ def test_many_pages_and_chunk_offsets_equal_the_full_forward(checkpoint, chunk, 
     blocked = []
     if expand_bytes is not None:
         monkeypatch.setattr(pa, "EXPAND_BYTES", expand_bytes)
-        import hyla.layers.mla as mla
-
-        monkeypatch.setattr(mla, "attend_key_blocks",
-                            lambda q, blocks, scale: blocked.append(1) or pa.attend_key_blocks(q, blocks, scale))
+        real = pa.attend_key_blocks
+        monkeypatch.setattr(pa, "attend_key_blocks", lambda *a: blocked.append(1) or real(*a))
     llm = LLM(str(checkpoint), dtype=torch.float64, device="cpu", max_num_seqs=1, page_size=PAGE_SIZE,
               max_model_len=PROMPT_LEN + NEW_TOKENS + 2, memory_budget=1 << 22,
               max_num_batched_tokens=chunk or 4096)
