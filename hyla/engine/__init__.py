@@ -8,8 +8,9 @@ One step, LLMEngine.step():
                            slot pool), MLA / gated attention (paged Triton), MoE (fused Triton);
                            a pure decode replays a CUDA graph captured at startup
   speculating rows         SpecDecoder: propose, execute(StepPlan.verify), accept, commit
-  sampler.PendingSample    penalties, masks, temperature / top-k / top-p / min-p, the draw; one
-                           device-to-host copy, waited for after the next decode step is queued
+  sampler.PendingSample    penalties, masks, temperature / top-k / top-p / min-p, the draw (a
+                           greedy batch's decode graph drew it: its argmax); one device-to-host
+                           copy, waited for after the next decode step is queued
                            (hyla.engine.overlap: that step is landed by the next `step`)
   LLMEngine._emit          Sequence.check_stop; a finished request's slots and pages go back,
                            the prefix cache keeps its final state

@@ -9,6 +9,11 @@ gates, norms, the recurrent kernel) over a few rows; launched one by one from Py
 launch overhead, not the GPU, sets the step time. A graph replays the whole step
 (`forward_batch` + `compute_logits`) with one launch.
 
+What a graph writes: the step's fp32 logits into one [max_batch, V] buffer and, beside them, each
+row's argmax (-1 where the row's largest logit is not finite) into one int64 [max_batch] buffer: a
+batch whose every draw is that argmax (greedy, no logit processing or logprobs) takes its tokens
+from there, with no sampler pass (hyla.engine.sampler.PendingSample's `argmax`).
+
 What a graph reads: one persistent int64 buffer per page width, `meta [max_batch, 3 + width]`:
 
     meta[:, 0] token id   meta[:, 1] context length (= position of the new token)
@@ -44,6 +49,7 @@ import torch
 from hyla.contract import ForwardBatch
 from hyla.ops import constants
 from hyla.engine.block_table import table_key
+from hyla.engine.sampler import argmax_ids
 from hyla.ops.transfer import long_tensor
 
 log = logging.getLogger("hyla.engine")
@@ -178,21 +184,26 @@ class DecodeGraphs:
         self._stages: dict[int, list[_MetaStage]] = {}  # width -> two host buffers, used in turn
         self._turn = 0
         # every decode graph writes its logits here (rows :bs): one [max_batch, V] buffer, not
-        # one per captured (batch, width)
+        # one per captured (batch, width); and each row's argmax (-1: not finite) to self.argmax
         self.logits = None
+        self.argmax = None
+        self._pads: dict[int, torch.Tensor] = {}  # width -> a padding row of meta, on the device
 
     def can_run(self, plan) -> bool:
         """Whether a plain StepPlan (hyla.engine.step_plan) is a pure decode a graph takes."""
         return (0 < plan.num_rows <= self.max_batch and all(n == 1 for n in plan.seq_lens)
                 and not (plan.checkpoints and any(plan.checkpoints)) and all(r in ([], [0]) for r in plan.logit_rows))
 
-    def run(self, plan) -> torch.Tensor:
-        """A pure-decode plan (one new token per row) -> fp32 logits of the rows asked for."""
+    def run(self, plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pure-decode plan (one new token per row) -> (fp32 logits [R, V] of the R rows asked
+        for, their argmax [R] int64: a view of the graph's buffer, valid until the next replay)."""
         logits = self.run_decode(plan.token_ids, plan.context_lens, plan.state_slots, plan.block_tables)
+        argmax = self.argmax[:plan.num_rows]
         keep = [n for n, rows in enumerate(plan.logit_rows) if rows]
         if len(keep) == plan.num_rows:
-            return logits.clone()  # the graph's output buffer is overwritten by the next replay
-        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]  # keep may be empty
+            return logits.clone(), argmax  # the logits buffer is overwritten by the next replay
+        index = torch.tensor(keep, dtype=torch.long, device=logits.device)  # keep may be empty
+        return logits[index], argmax[index]
 
     @torch.inference_mode()
     def run_decode(self, token_ids: list[int], context_lens: list[int], slots: list[int],
@@ -208,24 +219,26 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run_fed(self, tokens: torch.Tensor, skip: torch.Tensor, context_lens: list[int], slots: list[int],
-                block_tables: list[list[int]]) -> torch.Tensor:
+                block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """A decode step whose token ids are on the device, not read by the host (the previous
         step's draws: hyla.engine.overlap): tokens [N] int64; a row with skip [N] set runs as a
-        padding row (its request stopped on that token: nothing it owns is written). The graph
-        of the step's bucket must be captured already (`ready`). -> logits [N, V] fp32, a view
-        of the graph's output buffer (valid until the next replay)."""
+        padding row (its request stopped on that token, or its draw failed: nothing it owns is
+        written). The graph of the step's bucket must be captured already (`ready`). -> (logits
+        [N, V] fp32, argmax [N] int64), views of the graph's buffers (valid until the next replay)."""
         n = len(context_lens)
         graph, out, _ = self.prepare([0] * n, context_lens, slots, block_tables)
-        rows = self.meta[self._key[1]][:n]
+        width = self._key[1]
+        rows = self.meta[width][:n]
         rows[:, 0] = tokens
-        pad = rows.new_full((rows.shape[1],), -1)  # _decode_pad_row, built on the device: no host copy
-        pad[:2] = 0
-        rows.copy_(torch.where(skip[:, None], pad, rows))
+        pad = self._pads.get(width)
+        if pad is None:
+            pad = self._pads[width] = torch.tensor(_decode_pad_row(width), device=self.device)
+        torch.where(skip[:, None], pad, rows, out=rows)  # two launches a step: this and the ids' copy
         if graph is None:
             out = self._forward(*self._key)
         else:
             graph.replay()
-        return out[:n]
+        return out[:n], self.argmax[:n]
 
     def ready(self, context_lens: list[int]) -> bool:
         """Whether a decode step of these rows replays a graph captured already (or runs the
@@ -276,8 +289,10 @@ class DecodeGraphs:
         logits = self.model.compute_logits(hidden)
         if self.logits is None:
             self.logits = logits.new_empty(self.max_batch, logits.shape[-1])
+            self.argmax = torch.full((self.max_batch,), -1, dtype=torch.long, device=self.device)
         out = self.logits[:bs]
         out.copy_(logits)
+        self.argmax[:bs] = argmax_ids(out)  # the sampler's greedy rule
         return out
 
     def capture_all(self, max_context: int, max_graphs: int = 1024) -> tuple[int, int]:

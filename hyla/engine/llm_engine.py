@@ -30,6 +30,7 @@ from hyla.engine.sampler import PendingSample, prompt_logprobs, token_logprobs
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import ScheduledBatch, Scheduler
 from hyla.engine.sequence import Sequence, Status
+from hyla.engine.spec.acceptance import argmax_draws
 from hyla.engine.spec.decoder import SpecDecoder, make_drafter
 from hyla.engine.step_plan import StepPlan
 from hyla.ops import dispatch
@@ -461,12 +462,13 @@ class LLMEngine:
         if not seqs:
             return []
         try:
-            logits = flight.logits
+            logits, argmax = flight.logits, flight.argmax
             if len(seqs) < len(flight.seqs):
-                logits = logits[to_device_long(live, logits.device)]
+                index = to_device_long(live, logits.device)
+                logits, argmax = logits[index], argmax[index]
             for seq in seqs:
                 seq.num_computed_tokens += 1  # the step in flight fed each its last token
-            draws = PendingSample(logits, seqs, self.generator)
+            draws = PendingSample(logits, seqs, self.generator, argmax if argmax_draws(seqs) else None)
             if launch:
                 self.overlap.launch(seqs, draws)
             tokens, logprobs = draws.result()
@@ -505,7 +507,8 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.scheduler.file_exports(seq, e)
         to_sample = [seq for seq, s in zip(batch.seqs, sampling) if s]
-        draws = PendingSample(logits, to_sample, self.generator) if to_sample else None
+        argmax = result.argmax if result.argmax is not None and not any(scored) and argmax_draws(to_sample) else None
+        draws = PendingSample(logits, to_sample, self.generator, argmax) if to_sample else None
         if (self.overlap is not None and draws is not None and len(to_sample) == len(batch.seqs)
                 and all(n == 1 for n in batch.num_new_tokens) and not any(scored)):
             try:  # the next decode step, queued before these draws are read (hyla.engine.overlap)

@@ -69,12 +69,13 @@ class ModelRunner:
     def _execute(self, plan: StepPlan, return_hidden: bool, device_logits: bool, extension,
                  fed: tuple[torch.Tensor, torch.Tensor] | None) -> StepResult | None:
         if fed is not None:
-            logits = self.graphs.run_fed(*fed, plan.context_lens, plan.state_slots, plan.block_tables)
-            return StepResult(logits, in_graph=True)
+            logits, argmax = self.graphs.run_fed(*fed, plan.context_lens, plan.state_slots, plan.block_tables)
+            return StepResult(logits, in_graph=True, argmax=argmax)
         if plan.is_verify:
             return self._verify(plan, return_hidden, device_logits, extension)
         if not return_hidden and self.graphs is not None and self.graphs.can_run(plan):
-            return StepResult(self.graphs.run(plan), in_graph=True)
+            logits, argmax = self.graphs.run(plan)
+            return StepResult(logits, in_graph=True, argmax=argmax)
         batch = ForwardBatch.build(seq_lens=plan.seq_lens, context_lens=plan.context_lens,
                                    block_tables=plan.block_tables, state_slots=plan.state_slots,
                                    checkpoints=plan.checkpoints, device=self.device)

@@ -43,11 +43,12 @@ MAX_STOPS = 4  # stop ids per request the device check takes (EOS + stop_token_i
 
 @dataclass
 class DecodeFlight:
-    """A decode step launched and not yet landed: its requests (in row order) and its logits
-    [N, V] (a view of the decode graph's output, valid until the next replay)."""
+    """A decode step launched and not yet landed: its requests (in row order), its logits [N, V]
+    and argmax [N] (views of the decode graph's outputs, valid until the next replay)."""
 
     seqs: list
     logits: torch.Tensor
+    argmax: torch.Tensor
 
 
 class DecodeOverlap:
@@ -57,14 +58,19 @@ class DecodeOverlap:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
         self.flight: DecodeFlight | None = None
         self.launched = 0  # steps launched in flight (the tests assert the path was taken)
+        # the last launch's stop ids on the device and their host key: a batch's stop ids change
+        # only when its requests do, so most launches copy none
+        self._stop_key: tuple | None = None
+        self._stop_ids: torch.Tensor | None = None
 
-    def stops(self, seq) -> list[int] | None:
-        """seq's stop ids, padded to MAX_STOPS with -1, when the device can tell whether its
-        draw now in flight ends it; else None (the batch is not launched ahead)."""
+    def stops(self, seq) -> tuple[int, ...] | None:
+        """seq's stop ids, padded with -1 to MAX_STOPS + 1 (at least one -1: a failed argmax
+        draw, hyla.engine.sampler.PendingSample, is -1 and so stops too), when the device can
+        tell whether its draw now in flight ends it; else None (the batch is not launched ahead)."""
         if seq.num_tokens + 2 >= self.max_model_len:
             return None
         ids = device_stop_ids(seq, 1)
-        return None if ids is None or len(ids) > MAX_STOPS else ids + [-1] * (MAX_STOPS - len(ids))
+        return None if ids is None or len(ids) > MAX_STOPS else (*ids, *[-1] * (MAX_STOPS + 1 - len(ids)))
 
     @torch.inference_mode()
     def launch(self, seqs: list, draws: PendingSample) -> None:
@@ -84,10 +90,14 @@ class DecodeOverlap:
         if transfers is None:
             return
         self.runner.apply_transfers(transfers)  # evicted pages reach the host tier before reuse
-        stop_ids = to_device_long(stops, draws.tokens.device)
-        skip = (draws.tokens[:, None] == stop_ids).any(-1) | draws.failed
+        key = tuple(stops)
+        if key != self._stop_key:
+            self._stop_key, self._stop_ids = key, to_device_long(stops, draws.tokens.device)
+        skip = (draws.tokens[:, None] == self._stop_ids).any(-1)
+        if draws.failed is not None:
+            skip |= draws.failed
         result = self.runner.execute(plan, fed=(draws.tokens, skip))
-        self.flight = DecodeFlight(list(seqs), result.logits)
+        self.flight = DecodeFlight(list(seqs), result.logits, result.argmax)
         self.launched += 1
 
     def take(self) -> DecodeFlight:

@@ -28,6 +28,7 @@ import torch
 # imported here: the Sequence's stop rule lives in hyla.engine.spec.acceptance, which imports this).
 
 _NEG_INF = float("-inf")
+_INF = float("inf")
 
 
 def _counts(x: torch.Tensor, ids: list[list[int]]) -> torch.Tensor:
@@ -302,7 +303,7 @@ def _sample_on_device(logits: torch.Tensor, seqs: list, generator: torch.Generat
     x = guide_mask(x, seqs)  # after logit_bias and the penalties, before any sampling rule (greedy too)
     x = restrict_batch(x, params, [s.output_token_ids for s in seqs])  # allowed_token_ids, bad_words
     tokens = x.argmax(-1)  # the greedy rows' answer; sampled rows are overwritten below
-    failed = ~torch.isfinite(x.amax(-1))  # nan, +inf or no finite logit (max propagates nan)
+    failed = ~(x.amax(-1).abs() < _INF)  # nan, +inf or no finite logit (max propagates nan): ~isfinite in fewer ops
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         rows = slice(None) if len(drawn) == len(seqs) else drawn
@@ -321,6 +322,15 @@ def _sample_on_device(logits: torch.Tensor, seqs: list, generator: torch.Generat
     return torch.cat([p.double() for p in pieces]), want, n
 
 
+def argmax_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits [M, V] -> [M] int64: each row's argmax (the first of equal maxima), -1 where the
+    row's largest value is not finite (nan counts as the largest): a greedy row's draw as
+    `sample` makes it (a failed draw for -1), in one pass over the logits. A decode graph
+    computes it beside its logits (PendingSample's `argmax`)."""
+    top, index = logits.max(-1)
+    return index.masked_fill_(top * 0 != 0, -1)  # x * 0 is nan exactly when x is nan or +-inf
+
+
 def _to_host(packed: torch.Tensor) -> list[float]:
     """The step's one device->host copy."""
     return packed.tolist()
@@ -328,16 +338,29 @@ def _to_host(packed: torch.Tensor) -> list[float]:
 
 class PendingSample:
     """A step's draws, on the device and on their way to the host: `tokens` [M] (int64, on the
-    device: what an overlapped next step feeds, hyla.engine.overlap) and `failed` [M] (bool);
-    `result()` waits for the copy and returns what `sample` returns. On CUDA the copy goes into
-    pinned memory behind an event, so the host can queue more work before it waits."""
+    device: what an overlapped next step feeds, hyla.engine.overlap; -1 where a draw taken from
+    `argmax` failed) and `failed` [M] (bool, or None when -1 in `tokens` says it); `result()`
+    waits for the copy and returns what `sample` returns. On CUDA the copy goes into pinned
+    memory behind an event, so the host can queue more work before it waits.
 
-    def __init__(self, logits: torch.Tensor, seqs: list, generator: torch.Generator):
+    argmax: [M] int64, the rows' argmax with -1 where a row's largest logit is not finite (a
+    decode graph's StepResult.argmax), given when every row's draw is exactly that (the caller
+    checked hyla.engine.spec.acceptance.argmax_draws): the draws are then these ids, with no
+    sampler pass over the logits (one copy to the host)."""
+
+    def __init__(self, logits: torch.Tensor, seqs: list, generator: torch.Generator,
+                 argmax: torch.Tensor | None = None):
         self.seqs = seqs
-        self.packed, self.want, self.n = _sample_on_device(logits, seqs, generator)
         M = len(seqs)
-        self.tokens = self.packed[:M].long()
-        self.failed = self.packed[M:2 * M] != 0
+        if argmax is not None:  # a view of a graph's buffer, which the next step overwrites:
+            # on CUDA the copy below is queued before that step; elsewhere a copy is taken now
+            self.packed = argmax if argmax.device.type == "cuda" else argmax.clone()
+            self.want, self.n = None, 0
+            self.tokens, self.failed = self.packed, None
+        else:
+            self.packed, self.want, self.n = _sample_on_device(logits, seqs, generator)
+            self.tokens = self.packed[:M].long()
+            self.failed = self.packed[M:2 * M] != 0
         self.event = None
         if self.packed.device.type == "cuda":
             host = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
@@ -349,7 +372,11 @@ class PendingSample:
     def result(self) -> tuple[list, list]:
         if self.event is not None:
             self.event.synchronize()
-        return _unpack(_to_host(self.packed), self.seqs, self.want, self.n)
+        host = _to_host(self.packed)
+        if self.want is None:  # argmax ids, -1 failed
+            return ([t if t >= 0 else None for t in host],
+                    [None if t >= 0 else _draw_failed() for t in host])
+        return _unpack(host, self.seqs, self.want, self.n)
 
 
 def sample(logits: torch.Tensor, seqs: list, generator: torch.Generator) -> tuple[list, list]:
@@ -372,6 +399,10 @@ def _unpack(host: list[float], seqs: list, want: list[int], n: int) -> tuple[lis
     for i in range(M):
         if host[M + i]:
             tokens[i] = None
-            logprobs[i] = RuntimeError("the logits are not finite (nan / inf, or no finite entry) or do not "
-                                       "give a valid sampling distribution")
+            logprobs[i] = _draw_failed()
     return tokens, logprobs
+
+
+def _draw_failed() -> RuntimeError:
+    return RuntimeError("the logits are not finite (nan / inf, or no finite entry) or do not "
+                        "give a valid sampling distribution")

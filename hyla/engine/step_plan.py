@@ -90,9 +90,13 @@ class StepResult:
         of every new token [T_total, hidden]; with an extension the graph's [bs, W, hidden]).
     extension: what the graph extension computed (views of its graph's buffers), None without.
     in_graph: the step ran through the runner's CUDA graphs (replayed, or their padded inputs
-        run eagerly when capture is off); a "replay" verify's commit_replay takes it."""
+        run eagerly when capture is off); a "replay" verify's commit_replay takes it.
+    argmax: a decode graph's step: each logits row's argmax [R] int64, -1 where the row's largest
+        logit is not finite (computed in the graph: the draws of a batch drawn by argmax alone,
+        hyla.engine.spec.acceptance.argmax_draws); None otherwise."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
     extension: tuple | None = None
     in_graph: bool = False
+    argmax: torch.Tensor | None = None

@@ -237,6 +237,27 @@ def test_extreme_top_p_and_repetition_penalty_give_their_limits(value):
 
 
 # ---- one device->host copy per step ----------------------------------------------------------
+def test_argmax_draws_equal_greedy_sampling_ties_and_non_finite_rows_included():
+    """A decode graph's argmax (sampler.argmax_ids) handed to PendingSample gives what the
+    sampler's own pass gives a greedy batch: the first of equal maxima, and a failed draw
+    (None and the error) for a row with nan, +inf or no finite logit."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(9, V, generator=gen)
+    logits[0, [4, 9, 30]] = 50.0  # a three-way tie: the first wins
+    logits[1, [V - 1, 0]] = 50.0
+    logits[2, 3] = float("nan")
+    logits[3, 5] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, :10] = float("-inf")  # some masked tokens are fine
+    logits[6] = 7.0  # all equal
+    seqs = [seq(SamplingParams(temperature=0.0)) for _ in range(len(logits))]
+    want = sample(logits, seqs, torch.Generator().manual_seed(0))
+    got = sampler.PendingSample(logits, seqs, torch.Generator().manual_seed(0), sampler.argmax_ids(logits)).result()
+    assert got[0] == want[0] == [4, 0, None, None, None, got[0][5], 0, got[0][7], got[0][8]]
+    assert [type(e) for e in got[1]] == [type(e) for e in want[1]]
+    assert all(isinstance(got[1][i], RuntimeError) for i in (2, 3, 4))
+
+
 def test_one_device_to_host_copy_per_step(monkeypatch):
     """Everything before `_to_host` stays a tensor: every way to pull a tensor to the host
     raises until then, and `_to_host` runs once per call."""

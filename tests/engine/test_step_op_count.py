@@ -36,7 +36,9 @@ def _n(step, part):
 
 def test_plain_decode_step_op_count(counter, counts):
     plain, _ = counts
-    assert _n(plain, "decode forward") <= 91, plain["decode forward"]
+    # 91 for the forward and its logits, 5 for the argmax beside them (a greedy batch's draws)
+    assert _n(plain, "decode forward") <= 96, plain["decode forward"]
+    assert _n(plain, "outside graph") <= 9, plain["outside graph"]
 
 
 def test_fused_mtp_step_op_count(counter, counts):

@@ -99,6 +99,13 @@ def argmax_accepts(seq) -> bool:
             and p.allowed_token_ids is None and not p.bad_words)
 
 
+def argmax_draws(seqs: list) -> bool:
+    """Whether every seq's next token is its logits' argmax, the logits as the model gave them
+    (argmax_accepts, and no logprobs asked for): a decode graph's argmax (StepResult.argmax) is
+    then the step's draws, with no sampler pass (hyla.engine.sampler.PendingSample)."""
+    return all(seq.params.logprobs is None and argmax_accepts(seq) for seq in seqs)
+
+
 def accept_argmax(logits: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
     """`accept` for a batch of requests for which `argmax_accepts` holds: logits [sum(1 + k_n),
     V] the verify rows of every request, packed in order; drafts[n] its k_n drafts -> the tokens
