@@ -5,7 +5,8 @@ same code as on a GPU. Output equals the engine without overlap token for token:
 seeded sampling, logprobs, requests that stop on a token mid-chain (EOS, stop_token_ids), the
 prefix cache (states filed while a step was in flight, then hit), preemption under a small
 budget, aborts and new requests while a step is in flight; requests the device cannot decide
-for (stop strings) never launch ahead."""
+for (stop strings) never launch ahead; an all-greedy batch draws the graph's argmax, with no sampler
+pass, and a failed argmax draw (-1) runs as padding in the step behind it."""
 
 import pytest
 
@@ -111,3 +112,37 @@ def test_stop_strings_never_launch_ahead(monkeypatch):
     want = _run(_llm(monkeypatch, False), PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=12, stop=["zzz"]))
     assert _run(llm, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=12, stop=["zzz"])) == want
     assert llm.engine.overlap.launched == 0
+
+
+def test_greedy_batches_take_the_graphs_argmax(monkeypatch, stop_ids):
+    """A batch whose every draw is the argmax takes it from the decode graph (no sampler pass over
+    the logits): token for token the engine without graphs, whose sampler draws every step, with
+    the overlap and without; the sampler then runs for the prompts' steps only."""
+    from hyla.engine import sampler
+
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + i, stop_token_ids=stop_ids[:i % 2 + 1])
+              for i in range(len(PROMPTS))]
+    want = _run(LLM(str(default_model_path()), device="cpu", dtype="float32"), PROMPTS, params)
+    passes = []
+    real = sampler._sample_on_device
+    monkeypatch.setattr(sampler, "_sample_on_device", lambda *a: passes.append(1) or real(*a))
+    for overlap in (True, False):
+        passes.clear()
+        assert _run(_llm(monkeypatch, overlap), PROMPTS, params) == want
+        assert 0 < len(passes) <= len(PROMPTS), len(passes)
+
+
+def test_a_failed_argmax_draw_stops_its_row_in_flight():
+    """A failed argmax draw is -1 (sampler.argmax_ids); every row's padded stop ids hold a -1,
+    so the step launched behind it runs that row as padding, also with MAX_STOPS stop ids."""
+    from types import SimpleNamespace
+
+    from hyla.engine import overlap as overlap_mod
+
+    ov = overlap_mod.DecodeOverlap(runner=None, scheduler=None, max_model_len=100)
+    seq = SimpleNamespace(num_tokens=5)
+    for ids in ([], [7], list(range(overlap_mod.MAX_STOPS))):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(overlap_mod, "device_stop_ids", lambda s, n, ids=ids: list(ids))
+            stops = ov.stops(seq)
+        assert len(stops) == overlap_mod.MAX_STOPS + 1 and -1 in stops and list(stops[:len(ids)]) == ids
