@@ -5,7 +5,7 @@
 . "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b || exit 1
-B="python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT --disable-tqdm"
+B="python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT --disable-tqdm --num-warmups 2"
 serve() {  # start the 48B server with extra flags; wait for /health
   T0=$(date +%s)
   python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 256 --max-num-batched-tokens 8192 \

@@ -1,13 +1,18 @@
 """`hyla bench serve`: the flags (vLLM's names where vLLM has them) and the run.
 
     hyla bench serve [--base-url URL | --host H --port P] [--model NAME] [--backend openai|openai-chat]
-        [--dataset-name random|sharegpt|prefix|agent] [--num-prompts N] [--request-rate R]
-        [--max-concurrency C] [--goodput ttft:MS ...] [--save-result] [--plot DIR] ...
+        [--ready-check-timeout-sec S] [--request-id-prefix P]
+        [--dataset-name random|sharegpt|prefix|agent] [--num-prompts N]
+        [--request-rate R | --ramp-up-strategy linear|exponential --ramp-up-start-rps R0 --ramp-up-end-rps R1]
+        [--burstiness B] [--max-concurrency C] [--num-warmups N] [--logprobs N]
+        [--goodput ttft:MS ...] [--save-result] [--plot DIR] ...
 
-The run: ask /v1/models for the model when --model is omitted; find a tokenizer
-(hyla.bench.serve.tokens); build the requests (hyla.bench.serve.datasets); read the prefix-cache
-counters of /metrics; send everything (hyla.bench.serve.load); read the counters again; print and
-return the result (hyla.bench.serve.report), save it and draw it when asked.
+The run: wait for the server to answer GET /v1/models when --ready-check-timeout-sec is set; ask
+/v1/models for the model when --model is omitted; find a tokenizer (hyla.bench.serve.tokens);
+build the requests (hyla.bench.serve.datasets); send the --num-warmups warm-up requests (copies of
+the first, measured nowhere); read the prefix-cache counters of /metrics; send everything
+(hyla.bench.serve.load); read the counters again; print and return the result
+(hyla.bench.serve.report), save it and draw it when asked.
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ import asyncio
 import json
 import math
 import os
+import secrets
 import sys
+import time
 
 import httpx
 import numpy as np
 
 from hyla.bench.serve.client import OpenAIClient
 from hyla.bench.serve.datasets import DATASETS, DatasetSpec, build_workload
-from hyla.bench.serve.load import arrival_times, run_workload
+from hyla.bench.serve.load import RAMP_UP_STRATEGIES, arrival_times, ramp_arrival_times, run_workload, warm_up
 from hyla.bench.serve.metrics import PERCENTILE_METRICS, compute_metrics, parse_goodput, usage_prefix_cache
 from hyla.bench.serve.report import (
     keep_selected_percentiles, now_stamp, per_request_lists, prefix_cache_fields, print_report, rate_value,
@@ -43,6 +50,10 @@ class FlagError(Exception):
     """Flags (or the files they name) the benchmark cannot run with; main() reports it as argparse does."""
 
 
+class ServerError(Exception):
+    """A server not worth measuring (not ready in time, every warm-up failed); run() exits with it."""
+
+
 def _count(minimum: int):
     def parse(text: str) -> int:
         try:
@@ -53,6 +64,16 @@ def _count(minimum: int):
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value
     return parse
+
+
+def _rps(text: str) -> float:
+    """A ramp's rate: a number, an integral one as an int (vLLM's rates are, and they name the
+    result file)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    return int(value) if value.is_integer() else value
 
 
 def _key_values(items: list[str] | None, flag: str) -> dict[str, str]:
@@ -86,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the server's /tokenize, else token-id prompts)")
     server.add_argument("--skip-tokenizer-init", action="store_true",
                         help="use no tokenizer: token-id prompts (words for chat)")
+    server.add_argument("--ready-check-timeout-sec", type=_count(0), default=0, metavar="S",
+                        help="first wait up to S seconds for GET /v1/models to answer 200 (0: do not wait)")
+    server.add_argument("--request-id-prefix", default=None, metavar="P",
+                        help="requests carry x-request-id: P<i>, warm-ups Pwarmup-<j> (default P: bench-<8 random "
+                        "hex digits>-)")
 
     data = p.add_argument_group("dataset")
     data.add_argument("--dataset-name", default="random", choices=[*DATASETS, *DATASET_ALIASES])
@@ -124,12 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="requests (agent: sessions) per second; inf sends all at once")
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of the gaps between arrivals: 1 Poisson, < 1 burstier, > 1 more even")
+    load.add_argument("--ramp-up-strategy", choices=RAMP_UP_STRATEGIES, default=None,
+                      help="instead of --request-rate: the rate moves from --ramp-up-start-rps (the first request) "
+                      "to --ramp-up-end-rps (the last)")
+    load.add_argument("--ramp-up-start-rps", type=_rps, default=None, metavar="R0")
+    load.add_argument("--ramp-up-end-rps", type=_rps, default=None, metavar="R1")
     load.add_argument("--max-concurrency", type=_count(1), default=None, help="requests in flight at most")
+    load.add_argument("--num-warmups", type=_count(0), default=0, metavar="N",
+                      help="first send N copies of the first request, measured nowhere")
     load.add_argument("--ignore-eos", action="store_true", help="generate every requested token (always on "
                       "with the random dataset, as in vLLM)")
     for flag in SAMPLING_FLAGS:
         load.add_argument(f"--{flag.replace('_', '-')}", type=int if flag == "top_k" else float, default=None,
                           help="sent with every request when set")
+    load.add_argument("--logprobs", type=_count(0), default=None, metavar="N",
+                      help="ask for N log probabilities per token (chat: logprobs true, top_logprobs N)")
     load.add_argument("--extra-body", type=json.loads, default=None, help="JSON object merged into every request")
     load.add_argument("--disable-tqdm", action="store_true")
 
@@ -156,6 +191,7 @@ def resolve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--request-rate must be positive (inf: all at once), got {args.request_rate}")
     if not args.burstiness > 0:
         raise ValueError(f"--burstiness must be positive, got {args.burstiness}")
+    _check_ramp(args)
     if not 0.0 <= args.random_range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if args.dataset_name == "sharegpt" and args.dataset_path is None:
@@ -214,6 +250,31 @@ def resolve_args(args: argparse.Namespace) -> None:
     if api_key:
         args.headers.setdefault("Authorization", f"Bearer {api_key}")
     args.base_url = (args.base_url or f"http://{_host(args.host)}:{args.port}").rstrip("/")
+    if args.request_id_prefix is None:  # vLLM's default: a run of its own, told apart in the server's logs
+        args.request_id_prefix = f"bench-{secrets.token_hex(4)}-"
+    if not (args.request_id_prefix.isascii() and args.request_id_prefix.isprintable()):
+        raise ValueError(f"--request-id-prefix {args.request_id_prefix!r}: it goes into the x-request-id header, "
+                         "so printable ASCII only")
+
+
+def _check_ramp(args: argparse.Namespace) -> None:
+    """vLLM's rules for --ramp-up-*: all three or none, and the ramp, not --request-rate, sets the rate."""
+    rates = (args.ramp_up_start_rps, args.ramp_up_end_rps)
+    if args.ramp_up_strategy is None:
+        if rates != (None, None):
+            raise ValueError("--ramp-up-start-rps and --ramp-up-end-rps need --ramp-up-strategy linear|exponential")
+        return
+    if None in rates:
+        raise ValueError(f"--ramp-up-strategy {args.ramp_up_strategy} needs both --ramp-up-start-rps and "
+                         "--ramp-up-end-rps")
+    if not math.isinf(args.request_rate):
+        raise ValueError(f"--request-rate {args.request_rate} with --ramp-up-strategy: leave --request-rate out "
+                         "(inf), the ramp sets the rate")
+    if not all(0 < r < math.inf for r in rates):
+        raise ValueError(f"--ramp-up-start-rps and --ramp-up-end-rps must be positive and finite (a rate of 0 "
+                         f"sends nothing), got {rates[0]} and {rates[1]}")
+    if rates[0] > rates[1]:
+        raise ValueError(f"--ramp-up-start-rps {rates[0]} must not exceed --ramp-up-end-rps {rates[1]}")
 
 
 def _host(host: str) -> str:
@@ -242,22 +303,61 @@ def served_model(http: httpx.Client, base_url: str) -> tuple[str, str | None]:
     return models[0]["id"], models[0].get("root")
 
 
+def wait_until_ready(http: httpx.Client, base_url: str, timeout_s: float, interval_s: float = 1.0) -> None:
+    """Poll GET /v1/models every interval_s until it answers 200: a server still loading its
+    model refuses connections or answers an error, and measuring it then would record failures.
+    Raises ServerError once timeout_s have passed."""
+    url = base_url + "/v1/models"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            response = http.get(url, timeout=max(0.5, min(10.0, left)))
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code}"
+        except httpx.HTTPError as e:
+            last = f"{type(e).__name__}: {e}"
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ServerError(f"{url} did not answer 200 within --ready-check-timeout-sec {timeout_s} s "
+                              f"(last: {last})")
+        time.sleep(min(interval_s, left))
+
+
+def _arrivals(args: argparse.Namespace, n: int) -> list[float]:
+    """The n conversations' arrival times: a ramp when --ramp-up-strategy is set, else --request-rate."""
+    rng = np.random.default_rng(args.seed)
+    if args.ramp_up_strategy is not None:
+        return ramp_arrival_times(n, args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps,
+                                  args.burstiness, rng)
+    return arrival_times(n, args.request_rate, args.burstiness, rng)
+
+
 async def _measure(args, conversations, sampling: dict) -> tuple[list, float, dict]:
-    """Send the workload over one connection pool; returns (outputs, duration, prefix-cache and
-    engine-time fields)."""
+    """Send the warm-ups, then the workload, over one connection pool; returns (outputs, duration,
+    prefix-cache and engine-time fields). The counters are read and the clock starts after the
+    warm-ups, so that nothing of them is counted."""
     from tqdm import tqdm
 
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
     timeout = httpx.Timeout(connect=60.0, read=None, write=60.0, pool=None)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
         client = OpenAIClient(http, args.base_url + args.endpoint, args.request_model, args.backend == "openai-chat",
-                              args.ignore_eos, sampling, args.headers)
+                              args.ignore_eos, sampling, args.headers, args.logprobs)
+        if args.num_warmups:
+            warmups = await warm_up(client, conversations[0].requests[0], args.num_warmups, args.max_concurrency,
+                                    args.request_id_prefix)
+            errors = [o.error for o in warmups if not o.success]
+            print(f"warm-up: {len(warmups)} requests, {len(errors)} failed")
+            if len(errors) == len(warmups):
+                raise ServerError(f"every warm-up request to {client.api_url} failed, the first with: {errors[0]}")
         before = await scrape(http, args.base_url, args.headers)
-        arrivals = arrival_times(len(conversations), args.request_rate, args.burstiness,
-                                 np.random.default_rng(args.seed))
+        arrivals = _arrivals(args, len(conversations))
         total = sum(len(c.requests) for c in conversations)
         with tqdm(total=total, disable=args.disable_tqdm, desc="requests") as bar:
-            outputs, duration = await run_workload(client, conversations, arrivals, args.max_concurrency, bar)
+            outputs, duration = await run_workload(client, conversations, arrivals, args.max_concurrency, bar,
+                                                   args.request_id_prefix)
         after = await scrape(http, args.base_url, args.headers)
     from_usage = usage_prefix_cache(outputs)
     counters = prefix_cache_counters(before), prefix_cache_counters(after)
@@ -274,6 +374,11 @@ def run(args: argparse.Namespace) -> dict:
     """Run a benchmark with resolved flags; returns the whole result (per-request lists included)."""
     with httpx.Client(headers=args.headers, timeout=60.0) as http:
         try:
+            if args.ready_check_timeout_sec:
+                wait_until_ready(http, args.base_url, args.ready_check_timeout_sec)
+        except ServerError as e:
+            raise SystemExit(f"hyla bench serve: {e}") from None
+        try:
             if args.model is None:
                 model, root = served_model(http, args.base_url)
             else:
@@ -288,20 +393,27 @@ def run(args: argparse.Namespace) -> dict:
             conversations = build_workload(dataset_spec(args), tokenizer, chat=args.backend == "openai-chat")
         except ValueError as e:  # flags or files the dataset cannot be built from
             raise FlagError(str(e)) from None
+    ramp = (args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps)
+    rate = (f"ramp-up {ramp[0]} {ramp[1]} -> {ramp[2]} rps" if args.ramp_up_strategy is not None
+            else f"rate {args.request_rate}")
     print(f"model {args.request_model} at {args.base_url}{args.endpoint}; dataset {args.dataset_name}; "
           f"tokenizer {tokenizer.name if tokenizer else 'none (token ids or words)'}; "
-          f"{sum(len(c.requests) for c in conversations)} requests, rate {args.request_rate}, "
+          f"{sum(len(c.requests) for c in conversations)} requests, {rate}, "
           f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}")
 
     sampling = {f: getattr(args, f) for f in SAMPLING_FLAGS if getattr(args, f) is not None}
     sampling.update(args.extra_body or {})
-    outputs, duration, cache = asyncio.run(_measure(args, conversations, sampling))
+    try:
+        outputs, duration, cache = asyncio.run(_measure(args, conversations, sampling))
+    except ServerError as e:
+        raise SystemExit(f"hyla bench serve: {e}") from None
 
     date = now_stamp()
     result = {"date": date, "endpoint_type": args.backend, "backend": args.backend, "label": args.label,
               "model_id": model_id, "tokenizer_id": tokenizer.name if tokenizer else None,
               "num_prompts": len(outputs), "dataset_name": args.dataset_name, **args.metadata_pairs,
               "request_rate": rate_value(args.request_rate), "burstiness": rate_value(args.burstiness),
+              "ramp_up_strategy": ramp[0], "ramp_up_start_rps": ramp[1], "ramp_up_end_rps": ramp[2],
               "max_concurrency": args.max_concurrency, "duration": duration}
     metrics = compute_metrics(outputs, duration, args.percentiles, args.slos)
     result.update(keep_selected_percentiles(metrics, args.selected_metrics, args.percentiles))
@@ -311,7 +423,7 @@ def run(args: argparse.Namespace) -> dict:
 
     if args.save_result:
         path = result_filename(args.label or args.backend, args.request_rate, args.max_concurrency, model_id, date,
-                               args.result_filename, args.result_dir)
+                               args.result_filename, args.result_dir, ramp if ramp[0] is not None else None)
         print(f"result: {save_result(result, path, args.save_detailed)}")
     if args.plot:
         from hyla.bench.serve.plots import render_serve_plots

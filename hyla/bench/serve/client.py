@@ -97,12 +97,23 @@ class OpenAIClient:
     api_url: .../v1/completions or .../v1/chat/completions (chat: `messages` instead of
     `prompt`, `max_completion_tokens` instead of `max_tokens`); extra_body: fields added to every
     request (sampling parameters, --extra-body); ignore_eos is sent only when set (vLLM's
-    extension)."""
+    extension); logprobs (--logprobs N): a completion's `logprobs: N`, a chat's `logprobs: true,
+    top_logprobs: N`, not sent when None; headers: those of every request (--header, the key),
+    to which request_headers adds each one's x-request-id."""
 
     def __init__(self, http: httpx.AsyncClient, api_url: str, model: str, chat: bool, ignore_eos: bool,
-                 extra_body: dict | None = None, headers: dict[str, str] | None = None):
+                 extra_body: dict | None = None, headers: dict[str, str] | None = None,
+                 logprobs: int | None = None):
         self.http, self.api_url, self.model, self.chat = http, api_url, model, chat
         self.ignore_eos, self.extra_body, self.headers = ignore_eos, dict(extra_body or {}), dict(headers or {})
+        self.logprobs = logprobs
+
+    def request_headers(self, request_id: str | None) -> dict[str, str]:
+        """One request's headers (built here only): the common ones, and its x-request-id when it
+        has one (replacing any --header of that name, whatever its case)."""
+        if request_id is None:
+            return dict(self.headers)
+        return {**{k: v for k, v in self.headers.items() if k.lower() != "x-request-id"}, "x-request-id": request_id}
 
     def payload(self, prompt: str | list[int] | list[dict], max_tokens: int) -> dict:
         body: dict = {"model": self.model}
@@ -113,13 +124,17 @@ class OpenAIClient:
         body.update(stream=True, stream_options={"include_usage": True})
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if self.logprobs is not None and self.chat:
+            body.update(logprobs=True, top_logprobs=self.logprobs)
+        elif self.logprobs is not None:
+            body["logprobs"] = self.logprobs
         body.update(self.extra_body)
         return body
 
     async def send(self, prompt: str | list[int] | list[dict], max_tokens: int, prompt_len: int,
-                   clock_origin: float) -> RequestOutput:
+                   clock_origin: float, request_id: str | None = None) -> RequestOutput:
         """Send one request (a prompt, or chat messages) and time its stream. clock_origin: the
-        perf_counter() value start_time counts from."""
+        perf_counter() value start_time counts from; request_id: its x-request-id header."""
         out = RequestOutput(prompt_len=prompt_len)
         start = time.perf_counter()
         out.start_time = start - clock_origin
@@ -127,7 +142,7 @@ class OpenAIClient:
         chunks, text = 0, []
         try:
             async with self.http.stream("POST", self.api_url, json=self.payload(prompt, max_tokens),
-                                        headers=self.headers) as response:
+                                        headers=self.request_headers(request_id)) as response:
                 if response.status_code != 200:
                     out.error = _error_message(response.status_code, await response.aread())
                     return out

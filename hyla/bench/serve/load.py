@@ -1,17 +1,22 @@
-"""When requests are sent: arrival times (`--request-rate`, `--burstiness`) and the run itself
-(`--max-concurrency`).
+"""When requests are sent: arrival times (`--request-rate`, `--burstiness`, or a ramp of the rate:
+`--ramp-up-strategy`), the warm-up (`--num-warmups`) and the run itself (`--max-concurrency`).
 
 Each conversation (one request, or an agent session) arrives at its arrival time; a session's
 turns then follow one another, each sent once the previous reply is complete, while the sessions
 run concurrently. At most --max-concurrency requests are in flight (the others wait, and the
 wait is their queue_time); every request of every conversation ends up in the outputs, a turn
-after a failed turn as a failure that was never sent.
+after a failed turn as a failure that was never sent. Each request carries the header
+x-request-id {prefix}{i} (vLLM's --request-id-prefix), i counting the requests in the order they
+come to be sent (at their arrival, or a turn's once the previous reply is complete; before any
+wait for --max-concurrency); warm-ups carry {prefix}warmup-{j}. A server's logs and traces then
+tell which run, and which request of it, they saw.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import time
 
@@ -43,6 +48,55 @@ def arrival_times(n: int, request_rate: float, burstiness: float, rng: np.random
     return times.tolist()
 
 
+RAMP_UP_STRATEGIES = ("linear", "exponential")
+
+
+def ramp_rates(n: int, strategy: str, start_rps: float, end_rps: float) -> list[float]:
+    """The request rate of each of n arrivals as it moves from start_rps (the first) to end_rps
+    (the last): linearly, or by a constant factor per request (exponential); n = 1: start_rps."""
+    if strategy not in RAMP_UP_STRATEGIES:
+        raise ValueError(f"unknown ramp-up strategy {strategy!r}; choose from {', '.join(RAMP_UP_STRATEGIES)}")
+    progress = np.arange(n) / max(n - 1, 1)
+    if strategy == "linear":
+        return (start_rps + (end_rps - start_rps) * progress).tolist()
+    return (start_rps * (end_rps / start_rps) ** progress).tolist()
+
+
+def ramp_arrival_times(n: int, strategy: str, start_rps: float, end_rps: float, burstiness: float,
+                       rng: np.random.Generator) -> list[float]:
+    """Arrival times of a ramped rate (vLLM's --ramp-up-strategy): the gap before arrival i is
+    drawn from a gamma distribution of shape `burstiness` and mean 1 / ramp_rates(...)[i]
+    (burstiness inf: exactly that mean), and the arrivals are the running sum of the gaps. Unlike
+    arrival_times nothing is rescaled: the ramp is the point, and its duration follows from it."""
+    if not (0 < start_rps < math.inf and 0 < end_rps < math.inf) or not burstiness > 0:
+        raise ValueError(f"the ramp's rates and burstiness must be positive and the rates finite, got {start_rps}, "
+                         f"{end_rps} and {burstiness}")
+    means = 1.0 / np.asarray(ramp_rates(n, strategy, start_rps, end_rps), dtype=np.float64)
+    gaps = means if math.isinf(burstiness) else rng.gamma(shape=burstiness, scale=means / burstiness)
+    return np.cumsum(gaps).tolist()
+
+
+def _request_id(prefix: str | None, suffix: object) -> str | None:
+    return None if prefix is None else f"{prefix}{suffix}"
+
+
+async def warm_up(client: OpenAIClient, request: SampleRequest, n: int, max_concurrency: int | None,
+                  request_id_prefix: str | None = None) -> list[RequestOutput]:
+    """Send n copies of `request` (as a first turn) under the --max-concurrency limit and return
+    their outputs: what a server does once only (compile, allocate its caches, open the
+    connections) is then done before the run that is measured."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    prompt = chat_messages(request, []) if client.chat else request.prompt
+    origin = time.perf_counter()
+
+    async def one(j: int) -> RequestOutput:
+        async with limit:
+            return await client.send(prompt, request.expected_output_len, request.prompt_len, origin,
+                                     _request_id(request_id_prefix, f"warmup-{j}"))
+
+    return list(await asyncio.gather(*(one(j) for j in range(n))))
+
+
 def chat_messages(request: SampleRequest, history: list[dict]) -> list[dict]:
     """A chat request's messages: the system message, the conversation so far, the new user turn."""
     system = [{"role": "system", "content": request.system}] if request.system is not None else []
@@ -50,12 +104,15 @@ def chat_messages(request: SampleRequest, history: list[dict]) -> list[dict]:
 
 
 async def run_workload(client: OpenAIClient, conversations: list[Conversation], arrivals: list[float],
-                       max_concurrency: int | None, progress=None) -> tuple[list[RequestOutput], float]:
+                       max_concurrency: int | None, progress=None,
+                       request_id_prefix: str | None = None) -> tuple[list[RequestOutput], float]:
     """Run every conversation; returns (the outputs in conversation order, then turn order;
     the benchmark's duration in seconds, from the start to the last reply). progress: a tqdm bar
-    (or anything with update(n)) advanced once per request."""
+    (or anything with update(n)) advanced once per request. request_id_prefix: the requests'
+    x-request-id is it followed by their index in the order they are sent (None: no header)."""
     origin = time.perf_counter()
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    sent = itertools.count()
 
     async def converse(conversation: Conversation, arrival: float) -> list[RequestOutput]:
         delay = origin + arrival - time.perf_counter()
@@ -69,9 +126,11 @@ async def run_workload(client: OpenAIClient, conversations: list[Conversation], 
                                     error=f"not sent: turn {turn - 1} of its conversation failed")
             else:
                 prompt = chat_messages(request, history) if client.chat else request.prompt
+                request_id = _request_id(request_id_prefix, next(sent))
                 queued = time.perf_counter()
                 async with limit:
-                    out = await client.send(prompt, request.expected_output_len, request.prompt_len, origin)
+                    out = await client.send(prompt, request.expected_output_len, request.prompt_len, origin,
+                                            request_id)
                 out.queue_time = origin + out.start_time - queued
                 if client.chat:
                     history += [{"role": "user", "content": request.prompt},

@@ -52,11 +52,14 @@ def keep_selected_percentiles(metrics: dict, selected: list[str], percentiles: l
 
 
 def result_filename(label: str, request_rate: float, max_concurrency: int | None, model_id: str,
-                    date: str, filename: str | None, result_dir: str | None) -> Path:
-    """vLLM's name, {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json, unless
-    --result-filename; inside --result-dir when given."""
+                    date: str, filename: str | None, result_dir: str | None,
+                    ramp: tuple[str, float, float] | None = None) -> Path:
+    """vLLM's name, {label}-{rate}qps[-concurrency{N}]-{model}-{date}.json, or with ramp
+    (strategy, start rps, end rps) {label}-ramp-up-{strategy}-{start}qps-{end}qps[-concurrency{N}]-
+    {model}-{date}.json, unless --result-filename; inside --result-dir when given."""
     concurrency = f"-concurrency{max_concurrency}" if max_concurrency is not None else ""
-    name = filename or f"{label}-{request_rate}qps{concurrency}-{model_id.split('/')[-1]}-{date}.json"
+    rate = f"ramp-up-{ramp[0]}-{ramp[1]}qps-{ramp[2]}qps" if ramp is not None else f"{request_rate}qps"
+    name = filename or f"{label}-{rate}{concurrency}-{model_id.split('/')[-1]}-{date}.json"
     return Path(result_dir) / name if result_dir else Path(name)
 
 
