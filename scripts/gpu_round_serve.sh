@@ -5,7 +5,7 @@
 . "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b || exit 1
-B="python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT --disable-tqdm --num-warmups 2"
+B="python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT --disable-tqdm"
 serve() {  # start the 48B server with extra flags; wait for /health
   T0=$(date +%s)
   python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
@@ -23,7 +23,7 @@ cached() {  # the prefix and agent traces (greedy, outputs saved for the on / of
 # PART=random: the random rows alone; PART=cached: prefix and agent, cache on and off; unset: all
 TAG=on; serve
 [ "${PART:-random}" = random ] && for cn in ${CONC:-1:8 16:64 64:192 256:512}; do
-  timeout 240 $B --label random-c${cn%:*} --random-input-len 1024 --random-output-len 256 --ignore-eos \
+  timeout 240 $B --num-warmups 2 --label random-c${cn%:*} --random-input-len 1024 --random-output-len 256 --ignore-eos \
       --max-concurrency ${cn%:*} --num-prompts ${cn#*:} 2>&1 | grep -E "throughput|TTFT|TPOT|ITL|E2E|Failed|Successful|hit|Engine step time|Model execute" | grep -iv "median\|std" | tr '\n' ';' ; echo " <- c${cn%:*}"
 done
 [ "${PART:-cached}" = cached ] && cached
