@@ -24,7 +24,7 @@ from hyla.engine.memory_profile import device_pool_budget, profile_graph_bytes, 
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.outputs import RequestOutput
 from hyla.engine.overlap import DecodeOverlap
-from hyla.engine.pools import Pools, size_pools
+from hyla.engine.pools import CHECKPOINT_SHARE, Pools, size_pools
 from hyla.engine.prefix_cache import PrefixCache
 from hyla.engine.sampler import PendingSample, prompt_logprobs, token_logprobs
 from hyla.engine.sampling_params import SamplingParams
@@ -110,7 +110,7 @@ class LLMEngine:
             self.model, budget=budget, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, page_size=config.page_size, state_dtype=config.state_dtype,
             device=self.model.device, extra_slots=extra, slots_per_seq=per_seq, extra_kv_bytes_per_token=extra_kv,
-            reserved_bytes=later)
+            reserved_bytes=later, checkpoint_share=CHECKPOINT_SHARE if config.enable_prefix_caching else 0.0)
         tiers = TierSizes()
         if config.enable_prefix_caching:
             num_slots, tiers = self._cache_tiers(num_slots, num_pages, per_seq)

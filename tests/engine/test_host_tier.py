@@ -136,8 +136,10 @@ def test_abort_of_a_request_whose_restore_is_planned(ckpt, defer):
 
 def test_int8_checkpoints_hold_more_and_their_drift_is_bounded(ckpt, reference):
     small = budget(ckpt, pages=40, slots=16)
-    auto = _llm(ckpt, memory_budget=small, max_num_seqs=4)  # 4 running slots + 4 for checkpoints
-    int8 = _llm(ckpt, memory_budget=small, max_num_seqs=4, checkpoint_dtype="int8")
+    # max_model_len 320: the budget is then what the configuration needs at most (8 slots and 4 x 20
+    # pages), so none of it goes to extra checkpoint slots (pools.CHECKPOINT_SHARE)
+    auto = _llm(ckpt, memory_budget=small, max_num_seqs=4, max_model_len=320)  # 4 running slots + 4 for checkpoints
+    int8 = _llm(ckpt, memory_budget=small, max_num_seqs=4, max_model_len=320, checkpoint_dtype="int8")
     assert auto.engine.pools.slots.num_slots == 8 and int8.engine.pools.slots.num_slots == 4 + 1  # 1 more: exports
     # the other 3 slots' bytes hold int8 checkpoints: the fp32 state at 1.25 bytes an entry (K = 16)
     # instead of 4; this tiny model's fp64 conv windows, kept as they are, weigh as much as its
