@@ -63,7 +63,8 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--memory-budget", type=int, default=None, help="bytes for KV pages + state slots")
+    p.add_argument("--memory-budget", type=_byte_size, default=None,
+                   help="bytes for KV pages + state slots (e.g. 8589934592, 8GiB, 512MiB)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory this engine may use: weights, a worst-case step and the "
                    "KV pages + state slots (vLLM's flag; --memory-budget overrides the pools' share)")

@@ -10,7 +10,7 @@ PY=${PY:-python3}; PORT=${PORT:-8011}; OUT=${OUT:-/tmp/hyla-host-tier}; mkdir -p
 [ -f "$OUT/tiny/config.json" ] || $PY -m hyla.bench shape "$OUT/tiny" --random-config tiny >/dev/null || exit 1
 for HOST in 0 256MiB; do
   OMP_NUM_THREADS=1 $PY -m hyla serve "$OUT/tiny" --load-format dummy --port $PORT --max-num-seqs 8 \
-      --max-model-len 4096 --memory-budget $((6 << 20)) --host-cache-bytes $HOST > "$OUT/serve-$HOST.log" 2>&1 &
+      --max-model-len 4096 --memory-budget 6MiB --host-cache-bytes $HOST > "$OUT/serve-$HOST.log" 2>&1 &
   SP=$!
   for i in $(seq 1 120); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 1; done
   grep -E "pools:|host tier" "$OUT/serve-$HOST.log" | cut -c1-200

@@ -11,7 +11,7 @@ PY=${PY:-python3}; PORT=${PORT:-8012}; OUT=${OUT:-/tmp/hyla-prefix-cache}; mkdir
 for CACHE in on off; do
   FLAG=""; [ $CACHE = off ] && FLAG="--no-enable-prefix-caching"
   OMP_NUM_THREADS=1 $PY -m hyla serve "$OUT/tiny" --load-format dummy --port $PORT --max-num-seqs 16 \
-      --max-model-len 4096 --memory-budget $((256 << 20)) $FLAG > "$OUT/serve-$CACHE.log" 2>&1 &
+      --max-model-len 4096 --memory-budget 256MiB $FLAG > "$OUT/serve-$CACHE.log" 2>&1 &
   SP=$!
   for i in $(seq 1 120); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 1; done
   grep -E "pools:" "$OUT/serve-$CACHE.log" | cut -c1-200

@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b >/dev/null || exit 1
 for HOST in 0 64GiB; do
   python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 16 --max-model-len 16384 \
-      --memory-budget $((4 << 30)) --host-cache-bytes $HOST > $OUT/serve-host-$HOST.log 2>&1 &
+      --memory-budget 4GiB --host-cache-bytes $HOST > $OUT/serve-host-$HOST.log 2>&1 &
   SP=$!
   for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
   grep -E "pools:|host tier" $OUT/serve-host-$HOST.log | cut -c1-300

@@ -187,6 +187,11 @@ def test_the_cli_flags_reach_the_engine_config(ckpt):
     assert _engine_config(p.parse_args(base + ["--enable-int8-mamba-checkpoint"])).checkpoint_dtype == "int8"
     with pytest.raises(SystemExit):
         p.parse_args(base + ["--host-cache-bytes", "lots"])
+    # the pools' budget takes the same sizes
+    assert _engine_config(p.parse_args(base + ["--memory-budget", "512MiB"])).memory_budget == 512 << 20
+    assert _engine_config(p.parse_args(base + ["--memory-budget", "1000000"])).memory_budget == 10**6
+    with pytest.raises(SystemExit):
+        p.parse_args(base + ["--memory-budget", "8 gigs"])
 
 
 def test_cuda_restore_time_is_added_once_its_events_complete(ckpt, monkeypatch):
