@@ -254,9 +254,11 @@ class LLMEngine:
         slot_bytes = self.model.state_bytes_per_slot(cfg.state_dtype)
         running = max(1, min(cfg.max_num_seqs, num_slots // per_seq))
         full_length = num_pages // -(-self.max_model_len // cfg.page_size)
-        log.info("pools: %d state slots (%.2f GiB, %d per request), %d KV pages of %d tokens (%d tokens, %.2f GiB): "
+        checkpoints = (f", {num_slots - running * per_seq} more for prefix-cache checkpoints"
+                       if cfg.enable_prefix_caching else "")
+        log.info("pools: %d state slots (%.2f GiB, %d per request%s), %d KV pages of %d tokens (%d tokens, %.2f GiB): "
                  "up to %d requests at once (max_num_seqs=%d), %d of them at max_model_len=%d", num_slots,
-                 num_slots * slot_bytes / 2**30, per_seq, num_pages, cfg.page_size, num_pages * cfg.page_size,
+                 num_slots * slot_bytes / 2**30, per_seq, checkpoints, num_pages, cfg.page_size, num_pages * cfg.page_size,
                  num_pages * self.kv_bytes_per_page / 2**30, running, cfg.max_num_seqs, full_length,
                  self.max_model_len)
         from hyla.ops.kv_fp8 import is_fp8_kv
