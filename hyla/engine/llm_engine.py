@@ -77,7 +77,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len  # resolved by EngineConfig
         spec_cfg = config.speculative_config
         # Speculative "slots" rollback keeps 1 + k states per request; with prefix caching,
-        # checkpoints live in state slots too: reserve as many again as running requests.
+        # checkpoints live in state slots too: at least as many again as running requests, and more
+        # from a budget beyond the configuration's need (size_pools' checkpoint_share).
         per_seq = config.slots_per_seq
         extra = config.max_num_seqs if config.enable_prefix_caching else 0
         budget = config.memory_budget
