@@ -141,6 +141,7 @@ def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: i
     (71% reusable) and left the pages 95% empty.
     """
     slot_bytes = max(1, model.state_bytes_per_slot(state_dtype))
+    has_pages = model.kv_bytes_per_token() + extra_kv_bytes_per_token > 0  # without, pages cost nothing
     page_bytes = max(1, (model.kv_bytes_per_token() + extra_kv_bytes_per_token) * page_size)
     pages_per_seq = -(-max_model_len // page_size)
     wanted_slots = max_num_seqs * slots_per_seq + extra_slots
@@ -159,12 +160,11 @@ def size_pools(model, *, budget: int | None, max_num_seqs: int, max_model_len: i
         slot_cap = max(slots_per_seq, (budget // 2) // slot_bytes)
     num_slots = min(wanted_slots, slot_cap)
     if checkpoint_share > 0:
-        has_pages = model.kv_bytes_per_token() + extra_kv_bytes_per_token > 0
         need = max_num_seqs * pages_per_seq * page_bytes if has_pages else 0  # every request at full length
         spare = (budget - num_slots * slot_bytes - need) // slot_bytes
         num_slots += max(0, min(int(budget * checkpoint_share) // slot_bytes - num_slots, spare))
     num_pages = (budget - num_slots * slot_bytes) // page_bytes
-    if model.kv_bytes_per_token() + extra_kv_bytes_per_token == 0:  # no attention layer: pages cost nothing,
+    if not has_pages:  # no attention layer: pages cost nothing,
         num_pages = max_num_seqs * pages_per_seq  # only the block tables need their ids
     if num_pages < pages_per_seq:
         raise ValueError(

@@ -28,7 +28,6 @@ import torch
 # imported here: the Sequence's stop rule lives in hyla.engine.spec.acceptance, which imports this).
 
 _NEG_INF = float("-inf")
-_INF = float("inf")
 
 
 def _counts(x: torch.Tensor, ids: list[list[int]]) -> torch.Tensor:
@@ -302,8 +301,9 @@ def _sample_on_device(logits: torch.Tensor, seqs: list, generator: torch.Generat
     x = penalize_batch(raw, params, hist, [s.output_token_ids for s in seqs])
     x = guide_mask(x, seqs)  # after logit_bias and the penalties, before any sampling rule (greedy too)
     x = restrict_batch(x, params, [s.output_token_ids for s in seqs])  # allowed_token_ids, bad_words
-    tokens = x.argmax(-1)  # the greedy rows' answer; sampled rows are overwritten below
-    failed = ~(x.amax(-1).abs() < _INF)  # nan, +inf or no finite logit (max propagates nan): ~isfinite in fewer ops
+    greedy = argmax_ids(x)  # the greedy rows' answer, -1 where it failed; sampled rows are overwritten below
+    failed = greedy < 0
+    tokens = greedy.clamp_(min=0)  # a failed row's id stays a valid index (its logprobs gather below)
     drawn = [i for i, p in enumerate(params) if not p.greedy]
     if drawn:
         rows = slice(None) if len(drawn) == len(seqs) else drawn

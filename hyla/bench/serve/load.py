@@ -85,8 +85,8 @@ async def warm_up(client: OpenAIClient, request: SampleRequest, n: int, max_conc
     """Send n copies of `request` (as a first turn) under the --max-concurrency limit and return
     their outputs: what a server does once only (compile, allocate its caches, open the
     connections) is then done before the run that is measured."""
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
-    prompt = chat_messages(request, []) if client.chat else request.prompt
+    limit = _concurrency_limit(max_concurrency)
+    prompt = request_prompt(client, request, [])
     origin = time.perf_counter()
 
     async def one(j: int) -> RequestOutput:
@@ -103,6 +103,16 @@ def chat_messages(request: SampleRequest, history: list[dict]) -> list[dict]:
     return [*system, *history, {"role": "user", "content": request.prompt}]
 
 
+def request_prompt(client: OpenAIClient, request: SampleRequest, history: list[dict]) -> str | list[int] | list[dict]:
+    """What a request sends: its prompt, or for a chat client its messages after `history`."""
+    return chat_messages(request, history) if client.chat else request.prompt
+
+
+def _concurrency_limit(max_concurrency: int | None):
+    """An async context manager that holds at most max_concurrency requests in flight (None: no limit)."""
+    return asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+
+
 async def run_workload(client: OpenAIClient, conversations: list[Conversation], arrivals: list[float],
                        max_concurrency: int | None, progress=None,
                        request_id_prefix: str | None = None) -> tuple[list[RequestOutput], float]:
@@ -111,7 +121,7 @@ async def run_workload(client: OpenAIClient, conversations: list[Conversation], 
     (or anything with update(n)) advanced once per request. request_id_prefix: the requests'
     x-request-id is it followed by their index in the order they are sent (None: no header)."""
     origin = time.perf_counter()
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    limit = _concurrency_limit(max_concurrency)
     sent = itertools.count()
 
     async def converse(conversation: Conversation, arrival: float) -> list[RequestOutput]:
@@ -125,7 +135,7 @@ async def run_workload(client: OpenAIClient, conversations: list[Conversation], 
                 out = RequestOutput(prompt_len=request.prompt_len, start_time=time.perf_counter() - origin,
                                     error=f"not sent: turn {turn - 1} of its conversation failed")
             else:
-                prompt = chat_messages(request, history) if client.chat else request.prompt
+                prompt = request_prompt(client, request, history)
                 request_id = _request_id(request_id_prefix, next(sent))
                 queued = time.perf_counter()
                 async with limit:
