@@ -7,9 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${DEVICE_PY:-3.12}
 mkdir -p .whl
-# the packages the device image lacks (and typing_extensions, which this pydantic needs at >= 4.16);
-# their other dependencies (anyio, h11, click) it has
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY" \
+# the server's packages with every dependency resolved for the device's Python (a new release may
+# add one: fastapi 0.165 needs opentelemetry-api, which a --no-deps list missed); what the device
+# already has is installed again under /tmp/site, which is harmless
+python3 -m pip download -q --only-binary=:all: --python-version "$PY" \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform any -d .whl \
-  fastapi starlette pydantic pydantic_core annotated-types typing-inspection uvicorn annotated-doc typing_extensions
+  fastapi uvicorn pydantic
 ls .whl

@@ -11,7 +11,7 @@ for HOST in 0 64GiB; do
   python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 16 --max-model-len 16384 \
       --memory-budget 4GiB --host-cache-bytes $HOST > $OUT/serve-host-$HOST.log 2>&1 &
   SP=$!
-  for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
+  wait_ready $SP $OUT/serve-host-$HOST.log || exit 1
   grep -E "pools:|host tier" $OUT/serve-host-$HOST.log | cut -c1-300
   timeout 240 python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT \
       --disable-tqdm --label agent-host-$HOST --dataset-name agent --num-sessions 128 --turns 6 \

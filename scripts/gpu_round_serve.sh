@@ -11,7 +11,7 @@ serve() {  # start the 48B server with extra flags; wait for /health
   python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
       --max-model-len 8192 "$@" > $OUT/serve$TAG.log 2>&1 &
   SP=$!
-  for i in $(seq 1 150); do curl -sf localhost:8000/health >/dev/null && break; sleep 2; done
+  wait_ready $SP $OUT/serve$TAG.log || exit 1
   echo "server up after $(( $(date +%s) - T0 )) s"; grep -E "memory:|pools:|CUDA graphs" $OUT/serve$TAG.log | cut -c1-400
 }
 cached() {  # the prefix and agent traces (greedy, outputs saved for the on / off comparison)
