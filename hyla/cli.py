@@ -97,6 +97,11 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None,
                    help="fp8: block-quantise a bf16 checkpoint's projections and experts to FP8 while loading "
                         "(an FP8 checkpoint is read as FP8 without it)")
+    p.add_argument("--fp8-weights", choices=["auto", "fp8", "dequantized"], default="auto",
+                   help="FP8 weights: auto (FP8 modules on CUDA, dequantised elsewhere), fp8 (FP8 modules on any "
+                        "device) or dequantized")
+    p.add_argument("--mxfp4-experts", choices=["auto", "packed", "dequantized"], default="auto",
+                   help="MXFP4 routed experts (Kimi K3): auto (packed on CUDA), packed or dequantized")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
                    help="auto: attention KV pages in the model dtype; fp8 (= fp8_e4m3): e4m3 pages with per-token "
                         "scales, about twice the tokens per byte of bf16 (vLLM's flag)")
@@ -127,6 +132,7 @@ def _engine_config(args):
         enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format,
         quantization=getattr(args, "quantization", None), backend=getattr(args, "backend", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        fp8_weights=getattr(args, "fp8_weights", "auto"), mxfp4_experts=getattr(args, "mxfp4_experts", "auto"),
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),  # a serve flag
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, checkpoint_dtype=args.checkpoint_dtype,
         host_cache_bytes=args.host_cache_bytes, async_scheduling=args.async_scheduling,

@@ -184,8 +184,9 @@ def _step_benches(path, args, dtype) -> dict:
         config_dict = random_config_dict(args.random_config, args.layers)
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "config.json").write_text(json.dumps(config_dict))
+            # FP8 modules on any device: the CPU's table then counts the FP8 bytes too
             model = load_model(tmp, dtype=dtype, device=args.device, random_weights=True,
-                               quantization=args.quantization)
+                               quantization=args.quantization, fp8_weights="fp8")
     elif path is None:
         model = random_model(args.random_config, dtype=dtype, device=args.device, seed=args.seed, layers=args.layers)
         config_dict = random_config_dict(args.random_config, args.layers)

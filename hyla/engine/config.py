@@ -96,6 +96,10 @@ class EngineConfig:
     quantization: None, or "fp8" (vLLM's `--quantization fp8`): block-quantise a bf16 checkpoint's
     projections and experts to FP8 while loading; an FP8 checkpoint is read as FP8 either way
     (hyla.models.fp8; another value, or "fp8" on another quantised format, is a ValueError).
+    fp8_weights: how FP8 weights load: "auto" (FP8 modules on CUDA, dequantised elsewhere), "fp8"
+    (FP8 modules on any device: the W8A8 arithmetic, also on the CPU) or "dequantized"
+    (hyla.models.fp8_loading). mxfp4_experts: how MXFP4 routed experts load: "auto" (packed on CUDA),
+    "packed" or "dequantized" (hyla.models.mxfp4).
     backend: the ops' kernels for the whole process, applied when the engine starts
     (hyla.ops.dispatch.set_backend): "auto" (Triton on CUDA, torch elsewhere), "torch" or
     "triton"; None keeps the process's choice (the HYLA_BACKEND environment variable, else auto).
@@ -131,6 +135,8 @@ class EngineConfig:
     load_format: str = "auto"
     quantization: str | None = None  # "fp8": block-quantise a bf16 checkpoint while loading (hyla.models.fp8)
     kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3": e4m3 KV pages with per-token scales (hyla.ops.kv_fp8)
+    fp8_weights: str = "auto"  # or "fp8" / "dequantized": FP8 weights in FP8 modules or dequantised
+    mxfp4_experts: str = "auto"  # or "packed" / "dequantized": MXFP4 experts kept packed or dequantised
     revision: str | None = None
     generation_config: str = "auto"
     scheduling_policy: str = "fcfs"  # or "priority": SamplingParams.priority orders the waiting queue
@@ -178,6 +184,11 @@ class EngineConfig:
         from hyla.ops.kv_fp8 import check_kv_cache_dtype
 
         check_kv_cache_dtype(self.kv_cache_dtype, "kv_cache_dtype")
+        from hyla.models.fp8_loading import check_fp8_weights
+        from hyla.models.mxfp4 import check_experts_mode
+
+        check_fp8_weights(self.fp8_weights)
+        check_experts_mode(self.mxfp4_experts)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device is None:

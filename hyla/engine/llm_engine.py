@@ -67,7 +67,9 @@ class LLMEngine:
 
         self.model = model if model is not None else load_model(config.model, dtype=dtype, device=config.device,
                                                                 random_weights=config.load_format == "dummy",
-                                                                quantization=config.quantization)
+                                                                quantization=config.quantization,
+                                                                fp8_weights=config.fp8_weights,
+                                                                mxfp4_experts=config.mxfp4_experts)
         self._set_kv_cache_dtype(config.kv_cache_dtype)  # before the pools are sized from the model's bytes
         self._log_weights()
         if tokenizer is None and has_tokenizer(config.model):

@@ -1,7 +1,8 @@
 """Loading FP8 weights (hyla.models.fp8): a released FP8 checkpoint, or a bf16 one quantised while
 it loads (`quantization="fp8"`), into FP8 modules or into the ordinary model.
 
-Two ways a model holds them (HYLA_FP8_WEIGHTS chooses, as HYLA_MXFP4_EXPERTS does for MXFP4):
+Two ways a model holds them (`fp8_weights`, an argument of hyla.models.loader.load_model and a
+field of EngineConfig, chooses; `mxfp4_experts` does the same for MXFP4):
 
 - FP8 modules (`auto` on CUDA, `fp8` on any device: the CPU tests run this path through the torch
   definitions or Triton's interpreter): the meta model's projections become
@@ -31,7 +32,6 @@ cut along with its weight, block for block, which needs the weight's cut to fall
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Callable
@@ -46,7 +46,6 @@ from hyla.models.fp8 import (BLOCK, SCALE_SUFFIX, Fp8Config, block_dequantize, b
                              skipped)
 from hyla.ops.fp8 import dequantize_gate_up, quantize_gate_up
 
-MODE_ENV = "HYLA_FP8_WEIGHTS"
 MODES = ("auto", "fp8", "dequantized")
 # Projections whose weight is read directly, not only called: the MLA absorbed decode folds
 # kv_b_proj's weight into the queries (vLLM dequantises it too), Qwen3.5's MTP head sizes its KV
@@ -57,17 +56,16 @@ _FP8_NAMES = ("F8_E4M3",)
 _SCALE_DTYPES = ("F32", "BF16", "F16")
 
 
-def weights_mode() -> str:
-    """HYLA_FP8_WEIGHTS: auto (default), fp8 or dequantized (see the module docstring)."""
-    mode = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+def check_fp8_weights(mode: str) -> str:
+    """`mode` if it is one of MODES (module docstring), else ValueError naming fp8_weights."""
     if mode not in MODES:
-        raise ValueError(f"{MODE_ENV} must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"fp8_weights must be one of {MODES}, got {mode!r}")
     return mode
 
 
-def fp8_modules_on(device: torch.device) -> bool:
-    """Whether FP8 weights load into FP8 modules on `device` (else dequantised)."""
-    mode = weights_mode()
+def fp8_modules_on(device: torch.device, mode: str = "auto") -> bool:
+    """Whether FP8 weights load into FP8 modules on `device` (else dequantised); mode: fp8_weights."""
+    mode = check_fp8_weights(mode)
     return mode == "fp8" or (mode == "auto" and torch.device(device).type == "cuda")
 
 

@@ -136,12 +136,16 @@ class KimiK3ForCausalLM(HybridForCausalLM):
 
     def __init__(self, config: KimiK3Config, packed_experts: bool | None = None):
         """packed_experts: routed experts as Mxfp4Experts; None (the loader's call) = when the
-        checkpoint's experts are MXFP4 and hyla.models.mxfp4.pack_at_load()."""
+        checkpoint's experts are MXFP4 and hyla.models.mxfp4.pack_at_load() says so for the
+        mxfp4_experts mode the loader left on the config ("auto" without one)."""
         super().__init__()
         self.config = config
         if packed_experts is None:
-            packed_experts = is_mxfp4(config.quantization_config) and pack_at_load()
+            packed_experts = is_mxfp4(config.quantization_config) and pack_at_load(self._experts_mode())
         self.language_model = KimiK3LanguageModel(config, packed_experts)
+
+    def _experts_mode(self) -> str:
+        return getattr(self.config, "mxfp4_experts", "auto")
 
     @property
     def model(self) -> KimiK3Model:
@@ -156,7 +160,7 @@ class KimiK3ForCausalLM(HybridForCausalLM):
         to the model dtype (exact) into SituExperts; then the layers' own preparation."""
         for layer in self.model.layers:
             experts = layer.block_sparse_moe.experts if layer.is_sparse else None
-            if isinstance(experts, Mxfp4Experts) and not keep_packed(experts.gate_up_proj.device):
+            if isinstance(experts, Mxfp4Experts) and not keep_packed(experts.gate_up_proj.device, self._experts_mode()):
                 layer.block_sparse_moe.experts = _dequantized(experts, self.dtype)
         super().prepare_for_inference()
 

@@ -31,7 +31,7 @@ import os
 import re
 
 import torch
-from hyla.models.mxfp4 import logical_weight_map, safe_open  # safetensors', MXFP4 pairs read as `.weight`
+from hyla.models.mxfp4 import logical_weight_map, pack_at_load, safe_open  # safetensors', MXFP4 pairs read as `.weight`
 
 import importlib
 
@@ -41,7 +41,7 @@ from hyla.models.hub import resolve_model
 from hyla.models.memory import FP32_TENSORS
 from hyla.models.fp8 import SCALE_SUFFIX as FP8_SCALE
 from hyla.models.fp8 import check_quantization, quantization_config_of
-from hyla.models.fp8_loading import Fp8Shard, LoadPlan, convert_model, fp8_modules_on, init_random_fp8_
+from hyla.models.fp8_loading import Fp8Shard, LoadPlan, check_fp8_weights, convert_model, fp8_modules_on, init_random_fp8_
 from hyla.models.random_init import init_random_
 
 # model_type -> ("module:ConfigClass", "module:ModelClass"). A new family adds a line here and its
@@ -164,18 +164,19 @@ def _target(name: str, expected: dict) -> tuple[Target | None, tuple | None]:
 
 
 def _plan(files: dict[str, str], expected: dict[str, torch.Size], optional: set[str],
-          ignored: tuple[str, ...] = (), shard=None, view=None) -> dict[str, Target]:
+          ignored: tuple[str, ...] = (), shard=None, view=None, packed_experts: bool = False) -> dict[str, Target]:
     """Map every checkpoint tensor to a model tensor or a slice of one, checking names and shapes
     from the headers. Tensors whose names start with one of `ignored` are skipped. shard: a
     tensor-parallel plan (hyla.parallel.tensor.ShardPlan): names and shapes are this rank's
     (`rename`, `shape`), tensors of other ranks' experts skipped. view: fn(open file) -> the file
-    as the load sees it (hyla.models.fp8_loading.Fp8View), None for the file itself. Returns
+    as the load sees it (hyla.models.fp8_loading.Fp8View), None for the file itself.
+    packed_experts: MXFP4 routed experts shown as packed rows (hyla.models.mxfp4). Returns
     {checkpoint name: (model name, slice)}."""
     files = {name: file for name, file in files.items() if not name.startswith(ignored)}
     plan, shapes = {}, {}
     view = view or (lambda f: f)
     for file in sorted(set(files.values())):
-        with safe_open(file, "pt") as raw:
+        with safe_open(file, "pt", packed_experts=packed_experts) as raw:
             f = view(raw)
             for name in f.keys():
                 if files.get(name) == file:
@@ -230,7 +231,8 @@ def _copy_into(t: torch.Tensor, index: tuple | None, value: torch.Tensor) -> Non
     dst.copy_(value)
 
 
-def _fill(model: torch.nn.Module, files: dict[str, str], plan: dict[str, Target], shard, view=None) -> None:
+def _fill(model: torch.nn.Module, files: dict[str, str], plan: dict[str, Target], shard, view=None,
+          packed_experts: bool = False) -> None:
     """Copy every planned checkpoint tensor into `model`. Its own function so that the
     name -> parameter map is gone when it returns: held across prepare_for_inference(), it kept
     every replaced expert tensor alive (the weights plus a second copy of every MoE layer)."""
@@ -238,7 +240,7 @@ def _fill(model: torch.nn.Module, files: dict[str, str], plan: dict[str, Target]
     view = view or (lambda f: f)
     with torch.no_grad():
         for file in sorted(set(files.values())):
-            with safe_open(file, "pt", device="cpu") as raw:
+            with safe_open(file, "pt", device="cpu", packed_experts=packed_experts) as raw:
                 f = view(raw)
                 for name in f.keys():
                     if files.get(name) == file and name in plan:  # not ignored (mtp.*)
@@ -247,9 +249,10 @@ def _fill(model: torch.nn.Module, files: dict[str, str], plan: dict[str, Target]
                         _copy_into(targets[target], index, value)
 
 
-def _fp8_plan(model, fp8_config, files: dict[str, str], expected: dict, shard, device) -> LoadPlan:
+def _fp8_plan(model, fp8_config, files: dict[str, str], expected: dict, shard, device,
+              fp8_weights: str) -> LoadPlan:
     """The FP8 load plan (hyla.models.fp8_loading): the meta model's FP8 modules swapped in (on
-    CUDA, or as HYLA_FP8_WEIGHTS says), checkpoint names mapped to model tensors as `_plan` maps
+    CUDA, or as fp8_weights says), checkpoint names mapped to model tensors as `_plan` maps
     them."""
     def target_of(name: str) -> str | None:
         local = shard.rename(name) if shard is not None else name
@@ -259,13 +262,14 @@ def _fp8_plan(model, fp8_config, files: dict[str, str], expected: dict, shard, d
     # a released FP8 checkpoint's scales say which modules are FP8; without files (dummy weights) or
     # quantising online, the config's rule does
     prequantized = any(name.endswith(FP8_SCALE) for name in files)
-    fp8 = LoadPlan(fp8_config, prequantized, fp8_modules_on(device), target_of, device)
+    fp8 = LoadPlan(fp8_config, prequantized, fp8_modules_on(device, fp8_weights), target_of, device)
     convert_model(model, fp8, list(files))
     return fp8
 
 
 def load_model(path, dtype=None, device=None, shard=None, random_weights: bool = False,
-               revision: str | None = None, quantization: str | None = None) -> HybridForCausalLM:
+               revision: str | None = None, quantization: str | None = None, fp8_weights: str = "auto",
+               mxfp4_experts: str = "auto") -> HybridForCausalLM:
     """Build the model described by `path`/config.json (the family its `model_type` names) and
     fill it from its safetensors. path: a checkpoint directory, a bundled model's name or a
     Hugging Face Hub id (`org/name` at `revision`: hyla.models.hub.resolve_model).
@@ -279,8 +283,10 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
     quantization: None, or "fp8" (vLLM's name) to block-quantise an unquantised checkpoint's
     projections and experts while loading. An FP8 checkpoint (config.json's quantization_config,
     hyla.models.fp8) loads as FP8 with None or "fp8": into FP8 modules on CUDA, dequantised
-    elsewhere (hyla.models.fp8_loading; HYLA_FP8_WEIGHTS overrides). Any other value, or "fp8"
-    on another quantised format: ValueError.
+    elsewhere. Any other value, or "fp8" on another quantised format: ValueError.
+    fp8_weights: "auto" (FP8 modules on CUDA, dequantised elsewhere), "fp8" (FP8 modules on any
+    device) or "dequantized" (hyla.models.fp8_loading). mxfp4_experts: "auto", "packed" or
+    "dequantized", how MXFP4 routed experts load (hyla.models.mxfp4).
     Returns the model in eval mode with gradients disabled.
 
     Peak memory: the weights plus one layer's transient. Nothing here keeps a reference to a
@@ -290,6 +296,9 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
     if not os.path.isdir(path):
         raise ValueError(f"checkpoint directory {path} does not exist")
     config = load_config(path)
+    check_fp8_weights(fp8_weights)
+    packed_experts = pack_at_load(mxfp4_experts)  # read by a family with MXFP4 experts (Kimi K3)
+    config.mxfp4_experts = mxfp4_experts
     fp8_config = check_quantization(quantization, quantization_config_of(read_config_json(path)))
     if shard is not None:
         config = shard.configure(config)
@@ -305,12 +314,12 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
     ignored = getattr(model_cls, "ignored_checkpoint_prefixes", ())
     files, plan, view = ({} if random_weights else weight_files(path)), {}, None
     if fp8_config is not None:
-        fp8 = _fp8_plan(model, fp8_config, files, expected, shard, device)
+        fp8 = _fp8_plan(model, fp8_config, files, expected, shard, device, fp8_weights)
         files, view = fp8.weight_map(files), fp8.open
         shard = shard if shard is None else Fp8Shard(shard, fp8)
         expected = {name: t.shape for name, t in model.state_dict().items()}  # FP8 modules' tensors
     if not random_weights:
-        plan = _plan(files, expected, optional, ignored, shard, view)
+        plan = _plan(files, expected, optional, ignored, shard, view, packed_experts)
 
     model.to(dtype)
     family_fp32 = getattr(model_cls, "fp32_tensors", ())  # a family's own fp32 tensors (name suffixes)
@@ -323,7 +332,7 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
     if random_weights:
         init_random_(model, 0.02, seed=0 if shard is None else shard.rank)
         init_random_fp8_(model, 0.02, seed=0 if shard is None else shard.rank)
-    _fill(model, files, plan, shard, view)
+    _fill(model, files, plan, shard, view, packed_experts)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
     return model

@@ -26,7 +26,8 @@ names), whose two column ranges are the fused-MoE kernel's packed and scale view
 (hyla.ops.triton.fused_moe_mxfp4): 17/64 of bf16's bytes, never a dequantised copy. A family
 whose checkpoints have MXFP4 experts therefore builds Mxfp4Experts for them while
 `pack_at_load()` (Kimi K3, the only such family, does: hyla.models.kimi_k3).
-`HYLA_MXFP4_EXPERTS` chooses: `auto` (default) packs at load when CUDA is available and keeps the
+`mxfp4_experts` (an argument of hyla.models.loader.load_model and a field of EngineConfig, which
+the loader also leaves on the family config for the family to read) chooses: `auto` (default) packs at load when CUDA is available and keeps the
 experts packed on CUDA only (a CPU-loaded model gets dequantised experts in
 prepare_for_inference, as before); `packed` packs and keeps them packed on any device (CPU tests:
 the kernel under TRITON_INTERPRET=1, else dequantised per call); `dequantized` never packs.
@@ -37,7 +38,6 @@ a process group of several ranks (where those loads run), and `packed` must not 
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
@@ -49,17 +49,15 @@ from hyla.ops.gated_act import GatedActivation
 GROUP = 32
 PACKED, SCALE = ".weight_packed", ".weight_scale"
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-MODE_ENV = "HYLA_MXFP4_EXPERTS"
 MODES = ("auto", "packed", "dequantized")
 # a routed expert's weight (per-expert checkpoint names: Kimi w1 / w3 / w2, Qwen-style names)
 _EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 
 
-def experts_mode() -> str:
-    """The MXFP4 experts mode from HYLA_MXFP4_EXPERTS (see the module docstring)."""
-    mode = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+def check_experts_mode(mode: str) -> str:
+    """`mode` if it is one of MODES (module docstring), else ValueError naming mxfp4_experts."""
     if mode not in MODES:
-        raise ValueError(f"{MODE_ENV} must be one of {MODES}, got {mode!r}")
+        raise ValueError(f"mxfp4_experts must be one of {MODES}, got {mode!r}")
     return mode
 
 
@@ -70,16 +68,17 @@ def _sharded() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def pack_at_load() -> bool:
-    """Whether MXFP4 experts are loaded packed (Mxfp4Experts) rather than dequantised: `packed`,
-    or `auto` with CUDA available outside a multi-rank process group (see the module docstring)."""
-    mode = experts_mode()
+def pack_at_load(mode: str = "auto") -> bool:
+    """Whether MXFP4 experts are loaded packed (Mxfp4Experts) rather than dequantised, for the
+    mxfp4_experts mode: `packed`, or `auto` with CUDA available outside a multi-rank process group
+    (see the module docstring)."""
+    mode = check_experts_mode(mode)
     return mode == "packed" or (mode == "auto" and torch.cuda.is_available() and not _sharded())
 
 
-def keep_packed(device: torch.device) -> bool:
+def keep_packed(device: torch.device, mode: str = "auto") -> bool:
     """Whether experts loaded packed stay packed on `device` (else they are dequantised once)."""
-    mode = experts_mode()
+    mode = check_experts_mode(mode)
     return mode == "packed" or (mode == "auto" and device.type == "cuda")
 
 
@@ -178,11 +177,11 @@ class _MxFp4File:
 
 class safe_open:  # noqa: N801 (safetensors' name, so the loader swaps one import)
     """safetensors.safe_open with MXFP4 pairs shown as `.weight` tensors: dequantised, or routed
-    experts as packed rows while `pack_at_load()` (read when the file is opened)."""
+    experts as packed rows with `packed_experts` (the loader passes `pack_at_load(mode)`)."""
 
-    def __init__(self, filename, framework: str = "pt", device: str = "cpu"):
+    def __init__(self, filename, framework: str = "pt", device: str = "cpu", packed_experts: bool = False):
         self._cm = _safe_open(filename, framework, device=device)
-        self._packed_experts = pack_at_load()
+        self._packed_experts = packed_experts
 
     def __enter__(self) -> _MxFp4File:
         return _MxFp4File(self._cm.__enter__(), self._packed_experts)

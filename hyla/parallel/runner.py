@@ -117,6 +117,7 @@ def start_tensor_parallel(config, dtype) -> WorkerGroup:
     spec = dict(model=config.model, model_type=load_config(config.model).model_type, dtype=dtype,
                 device=str(config.device), expert_parallel=config.enable_expert_parallel,
                 random_weights=config.load_format == "dummy", quantization=config.quantization,
+                fp8_weights=config.fp8_weights, mxfp4_experts=config.mxfp4_experts,
                 backend=dispatch.get_backend())  # every rank runs the ops' backend rank 0 runs
     try:
         group.call("load", spec, reply=True)

@@ -61,7 +61,8 @@ class Worker:
 
     def load(self, spec: dict) -> None:
         """spec: model (checkpoint path), model_type, dtype, device (rank 0's), expert_parallel,
-        random_weights (load_format "dummy"), backend (rank 0's ops backend: hyla.ops.dispatch)."""
+        random_weights (load_format "dummy"), quantization, fp8_weights, mxfp4_experts (the loader's),
+        backend (rank 0's ops backend: hyla.ops.dispatch)."""
         from hyla.models.loader import load_model
         from hyla.ops import dispatch
         from hyla.parallel.plans import make_plan
@@ -73,7 +74,9 @@ class Worker:
         device = rank_device(torch.device(spec["device"]), self.rank)
         self.model = load_model(spec["model"], dtype=spec["dtype"], device=device, shard=plan,
                                 random_weights=spec.get("random_weights", False),
-                                quantization=spec.get("quantization"))
+                                quantization=spec.get("quantization"),
+                                fp8_weights=spec.get("fp8_weights", "auto"),
+                                mxfp4_experts=spec.get("mxfp4_experts", "auto"))
         warm = torch.ones(1, device=device)
         dist.all_reduce(warm)  # the model group's communicators exist before any CUDA-graph capture
 

@@ -119,7 +119,6 @@ def test_decode_prefill_and_moe_block_tables_on_cpu(capsys):
 def test_decode_table_with_fp8_weights(capsys, monkeypatch):
     """--quantization fp8 draws the random shape's weights in block FP8 (the FP8 modules, as on
     CUDA): the floor then counts about half the bf16 weight bytes."""
-    monkeypatch.setenv("HYLA_FP8_WEIGHTS", "fp8")
     monkeypatch.setattr(floor, "copy_bandwidth", lambda *a, **k: 1e10)  # the two floors over one bandwidth
     args = ["--random-config", "tiny-qwen3-next-moe", "--device", "cpu", "--mode", "decode", "--dtype", "bfloat16",
             "--batch-sizes", "1", "--context-lens", "5", "--steps", "1"]

@@ -34,9 +34,7 @@ def test_fp8_checkpoint_on_cuda(checkpoints, family, monkeypatch):  # noqa: F811
     src, dst, deq = checkpoints(family)
     model = load_model(dst, dtype=torch.float32, device="cuda")
     assert _fp8_module_names(model)
-    with monkeypatch.context() as m:
-        m.setenv("HYLA_FP8_WEIGHTS", "fp8")
-        cpu = load_model(dst, dtype=torch.float32)
+    cpu = load_model(dst, dtype=torch.float32, fp8_weights="fp8")
     err = rel(model(IDS.cuda()), cpu(IDS))
     print(f"  {family}: FP8 on CUDA (Triton) vs the CPU's W8A8 definition, fp32: rel err {err:.2e}")
     assert err <= 1e-2

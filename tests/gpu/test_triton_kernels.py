@@ -406,7 +406,7 @@ def test_fused_moe_mxfp4_bf16_full_size(M):
 
 
 def test_k3_mxfp4_checkpoint_runs_packed_on_cuda(tmp_path, monkeypatch):
-    """A tiny K3 checkpoint with MXFP4 experts loaded to CUDA (HYLA_MXFP4_EXPERTS=auto): the
+    """A tiny K3 checkpoint with MXFP4 experts loaded to CUDA (mxfp4_experts="auto"): the
     experts stay packed (Mxfp4Experts, uint8) and the model, whose MoE runs the MXFP4 kernel,
     equals the same weights stored dequantised (fp32: IEEE dots over exact decoded weights,
     1e-5 relative) and generates the same greedy tokens through the engine."""
@@ -415,7 +415,6 @@ def test_k3_mxfp4_checkpoint_runs_packed_on_cuda(tmp_path, monkeypatch):
     from hyla.models.mxfp4 import Mxfp4Experts
     from tests.ops.test_fused_moe_mxfp4 import write_k3_checkpoints
 
-    monkeypatch.setenv("HYLA_MXFP4_EXPERTS", "auto")
     mx, plain = write_k3_checkpoints(tmp_path)
     model = load_model(mx, dtype=torch.float32, device=DEV)
     experts = model.model.layers[1].block_sparse_moe.experts

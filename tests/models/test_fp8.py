@@ -151,10 +151,7 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-@pytest.fixture
-def fp8_modules(monkeypatch):
-    """FP8 weights load into FP8 modules on the CPU too (the GPU path, run by the torch ops)."""
-    monkeypatch.setenv("HYLA_FP8_WEIGHTS", "fp8")
+FP8 = {"fp8_weights": "fp8"}  # FP8 weights into FP8 modules on the CPU too (the GPU path, run by the torch ops)
 
 
 def _fp8_module_names(model) -> set[str]:
@@ -223,9 +220,9 @@ def test_fp8_checkpoint_on_cpu_equals_the_dequantised_model(checkpoints, family)
 
 
 @pytest.mark.parametrize("family", ["kimi", "qwen3_next"])
-def test_fp8_modules_on_cpu(checkpoints, family, fp8_modules, monkeypatch):
+def test_fp8_modules_on_cpu(checkpoints, family, monkeypatch):
     src, dst, deq = checkpoints(family)
-    model, ref = load_model(dst), load_model(deq)
+    model, ref = load_model(dst, **FP8), load_model(deq)
     names = _fp8_module_names(model)
     assert any(n.endswith("experts") for n in names) and any(n.endswith("down_proj") for n in names)
     assert not any(n.endswith(("kv_b_proj", "in_proj_ba", ".b_proj", "lm_head")) for n in names)
@@ -275,12 +272,11 @@ def test_fp8_checkpoint_validated_from_headers(checkpoints, tmp_path):
 
 # -- online quantisation ---------------------------------------------------------------------------
 
-def test_online_quantisation_round_trip(checkpoints, monkeypatch):
+def test_online_quantisation_round_trip(checkpoints):
     src, _, _ = checkpoints("qwen3_next")
     plain = load_model(src).state_dict()
     cpu = load_model(src, quantization="fp8").state_dict()  # quantised then dequantised as it loads
-    monkeypatch.setenv("HYLA_FP8_WEIGHTS", "fp8")
-    model = load_model(src, quantization="fp8")
+    model = load_model(src, quantization="fp8", **FP8)
     sd = model.state_dict()
     names = _fp8_module_names(model)
     assert "lm_head" not in names and any(n.endswith("in_proj_ba") for n in names)  # only lm_head is skipped
@@ -299,9 +295,9 @@ def test_online_quantisation_round_trip(checkpoints, monkeypatch):
     assert torch.isfinite(model(IDS)).all()
 
 
-def test_dummy_fp8_weights(checkpoints, fp8_modules):
+def test_dummy_fp8_weights(checkpoints):
     _, dst, _ = checkpoints("kimi")
-    model = load_model(dst, random_weights=True)
+    model = load_model(dst, random_weights=True, **FP8)
     layer = next(m for m in model.modules() if isinstance(m, Fp8StackedExperts))
     assert isinstance(layer, Fp8StackedExperts) and layer.gate_up_proj.dtype == torch.float8_e4m3fn
     w13, _ = layer.dequantized()
@@ -325,12 +321,10 @@ def aligned(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tensor", "expert"])
-def test_tensor_parallel_cuts_scales_with_their_blocks(aligned, ep, monkeypatch):
+def test_tensor_parallel_cuts_scales_with_their_blocks(aligned, ep):
     for rank in range(2):
-        monkeypatch.setenv("HYLA_FP8_WEIGHTS", "dequantized")
-        ref = load_model(aligned, shard=make_plan("qwen3_next", rank, 2, None, ep)).state_dict()
-        monkeypatch.setenv("HYLA_FP8_WEIGHTS", "fp8")
-        model = load_model(aligned, shard=make_plan("qwen3_next", rank, 2, None, ep))
+        ref = load_model(aligned, shard=make_plan("qwen3_next", rank, 2, None, ep), fp8_weights="dequantized").state_dict()
+        model = load_model(aligned, shard=make_plan("qwen3_next", rank, 2, None, ep), **FP8)
         names = _fp8_module_names(model)
         assert any(n.endswith("o_proj") for n in names) and any(n.endswith("experts") for n in names)
         for name in names:
@@ -342,13 +336,13 @@ def test_tensor_parallel_cuts_scales_with_their_blocks(aligned, ep, monkeypatch)
                 assert torch.equal(w13, ref[name + ".gate_up_proj"]) and torch.equal(w2, ref[name + ".down_proj"])
 
 
-def test_tensor_parallel_refuses_cuts_inside_a_block(checkpoints, fp8_modules):
+def test_tensor_parallel_refuses_cuts_inside_a_block(checkpoints):
     _, dst, _ = checkpoints("qwen3_next")  # expert width 160: rank 1's rows start at 80
     with pytest.raises(ValueError, match="weight_block_size"):
-        load_model(dst, shard=make_plan("qwen3_next", 1, 2))
+        load_model(dst, shard=make_plan("qwen3_next", 1, 2), **FP8)
 
 
-def test_weight_bytes_from_the_config(checkpoints, fp8_modules):
+def test_weight_bytes_from_the_config(checkpoints):
     from hyla.models import load_config
     from hyla.models.fp8 import parse_fp8_config
     from hyla.models.fp8_memory import fp8_weight_bytes
@@ -356,7 +350,7 @@ def test_weight_bytes_from_the_config(checkpoints, fp8_modules):
     for family in ("kimi", "qwen3_next"):
         _, dst, _ = checkpoints(family)
         q = json.loads((dst / "config.json").read_text())["quantization_config"]
-        model = load_model(dst, dtype=torch.bfloat16)
+        model = load_model(dst, dtype=torch.bfloat16, **FP8)
         assert fp8_weight_bytes(load_config(dst), parse_fp8_config(q), torch.bfloat16) == model.weight_bytes()
 
 
@@ -396,15 +390,14 @@ def test_fp8_checkpoints_of_the_other_released_families(tmp_path, family, monkey
     ids = IDS.clamp(max=ref.config.vocab_size - 1)
     want = ref(ids)
     torch.testing.assert_close(load_model(dst)(ids), want, rtol=0, atol=1e-5)
-    monkeypatch.setenv("HYLA_FP8_WEIGHTS", "fp8")
-    model = load_model(dst)
+    model = load_model(dst, **FP8)
     assert any(n.endswith("experts") for n in _fp8_module_names(model))
     monkeypatch.setattr(ops, "per_token_group_quant",
                         lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
     torch.testing.assert_close(model(ids), want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
-def test_engine_log_states_the_weights_format(checkpoints, fp8_modules, caplog, monkeypatch):
+def test_engine_log_states_the_weights_format(checkpoints, caplog):
     """The startup log says how the weights are held: FP8 modules counted, or the dequantised
     fallback of quantization="fp8" where the FP8 modules are off."""
     import logging
@@ -413,12 +406,35 @@ def test_engine_log_states_the_weights_format(checkpoints, fp8_modules, caplog, 
 
     src, dst, deq = checkpoints("qwen3_next")
     with caplog.at_level(logging.INFO, logger="hyla.engine"):
-        LLM(model=str(dst), dtype="float32")
+        LLM(model=str(dst), dtype="float32", **FP8)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:"))
     assert "block FP8 in" in line and "modules" in line, line
     caplog.clear()
-    monkeypatch.setenv("HYLA_FP8_WEIGHTS", "dequantized")
     with caplog.at_level(logging.INFO, logger="hyla.engine"):
-        LLM(model=str(src), dtype="float32", quantization="fp8")
+        LLM(model=str(src), dtype="float32", quantization="fp8", fp8_weights="dequantized")
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("weights:"))
     assert "quantization=fp8 dequantised on this device" in line, line
+
+
+def test_weight_formats_are_engine_config_fields(checkpoints):
+    """fp8_weights / mxfp4_experts are EngineConfig fields and CLI flags (no environment
+    switch): a bad value is a ValueError naming the field before anything loads, and the engine
+    passes fp8_weights to the loader (FP8 modules on the CPU with "fp8")."""
+    import argparse
+
+    from hyla import LLM
+    from hyla.cli import _add_engine_args, _engine_config
+    from hyla.engine import EngineConfig
+
+    _, dst, _ = checkpoints("qwen3_next")
+    for field, value in (("fp8_weights", "half"), ("mxfp4_experts", "sometimes")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(model=str(dst), **{field: value})
+    assert _fp8_module_names(LLM(model=str(dst), dtype="float32", **FP8).engine.model)
+    assert not _fp8_module_names(LLM(model=str(dst), dtype="float32").engine.model)  # auto: dequantised on the CPU
+    p = argparse.ArgumentParser()
+    _add_engine_args(p, prefix_cache_default=True)
+    c = _engine_config(p.parse_args(["--model", str(dst), "--fp8-weights", "fp8", "--mxfp4-experts", "packed"]))
+    assert (c.fp8_weights, c.mxfp4_experts) == ("fp8", "packed")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", str(dst), "--fp8-weights", "half"])

@@ -185,14 +185,13 @@ def k3_checkpoints(tmp_path_factory):
 
 
 def test_k3_loads_mxfp4_experts_packed(k3_checkpoints, monkeypatch):
-    """HYLA_MXFP4_EXPERTS=packed: the loader fills Mxfp4Experts straight from the checkpoint's
+    """mxfp4_experts="packed": the loader fills Mxfp4Experts straight from the checkpoint's
     bytes (no dequantised copy), kept packed on the CPU; the model equals the dequantised one
     (the torch path dequantises exactly, so bit for bit in fp32)."""
     from hyla.models import load_model
 
     mx, plain = k3_checkpoints
-    monkeypatch.setenv("HYLA_MXFP4_EXPERTS", "packed")
-    model = load_model(mx, dtype=torch.float32)
+    model = load_model(mx, dtype=torch.float32, mxfp4_experts="packed")
     experts = model.model.layers[1].block_sparse_moe.experts
     assert isinstance(experts, Mxfp4Experts) and experts.gate_up_proj.dtype == torch.uint8
     assert experts.gate_up_proj.shape == (8, 64, row_bytes(32)) and experts.down_proj.shape == (8, 32, row_bytes(32))
@@ -211,13 +210,11 @@ def test_k3_packed_at_load_is_dequantised_off_cuda(k3_checkpoints, monkeypatch):
     from hyla.models import load_model
 
     mx, plain = k3_checkpoints
-    monkeypatch.setenv("HYLA_MXFP4_EXPERTS", "auto")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model = load_model(mx, dtype=torch.float32, device="cpu")
     experts = model.model.layers[1].block_sparse_moe.experts
     assert type(experts) is SituExperts
     ref = load_model(plain, dtype=torch.float32).model.layers[1].block_sparse_moe.experts
     assert torch.equal(experts.gate_up_proj, ref.gate_up_proj) and torch.equal(experts.down_proj, ref.down_proj)
-    monkeypatch.setenv("HYLA_MXFP4_EXPERTS", "sometimes")
-    with pytest.raises(ValueError, match="HYLA_MXFP4_EXPERTS"):
-        load_model(mx)
+    with pytest.raises(ValueError, match="mxfp4_experts"):
+        load_model(mx, mxfp4_experts="sometimes")
