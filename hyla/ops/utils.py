@@ -63,6 +63,13 @@ def host_values(t: torch.Tensor) -> list:
     return values
 
 
+def known_host_values(t: torch.Tensor) -> list | None:
+    """The host-side values `remember_host_values` (or an earlier `host_values`) recorded for t,
+    if t has not changed since; else None (reading them would sync)."""
+    hit = getattr(t, "_hyla_host", None)
+    return hit[1] if hit is not None and hit[0] == _version(t) else None
+
+
 def cached_on(t: torch.Tensor, name: str, build):
     """build() once per (tensor, version): tables derived from an engine step's cu_seqlens are
     made once for all the layers of the step, not once per layer."""

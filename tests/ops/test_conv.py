@@ -216,3 +216,37 @@ def test_verify_conv_matches_prefill_per_position():
         causal_conv1d_verify(x, pool[:, :, :2], weight, read_indices=read)
     with pytest.raises(ValueError, match=r"x must be"):
         causal_conv1d_verify(x[0], pool, weight, read_indices=read)
+
+
+def test_slot_range_check_reads_recorded_host_values():
+    """An engine step's state slots carry the host values they were built from
+    (ForwardBatch.build): the update's range check reads those, no device value (on CUDA an eager
+    step synced three times per KDA layer), and still refuses a slot past the pool."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hyla.contract.batch import ForwardBatch
+    from hyla.ops.utils import known_host_values
+
+    batch = ForwardBatch.build(seq_lens=[1, 1], context_lens=[3, 5], block_tables=[[0], [1]], state_slots=[2, 0])
+    assert known_host_values(batch.state_slots) == [2, 0]
+    weight, bias = _params(6, 4)
+    state = torch.zeros(3, 6, 3, dtype=torch.float64)
+
+    class HostReads(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("is_nonzero", "_local_scalar_dense", "item"):
+                HostReads.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    with HostReads():
+        causal_conv1d_update(torch.randn(2, 6, dtype=torch.float64), state, weight, bias, "silu",
+                             conv_state_indices=batch.state_slots)
+    assert HostReads.reads == 0
+    past = ForwardBatch.build(seq_lens=[1], context_lens=[3], block_tables=[[0]], state_slots=[3]).state_slots
+    with pytest.raises(ValueError, match="out of range"):
+        causal_conv1d_update(torch.randn(1, 6, dtype=torch.float64), state, weight, bias, "silu", conv_state_indices=past)
+    with pytest.raises(ValueError, match="out of range"):  # a tensor without recorded values: read from it
+        causal_conv1d_update(torch.randn(1, 6, dtype=torch.float64), state, weight, bias, "silu",
+                             conv_state_indices=torch.tensor([3]))
