@@ -430,6 +430,8 @@ def test_weight_formats_are_engine_config_fields(checkpoints):
     for field, value in (("fp8_weights", "half"), ("mxfp4_experts", "sometimes")):
         with pytest.raises(ValueError, match=field):
             EngineConfig(model=str(dst), **{field: value})
+    with pytest.raises(ValueError, match="packed.*one device"):
+        EngineConfig(model=str(dst), mxfp4_experts="packed", tensor_parallel_size=2)
     assert _fp8_module_names(LLM(model=str(dst), dtype="float32", **FP8).engine.model)
     assert not _fp8_module_names(LLM(model=str(dst), dtype="float32").engine.model)  # auto: dequantised on the CPU
     p = argparse.ArgumentParser()
