@@ -27,13 +27,14 @@ names), whose two column ranges are the fused-MoE kernel's packed and scale view
 whose checkpoints have MXFP4 experts therefore builds Mxfp4Experts for them while
 `pack_at_load()` (Kimi K3, the only such family, does: hyla.models.kimi_k3).
 `mxfp4_experts` (an argument of hyla.models.loader.load_model and a field of EngineConfig, which
-the loader also leaves on the family config for the family to read) chooses: `auto` (default) packs at load when CUDA is available and keeps the
-experts packed on CUDA only (a CPU-loaded model gets dequantised experts in
-prepare_for_inference, as before); `packed` packs and keeps them packed on any device (CPU tests:
-the kernel under TRITON_INTERPRET=1, else dequantised per call); `dequantized` never packs.
-Packed experts are a single-device format for now: the tensor / expert-parallel plans
-(hyla.parallel) cut and rebuild the logical [N, K] expert weights, so `auto` does not pack inside
-a process group of several ranks (where those loads run), and `packed` must not be set for them.
+the loader also leaves on the family config for the family to read) chooses: `auto` (default)
+packs at load when CUDA is available and keeps the experts packed on CUDA only (a CPU-loaded
+model gets dequantised experts in prepare_for_inference); `packed` packs and keeps them packed on
+any device (CPU tests: the kernel under TRITON_INTERPRET=1, else dequantised per call);
+`dequantized` never packs. Packed experts are a single-device format for now: the tensor /
+expert-parallel plans (hyla.parallel) cut and rebuild the logical [N, K] expert weights, so `auto`
+does not pack inside a process group of several ranks (where those loads run), and EngineConfig
+refuses `packed` with tensor_parallel_size > 1.
 """
 
 from __future__ import annotations
