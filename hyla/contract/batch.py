@@ -132,10 +132,12 @@ class ForwardBatch:
             v = dev.get(key, pieces[key])
             return None if v is None else v.to(device=device, dtype=torch.long)
 
+        slots = placed("slots")
+        if isinstance(state_slots, (list, tuple)):  # the ops' slot range checks read these, no device value
+            remember_host_values(slots, state_slots)
         batch = cls(
             cu_seqlens=remember_host_values(placed("cu"), cu), context_lens=placed("ctx"), positions=placed("pos"),
-            block_tables=placed("tables"), state_slots=_slots_with_host_values(placed("slots"), state_slots),
-            checkpoints=checkpoints,
+            block_tables=placed("tables"), state_slots=slots, checkpoints=checkpoints,
             seq_lens=list(seq_lens), context_lens_list=list(context_lens),
             num_accepted_tokens=placed("accepted"), rollback=rollback,
         )
@@ -351,10 +353,3 @@ def _page_rows(tables: torch.Tensor, page_size: int) -> torch.Tensor:
     """tables [N, P] page ids -> [N, P * page_size] flat pool rows page * page_size + offset."""
     return (tables[:, :, None] * page_size + constants.arange(page_size, tables.device)).flatten(1)
 
-
-def _slots_with_host_values(slots: torch.Tensor, given) -> torch.Tensor:
-    """A plain step's [N] state slots, with the host values they were built from recorded
-    (hyla.ops.utils.remember_host_values): the ops' range checks then read no device value."""
-    if slots.dim() == 1 and isinstance(given, (list, tuple)) and all(isinstance(v, int) for v in given):
-        remember_host_values(slots, list(given))
-    return slots

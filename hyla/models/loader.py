@@ -297,11 +297,11 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
         raise ValueError(f"checkpoint directory {path} does not exist")
     config = load_config(path)
     check_fp8_weights(fp8_weights)
-    packed_experts = pack_at_load(mxfp4_experts)  # read by a family with MXFP4 experts (Kimi K3)
-    config.mxfp4_experts = mxfp4_experts
+    packed_experts = pack_at_load(mxfp4_experts)
     fp8_config = check_quantization(quantization, quantization_config_of(read_config_json(path)))
     if shard is not None:
         config = shard.configure(config)
+    config.mxfp4_experts = mxfp4_experts  # read by a family with MXFP4 experts (Kimi K3) as it builds
     model_cls = family_classes(config.model_type)[1]
     dtype = resolve_dtype(dtype, config)
     device = torch.device("cpu" if device is None else device)

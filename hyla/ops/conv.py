@@ -183,16 +183,8 @@ def _check_update_args(x, conv_state, weight, bias, activation, conv_state_indic
     ):
         got = getattr(conv_state_indices, "shape", conv_state_indices)
         raise ValueError(f"conv_state_indices must be an integer tensor [N={N}], got {got}")
-    # the range check reads the indices on the host: from the values an engine step recorded when
-    # it built them (no device sync; an eager step otherwise synced three times per KDA layer), else
-    # from the device, except during a CUDA-graph capture
-    known = utils.known_host_values(conv_state_indices)
     idx = conv_state_indices.long().to(x.device)
-    if known is not None:
-        out_of_range = any(v >= conv_state.shape[0] for v in known)
-    else:
-        out_of_range = not utils.is_capturing(idx) and bool((idx >= conv_state.shape[0]).any())
-    if out_of_range:
+    if utils.any_index_at_least(conv_state_indices, conv_state.shape[0]):
         raise ValueError(f"conv_state_indices out of range for {conv_state.shape[0]} slots")
     return x3, squeeze, weight, idx
 

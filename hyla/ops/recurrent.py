@@ -33,8 +33,7 @@ def _check_pool_args(ssm_state_indices, num_accepted_tokens, initial_state, n, l
     if ssm_state_indices.ndim not in (1, 2) or ssm_state_indices.shape[0] != n:
         raise ValueError(f"`ssm_state_indices` must be [N] or [N, 1+num_spec] with N={n}, "
                          f"got {tuple(ssm_state_indices.shape)}")
-    if ssm_state_indices.numel() and not utils.is_capturing(ssm_state_indices) \
-            and int(ssm_state_indices.max()) >= initial_state.shape[0]:
+    if ssm_state_indices.numel() and utils.any_index_at_least(ssm_state_indices, initial_state.shape[0]):
         raise ValueError(f"`ssm_state_indices` points past the pool's {initial_state.shape[0]} slots")
     if ssm_state_indices.ndim == 2:
         width = ssm_state_indices.shape[1]

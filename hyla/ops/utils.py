@@ -55,11 +55,10 @@ def remember_host_values(t: torch.Tensor, values: list) -> torch.Tensor:
 def host_values(t: torch.Tensor) -> list:
     """t.tolist(), without a device sync when `remember_host_values` recorded them (or an
     earlier call did) and t has not changed since."""
-    hit = getattr(t, "_hyla_host", None)
-    if hit is not None and hit[0] == _version(t):
-        return hit[1]
-    values = t.tolist()
-    t._hyla_host = (_version(t), values)
+    values = known_host_values(t)
+    if values is None:
+        values = t.tolist()
+        t._hyla_host = (_version(t), values)
     return values
 
 
@@ -68,6 +67,18 @@ def known_host_values(t: torch.Tensor) -> list | None:
     if t has not changed since; else None (reading them would sync)."""
     hit = getattr(t, "_hyla_host", None)
     return hit[1] if hit is not None and hit[0] == _version(t) else None
+
+
+def any_index_at_least(indices: torch.Tensor, limit: int) -> bool:
+    """Whether an index (state slot) is >= limit, for the ops' range checks: read from the host
+    values an engine step recorded when it built the tensor (no device sync: an eager step synced
+    once per check and layer before), else from the device, and False while a CUDA graph is being
+    captured (a capture cannot sync). A 2-D tensor's recorded values are nested lists."""
+    known = known_host_values(indices)
+    if known is not None:
+        rows = (v if isinstance(v, (list, tuple)) else (v,) for v in known)
+        return any(i >= limit for row in rows for i in row)
+    return not is_capturing(indices) and bool((indices >= limit).any())
 
 
 def cached_on(t: torch.Tensor, name: str, build):

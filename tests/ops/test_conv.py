@@ -250,3 +250,13 @@ def test_slot_range_check_reads_recorded_host_values():
     with pytest.raises(ValueError, match="out of range"):  # a tensor without recorded values: read from it
         causal_conv1d_update(torch.randn(1, 6, dtype=torch.float64), state, weight, bias, "silu",
                              conv_state_indices=torch.tensor([3]))
+
+
+def test_index_range_check_reads_nested_recorded_values():
+    """A verify step's [N, 1 + k] slots recorded as nested lists: the range check (shared by the
+    conv and recurrent ops) reads every row from the host."""
+    from hyla.ops.utils import any_index_at_least, remember_host_values
+
+    slots = remember_host_values(torch.tensor([[0, 1], [2, 3]]), [[0, 1], [2, 3]])
+    assert not any_index_at_least(slots, 4) and any_index_at_least(slots, 3)
+    assert any_index_at_least(torch.tensor([0, 5]), 5) and not any_index_at_least(torch.tensor([0, 4]), 5)
