@@ -51,7 +51,7 @@ class FlagError(Exception):
 
 
 class ServerError(Exception):
-    """A server not worth measuring (not ready in time, every warm-up failed); run() exits with it."""
+    """A server not worth measuring (not ready in time, every warm-up failed); main() exits with it."""
 
 
 def _count(minimum: int):
@@ -373,11 +373,8 @@ async def _measure(args, conversations, sampling: dict) -> tuple[list, float, di
 def run(args: argparse.Namespace) -> dict:
     """Run a benchmark with resolved flags; returns the whole result (per-request lists included)."""
     with httpx.Client(headers=args.headers, timeout=60.0) as http:
-        try:
-            if args.ready_check_timeout_sec:
-                wait_until_ready(http, args.base_url, args.ready_check_timeout_sec)
-        except ServerError as e:
-            raise SystemExit(f"hyla bench serve: {e}") from None
+        if args.ready_check_timeout_sec:
+            wait_until_ready(http, args.base_url, args.ready_check_timeout_sec)
         try:
             if args.model is None:
                 model, root = served_model(http, args.base_url)
@@ -403,10 +400,7 @@ def run(args: argparse.Namespace) -> dict:
 
     sampling = {f: getattr(args, f) for f in SAMPLING_FLAGS if getattr(args, f) is not None}
     sampling.update(args.extra_body or {})
-    try:
-        outputs, duration, cache = asyncio.run(_measure(args, conversations, sampling))
-    except ServerError as e:
-        raise SystemExit(f"hyla bench serve: {e}") from None
+    outputs, duration, cache = asyncio.run(_measure(args, conversations, sampling))
 
     date = now_stamp()
     result = {"date": date, "endpoint_type": args.backend, "backend": args.backend, "label": args.label,
@@ -445,3 +439,5 @@ def main(argv: list[str] | None = None) -> dict:
         return run(args)
     except FlagError as e:
         parser.error(str(e))
+    except ServerError as e:
+        raise SystemExit(f"hyla bench serve: {e}") from None
