@@ -6,13 +6,14 @@
 # throughput, and the tier counters of /metrics. About 3 minutes on two cores.
 set -u
 cd "$(dirname "$0")/.."
+. scripts/wait_ready.sh
 PY=${PY:-python3}; PORT=${PORT:-8011}; OUT=${OUT:-/tmp/hyla-host-tier}; mkdir -p "$OUT"
 [ -f "$OUT/tiny/config.json" ] || $PY -m hyla.bench shape "$OUT/tiny" --random-config tiny >/dev/null || exit 1
 for HOST in 0 256MiB; do
   OMP_NUM_THREADS=1 $PY -m hyla serve "$OUT/tiny" --load-format dummy --port $PORT --max-num-seqs 8 \
       --max-model-len 4096 --memory-budget 6MiB --host-cache-bytes $HOST > "$OUT/serve-$HOST.log" 2>&1 &
   SP=$!
-  for i in $(seq 1 120); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 1; done
+  wait_ready $SP "$OUT/serve-$HOST.log" $PORT || exit 1
   grep -E "pools:|host tier" "$OUT/serve-$HOST.log" | cut -c1-200
   OMP_NUM_THREADS=1 $PY -m hyla.bench serve --port $PORT --tokenizer "$OUT/tiny" --disable-tqdm \
       --label agent-host-$HOST --dataset-name agent --num-sessions 48 --turns 4 --tool-output-len 192 \

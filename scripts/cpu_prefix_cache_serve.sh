@@ -6,6 +6,7 @@
 # greedy replies are equal between the two runs. About 6 minutes on two cores.
 set -u
 cd "$(dirname "$0")/.."
+. scripts/wait_ready.sh
 PY=${PY:-python3}; PORT=${PORT:-8012}; OUT=${OUT:-/tmp/hyla-prefix-cache}; mkdir -p "$OUT"
 [ -f "$OUT/tiny/config.json" ] || $PY -m hyla.bench shape "$OUT/tiny" --random-config tiny >/dev/null || exit 1
 for CACHE in on off; do
@@ -13,7 +14,7 @@ for CACHE in on off; do
   OMP_NUM_THREADS=1 $PY -m hyla serve "$OUT/tiny" --load-format dummy --port $PORT --max-num-seqs 16 \
       --max-model-len 4096 --memory-budget 256MiB $FLAG > "$OUT/serve-$CACHE.log" 2>&1 &
   SP=$!
-  for i in $(seq 1 120); do curl -sf localhost:$PORT/health >/dev/null && break; sleep 1; done
+  wait_ready $SP "$OUT/serve-$CACHE.log" $PORT || exit 1
   grep -E "pools:" "$OUT/serve-$CACHE.log" | cut -c1-200
   OMP_NUM_THREADS=1 $PY -m hyla.bench serve --port $PORT --tokenizer "$OUT/tiny" --disable-tqdm \
       --label agent-cache-$CACHE --dataset-name agent --num-sessions 16 --turns 6 --tool-output-len 512 \

@@ -12,14 +12,4 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 Q48=""; [ "${MEM:-0}" -lt 120000 ] && Q48="--quantization fp8"
 echo "card memory ${MEM:-?} MiB; 48B weights: ${Q48:-bf16}"
-# wait_ready PID LOG: until the server of process PID answers /health on port 8000; when the
-# process ends first (a failed import, out of memory) or 300 s pass, print LOG's tail and fail
-# at once rather than running the bench against nothing
-wait_ready() {
-  for _ in $(seq 1 150); do
-    curl -sf localhost:8000/health >/dev/null && return 0
-    kill -0 "$1" 2>/dev/null || { echo "server exited:"; tail -5 "$2"; return 1; }
-    sleep 2
-  done
-  echo "server not ready after 300 s:"; tail -5 "$2"; kill "$1"; return 1
-}
+. "$(dirname "${BASH_SOURCE[0]}")/wait_ready.sh"  # wait_ready PID LOG [PORT]
