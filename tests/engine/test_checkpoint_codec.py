@@ -64,6 +64,36 @@ def test_host_copies_of_pages_and_checkpoints_are_bit_exact(kv_cache_dtype):
     assert tiers.stats["bytes_to_host"] == moved and tiers.stats["bytes_from_host"] == moved
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_page_transfers_move_as_batches_bit_exact(kv_cache_dtype, monkeypatch):
+    """Consecutive page transfers of one direction are one batch (a gather, a copy per run of
+    consecutive host pages, a scatter): scattered device pages, host pages in runs and alone, a
+    host page written twice in one batch (the later write wins), every byte where it belongs."""
+    from hyla.engine import cache_tiers
+
+    cache = _tiny_cache(num_pages=12, kv_cache_dtype=kv_cache_dtype)
+    tiers = CacheTiers(cache, TierSizes(host_pages=8))
+    page_tensors = [t for layer in cache.attention_layers for t in layer.tensors()]
+    before = [t.clone() for t in page_tensors]
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, **kw: copies.append(1) or real_copy(self, src, **kw))
+    out = [(9, 4), (2, 5), (7, 6), (11, 0), (3, 2), (5, 2)]  # host 4-6 a run, 0 and 2 alone; host 2: page 5 wins
+    tiers.apply([("page_out", p, h) for p, h in out])
+    assert len(copies) == 3 * len(page_tensors)  # three runs of host pages, per attention tensor
+    copies.clear()
+    back = [(4, 1), (5, 10), (6, 0), (0, 8), (2, 4)]  # into other device pages
+    tiers.apply([("page_in", h, p) for h, p in back])
+    assert len(copies) == 3 * len(page_tensors)
+    source = {h: p for p, h in out}  # host page -> the device page whose bytes it holds
+    for t, ref in zip(page_tensors, before):
+        for h, p in back:
+            assert torch.equal(_bits(t[p]), _bits(ref[source[h]]))
+        untouched = [i for i in range(12) if i not in {p for _, p in back}]
+        assert torch.equal(_bits(t[untouched]), _bits(ref[untouched]))
+    assert cache_tiers._runs([0, 1, 2, 5, 7, 8]) == [(0, 3), (3, 4), (4, 6)] and cache_tiers._runs([]) == []
+
+
 def test_int8_pack_unpack_and_through_the_host():
     cache = _tiny_cache()
     tiers = CacheTiers(cache, TierSizes(int8_entries=2, host_checkpoints=2))

@@ -224,7 +224,8 @@ def test_cuda_restore_time_is_added_once_its_events_complete(ckpt, monkeypatch):
     llm = _llm(ckpt, memory_budget=budget(ckpt, pages=14, slots=4), host_cache_bytes=1 << 22, device="cpu")
     tiers = llm.engine.runner.tiers
     tiers.restore_time = DeviceTimer(torch.device("cuda"))  # the timer CacheTiers keeps on CUDA
-    tiers.apply([("page_in", 0, 0), ("page_in", 1, 1), ("page_out", 2, 3)])
+    # two restores (consecutive page_in transfers would be one batch, one restore)
+    tiers.apply([("page_in", 0, 0), ("page_out", 2, 3), ("page_in", 1, 1)])
     assert len(recorded) == 4 and tiers.stats["restore_seconds"] == 0  # in flight: not counted yet
     Event.done = True
     assert tiers.stats["restore_seconds"] == pytest.approx(0.5)  # the two restores, not the eviction
