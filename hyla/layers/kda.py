@@ -98,7 +98,12 @@ class KimiDeltaAttention(ShortConvDeltaRule):
     def output(self, o: torch.Tensor, aux) -> torch.Tensor:
         """o: [..., H, V] core output, aux: project's (f_a(x), b(x), g_a(x) | g_proj(x)) -> [..., hidden]."""
         g_in = aux[2]
-        gate = g_in if self.full_rank_gate else self.g_b_proj(g_in)
+        up = None if self.full_rank_gate else self.g_b_proj
+        if type(up) is nn.Linear and up.bias is None and o.dim() == 4:  # not an FP8 module: its weight
+            y = dispatch.lowrank_gated_rms_norm(o, g_in, up.weight, self.o_norm.weight, self.o_norm.eps,
+                                                self.o_norm.activation)
+            return self.o_proj(y.flatten(-2))
+        gate = g_in if up is None else up(g_in)
         y = self.o_norm(o, gate.unflatten(-1, (self.num_heads, self.head_dim)))
         return self.o_proj(y.flatten(-2))
 
@@ -124,9 +129,12 @@ class KimiDeltaAttention(ShortConvDeltaRule):
     def gates(self, aux) -> tuple[torch.Tensor, torch.Tensor]:
         """aux: (f_a(x), b(x), ...) -> g [..., H, K] fp32 log-decay, beta [..., H] (one launch on CUDA)."""
         fa, b = aux[0], aux[1]
-        f = self.f_b_proj(fa).unflatten(-1, (self.num_heads, self.head_dim))
         # One A_log per head: Kimi K3 stores head_dim values and uses the first num_heads.
         a_log = self.A_log.reshape(-1)[: self.num_heads]
+        up = self.f_b_proj
+        if type(up) is nn.Linear and up.bias is None and fa.dim() == 3:  # not an FP8 module: its weight
+            return dispatch.kda_lowrank_gate_beta(fa, up.weight, b, a_log, self.dt_bias, self.lower_bound)
+        f = up(fa).unflatten(-1, (self.num_heads, self.head_dim))
         return dispatch.kda_gate_beta(f, b, a_log, self.dt_bias, self.lower_bound)
 
     # The ops are looked up in this module's namespace at call time, so that tests can swap in

@@ -90,6 +90,15 @@ def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias
     return kda_gate(f, A_log, dt_bias, lower_bound), torch.sigmoid(b)
 
 
+def kda_lowrank_gate_beta(fa: torch.Tensor, w_up: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                          dt_bias: torch.Tensor | None = None,
+                          lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kda_gate_beta of f = fa @ w_up^T, the forget gate's low-rank up-projection (KDA's f_b_proj,
+    its output in fa's dtype as the linear gives it). fa: [B, T, r]; w_up: [H * K, r]; b: [B, T, H]."""
+    f = F.linear(fa, w_up).unflatten(-1, (b.shape[2], -1))
+    return kda_gate_beta(f, b, A_log, dt_bias, lower_bound)
+
+
 def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                   dt_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(gdn_gate(a, A_log, dt_bias), sigmoid(b)), both [B, T, HV]. a, b: [B, T, HV], or

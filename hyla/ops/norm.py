@@ -102,6 +102,14 @@ def gated_rms_norm(
     return (_rms(xf, weight, eps) * act).to(x.dtype)
 
 
+def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tensor, weight: torch.Tensor | None,
+                           eps: float = 1e-6, activation: str = "sigmoid") -> torch.Tensor:
+    """gated_rms_norm with the gate from a low-rank up-projection (KDA's g_b_proj, its output in
+    g_in's dtype as the linear gives it): x [B, T, H, D], g_in [B, T, r], w_up [H * D, r]."""
+    gate = F.linear(g_in, w_up).unflatten(-1, x.shape[-2:])
+    return gated_rms_norm(x, gate, weight, eps, activation)
+
+
 def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x if x.dtype == torch.float64 else x.float()  # fp64 stays fp64 for exactness tests
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

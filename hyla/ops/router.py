@@ -9,7 +9,9 @@ Every product of a bf16 activation and a bf16 term is exact in fp32 and the sums
 result equals the fp32 GEMM up to the order of the additions, the same freedom any GEMM has.
 
 Used for M >= SPLIT_MIN_TOKENS only: a decode step's router is bandwidth-bound, and reading three
-bf16 copies (6 B per weight) costs more than one fp32 read (4 B).
+bf16 copies (6 B per weight) costs more than one fp32 read (4 B). A decode step's few tokens
+(up to hyla.ops.triton.router_gemv.MAX_TOKENS) take one Triton GEMV instead, which widens x in
+registers: one launch where the cast and the cuBLAS GEMV are two.
 """
 
 from __future__ import annotations
@@ -47,5 +49,17 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: [M, H] activations; weight: [E, H] (fp32). Returns [M, E] logits in fp32 (fp64 for fp64 x)."""
     if x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= SPLIT_MIN_TOKENS:
         return _split_product(x, weight)
+    if x.dim() == 2 and weight.dtype == torch.float32 and _triton_takes(x, weight):
+        from hyla.ops.triton.router_gemv import MAX_TOKENS, router_gemv
+
+        if x.shape[0] <= MAX_TOKENS:
+            return router_gemv(x.contiguous(), weight.contiguous())
     work = work_dtype(x)
     return F.linear(x.to(work), weight.to(work))
+
+
+def _triton_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The dispatch rule of the other Triton ops (CUDA, no grad, not fp64; HYLA_BACKEND)."""
+    from hyla.ops import dispatch
+
+    return dispatch.backend_for(x, x, [x, weight], heads=False) == "triton"

@@ -315,6 +315,20 @@ def test_split_router_equals_the_fp32_product():
     assert same >= 0.999, f"top-8 sets equal for {same:.4%} of tokens"
 
 
+@pytest.mark.parametrize("M", [1, 4])
+def test_decode_router_gemv_full_size(M):
+    """hyla.ops.router at decode size (the Triton GEMV, x widened in registers) on the 48B and 80B
+    router shapes: within fp32 rounding of the fp64 product (1e-5, as the split router)."""
+    from hyla.ops.router import router_logits
+
+    gen = torch.Generator(device=DEV).manual_seed(12 + M)
+    for E, H in ((256, 2304), (512, 2048)):
+        x = torch.randn(M, H, generator=gen, device=DEV).to(torch.bfloat16)
+        w = torch.randn(E, H, generator=gen, device=DEV) * 0.02
+        err = rel(router_logits(x, w), torch.nn.functional.linear(x.double(), w.double()))
+        assert err <= 1e-5, f"E={E} H={H}: {err:.2e}"
+
+
 @pytest.mark.parametrize("act", ["silu", "clamped_silu", "situ"])
 def test_fused_moe_bf16_full_size(act):
     """The fused MoE at a prefill-sized batch of the Kimi-Linear-48B shape (8 of 256 experts,

@@ -127,7 +127,7 @@ def _experts(E, H, I, seed=2):
     return (*quantize_gate_up(w13), *block_quantize(w2))
 
 
-@pytest.mark.parametrize("M, H, I, E, k, used", [(5, 200, 160, 6, 2, 4), (33, 130, 72, 4, 3, None)])
+@pytest.mark.parametrize("M, H, I, E, k, used", [(1, 200, 160, 6, 3, None), (5, 200, 160, 6, 2, 4), (33, 130, 72, 4, 3, None)])
 @pytest.mark.parametrize("act", [GatedActivation(), GatedActivation("clamped_silu", limit=0.7),
                                  GatedActivation("situ", beta=4.0, linear_beta=25.0)], ids=["silu", "clamped", "situ"])
 def test_fused_moe_kernel_matches_the_reference(M, H, I, E, k, used, act):

@@ -165,6 +165,29 @@ def test_silu_gated_rms_norm_reads_an_interleaved_gate_in_place(dtype, D, R):
         assert_ulps(hyla_triton.silu_gated_rms_norm(x, z, w, 1e-6), ref)
 
 
+@pytest.mark.parametrize("H,D,r,R", [(3, 24, 20, 1), (2, 40, 128, 3), (1, 128, 33, 2)])
+@pytest.mark.parametrize("activation", ["sigmoid", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lowrank_gated_rms_norm_matches_the_linear_then_the_norm(H, D, r, R, activation, dtype):
+    """KDA's output norm with its gate's up-projection inside the kernel (a decode step), against
+    the linear followed by the torch gated norm; g_in a column slice of a wider projection. fp32:
+    the gate's r-term sum in another order (a few ulps). bf16: the gate rounded to bf16 as the
+    linear's output can land one bf16 ulp apart, and the result is bf16: within 2 ulps."""
+    seed = H * D + r + R
+    x = _randn(R, 1, H, D, seed=seed, dtype=dtype)
+    proj = _randn(R, 1, r + 5, seed=seed + 1, dtype=dtype)
+    g_in = proj[..., 2:2 + r]
+    w_up = _randn(H * D, r, seed=seed + 2, scale=r ** -0.5, dtype=dtype)
+    for w in (_randn(D, seed=seed + 3, dtype=dtype), None):
+        y = hyla_triton.lowrank_gated_rms_norm(x, g_in, w_up, w, 1e-6, activation)
+        ref = torch_norm.lowrank_gated_rms_norm(x, g_in, w_up, w, 1e-6, activation)
+        assert y.shape == ref.shape and y.dtype == ref.dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(y.cpu(), ref.cpu(), rtol=1e-5, atol=1e-6)
+        else:
+            assert float(ulp_diff(y, ref).max()) <= 2
+
+
 # -- gates ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("H,K,R", [(3, 24, 1), (2, 40, 3), (1, 128, 17), (3, 24, 17)])
@@ -185,6 +208,53 @@ def test_kda_gate_beta_matches_torch(H, K, R, lower_bound, dtype):
     g2, _ = hyla_triton.kda_gate_beta(f, b, A_log, None, lower_bound)
     torch.testing.assert_close(g2.cpu(), torch_gate.kda_gate(f, A_log, None, lower_bound).cpu(), rtol=2e-6,
                                atol=1e-7)
+
+
+@pytest.mark.parametrize("H,K,r,R", [(3, 24, 20, 1), (2, 40, 128, 3), (1, 128, 33, 2)])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_lowrank_gate_beta_matches_the_linear_then_the_gate(H, K, r, R, lower_bound, dtype):
+    """The decode step's one-launch forget gate (f = fa @ w_up^T per head, then the gate) against
+    the up-projection's linear followed by the torch gate. fa is a column slice of a wider
+    projection (a row stride of its own). fp32: the GEMV sums r products in another order (a few
+    ulps of f). bf16: f is rounded to bf16 as the linear's output, and a sum order that differs in
+    the last fp32 bits can round it one bf16 ulp (2^-8 relative) the other way: rtol 1e-2 on g."""
+    seed = H * K + r + R
+    proj = _randn(R, 1, r + 7, seed=seed, dtype=dtype)
+    fa = proj[..., 3:3 + r]
+    w_up = _randn(H * K, r, seed=seed + 1, scale=r ** -0.5, dtype=dtype)
+    b = _randn(R, 1, H, seed=seed + 2, scale=3.0, dtype=dtype)
+    A_log = _randn(1, 1, H, 1, seed=seed + 3)
+    dt_bias = _randn(H * K, seed=seed + 4)
+    g, beta = hyla_triton.kda_lowrank_gate_beta(fa, w_up, b, A_log, dt_bias, lower_bound)
+    g_ref, beta_ref = torch_gate.kda_lowrank_gate_beta(fa, w_up, b, A_log, dt_bias, lower_bound)
+    assert g.shape == (R, 1, H, K) and g.dtype == torch.float32
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(g.cpu(), g_ref.cpu(), **tol)
+    assert_ulps(beta, beta_ref)
+
+
+def test_kda_lowrank_gate_beta_dispatch_keeps_prefill_on_the_gemm(monkeypatch):
+    """hyla.ops.dispatch: a decode step's rows (<= LOWRANK_GATE_MAX_ROWS) take the one-launch
+    kernel, a prefill's rows the up-projection's GEMM and the gate kernel; both the same gate."""
+    from hyla.ops import dispatch
+
+    calls = []
+    real = hyla_triton.kda_lowrank_gate_beta
+    monkeypatch.setattr(hyla_triton, "kda_lowrank_gate_beta", lambda *a: calls.append(a[0].shape[0]) or real(*a),
+                        raising=False)
+    previous = dispatch.set_backend("triton")
+    try:
+        for R in (2, dispatch.LOWRANK_GATE_MAX_ROWS + 1):
+            fa = _randn(R, 1, 16, seed=R)
+            w_up, b = _randn(2 * 24, 16, seed=R + 1), _randn(R, 1, 2, seed=R + 2)
+            A_log, dt_bias = _randn(2, seed=R + 3), _randn(48, seed=R + 4)
+            g, beta = dispatch.kda_lowrank_gate_beta(fa, w_up, b, A_log, dt_bias, None)
+            g_ref, beta_ref = torch_gate.kda_lowrank_gate_beta(fa, w_up, b, A_log, dt_bias, None)
+            torch.testing.assert_close(g.cpu(), g_ref.cpu(), rtol=1e-5, atol=1e-6)
+    finally:
+        dispatch.set_backend(previous)
+    assert calls == [2]
 
 
 @pytest.mark.parametrize("H,r,R", [(1, 1, 1), (3, 2, 3), (4, 3, 17), (1, 1, 17)])

@@ -108,6 +108,24 @@ def test_triton_fused_moe_second_gemm_takes_its_own_blocks():
     assert _rel(got.cpu(), want) < 1e-5
 
 
+def test_triton_fused_moe_one_token_blocks_equal_the_aligned_rows():
+    """One token takes one row block per pair (no align launch): its row equals, bit for bit,
+    the same token's row computed in the aligned layout beside another token (same blocks and
+    config), and a repeated expert (which routing never names) is still summed correctly."""
+    mod, dev = _triton()
+    x, w13, w2, weights, ids = _inputs(2, 72, 40, 8, 3, dtype=torch.float32, seed=12)
+    cfg = dict(BM=16, BN=16, BK=32, GM=1, num_warps=4, num_stages=1)
+    on = [t.to(dev) for t in (x, w13, w2, weights, ids)]
+    assert mod.row_blocks(on[4][:1], 8, 16).one_pair and not mod.row_blocks(on[4], 8, 16).one_pair
+    pair_rows = mod.fused_moe(on[0][:1], on[1], on[2], on[3][:1], on[4][:1], config=cfg).cpu()
+    aligned = mod.fused_moe(*on, config=cfg).cpu()
+    assert torch.equal(pair_rows[0], aligned[0])
+    repeated = torch.tensor([[5, 2, 5]])
+    want = moe_experts_naive(x[:1].double(), w13.double(), w2.double(), weights[:1], repeated)
+    got = mod.fused_moe(on[0][:1], on[1], on[2], on[3][:1], repeated.to(dev), config=cfg)
+    assert _rel(got.cpu(), want) < 1e-5
+
+
 def test_split_config_gives_each_gemm_its_blocks_and_nothing_else():
     from hyla.ops.triton.fused_moe import split_config
 

@@ -1,4 +1,4 @@
-"""Element-wise pieces shared by the Triton kernels: the gate activations.
+"""Pieces shared by the Triton kernels: the gate activations and a head's low-rank up-projection.
 
 Everything here runs in fp32 on register tiles and mirrors hyla.ops.gate:
 
@@ -69,3 +69,18 @@ def head_gate_params(A_log, dt_bias, i_hv, o_k, K: tl.constexpr, GATE: tl.conste
             else:
                 bias = tl.load(dt_bias + i_hv).to(tl.float32)
     return a_log, bias
+
+
+@triton.jit
+def head_up_projection(inp, n, in_s0, w_up, w_s0, rows, m_rows, r, BD: tl.constexpr, BRK: tl.constexpr):
+    """One head's slice of a low-rank up-projection at one token: inp[n, :r] @ w_up[rows, :r]^T in
+    fp32 -> [BD] (rows [BD] int64, masked by m_rows; BRK input columns at a time). KDA's f_b_proj
+    and g_b_proj at a decode step, inside the kernel that consumes them."""
+    acc = tl.zeros([BD], tl.float32)
+    for r0 in range(0, r, BRK):
+        o_r = r0 + tl.arange(0, BRK)
+        m_r = o_r < r
+        a = tl.load(inp + n * in_s0 + o_r, mask=m_r, other=0.0).to(tl.float32)  # [BRK]
+        wt = tl.load(w_up + rows[:, None] * w_s0 + o_r[None, :], mask=m_rows[:, None] & m_r[None, :], other=0.0)
+        acc += tl.sum(wt.to(tl.float32) * a[None, :], 1)
+    return acc

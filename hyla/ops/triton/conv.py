@@ -30,6 +30,7 @@ import triton.language as tl
 from hyla.ops.conv import _check_packed_args, _check_update_args, _check_verify_args
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.norm import to_dtype
+from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -48,7 +49,8 @@ def _ext(x_row, window, o_p, pos, o_d, m_d, sx_l, P: tl.constexpr):
 @triton.jit
 def conv_kernel(x, state, weight, bias, read_idx, write_idx, y, L, D, sx_n, sx_l,
                 P: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr,
-                SILU: tl.constexpr, WRITE: tl.constexpr):
+                SILU: tl.constexpr, WRITE: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     i_n = tl.program_id(0)
     i_d = tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -101,7 +103,7 @@ def _launch(x3, conv_state, weight, bias, activation, read_idx, write_idx, write
             x3, conv_state, w, bias.contiguous() if bias is not None else w, read_idx,
             write_idx if write_idx is not None else read_idx, y, L, D, x3.stride(0), x3.stride(1),
             P=P, BP=max(2, triton.next_power_of_2(max(P, 1))), BD=BD, HAS_BIAS=bias is not None,
-            SILU=activation is not None, WRITE=write if P > 0 else WRITE_NONE)
+            SILU=activation is not None, WRITE=write if P > 0 else WRITE_NONE, **pdl_launch(x3.device))
     return y
 
 
@@ -144,7 +146,8 @@ def _ext_cols(x_row, window, o_p, pos, col, m_d, sx_l, P: tl.constexpr):
 def packed_conv_kernel(x, cols, y, idx, s0, s1, s2, w0, w1, w2, N, L, sx_n, sx_l,
                        D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2,
                        P: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
-                       HAS_COLS: tl.constexpr, ONE_POOL: tl.constexpr):
+                       HAS_COLS: tl.constexpr, ONE_POOL: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     i_n = tl.program_id(0)
     i_d = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -227,7 +230,7 @@ def _launch_packed(x3, cols, y, idx, group, N, L, P, activation) -> None:
         N, L, x3.stride(0), x3.stride(1), *(s[2] for s in pad), *(s[3] for s in pad),
         *(s[4] for s in pad), *(s[0].shape[1] for s in pad),
         P=P, BP=max(2, triton.next_power_of_2(max(P, 1))), BD=BD, SILU=activation is not None,
-        HAS_COLS=cols is not None, ONE_POOL=all(s[0] is group[0][0] and s[1] is group[0][1] for s in group))
+        HAS_COLS=cols is not None, ONE_POOL=all(s[0] is group[0][0] and s[1] is group[0][1] for s in group), **pdl_launch(x3.device))
 
 
 def causal_conv1d_update_packed(x: torch.Tensor, conv_states, weights, sizes, activation: str | None = None,

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.kernel_tables import tuned_gemm_config
+from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 log = logging.getLogger("hyla.ops")
@@ -68,8 +69,9 @@ def quantize_rows(v, EPS):
 
 
 @triton.jit
-def _group_quant_kernel(x, q, s, M, K, s_xm, s_qm, s_sm, EPS, BM: tl.constexpr, G: tl.constexpr):
+def _group_quant_kernel(x, q, s, M, K, s_xm, s_qm, s_sm, EPS, BM: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr = False):
     """One program: BM rows x one group of G columns."""
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     o_m = tl.program_id(0) * BM + tl.arange(0, BM)
     g = tl.program_id(1)
     o_k = g * G + tl.arange(0, G)
@@ -94,15 +96,16 @@ def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, s
     BM = 16 if M <= 256 else 64
     _group_quant_kernel[(triton.cdiv(M, BM), groups)](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), ACT_EPS,
-                                                       BM=BM, G=BLOCK, num_warps=4)
+                                                       BM=BM, G=BLOCK, num_warps=4, **pdl_launch(x.device))
     return q, s
 
 
 @triton.jit
 def _gemm_kernel(a, a_s, b, b_s, c, bias, M, N, K, s_am, s_asm, s_bn, s_bsn, s_cm,
-                 HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, PDL: tl.constexpr = False):
     """c[m, n] = sum_g (a_q[m, g] . b_q[n, g]) s_a[m, g] s_b[n // BK, g] (+ bias[n]); GM row
     blocks at a time across all column blocks (their activations stay in L2)."""
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     pid = tl.program_id(0)
     nb_m, nb_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     per_group = GM * nb_n
@@ -174,7 +177,7 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, s: torch.Tenso
     grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
     _gemm_kernel[grid](xq, xs, w, s, c, bias if bias is not None else c, M, N, K, xq.stride(0), xs.stride(0),
                        w.stride(0), s.stride(0), c.stride(0), HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=BLOCK,
-                       GM=GM, **cfg)
+                       GM=GM, **cfg, **pdl_launch(xq.device))
     return c
 
 

@@ -22,9 +22,16 @@ the gathered activations of a group are read from HBM once rather than once per 
 
 Programs of blocks past the padded end (block_expert = -1) return at once; at decode most of the
 grid is such blocks, which costs a few microseconds.
+
+One token (M = 1, batch-1 decode) skips step 1 (`row_blocks`): its k pairs are k blocks of one
+live row each, block j holding pair j of expert ids[0, j]. The rows are computed exactly as in
+the aligned layout (only the blocks' order differs), without the align launch; an expert named
+twice would only be read twice (routing names distinct experts).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,6 +43,7 @@ from hyla.ops.moe_pairs import sort_pairs_by_expert
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.kernel_tables import tuned_config
 from hyla.ops.triton.norm import to_dtype
+from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -50,10 +58,11 @@ def aligned_rows(pairs: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _align_kernel(ids, counts, ranks, pad_starts, sorted_pairs, block_expert, P, E, R, NB,
-                  BM: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr):
+                  BM: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr = False):
     """One program: count pairs per expert (an atomic ticket gives each pair its place in its
     expert's run), pad each run to BM rows, scatter the pair indices, and name each block's
     expert. Reads after a barrier bypass L1 (.cg), since atomics update L2 only."""
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     o_e = tl.arange(0, BE)
     m_e = o_e < E
     tl.store(counts + o_e, tl.zeros((BE,), dtype=tl.int32), mask=m_e)
@@ -133,8 +142,37 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     block_expert = torch.empty(R // block_m, dtype=torch.int32, device=dev)
     BE = triton.next_power_of_2(num_experts)
     _align_kernel[(1,)](flat, counts, ranks, pad_starts, sorted_pairs, block_expert, P, num_experts, R,
-                        R // block_m, BM=block_m, BP=1024, BE=BE, BB=max(1, 4096 // BE), num_warps=8)
+                        R // block_m, BM=block_m, BP=1024, BE=BE, BB=max(1, 4096 // BE), num_warps=8, **pdl_launch(flat.device))
     return sorted_pairs, block_expert
+
+
+class RowBlocks(NamedTuple):
+    """The row blocks both GEMMs walk: `sorted_pairs` [count * BM] and `block_expert` [count] as
+    `align_pairs` returns them, or with `one_pair` the flat ids [P] as both (block j = pair j,
+    the kernels build its rows themselves: `_block_rows`)."""
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    count: int
+    one_pair: bool
+
+
+def row_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> RowBlocks:
+    """ids [M, k] -> the row blocks of the fused-MoE GEMMs: one pair per block for one token
+    (no launch), else `align_pairs`."""
+    if ids.shape[0] == 1:
+        flat = ids.reshape(-1)
+        return RowBlocks(flat, flat, flat.numel(), True)
+    sorted_pairs, block_expert = align_pairs(ids, num_experts, block_m)
+    return RowBlocks(sorted_pairs, block_expert, block_expert.shape[0], False)
+
+
+@triton.jit
+def _block_rows(sorted_pairs, i_m, P, BM: tl.constexpr, ONE_PAIR: tl.constexpr):
+    """The pair indices [BM] of row block i_m (P marks a padding row): read from `align_pairs`'
+    buffer, or with ONE_PAIR pair i_m in row 0 and padding after it."""
+    if ONE_PAIR:
+        return tl.where(tl.arange(0, BM) == 0, i_m, P).to(tl.int32)
+    return tl.load(sorted_pairs + i_m * BM + tl.arange(0, BM)).to(tl.int32)  # both branches one type
 
 
 @triton.jit
@@ -185,12 +223,13 @@ def _gated(g, u, ACT: tl.constexpr, LIMIT, BETA, LBETA, HAS_LBETA: tl.constexpr)
 def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, P, I, H,
                     s_xm, s_we, s_wn, s_hm, NB, NN, LIMIT, BETA, LBETA, top_k: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr,
-                    ACT: tl.constexpr, HAS_LBETA: tl.constexpr):
+                    ACT: tl.constexpr, HAS_LBETA: tl.constexpr, ONE_PAIR: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     i_m, i_n = _block_ids(NB, NN, GM)
     e = tl.load(block_expert + i_m).to(tl.int64)
     if e < 0:
         return
-    pair = tl.load(sorted_pairs + i_m * BM + tl.arange(0, BM))  # [BM]
+    pair = _block_rows(sorted_pairs, i_m, P, BM, ONE_PAIR)  # [BM]
     live = pair < P
     tok = (pair // top_k).to(tl.int64)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -216,12 +255,13 @@ def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, P, I, H,
 @triton.jit
 def _down_kernel(h, w, y, weights, sorted_pairs, block_expert, P, H, I,
                  s_hm, s_we, s_wn, s_ym, NB, NN,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr, ONE_PAIR: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     i_m, i_n = _block_ids(NB, NN, GM)
     e = tl.load(block_expert + i_m).to(tl.int64)
     if e < 0:
         return
-    pair = tl.load(sorted_pairs + i_m * BM + tl.arange(0, BM))  # [BM]
+    pair = _block_rows(sorted_pairs, i_m, P, BM, ONE_PAIR)  # [BM]
     live = pair < P
     rows = tl.where(live, pair, 0).to(tl.int64)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -241,8 +281,9 @@ def _down_kernel(h, w, y, weights, sorted_pairs, block_expert, P, H, I,
 
 
 @triton.jit
-def _sum_slots_kernel(y, out, H, top_k: tl.constexpr, BH: tl.constexpr):
+def _sum_slots_kernel(y, out, H, top_k: tl.constexpr, BH: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, :] = sum_j y[m, j, :] in fp32, slot order, rounded once to out's dtype."""
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     m = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BH + tl.arange(0, BH)
     live = o < H
@@ -285,8 +326,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if config is None:
         config = tuned_config(M, E, I, H, x.device) or _config(P, E)
     BM, (BN, BK, GM, cfg), (dBN, dBK, dGM, down) = split_config(config)
-    sorted_pairs, block_expert = align_pairs(ids, E, BM)
-    nb = block_expert.shape[0]
+    blocks = row_blocks(ids, E, BM)
+    sorted_pairs, block_expert, nb = blocks.sorted_pairs, blocks.block_expert, blocks.count
     ieee = x.dtype == torch.float32
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     nn_up, nn_down = triton.cdiv(I, BN), triton.cdiv(H, dBN)
@@ -294,13 +335,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         x, w13, h, sorted_pairs, block_expert, P, I, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
         nb, nn_up, float(activation.limit or 0.0), float(activation.beta or 1.0), float(activation.linear_beta or 1.0),
         top_k=k, BM=BM, BN=BN, BK=BK, GM=GM, IEEE=ieee, ACT=_ACT[activation.kind],
-        HAS_LBETA=activation.linear_beta is not None, **cfg)
+        HAS_LBETA=activation.linear_beta is not None, ONE_PAIR=blocks.one_pair, **cfg, **pdl_launch(x.device))
     # per-pair outputs in x's dtype (as vLLM / SGLang keep them): at prefill sizes y is the
     # largest buffer of the layer (8K tokens x 8 slots x 2304), and fp32 doubled its traffic
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)
     _down_kernel[(nb * nn_down,)](
         h, w2, y, weights.reshape(-1).float(), sorted_pairs, block_expert, P, H, I, h.stride(0), w2.stride(0),
-        w2.stride(1), y.stride(0), nb, nn_down, BM=BM, BN=dBN, BK=dBK, GM=dGM, IEEE=ieee, **down)
+        w2.stride(1), y.stride(0), nb, nn_down, BM=BM, BN=dBN, BK=dBK, GM=dGM, ONE_PAIR=blocks.one_pair, IEEE=ieee, **down, **pdl_launch(h.device))
     return sum_slots(y, M, k)
 
 
@@ -325,5 +366,5 @@ def sum_slots(y: torch.Tensor, M: int, k: int) -> torch.Tensor:
     H = y.shape[1]
     out = torch.empty(M, H, dtype=y.dtype, device=y.device)
     BH = min(1024, triton.next_power_of_2(H))
-    _sum_slots_kernel[(M, triton.cdiv(H, BH))](y, out, H, top_k=k, BH=BH, num_warps=4)
+    _sum_slots_kernel[(M, triton.cdiv(H, BH))](y, out, H, top_k=k, BH=BH, num_warps=4, **pdl_launch(y.device))
     return out

@@ -38,9 +38,10 @@ from hyla.ops.fp8_checks import check_fp8_experts
 from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.fp8_gemm import ACT_EPS, BLOCK, per_token_group_quant, quantize_rows
-from hyla.ops.triton.fused_moe import _ACT, _block_ids, _gated, align_pairs, split_config, sum_slots
+from hyla.ops.triton.fused_moe import _ACT, _block_ids, _block_rows, _gated, row_blocks, split_config, sum_slots
 from hyla.ops.triton import kernel_tables
 from hyla.ops.triton.kernel_tables import CONFIG_DIR
+from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -49,14 +50,15 @@ _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 def _gate_up_kernel(xq, xs, w, ws, hq, hs, sorted_pairs, block_expert, P, I, H,
                     s_xm, s_xsm, s_we, s_wn, s_wse, s_wsn, s_hm, s_hsm, NB, NN, NI, LIMIT, BETA, LBETA, EPS,
                     top_k: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr,
-                    ACT: tl.constexpr, HAS_LBETA: tl.constexpr):
+                    ACT: tl.constexpr, HAS_LBETA: tl.constexpr, ONE_PAIR: tl.constexpr, PDL: tl.constexpr = False):
     """hq / hs for one block of pairs and the BN (= 128, one group) columns i_n of h. NI = ceil(I / 128):
     the up rows' first scale row."""
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     i_m, i_n = _block_ids(NB, NN, GM)
     e = tl.load(block_expert + i_m).to(tl.int64)
     if e < 0:
         return
-    pair = tl.load(sorted_pairs + i_m * BM + tl.arange(0, BM))  # [BM]
+    pair = _block_rows(sorted_pairs, i_m, P, BM, ONE_PAIR)  # [BM]
     live = pair < P
     tok = (pair // top_k).to(tl.int64)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -95,13 +97,14 @@ def _gate_up_kernel(xq, xs, w, ws, hq, hs, sorted_pairs, block_expert, P, I, H,
 @triton.jit
 def _down_kernel(hq, hs, w, ws, y, weights, sorted_pairs, block_expert, P, H, I,
                  s_hm, s_hsm, s_we, s_wn, s_wse, s_wsn, s_ym, NB, NN,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, ONE_PAIR: tl.constexpr, PDL: tl.constexpr = False):
     """y[pair, n] = w_pair * sum_g (hq[pair, g] . w2_q[n, g]) s_h[pair, g] s_w[n // 128, g]."""
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     i_m, i_n = _block_ids(NB, NN, GM)
     e = tl.load(block_expert + i_m).to(tl.int64)
     if e < 0:
         return
-    pair = tl.load(sorted_pairs + i_m * BM + tl.arange(0, BM))  # [BM]
+    pair = _block_rows(sorted_pairs, i_m, P, BM, ONE_PAIR)  # [BM]
     live = pair < P
     prow = tl.where(live, pair, 0).to(tl.int64)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -171,8 +174,8 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
         raise ValueError(f"the FP8 fused MoE needs BK = 128 and the gate/up BN = 128 (one activation group), "
                          f"got BN={BN}, BK={BK}, down BK={dBK}")
     xq, xs = per_token_group_quant(x)
-    sorted_pairs, block_expert = align_pairs(ids, E, BM)
-    nb = block_expert.shape[0]
+    blocks = row_blocks(ids, E, BM)
+    sorted_pairs, block_expert, nb = blocks.sorted_pairs, blocks.block_expert, blocks.count
     ni = triton.cdiv(I, BLOCK)
     hq = torch.empty(P, I, dtype=torch.float8_e4m3fn, device=x.device)
     hs = torch.empty(P, ni, dtype=torch.float32, device=x.device)
@@ -181,11 +184,11 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
         xq, xs, w13, s13, hq, hs, sorted_pairs, block_expert, P, I, H, xq.stride(0), xs.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(1), hq.stride(0), hs.stride(0), nb, nn_up, ni,
         float(activation.limit or 0.0), float(activation.beta or 1.0), float(activation.linear_beta or 1.0), ACT_EPS,
-        top_k=k, BM=BM, BN=BN, BK=BK, GM=GM, ACT=_ACT[activation.kind], HAS_LBETA=activation.linear_beta is not None,
-        **cfg)
+        top_k=k, BM=BM, BN=BN, BK=BK, GM=GM, ACT=_ACT[activation.kind], HAS_LBETA=activation.linear_beta is not None, ONE_PAIR=blocks.one_pair,
+        **cfg, **pdl_launch(xq.device))
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)  # per-pair outputs in x's dtype, as fused_moe
     _down_kernel[(nb * nn_down,)](
         hq, hs, w2, s2, y, weights.reshape(-1).float(), sorted_pairs, block_expert, P, H, I, hq.stride(0),
         hs.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), nb, nn_down,
-        BM=BM, BN=dBN, BK=dBK, GM=dGM, **down)
+        BM=BM, BN=dBN, BK=dBK, GM=dGM, ONE_PAIR=blocks.one_pair, **down, **pdl_launch(hq.device))
     return sum_slots(y, M, k)

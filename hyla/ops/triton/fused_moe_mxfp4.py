@@ -29,7 +29,7 @@ import triton.language as tl
 
 from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.triton import _interpreter
-from hyla.ops.triton.fused_moe import _ACT, _block_ids, _config, _dot, _gated, align_pairs, split_config, sum_slots
+from hyla.ops.triton.fused_moe import _ACT, _block_ids, _block_rows, _config, _dot, _gated, row_blocks, split_config, sum_slots
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -71,7 +71,7 @@ def _mx_dot(a_even, a_odd, q_ptr, s_ptr, m_w, IEEE: tl.constexpr):
 def _gate_up_kernel(x, wq, ws, h, sorted_pairs, block_expert, P, I, H,
                     s_xm, s_qe, s_qn, s_se, s_sn, s_hm, NB, NN, LIMIT, BETA, LBETA, top_k: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr,
-                    ACT: tl.constexpr, HAS_LBETA: tl.constexpr):
+                    ACT: tl.constexpr, HAS_LBETA: tl.constexpr, ONE_PAIR: tl.constexpr):
     """h[pair, n] = act(x[tok] . W_gate[n], x[tok] . W_up[n]) for one block of pairs and BN
     columns; W rows n (gate) and I + n (up) of the block's expert, decoded per K tile."""
     BKH: tl.constexpr = BK // 2
@@ -79,7 +79,7 @@ def _gate_up_kernel(x, wq, ws, h, sorted_pairs, block_expert, P, I, H,
     e = tl.load(block_expert + i_m).to(tl.int64)
     if e < 0:
         return
-    pair = tl.load(sorted_pairs + i_m * BM + tl.arange(0, BM))  # [BM]
+    pair = _block_rows(sorted_pairs, i_m, P, BM, ONE_PAIR)  # [BM]
     live = pair < P
     tok = (pair // top_k).to(tl.int64)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -109,14 +109,14 @@ def _gate_up_kernel(x, wq, ws, h, sorted_pairs, block_expert, P, I, H,
 @triton.jit
 def _down_kernel(h, wq, ws, y, weights, sorted_pairs, block_expert, P, H, I,
                  s_hm, s_qe, s_qn, s_se, s_sn, s_ym, NB, NN,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr, ONE_PAIR: tl.constexpr):
     """y[pair, n] = w_pair * h[pair] . W_down[n] for one block of pairs and BN output columns."""
     BKH: tl.constexpr = BK // 2
     i_m, i_n = _block_ids(NB, NN, GM)
     e = tl.load(block_expert + i_m).to(tl.int64)
     if e < 0:
         return
-    pair = tl.load(sorted_pairs + i_m * BM + tl.arange(0, BM))  # [BM]
+    pair = _block_rows(sorted_pairs, i_m, P, BM, ONE_PAIR)  # [BM]
     live = pair < P
     prow = tl.where(live, pair, 0).to(tl.int64)
     o_n = i_n * BN + tl.arange(0, BN)
@@ -182,8 +182,8 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
     BM, (BN, BK, GM, cfg), (dBN, dBK, dGM, down) = split_config(config if config is not None else _config(P, E))
     if BK % GROUP or dBK % GROUP:
         raise ValueError(f"BK must be a multiple of {GROUP} (one scale per {GROUP} columns), got {BK}, {dBK}")
-    sorted_pairs, block_expert = align_pairs(ids, E, BM)
-    nb = block_expert.shape[0]
+    blocks = row_blocks(ids, E, BM)
+    sorted_pairs, block_expert, nb = blocks.sorted_pairs, blocks.block_expert, blocks.count
     ieee = x.dtype == torch.float32
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     nn_up, nn_down = triton.cdiv(I, BN), triton.cdiv(H, dBN)
@@ -192,10 +192,10 @@ def fused_moe_mxfp4(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.
         w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1), h.stride(0), nb, nn_up,
         float(activation.limit or 0.0), float(activation.beta or 1.0), float(activation.linear_beta or 1.0),
         top_k=k, BM=BM, BN=BN, BK=BK, GM=GM, IEEE=ieee, ACT=_ACT[activation.kind],
-        HAS_LBETA=activation.linear_beta is not None, **cfg)
+        HAS_LBETA=activation.linear_beta is not None, ONE_PAIR=blocks.one_pair, **cfg)
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)  # per-pair outputs in x's dtype, as fused_moe
     _down_kernel[(nb * nn_down,)](
         h, w2_packed, w2_scale, y, weights.reshape(-1).float(), sorted_pairs, block_expert, P, H, I, h.stride(0),
         w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0), nb, nn_down,
-        BM=BM, BN=dBN, BK=dBK, GM=dGM, IEEE=ieee, **down)
+        BM=BM, BN=dBN, BK=dBK, GM=dGM, ONE_PAIR=blocks.one_pair, IEEE=ieee, **down)
     return sum_slots(y, M, k)

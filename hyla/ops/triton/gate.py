@@ -7,7 +7,12 @@ Same contracts as hyla.ops.gate.kda_gate_beta / gdn_gate_beta:
     GDN:  g = -exp(A_log) * softplus(a + dt_bias)  per value head;  beta = sigmoid(b)
 
 g is fp32, beta is rounded to b's dtype (as torch.sigmoid(b)). One program handles one token
-row. The per-head inputs (b, GDN's a) may be strided views [rows, H, r] -- e.g. cut out of
+row.
+
+A decode step's KDA gate can also take the forget gate's low-rank input fa [rows, r] and the
+up-projection weight (f_b_proj, [H * K, r]) instead of f (`kda_lowrank_gate_beta`): one program per
+(token, head) computes its head's K values of f = fa @ w_up^T in fp32, rounds them to fa's dtype
+(the linear's output), and applies the gate: one launch where the GEMV and the gate were two. The per-head inputs (b, GDN's a) may be strided views [rows, H, r] -- e.g. cut out of
 in_proj_ba's head-interleaved output -- and are read in place.
 """
 
@@ -18,9 +23,10 @@ import triton
 import triton.language as tl
 
 from hyla.ops.triton import _interpreter
-from hyla.ops.triton.common import apply_gate, sigmoid
+from hyla.ops.triton.common import apply_gate, head_up_projection, sigmoid
 from hyla.ops.triton.norm import to_dtype
 from hyla.ops.triton.params import token_rows
+from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -29,7 +35,8 @@ _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 def gate_beta_kernel(f, b, A_log, dt_bias, g, beta, lower_bound,
                      f_s0, f_s1, f_s2, F_R, b_s0, b_s1, b_s2, B_R,
                      HV: tl.constexpr, KD: tl.constexpr, BC: tl.constexpr, BH: tl.constexpr,
-                     GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr):
+                     GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     n = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BC)  # channel of g: head c // KD, channel c % KD
     m = c < HV * KD
@@ -45,6 +52,28 @@ def gate_beta_kernel(f, b, A_log, dt_bias, g, beta, lower_bound,
     mh = h < HV
     bv = tl.load(b + n * b_s0 + (h // B_R) * b_s1 + (h % B_R) * b_s2, mask=mh, other=0.0).to(tl.float32)
     tl.store(beta + n * HV + h, to_dtype(sigmoid(bv), beta.dtype.element_ty), mask=mh)
+
+
+@triton.jit
+def lowrank_gate_beta_kernel(fa, w, b, A_log, dt_bias, g, beta, lower_bound, r, fa_s0, w_s0,
+                             b_s0, b_s1, b_s2, B_R, HV, KD: tl.constexpr, BK: tl.constexpr, BRK: tl.constexpr,
+                             GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)  # head
+    o_k = tl.arange(0, BK)
+    m_k = o_k < KD
+    rows = (j * KD + o_k).to(tl.int64)
+    acc = head_up_projection(fa, n, fa_s0, w, w_s0, rows, m_k, r, BK, BRK)
+    x = to_dtype(acc, fa.dtype.element_ty).to(tl.float32)  # f as the up-projection's output
+    a_log = tl.load(A_log + j).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(dt_bias + rows, mask=m_k, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BK], tl.float32)
+    tl.store(g + (n * HV + j) * KD + o_k, apply_gate(x, a_log, bias, lower_bound, GATE_FN), mask=m_k)
+    bv = tl.load(b + n * b_s0 + (j // B_R) * b_s1 + (j % B_R) * b_s2).to(tl.float32)
+    tl.store(beta + n * HV + j, to_dtype(sigmoid(bv), beta.dtype.element_ty))
 
 
 def _head_levels(t: torch.Tensor, lead: int):
@@ -71,7 +100,7 @@ def _launch(x, b, A_log, dt_bias, lower_bound, *, kd: int, hv: int, x_levels, ga
             x, b, a_log, dtb if dtb is not None else a_log, g, beta, float(lower_bound or 0.0),
             f_s0, f_s1, f_s2, f_r, b_s0, b_s1, b_s2, b_r,
             HV=hv, KD=kd, BC=triton.next_power_of_2(hv * kd), BH=max(2, triton.next_power_of_2(hv)),
-            GATE_FN=gate_fn, HAS_BIAS=dtb is not None, num_warps=4)
+            GATE_FN=gate_fn, HAS_BIAS=dtb is not None, num_warps=4, **pdl_launch(x.device))
     return g, beta
 
 
@@ -83,6 +112,30 @@ def kda_gate_beta(f: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias
     levels = (f, s0, (f.stride(-2), 0, 1))
     return _launch(f, b, A_log, dt_bias, lower_bound, kd=K, hv=H, x_levels=levels,
                    gate_fn=1 if lower_bound is None else 2)
+
+
+def kda_lowrank_gate_beta(fa: torch.Tensor, w_up: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                          dt_bias: torch.Tensor | None = None,
+                          lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton version of hyla.ops.gate.kda_lowrank_gate_beta. fa: [B, T, r] (unit column stride,
+    any row stride); w_up: [H * K, r]; b: [B, T, H] (any strides)."""
+    B, T, r = fa.shape
+    H = b.shape[2]
+    K = w_up.shape[0] // H
+    fa, fa_s0 = token_rows(fa if fa.stride(-1) == 1 else fa.contiguous())
+    w_up = w_up if w_up.stride(-1) == 1 else w_up.contiguous()
+    g = torch.empty(B, T, H, K, device=fa.device, dtype=torch.float32)
+    beta = torch.empty(B, T, H, device=fa.device, dtype=b.dtype)
+    b, b_s0, (b_s1, b_s2, b_r) = _head_levels(b, 2)
+    a_log = A_log.reshape(-1)
+    dtb = dt_bias.reshape(-1) if dt_bias is not None else None
+    if B * T and H:
+        lowrank_gate_beta_kernel[(B * T, H)](
+            fa, w_up, b, a_log, dtb if dtb is not None else a_log, g, beta, float(lower_bound or 0.0), r, fa_s0,
+            w_up.stride(0), b_s0, b_s1, b_s2, b_r, H, KD=K, BK=triton.next_power_of_2(K),
+            BRK=min(32, triton.next_power_of_2(r)), GATE_FN=1 if lower_bound is None else 2,
+            HAS_BIAS=dtb is not None, num_warps=4, **pdl_launch(fa.device))
+    return g, beta
 
 
 def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,

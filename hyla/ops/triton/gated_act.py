@@ -20,6 +20,7 @@ import triton.language as tl
 
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.norm import to_dtype
+from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -28,7 +29,8 @@ _MAX_BI = 1024  # columns per program
 
 
 @triton.jit
-def silu_mul_kernel(gate, up, out, R, I, g_sr, u_sr, BR: tl.constexpr, BI: tl.constexpr):
+def silu_mul_kernel(gate, up, out, R, I, g_sr, u_sr, BR: tl.constexpr, BI: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)  # [BR] rows
     c = tl.program_id(1).to(tl.int64) * BI + tl.arange(0, BI).to(tl.int64)  # [BI] columns
     m = (r < R)[:, None] & (c < I)[None, :]
@@ -67,5 +69,5 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         BR = min(BR, triton.next_power_of_2(R))
         warps = max(1, min(8, BR * BI // 256))
         silu_mul_kernel[(triton.cdiv(R, BR), triton.cdiv(I, BI))](
-            g2, u2, out, R, I, g_sr, u_sr, BR=BR, BI=BI, num_warps=warps)
+            g2, u2, out, R, I, g_sr, u_sr, BR=BR, BI=BI, num_warps=warps, **pdl_launch(g2.device))
     return out.view(gate.shape)

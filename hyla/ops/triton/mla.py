@@ -33,6 +33,7 @@ from hyla.ops.mla import _check_decode, _check_latents, _check_scale
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.kv_fp8 import compute_dtype, quantize_groups
 from hyla.ops.triton.norm import to_dtype
+from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -40,7 +41,8 @@ _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 def _latents_kernel(kv, s_kv, w, cache, scales, tables, s_t, positions, s_pos, seq_ids, W, num_pages, eps, R, C,
                     PS: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, HAS_PE: tl.constexpr,
                     MID_BF16: tl.constexpr, UNIFORM: tl.constexpr, FP8: tl.constexpr, G: tl.constexpr,
-                    LAT_DT: tl.constexpr):
+                    LAT_DT: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     t = tl.program_id(0).to(tl.int64)
     if UNIFORM:
         seq = t // W
@@ -101,7 +103,7 @@ def write_latents(kv: torch.Tensor, weight: torch.Tensor, eps: float, cache: tor
                           float(eps), r, C, PS=cache.shape[1], BR=triton.next_power_of_2(r),
                           BP=max(16, triton.next_power_of_2(C - r)), HAS_PE=C > r, MID_BF16=mid_bf16,
                           UNIFORM=uniform, FP8=fp8, G=len(groups) if fp8 else 1,
-                          LAT_DT=_TL[lat_dtype] if fp8 else tl.float32, num_warps=4)
+                          LAT_DT=_TL[lat_dtype] if fp8 else tl.float32, num_warps=4, **pdl_launch(kv.device))
 
 
 @triton.jit
@@ -110,7 +112,8 @@ def _decode_split_kernel(q_lat, q_pe, cache, scales, tables, last, m_out, l_out,
                          PS: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
                          HAS_PE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                         FP8: tl.constexpr, G: tl.constexpr, CT: tl.constexpr):
+                         FP8: tl.constexpr, G: tl.constexpr, CT: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     n = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -172,7 +175,8 @@ def _decode_split_kernel(q_lat, q_pe, cache, scales, tables, last, m_out, l_out,
 @triton.jit
 def _combine_kernel(m_in, l_in, acc_in, w_uv, out, N, H, V, R, s_wh, s_wv,
                     BR: tl.constexpr, BV: tl.constexpr, RC: tl.constexpr, BQ: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     nb = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     n = (nb * BQ + tl.arange(0, BQ)).to(tl.int64)
@@ -245,10 +249,10 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), last.stride(0), P, H, R, ROPE,
         N // S, float(scale), PS=PS, C=C, BR=BR, BP=max(16, triton.next_power_of_2(ROPE)), HAS_PE=ROPE > 0,
         BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(min_split, block_n), IEEE=ieee,
-        FP8=fp8, G=len(groups) if fp8 else 1, CT=ct, num_warps=4, num_stages=2)
+        FP8=fp8, G=len(groups) if fp8 else 1, CT=ct, num_warps=4, num_stages=2, **pdl_launch(q_lat.device))
     out = torch.empty(N, H * V, device=dev, dtype=q_lat.dtype)
     BQ = 16
     _combine_kernel[(triton.cdiv(N, BQ), H)](
         m, l, acc, w_uv, out, N, H, V, R, w_uv.stride(0), w_uv.stride(1), BR=BR,
-        BV=max(16, triton.next_power_of_2(V)), RC=min(BR, 128), BQ=BQ, NUM_SPLITS=num_splits, IEEE=ieee, num_warps=4)
+        BV=max(16, triton.next_power_of_2(V)), RC=min(BR, 128), BQ=BQ, NUM_SPLITS=num_splits, IEEE=ieee, num_warps=4, **pdl_launch(m.device))
     return out

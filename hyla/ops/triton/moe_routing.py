@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from hyla.ops.triton import _interpreter
+from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -28,7 +29,8 @@ _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 @triton.jit
 def _routing_kernel(logits, bias, shared_logit, weights_out, ids_out, E, scale,
                     K: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                    SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     m = tl.program_id(0).to(tl.int64)
     o_e = tl.arange(0, BE)
     live = o_e < E
@@ -108,7 +110,7 @@ def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor
     gate = shared_logit.reshape(-1) if shared_logit is not None else logits
     _routing_kernel[(M,)](logits, bias if bias is not None else logits, gate, weights, ids, E, float(scale),
                           K=top_k, SHARED=extra, GATED=shared_logit is not None, KP=triton.next_power_of_2(top_k), BE=BE, G=G, TOPK_GROUP=topk_group, SIGMOID=sigmoid, RENORM=renormalize,
-                          HAS_BIAS=bias is not None, num_warps=4 if BE <= 512 else 8)
+                          HAS_BIAS=bias is not None, num_warps=4 if BE <= 512 else 8, **pdl_launch(logits.device))
     return weights, ids
 
 

@@ -6,6 +6,8 @@ Same contracts (and the same order of roundings) as the torch references in hyla
     rms_norm_zero_centred(x, w)    round_x(rms(x) * (1 + w))       Qwen3-Next's RMSNorm
     add_rms_norm(x, r, w)          (norm(r + x), r + x)            residual add fused in
     gated_rms_norm(x, z, w, act)   round_x(rms(x) * w * act(z))    KDA's output norm (all fp32)
+    lowrank_gated_rms_norm         the same with z = g_in @ w_up^T computed per head in the kernel
+                                   (KDA's g_b_proj at a decode step: one launch, not a GEMV + a norm)
     silu_gated_rms_norm(x, z, w)   round_x(round(w * round_x(rms(x))) * silu(z))   GDN's output norm
 
 with rms(x) = x / sqrt(mean(x^2) + eps) in fp32. One program normalises one row of D elements,
@@ -21,6 +23,8 @@ import triton
 import triton.language as tl
 
 from hyla.ops.triton import _interpreter
+from hyla.ops.triton.common import head_up_projection
+from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -56,9 +60,10 @@ def _sigmoid(x):
 def rms_norm_kernel(x, res, w, gate, y, h_out, R, D, sr, eps,
                     x_s0, x_s1, x_s2, X1, X2, g_s0, g_s1, g_s2, G1, G2,
                     BR: tl.constexpr, BD: tl.constexpr, STYLE: tl.constexpr, ACT: tl.constexpr,
-                    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ROUND_MID: tl.constexpr):
+                    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ROUND_MID: tl.constexpr, PDL: tl.constexpr = False):
     """BR rows of D elements per program (BR > 1 for short rows: a KDA output norm has 128-wide
     rows, one per head and token, and one row per program left most of each program idle)."""
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     i = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR).to(tl.int64)  # [BR] rows
     o = tl.arange(0, BD)
     m = (i < R)[:, None] & (o < D)[None, :]  # [BR, BD]
@@ -94,6 +99,32 @@ def rms_norm_kernel(x, res, w, gate, y, h_out, R, D, sr, eps,
                 mid = to_dtype(mid, xv.dtype).to(tl.float32)
             out = mid * (zf / (1.0 + tl.exp(-zf)))
     tl.store(y + i[:, None] * D + o[None, :], to_dtype(out, y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def lowrank_gated_norm_kernel(x, g_in, w_up, w, y, r, H, eps, x_s0, x_s1, g_s0, wu_s0,
+                              D: tl.constexpr, BD: tl.constexpr, BRK: tl.constexpr, ACT: tl.constexpr,
+                              HAS_W: tl.constexpr, PDL: tl.constexpr = False):
+    """One (token, head) per program: z = g_in[n] @ w_up[head rows]^T in fp32, rounded to g_in's
+    dtype (the up-projection's output), then y = round_x(rms(x) * w * act(z)) as STYLE GATED."""
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    o = tl.arange(0, BD)
+    m = o < D
+    rows = (j * D + o).to(tl.int64)
+    acc = head_up_projection(g_in, n, g_s0, w_up, wu_s0, rows, m, r, BD, BRK)
+    zf = to_dtype(acc, g_in.dtype.element_ty).to(tl.float32)  # the gate as the up-projection's output
+    xv = tl.load(x + n * x_s0 + j * x_s1 + o, mask=m, other=0.0)
+    xf = xv.to(tl.float32)
+    nrm = xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    if HAS_W:
+        nrm = nrm * tl.load(w + o, mask=m, other=0.0).to(tl.float32)
+    if ACT == 0:
+        a_z = _sigmoid(zf)
+    else:
+        a_z = zf * _sigmoid(zf)
+    tl.store(y + (n * H + j) * D + o, to_dtype(nrm * a_z, y.dtype.element_ty), mask=m)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -157,7 +188,7 @@ def _launch(x, weight, eps, style, *, residual=None, gate=None, act=ACT_SIGMOID,
             r2.stride(0) if r2 is not None else 0, float(eps),
             x_s0, x_s1, x_s2, X1, X2, g_s0, g_s1, g_s2, G1, G2,
             BR=BR, BD=BD, STYLE=style, ACT=act, HAS_RES=residual is not None, HAS_W=weight is not None,
-            ROUND_MID=bool(round_mid), num_warps=warps)
+            ROUND_MID=bool(round_mid), num_warps=warps, **pdl_launch(x.device))
     y = y.view(x.shape)
     return y if h is None else (y, h.view(x.shape))  # both contiguous
 
@@ -195,3 +226,28 @@ def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
     """The Triton version of hyla.ops.norm.silu_gated_rms_norm (gate as in gated_rms_norm)."""
     mid = torch.promote_types(weight.dtype, x.dtype)
     return _launch(x, weight.contiguous(), eps, SILU_ROUNDED, gate=gate, round_mid=mid != torch.float32)
+
+
+def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tensor, weight: torch.Tensor | None,
+                           eps: float = 1e-6, activation: str = "sigmoid") -> torch.Tensor:
+    """The Triton version of hyla.ops.norm.lowrank_gated_rms_norm. x: [B, T, H, D] (unit stride in
+    D); g_in: [B, T, r] (unit column stride, any row stride); w_up: [H * D, r]."""
+    B, T, H, D = x.shape
+    if D > MAX_D:
+        raise ValueError(f"the Triton RMSNorm supports D <= {MAX_D}, got {D}")
+    x = x.reshape(B * T, H, D)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    g2 = g_in.reshape(B * T, g_in.shape[-1])
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    w_up = w_up if w_up.stride(-1) == 1 else w_up.contiguous()
+    y = torch.empty(B * T, H, D, device=x.device, dtype=x.dtype)
+    r = g2.shape[1]
+    if B * T and H and D:
+        lowrank_gated_norm_kernel[(B * T, H)](
+            x, g2, w_up, weight.contiguous() if weight is not None else x, y, r, H, float(eps),
+            x.stride(0), x.stride(1), g2.stride(0), w_up.stride(0), D=D, BD=triton.next_power_of_2(D),
+            BRK=min(32, triton.next_power_of_2(r)), ACT=ACT_SIGMOID if activation == "sigmoid" else ACT_SILU,
+            HAS_W=weight is not None, num_warps=4, **pdl_launch(x.device))
+    return y.view(B, T, H, D)

@@ -34,6 +34,7 @@ from hyla.ops.paged_attention import _check_attend, _check_write, check_scales
 from hyla.ops.triton import _interpreter, interpreting
 from hyla.ops.triton.kv_fp8 import compute_dtype, quantize_groups
 from hyla.ops.triton.norm import _sigmoid, to_dtype
+from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -60,7 +61,8 @@ def _norm_rope(x_ptr, rows, hm, c, perm, D, w, w_perm, cos, sin, eps, DT: tl.con
 def _qk_rope_write_kernel(q, k, v, qw, kw, inv_freq, positions, tables, q_out, cache_k, cache_v, k_scale, v_scale,
                           s_q0, s_q1, s_k0, s_k1, s_v0, s_v1, s_t, s_pos, W, H, HKV, D, HALF, num_pages, eps,
                           PS: tl.constexpr, BH: tl.constexpr, BKV: tl.constexpr, BD: tl.constexpr,
-                          DT: tl.constexpr, FP8: tl.constexpr):
+                          DT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     t = tl.program_id(0).to(tl.int64)
     seq = t // W
     pos = tl.load(positions + t * s_pos)
@@ -129,7 +131,7 @@ def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weig
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         block_tables.stride(0), positions.stride(0), width, H, Hkv, D, inv_freq.shape[0], cache_k.shape[0],
         float(eps), PS=cache_k.shape[1], BH=BH, BKV=triton.next_power_of_2(Hkv), BD=BD, DT=_torch_to_tl(q.dtype),
-        FP8=fp8, num_warps=max(1, min(8, BH * BD // 256)))
+        FP8=fp8, num_warps=max(1, min(8, BH * BD // 256)), **pdl_launch(q.device))
     return out
 
 
@@ -138,7 +140,8 @@ def _window_kernel(q, cache_k, cache_v, k_scale, v_scale, tables, context_lens, 
                    s_q0, s_q1, s_t, s_ctx, s_g0, s_g1, W, H, HKV, G, D, num_pages, scale,
                    PS: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr,
                    SPLIT_N: tl.constexpr, SINGLE: tl.constexpr, HAS_GATE: tl.constexpr, IEEE: tl.constexpr,
-                   DT: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, CT: tl.constexpr):
+                   DT: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, CT: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     s = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -213,7 +216,8 @@ def _window_kernel(q, cache_k, cache_v, k_scale, v_scale, tables, context_lens, 
 
 @triton.jit
 def _combine_kernel(m_in, l_in, acc_in, gate, out, s_g0, s_g1, W, H, HKV, G, D, NSP,
-                    BM: tl.constexpr, BD: tl.constexpr, HAS_GATE: tl.constexpr, DT: tl.constexpr):
+                    BM: tl.constexpr, BD: tl.constexpr, HAS_GATE: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     s = tl.program_id(0).to(tl.int64)
     kh = tl.program_id(1)
     r = tl.arange(0, BM)
@@ -285,8 +289,8 @@ def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
         q.stride(0), q.stride(1), block_tables.stride(0), context_lens.stride(0), g.stride(0), g.stride(1), W, H, Hkv, G, D, cache_k.shape[0],
         float(scale), PS=PS, BM=BM, BD=BD, BLOCK_N=block_n, SPLIT_N=split, SINGLE=single,
         HAS_GATE=gate is not None, IEEE=ieee, DT=dt, UPCAST=interpreting() and ieee is False, FP8=fp8, CT=ct,
-        num_warps=4, num_stages=2)
+        num_warps=4, num_stages=2, **pdl_launch(q.device))
     if not single:
         _combine_kernel[(S, Hkv)](m, l, acc, g, out, g.stride(0), g.stride(1), W, H, Hkv, G, D, nsp, BM=BM, BD=BD,
-                                  HAS_GATE=gate is not None, DT=dt, num_warps=4)
+                                  HAS_GATE=gate is not None, DT=dt, num_warps=4, **pdl_launch(m.device))
     return out

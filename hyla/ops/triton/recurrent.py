@@ -28,6 +28,7 @@ from hyla.ops.triton.recurrent_step import (position_slot, row_span, start_slot,
 from hyla.ops import recurrent as _reference
 from hyla.ops import utils
 from hyla.ops.utils import check_inputs
+from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -44,7 +45,9 @@ def recurrent_kernel(
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
     POOL: tl.constexpr, SPEC: tl.constexpr, KLAST: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // HV
@@ -327,8 +330,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             GATE=_GATES[gate], GATE_FN=gate_fn, HAS_BIAS=dtb is not None,
             USE_L2NORM=bool(use_qk_l2norm_in_kernel), BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
             STAGES=stages, KLAST=klast, ROWS=not one_token, IS_VARLEN=cu_seqlens is not None, IDX_W=idx_w,
-            SPEC=spec, num_warps=warps,
-        )
+            SPEC=spec, num_warps=warps, **pdl_launch(qc.device))
     elif n:
         # prefetch_next_token, on unless a call turns it off: with one program per tile and rows of
         # several tokens, token t + 1's inputs (and in a verify its state slot) are loaded before
@@ -356,8 +358,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
             IS_VARLEN=cu_seqlens is not None, HAS_H0=h0 is not None, STORE_HT=store_ht,
             POOL=pooled, SPEC=spec, KLAST=klast,
             PREFETCH=prefetch_next_token is not False,  # None: on (see above)
-            num_warps=warps,
-        )
+            num_warps=warps, **pdl_launch(qc.device))
     if pooled:
         return o, initial_state
     return o, ht

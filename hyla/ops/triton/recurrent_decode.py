@@ -31,6 +31,7 @@ import triton.language as tl
 
 from hyla.ops.triton.common import head_gate_params
 from hyla.ops.triton.recurrent_step import position_slot, row_span, start_slot, state_offsets, token_step
+from hyla.ops.triton.pdl import dependent_launch_prologue
 
 
 @triton.jit
@@ -120,6 +121,7 @@ def decode_persistent_kernel(
     GATE: tl.constexpr, GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr,
     USE_L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr, STAGES: tl.constexpr, KLAST: tl.constexpr,
     ROWS: tl.constexpr, IS_VARLEN: tl.constexpr, IDX_W: tl.constexpr, SPEC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid: a fixed number of programs; program p works tiles p, p + grid, ... of the
     n_tiles = N * HV * cdiv(V, BV) (value block fastest, then value head, then row).
@@ -128,6 +130,7 @@ def decode_persistent_kernel(
     shared memory. KLAST: the pool is stored K-last (recurrent_step.state_offsets). ROWS: a row
     holds T tokens (cu_seqlens' lengths with IS_VARLEN), else one; SPEC: a speculative verify
     (idx [N, IDX_W], n_acc [N])."""
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     NVB: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
     step = tl.num_programs(0)
