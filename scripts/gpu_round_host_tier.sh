@@ -16,7 +16,7 @@ for HOST in 0 64GiB; do
   timeout 240 python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT \
       --disable-tqdm --label agent-host-$HOST --dataset-name agent --num-sessions 128 --turns 6 \
       --tool-output-len 1024 --question-len 32 --output-len 64 --max-concurrency 16 --temperature 0 \
-      --ignore-eos 2>&1 | grep -E "throughput|TTFT|Failed|hit|Engine step time|Model execute" | grep -v "Median\|P99 TTFT" | tr '\n' ';'; echo " <- host $HOST"
+      --ignore-eos --save-detailed 2>&1 | grep -E "throughput|TTFT|Failed|hit|Engine step time|Model execute" | grep -v "Median\|P99 TTFT" | tr '\n' ';'; echo " <- host $HOST"
   curl -s localhost:8000/metrics | grep -E "^hyla_prefix_cache_(host|device|bytes|restore)" | tr '\n' ';'; echo
   kill $SP; wait $SP 2>/dev/null
 done
