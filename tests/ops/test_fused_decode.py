@@ -322,7 +322,9 @@ def test_packed_conv_update_matches_per_conv(layout, D, N, dtype):
     else:
         sizes = [[D, D, 2 * D]]
         x = _randn(N, 1, 4 * D + 7, seed=seed, scale=2.0, dtype=dtype)
-        channels = torch.randperm(4 * D + 7, generator=_gen(seed))[:4 * D].to(DEV)
+        channels = torch.randperm(4 * D + 7, generator=_gen(seed))[:4 * D].to(DEV)  # int64, as GDN keeps them
+        if dtype == torch.bfloat16:
+            channels = channels.to(torch.int32)  # the kernel takes either width
     weights = [_randn(sum(p), 1, W, seed=seed + 10 + i) for i, p in enumerate(sizes)]
     pools = _pools(sizes, slots, W, seed + 20, dtype)
     idx = torch.randperm(slots, generator=_gen(seed + 1))[:N].to(DEV)

@@ -256,7 +256,9 @@ def causal_conv1d_update_packed(x: torch.Tensor, conv_states, weights, sizes, ac
         raise ValueError("the packed convs must share one kernel size")
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
-    cols = channels.to(x.device).to(torch.int32).contiguous() if channels is not None else None
+    # the column indices as the layer keeps them (int64, on the device, made once): the kernel
+    # loads either width, and a cast here was one more launch per layer and step
+    cols = channels.to(x.device).contiguous() if channels is not None else None
     y = torch.empty(N * L * total, device=x.device, dtype=x.dtype)
     idx = idx.contiguous()
     if N and L:
