@@ -1,5 +1,5 @@
 #!/bin/bash
-# The 48B decode step for the working tree and each tree in .revs/ (scripts/rev_trees.sh, or a
+# A released shape's decode step (CONFIG, default kimi-linear-48b-a3b) for the working tree and each tree in .revs/ (scripts/rev_trees.sh, or a
 # branch's hyla/, tests/ and scripts/ from `git archive`), interleaved over ROUNDS rounds on one
 # device: which decode lever moves the step, and by how much against the run-to-run spread.
 # Each run: `hyla bench throughput --random-config kimi-linear-48b-a3b --layers LAYERS --mode decode
@@ -8,9 +8,9 @@
 # Prints one line per tree and round: graph ms at batch 1 and 64, then eager ms at batch 1 and 64.
 . "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name --format=csv,noheader
-T="python3 -m hyla.bench throughput --random-config kimi-linear-48b-a3b --layers ${LAYERS:-4} --mode decode
+T="python3 -m hyla.bench throughput --random-config ${CONFIG:-kimi-linear-48b-a3b} --layers ${LAYERS:-4} --mode decode
    --batch-sizes 1 64 --context-lens 512 --steps 50 ${QUANT:-}"
-echo "== 48B decode, ${LAYERS:-4} layers ${QUANT:-bf16}: graph ms b1 b64, eager ms b1 b64"
+echo "== ${CONFIG:-kimi-linear-48b-a3b} decode, ${LAYERS:-4} layers ${QUANT:-bf16}: graph ms b1 b64, eager ms b1 b64"
 for round in $(seq "${ROUNDS:-2}"); do
   for tree in . $(ls -d .revs/*/ 2>/dev/null); do
     name=$(basename "$(cd "$tree" && pwd)"); [ "$tree" = . ] && name="working tree"
