@@ -1,8 +1,9 @@
 #!/bin/bash
-# A released shape's decode step (CONFIG, default kimi-linear-48b-a3b) for the working tree and each tree in .revs/ (scripts/rev_trees.sh, or a
-# branch's hyla/, tests/ and scripts/ from `git archive`), interleaved over ROUNDS rounds on one
-# device: which decode lever moves the step, and by how much against the run-to-run spread.
-# Each run: `hyla bench throughput --random-config kimi-linear-48b-a3b --layers LAYERS --mode decode
+# A released shape's decode step (CONFIG, default kimi-linear-48b-a3b) for the working tree and
+# each tree in .revs/ (scripts/rev_trees.sh, or a branch's hyla/, tests/ and scripts/ from `git
+# archive`), interleaved over ROUNDS rounds on one device: which decode lever moves the step, and
+# by how much against the run-to-run spread.
+# Each run: `hyla bench throughput --random-config CONFIG --layers LAYERS --mode decode
 # --batch-sizes 1 64 --context-lens 512 --steps 50` (CUDA-graph replays; QUANT="-q fp8" for block
 # FP8). A tree's ENV file (KEY=VALUE lines) is exported for its runs (a branch's knob for its A/B).
 # Prints one line per tree and round: graph ms at batch 1 and 64, then eager ms at batch 1 and 64.
