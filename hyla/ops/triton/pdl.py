@@ -39,7 +39,9 @@ def dependent_launch_prologue(PDL: tl.constexpr):
 
 @functools.cache
 def _supported(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    """An NVIDIA GPU of compute capability >= 9.0 (a ROCm build also says "cuda", and its
+    capability numbers are not NVIDIA's), outside Triton's interpreter."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
