@@ -352,4 +352,3 @@ class ForwardBatch:
 def _page_rows(tables: torch.Tensor, page_size: int) -> torch.Tensor:
     """tables [N, P] page ids -> [N, P * page_size] flat pool rows page * page_size + offset."""
     return (tables[:, :, None] * page_size + constants.arange(page_size, tables.device)).flatten(1)
-

@@ -258,7 +258,7 @@ class CacheTiers:
     def _page_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device page, host page) pairs: each device page's bytes of every attention layer into
         its host page, as a batch (module docstring)."""
-        pages, hosts = _by_destination(pairs, dest=1)
+        pages, hosts = _by_destination(pairs, host=1)
         idx = self._index(pages)
         for h, t in zip(self.host_pages, self.page_tensors):
             h, t = _indexable(h), _indexable(t)
@@ -271,7 +271,7 @@ class CacheTiers:
         """(host page, device page) pairs, as a batch. The whole page, also the rows past a partial
         hit: the request writes those positions before anything reads them (attention is causal),
         as it would in a fresh page."""
-        hosts, pages = _by_destination(pairs, dest=1, order=0)
+        hosts, pages = _by_destination(pairs, host=0)
         with self.restore_time.measure():
             idx = self._index(pages)
             for h, t in zip(self.host_pages, self.page_tensors):
@@ -295,7 +295,7 @@ def _page_batches(plan: list[tuple]) -> list[tuple]:
     out = []
     for op, *args in plan:
         if op in ("page_out", "page_in"):
-            if out and out[-1][0] == op and isinstance(out[-1][1], list):
+            if out and out[-1][0] == op:  # only page transfers are batched, so this one's batch
                 out[-1][1].append(tuple(args))
             else:
                 out.append((op, [tuple(args)]))
@@ -304,13 +304,12 @@ def _page_batches(plan: list[tuple]) -> list[tuple]:
     return out
 
 
-def _by_destination(pairs: list[tuple[int, int]], dest: int, order: int | None = None) -> tuple[list[int], list[int]]:
-    """Pairs -> (firsts, seconds) with one pair per destination (pair[dest]; the last one planned
-    wins: an earlier write to it was dead), sorted by pair[order] (default: the host side, pair[1]
-    for page_out), so that runs of consecutive host pages move in one copy."""
-    last = {p[dest]: p for p in pairs}
-    key = 1 if order is None else order
-    ordered = sorted(last.values(), key=lambda p: p[key])
+def _by_destination(pairs: list[tuple[int, int]], host: int) -> tuple[list[int], list[int]]:
+    """(source, destination) pairs -> (sources, destinations) with one pair per destination (the
+    last one planned wins: an earlier write to it was dead), sorted by the host side (pair[host]),
+    so that runs of consecutive host pages move in one copy."""
+    last = {p[1]: p for p in pairs}
+    ordered = sorted(last.values(), key=lambda p: p[host])
     return [p[0] for p in ordered], [p[1] for p in ordered]
 
 

@@ -99,8 +99,9 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         """o: [..., H, V] core output, aux: project's (f_a(x), b(x), g_a(x) | g_proj(x)) -> [..., hidden]."""
         g_in = aux[2]
         up = None if self.full_rank_gate else self.g_b_proj
-        if type(up) is nn.Linear and up.bias is None and o.dim() == 4:  # not an FP8 module: its weight
-            y = dispatch.lowrank_gated_rms_norm(o, g_in, up.weight, self.o_norm.weight, self.o_norm.eps,
+        w_up = _plain_weight(up)
+        if w_up is not None and o.dim() == 4:
+            y = dispatch.lowrank_gated_rms_norm(o, g_in, w_up, self.o_norm.weight, self.o_norm.eps,
                                                 self.o_norm.activation)
             return self.o_proj(y.flatten(-2))
         gate = g_in if up is None else up(g_in)
@@ -131,10 +132,10 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         fa, b = aux[0], aux[1]
         # One A_log per head: Kimi K3 stores head_dim values and uses the first num_heads.
         a_log = self.A_log.reshape(-1)[: self.num_heads]
-        up = self.f_b_proj
-        if type(up) is nn.Linear and up.bias is None and fa.dim() == 3:  # not an FP8 module: its weight
-            return dispatch.kda_lowrank_gate_beta(fa, up.weight, b, a_log, self.dt_bias, self.lower_bound)
-        f = up(fa).unflatten(-1, (self.num_heads, self.head_dim))
+        w_up = _plain_weight(self.f_b_proj)
+        if w_up is not None and fa.dim() == 3:
+            return dispatch.kda_lowrank_gate_beta(fa, w_up, b, a_log, self.dt_bias, self.lower_bound)
+        f = self.f_b_proj(fa).unflatten(-1, (self.num_heads, self.head_dim))
         return dispatch.kda_gate_beta(f, b, a_log, self.dt_bias, self.lower_bound)
 
     # The ops are looked up in this module's namespace at call time, so that tests can swap in
@@ -144,3 +145,11 @@ class KimiDeltaAttention(ShortConvDeltaRule):
 
     def _recurrent(self, *args, **kwargs):  # decode, verify and replay's commit
         return dispatch.fused_recurrent_kda(*args, **kwargs)
+
+
+def _plain_weight(module: nn.Module | None) -> torch.Tensor | None:
+    """The weight of a bias-free plain nn.Linear (a low-rank gate up-projection the fused gate
+    kernels read themselves); None for anything else (an FP8 module keeps its own forward)."""
+    if type(module) is nn.Linear and module.bias is None:
+        return module.weight
+    return None

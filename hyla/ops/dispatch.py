@@ -41,7 +41,8 @@ from hyla.ops.dtypes import check_lower_bound
 __all__ = ["backend_for", "get_backend", "set_backend", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
-           "lowrank_gated_rms_norm", "silu_gated_rms_norm", "kda_gate_beta", "kda_lowrank_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
+           "lowrank_gated_rms_norm", "silu_gated_rms_norm", "kda_gate_beta", "kda_lowrank_gate_beta", "gdn_gate_beta",
+           "causal_conv1d_update_packed", "causal_conv1d_fn",
            "write_latents", "paged_mla_decode", "gated_attention_kernels", "qk_norm_rope_write",
            "paged_window_attention", "silu_mul", "mtp_fc_input", "derive_step_rows"]
 
@@ -221,7 +222,7 @@ def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tens
     ok = (isinstance(x, torch.Tensor) and x.dim() == 4 and isinstance(g_in, torch.Tensor) and g_in.dim() == 3
           and isinstance(w_up, torch.Tensor) and w_up.dim() == 2 and g_in.shape[:2] == x.shape[:2]
           and w_up.shape == (x.shape[2] * x.shape[3], g_in.shape[2]) and activation in ("sigmoid", "silu", "swish"))
-    if (ok and x.shape[0] * x.shape[1] <= LOWRANK_GATE_MAX_ROWS and _norm_triton(x, weight, g_in, w_up)):
+    if ok and x.shape[0] * x.shape[1] <= LOWRANK_GATE_MAX_ROWS and _norm_triton(x, weight, g_in, w_up):
         return _triton.lowrank_gated_rms_norm(x, g_in, w_up, weight, eps, activation)
     gate = torch.nn.functional.linear(g_in, w_up).unflatten(-1, x.shape[-2:])
     return gated_rms_norm(x, gate, weight, eps, activation)
@@ -255,12 +256,14 @@ def kda_lowrank_gate_beta(fa: torch.Tensor, w_up: torch.Tensor, b: torch.Tensor,
     to LOWRANK_GATE_MAX_ROWS token rows, else the up-projection's GEMM and `kda_gate_beta`."""
     ok = (isinstance(fa, torch.Tensor) and fa.dim() == 3 and isinstance(b, torch.Tensor) and b.dim() == 3
           and isinstance(w_up, torch.Tensor) and w_up.dim() == 2 and w_up.shape[1] == fa.shape[2]
-          and b.shape[:2] == fa.shape[:2] and w_up.shape[0] % max(b.shape[2], 1) == 0)
-    if ok and fa.shape[0] * fa.shape[1] <= LOWRANK_GATE_MAX_ROWS and _elementwise_triton(fa, (fa, w_up, b, A_log, dt_bias)):
-        if A_log.numel() == b.shape[2] and (dt_bias is None or dt_bias.numel() == w_up.shape[0]):
-            if lower_bound is not None:
-                check_lower_bound(lower_bound)
-            return _triton.kda_lowrank_gate_beta(fa, w_up, b, A_log, dt_bias, lower_bound)
+          and b.shape[:2] == fa.shape[:2] and w_up.shape[0] % max(b.shape[2], 1) == 0
+          and isinstance(A_log, torch.Tensor) and A_log.numel() == b.shape[2]
+          and (dt_bias is None or dt_bias.numel() == w_up.shape[0]))
+    if (ok and fa.shape[0] * fa.shape[1] <= LOWRANK_GATE_MAX_ROWS
+            and _elementwise_triton(fa, (fa, w_up, b, A_log, dt_bias))):
+        if lower_bound is not None:
+            check_lower_bound(lower_bound)
+        return _triton.kda_lowrank_gate_beta(fa, w_up, b, A_log, dt_bias, lower_bound)
     f = torch.nn.functional.linear(fa, w_up).unflatten(-1, (b.shape[2], -1))
     return kda_gate_beta(f, b, A_log, dt_bias, lower_bound)
 

@@ -7,13 +7,13 @@ Same contracts as hyla.ops.gate.kda_gate_beta / gdn_gate_beta:
     GDN:  g = -exp(A_log) * softplus(a + dt_bias)  per value head;  beta = sigmoid(b)
 
 g is fp32, beta is rounded to b's dtype (as torch.sigmoid(b)). One program handles one token
-row.
+row. The per-head inputs (b, GDN's a) may be strided views [rows, H, r] -- e.g. cut out of
+in_proj_ba's head-interleaved output -- and are read in place.
 
 A decode step's KDA gate can also take the forget gate's low-rank input fa [rows, r] and the
 up-projection weight (f_b_proj, [H * K, r]) instead of f (`kda_lowrank_gate_beta`): one program per
 (token, head) computes its head's K values of f = fa @ w_up^T in fp32, rounds them to fa's dtype
-(the linear's output), and applies the gate: one launch where the GEMV and the gate were two. The per-head inputs (b, GDN's a) may be strided views [rows, H, r] -- e.g. cut out of
-in_proj_ba's head-interleaved output -- and are read in place.
+(the linear's output), and applies the gate: one launch where the GEMV and the gate were two.
 """
 
 from __future__ import annotations
@@ -85,22 +85,29 @@ def _head_levels(t: torch.Tensor, lead: int):
     return t, s0, (t.stride(-2), t.stride(-1), t.shape[-1])
 
 
+def _gate_args(B: int, T: int, hv: int, kd: int, b, A_log, dt_bias, device):
+    """What both gate kernels take besides their gate input: the outputs g [B, T, hv, kd] fp32 and
+    beta [B, T, hv], b with its head levels, A_log and dt_bias flat (A_log stands in for a missing
+    dt_bias), and whether dt_bias is there."""
+    g = torch.empty(B, T, hv, kd, device=device, dtype=torch.float32)
+    beta = torch.empty(B, T, hv, device=device, dtype=b.dtype)
+    b, b_s0, (b_s1, b_s2, b_r) = _head_levels(b, 2)
+    a_log = A_log.reshape(-1)
+    dtb = dt_bias.reshape(-1) if dt_bias is not None else a_log
+    return g, beta, (b, b_s0, b_s1, b_s2, b_r), a_log, dtb, dt_bias is not None
+
+
 def _launch(x, b, A_log, dt_bias, lower_bound, *, kd: int, hv: int, x_levels, gate_fn: int):
     B, T = x.shape[:2]
-    R = B * T
-    dev = x.device
-    g = torch.empty(B, T, hv, kd, device=dev, dtype=torch.float32)
-    beta = torch.empty(B, T, hv, device=dev, dtype=b.dtype)
-    b, b_s0, (b_s1, b_s2, b_r) = _head_levels(b, 2)
+    g, beta, b_args, a_log, dtb, has_bias = _gate_args(B, T, hv, kd, b, A_log, dt_bias, x.device)
     x, f_s0, (f_s1, f_s2, f_r) = x_levels
-    a_log = A_log.reshape(-1)
-    dtb = dt_bias.reshape(-1) if dt_bias is not None else None
-    if R and hv:
-        gate_beta_kernel[(R,)](
-            x, b, a_log, dtb if dtb is not None else a_log, g, beta, float(lower_bound or 0.0),
+    b, b_s0, b_s1, b_s2, b_r = b_args
+    if B * T and hv:
+        gate_beta_kernel[(B * T,)](
+            x, b, a_log, dtb, g, beta, float(lower_bound or 0.0),
             f_s0, f_s1, f_s2, f_r, b_s0, b_s1, b_s2, b_r,
             HV=hv, KD=kd, BC=triton.next_power_of_2(hv * kd), BH=max(2, triton.next_power_of_2(hv)),
-            GATE_FN=gate_fn, HAS_BIAS=dtb is not None, num_warps=4, **pdl_launch(x.device))
+            GATE_FN=gate_fn, HAS_BIAS=has_bias, num_warps=4, **pdl_launch(x.device))
     return g, beta
 
 
@@ -124,17 +131,13 @@ def kda_lowrank_gate_beta(fa: torch.Tensor, w_up: torch.Tensor, b: torch.Tensor,
     K = w_up.shape[0] // H
     fa, fa_s0 = token_rows(fa if fa.stride(-1) == 1 else fa.contiguous())
     w_up = w_up if w_up.stride(-1) == 1 else w_up.contiguous()
-    g = torch.empty(B, T, H, K, device=fa.device, dtype=torch.float32)
-    beta = torch.empty(B, T, H, device=fa.device, dtype=b.dtype)
-    b, b_s0, (b_s1, b_s2, b_r) = _head_levels(b, 2)
-    a_log = A_log.reshape(-1)
-    dtb = dt_bias.reshape(-1) if dt_bias is not None else None
+    g, beta, (b, b_s0, b_s1, b_s2, b_r), a_log, dtb, has_bias = _gate_args(B, T, H, K, b, A_log, dt_bias, fa.device)
     if B * T and H:
         lowrank_gate_beta_kernel[(B * T, H)](
-            fa, w_up, b, a_log, dtb if dtb is not None else a_log, g, beta, float(lower_bound or 0.0), r, fa_s0,
+            fa, w_up, b, a_log, dtb, g, beta, float(lower_bound or 0.0), r, fa_s0,
             w_up.stride(0), b_s0, b_s1, b_s2, b_r, H, KD=K, BK=triton.next_power_of_2(K),
             BRK=min(32, triton.next_power_of_2(r)), GATE_FN=1 if lower_bound is None else 2,
-            HAS_BIAS=dtb is not None, num_warps=4, **pdl_launch(fa.device))
+            HAS_BIAS=has_bias, num_warps=4, **pdl_launch(fa.device))
     return g, beta
 
 

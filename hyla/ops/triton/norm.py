@@ -57,6 +57,14 @@ def _sigmoid(x):
 
 
 @triton.jit
+def _gate_act(z, ACT: tl.constexpr):
+    """The gated norms' activation of an fp32 gate tile: sigmoid (ACT_SIGMOID) or silu."""
+    if ACT == 0:
+        return _sigmoid(z)
+    return z * _sigmoid(z)
+
+
+@triton.jit
 def rms_norm_kernel(x, res, w, gate, y, h_out, R, D, sr, eps,
                     x_s0, x_s1, x_s2, X1, X2, g_s0, g_s1, g_s2, G1, G2,
                     BR: tl.constexpr, BD: tl.constexpr, STYLE: tl.constexpr, ACT: tl.constexpr,
@@ -88,11 +96,7 @@ def rms_norm_kernel(x, res, w, gate, y, h_out, R, D, sr, eps,
         g_row = (i // (G1 * G2)) * g_s0 + ((i // G2) % G1) * g_s1 + (i % G2) * g_s2
         zf = tl.load(gate + g_row[:, None] + o[None, :], mask=m, other=0.0).to(tl.float32)
         if STYLE == 2:
-            if ACT == 0:
-                a = _sigmoid(zf)
-            else:
-                a = zf * _sigmoid(zf)
-            out = (n * wf) * a
+            out = (n * wf) * _gate_act(zf, ACT)
         else:  # silu-gated, Qwen3-Next's roundings
             mid = wf * to_dtype(n, xv.dtype).to(tl.float32)
             if ROUND_MID:
@@ -120,11 +124,7 @@ def lowrank_gated_norm_kernel(x, g_in, w_up, w, y, r, H, eps, x_s0, x_s1, g_s0, 
     nrm = xf * tl.math.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
     if HAS_W:
         nrm = nrm * tl.load(w + o, mask=m, other=0.0).to(tl.float32)
-    if ACT == 0:
-        a_z = _sigmoid(zf)
-    else:
-        a_z = zf * _sigmoid(zf)
-    tl.store(y + (n * H + j) * D + o, to_dtype(nrm * a_z, y.dtype.element_ty), mask=m)
+    tl.store(y + (n * H + j) * D + o, to_dtype(nrm * _gate_act(zf, ACT), y.dtype.element_ty), mask=m)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
