@@ -224,6 +224,8 @@ def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tens
           and w_up.shape == (x.shape[2] * x.shape[3], g_in.shape[2]) and activation in ("sigmoid", "silu", "swish"))
     if ok and x.shape[0] * x.shape[1] <= LOWRANK_GATE_MAX_ROWS and _norm_triton(x, weight, g_in, w_up):
         return _triton.lowrank_gated_rms_norm(x, g_in, w_up, weight, eps, activation)
+    if not ok:  # the reference names what is wrong
+        return _torch_norm.lowrank_gated_rms_norm(x, g_in, w_up, weight, eps, activation)
     gate = torch.nn.functional.linear(g_in, w_up).unflatten(-1, x.shape[-2:])
     return gated_rms_norm(x, gate, weight, eps, activation)
 
@@ -264,6 +266,8 @@ def kda_lowrank_gate_beta(fa: torch.Tensor, w_up: torch.Tensor, b: torch.Tensor,
         if lower_bound is not None:
             check_lower_bound(lower_bound)
         return _triton.kda_lowrank_gate_beta(fa, w_up, b, A_log, dt_bias, lower_bound)
+    if not ok:  # the reference names what is wrong
+        return _torch_gate.kda_lowrank_gate_beta(fa, w_up, b, A_log, dt_bias, lower_bound)
     f = torch.nn.functional.linear(fa, w_up).unflatten(-1, (b.shape[2], -1))
     return kda_gate_beta(f, b, A_log, dt_bias, lower_bound)
 

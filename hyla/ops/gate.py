@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyla.ops.dtypes import check_lower_bound, work_dtype
+from hyla.ops.dtypes import check_lower_bound, check_up_projection, work_dtype
 
 __all__ = ["kda_gate", "gdn_gate", "kda_gate_beta", "gdn_gate_beta"]
 
@@ -95,6 +95,8 @@ def kda_lowrank_gate_beta(fa: torch.Tensor, w_up: torch.Tensor, b: torch.Tensor,
                           lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """kda_gate_beta of f = fa @ w_up^T, the forget gate's low-rank up-projection (KDA's f_b_proj,
     its output in fa's dtype as the linear gives it). fa: [B, T, r]; w_up: [H * K, r]; b: [B, T, H]."""
+    _check_input("b", b, 3, "[B, T, H]")
+    check_up_projection("kda_lowrank_gate_beta", fa, w_up, b.shape[2], w_up.shape[0] // max(b.shape[2], 1))
     f = F.linear(fa, w_up).unflatten(-1, (b.shape[2], -1))
     return kda_gate_beta(f, b, A_log, dt_bias, lower_bound)
 

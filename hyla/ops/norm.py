@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyla.ops.dtypes import work_dtype
+from hyla.ops.dtypes import check_up_projection, work_dtype
 
 __all__ = ["l2norm", "rms_norm", "gated_rms_norm", "rms_norm_rounded", "rms_norm_zero_centred",
            "add_rms_norm", "silu_gated_rms_norm"]
@@ -106,6 +106,10 @@ def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tens
                            eps: float = 1e-6, activation: str = "sigmoid") -> torch.Tensor:
     """gated_rms_norm with the gate from a low-rank up-projection (KDA's g_b_proj, its output in
     g_in's dtype as the linear gives it): x [B, T, H, D], g_in [B, T, r], w_up [H * D, r]."""
+    _check_x(x)
+    if x.dim() != 4:
+        raise ValueError(f"x must be [B, T, H, D] for a low-rank gate, got {tuple(x.shape)}")
+    check_up_projection("lowrank_gated_rms_norm", g_in, w_up, x.shape[2], x.shape[3])
     gate = F.linear(g_in, w_up).unflatten(-1, x.shape[-2:])
     return gated_rms_norm(x, gate, weight, eps, activation)
 

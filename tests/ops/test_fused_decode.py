@@ -257,6 +257,23 @@ def test_kda_lowrank_gate_beta_dispatch_keeps_prefill_on_the_gemm(monkeypatch):
     assert calls == [2]
 
 
+def test_lowrank_gates_name_bad_arguments():
+    """A low-rank gate's up-projection that does not fit its input or heads is a ValueError naming
+    it, through the dispatched op (any backend) and the torch reference alike."""
+    from hyla.ops import dispatch
+
+    fa, b = _randn(2, 1, 16, seed=1), _randn(2, 1, 3, seed=2)
+    A_log, x = _randn(3, seed=3), _randn(2, 1, 3, 8, seed=4)
+    for op in (dispatch.kda_lowrank_gate_beta, torch_gate.kda_lowrank_gate_beta):
+        with pytest.raises(ValueError, match="up-projection weight"):
+            op(fa, _randn(3 * 8, 15, seed=5), b, A_log)  # r = 15, not 16
+        with pytest.raises(ValueError, match=r"\[B, T, r\]"):
+            op(fa[0], _randn(3 * 8, 16, seed=5), b, A_log)
+    for op in (dispatch.lowrank_gated_rms_norm, torch_norm.lowrank_gated_rms_norm):
+        with pytest.raises(ValueError, match="up-projection weight"):
+            op(x, fa, _randn(3 * 7, 16, seed=6), None)  # 3 heads x 7, not x 8
+
+
 @pytest.mark.parametrize("H,r,R", [(1, 1, 1), (3, 2, 3), (4, 3, 17), (1, 1, 17)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gdn_gate_beta_reads_interleaved_ba(H, r, R, dtype):
