@@ -4,19 +4,22 @@
 # sessions (about 5x what the device holds) of 6 turns, 16 in flight, greedy: once without the
 # host tier and once with 64 GiB of it. Compare the hit rates, the mean TTFT of returning turns and
 # the throughput (`hyla bench serve` prints them; the saved JSON has every request).
+#   HOSTS: the host-tier sizes to run (default "0 64GiB")
+#   TREE: a tree whose hyla/ serves instead of the working tree's (an A/B against .revs/NAME)
 . "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b >/dev/null || exit 1
-for HOST in 0 64GiB; do
-  python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 16 --max-model-len 16384 \
-      --memory-budget 4GiB --host-cache-bytes $HOST > $OUT/serve-host-$HOST.log 2>&1 &
+TAG=$(basename "${TREE:-main}")
+for HOST in ${HOSTS:-0 64GiB}; do
+  PYTHONPATH=${TREE:-$PWD}:$PYTHONPATH python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 16 --max-model-len 16384 \
+      --memory-budget 4GiB --host-cache-bytes $HOST > $OUT/serve-host-$HOST-$TAG.log 2>&1 &
   SP=$!
-  wait_ready $SP $OUT/serve-host-$HOST.log || exit 1
-  grep -E "pools:|host tier" $OUT/serve-host-$HOST.log | cut -c1-300
+  wait_ready $SP $OUT/serve-host-$HOST-$TAG.log || exit 1
+  grep -E "pools:|host tier" $OUT/serve-host-$HOST-$TAG.log | cut -c1-300
   timeout 240 python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT \
-      --disable-tqdm --label agent-host-$HOST --dataset-name agent --num-sessions 128 --turns 6 \
+      --disable-tqdm --label agent-host-$HOST-$TAG --dataset-name agent --num-sessions 128 --turns 6 \
       --tool-output-len 1024 --question-len 32 --output-len 64 --max-concurrency 16 --temperature 0 \
-      --ignore-eos --save-detailed 2>&1 | grep -E "throughput|TTFT|Failed|hit|Engine step time|Model execute" | grep -v "Median\|P99 TTFT" | tr '\n' ';'; echo " <- host $HOST"
+      --ignore-eos --save-detailed 2>&1 | grep -E "throughput|TTFT|Failed|hit|Engine step time|Model execute" | grep -v "Median\|P99 TTFT" | tr '\n' ';'; echo " <- host $HOST $TAG"
   curl -s localhost:8000/metrics | grep -E "^hyla_prefix_cache_(host|device|bytes|restore)" | tr '\n' ';'; echo
   kill $SP; wait $SP 2>/dev/null
 done
