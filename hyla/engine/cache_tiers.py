@@ -27,15 +27,13 @@ Consecutive page transfers of one direction move as one batch: per attention ten
 the pages into a staging buffer on one side and a scatter out of it on the other, with one copy
 per run of consecutive host pages. A page is a few KB per layer, and one copy per page and layer
 (over a million copies in an agent run) made the copies' launches the bottleneck: the H100 host
-tier round measured 3.6 GB/s of restores and a third of the run outside the model. On
-CUDA the host copies (ckpt_out, page_out, ckpt_in, page_in) run on a side stream, from pinned
-memory, and the host thread never waits for them. The order holds across the two streams: the
-side stream starts after everything launched on the compute stream, and a device copy that
-follows host copies in a plan waits for them. At the end of a plan the compute stream waits for
-the evictions (the step's forward may reuse what they read) but not for the restores: those
-land while the step runs, for requests that start in the next step (Scheduler.schedule), and
-the compute stream waits for them when the next plan is applied (also an empty one), before
-anything of that step. On the CPU everything runs in order, at once.
+tier round measured 3.6 GB/s of restores and a third of the run outside the model.
+
+Every copy runs on the current (compute) stream, in plan order, before the step's forward; on
+CUDA the host copies are asynchronous from pinned memory, so the host thread never waits for
+them. A restored request runs in the step that planned its restore: its copy (tens of MB of state
+and pages, a few ms over PCIe) costs that step less than the step a request started one step
+later would wait (a step of chunked prefill is tens to hundreds of ms).
 """
 
 from __future__ import annotations
@@ -49,8 +47,6 @@ from hyla.engine.checkpoint_codec import dequantize_rows, quantize_rows, rows_of
 from hyla.engine.device_timer import DeviceTimer
 
 CHECKPOINT_DTYPES = ("auto", "int8")  # EngineConfig.checkpoint_dtype / --checkpoint-dtype
-TO_HOST = ("ckpt_out", "page_out")  # transfers that read the device into the host tier (evictions)
-FROM_HOST = ("ckpt_in", "page_in")  # transfers that write the device from the host tier (restores)
 
 
 @dataclass(frozen=True)
@@ -61,12 +57,6 @@ class TierSizes:
     int8_entries: int = 0
     host_pages: int = 0
     host_checkpoints: int = 0
-
-
-def restores_overlap(sizes: TierSizes, device: torch.device) -> bool:
-    """Whether host copies run on a side stream (a host tier on CUDA): restores then land while a
-    step runs, and the requests they serve must start in the next one (Scheduler.schedule)."""
-    return device.type == "cuda" and bool(sizes.host_pages or sizes.host_checkpoints)
 
 
 def _memory_order(t: torch.Tensor) -> torch.Tensor:
@@ -140,8 +130,6 @@ class CacheTiers:
                            for t in self.page_tensors] if sizes.host_pages else None
         self._stats = {"bytes_to_host": 0, "bytes_from_host": 0}
         self.restore_time = DeviceTimer(device)  # the host -> device copies' device time
-        self.copy_stream = torch.cuda.Stream(device) if restores_overlap(sizes, device) else None
-        self._restored = None  # CUDA event: the last plan's restores, awaited by the next plan
 
     @property
     def stats(self) -> dict:
@@ -167,39 +155,9 @@ class CacheTiers:
 
     # ---- the transfers -------------------------------------------------------------------
     def apply(self, plan: list[tuple]) -> None:
-        """Run a transfer plan in order (see the module docstring; an empty plan still lets the
-        compute stream wait for the previous plan's restores)."""
-        side = self.copy_stream
-        if side is None:
-            for op, *args in _page_batches(plan):
-                getattr(self, "_" + op)(*args)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        if self._restored is not None:
-            compute.wait_event(self._restored)
-            self._restored = None
-        on_side = evicted = restored = False
+        """Run a transfer plan in order on the current stream (see the module docstring)."""
         for op, *args in _page_batches(plan):
-            host = op in TO_HOST or op in FROM_HOST
-            if host and not on_side:
-                side.wait_stream(compute)  # after everything launched before (the step in flight too)
-            elif not host and on_side:
-                compute.wait_stream(side)
-            on_side = host
-            if host:
-                with torch.cuda.stream(side):
-                    getattr(self, "_" + op)(*args)
-                evicted |= op in TO_HOST
-                restored |= op in FROM_HOST
-            else:
-                getattr(self, "_" + op)(*args)
-        if evicted or restored:
-            done = torch.cuda.Event()
-            done.record(side)
-            if evicted:  # the step's forward may write what the evictions read: they come first
-                compute.wait_event(done)
-            else:
-                self._restored = done
+            getattr(self, "_" + op)(*args)
 
     def _copy_slot(self, src: int, dst: int) -> None:
         self.cache.copy_slot(src, dst)

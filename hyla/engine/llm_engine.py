@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from hyla.engine.cache_tiers import TierSizes, int8_entry_bytes, restores_overlap
+from hyla.engine.cache_tiers import TierSizes, int8_entry_bytes
 from hyla.engine.config import EngineConfig
 from hyla.engine.generation_config import read_generation_config, token_ids
 from hyla.engine.cuda_graph import batch_buckets, startup_widths, use_cuda_graphs
@@ -133,8 +133,6 @@ class LLMEngine:
             self.runner.attach_tiers(tiers)
         self.prefix_cache = (PrefixCache(self.pools, config.checkpoint_interval, tiers)
                              if config.enable_prefix_caching else None)
-        if self.prefix_cache is not None:
-            self.prefix_cache.defer_host_restores = restores_overlap(tiers, self.model.device)
         self.scheduler = Scheduler(max(1, min(config.max_num_seqs, num_slots // per_seq)),
                                    config.max_num_batched_tokens, self.pools, self.prefix_cache, per_seq,
                                    num_speculative_tokens=spec_cfg.num_speculative_tokens if spec_cfg else 0,

@@ -172,6 +172,6 @@ class ModelRunner:
         """The copies a ScheduledBatch (or the prefix cache after a step) planned, in order, before
         anything else touches those slots / pages: restores, and moves between the cache's tiers."""
         if self.tiers is not None:
-            self.tiers.apply(transfers)  # also an empty plan: the previous plan's restores are awaited
+            self.tiers.apply(transfers)
         elif transfers:
             plain_transfers(self.cache, transfers)

@@ -125,10 +125,6 @@ class PrefixCache:
         self.num_checkpoints = 0
         self.inflation = 0.0  # the key of the last checkpoint evict_slot dropped (eviction.py)
         self.transfers: list[tuple] = []  # copies planned, not yet handed to the runner (take_transfers)
-        # The engine sets this where the runner copies from the host on a side stream (CUDA): a
-        # request whose hit comes from the host then starts one step after its restore was
-        # planned, so the copy overlaps that step (Scheduler.schedule; hyla.engine.cache_tiers).
-        self.defer_host_restores = False
         self._leaves = LazyHeap(lambda stamp, n: n.alive and n.page is not None and n.last_access == stamp
                                 and not self._has_device_child(n))
         self._checkpoints = {tier: LazyHeap(lambda key, c, tier=tier: c[0].alive and c[0].last_access == c[2]

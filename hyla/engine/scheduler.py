@@ -10,9 +10,8 @@ checkpoints their prefill exports (best effort). The ScheduledBatch carries all 
 copies the prefix cache planned meanwhile (restores, and moves between its storage tiers) to run
 before the forward; ModelRunner executes them.
 
-A request whose prefix-cache hit is copied back from the host tier is admitted (slots, pages,
-the restore planned) but joins the batch from the next step on where the runner copies from the
-host on a side stream (PrefixCache.defer_host_restores): the copy then overlaps this step.
+A request whose prefix-cache hit is copied back from the host tier runs in the step that admits
+it: the runner applies the step's copies before its forward (hyla.engine.cache_tiers).
 
 When pages run out, the newest running sequence is preempted: it gives back its slots and pages
 and is recomputed later from its prompt + output so far (exact, since recomputation replays the
@@ -179,13 +178,10 @@ class Scheduler:
             self.pools.allocate(seq, n)
             if cache is not None:
                 self.cache_query_tokens += seq.num_tokens
-                deferred = hit is not None and hit.from_host and cache.defer_host_restores
                 hit_tokens = cache.restore(seq, hit)
                 self.cache_hit_tokens += hit_tokens
                 if seq.num_preemptions == 0:  # what the request reports: its first start's hit (vLLM's)
                     seq.num_cached_tokens = hit_tokens
-                if deferred:  # runs from the next step on, its restore overlapping this one
-                    continue
             batch.add(seq, n)
             budget -= n
         return self._plan_extras(batch)

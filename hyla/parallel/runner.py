@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 
-from hyla.engine.cache_tiers import FROM_HOST
 from hyla.parallel.workers import WorkerGroup
 
 log = logging.getLogger("hyla.parallel")
@@ -33,7 +32,6 @@ class TPRunner:
         # Drafter calls ranks 1..N-1 still owe (bookkeeping without collectives): they travel
         # with the next command, in order (hyla.parallel.drafter.TPDrafter).
         self.deferred: list[tuple[str, tuple]] = []
-        self._restores_pending = False  # the last transfer plan restored from the host tier
 
     def _call(self, method: str, *args, **kwargs):
         """ModelRunner.<method>(*args, **kwargs) on every rank (Worker.runner_call), the deferred
@@ -85,11 +83,8 @@ class TPRunner:
         self._call("copy_page_rows", src, dst, rows)
 
     def apply_transfers(self, transfers: list[tuple]) -> None:
-        # most steps have none: no broadcast, unless the last plan restored from the host (each
-        # rank's compute stream then waits for those copies: hyla.engine.cache_tiers)
-        if transfers or self._restores_pending:
+        if transfers:  # most steps have none: no broadcast
             self._call("apply_transfers", list(transfers))
-        self._restores_pending = any(op in FROM_HOST for op, *_ in transfers)
 
     def attach_tiers(self, sizes) -> None:
         """Every rank allocates the prefix cache's tiers for its own shard (the same entry counts)."""

@@ -51,22 +51,16 @@ def reference(ckpt):
     return agent_trace(LLM(str(ckpt), dtype="float64", max_model_len=160))[0]
 
 
-def _llm(ckpt, defer: bool = False, **kw):
-    """defer: requests restored from the host start one step later, as on CUDA where the copies
-    run on a side stream (hyla.engine.cache_tiers; on CUDA it is always on)."""
+def _llm(ckpt, **kw):
     base = dict(dtype="float64", max_model_len=160, enable_prefix_caching=True, max_num_seqs=2)
-    llm = LLM(str(ckpt), **(base | kw))
-    if defer:
-        llm.engine.prefix_cache.defer_host_restores = True
-    return llm
+    return LLM(str(ckpt), **(base | kw))
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_sessions_beyond_the_device_come_back_from_the_host_exactly(ckpt, reference, defer):
+def test_sessions_beyond_the_device_come_back_from_the_host_exactly(ckpt, reference):
     # 4 slots (2 running + 2 checkpoints) and 14 pages: about one session's prefix stays on the device
     small = budget(ckpt, pages=14, slots=4)
     device_only = agent_trace(_llm(ckpt, memory_budget=small))
-    with_host = agent_trace(_llm(ckpt, defer, memory_budget=small, host_cache_bytes=4 * small))
+    with_host = agent_trace(_llm(ckpt, memory_budget=small, host_cache_bytes=4 * small))
     assert device_only[0] == reference and with_host[0] == reference
     m0, m = device_only[1], with_host[1]
     assert m["hits_host"] > 0 and m["pages_to_host"] > 0 and m["checkpoints_from_host"] > 0
@@ -83,8 +77,7 @@ def test_fp8_pages_travel_through_the_host_tier_with_their_scales(ckpt):
     assert outs == ref and m["hits_host"] > 0
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_host_tier_with_preemption_and_ngram_speculation(ckpt, defer):
+def test_host_tier_with_preemption_and_ngram_speculation(ckpt):
     import torch
     from hyla.models import load_model
 
@@ -93,7 +86,7 @@ def test_host_tier_with_preemption_and_ngram_speculation(ckpt, defer):
     # 64-token chunks outgrow them (preemption) while the rest of the tree spills to the host
     spec = {"method": "ngram", "num_speculative_tokens": 2, "rollback": "replay"}
     kw = dict(max_model_len=400, max_num_batched_tokens=64)
-    outs, m = agent_trace(_llm(ckpt, defer, memory_budget=7 * slot, host_cache_bytes=28 * slot,
+    outs, m = agent_trace(_llm(ckpt, memory_budget=7 * slot, host_cache_bytes=28 * slot,
                                speculative_config=spec, **kw), sessions=2, turns=2, together=True, start=250)
     ref = agent_trace(LLM(str(ckpt), dtype="float64", **kw), sessions=2, turns=2, together=True, start=250)[0]
     assert outs == ref
@@ -112,19 +105,17 @@ def test_host_memory_stays_within_its_bytes(ckpt):
     assert m["host_cached_checkpoints"] <= tiers.sizes.host_checkpoints
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_abort_of_a_request_whose_restore_is_planned(ckpt, defer):
+def test_abort_of_a_request_whose_restore_is_planned(ckpt):
     small = budget(ckpt, pages=14, slots=4)
-    llm = _llm(ckpt, defer, memory_budget=small, host_cache_bytes=4 * small)
+    llm = _llm(ckpt, memory_budget=small, host_cache_bytes=4 * small)
     agent_trace(llm, turns=1)  # every session filed; the early ones on the host
     engine = llm.engine
     first = rand(70, 0)  # session 0's first prompt: on the host by now
     engine.add_request("x", first + rand(3, 7), SP)
-    engine.step()  # admitted, its host entries loaded; without deferral its first chunk ran too
+    engine.step()  # admitted, its host entries loaded and its first chunk run in the same step
     assert llm.get_metrics()["hits_host"] == 1
     seq = engine.scheduler.running[0]
-    deferred = engine.prefix_cache.defer_host_restores  # `defer`, or always on CUDA
-    assert (seq.num_computed_tokens == seq.num_cached_tokens) == deferred  # deferred: nothing computed yet
+    assert seq.num_computed_tokens > seq.num_cached_tokens
     assert engine.abort_request("x")
     # the same prefix again, after the abort: served from the cache and equal to no cache
     out = llm.generate([first + rand(3, 7)], SP, use_tqdm=False)[0].outputs[0].token_ids
