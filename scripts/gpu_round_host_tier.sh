@@ -6,20 +6,33 @@
 # the throughput (`hyla bench serve` prints them; the saved JSON has every request).
 #   HOSTS: the host-tier sizes to run (default "0 64GiB")
 #   TREE: a tree whose hyla/ serves instead of the working tree's (an A/B against .revs/NAME)
+#   WARMUP=0: skip the warm-up server. By default a first server runs a short trace of other
+#   sessions (another seed) unmeasured: a fresh machine's first server compiles Triton kernels
+#   while it serves (90 s of its agent run on an H100: docs/perf-log/2026-12-06-h100-host-tier-
+#   same-step.md), and the on-disk cache it fills serves the measured servers
 . "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b >/dev/null || exit 1
 TAG=$(basename "${TREE:-main}")
-for HOST in ${HOSTS:-0 64GiB}; do
-  PYTHONPATH=${TREE:-$PWD}:$PYTHONPATH python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 16 --max-model-len 16384 \
-      --memory-budget 4GiB --host-cache-bytes $HOST > $OUT/serve-host-$HOST-$TAG.log 2>&1 &
+serve() {  # serve() HOST LOG: the 48B server with a host tier of HOST bytes, ready on port 8000
+  PYTHONPATH=${TREE:-$PWD}:$PYTHONPATH python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 \
+      --max-num-seqs 16 --max-model-len 16384 --memory-budget 4GiB --host-cache-bytes $1 > $2 2>&1 &
   SP=$!
-  wait_ready $SP $OUT/serve-host-$HOST-$TAG.log || exit 1
+  wait_ready $SP $2 || exit 1
+}
+AGENT="--dataset-name agent --turns 6 --tool-output-len 1024 --question-len 32 --output-len 64 --max-concurrency 16 --temperature 0 --ignore-eos"
+if [ "${WARMUP:-1}" != 0 ]; then  # 16 other sessions (another seed), unmeasured
+  serve 64GiB $OUT/serve-warmup.log
+  timeout 200 python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --disable-tqdm --seed 7 --num-sessions 16 \
+      $AGENT 2>&1 | grep -E "Failed|Output token throughput" | tr '\n' ';'; echo " <- warm-up"
+  kill $SP; wait $SP 2>/dev/null
+fi
+for HOST in ${HOSTS:-0 64GiB}; do
+  serve $HOST $OUT/serve-host-$HOST-$TAG.log
   grep -E "pools:|host tier" $OUT/serve-host-$HOST-$TAG.log | cut -c1-300
   timeout 240 python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT \
-      --disable-tqdm --label agent-host-$HOST-$TAG --dataset-name agent --num-sessions 128 --turns 6 \
-      --tool-output-len 1024 --question-len 32 --output-len 64 --max-concurrency 16 --temperature 0 \
-      --ignore-eos --save-detailed 2>&1 | grep -E "throughput|TTFT|Failed|hit|Engine step time|Model execute" | grep -v "Median\|P99 TTFT" | tr '\n' ';'; echo " <- host $HOST $TAG"
+      --disable-tqdm --label agent-host-$HOST-$TAG --num-sessions 128 $AGENT --save-detailed 2>&1 \
+      | grep -E "throughput|TTFT|Failed|hit|Engine step time|Model execute" | grep -v "Median\|P99 TTFT" | tr '\n' ';'; echo " <- host $HOST $TAG"
   curl -s localhost:8000/metrics | grep -E "^hyla_prefix_cache_(host|device|bytes|restore)" | tr '\n' ';'; echo
   kill $SP; wait $SP 2>/dev/null
 done

@@ -22,6 +22,11 @@ cached() {  # the prefix and agent traces (greedy, outputs saved for the on / of
 }
 # PART=random: the random rows alone; PART=cached: prefix and agent, cache on and off; unset: all
 TAG=on; serve
+# unmeasured first (WARMUP=0 skips it): a fresh machine compiles Triton kernels while it serves
+# (scripts/triton_variants.py); other prompts (another seed), so that nothing measured hits them
+[ "${WARMUP:-1}" = 0 ] || { timeout 150 python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --disable-tqdm \
+    --seed 7 --random-input-len 1024 --random-output-len 32 --random-range-ratio 0.9 --max-concurrency 64 \
+    --num-prompts 128 --ignore-eos 2>&1 | grep -E "Failed|Output token throughput" | tr '\n' ';'; echo " <- warm-up"; }
 [ "${PART:-random}" = random ] && for cn in ${CONC:-1:8 16:64 64:192 256:512}; do
   timeout 240 $B --num-warmups 2 --label random-c${cn%:*} --random-input-len 1024 --random-output-len 256 --ignore-eos \
       --max-concurrency ${cn%:*} --num-prompts ${cn#*:} 2>&1 | grep -E "throughput|TTFT|TPOT|ITL|E2E|Failed|Successful|hit|Engine step time|Model execute" | grep -iv "median\|std" | tr '\n' ';' ; echo " <- c${cn%:*}"
