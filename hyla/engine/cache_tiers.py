@@ -47,6 +47,7 @@ import torch
 from hyla.contract.cache import HybridCache
 from hyla.engine.checkpoint_codec import dequantize_rows, quantize_rows, rows_of
 from hyla.engine.device_timer import DeviceTimer
+from hyla.ops.transfer import to_device_long
 
 CHECKPOINT_DTYPES = ("auto", "int8")  # EngineConfig.checkpoint_dtype / --checkpoint-dtype
 
@@ -207,19 +208,11 @@ class CacheTiers:
                     _memory_order(t[slot]).copy_(h[host], non_blocking=True)
                     self._stats["bytes_from_host"] += h[host].numel() * h.element_size()
 
-    def _index(self, values: list[int]) -> torch.Tensor:
-        """Page indices on the pools' device (on CUDA through pinned memory, asynchronously on the
-        current stream: no wait for the streams' queued work)."""
-        idx = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cuda":
-            return idx.pin_memory().to(self.device, non_blocking=True)
-        return idx
-
     def _page_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device page, host page) pairs: each device page's bytes of every attention layer into
         its host page, as a batch (module docstring)."""
         pages, hosts = _by_destination(pairs, host=1)
-        idx = self._index(pages)
+        idx = to_device_long(pages, self.device)  # through pinned memory, no stall
         for h, t in zip(self.host_pages, self.page_tensors):
             h, t = _indexable(h), _indexable(t)
             staged = t.index_select(0, idx)  # [n, ...] the pages in host order
@@ -233,7 +226,7 @@ class CacheTiers:
         as it would in a fresh page."""
         hosts, pages = _by_destination(pairs, host=0)
         with self.restore_time.measure():
-            idx = self._index(pages)
+            idx = to_device_long(pages, self.device)  # through pinned memory, no stall
             for h, t in zip(self.host_pages, self.page_tensors):
                 h, t = _indexable(h), _indexable(t)
                 staged = torch.empty((len(hosts), *t.shape[1:]), dtype=t.dtype, device=t.device)
