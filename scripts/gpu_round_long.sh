@@ -19,4 +19,4 @@ python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b >/dev/n
 timeout 240 python3 scripts/long_context.py /tmp/k48 --lengths 4096 131072 --decode 32 $Q48 2>&1 | grep -v Warn | tail -5
 echo "== long context, 4 layers"
 python3 -m hyla.bench shape /tmp/k48c --random-config kimi-linear-48b-a3b --layers 4 >/dev/null || exit 1
-timeout 200 python3 scripts/long_context.py /tmp/k48c --lengths 4096 131072 1048576 --decode 32 2>&1 | grep -v Warn | tail -5
+timeout 200 python3 scripts/long_context.py /tmp/k48c --lengths 4096 131072 1048576 --decode 32 2>&1 | grep -v Warn | tail -6

@@ -5,7 +5,8 @@ tokens (chunked prefill, max_num_batched_tokens per step), then `--decode` greed
 the time to the first token (prefill tokens/s), the median decode step through the engine
 (CUDA graphs, async scheduling), its ratio to the first length's, and the request's memory
 (KV pages + its state slot). `--quantization fp8`: the weights in block FP8, as `hyla serve
---quantization fp8` serves them."""
+--quantization fp8` serves them. A length that leaves no room for the decode tokens within the
+model's max_position_embeddings (1,048,576 for Kimi-Linear) is cut to what does, and says so."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import statistics
 import time
 
 from hyla.engine import EngineConfig, LLMEngine, SamplingParams
+from hyla.models.loader import load_config
 
 
 def main() -> None:
@@ -25,6 +27,12 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--quantization", choices=["fp8"], help="block-FP8 weights (drawn in FP8)")
     a = p.parse_args()
+    limit = getattr(load_config(a.model), "max_position_embeddings", None) or 1 << 20
+    room = limit - a.decode - 1
+    for L in a.lengths:
+        if L > room:
+            print(f"# {L} tokens cut to {room}: max_position_embeddings {limit} - {a.decode} decode tokens - 1")
+    a.lengths = [min(L, room) for L in a.lengths]
     top = max(a.lengths) + a.decode + 1
     engine = LLMEngine(EngineConfig(model=a.model, load_format="dummy", max_model_len=top, max_num_seqs=4,
                                     max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,

@@ -218,7 +218,12 @@ class EngineConfig:
         self.model_limit = getattr(target, "max_position_embeddings", None) or 1 << 20
         # Without an explicit max_model_len: the model's limit, but at most 8192 tokens so that the
         # default pools stay small (raise it with max_model_len).
-        self.max_model_len = min(self.max_model_len or min(self.model_limit, 8192), self.model_limit)
+        # An explicit one above the model's limit is refused, as vLLM does: positions past it were never
+        # trained (rope scaling is the checkpoint's to declare).
+        if self.max_model_len and self.max_model_len > self.model_limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({self.model_limit})")
+        self.max_model_len = self.max_model_len or min(self.model_limit, 8192)
         spec = self.speculative_config
         if spec is not None and spec.method == "draft_model":
             try:

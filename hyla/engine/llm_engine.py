@@ -20,7 +20,8 @@ from hyla.engine.cache_tiers import TierSizes, int8_entry_bytes
 from hyla.engine.config import EngineConfig
 from hyla.engine.generation_config import read_generation_config, token_ids
 from hyla.engine.cuda_graph import batch_buckets, startup_widths, use_cuda_graphs
-from hyla.engine.memory_profile import device_pool_budget, profile_graph_bytes, profile_step_bytes
+from hyla.engine.memory_profile import (device_pool_budget, prefer_expandable_segments, profile_graph_bytes,
+                                        profile_step_bytes)
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.outputs import RequestOutput
 from hyla.engine.overlap import DecodeOverlap
@@ -43,6 +44,8 @@ log = logging.getLogger("hyla.engine")
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
         self.config = config
+        if config.device.type == "cuda":
+            prefer_expandable_segments()  # before anything allocates on the device
         if config.backend is not None:  # the ops' backend, for this process (and its tensor-parallel ranks)
             dispatch.set_backend(config.backend)
         # On the CPU, bf16 / fp16 matmuls are several times slower than fp32: default to fp32 there.
@@ -98,14 +101,14 @@ class LLMEngine:
         graph_sizes = config.cuda_graph_sizes or batch_buckets(config.max_num_seqs)
         # speculative decoding decodes through verify graphs: its decode graphs stay lazy
         capture = self.workers is None and spec_cfg is None and use_cuda_graphs(self.model, config.enforce_eager)
-        num_graphs = len(graph_sizes) * len(startup_widths(
-            self.max_model_len, config.page_size, bool(self.model.kv_bytes_per_token()), len(graph_sizes)))
+        widths = startup_widths(self.max_model_len, config.page_size, bool(self.model.kv_bytes_per_token()),
+                                len(graph_sizes))
         if budget is None and self.model.device.type == "cuda":
             step = profile_step_bytes(self.model, num_tokens=config.max_num_batched_tokens,
                                       num_logit_rows=config.max_num_seqs, page_size=config.page_size,
                                       state_dtype=config.state_dtype)
             if capture:  # the decode graphs captured below, before the pools take the rest
-                step += profile_graph_bytes(self.model, batch_sizes=graph_sizes, num_graphs=num_graphs,
+                step += profile_graph_bytes(self.model, batch_sizes=graph_sizes, widths=widths,
                                             page_size=config.page_size, state_dtype=config.state_dtype)
             budget = device_pool_budget(self.model.device, config.gpu_memory_utilization, step, later)
         self.kv_bytes_per_page = (self.model.kv_bytes_per_token() + extra_kv) * config.page_size

@@ -24,12 +24,33 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 
 import torch
 
 log = logging.getLogger("hyla.engine")
 
 GiB = 1 << 30
+GRAPH_SAMPLES = 8  # further graphs captured to measure what each adds (profile_graph_bytes)
+
+
+def prefer_expandable_segments() -> bool:
+    """Ask PyTorch's CUDA allocator for expandable segments, unless the user configured it
+    (PYTORCH_CUDA_ALLOC_CONF) or CUDA already allocated: -> whether this call set it.
+
+    Why: loading leaves holes in the fixed-size segments (tensors freed as prepare_for_inference
+    stacks experts, load temporaries) that empty_cache cannot hand back while a live tensor
+    shares the segment. The 48B shape in block FP8 on an H100: 46.5 GiB of tensors held 61.5 GiB
+    of the card (14.4 GiB of inactive splits) and left the pools nothing; with expandable
+    segments the same load holds 47.2 GiB (docs/perf-log/2026-12-06-h100-engine-at-scale.md).
+    The variable is read when the allocator starts, so this runs before the model loads; worker
+    processes started later inherit it."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return True
 
 
 @torch.inference_mode()
@@ -65,24 +86,32 @@ def profile_step_bytes(model, *, num_tokens: int, num_logit_rows: int, page_size
 
 
 @torch.inference_mode()
-def profile_graph_bytes(model, *, batch_sizes: list[int], num_graphs: int, page_size: int,
+def profile_graph_bytes(model, *, batch_sizes: list[int], widths: list[int], page_size: int,
                         state_dtype: torch.dtype) -> int:
-    """Device bytes the decode CUDA graphs the engine captures at startup will hold (0 off CUDA):
-    measured by capturing the largest batch size's graph, then one more, over throwaway pools of
-    one slot and one page (every row padding): the first holds the graphs' shared memory pool
-    (the step's activations) and logits buffer, the second what each further graph adds (the
-    driver's copy of its kernels, new pool blocks); the estimate is first + (num_graphs - 1) x
-    second."""
+    """Device bytes the decode CUDA graphs the engine captures at startup (every batch size at
+    every page width of `widths`) will hold (0 off CUDA), over throwaway pools of one slot and one
+    page (every row padding): the largest batch size's graph at the widest width is captured
+    first, and holds the graphs' shared memory pool (the step's activations, the attention's split
+    partials, which grow with the width) and logits buffer; then up to GRAPH_SAMPLES more, the
+    first ones capture_all takes, whose mean is what each further graph adds (the driver's copy of
+    its kernels, new pool blocks). The estimate is first + (num_graphs - 1) x that mean.
+
+    One further graph alone overstated it: the allocator grows the pool by whole segments, which
+    the graphs after it fill. The 48B shape on an H100 measured 36-44 MiB for one graph against
+    7 MiB a graph over all 532 captured (docs/perf-log/2026-12-06-h100-engine-at-scale.md)."""
     from hyla.engine.cuda_graph import SCRATCH
     from hyla.engine.cuda_graph_verify import CUDAGraphRunner
 
     device = model.device
+    num_graphs = len(batch_sizes) * len(widths)
     if device.type != "cuda" or num_graphs == 0:
         return 0
     cache = model.allocate_cache(1 + SCRATCH, 1 + SCRATCH, page_size=page_size, state_dtype=state_dtype)
     graphs = CUDAGraphRunner(model, cache, max_batch=max(batch_sizes), batch_sizes=batch_sizes)
+    first = (graphs.buckets[-1], max(widths))
+    order = [(bs, w) for w in sorted(widths) for bs in graphs.buckets if (bs, w) != first]  # capture_all's
     costs = []
-    for bs, width in [(graphs.buckets[-1], 1), (graphs.buckets[0], 2)][:num_graphs]:
+    for bs, width in [first] + order[:min(GRAPH_SAMPLES, num_graphs - 1)]:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info(device)[0]
@@ -92,7 +121,11 @@ def profile_graph_bytes(model, *, batch_sizes: list[int], num_graphs: int, page_
         costs.append(max(0, free - torch.cuda.mem_get_info(device)[0]))
     del cache, graphs
     torch.cuda.empty_cache()
-    return costs[0] + (num_graphs - 1) * (costs[1] if len(costs) > 1 else 0)
+    each = sum(costs[1:]) / len(costs[1:]) if len(costs) > 1 else 0
+    estimate = costs[0] + int((num_graphs - 1) * each)
+    log.info("decode graphs: %d to capture, estimated %.2f GiB (the first %.2f GiB, each further %.1f MiB: "
+             "the mean of %d)", num_graphs, estimate / GiB, costs[0] / GiB, each / 2**20, len(costs) - 1)
+    return estimate
 
 
 def device_pool_budget(device: torch.device, utilization: float, step_bytes: int, reserved_bytes: int = 0) -> int:
@@ -107,13 +140,15 @@ def device_pool_budget(device: torch.device, utilization: float, step_bytes: int
     # refused), so it is held like the weights, the context and other processes.
     held = total - free
     budget = int(utilization * total) - held - step_bytes - reserved_bytes
-    log.info("memory: gpu_memory_utilization %.2f of %.1f GiB = %.1f GiB; in use %.1f GiB (weights, context, "
-             "other processes); worst-case step %.2f GiB; weights loaded later %.2f GiB; pools %.1f GiB",
-             utilization, total / GiB, utilization * total / GiB, held / GiB, step_bytes / GiB,
+    allocated = torch.cuda.memory_allocated(device)
+    log.info("memory: gpu_memory_utilization %.2f of %.1f GiB = %.1f GiB; in use %.1f GiB (%.1f GiB of tensors: "
+             "weights; the rest the CUDA context, other processes, unreleasable fragments); worst-case step and "
+             "decode graphs %.2f GiB; weights loaded later %.2f GiB; pools %.1f GiB",
+             utilization, total / GiB, utilization * total / GiB, held / GiB, allocated / GiB, step_bytes / GiB,
              reserved_bytes / GiB, max(budget, 0) / GiB)
     if budget <= 0:
         raise ValueError(f"gpu_memory_utilization={utilization} of {total / GiB:.1f} GiB leaves nothing for the KV "
-                         f"pages and state slots: {held / GiB:.1f} GiB are in use and a worst-case step takes "
-                         f"{step_bytes / GiB:.2f} GiB; raise gpu_memory_utilization, or lower "
-                         "max_num_batched_tokens / max_num_seqs")
+                         f"pages and state slots: {held / GiB:.1f} GiB are in use and a worst-case step with the "
+                         f"decode graphs takes {step_bytes / GiB:.2f} GiB; raise gpu_memory_utilization, or lower "
+                         "max_num_batched_tokens / max_num_seqs / max_model_len, or set memory_budget")
     return budget

@@ -54,6 +54,10 @@ def test_resolved_fields(ckpt):
     assert cfg.slots_per_seq == 4  # "slots" rollback: 1 + k
     assert cfg.max_model_len == 8192  # no limit in the checkpoint: the default cap
     assert EngineConfig(model=str(ckpt), max_model_len=300).max_model_len == 300
+    # no max_position_embeddings in a Kimi config: 2^20, the released model's context
+    assert EngineConfig(model=str(ckpt), max_model_len=1 << 20).max_model_len == 1 << 20
+    with pytest.raises(ValueError, match=r"max_model_len=1048577 exceeds the model's max_position_embeddings \(1048576\)"):
+        EngineConfig(model=str(ckpt), max_model_len=(1 << 20) + 1)  # refused, not cut to the limit
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineConfig(model=str(ckpt), max_num_seqs=0)
     with pytest.raises(ValueError, match="config.json"):

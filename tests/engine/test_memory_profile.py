@@ -49,6 +49,19 @@ def test_bad_gpu_memory_utilization_is_a_value_error(checkpoint, value):
         EngineConfig(model=str(checkpoint), device="cpu", gpu_memory_utilization=value)
 
 
+def test_expandable_segments_are_asked_for_unless_configured(monkeypatch):
+    from hyla.engine import memory_profile
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    assert not memory_profile.prefer_expandable_segments()  # the user's setting stands
+    assert memory_profile.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert memory_profile.prefer_expandable_segments()
+    assert memory_profile.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+
+
 @pytest.mark.real_gpu_memory
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_pools_fill_the_utilization_less_what_is_in_use(checkpoint):

@@ -68,13 +68,19 @@ def test_reference_matches_loop_fp64(S, W, H, r, rope, v, ps, lens):
     assert _rel(got, _loop(*args, scale=0.3)) < 1e-12
 
 
+SPLITS = [  # min_splits, split_tokens, max_splits: one slice; a fixed count; one per 16 tokens up to 5
+    (1, 1 << 20, 1), (4, 1 << 20, 7), (2, 16, 5)]
+
+
 @pytest.mark.parametrize("S,W,H,r,rope,v,ps,lens", CASES)
-@pytest.mark.parametrize("splits", [1, 4, 7])
+@pytest.mark.parametrize("splits", SPLITS)
 def test_triton_decode_matches_loop(S, W, H, r, rope, v, ps, lens, splits):
     mla, dev = _triton()
     args = _inputs(S, W, H, r, rope, v, ps, lens, torch.float32, seed=3 * S + W)
     want = _loop(*(a.double() if a.is_floating_point() else a for a in args), scale=0.3)
-    got = mla.paged_mla_decode(*(a.to(dev) for a in args), scale=0.3, block_n=16, num_splits=splits, min_split=16)
+    lo, tokens, hi = splits
+    got = mla.paged_mla_decode(*(a.to(dev) for a in args), scale=0.3, block_n=16, min_splits=lo,
+                               split_tokens=tokens, max_splits=hi, min_split=16)
     assert got.shape == want.shape and torch.isfinite(got).all()
     assert _rel(got.cpu(), want) < 1e-5  # fp32 throughout (ieee dots): rounding only
 
@@ -83,22 +89,28 @@ def test_triton_decode_ignores_unused_table_columns():
     """A CUDA graph passes every block-table column, an eager step only the columns in use:
     the same numbers, bit for bit (the split of a sequence follows its length, not the table)."""
     mla, dev = _triton()
-    q_lat, q_pe, cache, tables, last, w_uv = _inputs(2, 1, 3, 32, 16, 16, 4, [9, 14], torch.float32, seed=4)
-    wide = torch.cat([tables, torch.full((2, 5), -1)], 1)
-    a = mla.paged_mla_decode(*(t.to(dev) for t in (q_lat, q_pe, cache, tables, last, w_uv)), scale=0.3,
-                             block_n=16, min_split=16)
-    b = mla.paged_mla_decode(*(t.to(dev) for t in (q_lat, q_pe, cache, wide, last, w_uv)), scale=0.3,
-                             block_n=16, min_split=16)
+    q_lat, q_pe, cache, tables, last, w_uv = _inputs(2, 1, 3, 32, 16, 16, 4, [37, 170], torch.float32, seed=4)
+    wide = torch.cat([tables, torch.full((2, 20), -1)], 1)
+    # a slice per 40 tokens, up to 8: 37 tokens in 1 slice, 170 in 5 of 48 tokens (the last empty); the
+    # narrow table's grid (43 pages) has room for 5 slices, the wide one's (63 pages) for 7
+    cut = dict(scale=0.3, block_n=16, min_split=16, min_splits=1, split_tokens=40, max_splits=8)
+    a = mla.paged_mla_decode(*(t.to(dev) for t in (q_lat, q_pe, cache, tables, last, w_uv)), **cut)
+    b = mla.paged_mla_decode(*(t.to(dev) for t in (q_lat, q_pe, cache, wide, last, w_uv)), **cut)
     assert torch.equal(a, b)
     padded = [torch.cat([t, t[:1]]) for t in (q_lat, q_pe, tables, last)]  # one more (padding) sequence
-    c = mla.paged_mla_decode(*(t.to(dev) for t in (padded[0], padded[1], cache, padded[2], padded[3], w_uv)),
-                             scale=0.3, block_n=16, min_split=16)
+    c = mla.paged_mla_decode(*(t.to(dev) for t in (padded[0], padded[1], cache, padded[2], padded[3], w_uv)), **cut)
     assert torch.equal(a, c[:2])
     # the graph runner's lengths and tables are strided columns of one buffer
     meta = torch.cat([torch.zeros(2, 2, dtype=torch.long), last[:, None], wide], 1)
-    d = mla.paged_mla_decode(*(t.to(dev) for t in (q_lat, q_pe, cache, meta[:, 3:], meta[:, 2], w_uv)), scale=0.3,
-                             block_n=16, min_split=16)
+    d = mla.paged_mla_decode(*(t.to(dev) for t in (q_lat, q_pe, cache, meta[:, 3:], meta[:, 2], w_uv)), **cut)
     assert torch.equal(a, d)
+
+
+def test_triton_decode_split_counts_are_checked():
+    mla, dev = _triton()
+    args = _inputs(1, 1, 2, 16, 16, 16, 4, [5], torch.float32, seed=1)
+    with pytest.raises(ValueError, match="min_splits"):
+        mla.paged_mla_decode(*(a.to(dev) for a in args), scale=0.5, min_splits=8, max_splits=4)
 
 
 def test_triton_decode_query_without_positions_gives_zeros():

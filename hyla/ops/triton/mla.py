@@ -111,7 +111,8 @@ def _decode_split_kernel(q_lat, q_pe, cache, scales, tables, last, m_out, l_out,
                          s_qn, s_qh, s_pn, s_ph, s_t, s_last, P, H, R, ROPE, W, scale,
                          PS: tl.constexpr, C: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr,
                          HAS_PE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, MIN_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+                         MIN_SPLIT: tl.constexpr, IEEE: tl.constexpr,
                          FP8: tl.constexpr, G: tl.constexpr, CT: tl.constexpr, PDL: tl.constexpr = False):
     dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     n = tl.program_id(0).to(tl.int64)
@@ -119,7 +120,9 @@ def _decode_split_kernel(q_lat, q_pe, cache, scales, tables, last, m_out, l_out,
     sp = tl.program_id(2)
     seq = n // W
     length = tl.minimum(tl.load(last + n * s_last) + 1, P * PS)
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    # the sequence's own cut, from its length alone: NUM_SPLITS (the grid) holds every length the table can
+    splits = tl.minimum(tl.maximum(tl.cdiv(length, SPLIT_TOKENS), MIN_SPLITS), NUM_SPLITS)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     start = sp * per_split
     end = tl.minimum(start + per_split, length)
     h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -214,13 +217,19 @@ def _combine_kernel(m_in, l_in, acc_in, w_uv, out, N, H, V, R, s_wh, s_wv,
 
 def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                      last: torch.Tensor, w_uv: torch.Tensor, scale: float, block_h: int = 16,
-                     block_n: int = 32, num_splits: int = 4, min_split: int = 128,
-                     kv_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton version of hyla.ops.mla.paged_mla_decode. block_h / block_n: tile sizes; a
-    sequence of L tokens is cut into at most num_splits slices of max(min_split, L / num_splits)
-    tokens (rounded up to block_n). The cut depends on L alone, not on the batch size or the
-    table width, so a CUDA-graph replay (padded batch, every table column) gives the eager
-    step's numbers bit for bit. kv_scale: FP8 latents' scales (hyla.ops.mla)."""
+                     block_n: int = 32, min_splits: int = 4, split_tokens: int = 2048, max_splits: int = 64,
+                     min_split: int = 128, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton version of hyla.ops.mla.paged_mla_decode. block_h / block_n: tile sizes.
+
+    A sequence of L tokens is cut into s(L) = clamp(ceil(L / split_tokens), min_splits, max_splits)
+    slices of max(min_split, L / s(L)) tokens (rounded up to block_n), each its own program, then
+    combined. The cut depends on L alone, not on the batch size or the table width, so a CUDA-graph
+    replay (padded batch, every table column) gives the eager step's numbers bit for bit. Short
+    contexts keep min_splits slices; long ones get one slice per split_tokens, so that a single
+    sequence at 128K still spreads over the SMs (at 4 slices, batch 1 at 128K read its latents at
+    5% of the copy bandwidth: docs/perf-log/2026-12-06-h100-engine-at-scale.md). The grid and the
+    partials' buffers [N, H, splits, R] hold the most slices a length in the table can need.
+    kv_scale: FP8 latents' scales (hyla.ops.mla)."""
     _check_decode(q_lat, q_pe, cache, block_tables, last, w_uv)
     groups = _check_scale(cache, kv_scale, q_lat.shape[2])
     N, H, R = q_lat.shape
@@ -238,6 +247,10 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     hb = triton.cdiv(H, block_h)
     BR = triton.next_power_of_2(R)
     dev = q_lat.device
+    if not 1 <= min_splits <= max_splits or split_tokens < 1:
+        raise ValueError(f"split counts need 1 <= min_splits ({min_splits}) <= max_splits ({max_splits}) "
+                         f"and split_tokens >= 1 ({split_tokens})")
+    num_splits = min(max(triton.cdiv(P * PS, split_tokens), min_splits), max_splits)
     m = torch.empty(N, H, num_splits, device=dev, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(N, H, num_splits, BR, device=dev, dtype=torch.float32)
@@ -248,7 +261,8 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         q_lat, q_pe, cache, kv_scale if fp8 else cache, block_tables, last, m, l, acc,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), last.stride(0), P, H, R, ROPE,
         N // S, float(scale), PS=PS, C=C, BR=BR, BP=max(16, triton.next_power_of_2(ROPE)), HAS_PE=ROPE > 0,
-        BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(min_split, block_n), IEEE=ieee,
+        BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLITS=min_splits, SPLIT_TOKENS=split_tokens,
+        MIN_SPLIT=max(min_split, block_n), IEEE=ieee,
         FP8=fp8, G=len(groups) if fp8 else 1, CT=ct, num_warps=4, num_stages=2, **pdl_launch(q_lat.device))
     out = torch.empty(N, H * V, device=dev, dtype=q_lat.dtype)
     BQ = 16
