@@ -88,6 +88,9 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch a decode step before the previous one's tokens are read (with CUDA graphs; "
                         "same output)")
+    p.add_argument("--kernel-warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="on one CUDA device, run prefill-shaped steps at startup so that Triton compiles their "
+                        "kernels before serving rather than during it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N devices (worker processes started by the engine)")
@@ -128,7 +131,7 @@ def _engine_config(args):
         device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, memory_budget=args.memory_budget,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
-        enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+        enforce_eager=args.enforce_eager, kernel_warmup=args.kernel_warmup, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, load_format=args.load_format,
         quantization=getattr(args, "quantization", None), backend=getattr(args, "backend", None),
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),

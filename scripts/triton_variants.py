@@ -11,7 +11,11 @@ specialisations that had not been seen yet, then per kernel how many there were 
 arguments differed. An argument that only bounds a loop or a mask is a candidate for
 `do_not_specialize` (time it on the device: a bound divisible by 16 can vectorise masked loads).
 
-    python scripts/triton_variants.py MODEL_DIR [--rounds 2]
+    python scripts/triton_variants.py MODEL_DIR [--rounds 2] [--warmup]
+
+--warmup runs the engine's startup kernel warm-up (hyla.engine.kernel_warmup, which the engine
+runs on CUDA only) first and counts what it compiled apart: what the rounds still add is what a
+warmed-up server compiles while it serves.
     (MODEL_DIR e.g. from `hyla bench shape /tmp/tkm --random-config tiny-kimi-moe`)
 """
 import argparse
@@ -42,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup", action="store_true", help="the engine's kernel warm-up first")
     args = ap.parse_args()
     seen: dict[str, list] = collections.defaultdict(list)
     fresh: list[str] = []
@@ -62,6 +67,14 @@ def main() -> None:
 
     llm = LLM(args.model, load_format="dummy", device="cpu", dtype="bfloat16", enforce_eager=True,
               enable_prefix_caching=True, max_num_batched_tokens=512, max_model_len=4096)
+    if args.warmup:
+        from hyla.engine.kernel_warmup import warm_up_kernels
+
+        cfg = llm.engine.config
+        warm_up_kernels(llm.engine.model, max_num_batched_tokens=cfg.max_num_batched_tokens, page_size=cfg.page_size,
+                        state_dtype=cfg.state_dtype, checkpoints=True)
+        print(f"warm-up: {len(fresh)} specialisations", flush=True)
+        fresh.clear()
     rng = random.Random(0)
     sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -70,7 +83,7 @@ def main() -> None:
 
     base = prompts(3, 20, 200)
     llm.generate(base, sp, use_tqdm=False)
-    print(f"first round: {len(fresh)} specialisations", flush=True)
+    print(f"first round: {len(fresh)} {'new' if args.warmup else 'specialisations'}", flush=True)
     for r in range(args.rounds):
         fresh.clear()
         llm.generate(prompts(3, 20, 400), sp, use_tqdm=False)

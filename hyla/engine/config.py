@@ -114,7 +114,11 @@ class EngineConfig:
     cuda_graph_sizes (vLLM's `--cuda-graph-sizes`): the batch sizes decode CUDA graphs are
     captured for (at startup, unless speculating: hyla.engine.cuda_graph; a batch runs in the
     smallest size that holds it, a larger one eagerly); None = 1, 2, 4, then multiples of 8 up to
-    max_num_seqs."""
+    max_num_seqs.
+    kernel_warmup: on CUDA with one device, run the prefill-shaped steps a server meets once at
+    startup, so that Triton compiles their kernels before the first request rather than while
+    it serves (hyla.engine.kernel_warmup); False skips it (a few seconds when the machine's Triton
+    cache holds them)."""
 
     model: str
     dtype: torch.dtype | str | None = None
@@ -147,6 +151,7 @@ class EngineConfig:
     backend: str | None = None  # "auto" / "torch" / "triton": the ops' backend (None: HYLA_BACKEND's, else auto)
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read (hyla.engine.overlap)
     cuda_graph_sizes: list[int] | None = None  # decode graphs' batch sizes (None: 1, 2, 4, 8, 16, ... max_num_seqs)
+    kernel_warmup: bool = True  # on CUDA, one device: prefill-shaped steps compile their kernels before serving
     model_limit: int = field(init=False, default=0)  # the checkpoint's max_position_embeddings (or 2^20)
 
     def __post_init__(self):

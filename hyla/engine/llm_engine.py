@@ -19,6 +19,7 @@ import torch
 from hyla.engine.cache_tiers import TierSizes, int8_entry_bytes
 from hyla.engine.config import EngineConfig
 from hyla.engine.generation_config import read_generation_config, token_ids
+from hyla.engine.kernel_warmup import warm_up_kernels
 from hyla.engine.cuda_graph import batch_buckets, startup_widths, use_cuda_graphs
 from hyla.engine.memory_profile import (device_pool_budget, prefer_expandable_segments, profile_graph_bytes,
                                         profile_step_bytes)
@@ -98,6 +99,10 @@ class LLMEngine:
         later = drafter.bind_weight_bytes(self.model) if drafter is not None else 0  # loaded by bind
         if budget is not None and config.memory_budget is None:  # measured free memory, before bind
             budget = max(0, budget - later)
+        if config.kernel_warmup and self.model.device.type == "cuda" and self.workers is None:
+            warm_up_kernels(self.model, max_num_batched_tokens=config.max_num_batched_tokens,
+                            page_size=config.page_size, state_dtype=config.state_dtype,
+                            kv_cache_dtype=config.kv_cache_dtype, checkpoints=config.enable_prefix_caching)
         graph_sizes = config.cuda_graph_sizes or batch_buckets(config.max_num_seqs)
         # speculative decoding decodes through verify graphs: its decode graphs stay lazy
         capture = self.workers is None and spec_cfg is None and use_cuda_graphs(self.model, config.enforce_eager)
