@@ -15,9 +15,9 @@ geometric ladder from 1 to max_num_batched_tokens (and T + 1: the other divisibi
 a context (prefix-cache hits, later chunks), batches of several prefill and decode rows, and,
 with the prefix cache, prefills that export state checkpoints. Under the Triton interpreter on
 the tiny Kimi MoE shape (max_num_batched_tokens 512), a random workload with prefix hits compiled
-62 specialisations over its first rounds; after the warm-up (83 of its own) the same rounds
-compiled 16, the rest being batch compositions (index tensors' alignment) no fixed set of steps
-pins down (`python scripts/triton_variants.py MODEL --rounds 3 --warmup`). Not yet timed on a
+62 specialisations over its first rounds; after the warm-up (71 of its own) the same rounds
+compiled 7 (`python scripts/triton_variants.py MODEL --rounds 3 --warmup`), with the step inputs
+staged on 16-byte boundaries (hyla.ops.transfer.stage_long; 16 without). Not yet timed on a
 device: how long it takes there, cold and warm.
 """
 

@@ -35,17 +35,21 @@ def long_tensor(values) -> torch.Tensor:
 def stage_long(pieces: list, device, dtype: torch.dtype = torch.long) -> list[torch.Tensor]:
     """Device tensors of `pieces` (python int lists or CPU tensors of any shape), copied in one
     transfer: each result is a view of one `dtype` (int64 or int32) device buffer, in the
-    pieces' shapes."""
+    pieces' shapes, starting on a 16-byte boundary. Triton compiles a kernel once per pointer
+    alignment it is given: packed back to back, a piece's alignment followed the lengths of the
+    pieces before it, so new batch sizes kept compiling new variants while a server ran
+    (scripts/triton_variants.py)."""
     device = torch.device("cpu" if device is None else device)
     host = [long_tensor(p) for p in pieces]
-    total = sum(t.numel() for t in host)
-    pinned = device.type == "cuda"
-    buf = torch.empty(total, dtype=dtype, pin_memory=pinned)
+    per_16 = 16 // torch.empty(0, dtype=dtype).element_size()  # elements in 16 bytes
     offsets, at = [], 0
     for t in host:
-        buf[at:at + t.numel()] = t.reshape(-1)
         offsets.append(at)
-        at += t.numel()
+        at += -(-t.numel() // per_16) * per_16
+    pinned = device.type == "cuda"
+    buf = torch.empty(at, dtype=dtype, pin_memory=pinned)
+    for o, t in zip(offsets, host):
+        buf[o:o + t.numel()] = t.reshape(-1)
     dev = buf.to(device, non_blocking=pinned) if device.type != "cpu" else buf
     return [dev[o:o + t.numel()].view(t.shape) for o, t in zip(offsets, host)]
 

@@ -24,6 +24,10 @@ def test_stage_keeps_values_and_shapes(dtype):
     assert out[0].tolist() == [0, 5, 9] and out[1].tolist() == [[0, 1, 2], [3, 4, 5]] and out[3].tolist() == [[7], [8]]
     # one buffer: every piece is a view of the same storage
     assert len({t.untyped_storage().data_ptr() for t in out}) == 1
+    # each piece starts on 16 bytes, whatever the lengths before it (one Triton variant, not two)
+    assert all(t.data_ptr() % 16 == 0 for t in out)
+    odd = stage_long([[1], [2, 3, 4], [5, 6, 7, 8, 9]], "cpu", dtype=dtype)
+    assert all(t.data_ptr() % 16 == 0 for t in odd) and [t.tolist() for t in odd] == [[1], [2, 3, 4], [5, 6, 7, 8, 9]]
 
 
 def test_to_device_long():
