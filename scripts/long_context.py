@@ -16,7 +16,6 @@ import statistics
 import time
 
 from hyla.engine import EngineConfig, LLMEngine, SamplingParams
-from hyla.models.loader import load_config
 
 
 def main() -> None:
@@ -27,7 +26,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--quantization", choices=["fp8"], help="block-FP8 weights (drawn in FP8)")
     a = p.parse_args()
-    limit = getattr(load_config(a.model), "max_position_embeddings", None) or 1 << 20
+    limit = EngineConfig(model=a.model, load_format="dummy").model_limit  # the engine's own rule
     room = limit - a.decode - 1
     for L in a.lengths:
         if L > room:

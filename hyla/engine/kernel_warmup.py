@@ -63,7 +63,7 @@ def warmup_rows(max_tokens: int, checkpoints: bool, seed: int = 0) -> list[list[
     if checkpoints:
         steps.append([(min(200, max_tokens), 0, 1), (min(33, max_tokens), 17, 0)])
         steps.append([(max_tokens, 64, 2)])
-    return [[r for r in step if r[0] >= 1] for step in steps if sum(r[0] for r in step) <= max_tokens]
+    return [step for step in steps if sum(r[0] for r in step) <= max_tokens]  # the checkpoint pair may not fit
 
 
 @torch.inference_mode()

@@ -47,7 +47,7 @@ def prefer_expandable_segments() -> bool:
     processes started later inherit it."""
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
         return False
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         return False
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return True

@@ -41,7 +41,7 @@ def stage_long(pieces: list, device, dtype: torch.dtype = torch.long) -> list[to
     (scripts/triton_variants.py)."""
     device = torch.device("cpu" if device is None else device)
     host = [long_tensor(p) for p in pieces]
-    per_16 = 16 // torch.empty(0, dtype=dtype).element_size()  # elements in 16 bytes
+    per_16 = 16 // dtype.itemsize  # elements in 16 bytes
     offsets, at = [], 0
     for t in host:
         offsets.append(at)

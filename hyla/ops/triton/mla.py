@@ -228,9 +228,8 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     contexts keep min_splits slices; long ones get one slice per split_tokens, so that a single
     sequence at 128K still spreads over the SMs (4 slices read one layer's latents at batch 1 and
     128K in 2.37 ms, 2,048-token slices in 0.24 ms: BENCHMARKS.md "Long contexts: the 48B shape's
-    decode at 128K and a 1M prompt"). The grid and the
-    partials' buffers [N, H, splits, R] hold the most slices a length in the table can need.
-    kv_scale: FP8 latents' scales (hyla.ops.mla)."""
+    decode at 128K and a 1M prompt"). The grid and the partials' buffers [N, H, splits, R] hold
+    the most slices a length in the table can need. kv_scale: FP8 latents' scales (hyla.ops.mla)."""
     _check_decode(q_lat, q_pe, cache, block_tables, last, w_uv)
     groups = _check_scale(cache, kv_scale, q_lat.shape[2])
     N, H, R = q_lat.shape
