@@ -62,6 +62,35 @@ def host_profile(fn, top: int) -> str:
     return "\n# ".join(lines)
 
 
+def python_profile(fn, top: int) -> str:
+    """Host time by python function (cProfile over one synced call): own time (tottime) and
+    time including callees (cumtime), hyla's functions and the libraries' entry points. cProfile
+    adds a few microseconds a call, so the ranking matters, not the sum."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (filename, line, name), (_, calls, tottime, cumtime, _) in stats.stats.items():
+        where = filename.split("/hyla/")[-1] if "/hyla/" in filename else filename.split("/")[-1]
+        rows.append((tottime, cumtime, calls, f"{where}:{line} {name}"))
+    total = sum(r[0] for r in rows)
+    own = sorted(rows, reverse=True)[:top]
+    cum = sorted((r for r in rows if "/" in r[3].split(" ")[0]),
+                 key=lambda r: -r[1])[:top]
+    lines = [f"{total * 1e3:.1f} ms under cProfile; by own time:"]
+    lines += [f"  {t * 1e3:7.2f} ms {n:6d}x {w[:110]}" for t, _, n, w in own]
+    lines += ["by time with callees (hyla's):"]
+    lines += [f"  {c * 1e3:7.2f} ms {n:6d}x {w[:110]}" for _, c, n, w in cum]
+    return "\n# ".join(lines)
+
+
 def sync_sites(fn, top: int) -> str:
     """Where a call makes the host wait for the device (torch.cuda sync debug mode): the python
     line of each synchronising call, counted, innermost hyla frame first."""
@@ -196,6 +225,7 @@ def main() -> None:
     print(f"# {args.random_config}, {args.layers} layers: prefill of {T} tokens: {fl.kernel_profile(run, args.top)}")
     print(f"# prefill by torch op:\n{op_profile(run, args.top)}")
     print(f"# prefill on the host: {host_profile(run, args.top)}")
+    print(f"# prefill in python: {python_profile(run, 2 * args.top)}")
     print(f"# prefill syncs: {sync_sites(run, args.top)}")
     print(f"# prefill idle: {gap_profile(run, top=args.top)}")
     pages = -(-(args.context + 1) // 16)
