@@ -98,9 +98,13 @@ def _align_kernel(ids, counts, ranks, pad_starts, sorted_pairs, block_expert, P,
         tl.store(block_expert + ob, tl.where(row < total, owner, -1), mask=ob < NB)
 
 
-# Above this many pairs the one-program kernel is slower than a device sort (measured on an H200:
-# 0.37 ms at 65,536 pairs, where a sort takes well under 0.1 ms); decode batches stay far below.
-ONE_PROGRAM_MAX_PAIRS = 8192
+# Above this many pairs the one-program kernel costs more device time than a device sort (0.37 ms
+# at 65,536 pairs on an H200) and the prefill step is device-bound anyway; below it the sort's ~20
+# torch ops cost more host time than the kernel's device time, in steps the host bounds. 48B shape,
+# 12 layers, FP8, one H100 (scripts/prefill_wall.py, BENCHMARKS.md "Prefill steps: host or device"):
+# a 1,024-token step 49.2 -> 38.5 ms at 8,192 -> 40,000; 4,096 tokens 48.3 -> 41.1 ms; 8,192 tokens
+# (73,728 pairs) 65 ms either way, 68 ms with the one-program kernel.
+ONE_PROGRAM_MAX_PAIRS = 40000
 
 
 def _align_pairs_sorted(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,91 @@
+"""A prefill step's wall time against its kernel time, by prompt length: where an eager prefill
+step is host-bound (the GPU waits on python launching kernels) and where it is device-bound.
+
+    python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 256 1024 4096 8192
+    python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 4096 --align-max-pairs 8192 65536
+
+One prompt per step through ModelRunner.execute (what the engine runs), random weights on the
+device; wall = synced median of 5 after a warm-up; kernel = the summed GPU time of one call
+(torch.profiler). --align-max-pairs times each value of the fused MoE's one-program alignment
+bound (hyla.ops.triton.fused_moe.ONE_PROGRAM_MAX_PAIRS) side by side in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hyla.bench.random_models import RANDOM_CONFIGS, random_config_dict, random_model
+from hyla.bench.step_bench import make_runner
+from hyla.engine.step_plan import StepPlan
+from hyla.ops.triton import fused_moe
+
+
+def kernel_ms(fn) -> float:
+    """Summed GPU kernel time of one synced call (ms)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(k.self_device_time_total for k in prof.key_averages() if k.device_type == DeviceType.CUDA) / 1e3
+
+
+def wall_ms(fn, repeats: int = 5) -> float:
+    walls = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(walls)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--random-config", default="kimi-linear-48b-a3b", choices=sorted(RANDOM_CONFIGS))
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 8192])
+    p.add_argument("--align-max-pairs", type=int, nargs="*", default=[], help="one-program alignment bounds to compare")
+    p.add_argument("--quantization", "-q", choices=["fp8"], default=None, help="block-FP8 weights")
+    args = p.parse_args()
+    if args.quantization:
+        from hyla.models import load_model
+
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(random_config_dict(args.random_config, args.layers)))
+            model = load_model(tmp, dtype=torch.bfloat16, device="cuda", random_weights=True,
+                               quantization=args.quantization)
+    else:
+        model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers)
+    runner = make_runner(model, 1, 16, prefill_tokens=max(args.lengths))
+    bounds = args.align_max_pairs or [fused_moe.ONE_PROGRAM_MAX_PAIRS]
+    print(f"# {args.random_config}, {args.layers} layers, {args.quantization or 'bf16'}, "
+          f"{torch.cuda.get_device_name()}: one prompt per prefill step")
+    print("| tokens | align max pairs | wall ms | kernel ms | wall / kernel | tokens/s |")
+    print("|---|---|---|---|---|---|")
+    for T in args.lengths:
+        prompt = torch.randint(3, model.config.vocab_size, (T,)).tolist()
+        table = list(range(-(-(T + 1) // 16)))
+
+        def run():
+            return runner.execute(StepPlan(token_ids=prompt, seq_lens=[T], context_lens=[0], block_tables=[table],
+                                           state_slots=[0], logit_rows=[[T - 1]]))
+        for bound in bounds:
+            fused_moe.ONE_PROGRAM_MAX_PAIRS = bound
+            run()
+            wall, kern = wall_ms(run), kernel_ms(run)
+            print(f"| {T} | {bound} | {wall:.2f} | {kern:.2f} | {wall / kern:.2f}x | {T / wall * 1e3:,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
