@@ -3,8 +3,9 @@ step is host-bound (the GPU waits on python launching kernels) and where it is d
 
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 256 1024 4096 8192
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 4096 --align-max-pairs 8192 65536
+    python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 8192 --rows 1 4 16
 
-One prompt per step through ModelRunner.execute (what the engine runs), random weights on the
+One step of --rows prompts (default one) through ModelRunner.execute (what the engine runs), random weights on the
 device; wall = synced median of 5 after a warm-up; kernel = the summed GPU time of one call
 (torch.profiler). --align-max-pairs times each value of the fused MoE's one-program alignment
 bound (hyla.ops.triton.fused_moe.ONE_PROGRAM_MAX_PAIRS) side by side in the same process.
@@ -55,6 +56,10 @@ def main() -> None:
     p.add_argument("--random-config", default="kimi-linear-48b-a3b", choices=sorted(RANDOM_CONFIGS))
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 8192])
+    p.add_argument("--rows", type=int, nargs="*", default=[1], help="split each length over this many prompts "
+                   "(a step of several sequences, as a burst of requests makes)")
+    p.add_argument("--context", type=int, default=0, help="each prompt resumes after this many cached tokens "
+                   "(a returning turn on a prefix-cache hit)")
     p.add_argument("--align-max-pairs", type=int, nargs="*", default=[], help="one-program alignment bounds to compare")
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None, help="block-FP8 weights")
     args = p.parse_args()
@@ -67,24 +72,35 @@ def main() -> None:
                                quantization=args.quantization)
     else:
         model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers)
-    runner = make_runner(model, 1, 16, prefill_tokens=max(args.lengths))
+    runner = make_runner(model, max(args.rows), 16, prefill_tokens=max(args.lengths) + (args.context + 32) * max(args.rows))
     bounds = args.align_max_pairs or [fused_moe.ONE_PROGRAM_MAX_PAIRS]
     print(f"# {args.random_config}, {args.layers} layers, {args.quantization or 'bf16'}, "
           f"{torch.cuda.get_device_name()}: one prompt per prefill step")
-    print("| tokens | align max pairs | wall ms | kernel ms | wall / kernel | tokens/s |")
-    print("|---|---|---|---|---|---|")
-    for T in args.lengths:
-        prompt = torch.randint(3, model.config.vocab_size, (T,)).tolist()
-        table = list(range(-(-(T + 1) // 16)))
+    print(f"# each prompt after {args.context} cached tokens")
+    print("| tokens | prompts | align max pairs | wall ms | kernel ms | wall / kernel | tokens/s |")
+    print("|---|---|---|---|---|---|---|")
+    for T, rows, bound in ((T, r, b) for T in args.lengths for r in args.rows for b in bounds):
+        plan = split_plan(T, rows, model.config.vocab_size, args.context)
+        fused_moe.ONE_PROGRAM_MAX_PAIRS = bound
+        run = lambda: runner.execute(plan)  # noqa: E731
+        run()
+        wall, kern = wall_ms(run), kernel_ms(run)
+        print(f"| {T} | {rows} | {bound} | {wall:.2f} | {kern:.2f} | {wall / kern:.2f}x | {T / wall * 1e3:,.0f} |")
 
-        def run():
-            return runner.execute(StepPlan(token_ids=prompt, seq_lens=[T], context_lens=[0], block_tables=[table],
-                                           state_slots=[0], logit_rows=[[T - 1]]))
-        for bound in bounds:
-            fused_moe.ONE_PROGRAM_MAX_PAIRS = bound
-            run()
-            wall, kern = wall_ms(run), kernel_ms(run)
-            print(f"| {T} | {bound} | {wall:.2f} | {kern:.2f} | {wall / kern:.2f}x | {T / wall * 1e3:,.0f} |")
+
+def split_plan(tokens: int, rows: int, vocab: int, context: int = 0) -> StepPlan:
+    """A prefill step of `tokens` new tokens over `rows` prompts (lengths differing by at most
+    one), each after `context` cached tokens (random pages and state), in its own state slot and
+    pages, every prompt's last row sampled."""
+    lens = [tokens // rows + (i < tokens % rows) for i in range(rows)]
+    tables, first = [], 0
+    for n in lens:
+        pages = -(-(context + n + 1) // 16)
+        tables.append(list(range(first, first + pages)))
+        first += pages
+    ids = torch.randint(3, vocab, (tokens,)).tolist()
+    return StepPlan(token_ids=ids, seq_lens=lens, context_lens=[context] * rows, block_tables=tables,
+                    state_slots=list(range(rows)), logit_rows=[[n - 1] for n in lens])
 
 
 if __name__ == "__main__":

@@ -84,3 +84,36 @@ def test_missing_page_is_an_error():
     cache = MLALayerCache(torch.zeros(4, 4, 22, dtype=torch.float64))
     with pytest.raises(ValueError, match="page"):
         layer.forward_batch(torch.randn(6, 32, dtype=torch.float64), ForwardBatch.build([6], [0], [[2]], [0]), cache)
+
+
+@pytest.mark.parametrize("expand_bytes", [1 << 30, 40 * 864])
+def test_many_prompts_in_one_step_equal_each_alone(monkeypatch, expand_bytes):
+    """Seven sequences at awkward lengths, five after a cached prefix, prefilled in one step on
+    scattered pages: each sequence's output equals its full forward. The small bound (40
+    positions of 864 bytes, fp64 x 3 heads x 36) sends the longer contexts through key blocks.
+    Unused page rows hold large garbage: no padding row may reach a score."""
+    import hyla.layers.prefix_attention as pa
+
+    monkeypatch.setattr(pa, "EXPAND_BYTES", expand_bytes)
+    layer = _layer(8)
+    page = 4
+    lens = [(0, 5), (3, 9), (7, 2), (0, 13), (11, 34), (1, 1), (6, 7)]  # (cached, new)
+    tables, first = [], 0
+    for ctx, new in lens:
+        n_pages = -(-(ctx + new) // page)
+        tables.append(list(range(first, first + n_pages))[::-1])  # scattered, in reverse
+        first += n_pages
+    cache = MLALayerCache(torch.randn(first, page, 22, dtype=torch.float64) * 1e3)
+    xs = [torch.randn(ctx + new, 32, dtype=torch.float64) for ctx, new in lens]
+    with torch.no_grad():
+        prefix = [n for n, (ctx, _) in enumerate(lens) if ctx]
+        layer.forward_batch(torch.cat([xs[n][:lens[n][0]] for n in prefix]),
+                            ForwardBatch.build([lens[n][0] for n in prefix], [0] * len(prefix),
+                                               [tables[n] for n in prefix], prefix), cache)
+        batch = ForwardBatch.build([new for _, new in lens], [ctx for ctx, _ in lens], tables, list(range(len(lens))))
+        y = layer.forward_batch(torch.cat([x[ctx:] for x, (ctx, _) in zip(xs, lens)]), batch, cache)
+        start = 0
+        for x, (ctx, new) in zip(xs, lens):
+            assert torch.allclose(y[start:start + new], layer(x[None])[0, ctx:], atol=1e-12, rtol=0)
+            start += new
+
