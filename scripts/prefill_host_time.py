@@ -10,6 +10,10 @@ outputs are garbage (requests may fail on non-finite logits; the time is all thi
 the steps small: the torch ops still compute on the CPU, which at hundreds of rows (bf16 on a CPU)
 outgrows the host work being measured.
 Prints ms per step and Triton launches per step; --profile N adds cProfile's top N by own time.
+It undercounts what a GPU's host does: it runs neither Triton's real launcher nor CUDA's dispatch.
+On an H100 a 12-layer FP8 prefill step of 1,024 tokens took ~40 ms of wall for 18 ms of kernels
+(scripts/prefill_wall.py, docs/perf-log/2026-12-06-h100-defaults-and-prefill-host.md), where this
+script had estimated ~6 ms of host for those layers: the launch counts and the ranking are its use.
 A model of the released layer pattern at tiny sizes: `hyla bench shape DIR --random-config
 tiny-kimi-moe`, then its config.json's num_hidden_layers and linear_attn_config set to the 48B's
 (docs/perf-log/2026-12-06-h100-engine-at-scale.md).
