@@ -138,5 +138,6 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     valid = torch.arange(lat.shape[1], device=lat.device)[None, :] <= last[:, None]  # [N, L]
     scores = scores.masked_fill(~valid.view(S, N // S, 1, -1), float("-inf"))
     probs = scores.softmax(-1).to(lat.dtype)
-    o_lat = torch.einsum("swhl,slr->swhr", probs, lat[..., :r])
+    past = ~valid.view(S, N // S, -1)[:, -1]  # [S, L]: rows past each sequence's last query (0 * NaN)
+    o_lat = torch.einsum("swhl,slr->swhr", probs, lat[..., :r].masked_fill(past[..., None], 0))
     return torch.einsum("swhr,hvr->swhv", o_lat, w_uv.to(o_lat.dtype)).reshape(N, -1).to(q_lat.dtype)

@@ -91,7 +91,8 @@ def test_many_prompts_in_one_step_equal_each_alone(monkeypatch, expand_bytes):
     """Seven sequences at awkward lengths, five after a cached prefix, prefilled in one step on
     scattered pages: each sequence's output equals its full forward. The small bound (40
     positions of 864 bytes, fp64 x 3 heads x 36) sends the longer contexts through key blocks.
-    Unused page rows hold large garbage: no padding row may reach a score."""
+    Unused page rows hold NaN (what a request that overflowed leaves in pages a later one gets):
+    no row past a sequence's length may reach its output, in the prefill or the absorbed path."""
     import hyla.layers.prefix_attention as pa
 
     monkeypatch.setattr(pa, "EXPAND_BYTES", expand_bytes)
@@ -103,7 +104,7 @@ def test_many_prompts_in_one_step_equal_each_alone(monkeypatch, expand_bytes):
         n_pages = -(-(ctx + new) // page)
         tables.append(list(range(first, first + n_pages))[::-1])  # scattered, in reverse
         first += n_pages
-    cache = MLALayerCache(torch.randn(first, page, 22, dtype=torch.float64) * 1e3)
+    cache = MLALayerCache(torch.full((first, page, 22), float("nan"), dtype=torch.float64))
     xs = [torch.randn(ctx + new, 32, dtype=torch.float64) for ctx, new in lens]
     with torch.no_grad():
         prefix = [n for n, (ctx, _) in enumerate(lens) if ctx]

@@ -106,6 +106,29 @@ def test_triton_decode_ignores_unused_table_columns():
     assert torch.equal(a, d)
 
 
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_rows_past_a_length_never_reach_the_output(path):
+    """Page rows past each sequence's last position hold NaN (what a request whose activations
+    overflowed leaves in pages a later request gets): the output equals the one over a zeroed
+    pool, in the reference (0 x NaN is NaN in its value product) and in the kernel."""
+    S, W, H, r, rope, v, ps, lens = 3, 2, 3, 32, 16, 24, 4, [5, 13, 2]
+    q_lat, q_pe, cache, tables, last, w_uv = _inputs(S, W, H, r, rope, v, ps, lens, torch.float32, seed=11)
+    used = torch.zeros(cache.shape[:2], dtype=torch.bool)
+    for s, n in enumerate(lens):
+        for t in range(n):
+            used[tables[s, t // ps], t % ps] = True
+    nan = cache.masked_fill(~used[..., None], float("nan"))
+    clean = cache.masked_fill(~used[..., None], 0.0)
+    if path == "reference":
+        a = ref.paged_mla_decode(q_lat, q_pe, nan, tables, last, w_uv, scale=0.3)
+        b = ref.paged_mla_decode(q_lat, q_pe, clean, tables, last, w_uv, scale=0.3)
+    else:
+        mla, dev = _triton()
+        a, b = (mla.paged_mla_decode(*(t.to(dev) for t in (q_lat, q_pe, c, tables, last, w_uv)), scale=0.3,
+                                     block_n=16).cpu() for c in (nan, clean))
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
 def test_triton_decode_split_counts_are_checked():
     mla, dev = _triton()
     args = _inputs(1, 1, 2, 16, 16, 16, 4, [5], torch.float32, seed=1)
