@@ -70,6 +70,25 @@ def attend_built(q: torch.Tensor, build, context: int, bytes_per_position: int, 
     return attend_key_blocks(q, (build(start, stop) for start, stop in blocks), scale)
 
 
+def expansion_groups(sequences: list[tuple[int, int]], bytes_per_position: int,
+                     page_size: int) -> list[list[tuple[int, int]]]:
+    """sequences: (index, positions L) of a step's prefill sequences, in order -> consecutive
+    groups whose keys and values, built together over whole pages (each sequence's L rounded up
+    to a page), fit EXPAND_BYTES; a sequence that does not fit alone is a group of its own (for
+    attend_built's blocks)."""
+    groups: list[list[tuple[int, int]]] = []
+    used = 0
+    for n, L in sequences:
+        size = -(-L // page_size) * page_size * bytes_per_position
+        if groups and used + size <= EXPAND_BYTES:
+            groups[-1].append((n, L))
+            used += size
+        else:
+            groups.append([(n, L)])
+            used = size
+    return groups
+
+
 def key_blocks(context: int, new: int, bytes_per_position: int) -> list[tuple[int, int]] | None:
     """The blocks of positions (start, stop) whose keys and values attend_key_blocks builds for
     `new` tokens after `context` cached ones: the prefix in blocks of at most EXPAND_BYTES (at

@@ -89,8 +89,10 @@ def test_missing_page_is_an_error():
 @pytest.mark.parametrize("expand_bytes", [1 << 30, 40 * 864])
 def test_many_prompts_in_one_step_equal_each_alone(monkeypatch, expand_bytes):
     """Seven sequences at awkward lengths, five after a cached prefix, prefilled in one step on
-    scattered pages: each sequence's output equals its full forward. The small bound (40
-    positions of 864 bytes, fp64 x 3 heads x 36) sends the longer contexts through key blocks.
+    scattered pages: each sequence's output equals its full forward, through the grouped path
+    (one gather and one up-projection for a group's pages). The small bound (40 positions of 864
+    bytes, fp64 x 3 heads x 36) splits the step into several groups and leaves a 45-position
+    sequence alone, in key blocks.
     Unused page rows hold NaN (what a request that overflowed leaves in pages a later one gets):
     no row past a sequence's length may reach its output, in the prefill or the absorbed path."""
     import hyla.layers.prefix_attention as pa
@@ -118,3 +120,12 @@ def test_many_prompts_in_one_step_equal_each_alone(monkeypatch, expand_bytes):
             assert torch.allclose(y[start:start + new], layer(x[None])[0, ctx:], atol=1e-12, rtol=0)
             start += new
 
+
+
+def test_expansion_groups_fit_the_bound_in_order():
+    from hyla.layers.prefix_attention import EXPAND_BYTES, expansion_groups
+
+    per = EXPAND_BYTES // 100  # 100 positions fit
+    seqs = [(0, 30), (1, 50), (2, 30), (3, 250), (4, 10), (5, 15)]
+    assert expansion_groups(seqs, per, 10) == [[(0, 30), (1, 50)], [(2, 30)], [(3, 250)], [(4, 10), (5, 15)]]
+    assert expansion_groups([], per, 10) == []
