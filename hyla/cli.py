@@ -91,6 +91,9 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--kernel-warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="on one CUDA device, run prefill-shaped steps at startup so that Triton compiles their "
                         "kernels before serving rather than during it")
+    p.add_argument("--step-log", metavar="PATH", default=None,
+                   help="write one JSON line per engine step (time, wall time, decode rows, prefill chunks by "
+                        "request id) to PATH, for taking a run's latencies apart")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over N devices (worker processes started by the engine)")
@@ -139,7 +142,7 @@ def _engine_config(args):
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),  # a serve flag
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, checkpoint_dtype=args.checkpoint_dtype,
         host_cache_bytes=args.host_cache_bytes, async_scheduling=args.async_scheduling,
-        cuda_graph_sizes=args.cuda_graph_sizes)
+        cuda_graph_sizes=args.cuda_graph_sizes, step_log=getattr(args, "step_log", None))
 
 
 def _serve(args) -> None:

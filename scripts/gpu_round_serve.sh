@@ -9,7 +9,7 @@ B="python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --
 serve() {  # start the 48B server with extra flags; wait for /health
   T0=$(date +%s)
   python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-      --max-model-len 8192 "$@" > $OUT/serve$TAG.log 2>&1 &
+      --max-model-len 8192 --step-log $OUT/steps-$TAG.jsonl "$@" > $OUT/serve$TAG.log 2>&1 &
   SP=$!
   if ! wait_ready $SP $OUT/serve$TAG.log; then
     # the defaults' memory accounting failed (it did on an H100 on 2026-12-06, before expandable
@@ -45,10 +45,12 @@ done
     | grep -E "throughput|TTFT|TPOT|Failed" | grep -iv "median\|std" | tr '\n' ';'; echo " <- poisson ${RATE:-5}/s"; }
 [ "${PART:-cached}" = cached ] && cached
 kill $SP; wait $SP 2>/dev/null
+python3 scripts/step_log_summary.py $OUT/steps-on.jsonl | head -14
 grep -E "Error|Traceback|error" $OUT/serveon.log | head -5
 [ -n "$NO_OFF" ] || [ "${PART:-cached}" != cached ] && exit 0
 TAG=off; serve --no-enable-prefix-caching
 cached
 kill $SP; wait $SP 2>/dev/null
+python3 scripts/step_log_summary.py $OUT/steps-off.jsonl | head -14
 echo "== MLA splits"
 timeout 100 python3 scripts/mla_splits.py 2>&1 | tail -12

@@ -118,7 +118,10 @@ class EngineConfig:
     kernel_warmup: on CUDA with one device, run the prefill-shaped steps a server meets once at
     startup, so that Triton compiles their kernels before the first request rather than while
     it serves (hyla.engine.kernel_warmup); False skips it (a few seconds when the machine's Triton
-    cache holds them)."""
+    cache holds them).
+    step_log: a file path: one JSON line per engine step (its time, wall time, decode rows and
+    prefill chunks by request id: hyla.engine.step_log), for taking a served run's latencies apart;
+    None writes nothing."""
 
     model: str
     dtype: torch.dtype | str | None = None
@@ -152,6 +155,7 @@ class EngineConfig:
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read (hyla.engine.overlap)
     cuda_graph_sizes: list[int] | None = None  # decode graphs' batch sizes (None: 1, 2, 4, 8, 16, ... max_num_seqs)
     kernel_warmup: bool = True  # on CUDA, one device: prefill-shaped steps compile their kernels before serving
+    step_log: str | None = None  # a JSON-lines trace of every engine step (hyla.engine.step_log)
     model_limit: int = field(init=False, default=0)  # the checkpoint's max_position_embeddings (or 2^20)
 
     def __post_init__(self):
@@ -180,6 +184,8 @@ class EngineConfig:
         if self.checkpoint_interval is not None and (not isinstance(self.checkpoint_interval, int)
                                                      or self.checkpoint_interval < 1):
             raise ValueError(f"checkpoint_interval must be a positive integer, got {self.checkpoint_interval!r}")
+        if self.step_log is not None and (not isinstance(self.step_log, (str, os.PathLike)) or not str(self.step_log)):
+            raise ValueError(f"step_log must be a file path, got {self.step_log!r}")
         if self.backend is not None and self.backend not in ("auto", "torch", "triton"):
             raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {self.backend!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -20,6 +20,7 @@ from hyla.engine.cache_tiers import TierSizes, int8_entry_bytes
 from hyla.engine.config import EngineConfig
 from hyla.engine.generation_config import read_generation_config, token_ids
 from hyla.engine.kernel_warmup import warm_up_kernels
+from hyla.engine.step_log import StepLog
 from hyla.engine.cuda_graph import batch_buckets, startup_widths, use_cuda_graphs
 from hyla.engine.memory_profile import (device_pool_budget, prefer_expandable_segments, profile_graph_bytes,
                                         profile_step_bytes)
@@ -159,6 +160,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the first: xgrammar's stop
         self.requests: dict[str, Sequence] = {}
+        self.step_log = StepLog(config.step_log) if config.step_log else None
         # Counters the engine itself advances; get_metrics adds the scheduler's and the pools'.
         self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_requests_failed": 0,
                         "prompt_tokens": 0, "generation_tokens": 0, "spec_num_draft_tokens": 0, "spec_num_drafts": 0,
@@ -388,18 +390,25 @@ class LLMEngine:
         try:
             return self._step()
         finally:
-            self.metrics["engine_step_seconds"] += time.perf_counter() - began
+            ended = time.perf_counter()
+            self.metrics["engine_step_seconds"] += ended - began
+            if self.step_log is not None:
+                self.step_log.record(began, ended)
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._drained = self._drained, []
         if self.overlap is not None and self.overlap.flight is not None:
             # a decode step launched during the previous one (hyla.engine.overlap): no scheduling
+            if self.step_log is not None:
+                self.step_log.plan("decode in flight", self.overlap.flight.seqs)
             self.metrics["num_steps"] += 1
             outputs += self._land_decode(launch=True)
             self._apply_cache_transfers()
             return outputs
         if self.chain is not None and self.chain.flight is not None:
             # a step launched during the previous one (hyla.engine.spec.mtp.overlap): no scheduling
+            if self.step_log is not None:
+                self.step_log.plan("mtp in flight", self.chain.flight.seqs)
             self.metrics["num_steps"] += 1
             outputs += self._collect_flight(launch=True)
             self._apply_cache_transfers()
@@ -408,6 +417,8 @@ class LLMEngine:
         self.runner.apply_transfers(batch.transfers)  # also with no request to run: evictions planned copies
         if batch.is_empty:
             return outputs
+        if self.step_log is not None:
+            self.step_log.plan("scheduled", batch.seqs, batch.num_new_tokens)
         self.metrics["num_steps"] += 1
         plain, spec = batch.split()
         outputs += self._plain_step(plain) if plain.seqs else []
@@ -658,9 +669,12 @@ class LLMEngine:
         self.metrics["num_requests_finished"] += 1
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do on one device); the engine is unusable after."""
+        """Stop the tensor-parallel workers (nothing to do on one device) and close the step log;
+        the engine is unusable after."""
         if self.workers is not None:
             self.workers.close()
+        if getattr(self, "step_log", None) is not None:  # None too when __init__ failed before opening it
+            self.step_log.close()
 
     def get_metrics(self) -> dict:
         m = dict(self.metrics)
