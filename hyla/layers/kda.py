@@ -64,9 +64,12 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         self._packed: PackedLinears | None = None
 
     def _x_linears(self) -> list[nn.Linear]:
-        """The projections from x, in the packed order: q, k, v, f_a, b, g_a (or g_proj)."""
+        """The projections from x, in the packed order: q, k, v, f_a, g_a (or g_proj), b. The
+        write strength b (one column a head) goes last: block-FP8 packing needs every part but
+        the last to fill whole 128-row blocks (PackedFp8Linears), and b before g_a left the FP8
+        models' six projections unpacked."""
         gate = self.g_proj if self.full_rank_gate else self.g_a_proj
-        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, gate]
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj]
 
     def prepare_for_inference(self) -> None:
         """Pack the projections from x into one weight (one GEMM per step); state_dict unchanged."""
@@ -82,7 +85,7 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         return [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
 
     def project_all(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x: [..., hidden] -> [q, k, v, f_a(x), b(x), g_a(x) (or g_proj(x))]: one GEMM once packed."""
+        """x: [..., hidden] -> [q, k, v, f_a(x), g_a(x) (or g_proj(x)), b(x)]: one GEMM once packed."""
         if self._packed is not None:
             return self._packed(x)
         return [lin(x) for lin in self._x_linears()]
@@ -116,7 +119,7 @@ class KimiDeltaAttention(ShortConvDeltaRule):
     def project(self, x: torch.Tensor):
         """-> (pre-conv q, k, v: a PackedConvInput over the packed GEMM's columns once packed, else
         three tensors; aux = (f_a(x), b(x), g_a(x) | g_proj(x)) for the gates and the output)."""
-        q, k, v, fa, b, ga = self.project_all(x)
+        q, k, v, fa, ga, b = self.project_all(x)
         if self._packed is not None and self._packed.weight() is not None:
             D = self.num_heads * self.head_dim
             packed = q.as_strided((*q.shape[:-1], 3 * D), q.stride())  # q ++ k ++ v: adjacent columns

@@ -143,3 +143,24 @@ def test_decode_step_checkpoint():
     assert torch.allclose(cache.state[2], state, atol=1e-10, rtol=0)
     for pool, w in zip(cache.conv, windows):
         assert torch.allclose(pool[2], w, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("full_rank_gate", [False, True], ids=["kimi-linear", "kimi-k3"])
+def test_fp8_projections_pack_into_one_gemm_at_the_released_head_layout(full_rank_gate):
+    """At the released layouts (32 heads x 128: q, k, v 4096 rows, f_a and g_a 128, or K3's full
+    g_proj 4096, b 32) block-FP8 packing needs every part but the last to fill whole 128-row
+    blocks: with b last the six projections run as one GEMM, with the outputs of the six."""
+    from hyla.layers.fp8_linear import quantized_like
+
+    layer = KimiDeltaAttention(64, 32, 128, 4, full_rank_gate=full_rank_gate)
+    gate = "g_proj" if full_rank_gate else "g_a_proj"
+    for name in ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", gate):
+        setattr(layer, name, quantized_like(getattr(layer, name)))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    apart = layer.project_all(x)
+    layer.prepare_for_inference()
+    assert layer._packed.weight() is not None
+    together = layer.project_all(x)
+    for a, b in zip(apart, together):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)  # fp32 sums over the same products
+    assert [t.shape[-1] for t in together] == [4096, 4096, 4096, 128, 4096 if full_rank_gate else 128, 32]
