@@ -61,6 +61,8 @@ class PackedLinears:
             return PackedFp8Linears(linears)
         return super().__new__(cls)
 
+    contiguous = True  # the outputs sit side by side in the one GEMM's (PackedFp8Linears may pad)
+
     def __init__(self, linears):
         self.linears = list(linears)
         ws = [lin.weight for lin in self.linears]

@@ -11,9 +11,10 @@ A model's `.to(dtype)` moves the FP8 weight and its scales but never casts them 
 stored format, not a compute dtype); a bias follows the cast as nn.Linear's does.
 
 PackedFp8Linears is what hyla.layers.delta_rule.PackedLinears becomes for FP8 projections over the
-same input: one weight [sum out, in] with one scale grid, possible when every part but the last
-has a multiple of 128 rows (its blocks then end where the next part's begin) and all are FP8;
-otherwise the parts run one after the other (`weight()` is None, as PackedLinears says for
+same input: one weight with one scale grid, every part starting on a 128-row block (a part whose
+rows do not fill its last block is followed by zero rows up to it: Qwen3.5's 32-row b and a
+projections), its output columns a view of the one GEMM's; possible when all parts are FP8,
+otherwise they run one after the other (`weight()` is None, as PackedLinears says for
 projections it could not pack).
 """
 
@@ -97,7 +98,8 @@ def _adjacent(ts) -> bool:
 
 class PackedFp8Linears:
     """PackedLinears' contract (hyla.layers.delta_rule) for a list with FP8 projections: `weight()`
-    (not None while packed and still aliased), `__call__(x)` -> each projection's output, `sizes`.
+    (not None while packed and still aliased), `__call__(x)` -> each projection's output, `sizes`,
+    `contiguous` (the outputs side by side: no part padded to its block).
     Packing re-points each part's weight, scales and bias to views of the packed tensors, so
     `state_dict()` keeps every name, shape and value; parts already adjacent in memory (a shared
     expert's gate and up rows inside the stacked FP8 experts) are packed in place."""
@@ -105,6 +107,11 @@ class PackedFp8Linears:
     def __init__(self, linears):
         self.linears = list(linears)
         self.sizes = [lin.out_features for lin in self.linears]
+        # each part's first row in the packed weight: the parts before it, each rounded up to whole blocks
+        self.offsets = [sum(-(-n // BLOCK) * BLOCK for n in self.sizes[:i]) for i in range(len(self.sizes))]
+        # whether the parts' outputs sit side by side (no zero rows between them): what a caller
+        # reading several parts as one tensor needs (KDA's q ++ k ++ v for its short convs)
+        self.contiguous = all(n % BLOCK == 0 for n in self.sizes[:-1])
         self.packed: Fp8Linear | None = None
         if not self._packable():
             return
@@ -112,9 +119,10 @@ class PackedFp8Linears:
         ss = [lin.weight_scale_inv for lin in self.linears]
         biases = [lin.bias for lin in self.linears]
         has_bias = biases[0] is not None
+        rows = self.offsets[-1] + self.sizes[-1]
         with torch.no_grad(), torch.device("meta"):
-            packed = Fp8Linear(ws[0].shape[1], sum(self.sizes), has_bias)
-        if _adjacent(ws) and _adjacent(ss) and (not has_bias or _adjacent(biases)):
+            packed = Fp8Linear(ws[0].shape[1], rows, has_bias)
+        if self.contiguous and _adjacent(ws) and _adjacent(ss) and (not has_bias or _adjacent(biases)):
             first_w, first_s = ws[0].detach(), ss[0].detach()
             packed.weight = nn.Parameter(first_w.as_strided((sum(self.sizes), first_w.shape[1]), first_w.stride()),
                                          requires_grad=False)
@@ -126,18 +134,25 @@ class PackedFp8Linears:
             self.packed = packed
             return
         with torch.no_grad():
-            packed.weight = nn.Parameter(torch.cat([w.detach() for w in ws]), requires_grad=False)
-            packed.weight_scale_inv = nn.Parameter(torch.cat([s.detach() for s in ss]), requires_grad=False)
+            w0, s0 = ws[0].detach(), ss[0].detach()
+            weight = torch.zeros(rows, w0.shape[1], dtype=w0.dtype, device=w0.device)  # e4m3 zeros in the gaps
+            scales = torch.ones(-(-rows // BLOCK), s0.shape[1], dtype=s0.dtype, device=s0.device)
+            bias = torch.zeros(rows, dtype=biases[0].dtype, device=biases[0].device) if has_bias else None
+            for o, w, sc, b in zip(self.offsets, ws, ss, biases):
+                weight[o:o + w.shape[0]] = w.detach()
+                scales[o // BLOCK:o // BLOCK + sc.shape[0]] = sc.detach()
+                if has_bias:
+                    bias[o:o + w.shape[0]] = b.detach()
+            packed.weight = nn.Parameter(weight, requires_grad=False)
+            packed.weight_scale_inv = nn.Parameter(scales, requires_grad=False)
             if has_bias:
-                packed.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
-        o, ob = 0, 0
-        for lin, n in zip(self.linears, self.sizes):
-            nb = -(-n // BLOCK)
+                packed.bias = nn.Parameter(bias, requires_grad=False)
+        for lin, o, n in zip(self.linears, self.offsets, self.sizes):
+            ob = o // BLOCK
             lin.weight = nn.Parameter(packed.weight[o:o + n], requires_grad=False)
-            lin.weight_scale_inv = nn.Parameter(packed.weight_scale_inv[ob:ob + nb], requires_grad=False)
+            lin.weight_scale_inv = nn.Parameter(packed.weight_scale_inv[ob:ob + -(-n // BLOCK)], requires_grad=False)
             if has_bias:
                 lin.bias = nn.Parameter(packed.bias[o:o + n], requires_grad=lin.bias.requires_grad)
-            o, ob = o + n, ob + nb
         self.packed = packed
 
     def _packable(self) -> bool:
@@ -146,19 +161,14 @@ class PackedFp8Linears:
             return False  # FP8 next to a projection kept in the model dtype: two GEMMs
         if len({(lin.weight.device, lin.in_features) for lin in lins}) != 1:
             return False
-        if len({lin.bias is None for lin in lins}) != 1:
-            return False
-        # a part's blocks must end where the next part's begin
-        return all(n % BLOCK == 0 for n in self.sizes[:-1])
+        return len({lin.bias is None for lin in lins}) == 1
 
     def _aliased(self) -> bool:
         p = self.packed
-        o, ob = 0, 0
-        for lin, n in zip(self.linears, self.sizes):
+        for lin, o in zip(self.linears, self.offsets):
             if (lin.weight.data_ptr() != p.weight.data_ptr() + o * p.weight.stride(0)
-                    or lin.weight_scale_inv.data_ptr() != p.weight_scale_inv[ob:].data_ptr()):
+                    or lin.weight_scale_inv.data_ptr() != p.weight_scale_inv[o // BLOCK:].data_ptr()):
                 return False
-            o, ob = o + n, ob + -(-n // BLOCK)
         return True
 
     def weight(self):
@@ -171,7 +181,8 @@ class PackedFp8Linears:
         """x: [..., in] -> each projection's output (one GEMM when packed, then column views)."""
         if self.weight() is None:
             return [lin(x) for lin in self.linears]
-        return list(self.packed(x).split(self.sizes, dim=-1))
+        out = self.packed(x)
+        return [out[..., o:o + n] for o, n in zip(self.offsets, self.sizes)]
 
 
 def quantized_like(linear: nn.Linear) -> Fp8Linear:

@@ -120,7 +120,7 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         """-> (pre-conv q, k, v: a PackedConvInput over the packed GEMM's columns once packed, else
         three tensors; aux = (f_a(x), b(x), g_a(x) | g_proj(x)) for the gates and the output)."""
         q, k, v, fa, ga, b = self.project_all(x)
-        if self._packed is not None and self._packed.weight() is not None:
+        if self._packed is not None and self._packed.weight() is not None and self._packed.contiguous:
             D = self.num_heads * self.head_dim
             packed = q.as_strided((*q.shape[:-1], 3 * D), q.stride())  # q ++ k ++ v: adjacent columns
             return PackedConvInput(packed, [[D], [D], [D]]), (fa, b, ga)

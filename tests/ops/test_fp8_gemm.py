@@ -164,10 +164,34 @@ def test_packed_fp8_linears():
     x = _x(5, 200)
     for got, lin in zip(packed(x), lins):
         torch.testing.assert_close(got, lin(x), rtol=0, atol=1e-5)
-    unaligned = PackedLinears([quantized_like(torch.nn.Linear(200, n, bias=False)) for n in (72, 128)])
     mixed = PackedLinears([quantized_like(torch.nn.Linear(200, 128, bias=False)), torch.nn.Linear(200, 8)])
-    for p in (unaligned, mixed):
-        assert p.weight() is None and [o.shape[-1] for o in p(x)] == [lin.out_features for lin in p.linears]
+    assert mixed.weight() is None and [o.shape[-1] for o in mixed(x)] == [128, 8]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_fp8_linears_pad_parts_to_whole_blocks(bias):
+    """Parts whose rows do not fill their last 128-row block (Qwen3.5's 32-row b and a, 72 rows
+    here) still pack into one GEMM: each part starts on a block, the rows between are zeros. The
+    parts' tensors are views with unchanged values; every output equals the part's own."""
+    gen = torch.Generator().manual_seed(5)
+    lins = []
+    for n in (72, 256, 32, 32):
+        lin = torch.nn.Linear(200, n, bias=bias)
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(n, 200, generator=gen) * 0.05)
+        lins.append(quantized_like(lin))
+    before = [(lin.weight.float().clone(), lin.weight_scale_inv.clone()) for lin in lins]
+    x = _x(5, 200)
+    want = [lin(x) for lin in lins]
+    packed = PackedLinears(lins)
+    assert packed.weight() is not None and packed.offsets == [0, 128, 384, 512]
+    assert packed.packed.weight.shape[0] == 544 and packed.packed.weight_scale_inv.shape[0] == 5
+    for lin, (w, sc) in zip(lins, before):
+        assert torch.equal(lin.weight.float(), w) and torch.equal(lin.weight_scale_inv, sc)
+    for got, w in zip(packed(x), want):
+        torch.testing.assert_close(got, w, rtol=0, atol=1e-5)
+    lins[2].weight = torch.nn.Parameter(lins[2].weight.clone(), requires_grad=False)  # a part replaced
+    assert packed.weight() is None and all(torch.equal(g, lin(x)) for g, lin in zip(packed(x), lins))
 
 
 def test_fp8_experts_stack_their_shared_expert():
