@@ -440,3 +440,27 @@ def test_weight_formats_are_engine_config_fields(checkpoints):
     assert (c.fp8_weights, c.mxfp4_experts) == ("fp8", "packed")
     with pytest.raises(SystemExit):
         p.parse_args(["--model", str(dst), "--fp8-weights", "half"])
+
+
+@pytest.mark.parametrize("family", ["kimi", "qwen3_next", "qwen3_5", "glm5_next", "kimi_k3"])
+def test_every_projection_group_packs_under_online_fp8(tmp_path, family):
+    """Online FP8 (`quantization="fp8"`) on every family: each group of projections over one
+    input that packs in the model dtype packs in FP8 too (one GEMM, not one per part), and the
+    model's logits stay those of its FP8 parts run one by one. A group the block rule silently
+    left unpacked (KDA's b before g_a; Qwen3.5's 32-row b and a) cost two launches a part."""
+    from hyla.layers.fp8_linear import PackedFp8Linears
+    from tests.oracles import (glm5_next_checkpoint, kimi_checkpoint, kimi_k3_checkpoint, qwen3_5_checkpoint,
+                               qwen3_next_checkpoint)
+
+    build = {"kimi": kimi_checkpoint.build_kimi_checkpoint, "qwen3_next": qwen3_next_checkpoint.build_qwen3_next_checkpoint,
+             "qwen3_5": qwen3_5_checkpoint.build_qwen3_5_checkpoint,
+             "glm5_next": glm5_next_checkpoint.build_glm5_next_checkpoint,
+             "kimi_k3": kimi_k3_checkpoint.build_kimi_k3_checkpoint}[family]
+    model = load_model(build(tmp_path), quantization="fp8", **FP8)
+    groups = [m._packed for m in model.modules() if isinstance(getattr(m, "_packed", None), PackedFp8Linears)]
+    assert groups and all(g.weight() is not None for g in groups), [g.sizes for g in groups if g.weight() is None]
+    ids = IDS.clamp(max=model.config.vocab_size - 1)
+    packed = model(ids)
+    for g in groups:
+        g.packed = None  # the parts one by one (what weight() None means)
+    torch.testing.assert_close(packed, model(ids), rtol=0, atol=1e-5 * packed.abs().max().item())
