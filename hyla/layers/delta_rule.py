@@ -318,20 +318,20 @@ class ShortConvDeltaRule(nn.Module):
         pre, aux = self.project(xs)
         ys = []
         for t, pool, conv in zip(_conv_inputs(pre), cache.conv, self.convs()):
-            init = torch.where(resume[:, None, None], pool[slots], 0)  # [N, D, W-1]
+            init = torch.where(resume[:, None, None], pool.index_select(0, slots), 0)  # [N, D, W-1]
             y, final = dispatch.causal_conv1d_fn(t, conv.weight, activation="silu", initial_state=init,
                                         output_final_state=True, cu_seqlens=cu)
             if positions is not None:
                 write_conv_checkpoints(pool, init, t[0], batch)
-            pool[slots] = final
+            pool.index_copy_(0, slots, final.to(pool.dtype))  # the slots are distinct: as pool[slots] = final
             ys.append(y)
         q, k, v = self.heads(ys)  # [1, T_total, H, K], v [1, T_total, HV, V]
         g, beta = self.gates(aux)
         work = work_dtype(x)
-        s0 = torch.where(resume[:, None, None, None], cache.state[slots].to(work), 0)
+        s0 = torch.where(resume[:, None, None, None], cache.state.index_select(0, slots).to(work), 0)
         out = self._chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_positions=positions)
-        cache.state[slots] = out[1].to(cache.state.dtype)
+        cache.state.index_copy_(0, slots, out[1].to(cache.state.dtype))
         if positions is not None:
             for n, pairs in enumerate(batch.checkpoints):
                 for (_, dest), s in zip(pairs, out[2][n]):

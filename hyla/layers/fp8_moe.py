@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hyla.layers.fp8_linear import Fp8Linear, keep_stored_dtypes
+from hyla.layers.moe import storage_pointers
 from hyla.ops.fp8 import (BLOCK, FP8_DTYPE, block_quantize, cdiv, dequantize_gate_up, fp8_moe_experts,
                           quantize_gate_up, scale_shape)
 from hyla.ops.gated_act import SILU, GatedActivation
@@ -112,22 +113,19 @@ class Fp8StackedExperts(nn.Module):
         up.weight, up.weight_scale_inv = frozen(w13[E, I:]), frozen(s13[E, ni:])
         down.weight, down.weight_scale_inv = frozen(w2[E]), frozen(s2[E])
         self.with_shared = (w13, s13, w2, s2, shared)
+        self._stacked_at = storage_pointers(self._stacked_params())
         return True
 
+    def _stacked_params(self) -> tuple[torch.Tensor, ...]:
+        shared = self.with_shared[-1]
+        g, u, d = shared.gate_proj, shared.up_proj, shared.down_proj
+        return (self.gate_up_proj, self.gate_up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv,
+                g.weight, g.weight_scale_inv, u.weight, u.weight_scale_inv, d.weight, d.weight_scale_inv)
+
     def shared_is_stacked(self) -> bool:
-        """True while the routed and shared tensors are still the views `stack_shared` made."""
-        if self.with_shared is None:
-            return False
-        w13, s13, w2, s2, shared = self.with_shared
-        E = self.num_experts
-        I = self.down_proj.shape[2]
-        ni = cdiv(I, BLOCK)
-        views = ((self.gate_up_proj, w13[:E]), (self.gate_up_proj_scale_inv, s13[:E]), (self.down_proj, w2[:E]),
-                 (self.down_proj_scale_inv, s2[:E]), (shared.gate_proj.weight, w13[E, :I]),
-                 (shared.gate_proj.weight_scale_inv, s13[E, :ni]), (shared.up_proj.weight, w13[E, I:]),
-                 (shared.up_proj.weight_scale_inv, s13[E, ni:]), (shared.down_proj.weight, w2[E]),
-                 (shared.down_proj.weight_scale_inv, s2[E]))
-        return all(p.data_ptr() == v.data_ptr() and p.device == v.device for p, v in views)
+        """True while the routed and shared tensors are still the views `stack_shared` made
+        (addresses recorded then, as hyla.layers.moe's block does)."""
+        return self.with_shared is not None and storage_pointers(self._stacked_params()) == self._stacked_at
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: bool = False) -> torch.Tensor:
         if shared:

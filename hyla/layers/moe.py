@@ -25,6 +25,12 @@ from hyla.ops.moe import moe_experts, sigmoid_topk_route
 from hyla.ops.router import router_logits
 
 
+def storage_pointers(tensors) -> tuple:
+    """(address, device) of each tensor: what a stacked-expert block records when it stacks its
+    shared expert and compares on every call (`shared_is_stacked`)."""
+    return tuple((t.data_ptr(), t.device) for t in tensors)
+
+
 class Router(nn.Module):
     """Tensor names: weight [E, hidden], e_score_correction_bias [E]; both kept in fp32."""
 
@@ -85,19 +91,19 @@ class StackedExperts(nn.Module):
         shared.up_proj.weight = nn.Parameter(w13[E, I:], False)
         shared.down_proj.weight = nn.Parameter(w2[E], False)
         self.with_shared = (w13, w2, shared)  # [E + 1, 2I, H], [E + 1, H, I], the shared MLP
+        self._stacked_at = storage_pointers(self._stacked_params())
         return True
+
+    def _stacked_params(self) -> tuple[torch.Tensor, ...]:
+        shared = self.with_shared[-1]
+        return self.gate_up_proj, self.down_proj, shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
 
     def shared_is_stacked(self) -> bool:
         """True while the routed and shared weights are still the views `stack_shared` made. A
         `.to()` or an assignment of new tensors breaks that; the block then runs the shared
-        expert on its own again (MoE.forward asks this every call)."""
-        if self.with_shared is None:
-            return False
-        w13, w2, shared = self.with_shared
-        E, I = self.gate_up_proj.shape[0], self.down_proj.shape[2]
-        views = ((self.gate_up_proj, w13[:E]), (self.down_proj, w2[:E]), (shared.gate_proj.weight, w13[E, :I]),
-                 (shared.up_proj.weight, w13[E, I:]), (shared.down_proj.weight, w2[E]))
-        return all(p.data_ptr() == v.data_ptr() and p.device == v.device for p, v in views)
+        expert on its own again (MoE.forward asks this every call, so it compares addresses
+        recorded once rather than slicing the stacked tensors again)."""
+        return self.with_shared is not None and storage_pointers(self._stacked_params()) == self._stacked_at
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: bool = False) -> torch.Tensor:
         """shared: ids name expert E, the stacked shared expert (the caller checked
