@@ -46,11 +46,15 @@ done
 [ "${PART:-cached}" = cached ] && cached
 kill $SP; wait $SP 2>/dev/null
 python3 scripts/step_log_summary.py $OUT/steps-on.jsonl | head -14
+A=$(ls -t $OUT/agent-on-*.json 2>/dev/null | head -1)
+[ -n "$A" ] && python3 scripts/step_log_summary.py $OUT/steps-on.jsonl --bench-result $A | tail -8
 grep -E "Error|Traceback|error" $OUT/serveon.log | head -5
 [ -n "$NO_OFF" ] || [ "${PART:-cached}" != cached ] && exit 0
 TAG=off; serve --no-enable-prefix-caching
 cached
 kill $SP; wait $SP 2>/dev/null
 python3 scripts/step_log_summary.py $OUT/steps-off.jsonl | head -14
+A=$(ls -t $OUT/agent-off-*.json 2>/dev/null | head -1)
+[ -n "$A" ] && python3 scripts/step_log_summary.py $OUT/steps-off.jsonl --bench-result $A | tail -8
 echo "== MLA splits"
 timeout 100 python3 scripts/mla_splits.py 2>&1 | tail -12

@@ -2,9 +2,14 @@
 prefill steps' wall time by how many prompts and tokens they carried, the decode-only steps' by
 batch size, and the share of the run each took.
 
-    python scripts/step_log_summary.py steps.jsonl [--since-ms T]
+    python scripts/step_log_summary.py steps.jsonl [--since-ms T] [--bench-result RESULT.json]
 
 --since-ms drops the steps that began before T ms (a warm-up the bench ran first).
+--bench-result (a `hyla bench serve --save-result --save-detailed` file of a run against the same
+server) takes each request's time to first token apart, joined on the server's request id: the
+span of the steps that computed its prompt (from the first one's start to the last one's end,
+how many steps, how many of them carried other prompts too) and the rest of its TTFT, which it
+spent waiting for steps that had begun before it could join, plus HTTP and tokenising.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("log")
     ap.add_argument("--since-ms", type=float, default=0.0)
+    ap.add_argument("--bench-result", default=None, help="a saved detailed `hyla bench serve` result")
     args = ap.parse_args()
     with open(args.log, encoding="utf-8") as f:
         steps = [s for s in map(json.loads, f) if s["t_ms"] >= args.since_ms]
@@ -50,6 +56,39 @@ def main() -> None:
         p90 = walls[min(len(walls) - 1, int(0.9 * len(walls)))]
         print(f"| {key[0]} | {key[1]} | {key[2]} | {len(walls)} | {statistics.mean(walls):.1f} | {p90:.1f} | "
               f"{sum(walls) / span:.1%} |")
+    if args.bench_result:
+        print(ttft_parts(steps, args.bench_result))
+
+
+def ttft_parts(steps: list[dict], result_path: str) -> str:
+    """Mean TTFT of the bench's requests found in the log, and its parts (see the docstring), by turn."""
+    with open(result_path, encoding="utf-8") as f:
+        result = json.load(f)
+    ids = result.get("response_ids")
+    if not ids:
+        raise SystemExit(f"{result_path}: no response_ids (save it with --save-detailed)")
+    prefill_steps: dict[str, list[dict]] = collections.defaultdict(list)
+    for s in steps:
+        for rid, _, _ in s["prefill"]:
+            prefill_steps[rid].append(s)
+    rows: dict[int, list[tuple]] = collections.defaultdict(list)
+    for rid, ttft, turn in zip(ids, result["ttfts"], result.get("turns") or [0] * len(ids)):
+        own = prefill_steps.get(rid)
+        if not own or not ttft:
+            continue
+        span = own[-1]["t_ms"] + own[-1]["wall_ms"] - own[0]["t_ms"]
+        shared = sum(1 for s in own if len(s["prefill"]) > 1)
+        rows[turn].append((ttft * 1e3, span, len(own), shared))
+    if not rows:
+        raise SystemExit("no request of the result appears in the log (another server, or --since-ms)")
+    lines = ["| turn | requests | mean TTFT ms | its prefill steps' span ms | waiting and the rest ms | "
+             "prefill steps | of them shared |", "|---|---|---|---|---|---|---|"]
+    for turn in sorted(rows):
+        r = rows[turn]
+        mean = [statistics.mean(x[i] for x in r) for i in range(4)]
+        lines.append(f"| {turn} | {len(r)} | {mean[0]:.1f} | {mean[1]:.1f} | {mean[0] - mean[1]:.1f} | "
+                     f"{mean[2]:.2f} | {mean[3]:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

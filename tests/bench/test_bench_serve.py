@@ -46,8 +46,13 @@ def serve_default(*extra: str):
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from serve_default()
+def step_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("steps") / "steps.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(step_log):
+    yield from serve_default("--step-log", str(step_log))
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +155,29 @@ def test_agent_sessions_run_their_turns_in_order_and_hit_the_cache(server):
     assert r["turns"] == [0, 1, 2, 0, 1, 2]
     returning = [t for t, turn in zip(r["ttfts"], r["turns"]) if turn > 0]
     assert r["mean_ttft_returning_ms"] == pytest.approx(1000 * sum(returning) / len(returning))
+
+
+def test_the_step_log_takes_each_ttft_apart(server, step_log, tmp_path):
+    """The bench keeps each stream's id; the server's step log names the same ids in the steps
+    that computed their prompts; step_log_summary joins them: every request found, by turn."""
+    from tests.scripts import load_script
+
+    saved = tmp_path / "agent.json"
+    r = run(server, "--dataset-name", "agent", "--num-sessions", "2", "--turns", "2", "--tool-output-len", "20",
+            "--question-len", "6", "--output-len", "3", "--save-result", "--save-detailed", "--result-filename",
+            str(saved))
+    assert json.loads(saved.read_text())["response_ids"] == r["response_ids"]
+    assert all(isinstance(i, str) and i.startswith("chatcmpl-") for i in r["response_ids"])
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    logged = {rid for s in steps for rid, _, _ in s["prefill"]}
+    assert set(r["response_ids"]) <= logged
+    table = load_script("step_log_summary").ttft_parts(steps, str(saved)).splitlines()
+    rows = [line.split("|")[1:-1] for line in table[2:]]
+    assert [(int(t), int(n)) for t, n, *_ in rows] == [(0, 2), (1, 2)]
+    for turn, row in enumerate(rows):
+        want = 1000 * np.mean([t for t, k in zip(r["ttfts"], r["turns"]) if k == turn])
+        assert float(row[2]) == pytest.approx(want, abs=0.1)
+        assert 0 < float(row[3]) <= float(row[2]) + 1  # its prefill steps lie inside its TTFT (1 ms of rounding)
 
 
 def test_sharegpt_dataset(server, tokenizer, tmp_path):

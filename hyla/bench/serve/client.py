@@ -31,7 +31,8 @@ class RequestOutput:
     queue_time: waited for --max-concurrency before sending. prompt_len / output_tokens: the
     server's usage when reported (usage_reported), else the dataset's count / token chunks.
     cached_tokens: usage.prompt_tokens_details.cached_tokens, None when not reported.
-    turn: its index in its conversation (0: a first turn, or a request of a one-turn dataset)."""
+    turn: its index in its conversation (0: a first turn, or a request of a one-turn dataset).
+    response_id: the stream's `id` (the server's request id: what `hyla serve --step-log` names)."""
 
     prompt_len: int
     success: bool = False
@@ -46,6 +47,7 @@ class RequestOutput:
     queue_time: float = 0.0
     generated_text: str = ""
     turn: int = 0
+    response_id: str | None = None
 
 
 async def sse_events(response: httpx.Response) -> AsyncIterator[str]:
@@ -158,6 +160,8 @@ class OpenAIClient:
                         out.error = f"error event in the stream: {message}"
                         return out
                     now = time.perf_counter()
+                    if out.response_id is None and isinstance(event.get("id"), str):
+                        out.response_id = event["id"]
                     for choice in event.get("choices") or ():
                         piece = _chunk_text(choice, self.chat)
                         if piece is None:

@@ -11,9 +11,9 @@ from hyla.bench.serve.client import RequestOutput
 from hyla.bench.serve.metrics import PERCENTILE_METRICS, percentile_word
 
 # Per-request lists vLLM drops from the saved result unless --save-detailed (it keeps latencies
-# and queue_times), and hyla's one addition.
+# and queue_times), and hyla's additions.
 DETAILED_KEYS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors",
-                 "cached_tokens")
+                 "cached_tokens", "response_ids")
 METRIC_TITLES = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
                  "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
 
@@ -32,6 +32,7 @@ def per_request_lists(outputs: list[RequestOutput]) -> dict:
         "errors": [o.error for o in outputs],
         "cached_tokens": [o.cached_tokens for o in outputs],
         "turns": [o.turn for o in outputs],
+        "response_ids": [o.response_id for o in outputs],
     }
 
 
