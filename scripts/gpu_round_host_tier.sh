@@ -15,8 +15,10 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b >/dev/null || exit 1
 TAG=$(basename "${TREE:-main}")
 serve() {  # serve() HOST LOG: the 48B server with a host tier of HOST bytes, ready on port 8000
+  # a step log (hyla.engine.step_log) where the tree has one: a TREE from before it has no flag
+  STEPS=""; [ -z "$TREE" ] && STEPS="--step-log $OUT/steps-host-$1.jsonl"
   PYTHONPATH=${TREE:-$PWD}:$PYTHONPATH python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 \
-      --max-num-seqs 16 --max-model-len 16384 --memory-budget 4GiB --host-cache-bytes $1 > $2 2>&1 &
+      --max-num-seqs 16 --max-model-len 16384 --memory-budget 4GiB --host-cache-bytes $1 $STEPS > $2 2>&1 &
   SP=$!
   wait_ready $SP $2 || exit 1
 }
@@ -35,4 +37,6 @@ for HOST in ${HOSTS:-0 64GiB}; do
       | grep -E "throughput|TTFT|Failed|hit|Engine step time|Model execute" | grep -v "Median\|P99 TTFT" | tr '\n' ';'; echo " <- host $HOST $TAG"
   curl -s localhost:8000/metrics | grep -E "^hyla_prefix_cache_(host|device|bytes|restore)" | tr '\n' ';'; echo
   kill $SP; wait $SP 2>/dev/null
+  A=$(ls -t $OUT/agent-host-$HOST-$TAG-*.json 2>/dev/null | head -1)
+  [ -z "$TREE" ] && [ -n "$A" ] && python3 scripts/step_log_summary.py $OUT/steps-host-$HOST.jsonl --bench-result $A | tail -9
 done

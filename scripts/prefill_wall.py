@@ -4,6 +4,7 @@ step is host-bound (the GPU waits on python launching kernels) and where it is d
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 256 1024 4096 8192
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 4096 --align-max-pairs 8192 65536
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 8192 --rows 1 4 16
+    python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 8192 --rows 16 --context 3072 --mla-groups on off
 
 One step of --rows prompts (default one) through ModelRunner.execute (what the engine runs), random weights on the
 device; wall = synced median of 5 after a warm-up; kernel = the summed GPU time of one call
@@ -25,6 +26,7 @@ import torch
 from hyla.bench.random_models import RANDOM_CONFIGS, random_config_dict, random_model
 from hyla.bench.step_bench import make_runner
 from hyla.engine.step_plan import StepPlan
+from hyla.layers import mla
 from hyla.ops.triton import fused_moe
 
 
@@ -60,6 +62,9 @@ def main() -> None:
                    "(a step of several sequences, as a burst of requests makes)")
     p.add_argument("--context", type=int, default=0, help="each prompt resumes after this many cached tokens "
                    "(a returning turn on a prefix-cache hit)")
+    p.add_argument("--mla-groups", nargs="+", choices=["on", "off"], default=["on"],
+                   help="MLA prefill with its prompts expanded in groups (on, hyla.layers.mla) or one by one "
+                        "(off): both in one process, which host-bound A / Bs need")
     p.add_argument("--align-max-pairs", type=int, nargs="*", default=[], help="one-program alignment bounds to compare")
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None, help="block-FP8 weights")
     args = p.parse_args()
@@ -76,16 +81,20 @@ def main() -> None:
     bounds = args.align_max_pairs or [fused_moe.ONE_PROGRAM_MAX_PAIRS]
     print(f"# {args.random_config}, {args.layers} layers, {args.quantization or 'bf16'}, "
           f"{torch.cuda.get_device_name()}: one prompt per prefill step")
+    grouped = mla.expansion_groups
     print(f"# each prompt after {args.context} cached tokens")
-    print("| tokens | prompts | align max pairs | wall ms | kernel ms | wall / kernel | tokens/s |")
-    print("|---|---|---|---|---|---|---|")
-    for T, rows, bound in ((T, r, b) for T in args.lengths for r in args.rows for b in bounds):
+    print("| tokens | prompts | align max pairs | MLA groups | wall ms | kernel ms | wall / kernel | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T, rows, bound, groups in ((T, r, b, g) for T in args.lengths for r in args.rows for b in bounds
+                                   for g in args.mla_groups):
         plan = split_plan(T, rows, model.config.vocab_size, args.context)
         fused_moe.ONE_PROGRAM_MAX_PAIRS = bound
+        mla.expansion_groups = grouped if groups == "on" else (lambda seqs, *_: [[s] for s in seqs])
         run = lambda: runner.execute(plan)  # noqa: E731
         run()
         wall, kern = wall_ms(run), kernel_ms(run)
-        print(f"| {T} | {rows} | {bound} | {wall:.2f} | {kern:.2f} | {wall / kern:.2f}x | {T / wall * 1e3:,.0f} |")
+        print(f"| {T} | {rows} | {bound} | {groups} | {wall:.2f} | {kern:.2f} | {wall / kern:.2f}x | "
+              f"{T / wall * 1e3:,.0f} |")
 
 
 def split_plan(tokens: int, rows: int, vocab: int, context: int = 0) -> StepPlan:
