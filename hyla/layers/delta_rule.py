@@ -54,11 +54,13 @@ class PackedLinears:
     place: the packed weight is a view over them, nothing is copied or re-pointed."""
 
     def __new__(cls, linears):
-        if cls is PackedLinears and any(hasattr(lin, "weight_scale_inv") for lin in linears):
-            # FP8 block-quantised projections pack by their own rules (same contract)
-            from hyla.layers.fp8_linear import PackedFp8Linears
+        fp8 = [hasattr(lin, "weight_scale_inv") for lin in linears]
+        if cls is PackedLinears and any(fp8):
+            # FP8 block-quantised projections pack by their own rules (same contract); beside
+            # projections a checkpoint keeps in the model dtype, each kind packs on its own
+            from hyla.layers.fp8_linear import MixedPackedLinears, PackedFp8Linears
 
-            return PackedFp8Linears(linears)
+            return PackedFp8Linears(linears) if all(fp8) else MixedPackedLinears(linears)
         return super().__new__(cls)
 
     contiguous = True  # the outputs sit side by side in the one GEMM's (PackedFp8Linears may pad)

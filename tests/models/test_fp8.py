@@ -464,3 +464,25 @@ def test_every_projection_group_packs_under_online_fp8(tmp_path, family):
     for g in groups:
         g.packed = None  # the parts one by one (what weight() None means)
     torch.testing.assert_close(packed, model(ids), rtol=0, atol=1e-5 * packed.abs().max().item())
+
+
+def test_a_checkpoint_keeping_gdn_b_and_a_in_bf16_packs_each_kind(tmp_path, monkeypatch):
+    """A Qwen3.5 FP8 checkpoint whose modules_to_not_convert keeps the GDN's b and a projections
+    in bf16 (as released exports keep their odd-sized projections): qkv and z pack into one FP8
+    GEMM, b and a into one model-dtype GEMM, and the logits stay the dequantised model's."""
+    import hyla.ops.fp8 as ops
+    from hyla.layers.fp8_linear import MixedPackedLinears
+    from tests.oracles.qwen3_5_checkpoint import build_qwen3_5_checkpoint
+
+    src = build_qwen3_5_checkpoint(tmp_path / "src", "moe")
+    dst, deq = tmp_path / "fp8", tmp_path / "deq"
+    write_fp8(Path(src), dst, deq, ("lm_head", "linear_attn.in_proj_b", "linear_attn.in_proj_a"))
+    model = load_model(dst, **FP8)
+    packs = [m._packed for m in model.modules() if isinstance(getattr(m, "_packed", None), MixedPackedLinears)]
+    assert packs and all(p.weight() is not None for p in packs)
+    assert all([len(idx) for idx, _ in p.groups] == [2, 2] for p in packs)
+    want = load_model(deq)(IDS.clamp(max=model.config.vocab_size - 1))
+    monkeypatch.setattr(ops, "per_token_group_quant",
+                        lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
+    got = model(IDS.clamp(max=model.config.vocab_size - 1))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())

@@ -164,8 +164,31 @@ def test_packed_fp8_linears():
     x = _x(5, 200)
     for got, lin in zip(packed(x), lins):
         torch.testing.assert_close(got, lin(x), rtol=0, atol=1e-5)
-    mixed = PackedLinears([quantized_like(torch.nn.Linear(200, 128, bias=False)), torch.nn.Linear(200, 8)])
-    assert mixed.weight() is None and [o.shape[-1] for o in mixed(x)] == [128, 8]
+
+
+def test_fp8_and_model_dtype_projections_pack_by_kind():
+    """Qwen3.5's GDN in a checkpoint that keeps b and a in bf16 (modules_to_not_convert): qkv and
+    z pack into one FP8 GEMM, b and a into one bf16 GEMM; outputs in the parts' order, equal to
+    each part's own; a replaced part sends the calls back to the parts."""
+    from hyla.layers.fp8_linear import MixedPackedLinears
+
+    gen = torch.Generator().manual_seed(6)
+    lins = [quantized_like(torch.nn.Linear(200, n, bias=False)) for n in (256, 128)]
+    lins += [torch.nn.Linear(200, 32, bias=False), torch.nn.Linear(200, 32, bias=False)]
+    lins.insert(1, lins.pop(2))  # kinds interleaved: fp8, bf16, fp8, bf16
+    for lin in lins[1::2]:
+        lin.weight.requires_grad_(False)  # as a loaded model's (a weight that wants gradients is not packed)
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.05)
+    x = _x(5, 200)
+    want = [lin(x) for lin in lins]
+    mixed = PackedLinears(lins)
+    assert isinstance(mixed, MixedPackedLinears) and mixed.weight() is not None and not mixed.contiguous
+    for got, w in zip(mixed(x), want):
+        torch.testing.assert_close(got, w, rtol=0, atol=1e-5)
+    lins[3].weight = torch.nn.Parameter(lins[3].weight.clone(), requires_grad=False)
+    assert mixed.weight() is None
+    for got, w in zip(mixed(x), want):
+        torch.testing.assert_close(got, w, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("bias", [False, True])
