@@ -11,7 +11,7 @@ specialisations that had not been seen yet, then per kernel how many there were 
 arguments differed. An argument that only bounds a loop or a mask is a candidate for
 `do_not_specialize` (time it on the device: a bound divisible by 16 can vectorise masked loads).
 
-    python scripts/triton_variants.py MODEL_DIR [--rounds 2] [--warmup]
+    python scripts/triton_variants.py MODEL_DIR [--rounds 2] [--warmup] [--crowd 20 40]
 
 --warmup runs the engine's startup kernel warm-up (hyla.engine.kernel_warmup, which the engine
 runs on CUDA only) first and counts what it compiled apart: what the rounds still add is what a
@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", action="store_true", help="the engine's kernel warm-up first")
+    ap.add_argument("--crowd", type=int, nargs="*", default=[],
+                    help="after the rounds, N short prompts at once per value: steps of many decode rows beside "
+                         "prefill chunks, as a server with N running requests takes (eager in mixed steps)")
     args = ap.parse_args()
     seen: dict[str, list] = collections.defaultdict(list)
     fresh: list[str] = []
@@ -89,6 +92,10 @@ def main() -> None:
         llm.generate(prompts(3, 20, 400), sp, use_tqdm=False)
         llm.generate([p + [7] * rng.randrange(1, 90) for p in base], sp, use_tqdm=False)  # prefix hits
         print(f"round {r + 1}: {len(fresh)} new: {', '.join(sorted(collections.Counter(fresh)))}", flush=True)
+    for n in args.crowd:
+        fresh.clear()
+        llm.generate(prompts(n, 8, 60), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+        print(f"crowd of {n}: {len(fresh)} new: {', '.join(sorted(collections.Counter(fresh)))}", flush=True)
     print("kernel | specialisations | arguments that differ")
     for name, keys in sorted(seen.items(), key=lambda kv: -len(kv[1])):
         differ = {n for key in keys[1:] for (n, x), (_, y) in zip(key[0], keys[0][0]) if x != y}

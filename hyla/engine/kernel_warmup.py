@@ -12,13 +12,17 @@ holds the kernels, the warm-up costs only its steps.
 The steps run through a throwaway ModelRunner with pools of its own (random tokens, nothing the
 engine holds is touched), before the engine's pools are sized: one row of T tokens for T on a
 geometric ladder from 1 to max_num_batched_tokens (and T + 1: the other divisibility), rows over
-a context (prefix-cache hits, later chunks), batches of several prefill and decode rows, and,
+a context (prefix-cache hits, later chunks), batches of several prefill and decode rows, crowds of 16
+and 17 decode rows beside a prefill (a loaded server's mixed steps, which run eagerly), and,
 with the prefix cache, prefills that export state checkpoints. Under the Triton interpreter on
 the tiny Kimi MoE shape (max_num_batched_tokens 512), a random workload with prefix hits compiled
 62 specialisations over its first rounds; after the warm-up (71 of its own) the same rounds
 compiled 7 (`python scripts/triton_variants.py MODEL --rounds 3 --warmup`), with the step inputs
-staged on 16-byte boundaries (hyla.ops.transfer.stage_long; 16 without). Not yet timed on a
-device: how long it takes there, cold and warm.
+staged on 16-byte boundaries (hyla.ops.transfer.stage_long; 16 without). A crowd of 16 requests
+at once (`--crowd 16 24`) then compiled MLA's split combine for 16 decode rows, which the crowds
+here cover (72 of its own); what else it compiled were pure decode steps, which a server replays
+in CUDA graphs captured at startup. On an H100 the 48B shape's warm-up took 40 s (70 steps, a
+warm Triton cache).
 """
 
 from __future__ import annotations
@@ -34,8 +38,12 @@ from hyla.engine.step_plan import StepPlan
 log = logging.getLogger("hyla.engine")
 
 GROWTH = 1.5  # the ladder of single-row prefill lengths
-MAX_ROWS = 8  # the widest batch of rows a warm-up step holds
-CONTEXT = 1024  # the longest context a warm-up row extends (pages the throwaway pools hold)
+PREFILL_ROWS = 8  # the most prefill rows a warm-up step holds
+# Mixed steps of a loaded server carry many decode rows beside a prefill chunk, eagerly: rows a
+# multiple of 16 and not (their count is an integer argument of the attention kernels)
+CROWDS = (16, 17)
+MAX_ROWS = max(CROWDS) + 1  # the widest warm-up step: a crowd of decode rows and one prefill
+CONTEXT = 1024  # the longest context a warm-up row extends
 
 
 def warmup_rows(max_tokens: int, checkpoints: bool, seed: int = 0) -> list[list[tuple[int, int, int]]]:
@@ -54,12 +62,18 @@ def warmup_rows(max_tokens: int, checkpoints: bool, seed: int = 0) -> list[list[
     for n, c in ((1, 37), (5, 16), (17, 100), (64, 256), (100, CONTEXT - 24), (max_tokens // 2, 513)):
         steps.append([(max(1, min(n, max_tokens)), c, 0)])
     # several rows: prefill chunks over contexts, and decode rows beside one prefill (a mixed step)
-    for k in range(2, MAX_ROWS + 1):
+    for k in range(2, PREFILL_ROWS + 1):
         share = max(1, max_tokens // k)
         steps.append([(rng.randrange(1, share + 1), rng.randrange(0, CONTEXT // 2), 0) for _ in range(k)])
         if max_tokens > k:
             steps.append([(1, rng.randrange(1, CONTEXT // 2), 0) for _ in range(k - 1)]
                          + [(rng.randrange(1, max_tokens - k + 2), 0, 0)])
+    # a crowd of decode rows beside one prefill; the widest row 32 pages of 16 tokens, then 33
+    # (the table's width, an integer argument too, a multiple of 16 and not)
+    for d, widest in zip(CROWDS, (32 * 16 - 2, 33 * 16 - 2)):
+        if max_tokens > d:
+            contexts = [rng.randrange(16, CONTEXT // 2) for _ in range(d - 1)] + [widest]
+            steps.append([(1, c, 0) for c in contexts] + [(min(100, max_tokens - d), 0, 0)])
     if checkpoints:
         steps.append([(min(200, max_tokens), 0, 1), (min(33, max_tokens), 17, 0)])
         steps.append([(max_tokens, 64, 2)])
@@ -76,8 +90,8 @@ def warm_up_kernels(model, *, max_num_batched_tokens: int, page_size: int, state
 
     steps = warmup_rows(max_num_batched_tokens, checkpoints, seed)
     slots = MAX_ROWS + 2  # a state slot per row, and two for checkpoints
-    pages_per_row = -(-(CONTEXT + max_num_batched_tokens + 1) // page_size)
-    num_pages = MAX_ROWS * pages_per_row
+    pages = lambda n, context: -(-(context + n + 1) // page_size)  # noqa: E731 - a row's pages
+    num_pages = max(sum(pages(n, c) for n, c, _ in step) for step in steps)  # each step's rows side by side
     start = time.perf_counter()
     runner = ModelRunner(model, slots, num_pages, page_size, state_dtype, enforce_eager=True,
                          kv_cache_dtype=kv_cache_dtype)
@@ -85,11 +99,13 @@ def warm_up_kernels(model, *, max_num_batched_tokens: int, page_size: int, state
     vocab = model.config.vocab_size
     for step in steps:
         ids, lens, contexts, tables, slots_of, logit_rows, exports = [], [], [], [], [], [], []
+        first = 0
         for i, (n, context, ckpts) in enumerate(step):
             ids.extend(rng.randrange(vocab) for _ in range(n))
             lens.append(n)
             contexts.append(context)
-            tables.append(list(range(i * pages_per_row, i * pages_per_row + -(-(context + n + 1) // page_size))))
+            tables.append(list(range(first, first + pages(n, context))))
+            first += pages(n, context)
             slots_of.append(i)
             logit_rows.append([n - 1])
             # checkpoints after whole pages of the prefill, into the two slots past the rows'

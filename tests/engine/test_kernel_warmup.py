@@ -30,6 +30,8 @@ def test_steps_stay_within_the_budget_and_cover_the_ladder(budget):
         assert any(len(s) == 1 and s[0][1] % 16 and s[0][1] > 0 for s in steps)  # a context off 16
         assert any(len(s) == MAX_ROWS for s in steps)
         assert any(sum(r[0] == 1 for r in s) >= 2 and len(s) > 2 for s in steps)  # decode rows beside a prefill
+        crowds = [sum(r[0] == 1 for r in s) for s in steps if len(s) > 2 and s[-1][0] > 1]
+        assert {16, 17} <= set(crowds)  # a loaded server's mixed steps: both divisibilities of the count
     assert any(k for s in steps for _, _, k in s)
     assert not any(k for s in warmup_rows(budget, checkpoints=False) for _, _, k in s)
 
