@@ -21,8 +21,8 @@ compiled 7 (`python scripts/triton_variants.py MODEL --rounds 3 --warmup`), with
 staged on 16-byte boundaries (hyla.ops.transfer.stage_long; 16 without). A crowd of 16 requests
 at once (`--crowd 16 24`) then compiled MLA's split combine for 16 decode rows, which the crowds
 here cover (72 of its own); what else it compiled were pure decode steps, which a server replays
-in CUDA graphs captured at startup. On an H100 the 48B shape's warm-up took 40 s (70 steps, a
-warm Triton cache).
+in CUDA graphs captured at startup. On a fresh H100 the 48B shape's warm-up took 40 s (70 steps, a
+cold Triton cache: compiles included).
 """
 
 from __future__ import annotations
