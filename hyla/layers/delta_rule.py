@@ -58,7 +58,7 @@ class PackedLinears:
         if cls is PackedLinears and any(fp8):
             # FP8 block-quantised projections pack by their own rules (same contract); beside
             # projections a checkpoint keeps in the model dtype, each kind packs on its own
-            from hyla.layers.fp8_linear import MixedPackedLinears, PackedFp8Linears
+            from hyla.layers.fp8_linear import PackedFp8Linears
 
             return PackedFp8Linears(linears) if all(fp8) else MixedPackedLinears(linears)
         return super().__new__(cls)
@@ -117,6 +117,35 @@ class PackedLinears:
         if packed is None:
             return [lin(x) for lin in self.linears]
         return list(F.linear(x, *packed).split(self.sizes, dim=-1))
+
+
+class MixedPackedLinears:
+    """PackedLinears' contract for FP8 projections beside ones a checkpoint keeps in the model
+    dtype (its `modules_to_not_convert`: Qwen3.5's GDN b and a next to an FP8 qkv and z): the FP8
+    parts pack into one GEMM (hyla.layers.fp8_linear.PackedFp8Linears), the others into another,
+    the outputs in the parts' order. `weight()` is not None while both packs hold; never
+    `contiguous` (two GEMMs' outputs)."""
+
+    contiguous = False
+
+    def __init__(self, linears):
+        self.linears = list(linears)
+        self.sizes = [lin.out_features for lin in self.linears]
+        fp8 = [i for i, lin in enumerate(self.linears) if hasattr(lin, "weight_scale_inv")]
+        plain = [i for i in range(len(self.linears)) if i not in fp8]
+        self.groups = [(idx, PackedLinears([self.linears[i] for i in idx])) for idx in (fp8, plain)]
+
+    def weight(self):
+        """(self, None) while each kind's pack holds (the parts still its views), else None."""
+        return (self, None) if all(pack.weight() is not None for _, pack in self.groups) else None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x: [..., in] -> each projection's output (one GEMM per kind, or the parts one by one)."""
+        out: list[torch.Tensor | None] = [None] * len(self.linears)
+        for idx, pack in self.groups:
+            for i, y in zip(idx, pack(x)):
+                out[i] = y
+        return out
 
 
 def _adjacent(ts) -> bool:

@@ -15,8 +15,8 @@ same input: one weight with one scale grid, every part starting on a 128-row blo
 rows do not fill its last block is followed by zero rows up to it: Qwen3.5's 32-row b and a
 projections), its output columns a view of the one GEMM's; possible when all parts are FP8,
 otherwise they run one after the other (`weight()` is None, as PackedLinears says for
-projections it could not pack). MixedPackedLinears takes a group whose checkpoint keeps some parts
-in the model dtype: each kind packs on its own, two GEMMs.
+projections it could not pack). A group whose checkpoint keeps some parts in the model dtype packs
+each kind on its own (hyla.layers.delta_rule.MixedPackedLinears).
 """
 
 from __future__ import annotations
@@ -184,37 +184,6 @@ class PackedFp8Linears:
             return [lin(x) for lin in self.linears]
         out = self.packed(x)
         return [out[..., o:o + n] for o, n in zip(self.offsets, self.sizes)]
-
-
-class MixedPackedLinears:
-    """PackedLinears' contract for FP8 projections beside ones a checkpoint keeps in the model
-    dtype (its `modules_to_not_convert`: Qwen3.5's GDN b and a next to an FP8 qkv and z): the FP8
-    parts pack into one GEMM (PackedFp8Linears), the others into another (PackedLinears), the
-    outputs in the parts' order. `weight()` is not None while both packs hold; never
-    `contiguous` (two GEMMs' outputs)."""
-
-    contiguous = False
-
-    def __init__(self, linears):
-        from hyla.layers.delta_rule import PackedLinears
-
-        self.linears = list(linears)
-        self.sizes = [lin.out_features for lin in self.linears]
-        fp8 = [i for i, lin in enumerate(self.linears) if isinstance(lin, Fp8Linear)]
-        plain = [i for i in range(len(self.linears)) if i not in fp8]
-        self.groups = [(idx, PackedLinears([self.linears[i] for i in idx])) for idx in (fp8, plain)]
-
-    def weight(self):
-        """(self, None) while each kind's pack holds (the parts still its views), else None."""
-        return (self, None) if all(pack.weight() is not None for _, pack in self.groups) else None
-
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x: [..., in] -> each projection's output (one GEMM per kind, or the parts one by one)."""
-        out: list[torch.Tensor | None] = [None] * len(self.linears)
-        for idx, pack in self.groups:
-            for i, y in zip(idx, pack(x)):
-                out[i] = y
-        return out
 
 
 def quantized_like(linear: nn.Linear) -> Fp8Linear:

@@ -471,7 +471,7 @@ def test_a_checkpoint_keeping_gdn_b_and_a_in_bf16_packs_each_kind(tmp_path, monk
     in bf16 (as released exports keep their odd-sized projections): qkv and z pack into one FP8
     GEMM, b and a into one model-dtype GEMM, and the logits stay the dequantised model's."""
     import hyla.ops.fp8 as ops
-    from hyla.layers.fp8_linear import MixedPackedLinears
+    from hyla.layers.delta_rule import MixedPackedLinears
     from tests.oracles.qwen3_5_checkpoint import build_qwen3_5_checkpoint
 
     src = build_qwen3_5_checkpoint(tmp_path / "src", "moe")

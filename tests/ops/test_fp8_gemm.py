@@ -170,7 +170,7 @@ def test_fp8_and_model_dtype_projections_pack_by_kind():
     """Qwen3.5's GDN in a checkpoint that keeps b and a in bf16 (modules_to_not_convert): qkv and
     z pack into one FP8 GEMM, b and a into one bf16 GEMM; outputs in the parts' order, equal to
     each part's own; a replaced part sends the calls back to the parts."""
-    from hyla.layers.fp8_linear import MixedPackedLinears
+    from hyla.layers.delta_rule import MixedPackedLinears
 
     gen = torch.Generator().manual_seed(6)
     lins = [quantized_like(torch.nn.Linear(200, n, bias=False)) for n in (256, 128)]
