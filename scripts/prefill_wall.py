@@ -15,16 +15,15 @@ bound (hyla.ops.triton.fused_moe.ONE_PROGRAM_MAX_PAIRS) side by side in the same
 from __future__ import annotations
 
 import argparse
-import json
+import random
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from hyla.bench.random_models import RANDOM_CONFIGS, random_config_dict, random_model
-from hyla.bench.step_bench import make_runner
+from hyla.bench.random_models import RANDOM_CONFIGS, random_model
+from hyla.bench.step_bench import PAGE, make_runner
+from hyla.engine.kernel_warmup import rows_plan
 from hyla.engine.step_plan import StepPlan
 from hyla.layers import mla
 from hyla.ops.triton import fused_moe
@@ -68,16 +67,11 @@ def main() -> None:
     p.add_argument("--align-max-pairs", type=int, nargs="*", default=[], help="one-program alignment bounds to compare")
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None, help="block-FP8 weights")
     args = p.parse_args()
-    if args.quantization:
-        from hyla.models import load_model
-
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "config.json").write_text(json.dumps(random_config_dict(args.random_config, args.layers)))
-            model = load_model(tmp, dtype=torch.bfloat16, device="cuda", random_weights=True,
-                               quantization=args.quantization)
-    else:
-        model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers)
-    runner = make_runner(model, max(args.rows), 16, prefill_tokens=max(args.lengths) + (args.context + 32) * max(args.rows))
+    model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers,
+                         quantization=args.quantization)
+    # pages for the longest step: its tokens plus each prompt's context and last partial pages
+    runner = make_runner(model, max(args.rows), max_context=16,
+                         prefill_tokens=max(args.lengths) + (args.context + 32) * max(args.rows))
     bounds = args.align_max_pairs or [fused_moe.ONE_PROGRAM_MAX_PAIRS]
     print(f"# {args.random_config}, {args.layers} layers, {args.quantization or 'bf16'}, "
           f"{torch.cuda.get_device_name()}: one prompt per prefill step")
@@ -100,17 +94,9 @@ def main() -> None:
 def split_plan(tokens: int, rows: int, vocab: int, context: int = 0) -> StepPlan:
     """A prefill step of `tokens` new tokens over `rows` prompts (lengths differing by at most
     one), each after `context` cached tokens (random pages and state), in its own state slot and
-    pages, every prompt's last row sampled."""
+    pages, every prompt's last row sampled (the warm-up's rows_plan)."""
     lens = [tokens // rows + (i < tokens % rows) for i in range(rows)]
-    tables, first = [], 0
-    for n in lens:
-        pages = -(-(context + n + 1) // 16)
-        tables.append(list(range(first, first + pages)))
-        first += pages
-    ids = torch.randint(3, vocab, (tokens,)).tolist()
-    return StepPlan(token_ids=ids, seq_lens=lens, context_lens=[context] * rows, block_tables=tables,
-                    state_slots=list(range(rows)), logit_rows=[[n - 1] for n in lens])
-
+    return rows_plan([(n, context, 0) for n in lens], vocab, PAGE, random.Random(0))
 
 if __name__ == "__main__":
     main()

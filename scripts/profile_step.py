@@ -12,14 +12,11 @@ top kernels. A hint for what to fuse next, not a benchmark figure.
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
-from pathlib import Path
 
 import torch
 
 from hyla.bench import floor as fl
-from hyla.bench.random_models import RANDOM_CONFIGS, random_config_dict, random_model
+from hyla.bench.random_models import RANDOM_CONFIGS, random_model
 from hyla.bench.step_bench import make_runner
 from hyla.contract import ForwardBatch
 from hyla.engine.step_plan import StepPlan
@@ -205,15 +202,8 @@ def main() -> None:
                    "by layer, to this file")
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None, help="block-FP8 weights")
     args = p.parse_args()
-    if args.quantization:
-        from hyla.models import load_model
-
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "config.json").write_text(json.dumps(random_config_dict(args.random_config, args.layers)))
-            model = load_model(tmp, dtype=torch.bfloat16, device="cuda", random_weights=True,
-                               quantization=args.quantization)
-    else:
-        model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers)
+    model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers,
+                         quantization=args.quantization)
     b_max = max(args.decode_batch or [1])
     runner = make_runner(model, b_max, args.context, prefill_tokens=args.prefill)
     T = args.prefill

@@ -15,15 +15,13 @@ same for every configuration).
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from hyla.bench.moe import graph_ms
-from hyla.bench.random_models import RANDOM_CONFIGS, random_config_dict
+from hyla.bench.random_models import RANDOM_CONFIGS, random_model
 
 # BK is the 128 quantisation block; BM, BN, GM and the launch options vary
 GEMM_SWEEP = [dict(BM=bm, BN=bn, GM=gm, num_warps=w, num_stages=st) for bm, bn, gm, w, st in (
@@ -36,12 +34,9 @@ SHAPES = ("kimi-linear-48b-a3b", "qwen3-next-80b-a3b")
 def model_shapes(name: str, device: torch.device) -> list[tuple[int, int]]:
     """The [N, K] weight shapes fp8_linear multiplies in one forward of `name`'s first 4 layers
     in block FP8, in first-seen order."""
-    from hyla.models import load_model
     from hyla.ops.triton import fp8_gemm
 
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(random_config_dict(name, 4)))
-        model = load_model(tmp, dtype=torch.bfloat16, device=device, random_weights=True, quantization="fp8")
+    model = random_model(name, dtype=torch.bfloat16, device=device, layers=4, quantization="fp8")
     seen: list[tuple[int, int]] = []
     inner = fp8_gemm.fp8_linear
 

@@ -178,17 +178,11 @@ def _step_benches(path, args, dtype) -> dict:
     from hyla.bench import floor, hf_peer, step_bench
     from hyla.models.config import read_config_json
 
-    if path is None and args.quantization:  # drawn in FP8 on the device, as load_format "dummy" does
-        from hyla.models import load_model
-
-        config_dict = random_config_dict(args.random_config, args.layers)
-        with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "config.json").write_text(json.dumps(config_dict))
-            # FP8 modules on any device: the CPU's table then counts the FP8 bytes too
-            model = load_model(tmp, dtype=dtype, device=args.device, random_weights=True,
-                               quantization=args.quantization, fp8_weights="fp8")
-    elif path is None:
-        model = random_model(args.random_config, dtype=dtype, device=args.device, seed=args.seed, layers=args.layers)
+    if path is None:
+        # FP8 drawn on the device, as load_format "dummy" does; FP8 modules on any device: the
+        # CPU's table then counts the FP8 bytes too
+        model = random_model(args.random_config, dtype=dtype, device=args.device, seed=args.seed, layers=args.layers,
+                             quantization=args.quantization, fp8_weights="fp8")
         config_dict = random_config_dict(args.random_config, args.layers)
     else:
         from hyla.models import load_model

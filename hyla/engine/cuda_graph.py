@@ -120,7 +120,7 @@ def warmup_stream(device: torch.device) -> torch.cuda.Stream:
     """The one side stream graph warm-ups run on, per device. cuBLAS keeps a workspace (32 MiB
     on Hopper) for every stream it has run on, for the process's life: a stream per capture
     took one from each of the pool's 32 streams, and made every sampled capture of
-    memory_profile.profile_graph_bytes look 45 MiB dearer than the 5.5 MiB a graph holds."""
+    memory_profile.profile_graph_bytes look 45 MiB dearer than the 3.2 MiB a graph holds."""
     if device not in _warmup_streams:
         _warmup_streams[device] = torch.cuda.Stream(device)
     return _warmup_streams[device]

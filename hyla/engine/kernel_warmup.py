@@ -80,6 +80,31 @@ def warmup_rows(max_tokens: int, checkpoints: bool, seed: int = 0) -> list[list[
     return [step for step in steps if sum(r[0] for r in step) <= max_tokens]  # the checkpoint pair may not fit
 
 
+def step_pages(rows: list[tuple[int, int, int]], page_size: int) -> int:
+    """The pages `rows_plan` gives a step's rows (new tokens, context tokens, ...), side by side."""
+    return sum(-(-(context + n + 1) // page_size) for n, context, *_ in rows)
+
+
+def rows_plan(rows: list[tuple[int, int, int]], vocab: int, page_size: int, rng: random.Random) -> StepPlan:
+    """A step of `rows` (new tokens, context tokens, checkpoints to export: 0, 1 or 2) -> its
+    StepPlan over random token ids: row i in state slot i, its pages after the rows' before it
+    (step_pages in all), its last token sampled; checkpoints after whole pages of its prefill,
+    into slots MAX_ROWS and MAX_ROWS + 1."""
+    ids, lens, contexts, tables, logit_rows, exports = [], [], [], [], [], []
+    first = 0
+    for n, context, ckpts in rows:
+        ids.extend(rng.randrange(vocab) for _ in range(n))
+        lens.append(n)
+        contexts.append(context)
+        pages = step_pages([(n, context)], page_size)
+        tables.append(list(range(first, first + pages)))
+        first += pages
+        logit_rows.append([n - 1])
+        exports.append([(page_size * (j + 1), MAX_ROWS + j) for j in range(ckpts) if page_size * (j + 1) < n])
+    return StepPlan(ids, lens, contexts, tables, list(range(len(rows))), logit_rows,
+                    exports if any(exports) else None)
+
+
 @torch.inference_mode()
 def warm_up_kernels(model, *, max_num_batched_tokens: int, page_size: int, state_dtype: torch.dtype,
                     kv_cache_dtype: str | None = None, checkpoints: bool = False, seed: int = 0) -> int:
@@ -90,28 +115,13 @@ def warm_up_kernels(model, *, max_num_batched_tokens: int, page_size: int, state
 
     steps = warmup_rows(max_num_batched_tokens, checkpoints, seed)
     slots = MAX_ROWS + 2  # a state slot per row, and two for checkpoints
-    pages = lambda n, context: -(-(context + n + 1) // page_size)  # noqa: E731 - a row's pages
-    num_pages = max(sum(pages(n, c) for n, c, _ in step) for step in steps)  # each step's rows side by side
+    num_pages = max(step_pages(step, page_size) for step in steps)
     start = time.perf_counter()
     runner = ModelRunner(model, slots, num_pages, page_size, state_dtype, enforce_eager=True,
                          kv_cache_dtype=kv_cache_dtype)
     rng = random.Random(seed)
-    vocab = model.config.vocab_size
     for step in steps:
-        ids, lens, contexts, tables, slots_of, logit_rows, exports = [], [], [], [], [], [], []
-        first = 0
-        for i, (n, context, ckpts) in enumerate(step):
-            ids.extend(rng.randrange(vocab) for _ in range(n))
-            lens.append(n)
-            contexts.append(context)
-            tables.append(list(range(first, first + pages(n, context))))
-            first += pages(n, context)
-            slots_of.append(i)
-            logit_rows.append([n - 1])
-            # checkpoints after whole pages of the prefill, into the two slots past the rows'
-            exports.append([(page_size * (j + 1), MAX_ROWS + j) for j in range(ckpts) if page_size * (j + 1) < n])
-        runner.execute(StepPlan(ids, lens, contexts, tables, slots_of, logit_rows,
-                                exports if any(exports) else None))
+        runner.execute(rows_plan(step, model.config.vocab_size, page_size, rng))
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     del runner

@@ -53,6 +53,7 @@ class LLMEngine:
         # On the CPU, bf16 / fp16 matmuls are several times slower than fp32: default to fp32 there.
         dtype = config.dtype or (torch.float32 if config.device.type == "cpu" else None)
         self.workers = None  # tensor parallel: the WorkerGroup (rank 0 is this process)
+        self.step_log: StepLog | None = None  # opened by _build when config.step_log names a file
         if model is None and config.tensor_parallel_size > 1:
             from hyla.parallel.runner import start_tensor_parallel
 
@@ -160,7 +161,8 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the first: xgrammar's stop
         self.requests: dict[str, Sequence] = {}
-        self.step_log = StepLog(config.step_log) if config.step_log else None
+        if config.step_log:
+            self.step_log = StepLog(config.step_log)
         # Counters the engine itself advances; get_metrics adds the scheduler's and the pools'.
         self.metrics = {"num_requests_finished": 0, "num_requests_aborted": 0, "num_requests_failed": 0,
                         "prompt_tokens": 0, "generation_tokens": 0, "spec_num_draft_tokens": 0, "spec_num_drafts": 0,
@@ -673,7 +675,7 @@ class LLMEngine:
         the engine is unusable after."""
         if self.workers is not None:
             self.workers.close()
-        if getattr(self, "step_log", None) is not None:  # None too when __init__ failed before opening it
+        if self.step_log is not None:
             self.step_log.close()
 
     def get_metrics(self) -> dict:

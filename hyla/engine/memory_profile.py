@@ -96,9 +96,10 @@ def profile_graph_bytes(model, *, batch_sizes: list[int], widths: list[int], pag
     first ones capture_all takes, whose mean is what each further graph adds (the driver's copy of
     its kernels, new pool blocks). The estimate is first + (num_graphs - 1) x that mean.
 
-    One further graph alone overstated it: the allocator grows the pool by whole segments, which
-    the graphs after it fill. The 48B shape on an H100 measured 36-44 MiB for one graph against
-    7 MiB a graph over all 532 captured (docs/perf-log/2026-12-06-h100-engine-at-scale.md)."""
+    The captures warm up on one stream (cuda_graph.warmup_stream): with a new stream each, every
+    sample also paid cuBLAS's per-stream workspace, 45 MiB a graph against the 3.2 MiB it holds
+    (48B shape in FP8 on an H100: estimate 2.73 GiB, 1.96 GiB captured; docs/perf-log/
+    2026-12-06-h100-defaults-and-prefill-host.md)."""
     from hyla.engine.cuda_graph import SCRATCH
     from hyla.engine.cuda_graph_verify import CUDAGraphRunner
 

@@ -193,11 +193,23 @@ def model_config(name: str, layers: int | None = None):
     return family_classes(d["model_type"])[0].from_hf_dict(d)
 
 
-def random_model(name: str, dtype=torch.float32, device="cpu", seed: int = 0, layers: int | None = None):
+def random_model(name: str, dtype=torch.float32, device="cpu", seed: int = 0, layers: int | None = None,
+                 quantization: str | None = None, fp8_weights: str = "auto"):
     """Shape `name` (cut to `layers`) with random weights, built on `device` in `dtype` except the
-    tensors the loader keeps in fp32. Eval mode, no gradients, prepare_for_inference() done."""
-    from hyla.models.loader import family_classes
+    tensors the loader keeps in fp32. Eval mode, no gradients, prepare_for_inference() done.
+    quantization "fp8": block-FP8 weights drawn on the device by the loader (load_format "dummy"'s
+    path; `seed` is not used there), fp8_weights as load_model's."""
+    from hyla.models.loader import family_classes, load_model
 
+    if quantization is not None:
+        import json
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "config.json").write_text(json.dumps(random_config_dict(name, layers)))
+            return load_model(tmp, dtype=dtype, device=device, random_weights=True, quantization=quantization,
+                              fp8_weights=fp8_weights)
     config = model_config(name, layers)
     model_cls = family_classes(config.model_type)[1]
     with torch.device("meta"):
