@@ -5,6 +5,7 @@ step is host-bound (the GPU waits on python launching kernels) and where it is d
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 4096 --align-max-pairs 8192 65536
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 8192 --rows 1 4 16
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 8192 --rows 16 --context 3072 --mla-groups on off
+    python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 8192 --rows 16 --context 3072 --top 12
 
 One step of --rows prompts (default one) through ModelRunner.execute (what the engine runs), random weights on the
 device; wall = synced median of 5 after a warm-up; kernel = the summed GPU time of one call
@@ -21,6 +22,7 @@ import time
 
 import torch
 
+from hyla.bench.floor import kernel_profile
 from hyla.bench.random_models import RANDOM_CONFIGS, random_model
 from hyla.bench.step_bench import PAGE, make_runner
 from hyla.engine.kernel_warmup import rows_plan
@@ -66,6 +68,7 @@ def main() -> None:
                         "(off): both in one process, which host-bound A / Bs need")
     p.add_argument("--align-max-pairs", type=int, nargs="*", default=[], help="one-program alignment bounds to compare")
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None, help="block-FP8 weights")
+    p.add_argument("--top", type=int, default=0, help="after each row, the step's N costliest kernels")
     args = p.parse_args()
     model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers,
                          quantization=args.quantization)
@@ -89,6 +92,8 @@ def main() -> None:
         wall, kern = wall_ms(run), kernel_ms(run)
         print(f"| {T} | {rows} | {bound} | {groups} | {wall:.2f} | {kern:.2f} | {wall / kern:.2f}x | "
               f"{T / wall * 1e3:,.0f} |")
+        if args.top:
+            print("# " + kernel_profile(run, args.top))
 
 
 def split_plan(tokens: int, rows: int, vocab: int, context: int = 0) -> StepPlan:
