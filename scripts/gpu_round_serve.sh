@@ -6,10 +6,10 @@
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b || exit 1
 B="python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --save-result --result-dir $OUT --disable-tqdm"
-serve() {  # start the 48B server with extra flags; wait for /health
+serve() {  # start the 48B server with extra flags (and $SERVE_FLAGS, which override the defaults); wait for /health
   T0=$(date +%s)
   python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-      --max-model-len 8192 --step-log $OUT/steps-$TAG.jsonl "$@" > $OUT/serve$TAG.log 2>&1 &
+      --max-model-len 8192 --step-log $OUT/steps-$TAG.jsonl $SERVE_FLAGS "$@" > $OUT/serve$TAG.log 2>&1 &
   SP=$!
   if ! wait_ready $SP $OUT/serve$TAG.log; then
     # the defaults' memory accounting failed (it did on an H100 on 2026-12-06, before expandable
@@ -20,11 +20,13 @@ serve() {  # start the 48B server with extra flags; wait for /health
   fi
   echo "server up after $(( $(date +%s) - T0 )) s"; grep -E "memory:|decode graphs|pools:|CUDA graphs" $OUT/serve$TAG.log | cut -c1-400
 }
-cached() {  # the prefix and agent traces (greedy, outputs saved for the on / off comparison)
-  timeout 200 $B --label prefix-$TAG --dataset-name prefix --prefix-len 4096 --suffix-len 256 --num-prefixes 1 \
-      --num-prompts 128 --output-len 64 --max-concurrency 64 --temperature 0 --ignore-eos --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- prefix $TAG"
-  timeout 200 $B --label agent-$TAG --dataset-name agent --num-sessions 16 --turns 6 --tool-output-len 512 \
-      --question-len 32 --output-len 64 --temperature 0 --ignore-eos --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- agent $TAG"
+cached() {  # the prefix and agent traces (greedy, outputs saved for the on / off comparison); CACHED=agent runs one
+  [[ " ${CACHED:-prefix agent} " == *" prefix "* ]] && { timeout 200 $B --label prefix-$TAG --dataset-name prefix \
+      --prefix-len 4096 --suffix-len 256 --num-prefixes 1 --num-prompts 128 --output-len 64 --max-concurrency 64 \
+      --temperature 0 --ignore-eos --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- prefix $TAG"; }
+  [[ " ${CACHED:-prefix agent} " == *" agent "* ]] && { timeout 200 $B --label agent-$TAG --dataset-name agent \
+      --num-sessions 16 --turns 6 --tool-output-len 512 --question-len 32 --output-len 64 --temperature 0 --ignore-eos \
+      --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- agent $TAG"; }
 }
 # PART=random: the random rows (closed loop at each concurrency, then Poisson arrivals at RATE req/s)
 # alone; PART=cached: prefix and agent, cache on and off; unset: all

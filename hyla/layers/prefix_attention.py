@@ -36,14 +36,17 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     """q [B, H, T, D]: the last T of L positions; k [B, H, L, D], v [B, H, L, Dv] -> [B, H, T, Dv],
     query i attending keys 0 .. L - T + i.
 
-    Without a prefix (T = L): one plain causal call. With one: the lower-right aligned causal
-    bias, which CUDA's kernels apply without building a mask. torch's CPU kernels build that
+    CUDA in half precision: torch's flash kernel, whose causal mask is aligned lower right.
+    Elsewhere, without a prefix (T = L): one plain causal call; with one: the lower-right aligned
+    causal bias, which CUDA's kernels apply without building a mask. torch's CPU kernels build that
     bias's [T, L] mask and every head's [T, L] scores (17 GB for 8192 new tokens over a
     131,072-token context at 4 heads), so there the query rows go in blocks whose scores stay
     under CPU_SCORE_BYTES, each block over the keys up to its last row: every row sees the same
     keys and takes the same softmax as in one call."""
-    B, H, T, _ = q.shape
+    B, H, T, D = q.shape
     L = k.shape[-2]
+    if _flash_fits(q, v):  # CUDA, half precision: one kernel for both (see _flash_fits)
+        return _flash_attention(q, k, v, scale, causal=True)[0]
     if T == L:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     rows = T if q.device.type != "cpu" else max(1, CPU_SCORE_BYTES // (B * H * L * 4))
@@ -134,17 +137,18 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B, H, T, D] over k [B, H, L, D], v [B, H, L, Dv] (causal: T == L, query i
     sees keys 0..i) -> (out [B, H, T, Dv], the log-sum-exp of each query's scaled scores [B, H, T]).
-    CUDA: torch's memory-efficient attention kernel (it takes values narrower than the keys, as
-    MLA's, in every dtype), asked for its log-sum-exp; elsewhere score blocks under
-    CPU_SCORE_BYTES."""
+    CUDA: torch's flash kernel in fp16 / bf16 (_flash_fits), its memory-efficient kernel
+    otherwise, asked for the log-sum-exp; elsewhere score blocks under CPU_SCORE_BYTES."""
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"a causal block is square: {q.shape[-2]} queries, {k.shape[-2]} keys")
     T = q.shape[-2]
     if q.device.type == "cuda":
-        # the kernel reads dense [B, H, L, D] rows (torch's sdpa checks a layout before it calls
-        # it; this call skips that check): a query transposed from [T, H, D], an expanded value
+        # the kernels read dense [B, H, L, D] rows (torch's sdpa checks a layout before it calls
+        # them; these calls skip that check): a query transposed from [T, H, D], an expanded value
         # (a view of the up-projection) are copied
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if _flash_fits(q, v):
+            return _flash_attention(q, k, v, scale, causal)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)[:2]
         return out, lse[..., :T]  # (the kernel pads T to a multiple of 32)
@@ -162,3 +166,30 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
         outs.append(((scores - lse[..., None].to(scores.dtype)).exp() @ v))
         lses.append(lse)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _flash_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's flash kernel takes q [B, H, T, D] with values v [B, H, L, Dv]: fp16 / bf16
+    on an sm80+ card, D <= 256 a multiple of 8, Dv <= D (narrower values are padded to D).
+
+    Why flash and not the kernels torch's sdpa picks for MLA's shapes, whose values are narrower
+    than the keys (scripts/prefix_attention_bench.py, BENCHMARKS "Prefill steps", H100): the
+    memory-efficient kernel (its choice for the lower-right bias) runs at half flash's rate; cuDNN's
+    (its choice for a plain causal call) is faster at a fixed shape, but builds a plan for every
+    new (queries, keys) pair, ~90 ms each, and a server meets a new pair with nearly every prompt."""
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+            and q.shape[-1] % 8 == 0 and v.shape[-1] <= q.shape[-1]
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, T, D], k [B, H, L, D], v [B, H, L, Dv] -> (out [B, H, T, Dv], lse [B, H, T]) by
+    torch's flash kernel; causal aligns the mask lower right (query i sees keys 0 .. L - T + i),
+    as the flash kernel does. Values narrower than D are padded with zeros (their columns of the
+    output are zero and dropped)."""
+    Dv = v.shape[-1]
+    if Dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - Dv))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    return out[..., :Dv], lse
