@@ -33,3 +33,22 @@ def test_missing_tokenizer_json(tmp_path):
     (tmp_path / "tokenizer.model").write_text("")
     with pytest.raises(ValueError, match=f"no tokenizer in {tmp_path}: .*tokenizer.json.*tiktoken.model"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_long_text_encodes_as_transformers(kimi_checkpoint, add_special_tokens):
+    """Texts past LONG_TEXT_CHARS take encode_batch (the GIL released): the same ids as transformers,
+    special tokens inside the text included."""
+    from transformers import PreTrainedTokenizerFast
+
+    from hyla.models import tokenizer as tokenizer_module
+
+    path = kimi_checkpoint("dense", with_tokenizer=True)
+    tok = load_tokenizer(path)
+    ref = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    text = " ".join(["the cat sat on the mat </s> and the dog ran"] * 80)
+    assert len(text) >= tokenizer_module.LONG_TEXT_CHARS
+    want = ref(text, add_special_tokens=add_special_tokens)["input_ids"]
+    assert tok.encode(text, add_special_tokens=add_special_tokens) == want
+    assert tok.encode(text[:100], add_special_tokens=add_special_tokens) == ref(
+        text[:100], add_special_tokens=add_special_tokens)["input_ids"]

@@ -181,6 +181,9 @@ _MIN_LOW_STAGES = 2
 _CHECKPOINT_WARPS = 8
 
 
+_CHECKPOINT_BLOCK_V = 32  # value columns a program of _checkpoints_by_recurrence
+
+
 def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, in_order, chunk_off_list, lengths, gate_kw):
     """The checkpoint states of a per-channel (KDA) scan: for each checkpoint after r tokens of
     its chunk, the token recurrence (recurrent.recurrent_fwd, one varlen segment per checkpoint)
@@ -202,9 +205,12 @@ def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, in_order, chunk_off_l
     def rows(x):
         return x.reshape(B * T, *x.shape[2:]).index_select(0, idx).unsqueeze(0)
 
+    # one value-block width whatever the count of checkpoints: recurrent_fwd's own rule picks it
+    # from the count (16 / 32 / 64 columns on an H100 at 32 heads from 1 / 5 / 9 checkpoints), so
+    # a server met a new compiled variant mid-burst (~0.4 s, scripts/first_steps.py)
     _, states = recurrent_fwd(rows(q), rows(k), rows(v), rows(g), rows(beta), gate="kda",
                               initial_state=ck_start.index_select(0, slot_ix), output_final_state=True,
-                              cu_seqlens=cu_ck, **gate_kw)
+                              cu_seqlens=cu_ck, block_v=_CHECKPOINT_BLOCK_V, **gate_kw)
     return states
 
 
