@@ -9,7 +9,8 @@ tensors), plus the interpreter's argument handling, which stands in for Triton's
 outputs are garbage (requests may fail on non-finite logits; the time is all this measures). Keep
 the steps small: the torch ops still compute on the CPU, which at hundreds of rows (bf16 on a CPU)
 outgrows the host work being measured.
-Prints ms per step and Triton launches per step; --profile N adds cProfile's top N by own time.
+--prefix-cache turns the cache on (each prompt exports checkpoints). Prints ms per step and Triton
+launches per step; --profile N adds cProfile's top N by own time.
 It undercounts what a GPU's host does: it runs neither Triton's real launcher nor CUDA's dispatch.
 On an H100 a 12-layer FP8 prefill step of 1,024 tokens took ~40 ms of wall for 18 ms of kernels
 (scripts/prefill_wall.py, docs/perf-log/2026-12-06-h100-defaults-and-prefill-host.md), where this
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--profile", type=int, default=0)
+    ap.add_argument("--prefix-cache", action="store_true", help="the prefix cache on: prefills export state "
+                    "checkpoints (at whole pages), as a server's do")
     args = ap.parse_args()
     launches: collections.Counter = collections.Counter()
 
@@ -51,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(1)
     engine = LLMEngine(EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=8192,
                                     max_num_seqs=64, max_num_batched_tokens=max(8192, max(args.tokens)),
-                                    enable_prefix_caching=False, enforce_eager=True))
+                                    enable_prefix_caching=args.prefix_cache, enforce_eager=True))
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 

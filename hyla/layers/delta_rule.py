@@ -39,6 +39,7 @@ from torch import nn
 from hyla.contract import ForwardBatch, LinearLayerCache
 from hyla.ops import dispatch
 from hyla.ops.dtypes import work_dtype
+from hyla.ops.transfer import stage_long, to_device_long
 
 
 class PackedLinears:
@@ -363,10 +364,8 @@ class ShortConvDeltaRule(nn.Module):
         out = self._chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_positions=positions)
         cache.state.index_copy_(0, slots, out[1].to(cache.state.dtype))
-        if positions is not None:
-            for n, pairs in enumerate(batch.checkpoints):
-                for (_, dest), s in zip(pairs, out[2][n]):
-                    cache.state[dest] = s.to(cache.state.dtype)
+        if positions is not None:  # one write for all of them (checkpoint slots are distinct)
+            cache.state.index_copy_(0, _checkpoint_slots(batch), torch.cat(out[2]).to(cache.state.dtype))
         return self.output(out[0], aux)[0]
 
 
@@ -379,14 +378,39 @@ def checkpoint_positions(batch: ForwardBatch) -> list[list[int]] | None:
 
 def write_conv_checkpoints(pool: torch.Tensor, init: torch.Tensor, t: torch.Tensor, batch: ForwardBatch) -> None:
     """The conv window after the first p new tokens of sequence n is columns p .. p+W-2 of
-    [its initial window (W-1 columns) ++ its new pre-conv inputs].
+    [its initial window (W-1 columns) ++ its new pre-conv inputs]: every checkpoint's window
+    gathered at once (_conv_window_sources) and written with one index_copy_.
 
     pool: [num_slots, D, W-1]; init: [N, D, W-1]; t: [T_total, D] this step's pre-conv inputs."""
     width = pool.shape[-1]
+    from_init, init_rows, input_rows = batch.shared(("conv_window_sources", width),
+                                                    lambda b: _conv_window_sources(b, width))
+    flat_init = init.transpose(1, 2).reshape(-1, init.shape[1])  # [N * (W-1), D]: row n * (W-1) + column
+    cols = torch.where(from_init[:, None], flat_init.index_select(0, init_rows),
+                       t.index_select(0, input_rows).to(init.dtype))  # [C * (W-1), D]
+    windows = cols.view(-1, width, cols.shape[-1]).transpose(1, 2)  # [C, D, W-1]
+    pool.index_copy_(0, _checkpoint_slots(batch), windows.to(pool.dtype))
+
+
+def _conv_window_sources(batch: ForwardBatch, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For column w of checkpoint (n, p)'s window, in checkpoint order and then w: column j = p + w
+    of [initial window ++ new inputs] comes from the initial window (j < W-1: from_init, its row
+    n * (W-1) + j of the flattened windows) or from new input row cu[n] + j - (W-1). -> (from_init
+    bool, init row, input row), each [C * (W-1)] on the batch's device, in one transfer."""
     cu = batch.cu_seqlens_list
+    from_init, init_rows, input_rows = [], [], []
     for n, pairs in enumerate(batch.checkpoints):
-        if not pairs:
-            continue
-        ext = torch.cat([init[n], t[cu[n]:cu[n + 1]].t().to(init.dtype)], dim=1)  # [D, W-1 + new]
-        for p, dest in pairs:
-            pool[dest] = ext[:, p:p + width]
+        for p, _ in pairs:
+            for j in range(p, p + width):
+                from_init.append(int(j < width))
+                init_rows.append(n * width + min(j, width - 1))
+                input_rows.append(cu[n] + max(j - width, 0))
+    flags, init_idx, input_idx = stage_long([from_init, init_rows, input_rows], batch.cu_seqlens.device)
+    return flags.bool(), init_idx, input_idx
+
+
+def _checkpoint_slots(batch: ForwardBatch) -> torch.Tensor:
+    """The destination slot of every checkpoint of the step, sequence by sequence in its order
+    [C] (one transfer a step, shared by the layers)."""
+    return batch.shared("checkpoint_slots", lambda b: to_device_long(
+        [dest for pairs in b.checkpoints for _, dest in pairs], b.cu_seqlens.device))

@@ -132,6 +132,28 @@ def test_checkpoints_equal_a_run_stopped_there():
                 assert torch.allclose(pool[dest], w, atol=1e-12, rtol=0)
 
 
+def test_checkpoints_of_several_sequences_in_one_step():
+    """Three sequences resuming in one step, the first and last exporting checkpoints (windows
+    partly from the initial conv window at p = 1, 2), the middle one none: every state and window
+    written at once equals a run stopped there."""
+    layer = _layer(-5.0)
+    cache = _cache(layer, 12)
+    xs = [torch.randn(n, 24, dtype=torch.float64) for n in (21, 9, 30)]
+    ckpts = [[(1, 6), (2, 7), (16, 8)], [], [(3, 9), (24, 10)]]
+    with torch.no_grad():
+        for n, x in enumerate(xs):  # a context of 4, 5 and 6 tokens in slots 0, 1, 2
+            layer.forward_batch(x[:4 + n], ForwardBatch.build([4 + n], [0], [[0]], [n]), cache)
+        new = [x.shape[0] - 4 - n for n, x in enumerate(xs)]
+        batch = ForwardBatch.build(new, [4, 5, 6], [[0], [0], [0]], [0, 1, 2], checkpoints=ckpts)
+        layer.forward_batch(torch.cat([x[4 + n:] for n, x in enumerate(xs)]), batch, cache)
+        for n, pairs in enumerate(ckpts):
+            for p, dest in pairs:
+                _, state, windows = loop_reference(layer, xs[n][: 4 + n + p])
+                assert torch.allclose(cache.state[dest], state, atol=1e-10, rtol=0)
+                for pool, w in zip(cache.conv, windows):
+                    assert torch.allclose(pool[dest], w, atol=1e-12, rtol=0)
+
+
 def test_decode_step_checkpoint():
     layer = _layer()
     cache = _cache(layer, 4)

@@ -127,6 +127,19 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
     return ck_ptr, ck_pos, rows, ck_chunk, ck_slot, len(unique), in_order
 
 
+def _rows_by_sequence(ck_out: torch.Tensor, rows: list[list[int]], state_shape: tuple) -> list[torch.Tensor]:
+    """Each sequence's checkpoint states [n_ck, *state_shape] (fp32) from the sorted output: a view where its
+    rows are consecutive (checkpoints in increasing position, as the engine asks), else a gather
+    whose indices came over with every other sequence's in one pinned transfer. (A `torch.tensor`
+    of indices per sequence copies from pageable memory, which waits for the stream: a burst of 14
+    returning turns stalled the GPU 126 times a 12-layer step.)"""
+    empty = torch.zeros(0, *state_shape, device=ck_out.device, dtype=torch.float32)
+    scattered = [r for r in rows if r and r != list(range(r[0], r[0] + len(r)))]
+    staged = iter(stage_long(scattered, ck_out.device)) if scattered else iter(())
+    return [empty if not r else ck_out[r[0]:r[0] + len(r)] if r == list(range(r[0], r[0] + len(r)))
+            else ck_out.index_select(0, next(staged)) for r in rows]
+
+
 def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32) -> int:
     """Value-block width of the scan: 64 unless that leaves three SMs in four idle or more (one
     64-token chunk step is a fixed latency, so a short grid wants narrower blocks), down to
@@ -408,10 +421,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         )
     if ckpts is None:
         return o, final
-    empty = torch.zeros(0, HV, K, V, device=dev, dtype=torch.float32)
-    ck = [ck_out[torch.tensor(rows, device=dev)] if rows else empty for rows in (ck_rows if has_ck else
-                                                                                  [[] for _ in ckpts])]
-    return o, final, ck
+    return o, final, _rows_by_sequence(ck_out, ck_rows if has_ck else [[] for _ in ckpts], (HV, K, V))
 
 
 # The public ops: the torch references' signatures (hyla.ops.chunk), chunk_fwd underneath.
