@@ -10,7 +10,7 @@ outputs are garbage (requests may fail on non-finite logits; the time is all thi
 the steps small: the torch ops still compute on the CPU, which at hundreds of rows (bf16 on a CPU)
 outgrows the host work being measured.
 --prefix-cache turns the cache on (each prompt exports checkpoints). Prints ms per step and Triton
-launches per step; --profile N adds cProfile's top N by own time.
+launches per step; --profile N adds cProfile's top N by own time (the first --tokens, the last --requests).
 It undercounts what a GPU's host does: it runs neither Triton's real launcher nor CUDA's dispatch.
 On an H100 a 12-layer FP8 prefill step of 1,024 tokens took ~40 ms of wall for 18 ms of kernels
 (scripts/prefill_wall.py, docs/perf-log/2026-12-06-h100-defaults-and-prefill-host.md), where this
@@ -84,7 +84,7 @@ def main() -> None:
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.repeat):
-            step_ms(args.tokens[0], 1)
+            step_ms(args.tokens[0], args.requests[-1])
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
 
