@@ -128,16 +128,25 @@ def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
 
 
 def _rows_by_sequence(ck_out: torch.Tensor, rows: list[list[int]], state_shape: tuple) -> list[torch.Tensor]:
-    """Each sequence's checkpoint states [n_ck, *state_shape] (fp32) from the sorted output: a view where its
-    rows are consecutive (checkpoints in increasing position, as the engine asks), else a gather
-    whose indices came over with every other sequence's in one pinned transfer. (A `torch.tensor`
-    of indices per sequence copies from pageable memory, which waits for the stream: a burst of 14
-    returning turns stalled the GPU 126 times a 12-layer step.)"""
-    empty = torch.zeros(0, *state_shape, device=ck_out.device, dtype=torch.float32)
-    scattered = [r for r in rows if r and r != list(range(r[0], r[0] + len(r)))]
+    """Each sequence's checkpoint states [n_ck, *state_shape] (fp32) from the sorted output: a view
+    where its rows are consecutive (checkpoints in increasing position, as the engine asks), else a
+    gather whose indices came over with every other such sequence's in one pinned transfer. (A
+    `torch.tensor` of indices per sequence copies from pageable memory, which waits for the stream:
+    a burst of 14 returning turns stalled the GPU 126 times in a 12-layer step.)"""
+    def consecutive(r: list[int]) -> bool:
+        return r == list(range(r[0], r[0] + len(r)))
+
+    scattered = [r for r in rows if r and not consecutive(r)]
     staged = iter(stage_long(scattered, ck_out.device)) if scattered else iter(())
-    return [empty if not r else ck_out[r[0]:r[0] + len(r)] if r == list(range(r[0], r[0] + len(r)))
-            else ck_out.index_select(0, next(staged)) for r in rows]
+    out = []
+    for r in rows:
+        if not r:
+            out.append(torch.zeros(0, *state_shape, device=ck_out.device, dtype=torch.float32))
+        elif consecutive(r):
+            out.append(ck_out[r[0]:r[0] + len(r)])
+        else:
+            out.append(ck_out.index_select(0, next(staged)))
+    return out
 
 
 def _scan_block(n_programs_per_block: int, bvf: int, device, narrowest: int = 32) -> int:
@@ -220,7 +229,8 @@ def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, in_order, chunk_off_l
 
     # one value-block width whatever the count of checkpoints: recurrent_fwd's own rule picks it
     # from the count (16 / 32 / 64 columns on an H100 at 32 heads from 1 / 5 / 9 checkpoints), so
-    # a server met a new compiled variant mid-burst (~0.4 s, scripts/first_steps.py)
+    # a server met a new compiled variant mid-burst (~0.4 s, scripts/first_steps.py). A 12-layer
+    # FP8 step of 14 returning turns with a checkpoint each: 93.2 ms at 64 columns, 93.7 at 32.
     _, states = recurrent_fwd(rows(q), rows(k), rows(v), rows(g), rows(beta), gate="kda",
                               initial_state=ck_start.index_select(0, slot_ix), output_final_state=True,
                               cu_seqlens=cu_ck, block_v=_CHECKPOINT_BLOCK_V, **gate_kw)
