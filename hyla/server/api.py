@@ -16,6 +16,8 @@ as server-sent events); an endpoint only says how an output becomes a choice (`c
 
 from __future__ import annotations
 
+import asyncio
+
 import contextlib
 import time
 import uuid
@@ -169,7 +171,7 @@ async def _prepare(state: ServerState, req: CompletionRequest, prompts: list,
     ids = []
     for i, prompt in enumerate(prompts):
         try:
-            ids.append(_validate(state, prompt, plan))
+            ids.append(await asyncio.to_thread(_validate, state, prompt, plan))  # off the loop: see prepare_chat
         except APIError as e:
             if not batched or e.param != "prompt":
                 raise

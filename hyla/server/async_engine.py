@@ -5,7 +5,8 @@ The engine is not thread-safe, so only the loop thread touches it: HTTP handlers
 asyncio queue: a step's outputs in one `call_soon_threadsafe` per event loop (each call wakes
 the loop through a write to its self-pipe: one per output took a tenth of the loop thread's time
 at 256 running requests). Validation (`encode` / `validate`) is read-only and
-runs in the handler, so a bad request is answered before it reaches the loop.
+runs for the handler in a worker thread (off the event loop), so a bad request is answered before
+it reaches the loop thread.
 
 Shutdown: `stop_all` (at the end of the server's drain, hyla.server.shutdown) aborts every
 request and hands each handler a `Shutdown` in place of its next output, as it does to any

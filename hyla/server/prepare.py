@@ -119,7 +119,10 @@ async def prepare_chat(state, req: ChatCompletionRequest) -> ChatRun:
         raise APIError(400, '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
                        "--tool-call-parser (or send tool_choice \"none\")", param="tool_choice")
     tools = req.tool_dicts()
-    prompt = chat_prompt(state, req, tools)
+    # off the event loop (as every prompt's tokenisation, hyla.server.api): rendering and encoding
+    # a long conversation takes milliseconds, during which the loop would serve no other request
+    # and stream no token (the tokenizers release the GIL while they encode)
+    prompt = await asyncio.to_thread(chat_prompt, state, req, tools)
     reasoning = chat_reasoning(state, req, prompt)
     thinks = reasoning is not None and reasoning.parser is not None
     forced = mode in ("required", "named")  # the grammar writes the call

@@ -10,7 +10,8 @@
 - an out-of-vocabulary logit_bias key reported param "prompt";
 - `stream_options: {}` with `stream: false` was a 400 (vLLM accepts it);
 - the OpenAPI document lacked the 4xx / 5xx answers, the text/event-stream of a stream and
-  /metrics' text/plain.
+  /metrics' text/plain;
+- prompts were rendered and encoded on the event loop, which served nothing else meanwhile.
 """
 
 from __future__ import annotations
@@ -183,3 +184,27 @@ def test_openapi_documents_the_answers(http):
         assert set(responses["200"]["content"]) >= {"application/json", "text/event-stream"}
     metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert "text/plain" in metrics and "application/json" not in metrics
+
+
+def test_prompts_are_tokenized_off_the_event_loop(engine, http, monkeypatch):  # noqa: F811
+    """Rendering and encoding a prompt (milliseconds for a long conversation) runs in a worker
+    thread, not on the event loop, which meanwhile serves other requests and streams their tokens:
+    chat, completions and the Messages API's chat path alike."""
+    import asyncio
+
+    on_loop = []
+    real = engine.tokenizer.encode
+
+    def encode(*args, **kwargs):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # no loop running in this thread
+            on_loop.append(False)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(engine.tokenizer, "encode", encode)
+    body = {"model": "m", "max_tokens": 2, "temperature": 0}
+    assert http.post("/v1/chat/completions", json={**body, "messages": MSGS}).status_code == 200
+    assert http.post("/v1/completions", json={**body, "prompt": PROMPT}).status_code == 200
+    assert http.post("/v1/messages", json={**body, "messages": MSGS}).status_code == 200
+    assert len(on_loop) >= 3 and not any(on_loop)
