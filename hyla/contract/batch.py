@@ -229,11 +229,21 @@ class ForwardBatch:
             if w > 0 and all(s == w for s in self.seq_lens):  # no counts copied from the host (graph-safe)
                 seqs = constants.constant(("seq_ids", self.num_tokens, w), device,
                                           lambda d: torch.arange(self.num_tokens, device=d) // w)
-            else:
+            else:  # the counts in a pinned transfer and the output size given: no wait for the stream
                 seqs = torch.repeat_interleave(torch.arange(self.num_seqs, device=device),
-                                               torch.as_tensor(self.seq_lens, device=device))
+                                               stage_long([self.seq_lens], device)[0], output_size=self.num_tokens)
             self._memo["seq_ids"] = seqs
         return self._memo["seq_ids"]
+
+    def single_token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequences that bring one new token (a mixed step's decode rows): (their rows of the
+        packed tokens [S], their sequence indices [S]) on the batch's device, made once a step in
+        one pinned transfer (a torch.tensor from a list waits for the stream)."""
+        if "single_rows" not in self._memo:
+            single = [n for n, s in enumerate(self.seq_lens) if s == 1]
+            self._memo["single_rows"] = tuple(stage_long([[self.cu_seqlens_list[n] for n in single], single],
+                                                         self.positions.device))
+        return self._memo["single_rows"]
 
     def kv_slot_mapping(self, page_size: int) -> torch.Tensor:
         """[T_total] flat row (page * page_size + offset) of every new token in a paged KV pool."""
@@ -306,8 +316,8 @@ class ForwardBatch:
         the window is past the sequence) and unread [S, P * page_size] (the same, per sequence)."""
         device = self.block_tables.device
         host_lens = [self.context_lens_list[n] + 1 for n in seqs]
-        tables = self.block_tables[torch.tensor(seqs, device=device)]
-        lens = torch.tensor(host_lens, device=device)
+        index, lens = stage_long([seqs, host_lens], device)  # one pinned transfer: no wait for the stream
+        tables = self.block_tables[index]
         n_pages = -(-max(host_lens) // page_size)
         pages = tables[:, :n_pages]
         unread = constants.arange(n_pages * page_size, device)[None, :] >= lens[:, None]

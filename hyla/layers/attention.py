@@ -212,9 +212,9 @@ class GatedAttention(nn.Module):
             out = self._windowed(q.unflatten(0, (batch.num_seqs, w)), cache, *batch.query_window(page_size))
             return self.o_proj(out.flatten(0, 1).to(x.dtype) * torch.sigmoid(gate))
         out = x.new_empty(x.shape[0], self.num_heads * self.head_dim)
-        single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
-        if single:
-            idx = torch.tensor([batch.cu_seqlens_list[n] for n in single], device=x.device)
+        idx, _ = batch.single_token_rows()
+        if idx.numel():
+            single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
             out[idx] = self._windowed(q[idx][:, None], cache, *batch.decode_window(single, page_size))[:, 0].to(
                 out.dtype)
         cu = batch.cu_seqlens_list

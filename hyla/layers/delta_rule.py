@@ -253,7 +253,7 @@ class ShortConvDeltaRule(nn.Module):
             offs = torch.arange(batch.num_tokens, device=x.device) - batch.cu_seqlens[:-1][seq_ids]  # [T_total]
             padded = seq_ids * S + offs  # [T_total] row in the [N * S] padded layout
             if dst is not None:  # grid positions past a row's length write nothing
-                lens = torch.tensor(batch.seq_lens, device=x.device)
+                lens = to_device_long(batch.seq_lens, x.device)  # pinned: no wait for the stream
                 dst = torch.where(torch.arange(S, device=x.device)[None, :] < lens[:, None], dst, -1)
         xs = x[None]  # [1, T_total, hidden]
         pre, aux = self.project(xs)

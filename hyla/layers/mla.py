@@ -142,10 +142,8 @@ class MLAAttention(nn.Module):
             # each query attends up to its own position: `positions` is that list already
             return self.output(self._absorbed(q, cache.kv, batch.block_tables, batch.positions, cache.kv_scale), x)
         out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
-        single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
-        if single:
-            rows = torch.tensor([batch.cu_seqlens_list[n] for n in single], device=x.device)
-            seqs = torch.tensor(single, device=x.device)
+        rows, seqs = batch.single_token_rows()
+        if rows.numel():
             out[rows] = self._absorbed(q[rows], cache.kv, batch.block_tables[seqs], batch.positions[rows],
                                        cache.kv_scale)
         cu = batch.cu_seqlens_list
