@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from hyla.ops.transfer import stage_long
+
 # `seqs` / `seq` below: hyla.engine.sequence.Sequence, or a stand-in with the fields read (not
 # imported here: the Sequence's stop rule lives in hyla.engine.spec.acceptance, which imports this).
 
@@ -34,9 +36,10 @@ def _counts(x: torch.Tensor, ids: list[list[int]]) -> torch.Tensor:
     """How often each token id occurs in each list: [len(ids), V] in x's dtype, on x's device
     (the ids go host->device once, the counts are built there with a scatter-add)."""
     rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([len(r) for r in ids]))
-    idx = torch.stack([rows, torch.tensor([t for r in ids for t in r], dtype=torch.long)]).to(x.device)
+    # one pinned transfer (a plain .to(device) from pageable memory waits for the stream)
+    row_ids, token_ids = stage_long([rows, [t for r in ids for t in r]], x.device)
     counts = x.new_zeros(len(ids), x.shape[-1])
-    return counts.index_put_((idx[0], idx[1]), x.new_ones(idx.shape[1]), accumulate=True)
+    return counts.index_put_((row_ids, token_ids), x.new_ones(row_ids.shape[0]), accumulate=True)
 
 
 def penalize_batch(x: torch.Tensor, params: list, token_ids: list[list[int]],
