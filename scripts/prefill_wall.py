@@ -8,8 +8,8 @@ step is host-bound (the GPU waits on python launching kernels) and where it is d
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 8192 --rows 16 --context 3072 --top 12
 
 One step of --rows prompts (default one) through ModelRunner.execute (what the engine runs), random weights on the
-device; wall = synced median of 5 after a warm-up; kernel = the summed GPU time of one call
-(torch.profiler). --align-max-pairs times each value of the fused MoE's one-program alignment
+device; wall = median of 5 after a warm-up (hyla.bench.floor.median_ms); kernel = the summed GPU
+time of one call (torch.profiler, floor.kernel_times). --align-max-pairs times each value of the fused MoE's one-program alignment
 bound (hyla.ops.triton.fused_moe.ONE_PROGRAM_MAX_PAIRS) side by side in the same process.
 """
 
@@ -17,41 +17,16 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 import torch
 
-from hyla.bench.floor import kernel_profile
+from hyla.bench.floor import describe_kernels, kernel_times, median_ms
 from hyla.bench.random_models import RANDOM_CONFIGS, random_model
 from hyla.bench.step_bench import PAGE, make_runner
 from hyla.engine.kernel_warmup import rows_plan
 from hyla.engine.step_plan import StepPlan
 from hyla.layers import mla
 from hyla.ops.triton import fused_moe
-
-
-def kernel_ms(fn) -> float:
-    """Summed GPU kernel time of one synced call (ms)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(k.self_device_time_total for k in prof.key_averages() if k.device_type == DeviceType.CUDA) / 1e3
-
-
-def wall_ms(fn, repeats: int = 5) -> float:
-    walls = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        walls.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(walls)
 
 
 def main() -> None:
@@ -88,12 +63,13 @@ def main() -> None:
         fused_moe.ONE_PROGRAM_MAX_PAIRS = bound
         mla.expansion_groups = grouped if groups == "on" else (lambda seqs, *_: [[s] for s in seqs])
         run = lambda: runner.execute(plan)  # noqa: E731
-        run()
-        wall, kern = wall_ms(run), kernel_ms(run)
+        wall = median_ms(run, 5)  # after one untimed call; CUDA events span the host's launching too
+        kernels = kernel_times(run)
+        kern = sum(k[0] for k in kernels) / 1e3
         print(f"| {T} | {rows} | {bound} | {groups} | {wall:.2f} | {kern:.2f} | {wall / kern:.2f}x | "
               f"{T / wall * 1e3:,.0f} |")
         if args.top:
-            print("# " + kernel_profile(run, args.top))
+            print("# " + describe_kernels(kernels, args.top))
 
 
 def split_plan(tokens: int, rows: int, vocab: int, context: int = 0) -> StepPlan:

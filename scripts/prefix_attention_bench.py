@@ -27,21 +27,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hyla.bench.floor import median_ms
 from hyla.layers.masks import causal_after_prefix
 from hyla.layers.prefix_attention import _merge, attend_after_prefix, attend_key_blocks
-
-
-def timed(fn, repeats: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def sdpa(q, k, v, scale):
@@ -92,7 +80,7 @@ def main() -> None:
         for fn in fns:
             try:
                 out = fn()
-                times.append(timed(fn))
+                times.append(median_ms(fn, 20))
                 errs.append(f"{(out.float() - ref).abs().max().item():.1e}")
             except RuntimeError as err:
                 times.append(float("nan"))

@@ -161,24 +161,34 @@ def median_ms(fn, repeat: int, setup=None, warmup: int = 1, device="cuda") -> fl
         if i >= warmup:
             times.append(ms)
     return statistics.median(times)
-def kernel_profile(fn, top: int = 8) -> str:
-    """What one call runs on the GPU (what a CUDA graph replays): kernel count, summed kernel time
-    and the kernels that take most of it, via the profiler (a hint, not a result: n/a if absent)."""
-    try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
+def kernel_times(fn) -> list[tuple[float, int, str]]:
+    """The GPU kernels of one synced call of fn, by the profiler: (self time us, launches, name)
+    per kernel, most time first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        rows = [(k.self_device_time_total, k.count, k.key) for k in prof.key_averages()
-                if k.device_type == DeviceType.CUDA]
-    except Exception as err:  # noqa: BLE001
-        return f"n/a ({type(err).__name__}: {err})"
-    rows.sort(reverse=True)
+    return sorted(((k.self_device_time_total, k.count, k.key) for k in prof.key_averages()
+                   if k.device_type == DeviceType.CUDA), reverse=True)
+
+
+def describe_kernels(rows: list[tuple[float, int, str]], top: int = 8) -> str:
+    """kernel_times' rows -> kernel count, summed kernel time and the `top` costliest kernels."""
     lines = [f"{sum(r[1] for r in rows)} kernels, {sum(r[0] for r in rows) / 1e3:.3f} ms of kernel time"]
     lines += [f"  {us / 1e3:7.3f} ms {n:5d}x {name[:90]}" for us, n, name in rows[:top]]
     return "\n# ".join(lines)
+
+
+def kernel_profile(fn, top: int = 8) -> str:
+    """What one call runs on the GPU (what a CUDA graph replays): describe_kernels of its
+    kernel_times (a hint, not a result: n/a if the profiler is absent)."""
+    try:
+        rows = kernel_times(fn)
+    except Exception as err:  # noqa: BLE001
+        return f"n/a ({type(err).__name__}: {err})"
+    return describe_kernels(rows, top)
 
 

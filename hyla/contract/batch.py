@@ -240,10 +240,16 @@ class ForwardBatch:
         packed tokens [S], their sequence indices [S]) on the batch's device, made once a step in
         one pinned transfer (a torch.tensor from a list waits for the stream)."""
         if "single_rows" not in self._memo:
-            single = [n for n, s in enumerate(self.seq_lens) if s == 1]
+            single = self.single_token_seqs()
             self._memo["single_rows"] = tuple(stage_long([[self.cu_seqlens_list[n] for n in single], single],
                                                          self.positions.device))
         return self._memo["single_rows"]
+
+    def single_token_seqs(self) -> list[int]:
+        """The indices of the sequences that bring one new token, on the host."""
+        if "single_seqs" not in self._memo:
+            self._memo["single_seqs"] = [n for n, s in enumerate(self.seq_lens) if s == 1]
+        return self._memo["single_seqs"]
 
     def kv_slot_mapping(self, page_size: int) -> torch.Tensor:
         """[T_total] flat row (page * page_size + offset) of every new token in a paged KV pool."""

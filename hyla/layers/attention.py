@@ -214,9 +214,8 @@ class GatedAttention(nn.Module):
         out = x.new_empty(x.shape[0], self.num_heads * self.head_dim)
         idx, _ = batch.single_token_rows()
         if idx.numel():
-            single = [n for n, s in enumerate(batch.seq_lens) if s == 1]
-            out[idx] = self._windowed(q[idx][:, None], cache, *batch.decode_window(single, page_size))[:, 0].to(
-                out.dtype)
+            out[idx] = self._windowed(q[idx][:, None], cache, *batch.decode_window(batch.single_token_seqs(), page_size)
+                                      )[:, 0].to(out.dtype)
         cu = batch.cu_seqlens_list
         for n, (new, ctx) in enumerate(zip(batch.seq_lens, batch.context_lens_list)):
             if new <= 1:

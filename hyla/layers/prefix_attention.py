@@ -43,7 +43,7 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     131,072-token context at 4 heads), so there the query rows go in blocks whose scores stay
     under CPU_SCORE_BYTES, each block over the keys up to its last row: every row sees the same
     keys and takes the same softmax as in one call."""
-    B, H, T, D = q.shape
+    B, H, T, _ = q.shape
     L = k.shape[-2]
     if _flash_fits(q, v):  # CUDA, half precision: one kernel for both (see _flash_fits)
         return _flash_attention(q, k, v, scale, causal=True)[0]
@@ -142,13 +142,13 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"a causal block is square: {q.shape[-2]} queries, {k.shape[-2]} keys")
     T = q.shape[-2]
+    if _flash_fits(q, v):  # it reads rows at any stride (as attend_after_prefix hands it slices)
+        return _flash_attention(q, k, v, scale, causal)
     if q.device.type == "cuda":
-        # the kernels read dense [B, H, L, D] rows (torch's sdpa checks a layout before it calls
-        # them; these calls skip that check): a query transposed from [T, H, D], an expanded value
-        # (a view of the up-projection) are copied
+        # the memory-efficient kernel reads dense [B, H, L, D] rows (torch's sdpa checks a layout
+        # before it calls it; this call skips that check): a query transposed from [T, H, D], an
+        # expanded value (a view of the up-projection) are copied
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if _flash_fits(q, v):
-            return _flash_attention(q, k, v, scale, causal)
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, causal, scale=scale)[:2]
         return out, lse[..., :T]  # (the kernel pads T to a multiple of 32)
