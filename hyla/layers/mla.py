@@ -26,6 +26,7 @@ runs as over a cache in the model dtype.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,9 @@ from torch import nn
 from hyla.contract import ForwardBatch, MLALayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import RMSNorm
-from hyla.layers.prefix_attention import attend_after_prefix, attend_built, expansion_groups, flash_fits
+from hyla.layers.prefix_attention import attend_built, attend_packed, expansion_groups, flash_fits
 from hyla.ops import dispatch, kv_fp8
+from hyla.ops.transfer import stage_long
 
 # transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
 # config.rms_norm_eps; the checkpoints were trained that way (GLM-5-Next passes its rms_norm_eps).
@@ -188,19 +190,16 @@ class MLAAttention(nn.Module):
                 latents = functools.partial(self._cached_latents, cache, pages, dtype=q.dtype)
                 out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], L, latents)
                 continue
-            # several: one gather of their pages and one up-projection for all, then each
-            # sequence's attention over its own slice (a prefill step of many prompts, a burst of
-            # returning turns: ~10 launches fewer a sequence). Rows past a sequence's last
-            # position in its last page are expanded too, and never read.
-            pages = torch.cat([batch.context_pages(n, L, page_size) for n, L in group])
-            k, v = self.expand(self._cached_latents(cache, pages, 0, pages.shape[0] * page_size, q.dtype)[None],
-                               pad_values=self._pads_values(q))
-            first = 0
-            for n, L in group:
-                o = attend_after_prefix(q[cu[n]:cu[n + 1]].transpose(0, 1)[None], k[:, :, first:first + L],
-                                        v[:, :, first:first + L], self.scaling)
-                out[cu[n]:cu[n + 1]] = o[0, ..., :self.v_dim].transpose(0, 1).flatten(-2)
-                first += -(-L // page_size) * page_size  # the next sequence's first page
+            # several: their cached latents in one gather, back to back (exactly each sequence's
+            # positions), one up-projection, and one attention call for them all
+            # (prefix_attention.attend_packed): a prefill step of many prompts, a burst of
+            # returning turns
+            lat_rows, q_rows, q_bounds, k_bounds, host_bounds = batch.shared(
+                ("mla_group", tuple(group), page_size), lambda b: _group_rows(b, group, page_size))
+            k, v = self.expand(self._latents_at(cache, lat_rows, q.dtype)[None], pad_values=self._pads_values(q))
+            o = attend_packed(q.index_select(0, q_rows), k[0].transpose(0, 1), v[0].transpose(0, 1), q_bounds,
+                              k_bounds, host_bounds, self.scaling)  # [T_group, H, v_dim or wider]
+            out.index_copy_(0, q_rows, o[..., :self.v_dim].flatten(-2))
         return self.output(out, x)
 
     def _bytes_per_position(self, q: torch.Tensor) -> int:
@@ -221,6 +220,15 @@ class MLAAttention(nn.Module):
         lat = cache.kv[pages[first:last]].flatten(0, 1)[rows]
         if cache.kv_scale is not None:  # FP8 latents: the rows in the model dtype
             lat = kv_fp8.dequantize_rows(lat, cache.kv_scale[pages[first:last]].flatten(0, 1)[rows],
+                                         kv_fp8.latent_groups(self.kv_lora_rank, self.rope), dtype)
+        return lat
+
+    def _latents_at(self, cache: MLALayerCache, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The cached latents at flat pool rows (page * page_size + offset) [n] -> [n, r + rope]
+        (FP8 latents dequantised to dtype)."""
+        lat = cache.kv.flatten(0, 1).index_select(0, rows)
+        if cache.kv_scale is not None:
+            lat = kv_fp8.dequantize_rows(lat, cache.kv_scale.flatten(0, 1).index_select(0, rows),
                                          kv_fp8.latent_groups(self.kv_lora_rank, self.rope), dtype)
         return lat
 
@@ -252,3 +260,23 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, r]
         return dispatch.paged_mla_decode(q_lat, q_pe, kv, tables, last, w_uv, self.scaling, kv_scale=kv_scale)
+
+
+def _group_rows(batch: ForwardBatch, group: list[tuple[int, int]], page_size: int):
+    """For sequences `group` [(index n, positions L)] of a step, attended together: the flat pool
+    rows of their L cached-or-new positions back to back [sum L], their query rows in the packed
+    step [sum new], the cumulative query and key counts [S + 1] (int32 on the device, and on the
+    host), once a step for every MLA layer (one transfer each)."""
+    tables = batch.host_block_tables()
+    cu, lat, q_rows = batch.cu_seqlens_list, [], []
+    for n, L in group:
+        batch.context_pages(n, L, page_size)  # its check: a page for every position
+        pages = torch.tensor(tables[n][:-(-L // page_size)], dtype=torch.long)
+        lat.append((pages[:, None] * page_size + torch.arange(page_size)).flatten()[:L])
+        q_rows.append(torch.arange(cu[n], cu[n + 1]))
+    q_bounds = [0, *itertools.accumulate(cu[n + 1] - cu[n] for n, _ in group)]
+    k_bounds = [0, *itertools.accumulate(L for _, L in group)]
+    dev = batch.block_tables.device
+    lat_rows, rows = stage_long([torch.cat(lat), torch.cat(q_rows)], dev)
+    q_dev, k_dev = stage_long([q_bounds, k_bounds], dev, dtype=torch.int32)
+    return lat_rows, rows, q_dev, k_dev, (q_bounds, k_bounds)

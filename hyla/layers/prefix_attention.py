@@ -61,6 +61,29 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return torch.cat(out, dim=2)
 
 
+def attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_bounds: torch.Tensor, k_bounds: torch.Tensor,
+                  host_bounds: tuple[list[int], list[int]], scale: float) -> torch.Tensor:
+    """Several sequences at once. q [Tq, H, D]: their new tokens back to back; k [Lk, H, D], v [Lk,
+    H, Dv]: all their positions back to back (each sequence's new ones last); q_bounds, k_bounds
+    [S + 1] int32: cumulative query and key counts, on q's device and (host_bounds) as lists
+    -> [Tq, H, Dv]: each sequence's attend_after_prefix. CUDA in half precision: one varlen call
+    of torch's flash kernel (its causal mask aligned lower right per sequence); elsewhere one
+    call per sequence."""
+    qb, kb = host_bounds
+    if flash_fits(q, v.shape[-1]):
+        Dv = v.shape[-1]
+        if Dv < q.shape[-1]:
+            v = F.pad(v, (0, q.shape[-1] - Dv))
+        max_q = max(b - a for a, b in zip(qb, qb[1:]))
+        max_k = max(b - a for a, b in zip(kb, kb[1:]))
+        out = torch.ops.aten._flash_attention_forward(q, k, v, q_bounds, k_bounds, max_q, max_k, 0.0, True, False,
+                                                      scale=scale)[0]
+        return out[..., :Dv]
+    return torch.cat([attend_after_prefix(q[qb[i]:qb[i + 1]].transpose(0, 1)[None], k[kb[i]:kb[i + 1]].transpose(0, 1)[None],
+                                          v[kb[i]:kb[i + 1]].transpose(0, 1)[None], scale)[0].transpose(0, 1)
+                      for i in range(len(qb) - 1)])
+
+
 def attend_built(q: torch.Tensor, build, context: int, bytes_per_position: int, scale: float) -> torch.Tensor:
     """q [B, H, T, D]: T new positions after `context` cached ones; build(start, stop) -> the keys
     [B, H, n, D] and values [B, H, n, Dv] of positions start..stop-1, which take
