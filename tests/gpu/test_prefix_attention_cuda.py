@@ -39,8 +39,8 @@ def test_flash_kernel_in_half_precision():
     """bf16 takes the flash kernel on an sm80+ card, values up to the key width; fp32 does not."""
     q = torch.zeros(1, 1, 8, 192, device="cuda", dtype=torch.bfloat16)
     sm80 = torch.cuda.get_device_capability() >= (8, 0)
-    assert pa._flash_fits(q, q[..., :128]) == sm80 and pa._flash_fits(q, q) == sm80
-    assert not pa._flash_fits(q.float(), q[..., :128].float()) and not pa._flash_fits(q[..., :64], q[..., :128])
+    assert pa.flash_fits(q, 128) == sm80 and pa.flash_fits(q, 192) == sm80
+    assert not pa.flash_fits(q.float(), 128) and not pa.flash_fits(q[..., :64], 128)
 
 
 def test_mla_grouped_prefill_bf16_equals_its_full_forward():
