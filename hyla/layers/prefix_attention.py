@@ -18,6 +18,7 @@ build the keys and values of a range of positions.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -25,6 +26,12 @@ import torch.nn.functional as F
 
 from hyla.layers.masks import causal_after_prefix
 
+# A plain causal call (no prefix) of at least CUDNN_MIN_TOKENS queries runs through cuDNN, its
+# rows padded to a multiple of CUDNN_BUCKET (_bucketed_cudnn_causal): at a fixed shape cuDNN ran a
+# fresh 8,192-token prompt's MLA attention at ~3x flash's rate on an H100, but it builds a plan for
+# every new shape (38 ms), which the buckets bound (15 plans up to 8,192 tokens).
+CUDNN_MIN_TOKENS = 1024
+CUDNN_BUCKET = 512
 # The most score memory one CPU call may build (see attend_after_prefix).
 CPU_SCORE_BYTES = 256 << 20
 # The most memory the keys and values of one block of positions may take, with what building
@@ -36,7 +43,8 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     """q [B, H, T, D]: the last T of L positions; k [B, H, L, D], v [B, H, L, Dv] -> [B, H, T, Dv],
     query i attending keys 0 .. L - T + i.
 
-    CUDA in half precision: torch's flash kernel, whose causal mask is aligned lower right.
+    CUDA in half precision: torch's flash kernel, whose causal mask is aligned lower right; a plain
+    causal call (T = L) from CUDNN_MIN_TOKENS queries through cuDNN over bucketed rows.
     Elsewhere, without a prefix (T = L): one plain causal call; with one: the lower-right aligned
     causal bias, which CUDA's kernels apply without building a mask. torch's CPU kernels build that
     bias's [T, L] mask and every head's [T, L] scores (17 GB for 8192 new tokens over a
@@ -46,6 +54,8 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     B, H, T, _ = q.shape
     L = k.shape[-2]
     if flash_fits(q, v.shape[-1]):  # CUDA, half precision: one kernel for both (see flash_fits)
+        if T == L and T >= CUDNN_MIN_TOKENS and _cudnn_answers(q.device):
+            return _bucketed_cudnn_causal(q, k, v, scale)
         return _flash_attention(q, k, v, scale, causal=True)[0]
     if T == L:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -217,3 +227,26 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         v = F.pad(v, (0, q.shape[-1] - Dv))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     return out[..., :Dv], lse
+
+
+def _bucketed_cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q [B, H, T, D] over k [B, H, T, D], v [B, H, T, Dv] by cuDNN, all three
+    padded with zero rows to the next multiple of CUDNN_BUCKET: query i < T sees keys 0..i only,
+    so the padding rows never reach the first T outputs, which are returned [B, H, T, Dv]."""
+    T = q.shape[-2]
+    pad = -T % CUDNN_BUCKET
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, True, False, scale=scale)[0]
+    return out[:, :, :T]
+
+
+@functools.cache
+def _cudnn_answers(device: torch.device) -> bool:
+    """Whether cuDNN's attention runs on this device (cuDNN 9 and an sm80+ card): one probe a device."""
+    q = torch.zeros(1, 1, CUDNN_BUCKET, 64, device=device, dtype=torch.bfloat16)
+    try:
+        torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, False, 0.0, True, False, scale=1.0)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True

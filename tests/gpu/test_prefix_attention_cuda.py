@@ -82,3 +82,24 @@ def test_mla_grouped_prefill_bf16_equals_its_full_forward():
             err = ((y[start:start + new].float() - want).norm() / want.norm()).item()
             assert err <= 2e-2, (ctx, new, err)
             start += new
+
+
+@pytest.mark.parametrize("T", [1000, 1500, 2048])
+@pytest.mark.parametrize("strided", [False, True])
+def test_fresh_causal_attention_through_cudnn_buckets(T, strided):
+    """A plain causal call from CUDNN_MIN_TOKENS queries (cuDNN over rows padded to a bucket;
+    below it, flash) equals torch's sdpa to bf16's rounding (2e-2 relative L2); strided: keys and
+    values are views of one [T, H, 384] buffer, as MLA's padded expansion hands them (at 2,048 no
+    rows are padded, so cuDNN reads the views themselves)."""
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    q = torch.randn(1, 8, T, 192, device="cuda", dtype=torch.bfloat16, generator=gen)
+    if strided:
+        kv = torch.randn(1, T, 8, 384, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = kv[..., :192].transpose(1, 2), kv[..., 192:320].transpose(1, 2)
+    else:
+        k = torch.randn(1, 8, T, 192, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(1, 8, T, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.07)
+    got = pa.attend_after_prefix(q, k, v, 0.07)
+    assert got.shape == want.shape
+    assert ((got.float() - want).norm() / want.norm()).item() <= 2e-2
