@@ -6,6 +6,7 @@ step is host-bound (the GPU waits on python launching kernels) and where it is d
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 8192 --rows 1 4 16
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 8192 --rows 16 --context 3072 --mla-groups on off
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 8192 --rows 16 --context 3072 --top 12
+    py-spy record -f raw -o host.txt -- python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 --loop 20
 
 One step of --rows prompts (default one) through ModelRunner.execute (what the engine runs), random weights on the
 device; wall = median of 5 after a warm-up (hyla.bench.floor.median_ms); kernel = the summed GPU
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 
 import torch
 
@@ -44,6 +46,8 @@ def main() -> None:
     p.add_argument("--align-max-pairs", type=int, nargs="*", default=[], help="one-program alignment bounds to compare")
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None, help="block-FP8 weights")
     p.add_argument("--top", type=int, default=0, help="after each row, the step's N costliest kernels")
+    p.add_argument("--loop", type=float, default=0, help="then run the last row's step for this many seconds "
+                   "(for a sampling profiler outside: most of its samples are then that step's host work)")
     args = p.parse_args()
     model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers,
                          quantization=args.quantization)
@@ -70,6 +74,13 @@ def main() -> None:
               f"{T / wall * 1e3:,.0f} |")
         if args.top:
             print("# " + describe_kernels(kernels, args.top))
+    if args.loop:
+        steps, stop = 0, time.perf_counter() + args.loop
+        while time.perf_counter() < stop:
+            run()
+            torch.cuda.synchronize()
+            steps += 1
+        print(f"# looped {steps} steps in {args.loop:.0f} s")
 
 
 def split_plan(tokens: int, rows: int, vocab: int, context: int = 0) -> StepPlan:
