@@ -1,7 +1,7 @@
 """One MoE block of the released shapes on the GPU: Triton fused MoE vs grouped GEMMs vs the floor.
 
     python -m hyla.bench moe [--shapes kimi-linear-48b-a3b qwen3-next-80b-a3b]
-                             [--tokens 1 16 64 256 8192] [--sweep] [--repeat 50]
+                             [--tokens 1 16 64 256 8192] [--sweep] [--repeat 50] [--fp8] [--mxfp4]
 
 Per shape and token count (random bf16 weights built on the device, random hidden states, the
 family's own router: sigmoid noaux_tc for Kimi, softmax top-k for Qwen3-Next):
@@ -21,11 +21,17 @@ block-FP8 fused MoE (hyla.ops.triton.fused_moe_fp8) timed beside the bf16 kernel
 routing, against its own floor (the touched experts at one byte a weight plus their scales);
 with `--sweep` its configurations are FP8_SWEEP (BK and the gate/up BN fixed at the 128-column
 block) and `--write-configs` writes the "fp8_w8a8" tables the FP8 kernel reads.
+
+`--mxfp4`: the routed experts drawn in MXFP4 (Kimi K3's released format; K3's own shape is not
+public, so the chosen shapes stand in): the packed kernel (hyla.ops.triton.fused_moe_mxfp4), the
+same weights converted to block FP8 as `mxfp4_experts="fp8"` loads them, and the bf16 kernel on
+them dequantised, each a CUDA graph on one routing.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from pathlib import Path
 
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "(hyla.ops.triton.kernel_tables' file per shape and device)")
     p.add_argument("--fp8", action="store_true", help="also the block-FP8 fused MoE on the experts quantised; "
                    "with --sweep its configurations (FP8_SWEEP) are the ones swept and written")
+    p.add_argument("--mxfp4", action="store_true", help="also experts drawn in MXFP4 (as Kimi K3 releases them): "
+                   "the packed kernel, the same weights converted to block FP8 at load (exact), and bf16 on them")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("hyla bench moe needs a CUDA device")
@@ -167,7 +175,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     bw = copy_bandwidth(device)
     print(f"# hyla bench moe: torch {torch.__version__}, {torch.cuda.get_device_name()}, copy bandwidth "
           f"{bw / 1e9:.0f} GB/s (read + write); CUDA-graph replays, medians of {args.repeat}")
-    rows, tuned = [], {}
+    rows, tuned, mx_rows = [], {}, []
     for name in args.shapes:
         shape = SHAPES[name]
         block = build_block(shape, device)
@@ -191,6 +199,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                     / slow.float().norm())
                     t_fp8 = graph_ms(lambda: fused_moe_fp8(x, *q, weights, ids), args.repeat)
                     fp8_floor = (distinct * fp8_expert + 2 * m * shape["hidden"] * 2) / bw * 1e3
+                if args.mxfp4:
+                    mx_rows.append(dict(shape=name, tokens=m, **_mxfp4_times(shape, x, weights, ids, args.repeat)))
                 sweep, best_cfg = {}, None
                 if args.sweep and q is not None:
                     sweep, best_cfg = _sweep(lambda cfg: fused_moe_fp8(x, *q, weights, ids, config=cfg),
@@ -231,7 +241,44 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{r['shape']:<22} {r['tokens']:>6} {r['triton_ms']:>8.3f} {r['fp8_ms']:>8.3f} "
                   f"{r['triton_ms'] / r['fp8_ms']:>7.2f}x {r['fp8_floor_ms']:>9.3f} "
                   f"{r['fp8_ms'] / r['fp8_floor_ms']:>7.2f}x {r['fp8_rel_err']:>8.1e}")
+    if mx_rows:
+        print("# routed experts drawn in MXFP4, the same routing: packed MXFP4 kernel, converted to block FP8 "
+              "(power-of-two scales: exact), bf16 on the dequantised weights")
+        print(f"{'shape':<22} {'tokens':>6} {'mxfp4 ms':>9} {'fp8 ms':>8} {'bf16 ms':>8} {'bf16/mxfp4':>10} "
+              f"{'bf16/fp8':>8}")
+        for r in mx_rows:
+            print(f"{r['shape']:<22} {r['tokens']:>6} {r['mxfp4_ms']:>9.3f} {r['fp8_ms']:>8.3f} {r['bf16_ms']:>8.3f} "
+                  f"{r['bf16_ms'] / r['mxfp4_ms']:>9.2f}x {r['bf16_ms'] / r['fp8_ms']:>7.2f}x")
     return rows
+
+
+def _mxfp4_times(shape: dict, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, repeat: int) -> dict:
+    """The routed experts of `shape` drawn in MXFP4 (random E2M1 codes, E8M0 scales putting outputs
+    near unit size), timed in CUDA graphs on one routing: the packed kernel, the block-FP8 kernel on
+    the same weights converted with power-of-two scales (hyla.models.mxfp4's load-time "fp8"; exact),
+    the bf16 kernel on them dequantised -> ms each."""
+    from hyla.models.mxfp4 import dequantize_mxfp4
+    from hyla.ops.fp8 import block_quantize, quantize_gate_up
+    from hyla.ops.triton.fused_moe import fused_moe
+    from hyla.ops.triton.fused_moe_fp8 import fused_moe_fp8
+    from hyla.ops.triton.fused_moe_mxfp4 import fused_moe_mxfp4
+
+    E, H, inter = shape["experts"], shape["hidden"], shape["inter"]
+    gen = torch.Generator(device=x.device).manual_seed(0)
+
+    def draw(N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+        codes = torch.randint(0, 256, (E, N, K // 2), generator=gen, device=x.device, dtype=torch.int32)
+        base = 127 - round(0.5 * math.log2(K)) - 1
+        scale = base - torch.randint(0, 3, (E, N, K // 32), generator=gen, device=x.device)
+        return codes.to(torch.uint8), scale.to(torch.uint8)
+
+    w13, w2 = draw(2 * inter, H), draw(H, inter)
+    W13, W2 = dequantize_mxfp4(*w13, torch.bfloat16), dequantize_mxfp4(*w2, torch.bfloat16)
+    q = (*quantize_gate_up(W13, power_of_two=True), *block_quantize(W2, power_of_two=True))
+    with torch.inference_mode():
+        return dict(mxfp4_ms=graph_ms(lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids), repeat),
+                    fp8_ms=graph_ms(lambda: fused_moe_fp8(x, *q, weights, ids), repeat),
+                    bf16_ms=graph_ms(lambda: fused_moe(x, W13, W2, weights, ids), repeat))
 
 
 if __name__ == "__main__":
