@@ -291,6 +291,32 @@ def test_chunk_kda_takes_the_scan_form_with_or_without_checkpoints(monkeypatch):
     torch.testing.assert_close(scan_ck, factor_ck, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_chunk_checkpoint_tables_are_shared_by_a_steps_layers(gate):
+    """An engine step hands every layer the same cu_seqlens tensor: the checkpoint tables (and
+    KDA's recurrence rows) are built once for it and reused by the next layer's call, whose
+    inputs differ; a call with other checkpoints on that tensor gets its own. Each call's
+    checkpoints equal those of a call on a fresh cu_seqlens (nothing cached)."""
+    from hyla.ops.triton import chunk as tc
+
+    built = []
+    tables = tc._checkpoint_tables
+    cu = torch.tensor([0, 70, 100], device=DEV)
+    calls = [(3, [[5, 69], [30]]), (5, [[5, 69], [30]]), (7, [[64], [1, 29]])]
+    for seed, positions in calls:
+        q, k, v, g, beta, _ = make_inputs(1, 100, 2, 16, 16, gate=gate, seed=seed)
+        args = _f32(q, k, v, g, beta)
+        tc._checkpoint_tables = lambda *a: (built.append(1), tables(*a))[1]
+        try:
+            _, _, shared = tc.chunk_fwd(*args, gate=gate, cu_seqlens=cu, checkpoint_positions=positions)
+        finally:
+            tc._checkpoint_tables = tables
+        _, _, fresh = tc.chunk_fwd(*args, gate=gate, cu_seqlens=cu.clone(), checkpoint_positions=positions)
+        for a, b in zip(shared, fresh):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert len(built) == 2  # the second call reused the first's tables; the third had other checkpoints
+
+
 def test_chunk_kda_scan_form_refuses_an_fp32_inverse_with_bf16_inputs():
     """KDA's scan form with an fp32 L^-1 beside bf16 operands was miscompiled by Triton 3.6 on an
     H200: asked for explicitly it is refused by name; low_precision_inverse=False alone takes the

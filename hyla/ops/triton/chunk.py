@@ -94,6 +94,21 @@ def _build_tables(cu_seqlens, device, lengths=None, cu=None, key=None):
     return out
 
 
+def _step_checkpoint_tables(cu_seqlens, ckpts, chunk_off_list, n_chunks, device) -> dict:
+    """_checkpoint_tables' result as {"tables": ...}, built once per engine step: every KDA / GDN
+    layer of a step has the same sequences and checkpoints, so with cu_seqlens (the step's tensor)
+    the tables and their transfer are shared by the step's layers (its sorting and staging cost
+    ~0.2 ms of host a layer). The dict also holds what _checkpoints_by_recurrence derives from
+    them ("recurrence"), likewise once a step."""
+    key = tuple(tuple(ps) for ps in ckpts)
+    if cu_seqlens is None:
+        return {"tables": _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device)}
+    per_step = utils.cached_on(cu_seqlens, f"checkpoint_tables_{device}", dict)
+    if key not in per_step:
+        per_step[key] = {"tables": _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device)}
+    return per_step[key]
+
+
 def _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device):
     """Checkpoints sorted by chunk: CSR pointer per chunk, in-chunk offsets r, and for each
     sequence the rows of the sorted output that hold its checkpoints in the caller's order.
@@ -206,15 +221,10 @@ _CHECKPOINT_WARPS = 8
 _CHECKPOINT_BLOCK_V = 32  # value columns a program of _checkpoints_by_recurrence
 
 
-def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, in_order, chunk_off_list, lengths, gate_kw):
-    """The checkpoint states of a per-channel (KDA) scan: for each checkpoint after r tokens of
-    its chunk, the token recurrence (recurrent.recurrent_fwd, one varlen segment per checkpoint)
-    over those r <= 64 tokens from the chunk-start state the scan stored (ck_start[slot]).
-    -> [NCK, HV, K, V] fp32 in the sorted order of _checkpoint_tables. (A checkpoint kernel with
-    the chunk form's products, as chunk_checkpoint_rows_kernel is for scalar gates, was
-    miscompiled by Triton 3.6 on an H200 for the per-channel tiles: wrong states or illegal
-    addresses; the recurrence is a few sequential steps of a kernel already in use for decode.)"""
-    B, T = q.shape[:2]
+def _recurrence_rows(in_order, chunk_off_list, lengths, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For _checkpoints_by_recurrence: the token rows its segments read (each checkpoint's first r
+    tokens of its chunk, in sorted order), the segments' cumulative lengths and each one's
+    chunk-start slot, in one transfer."""
     seq_start = [0, *itertools.accumulate(lengths)]
     tokens, seg, slots = [], [0], []
     for gc, r, n, slot in in_order:
@@ -222,7 +232,21 @@ def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, in_order, chunk_off_l
         tokens.extend(range(t0, t0 + r))
         seg.append(seg[-1] + r)
         slots.append(slot)
-    idx, cu_ck, slot_ix = stage_long([tokens, seg, slots], q.device)
+    idx, cu_ck, slot_ix = stage_long([tokens, seg, slots], device)
+    return idx, cu_ck, slot_ix
+
+
+def _checkpoints_by_recurrence(q, k, v, g, beta, ck_start, rows_of_segments, gate_kw):
+    """The checkpoint states of a per-channel (KDA) scan: for each checkpoint after r tokens of
+    its chunk, the token recurrence (recurrent.recurrent_fwd, one varlen segment per checkpoint)
+    over those r <= 64 tokens from the chunk-start state the scan stored (ck_start[slot]).
+    rows_of_segments: _recurrence_rows(...) of the step's checkpoints
+    -> [NCK, HV, K, V] fp32 in the sorted order of _checkpoint_tables. (A checkpoint kernel with
+    the chunk form's products, as chunk_checkpoint_rows_kernel is for scalar gates, was
+    miscompiled by Triton 3.6 on an H200 for the per-channel tiles: wrong states or illegal
+    addresses; the recurrence is a few sequential steps of a kernel already in use for decode.)"""
+    B, T = q.shape[:2]
+    idx, cu_ck, slot_ix = rows_of_segments  # _recurrence_rows
 
     def rows(x):
         return x.reshape(B * T, *x.shape[2:]).index_select(0, idx).unsqueeze(0)
@@ -343,8 +367,8 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
 
     has_ck = bool(ckpts) and any(len(ps) for ps in ckpts)
     if has_ck:
-        ck_ptr, ck_pos, ck_rows, ck_chunk, ck_slot, n_slots, ck_order = _checkpoint_tables(
-            ckpts, off_list, NCH, dev)
+        ck_step = _step_checkpoint_tables(cu_seqlens, ckpts, off_list, NCH, dev)
+        ck_ptr, ck_pos, ck_rows, ck_chunk, ck_slot, n_slots, ck_order = ck_step["tables"]
         NCK = ck_pos.numel()
         # the scan's start states of the chunks that hold checkpoints (wu_in_scan)
         ck_start = torch.empty(n_slots if wu_in_scan else 0, HV, K, V, device=dev, dtype=torch.float32)
@@ -410,8 +434,10 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             H=s_heads, HV=HV, K=K, V=V, BK=BK, BV=BV, PER_CHANNEL=per_channel, **launch,
         )
         if has_ck and per_channel:
+            if "recurrence" not in ck_step:
+                ck_step["recurrence"] = _recurrence_rows(ck_order, off_list, lengths, dev)
             ck_out = _checkpoints_by_recurrence(
-                q, k, v, g, beta, ck_start, ck_order, off_list, lengths, dict(
+                q, k, v, g, beta, ck_start, ck_step["recurrence"], dict(
                     scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                     use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                     lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel))
