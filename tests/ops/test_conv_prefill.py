@@ -81,3 +81,22 @@ def test_bad_initial_state_is_named():
     with pytest.raises(ValueError, match="initial_state must be"):
         causal_conv1d_fn(x, torch.randn(8, 4).to(DEV), initial_state=torch.randn(2, 8, 3).to(DEV),
                          cu_seqlens=torch.tensor([0, 6]).to(DEV))
+
+
+def test_one_cu_seqlens_serves_several_convs():
+    """An engine step's convs share its cu_seqlens tensor (its token tables built once for them):
+    convs of other widths on it still match the torch op, and so does one after the tensor is
+    changed in place (the tables follow its version)."""
+    gen = torch.Generator().manual_seed(11)
+    cu = torch.tensor([0, 5, 40, 41])
+    for D, new_cu in ((24, None), (40, None), (24, [0, 30, 35, 41])):
+        if new_cu is not None:
+            cu.copy_(torch.tensor(new_cu))
+        x = torch.randn(1, 41, D, generator=gen)
+        weight = torch.randn(D, 4, generator=gen)
+        h0 = torch.randn(3, D, 3, generator=gen)
+        want_y, want_s = torch_conv.causal_conv1d_fn(x, weight, None, "silu", h0, True, cu.clone())
+        got_y, got_s = causal_conv1d_fn(x.to(DEV), weight.to(DEV), None, "silu", h0.to(DEV), True,
+                                        cu if DEV == "cpu" else cu.to(DEV))
+        torch.testing.assert_close(got_y.cpu(), want_y, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_s.cpu(), want_s, rtol=0, atol=0)

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hyla.ops import utils
 from hyla.ops.triton import _interpreter
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -95,6 +96,12 @@ def _final_window_kernel(x, s_x, init, cu, final, D, W: tl.constexpr, BP: tl.con
              mask=m_d[:, None] & m_p[None, :])
 
 
+def _token_tables(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cu [N+1] int32 -> (cu, the sequence of each of the total tokens [total] int32)."""
+    seq_of = torch.searchsorted(cu[1:], torch.arange(total, device=cu.device, dtype=torch.int32), right=True)
+    return cu, seq_of.to(torch.int32)
+
+
 def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      activation: str | None = None, initial_state: torch.Tensor | None = None,
                      output_final_state: bool = False,
@@ -112,12 +119,15 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     _check_activation(activation)
     W = weight.shape[1]
     dev = x.device
+    total = B * T
     if cu_seqlens is None:
-        cu = torch.arange(B + 1, device=dev, dtype=torch.int32) * T
+        cu, seq_of = _token_tables(torch.arange(B + 1, device=dev, dtype=torch.int32) * T, total)
     else:
         if B != 1:
             raise ValueError(f"with cu_seqlens, x must have batch size 1 (packed), got B={B}")
-        cu = cu_seqlens.to(device=dev, dtype=torch.int32)
+        # an engine step's convs (three a KDA layer) share its cu_seqlens: the tables once a step
+        cu, seq_of = utils.cached_on(cu_seqlens, f"conv_tables_{dev}_{total}",
+                                     lambda: _token_tables(cu_seqlens.to(device=dev, dtype=torch.int32), total))
     N = cu.numel() - 1
     if initial_state is not None and (not isinstance(initial_state, torch.Tensor)
                                       or initial_state.shape != (N, D, W - 1)):
@@ -127,13 +137,11 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if xs.stride(1) != 1:
         xs = xs.contiguous()
     init = initial_state.contiguous() if initial_state is not None else xs
-    total = B * T
     y = torch.empty(B * T, D, dtype=x.dtype, device=dev)
     if total:
-        seq_of = torch.searchsorted(cu[1:], torch.arange(total, device=dev, dtype=torch.int32), right=True)
         BT, BD = 32, 128
         _conv_prefill_kernel[(triton.cdiv(total, BT), triton.cdiv(D, BD))](
-            xs, xs.stride(0), weight, bias if bias is not None else weight, init, seq_of.to(torch.int32), cu, y, total, D, W=W,
+            xs, xs.stride(0), weight, bias if bias is not None else weight, init, seq_of, cu, y, total, D, W=W,
             BT=BT, BD=BD, HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
             SILU=activation is not None, num_warps=4)
     final = None
