@@ -151,6 +151,10 @@ def _rows_by_sequence(ck_out: torch.Tensor, rows: list[list[int]], state_shape: 
     def consecutive(r: list[int]) -> bool:
         return r == list(range(r[0], r[0] + len(r)))
 
+    counts = [len(r) for r in rows]
+    if 0 < sum(counts) == ck_out.shape[0] and [i for r in rows for i in r] == list(range(sum(counts))):
+        # sequence-major, as the engine asks
+        return list(ck_out.split(counts))  # the views in one call
     scattered = [r for r in rows if r and not consecutive(r)]
     staged = iter(stage_long(scattered, ck_out.device)) if scattered else iter(())
     out = []
