@@ -200,9 +200,9 @@ class EngineConfig:
 
         check_fp8_weights(self.fp8_weights)
         check_experts_mode(self.mxfp4_experts)
-        if self.mxfp4_experts == "packed" and self.tensor_parallel_size > 1:
+        if self.mxfp4_experts in ("packed", "fp8") and self.tensor_parallel_size > 1:
             # the parallel plans cut the logical [N, K] expert weights (hyla.models.mxfp4)
-            raise ValueError("mxfp4_experts='packed' runs on one device; with tensor_parallel_size > 1 use "
+            raise ValueError(f"mxfp4_experts={self.mxfp4_experts!r} runs on one device; with tensor_parallel_size > 1 use "
                              "'auto' (dequantised on the ranks) or 'dequantized'")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
