@@ -106,8 +106,9 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--fp8-weights", choices=["auto", "fp8", "dequantized"], default="auto",
                    help="FP8 weights: auto (FP8 modules on CUDA, dequantised elsewhere), fp8 (FP8 modules on any "
                         "device) or dequantized")
-    p.add_argument("--mxfp4-experts", choices=["auto", "packed", "dequantized"], default="auto",
-                   help="MXFP4 routed experts (Kimi K3): auto (packed on CUDA), packed or dequantized")
+    p.add_argument("--mxfp4-experts", choices=["auto", "packed", "dequantized", "fp8"], default="auto",
+                   help="MXFP4 routed experts (Kimi K3): auto (packed on CUDA), packed, dequantized or fp8 "
+                        "(converted to block FP8 at load)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
                    help="auto: attention KV pages in the model dtype; fp8 (= fp8_e4m3): e4m3 pages with per-token "
                         "scales, about twice the tokens per byte of bf16 (vLLM's flag)")

@@ -99,7 +99,7 @@ class EngineConfig:
     fp8_weights: how FP8 weights load: "auto" (FP8 modules on CUDA, dequantised elsewhere), "fp8"
     (FP8 modules on any device: the W8A8 arithmetic, also on the CPU) or "dequantized"
     (hyla.models.fp8_loading). mxfp4_experts: how MXFP4 routed experts load: "auto" (packed on CUDA),
-    "packed" or "dequantized" (hyla.models.mxfp4).
+    "packed", "dequantized" or "fp8" (converted to block FP8 at load) (hyla.models.mxfp4).
     backend: the ops' kernels for the whole process, applied when the engine starts
     (hyla.ops.dispatch.set_backend): "auto" (Triton on CUDA, torch elsewhere), "torch" or
     "triton"; None keeps the process's choice (the HYLA_BACKEND environment variable, else auto).
@@ -143,7 +143,7 @@ class EngineConfig:
     quantization: str | None = None  # "fp8": block-quantise a bf16 checkpoint while loading (hyla.models.fp8)
     kv_cache_dtype: str = "auto"  # or "fp8" / "fp8_e4m3": e4m3 KV pages with per-token scales (hyla.ops.kv_fp8)
     fp8_weights: str = "auto"  # or "fp8" / "dequantized": FP8 weights in FP8 modules or dequantised
-    mxfp4_experts: str = "auto"  # or "packed" / "dequantized": MXFP4 experts kept packed or dequantised
+    mxfp4_experts: str = "auto"  # or "packed" / "dequantized" / "fp8": MXFP4 experts packed, dequantised or block FP8
     revision: str | None = None
     generation_config: str = "auto"
     scheduling_policy: str = "fcfs"  # or "priority": SamplingParams.priority orders the waiting queue
@@ -200,9 +200,9 @@ class EngineConfig:
 
         check_fp8_weights(self.fp8_weights)
         check_experts_mode(self.mxfp4_experts)
-        if self.mxfp4_experts == "packed" and self.tensor_parallel_size > 1:
+        if self.mxfp4_experts in ("packed", "fp8") and self.tensor_parallel_size > 1:
             # the parallel plans cut the logical [N, K] expert weights (hyla.models.mxfp4)
-            raise ValueError("mxfp4_experts='packed' runs on one device; with tensor_parallel_size > 1 use "
+            raise ValueError(f"mxfp4_experts={self.mxfp4_experts!r} runs on one device; with tensor_parallel_size > 1 use "
                              "'auto' (dequantised on the ranks) or 'dequantized'")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

@@ -34,11 +34,16 @@ class Fp8StackedExperts(nn.Module):
     SwiGLU (hyla.layers.clamped_swiglu), computed in the kernel's epilogue."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 swiglu_limit: float | None = None):
+                 swiglu_limit: float | None = None, activation: GatedActivation | None = None):
+        """activation: another gated activation than (clamped) SwiGLU (Kimi K3's SiTU experts
+        converted from MXFP4, hyla.models.mxfp4.Mxfp4Experts.to_fp8); such experts take no
+        shared expert behind them."""
         super().__init__()
         E, H, I = num_experts, hidden_size, intermediate_size
         self.swiglu_limit = swiglu_limit
-        self.activation = SILU if swiglu_limit is None else GatedActivation("clamped_silu", limit=swiglu_limit)
+        self.own_activation = activation is not None
+        self.activation = activation or (SILU if swiglu_limit is None
+                                         else GatedActivation("clamped_silu", limit=swiglu_limit))
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H, dtype=FP8_DTYPE), requires_grad=False)
         self.gate_up_proj_scale_inv = nn.Parameter(torch.ones(E, 2 * cdiv(I, BLOCK), cdiv(H, BLOCK)),
                                                    requires_grad=False)
@@ -95,7 +100,7 @@ class Fp8StackedExperts(nn.Module):
         E, two_i, H = self.gate_up_proj.shape
         I = two_i // 2
         ni = cdiv(I, BLOCK)
-        if (not all(isinstance(p, Fp8Linear) and p.bias is None for p in projs)
+        if (self.own_activation or not all(isinstance(p, Fp8Linear) and p.bias is None for p in projs)
                 or tuple(projs[0].weight.shape) != (I, H) or tuple(projs[2].weight.shape) != (H, I)
                 or getattr(shared, "limit", None) != self.swiglu_limit):
             return False

@@ -14,8 +14,9 @@ Kimi-Linear's (KDA state slots, MLA latent pages).
 MXFP4 experts (a compressed-tensors `quantization_config`): while hyla.models.mxfp4.pack_at_load()
 the routed experts are built as hyla.models.mxfp4.Mxfp4Experts (uint8 rows of codes + scales,
 under the same stacked names), so the loader fills them packed and the latent MoE runs the MXFP4
-fused-MoE kernel; prepare_for_inference dequantises them once where they are not kept packed
-(mxfp4.keep_packed: by default, off CUDA). Otherwise they are dequantised as they load.
+fused-MoE kernel; prepare_for_inference converts them to block FP8 (mxfp4_experts="fp8") or
+dequantises them once where they are not kept packed (mxfp4.keep_packed: by default, off CUDA).
+Otherwise they are dequantised as they load.
 """
 
 from __future__ import annotations
@@ -156,11 +157,15 @@ class KimiK3ForCausalLM(HybridForCausalLM):
         return self.language_model.lm_head
 
     def prepare_for_inference(self) -> None:
-        """Packed experts not kept packed where they are (mxfp4.keep_packed) are dequantised once
+        """Packed experts become block FP8 with mxfp4_experts="fp8" (Mxfp4Experts.to_fp8);
+        otherwise those not kept packed where they are (mxfp4.keep_packed) are dequantised once
         to the model dtype (exact) into SituExperts; then the layers' own preparation."""
+        fp8 = self._experts_mode() == "fp8"
         for layer in self.model.layers:
             experts = layer.block_sparse_moe.experts if layer.is_sparse else None
-            if isinstance(experts, Mxfp4Experts) and not keep_packed(experts.gate_up_proj.device, self._experts_mode()):
+            if isinstance(experts, Mxfp4Experts) and fp8:
+                layer.block_sparse_moe.experts = experts.to_fp8()
+            elif isinstance(experts, Mxfp4Experts) and not keep_packed(experts.gate_up_proj.device, self._experts_mode()):
                 layer.block_sparse_moe.experts = _dequantized(experts, self.dtype)
         super().prepare_for_inference()
 

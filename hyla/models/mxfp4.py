@@ -31,10 +31,13 @@ the loader also leaves on the family config for the family to read) chooses: `au
 packs at load when CUDA is available and keeps the experts packed on CUDA only (a CPU-loaded
 model gets dequantised experts in prepare_for_inference); `packed` packs and keeps them packed on
 any device (CPU tests: the kernel under TRITON_INTERPRET=1, else dequantised per call);
-`dequantized` never packs. Packed experts are a single-device format for now: the tensor /
+`dequantized` never packs; `fp8` packs at load, then converts the experts to block FP8 with
+power-of-two block scales (Mxfp4Experts.to_fp8: exact wherever a 128 x 128 block's group
+exponents span <= 13 binades, hyla.ops.fp8.block_quantize) run by the block-FP8 fused MoE: one
+byte a weight instead of 17/32. Packed experts are a single-device format for now: the tensor /
 expert-parallel plans (hyla.parallel) cut and rebuild the logical [N, K] expert weights, so `auto`
 does not pack inside a process group of several ranks (where those loads run), and EngineConfig
-refuses `packed` with tensor_parallel_size > 1.
+refuses `packed` and `fp8` with tensor_parallel_size > 1.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from hyla.ops.gated_act import GatedActivation
 GROUP = 32
 PACKED, SCALE = ".weight_packed", ".weight_scale"
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-MODES = ("auto", "packed", "dequantized")
+MODES = ("auto", "packed", "dequantized", "fp8")
 # a routed expert's weight (per-expert checkpoint names: Kimi w1 / w3 / w2, Qwen-style names)
 _EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 
@@ -74,7 +77,7 @@ def pack_at_load(mode: str = "auto") -> bool:
     mxfp4_experts mode: `packed`, or `auto` with CUDA available outside a multi-rank process group
     (see the module docstring)."""
     mode = check_experts_mode(mode)
-    return mode == "packed" or (mode == "auto" and torch.cuda.is_available() and not _sharded())
+    return mode in ("packed", "fp8") or (mode == "auto" and torch.cuda.is_available() and not _sharded())
 
 
 def keep_packed(device: torch.device, mode: str = "auto") -> bool:
@@ -226,6 +229,27 @@ class Mxfp4Experts(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H], w2 [E, H, I]) in dtype (exact in bf16 / fp32)."""
         return dequantize_mxfp4(*self.w13(), dtype), dequantize_mxfp4(*self.w2(), dtype)
+
+    @torch.no_grad()
+    def to_fp8(self):
+        """These experts as hyla.layers.fp8_moe.Fp8StackedExperts (same activation, same device),
+        converted one expert at a time: dequantised (exact, fp32), then block-quantised with
+        power-of-two scales (see the module docstring for when that is exact)."""
+        from hyla.layers.fp8_moe import Fp8StackedExperts
+        from hyla.ops.fp8 import block_quantize, quantize_gate_up
+
+        with torch.device(self.gate_up_proj.device):
+            out = Fp8StackedExperts(self.num_experts, self.hidden_size, self.intermediate_size,
+                                    activation=self.activation)
+        (p13, s13), (p2, s2) = self.w13(), self.w2()
+        for e in range(self.num_experts):
+            q, s = quantize_gate_up(dequantize_mxfp4(p13[e], s13[e]), power_of_two=True)
+            out.gate_up_proj[e].copy_(q)
+            out.gate_up_proj_scale_inv[e].copy_(s)
+            q, s = block_quantize(dequantize_mxfp4(p2[e], s2[e]), power_of_two=True)
+            out.down_proj[e].copy_(q)
+            out.down_proj_scale_inv[e].copy_(s)
+        return out
 
     def load_packed(self, w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Fill from (packed, scale) pairs of the shapes `w13()` / `w2()` return (tests, converters)."""

@@ -444,6 +444,23 @@ def test_k3_mxfp4_checkpoint_runs_packed_on_cuda(tmp_path, monkeypatch):
     assert outs[0] == outs[1]
 
 
+def test_k3_mxfp4_checkpoint_as_fp8_on_cuda(tmp_path, monkeypatch):
+    """mxfp4_experts="fp8" on CUDA: the tiny K3 checkpoint's experts converted to block FP8
+    (exact weights) run the FP8 fused MoE; logits vs the dequantised model within the W8A8 noise
+    of tests/models/test_fp8.py (0.25; measured value printed)."""
+    from hyla.layers.fp8_moe import Fp8StackedExperts
+    from hyla.models import load_model
+    from tests.ops.test_fused_moe_mxfp4 import write_k3_checkpoints
+
+    mx, plain = write_k3_checkpoints(tmp_path)
+    model = load_model(mx, dtype=torch.float32, device=DEV, mxfp4_experts="fp8")
+    assert isinstance(model.model.layers[1].block_sparse_moe.experts, Fp8StackedExperts)
+    ref = load_model(plain, dtype=torch.float32, device=DEV)
+    ids = torch.randint(3, 256, (2, 33), generator=torch.Generator().manual_seed(2)).to(DEV)
+    with torch.no_grad():
+        check("K3 MXFP4 as FP8 logits", model(ids), ref(ids), tol=0.25)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("H,Hkv,D,rot", [(16, 2, 256, 64), (4, 2, 64, 16)])
 def test_paged_gated_attention_full_size(dtype, H, Hkv, D, rot):

@@ -218,3 +218,29 @@ def test_k3_packed_at_load_is_dequantised_off_cuda(k3_checkpoints, monkeypatch):
     assert torch.equal(experts.gate_up_proj, ref.gate_up_proj) and torch.equal(experts.down_proj, ref.down_proj)
     with pytest.raises(ValueError, match="mxfp4_experts"):
         load_model(mx, mxfp4_experts="sometimes")
+
+
+def test_k3_mxfp4_experts_converted_to_fp8(k3_checkpoints, monkeypatch):
+    """mxfp4_experts="fp8": packed at load, then block FP8 (Fp8StackedExperts, SiTU) whose
+    weights are the MXFP4 ones exactly (power-of-two block scales; these exponents span 3
+    binades). With the activation quantisation an identity the model equals the dequantised one
+    to fp32 rounding; with it, W8A8 noise (tests/models/test_fp8.py's docstring)."""
+    import hyla.ops.fp8 as ops
+    from hyla.layers.fp8_moe import Fp8StackedExperts
+    from hyla.models import load_model
+
+    mx, plain = k3_checkpoints
+    model = load_model(mx, dtype=torch.float32, mxfp4_experts="fp8")
+    ref = load_model(plain, dtype=torch.float32)
+    experts = model.model.layers[1].block_sparse_moe.experts
+    assert isinstance(experts, Fp8StackedExperts) and experts.activation.kind == "situ"
+    want = ref.model.layers[1].block_sparse_moe.experts
+    w13, w2 = experts.dequantized(torch.float32)
+    assert torch.equal(w13, want.gate_up_proj) and torch.equal(w2, want.down_proj)
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids)
+        assert rel(model(ids), expected) < 0.25
+        monkeypatch.setattr(ops, "per_token_group_quant",
+                            lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
+        torch.testing.assert_close(model(ids), expected, rtol=0, atol=1e-5)
