@@ -6,8 +6,11 @@ OUT=${OUT:-/tmp/hyla-out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 fi
-# TREE: serve / measure that tree's hyla/ instead of the working tree's (e.g. .revs/NAME)
-export PYTHONPATH=$(realpath "${TREE:-$PWD}"):/tmp/site PYTHONUNBUFFERED=1
+# TREE: serve / measure that tree's hyla/ instead of the working tree's (e.g. .revs/NAME).
+# PYTHONSAFEPATH=1: `python3 -m hyla ...` run from the repository root would otherwise import the
+# working tree's hyla/ ahead of PYTHONPATH. (pytest still puts its rootdir first: a tree's tests
+# run from inside the tree.)
+export PYTHONPATH=$(realpath "${TREE:-$PWD}"):/tmp/site PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 # The 48B shape's bf16 weights (91.5 GiB) need a card of >= 120 GB; on a smaller one (an H100) the
 # rounds serve it with block-FP8 weights (about 48 GB) and say so.
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
