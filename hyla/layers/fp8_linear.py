@@ -165,10 +165,16 @@ class PackedFp8Linears:
         return len({lin.bias is None for lin in lins}) == 1
 
     def _aliased(self) -> bool:
+        """Whether every part's weight and scales are still views of the packed ones at its offset
+        (pointer arithmetic only: a slice of the scales to read its address cost a tensor a part,
+        on every call of every packed projection)."""
         p = self.packed
+        w, sc = p.weight, p.weight_scale_inv
+        w_base, w_row = w.data_ptr(), w.stride(0) * w.element_size()
+        s_base, s_row = sc.data_ptr(), sc.stride(0) * sc.element_size()
         for lin, o in zip(self.linears, self.offsets):
-            if (lin.weight.data_ptr() != p.weight.data_ptr() + o * p.weight.stride(0)
-                    or lin.weight_scale_inv.data_ptr() != p.weight_scale_inv[o // BLOCK:].data_ptr()):
+            if (lin.weight.data_ptr() != w_base + o * w_row
+                    or lin.weight_scale_inv.data_ptr() != s_base + (o // BLOCK) * s_row):
                 return False
         return True
 
