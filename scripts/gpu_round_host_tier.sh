@@ -5,7 +5,8 @@
 # host tier and once with 64 GiB of it. Compare the hit rates, the mean TTFT of returning turns and
 # the throughput (`hyla bench serve` prints them; the saved JSON has every request).
 #   HOSTS: the host-tier sizes to run (default "0 64GiB")
-#   TREE: a tree whose hyla/ serves instead of the working tree's (an A/B against .revs/NAME)
+#   TREE: a tree whose hyla/ serves instead of the working tree's (an A/B against .revs/NAME; read by
+#         gpu_round_env.sh)
 #   WARMUP=0: skip the warm-up server. By default a first server runs a short trace of other
 #   sessions (another seed) unmeasured: a fresh machine's first server compiles Triton kernels
 #   while it serves (90 s of its agent run on an H100: docs/perf-log/2026-12-06-h100-host-tier-
@@ -17,7 +18,7 @@ TAG=$(basename "${TREE:-main}")
 serve() {  # serve() HOST LOG: the 48B server with a host tier of HOST bytes, ready on port 8000
   # a step log (hyla.engine.step_log) where the tree has one: a TREE from before it has no flag
   STEPS=""; [ -z "$TREE" ] && STEPS="--step-log $OUT/steps-host-$1.jsonl"
-  PYTHONPATH=${TREE:-$PWD}:$PYTHONPATH python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 \
+  python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 \
       --max-num-seqs 16 --max-model-len 16384 --memory-budget 4GiB --host-cache-bytes $1 $STEPS > $2 2>&1 &
   SP=$!
   wait_ready $SP $2 || exit 1

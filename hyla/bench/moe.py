@@ -31,7 +31,6 @@ them dequantised, each a CUDA graph on one routing.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 from pathlib import Path
 
@@ -253,33 +252,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def _mxfp4_times(shape: dict, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, repeat: int) -> dict:
-    """The routed experts of `shape` drawn in MXFP4 (random E2M1 codes, E8M0 scales putting outputs
-    near unit size), timed in CUDA graphs on one routing: the packed kernel, the block-FP8 kernel on
-    the same weights converted with power-of-two scales (hyla.models.mxfp4's load-time "fp8"; exact),
-    the bf16 kernel on them dequantised -> ms each."""
-    from hyla.models.mxfp4 import dequantize_mxfp4
-    from hyla.ops.fp8 import block_quantize, quantize_gate_up
+    """The routed experts of `shape` drawn in MXFP4 (hyla.models.mxfp4.random_mxfp4), timed in CUDA
+    graphs on one routing: the packed kernel, the block-FP8 kernel on the experts as
+    `mxfp4_experts="fp8"` loads them (Mxfp4Experts.to_fp8), the bf16 kernel on them dequantised
+    -> ms each."""
+    from hyla.models.mxfp4 import Mxfp4Experts, random_mxfp4
+    from hyla.ops.gated_act import SILU
     from hyla.ops.triton.fused_moe import fused_moe
     from hyla.ops.triton.fused_moe_fp8 import fused_moe_fp8
     from hyla.ops.triton.fused_moe_mxfp4 import fused_moe_mxfp4
 
     E, H, inter = shape["experts"], shape["hidden"], shape["inter"]
     gen = torch.Generator(device=x.device).manual_seed(0)
-
-    def draw(N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-        codes = torch.randint(0, 256, (E, N, K // 2), generator=gen, device=x.device, dtype=torch.int32)
-        base = 127 - round(0.5 * math.log2(K)) - 1
-        scale = base - torch.randint(0, 3, (E, N, K // 32), generator=gen, device=x.device)
-        return codes.to(torch.uint8), scale.to(torch.uint8)
-
-    w13, w2 = draw(2 * inter, H), draw(H, inter)
-    W13, W2 = dequantize_mxfp4(*w13, torch.bfloat16), dequantize_mxfp4(*w2, torch.bfloat16)
-    q = (*quantize_gate_up(W13, power_of_two=True), *block_quantize(W2, power_of_two=True))
+    w13, w2 = random_mxfp4(E, 2 * inter, H, gen), random_mxfp4(E, H, inter, gen)
+    with torch.device(x.device):
+        experts = Mxfp4Experts(E, H, inter, SILU)
+    experts.load_packed(w13, w2)
+    W13, W2 = experts.dequantized(torch.bfloat16)
+    fp8 = experts.to_fp8()
+    q = (fp8.gate_up_proj, fp8.gate_up_proj_scale_inv, fp8.down_proj, fp8.down_proj_scale_inv)
     with torch.inference_mode():
         return dict(mxfp4_ms=graph_ms(lambda: fused_moe_mxfp4(x, *w13, *w2, weights, ids), repeat),
                     fp8_ms=graph_ms(lambda: fused_moe_fp8(x, *q, weights, ids), repeat),
                     bf16_ms=graph_ms(lambda: fused_moe(x, W13, W2, weights, ids), repeat))
-
-
-if __name__ == "__main__":
-    main()

@@ -285,8 +285,8 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
     hyla.models.fp8) loads as FP8 with None or "fp8": into FP8 modules on CUDA, dequantised
     elsewhere. Any other value, or "fp8" on another quantised format: ValueError.
     fp8_weights: "auto" (FP8 modules on CUDA, dequantised elsewhere), "fp8" (FP8 modules on any
-    device) or "dequantized" (hyla.models.fp8_loading). mxfp4_experts: "auto", "packed" or
-    "dequantized", how MXFP4 routed experts load (hyla.models.mxfp4).
+    device) or "dequantized" (hyla.models.fp8_loading). mxfp4_experts: "auto", "packed",
+    "dequantized" or "fp8", how MXFP4 routed experts load (hyla.models.mxfp4).
     Returns the model in eval mode with gradients disabled.
 
     Peak memory: the weights plus one layer's transient. Nothing here keeps a reference to a

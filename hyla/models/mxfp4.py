@@ -42,6 +42,7 @@ refuses `packed` and `fp8` with tensor_parallel_size > 1.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -192,6 +193,17 @@ class safe_open:  # noqa: N801 (safetensors' name, so the loader swaps one impor
 
     def __exit__(self, *exc) -> None:
         self._cm.__exit__(*exc)
+
+
+def random_mxfp4(E: int, N: int, K: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed [E, N, K/2] uint8, scale [E, N, K/32] uint8) on the generator's device: uniform
+    random E2M1 codes, E8M0 exponents 127 - log2(sqrt K) - {1..3}, which keep a product with unit
+    activations near unit size (benchmarks and tests of released MXFP4 shapes)."""
+    dev = generator.device
+    packed = torch.randint(0, 256, (E, N, K // 2), generator=generator, device=dev, dtype=torch.int32)
+    base = 127 - round(0.5 * math.log2(K)) - 1
+    scale = base - torch.randint(0, 3, (E, N, K // GROUP), generator=generator, device=dev)
+    return packed.to(torch.uint8), scale.to(torch.uint8)
 
 
 class Mxfp4Experts(nn.Module):

@@ -17,7 +17,6 @@ as server-sent events); an endpoint only says how an output becomes a choice (`c
 from __future__ import annotations
 
 import asyncio
-
 import contextlib
 import time
 import uuid

@@ -369,7 +369,7 @@ def test_fused_moe_mxfp4_bf16_full_size(M):
     packed, bf16, and the block-FP8 fused MoE on the same weights converted with power-of-two
     block scales (exact here: hyla.ops.fp8.block_quantize), the load-time alternative to packed
     MXFP4 that the released-checkpoints issue asks to measure."""
-    from hyla.models.mxfp4 import dequantize_mxfp4
+    from hyla.models.mxfp4 import dequantize_mxfp4, random_mxfp4
     from hyla.ops.gated_act import GatedActivation
     from hyla.ops.triton.fused_moe import fused_moe
     from hyla.ops.triton.fused_moe_mxfp4 import fused_moe_mxfp4
@@ -378,12 +378,7 @@ def test_fused_moe_mxfp4_bf16_full_size(M):
     gen = torch.Generator(device=DEV).manual_seed(7)
     H, I, E, k = 2304, 1024, 64, 8
 
-    def mxfp4(N, K):
-        packed = torch.randint(0, 256, (E, N, K // 2), generator=gen, device=DEV, dtype=torch.int32).to(torch.uint8)
-        base = 127 - round(0.5 * math.log2(K)) - 1  # outputs near unit size
-        return packed, (base - torch.randint(0, 3, (E, N, K // 32), generator=gen, device=DEV)).to(torch.uint8)
-
-    w13, w2 = mxfp4(2 * I, H), mxfp4(H, I)
+    w13, w2 = random_mxfp4(E, 2 * I, H, gen), random_mxfp4(E, H, I, gen)
     x = torch.randn(M, H, generator=gen, device=DEV).to(torch.bfloat16)
     ids = torch.rand(M, E, generator=gen, device=DEV).topk(k, dim=-1).indices
     weights = torch.rand(M, k, generator=gen, device=DEV)

@@ -17,7 +17,7 @@ BK = 64), I = 32 (one group).
 import pytest
 import torch
 
-from hyla.models.mxfp4 import Mxfp4Experts, dequantize_mxfp4, row_bytes
+from hyla.models.mxfp4 import Mxfp4Experts, dequantize_mxfp4, random_mxfp4, row_bytes
 from hyla.ops.gated_act import GatedActivation
 from hyla.ops.moe import moe_experts_torch
 from tests.ops.helpers import use_backend
@@ -25,15 +25,6 @@ from tests.ops.triton_env import triton_module
 
 SITU = GatedActivation("situ", beta=4.0, linear_beta=25.0)  # Kimi K3's experts
 SMALL = dict(BM=16, BN=16, BK=64, GM=1, num_warps=4, num_stages=1)  # several column and K tiles
-
-
-def random_mxfp4(E: int, N: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed [E, N, K/2] uint8, scale [E, N, K/32] uint8): uniform random codes; exponents
-    127 - log2(sqrt K) - {0..2} keep each output near unit size."""
-    packed = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
-    base = 127 - round(0.5 * torch.log2(torch.tensor(float(K))).item()) - 1
-    scale = (base - torch.randint(0, 3, (E, N, K // 32), generator=gen)).to(torch.uint8)
-    return packed, scale
 
 
 def inputs(M, H, I, E, k, seed, used=None):

@@ -100,9 +100,9 @@ def _step_checkpoint_tables(cu_seqlens, ckpts, chunk_off_list, n_chunks, device)
     the tables and their transfer are shared by the step's layers (its sorting and staging cost
     ~0.2 ms of host a layer). The dict also holds what _checkpoints_by_recurrence derives from
     them ("recurrence"), likewise once a step."""
-    key = tuple(tuple(ps) for ps in ckpts)
     if cu_seqlens is None:
         return {"tables": _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device)}
+    key = tuple(tuple(ps) for ps in ckpts)
     per_step = utils.cached_on(cu_seqlens, f"checkpoint_tables_{device}", dict)
     if key not in per_step:
         per_step[key] = {"tables": _checkpoint_tables(ckpts, chunk_off_list, n_chunks, device)}
