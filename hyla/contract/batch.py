@@ -302,6 +302,13 @@ class ForwardBatch:
             if any(p < 0 for p in table[ctx // page_size:last + 1]):
                 raise ValueError("block_tables has no page (-1) for a position written in this step")
 
+    def host_block_tables(self) -> list[list[int]]:
+        """The block tables as python lists: the host copy of a batch built from lists, else read
+        from the device once a step (a sync)."""
+        if "host_tables" not in self._memo:
+            self._memo["host_tables"] = self.block_tables.tolist()
+        return self._memo["host_tables"]
+
     def context_pages(self, n: int, length: int, page_size: int) -> torch.Tensor:
         """[ceil(length / page_size)] the page ids of positions 0..length-1 of sequence n, checked
         to exist (on the host copy of the tables when the batch has one: no device sync)."""

@@ -26,6 +26,7 @@ runs as over a cache in the model dtype.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,9 @@ from torch import nn
 from hyla.contract import ForwardBatch, MLALayerCache
 from hyla.layers.delta_rule import PackedLinears
 from hyla.layers.norm import RMSNorm
-from hyla.layers.prefix_attention import attend_after_prefix, attend_built, expansion_groups
+from hyla.layers.prefix_attention import attend_built, attend_packed, expansion_groups, flash_fits
 from hyla.ops import dispatch, kv_fp8
+from hyla.ops.transfer import stage_long
 
 # transformers builds q_a_layernorm / kv_a_layernorm with KimiLinearRMSNorm's default eps, not
 # config.rms_norm_eps; the checkpoints were trained that way (GLM-5-Next passes its rms_norm_eps).
@@ -101,13 +103,46 @@ class MLAAttention(nn.Module):
         """x: [..., hidden] -> latent: [..., r + rope] (normalised c_kv ++ k_pe), what the cache holds."""
         return self._latent_from(self.kv_a_proj_with_mqa(x))
 
-    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent: [..., L, r + rope] -> k: [..., H, L, nope + rope], v: [..., H, L, v_dim]."""
+    def expand(self, latent: torch.Tensor, pad_values: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent: [..., L, r + rope] -> k: [..., H, L, nope + rope], v: [..., H, L, v_dim].
+
+        pad_values: v is nope + rope wide, its columns past v_dim zero (what the flash kernel
+        takes, hyla.layers.prefix_attention), and neither k nor v is copied after the
+        up-projection: it runs with a weight that leaves each head's key a gap for k_pe and its
+        value a zero tail ([H, 2 (nope + rope), r], _padded_expansion), so its output [..., L, H,
+        2 (nope + rope)] holds both as views once k_pe is written into the gaps. The keys and
+        values are then strided views (rows of every head interleaved), which the flash kernel
+        reads in place."""
         c, kpe = latent.split([self.kv_lora_rank, self.rope], dim=-1)
+        if pad_values:
+            D = self.nope + self.rope
+            kv = F.linear(c, self._padded_expansion()).unflatten(-1, (self.num_heads, 2 * D))  # [..., L, H, 2D]
+            kv[..., self.nope:D] = kpe.unsqueeze(-2)  # every head's key ends with the shared k_pe
+            return kv[..., :D].transpose(-2, -3), kv[..., D:].transpose(-2, -3)
         kv = self.kv_b_proj(c).unflatten(-1, (self.num_heads, -1)).transpose(-2, -3)  # [..., H, L, nope+v]
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         kpe = kpe.unsqueeze(-3).expand(*k_nope.shape[:-1], self.rope)
         return torch.cat([k_nope, kpe], dim=-1), v
+
+    def _padded_expansion(self) -> torch.Tensor:
+        """kv_b_proj's weight with each head's rows as [k_nope (nope) | 0 (rope) | v (v_dim) |
+        0 (nope + rope - v_dim)] -> [H * 2 (nope + rope), r]; built once per weight (the up-
+        projection is never quantised: hyla.models.fp8_loading.RAW_WEIGHT_MODULES)."""
+        w = self.kv_b_proj.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if getattr(self, "_padded", (None,))[0] != key:
+            D = self.nope + self.rope
+            heads = w.unflatten(0, (self.num_heads, self.nope + self.v_dim))  # [H, nope + v, r]
+            padded = w.new_zeros(self.num_heads, 2 * D, w.shape[1])
+            padded[:, :self.nope] = heads[:, :self.nope]
+            padded[:, D:D + self.v_dim] = heads[:, self.nope:]
+            self._padded = (key, padded.flatten(0, 1))
+        return self._padded[1]
+
+    def _pads_values(self, q: torch.Tensor) -> bool:
+        """Whether the prefill expands with padded values (expand's pad_values): where the flash
+        kernel runs the attention and the values fit the key width."""
+        return self.v_dim <= self.nope + self.rope and flash_fits(q, self.v_dim)
 
     def _attend(self, q: torch.Tensor, latent: torch.Tensor, mask, causal: bool) -> torch.Tensor:
         """Expanded form. q: [B, T, H, D]; latent: [B, L, r + rope]; mask: [T, L] bool (True =
@@ -155,23 +190,23 @@ class MLAAttention(nn.Module):
                 latents = functools.partial(self._cached_latents, cache, pages, dtype=q.dtype)
                 out[cu[n]:cu[n + 1]] = self._attend_new(q[cu[n]:cu[n + 1]], L, latents)
                 continue
-            # several: one gather of their pages and one up-projection for all, then each
-            # sequence's attention over its own slice (a prefill step of many prompts, a burst of
-            # returning turns: ~10 launches fewer a sequence). Rows past a sequence's last
-            # position in its last page are expanded too, and never read.
-            pages = torch.cat([batch.context_pages(n, L, page_size) for n, L in group])
-            k, v = self.expand(self._cached_latents(cache, pages, 0, pages.shape[0] * page_size, q.dtype)[None])
-            first = 0
-            for n, L in group:
-                o = attend_after_prefix(q[cu[n]:cu[n + 1]].transpose(0, 1)[None], k[:, :, first:first + L],
-                                        v[:, :, first:first + L], self.scaling)
-                out[cu[n]:cu[n + 1]] = o[0].transpose(0, 1).flatten(-2)
-                first += -(-L // page_size) * page_size  # the next sequence's first page
+            # several: their cached latents in one gather, back to back (exactly each sequence's
+            # positions), one up-projection, and one attention call for them all
+            # (prefix_attention.attend_packed): a prefill step of many prompts, a burst of
+            # returning turns
+            lat_rows, q_rows, q_bounds, k_bounds, host_bounds = batch.shared(
+                ("mla_group", tuple(group), page_size), lambda b: _group_rows(b, group, page_size))
+            k, v = self.expand(self._latents_at(cache, lat_rows, q.dtype)[None], pad_values=self._pads_values(q))
+            o = attend_packed(q.index_select(0, q_rows), k[0].transpose(0, 1), v[0].transpose(0, 1), q_bounds,
+                              k_bounds, host_bounds, self.scaling)  # [T_group, H, v_dim or wider]
+            out.index_copy_(0, q_rows, o[..., :self.v_dim].flatten(-2))
         return self.output(out, x)
 
     def _bytes_per_position(self, q: torch.Tensor) -> int:
         """What expanding one position builds: the up-projection's output, the concatenated key
-        and a contiguous value, every head."""
+        and a contiguous value, every head (with padded values: the up-projection's output alone)."""
+        if self._pads_values(q):
+            return q.element_size() * self.num_heads * 2 * (self.nope + self.rope)
         return q.element_size() * self.num_heads * (2 * self.nope + self.rope + 2 * self.v_dim)
 
     def _cached_latents(self, cache: MLALayerCache, pages: torch.Tensor, start: int, stop: int,
@@ -188,6 +223,15 @@ class MLAAttention(nn.Module):
                                          kv_fp8.latent_groups(self.kv_lora_rank, self.rope), dtype)
         return lat
 
+    def _latents_at(self, cache: MLALayerCache, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The cached latents at flat pool rows (page * page_size + offset) [n] -> [n, r + rope]
+        (FP8 latents dequantised to dtype)."""
+        lat = cache.kv.flatten(0, 1).index_select(0, rows)
+        if cache.kv_scale is not None:
+            lat = kv_fp8.dequantize_rows(lat, cache.kv_scale.flatten(0, 1).index_select(0, rows),
+                                         kv_fp8.latent_groups(self.kv_lora_rank, self.rope), dtype)
+        return lat
+
     def output(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """attn: [..., H * v_dim] attention output, x: the layer input [..., hidden] -> o_proj(attn)
         (the hook an output-gated variant overrides, hyla.layers.gated_mla)."""
@@ -199,9 +243,10 @@ class MLAAttention(nn.Module):
         -> [T, H * v_dim] (hyla.layers.prefix_attention: causal over the prefix and themselves,
         no [T, L] mask built where the kernel can avoid it; at long contexts the latents are
         gathered and expanded a block of positions at a time)."""
-        o = attend_built(q.transpose(0, 1)[None], lambda start, stop: self.expand(latents(start, stop)[None]),
+        pad = self._pads_values(q)
+        o = attend_built(q.transpose(0, 1)[None], lambda start, stop: self.expand(latents(start, stop)[None], pad),
                          L - q.shape[0], self._bytes_per_position(q), self.scaling)  # k [1, H, n, nope + rope], v [1, H, n, v]
-        return o[0].transpose(0, 1).flatten(-2)
+        return o[0, ..., :self.v_dim].transpose(0, 1).flatten(-2)
 
     def _absorbed(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, last: torch.Tensor,
                   kv_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -215,3 +260,23 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, r]
         return dispatch.paged_mla_decode(q_lat, q_pe, kv, tables, last, w_uv, self.scaling, kv_scale=kv_scale)
+
+
+def _group_rows(batch: ForwardBatch, group: list[tuple[int, int]], page_size: int):
+    """For sequences `group` [(index n, positions L)] of a step, attended together: the flat pool
+    rows of their L cached-or-new positions back to back [sum L], their query rows in the packed
+    step [sum new], the cumulative query and key counts [S + 1] (int32 on the device, and on the
+    host), once a step for every MLA layer (one transfer each)."""
+    tables = batch.host_block_tables()
+    cu, lat, q_rows = batch.cu_seqlens_list, [], []
+    for n, L in group:
+        batch.context_pages(n, L, page_size)  # its check: a page for every position
+        pages = torch.tensor(tables[n][:-(-L // page_size)], dtype=torch.long)
+        lat.append((pages[:, None] * page_size + torch.arange(page_size)).flatten()[:L])
+        q_rows.append(torch.arange(cu[n], cu[n + 1]))
+    q_bounds = [0, *itertools.accumulate(cu[n + 1] - cu[n] for n, _ in group)]
+    k_bounds = [0, *itertools.accumulate(L for _, L in group)]
+    dev = batch.block_tables.device
+    lat_rows, rows = stage_long([torch.cat(lat), torch.cat(q_rows)], dev)
+    q_dev, k_dev = stage_long([q_bounds, k_bounds], dev, dtype=torch.int32)
+    return lat_rows, rows, q_dev, k_dev, (q_bounds, k_bounds)

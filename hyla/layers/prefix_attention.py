@@ -18,6 +18,7 @@ build the keys and values of a range of positions.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -25,6 +26,12 @@ import torch.nn.functional as F
 
 from hyla.layers.masks import causal_after_prefix
 
+# A plain causal call (no prefix) of at least CUDNN_MIN_TOKENS queries runs through cuDNN, its
+# rows padded to a multiple of CUDNN_BUCKET (_bucketed_cudnn_causal): at a fixed shape cuDNN ran a
+# fresh 8,192-token prompt's MLA attention at ~3x flash's rate on an H100, but it builds a plan for
+# every new shape (38 ms), which the buckets bound (15 plans up to 8,192 tokens).
+CUDNN_MIN_TOKENS = 1024
+CUDNN_BUCKET = 512
 # The most score memory one CPU call may build (see attend_after_prefix).
 CPU_SCORE_BYTES = 256 << 20
 # The most memory the keys and values of one block of positions may take, with what building
@@ -36,7 +43,8 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     """q [B, H, T, D]: the last T of L positions; k [B, H, L, D], v [B, H, L, Dv] -> [B, H, T, Dv],
     query i attending keys 0 .. L - T + i.
 
-    CUDA in half precision: torch's flash kernel, whose causal mask is aligned lower right.
+    CUDA in half precision: torch's flash kernel, whose causal mask is aligned lower right; a plain
+    causal call (T = L) from CUDNN_MIN_TOKENS queries through cuDNN over bucketed rows.
     Elsewhere, without a prefix (T = L): one plain causal call; with one: the lower-right aligned
     causal bias, which CUDA's kernels apply without building a mask. torch's CPU kernels build that
     bias's [T, L] mask and every head's [T, L] scores (17 GB for 8192 new tokens over a
@@ -45,7 +53,9 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     keys and takes the same softmax as in one call."""
     B, H, T, _ = q.shape
     L = k.shape[-2]
-    if _flash_fits(q, v):  # CUDA, half precision: one kernel for both (see _flash_fits)
+    if flash_fits(q, v.shape[-1]):  # CUDA, half precision: one kernel for both (see flash_fits)
+        if T == L and T >= CUDNN_MIN_TOKENS and _cudnn_answers(q.device):
+            return _bucketed_cudnn_causal(q, k, v, scale)
         return _flash_attention(q, k, v, scale, causal=True)[0]
     if T == L:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -59,6 +69,29 @@ def attend_after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         out.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :keys], v[:, :, :keys],
                                                   attn_mask=causal_after_prefix(stop - start, keys), scale=scale))
     return torch.cat(out, dim=2)
+
+
+def attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_bounds: torch.Tensor, k_bounds: torch.Tensor,
+                  host_bounds: tuple[list[int], list[int]], scale: float) -> torch.Tensor:
+    """Several sequences at once. q [Tq, H, D]: their new tokens back to back; k [Lk, H, D], v [Lk,
+    H, Dv]: all their positions back to back (each sequence's new ones last); q_bounds, k_bounds
+    [S + 1] int32: cumulative query and key counts, on q's device and (host_bounds) as lists
+    -> [Tq, H, Dv]: each sequence's attend_after_prefix. CUDA in half precision: one varlen call
+    of torch's flash kernel (its causal mask aligned lower right per sequence); elsewhere one
+    call per sequence."""
+    qb, kb = host_bounds
+    if flash_fits(q, v.shape[-1]):
+        Dv = v.shape[-1]
+        if Dv < q.shape[-1]:
+            v = F.pad(v, (0, q.shape[-1] - Dv))
+        max_q = max(b - a for a, b in zip(qb, qb[1:]))
+        max_k = max(b - a for a, b in zip(kb, kb[1:]))
+        out = torch.ops.aten._flash_attention_forward(q, k, v, q_bounds, k_bounds, max_q, max_k, 0.0, True, False,
+                                                      scale=scale)[0]
+        return out[..., :Dv]
+    return torch.cat([attend_after_prefix(q[qb[i]:qb[i + 1]].transpose(0, 1)[None], k[kb[i]:kb[i + 1]].transpose(0, 1)[None],
+                                          v[kb[i]:kb[i + 1]].transpose(0, 1)[None], scale)[0].transpose(0, 1)
+                      for i in range(len(qb) - 1)])
 
 
 def attend_built(q: torch.Tensor, build, context: int, bytes_per_position: int, scale: float) -> torch.Tensor:
@@ -137,12 +170,12 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
                        causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B, H, T, D] over k [B, H, L, D], v [B, H, L, Dv] (causal: T == L, query i
     sees keys 0..i) -> (out [B, H, T, Dv], the log-sum-exp of each query's scaled scores [B, H, T]).
-    CUDA: torch's flash kernel in fp16 / bf16 (_flash_fits), its memory-efficient kernel
+    CUDA: torch's flash kernel in fp16 / bf16 (flash_fits), its memory-efficient kernel
     otherwise, asked for the log-sum-exp; elsewhere score blocks under CPU_SCORE_BYTES."""
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"a causal block is square: {q.shape[-2]} queries, {k.shape[-2]} keys")
     T = q.shape[-2]
-    if _flash_fits(q, v):  # it reads rows at any stride (as attend_after_prefix hands it slices)
+    if flash_fits(q, v.shape[-1]):  # it reads rows at any stride (as attend_after_prefix hands it slices)
         return _flash_attention(q, k, v, scale, causal)
     if q.device.type == "cuda":
         # the memory-efficient kernel reads dense [B, H, L, D] rows (torch's sdpa checks a layout
@@ -168,9 +201,9 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
-def _flash_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether torch's flash kernel takes q [B, H, T, D] with values v [B, H, L, Dv]: fp16 / bf16
-    on an sm80+ card, D <= 256 a multiple of 8, Dv <= D (narrower values are padded to D).
+def flash_fits(q: torch.Tensor, value_dim: int) -> bool:
+    """Whether torch's flash kernel takes q [B, H, T, D] with values value_dim wide: fp16 / bf16
+    on an sm80+ card, D <= 256 a multiple of 8, value_dim <= D (narrower values are padded to D).
 
     Why flash and not the kernels torch's sdpa picks for MLA's shapes, whose values are narrower
     than the keys (scripts/prefix_attention_bench.py, BENCHMARKS "Prefill steps", H100): the
@@ -179,7 +212,7 @@ def _flash_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
     new (queries, keys) pair, 38 ms for a 512-token prompt, and a server meets a new pair with
     nearly every prompt."""
     return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-            and q.shape[-1] % 8 == 0 and v.shape[-1] <= q.shape[-1]
+            and q.shape[-1] % 8 == 0 and value_dim <= q.shape[-1]
             and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
@@ -194,3 +227,26 @@ def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         v = F.pad(v, (0, q.shape[-1] - Dv))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     return out[..., :Dv], lse
+
+
+def _bucketed_cudnn_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q [B, H, T, D] over k [B, H, T, D], v [B, H, T, Dv] by cuDNN, all three
+    padded with zero rows to the next multiple of CUDNN_BUCKET: query i < T sees keys 0..i only,
+    so the padding rows never reach the first T outputs, which are returned [B, H, T, Dv]."""
+    T = q.shape[-2]
+    pad = -T % CUDNN_BUCKET
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, True, False, scale=scale)[0]
+    return out[:, :, :T]
+
+
+@functools.cache
+def _cudnn_answers(device: torch.device) -> bool:
+    """Whether cuDNN's attention runs on this device (cuDNN 9 and an sm80+ card): one probe a device."""
+    q = torch.zeros(1, 1, CUDNN_BUCKET, 64, device=device, dtype=torch.bfloat16)
+    try:
+        torch.ops.aten._scaled_dot_product_cudnn_attention(q, q, q, None, False, 0.0, True, False, scale=1.0)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True

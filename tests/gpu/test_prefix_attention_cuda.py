@@ -39,8 +39,8 @@ def test_flash_kernel_in_half_precision():
     """bf16 takes the flash kernel on an sm80+ card, values up to the key width; fp32 does not."""
     q = torch.zeros(1, 1, 8, 192, device="cuda", dtype=torch.bfloat16)
     sm80 = torch.cuda.get_device_capability() >= (8, 0)
-    assert pa._flash_fits(q, q[..., :128]) == sm80 and pa._flash_fits(q, q) == sm80
-    assert not pa._flash_fits(q.float(), q[..., :128].float()) and not pa._flash_fits(q[..., :64], q[..., :128])
+    assert pa.flash_fits(q, 128) == sm80 and pa.flash_fits(q, 192) == sm80
+    assert not pa.flash_fits(q.float(), 128) and not pa.flash_fits(q[..., :64], 128)
 
 
 def test_mla_grouped_prefill_bf16_equals_its_full_forward():
@@ -82,3 +82,24 @@ def test_mla_grouped_prefill_bf16_equals_its_full_forward():
             err = ((y[start:start + new].float() - want).norm() / want.norm()).item()
             assert err <= 2e-2, (ctx, new, err)
             start += new
+
+
+@pytest.mark.parametrize("T", [1000, 1500, 2048])
+@pytest.mark.parametrize("strided", [False, True])
+def test_fresh_causal_attention_through_cudnn_buckets(T, strided):
+    """A plain causal call from CUDNN_MIN_TOKENS queries (cuDNN over rows padded to a bucket;
+    below it, flash) equals torch's sdpa to bf16's rounding (2e-2 relative L2); strided: keys and
+    values are views of one [T, H, 384] buffer, as MLA's padded expansion hands them (at 2,048 no
+    rows are padded, so cuDNN reads the views themselves)."""
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    q = torch.randn(1, 8, T, 192, device="cuda", dtype=torch.bfloat16, generator=gen)
+    if strided:
+        kv = torch.randn(1, T, 8, 384, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = kv[..., :192].transpose(1, 2), kv[..., 192:320].transpose(1, 2)
+    else:
+        k = torch.randn(1, 8, T, 192, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(1, 8, T, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.07)
+    got = pa.attend_after_prefix(q, k, v, 0.07)
+    assert got.shape == want.shape
+    assert ((got.float() - want).norm() / want.norm()).item() <= 2e-2

@@ -86,18 +86,22 @@ def test_missing_page_is_an_error():
         layer.forward_batch(torch.randn(6, 32, dtype=torch.float64), ForwardBatch.build([6], [0], [[2]], [0]), cache)
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("expand_bytes", [1 << 30, 40 * 864])
-def test_many_prompts_in_one_step_equal_each_alone(monkeypatch, expand_bytes):
+def test_many_prompts_in_one_step_equal_each_alone(monkeypatch, expand_bytes, padded):
     """Seven sequences at awkward lengths, five after a cached prefix, prefilled in one step on
     scattered pages: each sequence's output equals its full forward, through the grouped path
     (one gather and one up-projection for a group's pages). The small bound (40 positions of 864
     bytes, fp64 x 3 heads x 36) splits the step into several groups and leaves a 45-position
     sequence alone, in key blocks.
     Unused page rows hold NaN (what a request that overflowed leaves in pages a later one gets):
-    no row past a sequence's length may reach its output, in the prefill or the absorbed path."""
+    no row past a sequence's length may reach its output, in the prefill or the absorbed path.
+    padded: the expansion CUDA's flash path takes (values padded to the key width, keys and
+    values views of one up-projection), forced on the CPU."""
     import hyla.layers.prefix_attention as pa
 
     monkeypatch.setattr(pa, "EXPAND_BYTES", expand_bytes)
+    monkeypatch.setattr(MLAAttention, "_pads_values", lambda self, q: padded)
     layer = _layer(8)
     page = 4
     lens = [(0, 5), (3, 9), (7, 2), (0, 13), (11, 34), (1, 1), (6, 7)]  # (cached, new)
@@ -120,6 +124,23 @@ def test_many_prompts_in_one_step_equal_each_alone(monkeypatch, expand_bytes):
             assert torch.allclose(y[start:start + new], layer(x[None])[0, ctx:], atol=1e-12, rtol=0)
             start += new
 
+
+
+def test_padded_expansion_is_the_plain_one_widened():
+    """expand(pad_values=True): the same keys, the values followed by zero columns up to the key
+    width, from one up-projection; rebuilt when the weight changes."""
+    layer = _layer()
+    latent = torch.randn(2, 7, 22, dtype=torch.float64)
+    with torch.no_grad():
+        k, v = layer.expand(latent)
+        kp, vp = layer.expand(latent, pad_values=True)
+        assert kp.shape == k.shape and vp.shape == (2, 3, 7, 18)
+        torch.testing.assert_close(kp, k, rtol=0, atol=1e-13)
+        torch.testing.assert_close(vp[..., :10], v, rtol=0, atol=1e-13)
+        assert (vp[..., 10:] == 0).all()
+        layer.kv_b_proj.weight.mul_(2)
+        torch.testing.assert_close(layer.expand(latent, pad_values=True)[1][..., :10], layer.expand(latent)[1],
+                                   rtol=0, atol=1e-13)
 
 
 def test_expansion_groups_fit_the_bound_in_order():
