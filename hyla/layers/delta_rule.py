@@ -369,7 +369,7 @@ class ShortConvDeltaRule(nn.Module):
             ys = dispatch.causal_conv1d_prefill_packed(
                 pre.x, cache.conv, [c.weight for c in self.convs()], pre.sizes, activation="silu", state_indices=slots,
                 has_context=resume, cu_seqlens=cu, channels=pre.channels,
-                checkpoints=None if positions is None else _conv_checkpoints(batch))
+                checkpoints=None if positions is None else _checkpoint_table(batch))
         else:
             ys = self._prefill_convs(_conv_inputs(pre), batch, cache, positions)
         q, k, v = self.heads(ys)  # [1, T_total, H, K], v [1, T_total, HV, V]
@@ -435,19 +435,17 @@ def _conv_window_sources(batch: ForwardBatch, width: int) -> tuple[torch.Tensor,
     return flags.bool(), init_idx, input_idx
 
 
-def _conv_checkpoints(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _checkpoint_table(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sequence, new tokens p, destination slot) of every checkpoint of the step, sequence by
-    sequence, each [C] on the batch's device: causal_conv1d_prefill_packed's `checkpoints` (one
-    transfer a step, shared by the layers)."""
+    sequence in its order, each [C] on the batch's device: causal_conv1d_prefill_packed's
+    `checkpoints`, and the state checkpoints' slots (one transfer a step, shared by the layers)."""
     def build(b: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows = [(n, p, dest) for n, pairs in enumerate(b.checkpoints) for p, dest in pairs]
         seq, count, dest = stage_long([[r[i] for r in rows] for i in range(3)], b.cu_seqlens.device)
         return seq, count, dest
-    return batch.shared("conv_checkpoints", build)
+    return batch.shared("checkpoint_table", build)
 
 
 def _checkpoint_slots(batch: ForwardBatch) -> torch.Tensor:
-    """The destination slot of every checkpoint of the step, sequence by sequence in its order
-    [C] (one transfer a step, shared by the layers)."""
-    return batch.shared("checkpoint_slots", lambda b: to_device_long(
-        [dest for pairs in b.checkpoints for _, dest in pairs], b.cu_seqlens.device))
+    """The destination slot of every checkpoint of the step, sequence by sequence in its order [C]."""
+    return _checkpoint_table(batch)[2]
