@@ -341,6 +341,23 @@ class ShortConvDeltaRule(nn.Module):
                         t[dest] = t[src[n]]
         return self.output(o, aux)[:, 0]
 
+    def _prefill_convs(self, inputs: list[torch.Tensor], batch: ForwardBatch, cache: LinearLayerCache,
+                       positions) -> list[torch.Tensor]:
+        """The convs one by one (inputs [1, T_total, D_i] not columns of one packed GEMM): each
+        initial window gathered and masked, causal_conv1d_fn, the checkpoints' and the final
+        windows written to the pool."""
+        slots, cu, resume = batch.state_slots, batch.cu_seqlens, batch.has_context()
+        ys = []
+        for t, pool, conv in zip(inputs, cache.conv, self.convs()):
+            init = torch.where(resume[:, None, None], pool.index_select(0, slots), 0)  # [N, D, W-1]
+            y, final = dispatch.causal_conv1d_fn(t, conv.weight, activation="silu", initial_state=init,
+                                                 output_final_state=True, cu_seqlens=cu)
+            if positions is not None:
+                write_conv_checkpoints(pool, init, t[0], batch)
+            pool.index_copy_(0, slots, final.to(pool.dtype))  # the slots are distinct: as pool[slots] = final
+            ys.append(y)
+        return ys
+
     def _prefill(self, x: torch.Tensor, batch: ForwardBatch, cache: LinearLayerCache) -> torch.Tensor:
         """Any mix of lengths: the varlen chunk path, states gathered from and scattered to the pool."""
         slots, cu = batch.state_slots, batch.cu_seqlens
@@ -348,15 +365,13 @@ class ShortConvDeltaRule(nn.Module):
         positions = checkpoint_positions(batch)
         xs = x[None]  # [1, T_total, hidden], sequences packed along T
         pre, aux = self.project(xs)
-        ys = []
-        for t, pool, conv in zip(_conv_inputs(pre), cache.conv, self.convs()):
-            init = torch.where(resume[:, None, None], pool.index_select(0, slots), 0)  # [N, D, W-1]
-            y, final = dispatch.causal_conv1d_fn(t, conv.weight, activation="silu", initial_state=init,
-                                        output_final_state=True, cu_seqlens=cu)
-            if positions is not None:
-                write_conv_checkpoints(pool, init, t[0], batch)
-            pool.index_copy_(0, slots, final.to(pool.dtype))  # the slots are distinct: as pool[slots] = final
-            ys.append(y)
+        if isinstance(pre, PackedConvInput):  # every conv in one op, its windows read and written in the pools
+            ys = dispatch.causal_conv1d_prefill_packed(
+                pre.x, cache.conv, [c.weight for c in self.convs()], pre.sizes, activation="silu", state_indices=slots,
+                has_context=resume, cu_seqlens=cu, channels=pre.channels,
+                checkpoints=None if positions is None else _checkpoint_table(batch))
+        else:
+            ys = self._prefill_convs(_conv_inputs(pre), batch, cache, positions)
         q, k, v = self.heads(ys)  # [1, T_total, H, K], v [1, T_total, HV, V]
         g, beta = self.gates(aux)
         work = work_dtype(x)
@@ -420,8 +435,17 @@ def _conv_window_sources(batch: ForwardBatch, width: int) -> tuple[torch.Tensor,
     return flags.bool(), init_idx, input_idx
 
 
+def _checkpoint_table(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sequence, new tokens p, destination slot) of every checkpoint of the step, sequence by
+    sequence in its order, each [C] on the batch's device: causal_conv1d_prefill_packed's
+    `checkpoints`, and the state checkpoints' slots (one transfer a step, shared by the layers)."""
+    def build(b: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = [(n, p, dest) for n, pairs in enumerate(b.checkpoints) for p, dest in pairs]
+        seq, count, dest = stage_long([[r[i] for r in rows] for i in range(3)], b.cu_seqlens.device)
+        return seq, count, dest
+    return batch.shared("checkpoint_table", build)
+
+
 def _checkpoint_slots(batch: ForwardBatch) -> torch.Tensor:
-    """The destination slot of every checkpoint of the step, sequence by sequence in its order
-    [C] (one transfer a step, shared by the layers)."""
-    return batch.shared("checkpoint_slots", lambda b: to_device_long(
-        [dest for pairs in b.checkpoints for _, dest in pairs], b.cu_seqlens.device))
+    """The destination slot of every checkpoint of the step, sequence by sequence in its order [C]."""
+    return _checkpoint_table(batch)[2]

@@ -329,3 +329,80 @@ def causal_conv1d_update_packed(
         out.extend(y.split(list(part), dim=-1))
         c0 += d
     return [y.squeeze(1) for y in out] if squeeze else out
+
+
+def _check_prefill_packed_args(x, conv_states, weights, sizes, channels, state_indices, has_context,
+                               cu_seqlens, checkpoints):
+    """Checks of causal_conv1d_prefill_packed (shared with the Triton version) -> (x as [T, cols],
+    total channels, N)."""
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[0] != 1):
+        raise ValueError("x must be a tensor [T, cols] or [1, T, cols] (sequences packed along T)")
+    x2 = x[0] if x.dim() == 3 else x
+    _, _, total = _check_packed_args(x2[:, None], conv_states, weights, sizes, channels)
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must be a tensor [N+1]")
+    N = cu_seqlens.numel() - 1
+    for name, t in (("state_indices", state_indices), ("has_context", has_context)):
+        if not isinstance(t, torch.Tensor) or t.shape != (N,):
+            raise ValueError(f"{name} must be a tensor [N={N}]")
+    if checkpoints is not None and (len(checkpoints) != 3 or any(
+            not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape != checkpoints[0].shape for t in checkpoints)):
+        raise ValueError("checkpoints must be three equal-length tensors (sequence, tokens, slot) or None")
+    return x2, total, N
+
+
+def causal_conv1d_prefill_packed(
+    x: torch.Tensor,
+    conv_states,
+    weights,
+    sizes,
+    activation: str | None = None,
+    *,
+    state_indices: torch.Tensor,
+    has_context: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    channels: torch.Tensor | None = None,
+    checkpoints: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """The prefill of several short convs whose pre-conv inputs are columns of one tensor, their
+    windows kept in pools: an engine step's causal_conv1d_fn for each conv, with the pool reads
+    and writes around it.
+
+    x: [T, cols] or [1, T, cols], the new tokens of N sequences back to back (cu_seqlens [N+1]);
+    channels, weights, sizes: as causal_conv1d_update_packed. conv_states: one pool [num_slots,
+    D_i, W-1] per conv. Sequence n starts from the window in slot state_indices[n] where
+    has_context[n] (bool), from zeros elsewhere; the window after its last token is written back
+    to that slot. checkpoints: None or (sequence [C], tokens p [C], slot [C]) integer tensors:
+    the window after the first p (>= 1) new tokens of that sequence is also written to that slot
+    (slots distinct from one another and from state_indices). Returns the output parts in order,
+    each [T, part] (or [1, T, part]) in x.dtype.
+    """
+    x2, total, N = _check_prefill_packed_args(x, conv_states, weights, sizes, channels, state_indices,
+                                              has_context, cu_seqlens, checkpoints)
+    xs = x2.index_select(-1, channels.to(x.device).long()) if channels is not None else x2[:, :total]
+    idx = state_indices.long()
+    out, c0 = [], 0
+    for pool, w, part in zip(conv_states, weights, sizes):
+        d = sum(part)
+        t = xs[:, c0:c0 + d]
+        init = torch.where(has_context.bool()[:, None, None], pool[idx], 0).to(pool.dtype)  # [N, D, W-1]
+        y, final = causal_conv1d_fn(t[None], w, None, activation, init, True, cu_seqlens)
+        if checkpoints is not None and checkpoints[0].numel():
+            pool[checkpoints[2].long()] = _windows_after(init, t, cu_seqlens.to(x.device), *checkpoints[:2]).to(pool.dtype)
+        pool[idx] = final.to(pool.dtype)
+        out.extend(y[0].split(list(part), dim=-1))
+        c0 += d
+    return [y[None] for y in out] if x.dim() == 3 else out
+
+
+def _windows_after(init: torch.Tensor, t: torch.Tensor, cu: torch.Tensor, seq: torch.Tensor,
+                   p: torch.Tensor) -> torch.Tensor:
+    """init [N, D, W-1], t [T, D], cu [N+1]; seq, p [C] -> [C, D, W-1]: the window after the
+    first p[c] new tokens of sequence seq[c], i.e. columns p .. p+W-2 of [init ++ its tokens]."""
+    P = init.shape[-1]
+    cols = p.long()[:, None] + torch.arange(P, device=t.device)  # [C, P] columns of the extended row
+    from_init = cols < P
+    rows = (cu.long()[seq.long()][:, None] + cols - P).clamp(min=0)  # [C, P] token rows of t
+    old = init[seq.long()[:, None], :, cols.clamp(max=P - 1)]  # [C, P, D]
+    new = t[rows].to(init.dtype)  # [C, P, D]
+    return torch.where(from_init[..., None], old, new).transpose(1, 2)

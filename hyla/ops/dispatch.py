@@ -42,7 +42,7 @@ __all__ = ["backend_for", "get_backend", "set_backend", "chunk_kda", "chunk_gate
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
            "lowrank_gated_rms_norm", "silu_gated_rms_norm", "kda_gate_beta", "kda_lowrank_gate_beta", "gdn_gate_beta",
-           "causal_conv1d_update_packed", "causal_conv1d_fn",
+           "causal_conv1d_update_packed", "causal_conv1d_fn", "causal_conv1d_prefill_packed",
            "write_latents", "paged_mla_decode", "gated_attention_kernels", "qk_norm_rope_write",
            "paged_window_attention", "silu_mul", "mtp_fc_input", "derive_step_rows"]
 
@@ -154,6 +154,8 @@ causal_conv1d_verify = _dispatched(_torch_conv.causal_conv1d_verify, "causal_con
 causal_conv1d_fn = _dispatched(_torch_conv.causal_conv1d_fn, "causal_conv1d_fn", "x", "x", heads=False)
 causal_conv1d_update_packed = _dispatched(_torch_conv.causal_conv1d_update_packed, "causal_conv1d_update_packed",
                                           "x", "x", heads=False)
+causal_conv1d_prefill_packed = _dispatched(_torch_conv.causal_conv1d_prefill_packed, "causal_conv1d_prefill_packed",
+                                           "x", "x", heads=False)
 
 write_latents = _dispatched(_torch_mla.write_latents, "write_latents", "kv", "cache", heads=False)
 paged_mla_decode = _dispatched(_torch_mla.paged_mla_decode, "paged_mla_decode", "q_lat", "cache", heads=False)

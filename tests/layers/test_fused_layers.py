@@ -71,16 +71,21 @@ def make_cache(layer, slots=5, pages=6, page_size=4, dtype=torch.float64, seed=1
 
 
 def run_steps(layer, cache, dtype=torch.float64, seed=2):
-    """A prefill of two sequences (lengths 5, 3), then two decode steps."""
+    """A prefill of two sequences (lengths 5, 3), two decode steps, then a chunked prefill of both
+    (2 and 4 more tokens after their contexts) exporting state checkpoints, as the prefix cache
+    asks: after the first new token of one (its conv window partly the old one) and after 2 and 4
+    of the other, to slots of their own."""
     g = torch.Generator().manual_seed(seed)
     dev = next(layer.parameters()).device
     tables, slots = [[0, 1, 2], [3, 4, 5]], [3, 1]
-    steps = [([5, 3], [0, 0]), ([1, 1], [5, 3]), ([1, 1], [6, 4])]
+    steps = [([5, 3], [0, 0], None), ([1, 1], [5, 3], None), ([1, 1], [6, 4], None),
+             ([2, 4], [7, 5], [[(1, 0)], [(2, 2), (4, 4)]])]
     outs = []
     with torch.no_grad():
-        for lens, ctx in steps:
+        for lens, ctx, checkpoints in steps:
             x = torch.randn(sum(lens), HIDDEN, generator=g).to(dtype).to(dev)
-            outs.append(layer.forward_batch(x, ForwardBatch.build(lens, ctx, tables, slots, device=dev), cache))
+            batch = ForwardBatch.build(lens, ctx, tables, slots, checkpoints=checkpoints, device=dev)
+            outs.append(layer.forward_batch(x, batch, cache))
     return outs
 
 

@@ -100,3 +100,91 @@ def test_one_cu_seqlens_serves_several_convs():
                                         cu if DEV == "cpu" else cu.to(DEV))
         torch.testing.assert_close(got_y.cpu(), want_y, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got_s.cpu(), want_s, rtol=0, atol=0)
+
+
+def _packed_case(lens, parts, W, pool_dtype, gen, channels=False, ck=(), x_dtype=torch.float32):
+    """Inputs of causal_conv1d_prefill_packed: x [T, cols] (two spare columns), one pool per conv
+    (parts: per conv, its output parts), weights, the state slots (reversed, beyond N), which
+    sequences resume, and checkpoints (sequence, p, slot)."""
+    T, N = sum(lens), len(lens)
+    total = sum(sum(p) for p in parts)
+    x = torch.randn(T, total + 2, generator=gen).to(x_dtype)
+    pools = [torch.randn(N + 6 + len(ck), sum(p), W - 1, generator=gen).to(pool_dtype) for p in parts]
+    weights = [torch.randn(sum(p), 1, W, generator=gen) for p in parts]
+    slots = torch.arange(N + 2, 2, -1)[:N]  # distinct slots, not 0..N-1
+    ctx = torch.tensor([i % 3 != 1 for i in range(N)])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    cols = torch.randperm(total + 2, generator=gen)[:total] if channels else None
+    cks = None
+    if ck:
+        cks = tuple(torch.tensor(v) for v in zip(*[(n, p, N + 3 + i) for i, (n, p) in enumerate(ck)]))
+    return x, pools, weights, slots, ctx, cu, cols, cks
+
+
+def _by_composition(x, pools, weights, parts, slots, ctx, cu, cols, cks, act):
+    """What the layers did before the packed op: per conv, the initial windows gathered and
+    masked, causal_conv1d_fn, each checkpoint's window from [initial ++ inputs], the final window
+    scattered back."""
+    xs = x.index_select(-1, cols) if cols is not None else x
+    out, c0, N = [], 0, len(slots)
+    for pool, w, part in zip(pools, weights, parts):
+        d = sum(part)
+        t = xs[:, c0:c0 + d]
+        init = torch.where(ctx[:, None, None], pool[slots], 0)
+        y, final = torch_conv.causal_conv1d_fn(t[None], w, None, act, init, True, cu)
+        P = pool.shape[-1]
+        if cks is not None:
+            for n, p, dest in zip(*(v.tolist() for v in cks)):
+                ext = torch.cat([init[n], t[cu[n]:cu[n + 1]].T.to(pool.dtype)], dim=1)  # [D, P + len]
+                pool[dest] = ext[:, p:p + P]
+        pool[slots] = final.to(pool.dtype)
+        out.extend(y[0].split(list(part), dim=-1))
+        c0 += d
+    return out
+
+
+@pytest.mark.parametrize("lens,parts,W,pool_dtype,channels,ck,x_dtype", [
+    ([37, 0, 2, 70], [[24], [24], [16]], 4, torch.float32, False, [(0, 1), (0, 32), (3, 64), (2, 2)],
+     torch.float32),  # KDA: three pools
+    ([5, 1, 40], [[8, 8, 12]], 4, torch.float32, True, [(2, 16)], torch.float32),  # GDN: one pool, three parts
+    ([61, 40], [[24], [24], [24]], 4, torch.bfloat16, False, [], torch.float32),  # an interior block, bf16 windows
+    ([3, 9], [[20], [20]], 3, torch.float32, False, [(1, 1), (1, 9)], torch.float32),
+    ([33, 70], [[16], [16], [16]], 4, torch.bfloat16, False, [(1, 2), (1, 64)], torch.bfloat16),  # a bf16 model
+])
+def test_prefill_packed_matches_per_conv_composition(lens, parts, W, pool_dtype, channels, ck, x_dtype):
+    """causal_conv1d_prefill_packed, torch and Triton, against the per-conv path the layers ran:
+    outputs to fp32 rounding, every pool slot (finals, checkpoints, untouched ones) exact (copied
+    inputs). Awkward: an empty sequence, sequences shorter than the window, checkpoints inside the
+    first W-1 tokens (their windows partly from the initial one), sequences without context.
+    bf16 outputs: within one rounding (the products summed in fp32 in another order)."""
+    from hyla.ops.triton.conv_prefill import causal_conv1d_prefill_packed as triton_packed
+
+    gen = torch.Generator().manual_seed(sum(lens) + W)
+    x, pools, weights, slots, ctx, cu, cols, cks = _packed_case(lens, parts, W, pool_dtype, gen, channels, ck,
+                                                                x_dtype)
+    tol = 1e-6 if x_dtype == torch.float32 else 8e-3
+    want_pools = [p.clone() for p in pools]
+    want = _by_composition(x, want_pools, weights, parts, slots, ctx, cu, cols, cks, "silu")
+    for impl, dev in ((torch_conv.causal_conv1d_prefill_packed, "cpu"), (triton_packed, DEV)):
+        got_pools = [p.clone().to(dev) for p in pools]
+        to = lambda t: None if t is None else t.to(dev)  # noqa: E731
+        got = impl(x.to(dev), got_pools, [w.to(dev) for w in weights], parts, "silu", state_indices=slots.to(dev),
+                   has_context=ctx.to(dev), cu_seqlens=cu.to(dev), channels=to(cols),
+                   checkpoints=None if cks is None else tuple(to(t) for t in cks))
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu(), w, rtol=tol, atol=tol)
+        for g, w in zip(got_pools, want_pools):
+            torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
+
+
+def test_prefill_packed_refuses_bad_arguments():
+    gen = torch.Generator().manual_seed(3)
+    x, pools, weights, slots, ctx, cu, _, _ = _packed_case([4, 5], [[8], [8]], 4, torch.float32, gen)
+    kw = dict(state_indices=slots, has_context=ctx, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="state_indices"):
+        torch_conv.causal_conv1d_prefill_packed(x, pools, weights, [[8], [8]], **{**kw, "state_indices": slots[:1]})
+    with pytest.raises(ValueError, match="checkpoints"):
+        torch_conv.causal_conv1d_prefill_packed(x, pools, weights, [[8], [8]], checkpoints=(cu, cu), **kw)
+    with pytest.raises(ValueError, match="packed along T"):
+        torch_conv.causal_conv1d_prefill_packed(x[None].expand(2, -1, -1), pools, weights, [[8], [8]], **kw)

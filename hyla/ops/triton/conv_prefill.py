@@ -21,6 +21,7 @@ import triton.language as tl
 
 from hyla.ops import utils
 from hyla.ops.triton import _interpreter
+from hyla.ops.triton.norm import to_dtype
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -153,3 +154,203 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                 xs, xs.stride(0), init, cu, final, D, W=W, BP=triton.next_power_of_2(max(W - 1, 1)), BD=128,
                 HAS_INIT=initial_state is not None, num_warps=4)
     return y.view(B, T, D), final
+
+
+# -- several convs of one projection output, their windows in pools ----------------------------
+#
+# causal_conv1d_prefill_packed (hyla.ops.conv's contract): an engine step's convs of a KDA layer
+# (three pools) or a GDN layer (one pool, three parts) in three launches whatever their number, x
+# read in place, the initial windows read from the pools and the final windows written back:
+# where a layer ran, per conv, a gather of its initial windows, a mask, the conv, the final-window
+# kernel and a scatter into the pool (plus the step tables), ~12 launches and ~40 ops of host.
+#   1. _packed_prefill_kernel: the outputs (grid: token blocks x channel blocks x segments);
+#   2. _packed_windows_kernel over the checkpoints (windows after p tokens to their own slots);
+#   3. the same over every sequence's final window, to its own slot: after 1 and 2, which read
+#      the initial windows from those slots.
+
+
+@triton.jit
+def _segment(i_s, D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2):
+    """(channels, first column of x / of the output, channel offset in its pool, pool channels) of
+    segment i_s of a launch."""
+    z = i_s * 0  # "+ z" keeps every branch's ints tensors (Triton turns an int argument of 1 into a constexpr)
+    if i_s == 0:
+        return D0 + z, C0 + z, PC0 + z, DP0 + z
+    elif i_s == 1:
+        return D1 + z, C1 + z, PC1 + z, DP1 + z
+    else:
+        return D2 + z, C2 + z, PC2 + z, DP2 + z
+
+
+@triton.jit
+def _packed_prefill_kernel(x, s_x, cols, y, slots, ctx, seq_of, cu, s0, s1, s2, w0, w1, w2, T,
+                           D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2,
+                           W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
+                           HAS_COLS: tl.constexpr, ONE_POOL: tl.constexpr):
+    i_t = tl.program_id(0)
+    i_d = tl.program_id(1)
+    i_s = tl.program_id(2)
+    D, c0, pc, dp = _segment(i_s, D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2)
+    state = s0
+    weight = w0
+    if not ONE_POOL:
+        if i_s == 1:
+            state = s1
+            weight = w1
+        elif i_s == 2:
+            state = s2
+            weight = w2
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_t = o_t < T
+    m_d = o_d < D
+    if HAS_COLS:
+        col = tl.load(cols + c0 + o_d, mask=m_d, other=0).to(tl.int64)
+    else:
+        col = (c0 + o_d).to(tl.int64)
+    ch = pc + o_d  # channel in the pool and the weight
+    acc = tl.zeros((BT, BD), dtype=tl.float32)
+    t0 = i_t * BT
+    n_first = tl.load(seq_of + t0)
+    interior = (n_first == tl.load(seq_of + tl.minimum(t0 + BT, T) - 1)) & (t0 - (W - 1) >= tl.load(cu + n_first))
+    if interior:  # as _conv_prefill_kernel: a block inside one sequence, W-1 past its start
+        for j in tl.static_range(W):
+            w_j = tl.load(weight + ch * W + j, mask=m_d, other=0.0).to(tl.float32)
+            v = tl.load(x + (o_t - (W - 1) + j).to(tl.int64)[:, None] * s_x + col[None, :],
+                        mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            acc += v * w_j[None, :]
+    else:
+        n = tl.load(seq_of + o_t, mask=m_t, other=0)  # [BT]
+        start = tl.load(cu + n, mask=m_t, other=0)
+        slot = tl.load(slots + n, mask=m_t, other=0).to(tl.int64)
+        live = tl.load(ctx + n, mask=m_t, other=0) != 0  # the sequence resumes from its slot's window
+        for j in tl.static_range(W):
+            s = o_t - (W - 1) + j
+            w_j = tl.load(weight + ch * W + j, mask=m_d, other=0.0).to(tl.float32)
+            inside = s >= start
+            v = tl.load(x + tl.maximum(s, 0).to(tl.int64)[:, None] * s_x + col[None, :],
+                        mask=(m_t & inside)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            before = m_t & (s < start) & live
+            v0 = tl.load(state + slot[:, None] * dp * (W - 1) + ch[None, :] * (W - 1) + ((W - 1) + s - start)[:, None],
+                         mask=before[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            acc += (v + v0) * w_j[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(y + c0.to(tl.int64) * T + o_t.to(tl.int64)[:, None] * D + o_d[None, :], to_dtype(acc, y.dtype.element_ty),
+             mask=m_t[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _packed_windows_kernel(x, s_x, cols, slots, ctx, cu, seq, count, dest, s0, s1, s2,
+                           D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2,
+                           W: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, HAS_COLS: tl.constexpr,
+                           ONE_POOL: tl.constexpr, FINAL: tl.constexpr):
+    """Entry e's window (its sequence's positions p .. p+W-2 of [initial window ++ new tokens]) to
+    slot dest[e]; FINAL: entry e is sequence e, p its length, the slot its own."""
+    e = tl.program_id(0)
+    i_d = tl.program_id(1)
+    i_s = tl.program_id(2)
+    D, c0, pc, dp = _segment(i_s, D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2)
+    state = s0
+    if not ONE_POOL:
+        if i_s == 1:
+            state = s1
+        elif i_s == 2:
+            state = s2
+    if FINAL:
+        n = e
+        p = tl.load(cu + e + 1) - tl.load(cu + e)
+        to = tl.load(slots + e).to(tl.int64)
+    else:
+        n = tl.load(seq + e)
+        p = tl.load(count + e)
+        to = tl.load(dest + e).to(tl.int64)
+    start = tl.load(cu + n)
+    slot = tl.load(slots + n).to(tl.int64)
+    live = tl.load(ctx + n) != 0
+    o_d = i_d * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    if HAS_COLS:
+        col = tl.load(cols + c0 + o_d, mask=m_d, other=0).to(tl.int64)
+    else:
+        col = (c0 + o_d).to(tl.int64)
+    ch = pc + o_d
+    o_c = tl.arange(0, BP)
+    m_c = o_c < W - 1
+    pos = p + o_c  # [BP] columns of the extended row
+    from_x = pos >= W - 1
+    v = tl.load(x + (start + tl.maximum(pos - (W - 1), 0)).to(tl.int64)[None, :] * s_x + col[:, None],
+                mask=m_d[:, None] & (m_c & from_x)[None, :], other=0.0)
+    v0 = tl.load(state + slot * dp * (W - 1) + ch[:, None] * (W - 1) + tl.minimum(pos, W - 2)[None, :],
+                 mask=m_d[:, None] & (m_c & ~from_x & live)[None, :], other=0.0)
+    out = tl.where(from_x[None, :], to_dtype(v.to(tl.float32), state.dtype.element_ty), v0)
+    tl.store(state + to * dp * (W - 1) + ch[:, None] * (W - 1) + o_c[None, :], out, mask=m_d[:, None] & m_c[None, :])
+
+
+def causal_conv1d_prefill_packed(x: torch.Tensor, conv_states, weights, sizes, activation: str | None = None, *,
+                                 state_indices: torch.Tensor, has_context: torch.Tensor, cu_seqlens: torch.Tensor,
+                                 channels: torch.Tensor | None = None,
+                                 checkpoints: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                                 ) -> list[torch.Tensor]:
+    """The Triton version of hyla.ops.conv.causal_conv1d_prefill_packed (same arguments and result)."""
+    from hyla.ops.conv import _check_activation, _check_prefill_packed_args
+    from hyla.ops.triton.conv import _check_contiguous, _launch_groups
+
+    x2, total, N = _check_prefill_packed_args(x, conv_states, weights, sizes, channels, state_indices,
+                                              has_context, cu_seqlens, checkpoints)
+    _check_activation(activation)
+    T, dev = x2.shape[0], x2.device
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    segs, c0 = [], 0  # (pool, weight [D, W], channels, first column, pool channel offset)
+    for pool, w, part in zip(conv_states, weights, sizes):
+        _check_contiguous(pool)
+        w2 = (w.reshape(w.shape[0], w.shape[-1]) if w.dim() == 3 else w).contiguous()
+        if w2.shape[0] != pool.shape[1] or w2.shape[1] != pool.shape[2] + 1:
+            raise ValueError(f"weight {tuple(w.shape)} does not match conv state {tuple(pool.shape)}")
+        pc = 0
+        for d in part:
+            segs.append((pool, w2, int(d), c0, pc))
+            c0, pc = c0 + int(d), pc + int(d)
+    W = segs[0][1].shape[1]
+    if any(s[1].shape[1] != W for s in segs):
+        raise ValueError("the packed convs must share one kernel size")
+    cu, seq_of = utils.cached_on(cu_seqlens, f"conv_tables_{dev}_{T}",
+                                 lambda: _token_tables(cu_seqlens.to(device=dev, dtype=torch.int32), T))
+    cols = channels.to(dev).contiguous() if channels is not None else None
+    slots, ctx = state_indices.contiguous(), has_context.contiguous()
+    y = torch.empty(T * total, device=dev, dtype=x2.dtype)
+    groups = _launch_groups(segs)
+
+    def seg_args(group):
+        pad = group + [group[-1]] * (3 - len(group))
+        one = all(s[0] is group[0][0] and s[1] is group[0][1] for s in group)
+        return pad, one, max(s[2] for s in group)
+
+    for group in groups:  # 1. the outputs
+        pad, one, widest = seg_args(group)
+        if T:
+            BT, BD = 32, min(128, triton.next_power_of_2(widest))
+            _packed_prefill_kernel[(triton.cdiv(T, BT), triton.cdiv(widest, BD), len(group))](
+                x2, x2.stride(0), cols if cols is not None else slots, y, slots, ctx, seq_of, cu,
+                *(s[0] for s in pad), *(s[1] for s in pad), T, *(s[2] for s in pad), *(s[3] for s in pad),
+                *(s[4] for s in pad), *(s[0].shape[1] for s in pad),
+                W=W, BT=BT, BD=BD, SILU=activation is not None, HAS_COLS=cols is not None, ONE_POOL=one,
+                num_warps=4)
+    if W > 1:  # 2. checkpoint windows, then 3. final windows (the slots 1 and 2 read the initial windows from)
+        for final, entries in ((False, checkpoints), (True, None)):
+            count = N if final else (0 if entries is None else entries[0].numel())
+            if not count:
+                continue
+            seq, p, dest = (slots, slots, slots) if final else (t.contiguous() for t in entries)
+            for group in groups:
+                pad, one, widest = seg_args(group)
+                BD = min(128, triton.next_power_of_2(widest))
+                _packed_windows_kernel[(count, triton.cdiv(widest, BD), len(group))](
+                    x2, x2.stride(0), cols if cols is not None else slots, slots, ctx, cu, seq, p, dest,
+                    *(s[0] for s in pad), *(s[2] for s in pad), *(s[3] for s in pad), *(s[4] for s in pad),
+                    *(s[0].shape[1] for s in pad),
+                    W=W, BP=max(2, triton.next_power_of_2(W - 1)), BD=BD, HAS_COLS=cols is not None, ONE_POOL=one,
+                    FINAL=final, num_warps=4)
+    out = [y[T * c:T * (c + d)].view(T, d) for _, _, d, c, _ in segs]
+    return [t[None] for t in out] if x.dim() == 3 else out
