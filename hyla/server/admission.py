@@ -22,6 +22,19 @@ import time
 
 # The generation routes whose requests are announced (POST only).
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
+# The admission window by device (hyla serve --admission-wait-ms): on CUDA a small prefill step costs
+# mostly fixed host time (a lone 549-token turn: 86-146 ms served, beside ~175 ms of kernels for
+# the 14 turns after it), so one merged step serves a burst sooner; on the CPU a step's time grows
+# with its tokens, and a merged step makes the first arrivals wait for the last (tiny model, 6
+# lockstep agent sessions: returning turns 472-504 -> 577-613 ms), so there it is off.
+CUDA_WAIT_S = 0.02
+
+
+def default_admission_wait(device) -> float:
+    """The admission window in seconds for an engine on `device` (a torch.device)."""
+    return CUDA_WAIT_S if device.type == "cuda" else 0.0
+
+
 # An announcement older than this is not waited for: its request is slow to prepare (a huge
 # prompt) or was lost before it settled; either way no step should wait on it again.
 STALE_S = 2.0

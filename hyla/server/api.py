@@ -28,8 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.llm_engine import LLMEngine
 from hyla.server import messages_api, responses_api
-from hyla.server.admission import ArrivalMiddleware, Arrivals
-from hyla.server.async_engine import ADMISSION_WAIT_S, AsyncEngine
+from hyla.server.admission import ArrivalMiddleware, Arrivals, default_admission_wait
+from hyla.server.async_engine import AsyncEngine
 from hyla.server.chat_prompt import load_chat_template
 from hyla.server.chat_protocol import ChatCompletionRequest
 from hyla.server.choices import CompletionChoice, echoed
@@ -71,11 +71,11 @@ class ServerState:
 def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
                tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
                chat_template: str | None = None, trust_request_chat_template: bool = False,
-               reasoning_parser: str | None = None, admission_wait: float = ADMISSION_WAIT_S) -> FastAPI:
+               reasoning_parser: str | None = None, admission_wait: float | None = None) -> FastAPI:
     """chat_template: a template file's path or the template's text (vLLM's --chat-template);
     reasoning_parser: one of hyla.server.reasoning_parsers.PARSERS; admission_wait: seconds an idle
-    engine waits for the rest of a burst of arrivals (hyla.server.admission). Bad values fail here,
-    at start-up, not on the first request."""
+    engine waits for the rest of a burst of arrivals (hyla.server.admission; None: its default for
+    the engine's device). Bad values fail here, at start-up, not on the first request."""
     if tool_call_parser is not None:
         make_parser(tool_call_parser)
     if enable_auto_tool_choice and tool_call_parser is None:
@@ -88,6 +88,8 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
         end_ids = engine.tokenizer.encode(reasoning.end, add_special_tokens=False)
     metrics = ServerMetrics(engine, model_name)
     arrivals = Arrivals()
+    if admission_wait is None:
+        admission_wait = default_admission_wait(engine.model.device)
     async_engine = AsyncEngine(engine, on_output=metrics.observe, on_abort=metrics.forget, arrivals=arrivals,
                                admission_wait=admission_wait)
     state = ServerState(engine, async_engine, metrics, model_name, api_key,

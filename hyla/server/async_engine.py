@@ -64,13 +64,10 @@ class OutputQueue(asyncio.Queue):
         pending.append(item)
 
 
-ADMISSION_WAIT_S = 0.02  # the default admission window (hyla serve --admission-wait-ms)
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None,
                  on_abort: Callable[[str], None] | None = None, arrivals: Arrivals | None = None,
-                 admission_wait: float = ADMISSION_WAIT_S):
+                 admission_wait: float = 0.0):
         """arrivals: the server's announced requests (hyla.server.admission); when the engine is
         about to start a step with nothing running, it waits up to `admission_wait` seconds for
         those still being prepared, so that a burst shares its first step (0: never waits)."""

@@ -159,3 +159,14 @@ def test_the_server_announces_generation_requests_and_settles_them(engine):  # n
         http.post("/tokenize", json={"prompt": "hi"})
     assert ok.status_code == 200 and bad.status_code == 400
     assert len(seen) == 2 and arrivals.pending() == 0
+
+
+def test_the_default_window_is_on_for_cuda_only():
+    """On CUDA a small prefill step is mostly fixed host time (merging a burst serves it sooner);
+    on the CPU a step's time grows with its tokens (merging delays the first arrivals)."""
+    import torch
+
+    from hyla.server.admission import CUDA_WAIT_S, default_admission_wait
+
+    assert default_admission_wait(torch.device("cuda", 0)) == CUDA_WAIT_S > 0
+    assert default_admission_wait(torch.device("cpu")) == 0.0
