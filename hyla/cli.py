@@ -7,6 +7,17 @@ import json
 import sys
 
 
+def _non_negative_float(text: str) -> float:
+    """argparse type: a float >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _demo(args) -> None:
     """A short tour of the ops: chunkwise prefill equals the exact loop, checkpoints, decode."""
     import torch
@@ -161,7 +172,7 @@ def _serve(args) -> None:
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
                      tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                      chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
-                     reasoning_parser=args.reasoning_parser)
+                     reasoning_parser=args.reasoning_parser, admission_wait=None if args.admission_wait_ms is None else args.admission_wait_ms / 1e3)
     logging.getLogger("hyla").info("serving %s on http://%s:%d", name, args.host, args.port)
     failure = []
     if engine.workers is not None:  # a dead tensor-parallel worker stops the server, exit code 1
@@ -238,6 +249,12 @@ def main(argv: list[str] | None = None) -> None:
                        help="let a request send its own chat_template (a template is code the server runs)")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1", "glm45", "kimi_k2"],
                        help="split the model's reasoning (<think>...</think>) from the content (vLLM's names)")
+    serve.add_argument("--admission-wait-ms", type=_non_negative_float, default=None,
+                       help="an idle engine about to start a step waits up to this long for generation requests "
+                       "that arrived with its first one and are still being prepared (tokenised), so that a burst "
+                       "shares one prefill step; a lone request never waits (0: off; default: 20 on CUDA, where a "
+                       "small prefill step costs mostly fixed host time, 0 on the CPU, where its time grows with its "
+                       "tokens and a merged step makes the first arrivals wait)")
     serve.set_defaults(func=_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt and print tokens/s")

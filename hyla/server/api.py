@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.llm_engine import LLMEngine
 from hyla.server import messages_api, responses_api
+from hyla.server.admission import ArrivalMiddleware, Arrivals, default_admission_wait
 from hyla.server.async_engine import AsyncEngine
 from hyla.server.chat_prompt import load_chat_template
 from hyla.server.chat_protocol import ChatCompletionRequest
@@ -70,10 +71,11 @@ class ServerState:
 def create_app(engine, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
                tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
                chat_template: str | None = None, trust_request_chat_template: bool = False,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, admission_wait: float | None = None) -> FastAPI:
     """chat_template: a template file's path or the template's text (vLLM's --chat-template);
-    reasoning_parser: one of hyla.server.reasoning_parsers.PARSERS. Bad values fail here, at
-    start-up, not on the first request."""
+    reasoning_parser: one of hyla.server.reasoning_parsers.PARSERS; admission_wait: seconds an idle
+    engine waits for the rest of a burst of arrivals (hyla.server.admission; None: its default for
+    the engine's device). Bad values fail here, at start-up, not on the first request."""
     if tool_call_parser is not None:
         make_parser(tool_call_parser)
     if enable_auto_tool_choice and tool_call_parser is None:
@@ -85,7 +87,11 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
             raise ValueError("--reasoning-parser needs the model's tokenizer")
         end_ids = engine.tokenizer.encode(reasoning.end, add_special_tokens=False)
     metrics = ServerMetrics(engine, model_name)
-    async_engine = AsyncEngine(engine, on_output=metrics.observe, on_abort=metrics.forget)
+    arrivals = Arrivals()
+    if admission_wait is None:
+        admission_wait = default_admission_wait(engine.model.device)
+    async_engine = AsyncEngine(engine, on_output=metrics.observe, on_abort=metrics.forget, arrivals=arrivals,
+                               admission_wait=admission_wait)
     state = ServerState(engine, async_engine, metrics, model_name, api_key,
                         max_body_bytes, tool_call_parser, enable_auto_tool_choice, Grammars(engine),
                         load_chat_template(chat_template) if chat_template is not None else None,
@@ -96,6 +102,7 @@ def create_app(engine, model_name: str, api_key: str | None = None, max_body_byt
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(_ApiKey)
+    app.add_middleware(ArrivalMiddleware, arrivals=arrivals)
     app.include_router(router)
     app.include_router(tokenize_router)  # /tokenize, /detokenize, /version, /ping
     app.include_router(responses_api.router)

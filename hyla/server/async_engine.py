@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from hyla.engine.llm_engine import LLMEngine
 from hyla.engine.outputs import RequestOutput
 from hyla.engine.sampling_params import SamplingParams
+from hyla.server.admission import Arrivals, settle_current
 
 log = logging.getLogger("hyla.server")
 
@@ -65,10 +66,18 @@ class OutputQueue(asyncio.Queue):
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_output: Callable[[RequestOutput, float], None] | None = None,
-                 on_abort: Callable[[str], None] | None = None):
+                 on_abort: Callable[[str], None] | None = None, arrivals: Arrivals | None = None,
+                 admission_wait: float = 0.0):
+        """arrivals: the server's announced requests (hyla.server.admission); when the engine is
+        about to start a step with nothing running, it waits up to `admission_wait` seconds for
+        those still being prepared, so that a burst shares its first step (0: never waits)."""
+        if admission_wait < 0:
+            raise ValueError(f"admission_wait must be >= 0 seconds, got {admission_wait}")
         self.engine = engine
         self.on_output = on_output  # on_output(output: RequestOutput, now: time.monotonic()) in the loop thread
         self.on_abort = on_abort  # on_abort(request_id) in the loop thread: it ends with no finished output
+        self.arrivals = arrivals
+        self.admission_wait = admission_wait
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputQueue]] = {}
         self._stop = threading.Event()
@@ -98,6 +107,7 @@ class AsyncEngine:
         out = out if out is not None else OutputQueue()
         self._streams[request_id] = (asyncio.get_running_loop(), out)
         self._commands.put(("add", request_id, prompt_ids, params))
+        settle_current()  # after the put: the engine, if waiting for it, finds its command queued
         return out
 
     def abort(self, request_id: str) -> None:
@@ -154,6 +164,26 @@ class AsyncEngine:
             for rid in list(self._streams):
                 self._deliver(rid, Shutdown(rid))
 
+    def _admit_arrivals(self) -> None:
+        """Handle commands while announced requests are still being prepared, up to the
+        admission window (the loop thread, before a step that runs no earlier request)."""
+        if self.arrivals is None or self.admission_wait <= 0:
+            return
+        deadline = time.monotonic() + self.admission_wait
+        while self.arrivals.pending() and not self._stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:  # a short poll: a request refused before submit settles without a command
+                self._handle(self._commands.get(timeout=min(remaining, 0.002)))
+            except queue.Empty:
+                pass
+        try:  # a request settles after its command is queued: what settled last is queued by now
+            while True:
+                self._handle(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+
     def _aborted(self, request_id: str) -> None:
         if self.on_abort is not None:
             self.on_abort(request_id)
@@ -170,6 +200,8 @@ class AsyncEngine:
                 pass
             if not self.engine.has_unfinished_requests():
                 continue
+            if idle:  # a step of new requests only: let the rest of their burst join it
+                self._admit_arrivals()
             try:
                 outputs = self.engine.step()
             except Exception:  # noqa: BLE001 - a failure must not stop the loop thread
