@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from hyla.bench.moe import graph_ms
 from hyla.bench.random_models import RANDOM_CONFIGS, random_model
 
-# BK is the 128 quantisation block; BM, BN, GM and the launch options vary
+# BK is the 128 quantisation block; BM, BN, GM and the launch options vary. Narrow column tiles
+# (BN 16 / 32) give a decode-sized GEMM more programs: 2048 outputs in tiles of 64 are 32 programs
+# for 132 SMs, each streaming a 64-row slice of the weight.
 GEMM_SWEEP = [dict(BM=bm, BN=bn, GM=gm, num_warps=w, num_stages=st) for bm, bn, gm, w, st in (
-    (16, 32, 1, 4, 4), (16, 64, 1, 4, 4), (16, 64, 1, 4, 6), (16, 128, 1, 4, 3), (16, 128, 1, 8, 4),
+    (16, 16, 1, 2, 4), (16, 16, 1, 4, 6), (16, 32, 1, 2, 6), (16, 32, 1, 4, 4), (16, 64, 1, 4, 4), (16, 64, 1, 4, 6), (16, 128, 1, 4, 3), (16, 128, 1, 8, 4),
     (32, 64, 1, 4, 4), (32, 128, 1, 4, 3), (64, 64, 8, 4, 4), (64, 128, 8, 4, 3), (64, 256, 8, 8, 3),
     (128, 128, 8, 8, 3), (128, 128, 8, 4, 4), (128, 256, 8, 8, 3), (256, 128, 8, 8, 3))]
 SHAPES = ("kimi-linear-48b-a3b", "qwen3-next-80b-a3b")
