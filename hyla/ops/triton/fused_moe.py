@@ -56,7 +56,7 @@ def aligned_rows(pairs: int, num_experts: int, block_m: int) -> int:
     return -(-rows // block_m) * block_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "R", "NB"])  # COUNT_ARGUMENTS
 def _align_kernel(ids, counts, ranks, pad_starts, sorted_pairs, block_expert, P, E, R, NB,
                   BM: tl.constexpr, BP: tl.constexpr, BE: tl.constexpr, BB: tl.constexpr, PDL: tl.constexpr = False):
     """One program: count pairs per expert (an atomic ticket gives each pair its place in its
@@ -105,6 +105,12 @@ def _align_kernel(ids, counts, ranks, pad_starts, sorted_pairs, block_expert, P,
 # a 1,024-token step 49.2 -> 38.5 ms at 8,192 -> 40,000; 4,096 tokens 48.3 -> 41.1 ms; 8,192 tokens
 # (73,728 pairs) 65 ms either way, 68 ms with the one-program kernel.
 ONE_PROGRAM_MAX_PAIRS = 40000
+
+# COUNT_ARGUMENTS: the kernels' pair and block counts (P, R, NB) change with every step's token
+# count and only bound loops and masks. Triton compiles a variant per integer argument that is or
+# is not a multiple of 16, and a server met new (count, block config) pairs while serving after
+# the startup warm-up, a compile of all three kernels each (1.27 s on a cold H100,
+# scripts/first_steps.py --fresh 1159): they are left unspecialised (do_not_specialize).
 
 
 def _align_pairs_sorted(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +229,7 @@ def _gated(g, u, ACT: tl.constexpr, LIMIT, BETA, LBETA, HAS_LBETA: tl.constexpr)
     return g / (1.0 + tl.exp(-g)) * u
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NB"])  # COUNT_ARGUMENTS
 def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, P, I, H,
                     s_xm, s_we, s_wn, s_hm, NB, NN, LIMIT, BETA, LBETA, top_k: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr,
@@ -256,7 +262,7 @@ def _gate_up_kernel(x, w, h, sorted_pairs, block_expert, P, I, H,
              mask=live[:, None] & m_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NB"])  # COUNT_ARGUMENTS
 def _down_kernel(h, w, y, weights, sorted_pairs, block_expert, P, H, I,
                  s_hm, s_we, s_wn, s_ym, NB, NN,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, IEEE: tl.constexpr, ONE_PAIR: tl.constexpr, PDL: tl.constexpr = False):

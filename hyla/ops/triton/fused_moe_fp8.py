@@ -46,7 +46,7 @@ from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NB"])  # fused_moe.COUNT_ARGUMENTS
 def _gate_up_kernel(xq, xs, w, ws, hq, hs, sorted_pairs, block_expert, P, I, H,
                     s_xm, s_xsm, s_we, s_wn, s_wse, s_wsn, s_hm, s_hsm, NB, NN, NI, LIMIT, BETA, LBETA, EPS,
                     top_k: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr,
@@ -94,7 +94,7 @@ def _gate_up_kernel(xq, xs, w, ws, hq, hs, sorted_pairs, block_expert, P, I, H,
     tl.store(hs + prow * s_hsm + i_n, scale, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NB"])  # fused_moe.COUNT_ARGUMENTS
 def _down_kernel(hq, hs, w, ws, y, weights, sorted_pairs, block_expert, P, H, I,
                  s_hm, s_hsm, s_we, s_wn, s_wse, s_wsn, s_ym, NB, NN,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GM: tl.constexpr, ONE_PAIR: tl.constexpr, PDL: tl.constexpr = False):

@@ -37,7 +37,7 @@ from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pages"])  # only added to a negative (scratch) page id
 def _latents_kernel(kv, s_kv, w, cache, scales, tables, s_t, positions, s_pos, seq_ids, W, num_pages, eps, R, C,
                     PS: tl.constexpr, BR: tl.constexpr, BP: tl.constexpr, HAS_PE: tl.constexpr,
                     MID_BF16: tl.constexpr, UNIFORM: tl.constexpr, FP8: tl.constexpr, G: tl.constexpr,
