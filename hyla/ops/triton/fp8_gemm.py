@@ -139,11 +139,16 @@ def _gemm_kernel(a, a_s, b, b_s, c, bias, M, N, K, s_am, s_asm, s_bn, s_bsn, s_c
 def gemm_config(M: int, N: int) -> dict:
     """Tiles by the number of rows, where no tuned table has an entry (hyla.ops.triton.kernel_tables,
     `hyla bench fp8-gemm`): decode-sized M reads weights (BM = 16 only pads, narrow column tiles
-    give the grid enough programs); prefill-sized M wants square 128 tiles. BK is the block size."""
+    give the grid enough programs); prefill-sized M wants square 128 tiles. BK is the block size.
+    The decode rows are what the sweep picked on an H100 for most of the 48B's and 80B's shapes
+    (BENCHMARKS.md "Block-FP8 weights on the GPU"): one row 0.0115-0.0194 ms where tiles of 64
+    columns took 0.0156-0.0293 on the widest K."""
+    if M <= 4:
+        return dict(BM=16, BN=16, GM=1, num_warps=2, num_stages=4)
     if M <= 16:
-        return dict(BM=16, BN=64, GM=1, num_warps=4, num_stages=4)
+        return dict(BM=16, BN=32, GM=1, num_warps=4, num_stages=4)
     if M <= 64:
-        return dict(BM=32, BN=64, GM=1, num_warps=4, num_stages=4)
+        return dict(BM=64, BN=64, GM=8, num_warps=4, num_stages=4)
     if M <= 256:
         return dict(BM=64, BN=128, GM=8, num_warps=4, num_stages=3)
     return dict(BM=128, BN=128, GM=8, num_warps=8, num_stages=3)
