@@ -166,7 +166,9 @@ def test_the_step_log_takes_each_ttft_apart(server, step_log, tmp_path):
     r = run(server, "--dataset-name", "agent", "--num-sessions", "2", "--turns", "2", "--tool-output-len", "20",
             "--question-len", "6", "--output-len", "3", "--save-result", "--save-detailed", "--result-filename",
             str(saved))
-    assert json.loads(saved.read_text())["response_ids"] == r["response_ids"]
+    result = json.loads(saved.read_text())
+    assert result["response_ids"] == r["response_ids"]
+    assert (result["tool_latency_ms"], result["tool_latency_dist"]) == (0.0, "exponential")  # the defaults
     assert all(isinstance(i, str) and i.startswith("chatcmpl-") for i in r["response_ids"])
     steps = [json.loads(line) for line in step_log.read_text().splitlines()]
     logged = {rid for s in steps for rid, _, _ in s["prefill"]}

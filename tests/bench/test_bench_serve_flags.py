@@ -1,8 +1,9 @@
 """`hyla bench serve`'s vLLM flags around the measured run: --num-warmups, --ramp-up-strategy /
 --ramp-up-start-rps / --ramp-up-end-rps, --ready-check-timeout-sec, --request-id-prefix and
---logprobs. Against a fake OpenAI-compatible server (a thread of the test process, so fast) that
-records every request's headers and body and counts what it served in its /metrics, and on their
-own: the ramp's arrival times, the result file's name, the flags' errors."""
+--logprobs, and hyla's --tool-latency-ms / --tool-latency-dist of agent sessions. Against a fake
+OpenAI-compatible server (a thread of the test process, so fast) that records every request's
+headers and body and counts what it served in its /metrics, and on their own: the ramp's arrival
+times, the tool pauses' draws, the result file's name, the flags' errors."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 
 import hyla.bench.serve.cli as serve_cli
 from hyla.bench.serve import main as serve_bench
-from hyla.bench.serve.load import ramp_arrival_times, ramp_rates
+from hyla.bench.serve.load import ramp_arrival_times, ramp_rates, tool_latencies
 from hyla.bench.serve.report import result_filename
 from tests.server.live import free_port
 
@@ -192,6 +193,83 @@ def test_agent_sessions_number_their_requests_in_send_order(fake):
     assert turns[0] == turns[1] < turns[2] == turns[3] < turns[4] == turns[5]
 
 
+# ---- --tool-latency-ms, --tool-latency-dist ------------------------------------------------------
+
+AGENT = ("--dataset-name", "agent", "--num-sessions", "2", "--turns", "3", "--tool-output-len", "4",
+         "--question-len", "2", "--output-len", "2")
+
+
+def _gaps(r: dict) -> list[float]:
+    """Seconds from each reply's end to the next turn's start, over every conversation's turns."""
+    ends = [s + e for s, e in zip(r["start_times"], r["latencies"])]
+    return [r["start_times"][i] - ends[i - 1] for i, turn in enumerate(r["turns"]) if turn > 0]
+
+
+def _span(r: dict, first: int, n: int) -> float:
+    """Seconds from the start of a conversation's first turn (output `first`) to its last reply."""
+    last = first + n - 1
+    return r["start_times"][last] + r["latencies"][last] - r["start_times"][first]
+
+
+def test_tool_latency_pauses_between_turns_outside_the_requests(fake, tmp_path, capsys):
+    base = bench(fake, *AGENT, "--tool-latency-ms", "0", "--tool-latency-dist", "fixed")
+    paused = bench(fake, *AGENT, "--tool-latency-ms", "50", "--tool-latency-dist", "fixed", "--save-result",
+                   "--result-dir", str(tmp_path))
+    assert "tool latency fixed 50 ms between turns" in capsys.readouterr().out
+    for r in (base, paused):
+        assert r["completed"] == 6 and r["turns"] == [0, 1, 2, 0, 1, 2]
+    # 0: the next turn goes the instant the reply ends; 50 fixed: every later turn waits 50 ms first
+    assert all(g < 0.05 for g in _gaps(base)) and len(_gaps(paused)) == 4 and all(g >= 0.05 for g in _gaps(paused))
+    for first in (0, 3):  # each conversation: its three requests and at least 2 x 50 ms between them
+        requests = sum(paused["latencies"][first:first + 3])
+        assert _span(paused, first, 3) >= requests + 2 * 0.05
+        assert _span(paused, first, 3) > _span(base, first, 3) + 0.05
+    assert paused["duration"] >= 2 * 0.05 and paused["duration"] > base["duration"] + 0.05  # in the duration
+    # in no request's TTFT or E2E latency: the fake server answers at once
+    assert max(paused["ttfts"]) < 0.05 and max(paused["latencies"]) < 0.05
+    (saved,) = tmp_path.iterdir()
+    result = json.loads(saved.read_text())
+    assert (result["tool_latency_ms"], result["tool_latency_dist"]) == (50.0, "fixed")
+    assert (base["tool_latency_ms"], base["tool_latency_dist"]) == (0.0, "fixed")
+    assert bench(fake, "--num-prompts", "1", "--tool-latency-ms", "0")["tool_latency_ms"] == 0.0  # 0: any dataset
+
+    # a session pausing for its tool holds no place under --max-concurrency
+    one = bench(fake, *AGENT, "--tool-latency-ms", "50", "--tool-latency-dist", "fixed", "--max-concurrency", "1")
+    assert one["completed"] == 6 and max(one["queue_times"]) < 0.05 and all(g >= 0.05 for g in _gaps(one))
+
+
+def test_tool_latency_draws_are_seeded():
+    assert tool_latencies([3, 1, 0], 50, "fixed", 0) == [[0.0, 0.05, 0.05], [0.0], []]
+    assert tool_latencies([2, 2], 0, "exponential", 0) == [[0.0, 0.0], [0.0, 0.0]]
+    draws = tool_latencies([4001], 50, "exponential", 7)
+    assert draws == tool_latencies([4001], 50, "exponential", 7) != tool_latencies([4001], 50, "exponential", 8)
+    pauses = np.asarray(draws[0][1:])
+    assert draws[0][0] == 0.0 and len(pauses) == 4000 and (pauses >= 0).all()
+    assert pauses.mean() == pytest.approx(0.05, rel=0.05) and pauses.std() == pytest.approx(0.05, rel=0.1)
+    # a stream of its own: not the draws the arrival times take from the same seed
+    assert not np.allclose(pauses, np.random.default_rng(7).exponential(0.05, 4000))
+    with pytest.raises(ValueError, match="fixed, exponential"):
+        tool_latencies([2], 50, "gamma", 0)
+    with pytest.raises(ValueError, match="non-negative and finite"):
+        tool_latencies([2], math.inf, "fixed", 0)
+
+
+def test_tool_latency_runs_are_reproducible(fake, monkeypatch):
+    drawn = []
+
+    def spy(*args):
+        drawn.append(tool_latencies(*args))
+        return drawn[-1]
+    monkeypatch.setattr(serve_cli, "tool_latencies", spy)
+    runs = [bench(fake, *AGENT, "--tool-latency-ms", "5", *seed) for seed in ([], [], ["--seed", "4"])]
+    assert drawn[0] == drawn[1] != drawn[2] and all(r["tool_latency_dist"] == "exponential" for r in runs)
+    assert [len(d) for d in drawn[0]] == [3, 3] and all(p > 0 for d in drawn[0] for p in d[1:])
+    for r, d in zip(runs, drawn):  # each pause waited between its turns
+        assert all(g >= p for g, p in zip(_gaps(r), [p for c in d for p in c[1:]]))
+    bench(fake, *AGENT)
+    assert len(drawn) == 3  # 0, the default: nothing drawn, nothing waited
+
+
 # ---- --ready-check-timeout-sec -------------------------------------------------------------------
 
 def test_ready_check_times_out_on_a_closed_port():
@@ -299,6 +377,15 @@ def test_result_filename():
     (["--ready-check-timeout-sec", "-1"], "--ready-check-timeout-sec"),
     (["--logprobs", "-1"], "--logprobs"),
     (["--request-id-prefix", "a\nb"], "--request-id-prefix"),
+    (["--dataset-name", "agent", "--tool-latency-ms", "-1"],
+     "argument --tool-latency-ms: must be a finite number of milliseconds, at least 0, got -1"),
+    (["--dataset-name", "agent", "--tool-latency-ms", "inf"], "argument --tool-latency-ms: must be a finite"),
+    (["--dataset-name", "agent", "--tool-latency-ms", "nan"], "argument --tool-latency-ms: must be a finite"),
+    (["--dataset-name", "agent", "--tool-latency-ms", "slow"], "argument --tool-latency-ms: expected a number"),
+    (["--dataset-name", "agent", "--tool-latency-dist", "gamma"], "argument --tool-latency-dist: invalid choice"),
+    (["--tool-latency-ms", "50"], "--tool-latency-ms is the pause between an agent session's turns; the random "
+     "dataset sends one request per conversation"),
+    (["--dataset-name", "prefix", "--tool-latency-ms", "0.5"], "the prefix dataset sends one request"),
 ])
 def test_flag_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -3,6 +3,7 @@
     hyla bench serve [--base-url URL | --host H --port P] [--model NAME] [--backend openai|openai-chat]
         [--ready-check-timeout-sec S] [--request-id-prefix P]
         [--dataset-name random|sharegpt|prefix|agent] [--num-prompts N]
+        [--tool-latency-ms MEAN [--tool-latency-dist fixed|exponential]]
         [--request-rate R | --ramp-up-strategy linear|exponential --ramp-up-start-rps R0 --ramp-up-end-rps R1]
         [--burstiness B] [--max-concurrency C] [--num-warmups N] [--logprobs N]
         [--goodput ttft:MS ...] [--save-result] [--plot DIR] ...
@@ -30,8 +31,10 @@ import httpx
 import numpy as np
 
 from hyla.bench.serve.client import OpenAIClient
-from hyla.bench.serve.datasets import DATASETS, DatasetSpec, build_workload
-from hyla.bench.serve.load import RAMP_UP_STRATEGIES, arrival_times, ramp_arrival_times, run_workload, warm_up
+from hyla.bench.serve.datasets import DATASETS, Conversation, DatasetSpec, build_workload
+from hyla.bench.serve.load import (
+    RAMP_UP_STRATEGIES, TOOL_LATENCY_DISTS, arrival_times, ramp_arrival_times, run_workload, tool_latencies, warm_up,
+)
 from hyla.bench.serve.metrics import PERCENTILE_METRICS, compute_metrics, parse_goodput, usage_prefix_cache
 from hyla.bench.serve.report import (
     keep_selected_percentiles, now_stamp, per_request_lists, prefix_cache_fields, print_report, rate_value,
@@ -64,6 +67,17 @@ def _count(minimum: int):
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value
     return parse
+
+
+def _milliseconds(text: str) -> float:
+    """A time in milliseconds: a finite number, at least 0 (inf or nan would stall or void the run)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds, at least 0, got {text}")
+    return value
 
 
 def _rps(text: str) -> float:
@@ -144,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--tool-output-len", type=_count(1), default=256, help="agent: tokens of each tool output")
     data.add_argument("--question-len", type=_count(1), default=32, help="agent: tokens of each new question")
     data.add_argument("--agent-output-len", type=_count(1), default=64, help="agent: max tokens of each reply")
+    data.add_argument("--tool-latency-ms", type=_milliseconds, default=0.0, metavar="MEAN",
+                      help="agent: mean pause in ms before each turn after a session's first, as if a tool ran "
+                      "between the reply and the next turn (in the duration, in no request's TTFT or E2EL; "
+                      "0: the next turn goes at once)")
+    data.add_argument("--tool-latency-dist", choices=TOOL_LATENCY_DISTS, default="exponential",
+                      help="agent: fixed pauses of --tool-latency-ms, or exponential ones of that mean drawn from "
+                      "--seed")
 
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=math.inf,
@@ -225,6 +246,10 @@ def resolve_args(args: argparse.Namespace) -> None:
         args.num_prompts = sessions
     elif args.num_prompts is None:
         args.num_prompts = 1000
+    if args.tool_latency_ms and args.dataset_name != "agent":
+        raise ValueError(f"--tool-latency-ms is the pause between an agent session's turns; the "
+                         f"{args.dataset_name} dataset sends one request per conversation (use --dataset-name agent "
+                         "or leave it out)")
     if args.input_len is not None:
         args.random_input_len = args.input_len
     if args.output_len is not None:
@@ -334,6 +359,15 @@ def _arrivals(args: argparse.Namespace, n: int) -> list[float]:
     return arrival_times(n, args.request_rate, args.burstiness, rng)
 
 
+def _pauses(args: argparse.Namespace, conversations: list[Conversation]) -> list[list[float]] | None:
+    """The pauses before each turn (--tool-latency-ms, drawn from --seed); None when there are none,
+    so that a run without them sends exactly as before."""
+    if not args.tool_latency_ms:
+        return None
+    return tool_latencies([len(c.requests) for c in conversations], args.tool_latency_ms, args.tool_latency_dist,
+                          args.seed)
+
+
 async def _measure(args, conversations, sampling: dict) -> tuple[list, float, dict]:
     """Send the warm-ups, then the workload, over one connection pool; returns (outputs, duration,
     prefix-cache and engine-time fields). The counters are read and the clock starts after the
@@ -354,10 +388,11 @@ async def _measure(args, conversations, sampling: dict) -> tuple[list, float, di
                 raise ServerError(f"every warm-up request to {client.api_url} failed, the first with: {errors[0]}")
         before = await scrape(http, args.base_url, args.headers)
         arrivals = _arrivals(args, len(conversations))
+        pauses = _pauses(args, conversations)
         total = sum(len(c.requests) for c in conversations)
         with tqdm(total=total, disable=args.disable_tqdm, desc="requests") as bar:
             outputs, duration = await run_workload(client, conversations, arrivals, args.max_concurrency, bar,
-                                                   args.request_id_prefix)
+                                                   args.request_id_prefix, pauses)
         after = await scrape(http, args.base_url, args.headers)
     from_usage = usage_prefix_cache(outputs)
     counters = prefix_cache_counters(before), prefix_cache_counters(after)
@@ -393,10 +428,12 @@ def run(args: argparse.Namespace) -> dict:
     ramp = (args.ramp_up_strategy, args.ramp_up_start_rps, args.ramp_up_end_rps)
     rate = (f"ramp-up {ramp[0]} {ramp[1]} -> {ramp[2]} rps" if args.ramp_up_strategy is not None
             else f"rate {args.request_rate}")
+    tools = (f", tool latency {args.tool_latency_dist} {args.tool_latency_ms:g} ms between turns"
+             if args.tool_latency_ms else "")
     print(f"model {args.request_model} at {args.base_url}{args.endpoint}; dataset {args.dataset_name}; "
           f"tokenizer {tokenizer.name if tokenizer else 'none (token ids or words)'}; "
           f"{sum(len(c.requests) for c in conversations)} requests, {rate}, "
-          f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}")
+          f"burstiness {args.burstiness}, max concurrency {args.max_concurrency}{tools}")
 
     sampling = {f: getattr(args, f) for f in SAMPLING_FLAGS if getattr(args, f) is not None}
     sampling.update(args.extra_body or {})
@@ -405,7 +442,9 @@ def run(args: argparse.Namespace) -> dict:
     date = now_stamp()
     result = {"date": date, "endpoint_type": args.backend, "backend": args.backend, "label": args.label,
               "model_id": model_id, "tokenizer_id": tokenizer.name if tokenizer else None,
-              "num_prompts": len(outputs), "dataset_name": args.dataset_name, **args.metadata_pairs,
+              "num_prompts": len(outputs), "dataset_name": args.dataset_name,
+              "tool_latency_ms": args.tool_latency_ms, "tool_latency_dist": args.tool_latency_dist,
+              **args.metadata_pairs,
               "request_rate": rate_value(args.request_rate), "burstiness": rate_value(args.burstiness),
               "ramp_up_strategy": ramp[0], "ramp_up_start_rps": ramp[1], "ramp_up_end_rps": ramp[2],
               "max_concurrency": args.max_concurrency, "duration": duration}

@@ -2,14 +2,16 @@
 `--ramp-up-strategy`), the warm-up (`--num-warmups`) and the run itself (`--max-concurrency`).
 
 Each conversation (one request, or an agent session) arrives at its arrival time; a session's
-turns then follow one another, each sent once the previous reply is complete, while the sessions
-run concurrently. At most --max-concurrency requests are in flight (the others wait, and the
-wait is their queue_time); every request of every conversation ends up in the outputs, a turn
-after a failed turn as a failure that was never sent. Each request carries the header
-x-request-id {prefix}{i} (vLLM's --request-id-prefix), i counting the requests in the order they
-come to be sent (at their arrival, or a turn's once the previous reply is complete; before any
-wait for --max-concurrency); warm-ups carry {prefix}warmup-{j}. A server's logs and traces then
-tell which run, and which request of it, they saw.
+turns then follow one another, each sent once the previous reply is complete and the session's
+tool has run (`--tool-latency-ms`, `--tool-latency-dist`: a pause drawn per turn, 0 by default),
+while the sessions run concurrently. At most --max-concurrency requests are in flight (the others
+wait, and the wait is their queue_time; a session pausing for its tool holds no place); every
+request of every conversation ends up in the outputs, a turn after a failed turn as a failure
+that was never sent. Each request carries the header x-request-id {prefix}{i} (vLLM's
+--request-id-prefix), i counting the requests in the order they come to be sent (at their
+arrival, or a turn's once the previous reply is complete and the tool's pause has passed; before
+any wait for --max-concurrency); warm-ups carry {prefix}warmup-{j}. A server's logs and traces
+then tell which run, and which request of it, they saw.
 """
 
 from __future__ import annotations
@@ -76,6 +78,32 @@ def ramp_arrival_times(n: int, strategy: str, start_rps: float, end_rps: float, 
     return np.cumsum(gaps).tolist()
 
 
+TOOL_LATENCY_DISTS = ("fixed", "exponential")
+
+
+def tool_latencies(turns: list[int], mean_ms: float, dist: str, seed: int) -> list[list[float]]:
+    """The seconds each conversation pauses before each of its turns, as if a tool ran between a
+    reply and the next turn (real agent traffic has one; without it every session sends the
+    instant its reply ends, and sessions started together stay in lockstep). turns: each
+    conversation's number of turns; element [c][t] is the pause before turn t of conversation c,
+    0 for every first turn (a conversation's arrival sets when it starts). fixed: every pause
+    mean_ms; exponential: drawn with mean mean_ms. Drawn here, all at once and in conversation
+    order, rather than as replies come back, so that a seed gives the same pauses however the
+    server's timing interleaves the sessions; from a stream of its own (a child of `seed`'s
+    SeedSequence), so that the arrival times drawn from `seed` are the same with and without it."""
+    if dist not in TOOL_LATENCY_DISTS:
+        raise ValueError(f"unknown tool latency distribution {dist!r}; choose from {', '.join(TOOL_LATENCY_DISTS)}")
+    if not 0 <= mean_ms < math.inf:
+        raise ValueError(f"the mean tool latency must be non-negative and finite, got {mean_ms} ms")
+    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(1)[0])
+    pauses = []
+    for n in turns:
+        later = max(n - 1, 0)
+        drawn = np.full(later, mean_ms) if dist == "fixed" else rng.exponential(mean_ms, size=later)
+        pauses.append([0.0, *(drawn / 1e3).tolist()] if n else [])
+    return pauses
+
+
 def _request_id(prefix: str | None, suffix: object) -> str | None:
     return None if prefix is None else f"{prefix}{suffix}"
 
@@ -114,27 +142,34 @@ def _concurrency_limit(max_concurrency: int | None):
 
 
 async def run_workload(client: OpenAIClient, conversations: list[Conversation], arrivals: list[float],
-                       max_concurrency: int | None, progress=None,
-                       request_id_prefix: str | None = None) -> tuple[list[RequestOutput], float]:
+                       max_concurrency: int | None, progress=None, request_id_prefix: str | None = None,
+                       pauses: list[list[float]] | None = None) -> tuple[list[RequestOutput], float]:
     """Run every conversation; returns (the outputs in conversation order, then turn order;
     the benchmark's duration in seconds, from the start to the last reply). progress: a tqdm bar
     (or anything with update(n)) advanced once per request. request_id_prefix: the requests'
-    x-request-id is it followed by their index in the order they are sent (None: no header)."""
+    x-request-id is it followed by their index in the order they are sent (None: no header).
+    pauses: seconds to wait before each turn of each conversation (tool_latencies; None: none),
+    after the previous reply and before the request is sent, so they count in the duration but in
+    no request's TTFT or E2E latency; a turn that is not sent (its predecessor failed) waits none."""
     origin = time.perf_counter()
     limit = _concurrency_limit(max_concurrency)
     sent = itertools.count()
+    if pauses is None:
+        pauses = [[0.0] * len(c.requests) for c in conversations]
 
-    async def converse(conversation: Conversation, arrival: float) -> list[RequestOutput]:
+    async def converse(conversation: Conversation, arrival: float, waits: list[float]) -> list[RequestOutput]:
         delay = origin + arrival - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         history: list[dict] = []
         outputs: list[RequestOutput] = []
-        for turn, request in enumerate(conversation.requests):
+        for turn, (request, wait) in enumerate(zip(conversation.requests, waits, strict=True)):
             if outputs and not outputs[-1].success:
                 out = RequestOutput(prompt_len=request.prompt_len, start_time=time.perf_counter() - origin,
                                     error=f"not sent: turn {turn - 1} of its conversation failed")
             else:
+                if wait > 0:  # the tool runs; no sleep at all when there is none (the default's timing)
+                    await asyncio.sleep(wait)
                 prompt = request_prompt(client, request, history)
                 request_id = _request_id(request_id_prefix, next(sent))
                 queued = time.perf_counter()
@@ -151,6 +186,7 @@ async def run_workload(client: OpenAIClient, conversations: list[Conversation], 
                 progress.update(1)
         return outputs
 
-    per_conversation = await asyncio.gather(*(converse(c, a) for c, a in zip(conversations, arrivals, strict=True)))
+    per_conversation = await asyncio.gather(*(converse(c, a, w) for c, a, w in
+                                              zip(conversations, arrivals, pauses, strict=True)))
     duration = time.perf_counter() - origin
     return [out for outputs in per_conversation for out in outputs], duration
