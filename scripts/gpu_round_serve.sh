@@ -20,13 +20,14 @@ serve() {  # start the 48B server with extra flags (and $SERVE_FLAGS, which over
   fi
   echo "server up after $(( $(date +%s) - T0 )) s"; grep -E "memory:|decode graphs|pools:|CUDA graphs" $OUT/serve$TAG.log | cut -c1-400
 }
+# AGENT_FLAGS: more flags for the agent trace, e.g. "--tool-latency-ms 500" (turns spread by a tool's time)
 cached() {  # the prefix and agent traces (greedy, outputs saved for the on / off comparison); CACHED=agent runs one
   [[ " ${CACHED:-prefix agent} " == *" prefix "* ]] && { timeout 200 $B --label prefix-$TAG --dataset-name prefix \
       --prefix-len 4096 --suffix-len 256 --num-prefixes 1 --num-prompts 128 --output-len 64 --max-concurrency 64 \
       --temperature 0 --ignore-eos --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- prefix $TAG"; }
   [[ " ${CACHED:-prefix agent} " == *" agent "* ]] && { timeout 200 $B --label agent-$TAG --dataset-name agent \
       --num-sessions 16 --turns 6 --tool-output-len 512 --question-len 32 --output-len 64 --temperature 0 --ignore-eos \
-      --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- agent $TAG"; }
+      $AGENT_FLAGS --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- agent $TAG"; }
 }
 # PART=random: the random rows (closed loop at each concurrency, then Poisson arrivals at RATE req/s)
 # alone; PART=cached: prefix and agent, cache on and off; unset: all
