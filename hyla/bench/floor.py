@@ -1,4 +1,5 @@
-"""Memory floors of a decode step and of one MoE block, and the GPU timers the benches share.
+"""Memory floors of a decode step and of one MoE block, a prefill's compute floor, and the GPU
+timers the benches share.
 
 A decode step of b tokens must read every weight it uses once and the per-request state, so its
 floor is bytes / copy bandwidth (`copy_bandwidth`: a device-to-device copy, bytes read + written).
@@ -12,6 +13,9 @@ Bytes of one step (`step_bytes`):
 - state: each request's recurrent state and conv windows, read and written;
 - kv: each request's cached KV (context + 1 tokens) read and the new token's written;
 - logits: b x vocab fp32 written.
+
+A prefill of T tokens is bound by compute: its floor is `prefill_flops` / `matmul_rate` (a square
+GEMM in the model dtype, measured in the same run).
 
 `moe_block_bytes`: one MoE block over T tokens: distinct experts x expert bytes + shared
 expert(s) + router (+ Qwen3-Next's shared-expert gate) + the T activations read and written.
@@ -132,6 +136,47 @@ def copy_bandwidth(device, nbytes: int = 2 << 30, repeat: int = 20) -> float:
     ms = median_ms(lambda: dst.copy_(src), repeat, device=device, warmup=3)
     del src, dst
     return 2 * nbytes / (ms / 1e3)
+
+
+def matmul_rate(device, dtype: torch.dtype, n: int | None = None, repeat: int = 10) -> float:
+    """FLOP/s of one square GEMM [n, n] x [n, n] in dtype on device (median; n 8192 on CUDA, 1024
+    elsewhere): the rate a prefill's compute floor divides by (`prefill_flops`)."""
+    n = n or (8192 if torch.device(device).type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    ms = median_ms(lambda: torch.mm(a, b), repeat, device=device, warmup=3)
+    del a, b
+    return 2 * n ** 3 / (ms / 1e3)
+
+
+def prefill_flops(model, tokens: int) -> dict:
+    """FLOPs of one fresh prompt of `tokens` tokens -> {"matmul", "attention", "per_token_params"}.
+
+    matmul: 2 FLOPs per token for every weight a token multiplies: every tensor of two or more
+    dimensions but the embedding and lm_head (a prefill computes one row's logits) and FP8 scales;
+    a routed expert's at top_k / E of its elements (what a token's k experts hold on average);
+    MXFP4 bytes count two weights each. attention: causal softmax attention of each MLA layer
+    (expanded: QK^T over nope + rope, PV over v) and gated attention layer, T^2 / 2 query-key pairs
+    x 2 FLOPs x heads x (key + value width). The linear-attention layers' chunk math (a few
+    percent of a released shape's prefill) and sparse attention are not counted."""
+    from hyla.layers.attention import GatedAttention
+    from hyla.layers.mla import MLAAttention
+
+    c = model.config
+    routed_share = top_k_of(c) / c.num_experts if getattr(c, "num_experts", 0) else 1.0
+    params = 0.0
+    for name, t in model.state_dict().items():
+        if t.dim() < 2 or "embed_tokens" in name or name.startswith("lm_head") or "scale" in name:
+            continue
+        n = t.numel() * (2 if t.dtype == torch.uint8 else 1)
+        params += n * routed_share if is_routed_expert(name) else n
+    attention = 0.0
+    for module in model.modules():
+        if isinstance(module, MLAAttention):
+            attention += tokens ** 2 * module.num_heads * (module.nope + module.rope + module.v_dim)
+        elif isinstance(module, GatedAttention):
+            attention += tokens ** 2 * module.num_heads * 2 * module.head_dim
+    return {"matmul": 2.0 * params * tokens, "attention": attention, "per_token_params": params}
 
 
 def time_ms(fn, repeat: int, warmup: int = 3, device="cuda") -> float:

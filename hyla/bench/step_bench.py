@@ -124,7 +124,11 @@ def decode(model, runner, args, bw: float, hf=None) -> list[dict]:
 
 def prefill(model, runner, args, hf=None) -> list[dict]:
     device = model.device
-    head = f"{'tokens':>7} {'chunk':>6} {'hyla ms':>9} {'hyla tok/s':>11}"
+    rate = fl.matmul_rate(device, model.dtype)
+    per_token = fl.prefill_flops(model, 1)["per_token_params"]
+    print(f"# prefill floor: (2 x {per_token / 1e9:.3f} B parameters a token multiplies x tokens + causal attention) "
+          f"/ {rate / 1e12:.1f} TFLOP/s (a square {model.dtype} GEMM, this run; hyla.bench.floor.prefill_flops)")
+    head = f"{'tokens':>7} {'chunk':>6} {'hyla ms':>9} {'hyla tok/s':>11} {'floor ms':>9} {'x floor':>8}"
     print(head + ("" if hf is None else f" {'transf. ms':>10} {'transf. tok/s':>13} {'hyla/transf.':>12}"))
     rows = []
     for T in args.prefill_tokens:
@@ -140,8 +144,11 @@ def prefill(model, runner, args, hf=None) -> list[dict]:
                                         block_tables=[table], state_slots=[0],
                                         logit_rows=[[n - 1]] if start + n == T else [[]]))
         ms = fl.median_ms(run, args.prefill_repeat, device=device)
-        r = dict(tokens=T, chunk=chunk, hyla_ms=ms, hyla_tok_s=T / ms * 1e3)
-        line = f"{r['tokens']:>7} {r['chunk']:>6} {r['hyla_ms']:>9.2f} {r['hyla_tok_s']:>11.0f}"
+        flops = fl.prefill_flops(model, T)
+        floor_ms = (flops["matmul"] + flops["attention"]) / rate * 1e3
+        r = dict(tokens=T, chunk=chunk, hyla_ms=ms, hyla_tok_s=T / ms * 1e3, floor_ms=floor_ms, x_floor=ms / floor_ms)
+        line = (f"{r['tokens']:>7} {r['chunk']:>6} {r['hyla_ms']:>9.2f} {r['hyla_tok_s']:>11.0f} "
+                f"{floor_ms:>9.2f} {r['x_floor']:>7.2f}x")
         if hf is not None:
             hf_ms = _peer_cell(lambda: hf_peer.prefill_ms(hf, T, model.config.vocab_size, args.prefill_repeat,
                                                           args.seed))

@@ -211,31 +211,37 @@ def _span(r: dict, first: int, n: int) -> float:
     return r["start_times"][last] + r["latencies"][last] - r["start_times"][first]
 
 
+# A pause far above what a fake server's request or the client's turnaround takes, even on a loaded
+# 2-core machine (a 50 ms pause there once saw a 50.7 ms first TTFT)
+PAUSE_MS = 300
+P = PAUSE_MS / 1e3
+
+
 def test_tool_latency_pauses_between_turns_outside_the_requests(fake, tmp_path, capsys):
     base = bench(fake, *AGENT, "--tool-latency-ms", "0", "--tool-latency-dist", "fixed")
-    paused = bench(fake, *AGENT, "--tool-latency-ms", "50", "--tool-latency-dist", "fixed", "--save-result",
+    paused = bench(fake, *AGENT, "--tool-latency-ms", str(PAUSE_MS), "--tool-latency-dist", "fixed", "--save-result",
                    "--result-dir", str(tmp_path))
-    assert "tool latency fixed 50 ms between turns" in capsys.readouterr().out
+    assert f"tool latency fixed {PAUSE_MS} ms between turns" in capsys.readouterr().out
     for r in (base, paused):
         assert r["completed"] == 6 and r["turns"] == [0, 1, 2, 0, 1, 2]
-    # 0: the next turn goes the instant the reply ends; 50 fixed: every later turn waits 50 ms first
-    assert all(g < 0.05 for g in _gaps(base)) and len(_gaps(paused)) == 4 and all(g >= 0.05 for g in _gaps(paused))
-    for first in (0, 3):  # each conversation: its three requests and at least 2 x 50 ms between them
+    # 0: the next turn goes the instant the reply ends; fixed: every later turn waits PAUSE_MS first
+    assert all(g < P for g in _gaps(base)) and len(_gaps(paused)) == 4 and all(g >= P for g in _gaps(paused))
+    for first in (0, 3):  # each conversation: its three requests and at least two pauses between them
         requests = sum(paused["latencies"][first:first + 3])
-        assert _span(paused, first, 3) >= requests + 2 * 0.05
-        assert _span(paused, first, 3) > _span(base, first, 3) + 0.05
-    assert paused["duration"] >= 2 * 0.05 and paused["duration"] > base["duration"] + 0.05  # in the duration
+        assert _span(paused, first, 3) >= requests + 2 * P
+        assert _span(paused, first, 3) > _span(base, first, 3) + P
+    assert paused["duration"] >= 2 * P and paused["duration"] > base["duration"] + P  # in the duration
     # in no request's TTFT or E2E latency: the fake server answers at once
-    assert max(paused["ttfts"]) < 0.05 and max(paused["latencies"]) < 0.05
+    assert max(paused["ttfts"]) < P and max(paused["latencies"]) < P
     (saved,) = tmp_path.iterdir()
     result = json.loads(saved.read_text())
-    assert (result["tool_latency_ms"], result["tool_latency_dist"]) == (50.0, "fixed")
+    assert (result["tool_latency_ms"], result["tool_latency_dist"]) == (float(PAUSE_MS), "fixed")
     assert (base["tool_latency_ms"], base["tool_latency_dist"]) == (0.0, "fixed")
     assert bench(fake, "--num-prompts", "1", "--tool-latency-ms", "0")["tool_latency_ms"] == 0.0  # 0: any dataset
 
     # a session pausing for its tool holds no place under --max-concurrency
-    one = bench(fake, *AGENT, "--tool-latency-ms", "50", "--tool-latency-dist", "fixed", "--max-concurrency", "1")
-    assert one["completed"] == 6 and max(one["queue_times"]) < 0.05 and all(g >= 0.05 for g in _gaps(one))
+    one = bench(fake, *AGENT, "--tool-latency-ms", str(PAUSE_MS), "--tool-latency-dist", "fixed", "--max-concurrency", "1")
+    assert one["completed"] == 6 and max(one["queue_times"]) < P and all(g >= P for g in _gaps(one))
 
 
 def test_tool_latency_draws_are_seeded():

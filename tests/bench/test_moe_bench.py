@@ -110,6 +110,7 @@ def test_decode_prefill_and_moe_block_tables_on_cpu(capsys):
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("eager_ms", "floor_ms", "hf_ms", "hf_over_hyla"))
     (pre,) = res["prefill"]
     assert pre["tokens"] == 24 and pre["chunk"] == 16 and pre["hf_ms"] > 0
+    assert pre["floor_ms"] > 0 and pre["x_floor"] == pre["hyla_ms"] / pre["floor_ms"]
     (moe,) = res["moe_layer"]
     assert 1 <= moe["experts_touched"] <= 16 and moe["floor_ms"] > 0 and moe["hf_ms"] > 0
     out = capsys.readouterr().out
@@ -144,3 +145,23 @@ def test_step_bytes_of_the_released_kimi_shape_on_meta():
     assert full["experts"] == pytest.approx(26 * 256 * (1 - (1 - 8 / 256) ** 256) * expert)
     assert full["weights"] - one["weights"] == 255 * 2304 * 2  # only the embedding rows grow
     assert full["kv"] == 256 * 514 * 7 * 576 * 2
+
+
+def test_prefill_flops_count_a_tokens_weights_and_attention():
+    """tiny-kimi-moe by hand: every projection, norm-free weight and shared expert once, the routed
+    experts at top_k / E, 2 FLOPs a weight a token; MLA's causal attention T^2 x heads x (key +
+    value width); the embedding and lm_head not at all."""
+    from hyla.layers.mla import MLAAttention
+
+    model = random_model("tiny-kimi-moe", dtype=torch.float32, device="cpu")
+    c = model.config
+    share = floor.top_k_of(c) / c.num_experts
+    want = 0.0
+    for name, t in model.state_dict().items():
+        if t.dim() >= 2 and "embed_tokens" not in name and not name.startswith("lm_head"):
+            want += t.numel() * (share if floor.is_routed_expert(name) else 1.0)
+    mla = [m for m in model.modules() if isinstance(m, MLAAttention)]
+    f = floor.prefill_flops(model, 10)
+    assert f["per_token_params"] == want and f["matmul"] == 2 * want * 10
+    assert f["attention"] == sum(100 * m.num_heads * (m.nope + m.rope + m.v_dim) for m in mla) > 0
+    assert floor.prefill_flops(model, 20)["attention"] == 4 * f["attention"]
