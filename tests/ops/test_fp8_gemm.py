@@ -341,3 +341,44 @@ def test_the_gemm_reads_its_tuned_table(tmp_path, monkeypatch):
     ref = fp8_linear_torch(x, w, s)
     assert_gemm_close(out, ref, x, w, s, dev)
     assert asked == [(5, 150, 200)]
+
+
+def test_a_cublas_refusal_keeps_to_its_row_alignment(monkeypatch):
+    """fp8_linear's routing from SCALED_MM_MIN_ROWS rows: cuBLAS refusing a row count that is not a
+    multiple of 16 sends such counts to the Triton GEMM from then on, but not aligned ones (an
+    H100 image refused one row and took 16); an aligned refusal sends aligned counts to Triton."""
+    from types import SimpleNamespace
+
+    from hyla.ops.triton import fp8_gemm as g
+
+    calls = []
+
+    def scaled_mm(x, w, s, bias=None):
+        calls.append(("cublas", x.shape[0]))
+        if x.shape[0] % 16 or refuse_aligned:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED")
+        return "cublas"
+
+    monkeypatch.setattr(g, "fp8_linear_scaled_mm", scaled_mm)
+    monkeypatch.setattr(g, "per_token_group_quant", lambda x: (x, None))
+    monkeypatch.setattr(g, "fp8_gemm", lambda xq, xs, w, s, dtype, bias, config: calls.append(("triton", xq.shape[0]))
+                        or "triton")
+    monkeypatch.setattr(g, "_scaled_mm_refused", set())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # no CUDA build here
+    w = SimpleNamespace(shape=(2304, 4096))
+
+    def rows(m):
+        return SimpleNamespace(is_cuda=True, shape=(m, 4096), dtype=torch.bfloat16)
+
+    refuse_aligned = False
+    n = g.SCALED_MM_MIN_ROWS
+    assert g.fp8_linear(rows(n + 1), w, None) == "triton"  # refused, then Triton
+    assert g.fp8_linear(rows(n + 3), w, None) == "triton"  # unaligned: straight to Triton
+    assert g.fp8_linear(rows(2 * n), w, None) == "cublas"  # aligned: still cuBLAS
+    assert g.fp8_linear(rows(n - 16), w, None) == "triton"  # below SCALED_MM_MIN_ROWS
+    assert calls == [("cublas", n + 1), ("triton", n + 1), ("triton", n + 3), ("cublas", 2 * n), ("triton", n - 16)]
+    refuse_aligned = True
+    calls.clear()
+    assert g.fp8_linear(rows(2 * n + 16), w, None) == "triton"
+    assert g.fp8_linear(rows(2 * n), w, None) == "triton"
+    assert calls == [("cublas", 2 * n + 16), ("triton", 2 * n + 16), ("triton", 2 * n)]

@@ -191,7 +191,18 @@ def fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, s: torch.Tenso
 # released projections (one H100, BENCHMARKS.md "Block-FP8 weights on the GPU"), and at 64 rows
 # the Triton GEMM 1.1-1.2x faster (cuBLAS refuses one row); the rows between are not timed yet.
 SCALED_MM_MIN_ROWS = 4096
-_scaled_mm_refused: set[tuple[int, int]] = set()  # (N, K) cuBLAS turned down once: Triton from then on
+# What cuBLAS turned down once, Triton runs from then on: (N, K, whether M is a multiple of 16).
+# Keyed by M's alignment too: on one H100 image cuBLAS refused one row but took 16 and 64 rows of
+# the same weights (`hyla bench fp8-gemm`, docs/perf-log/2026-12-06-h100-branches-landed-agent-
+# poisson.md), and refusals during the kernel warm-up (row counts not logged then), keyed by the
+# weight alone, sent every later GEMM of those weights, 8,192-row prefills included, to the
+# Triton GEMM (1.6-1.85x cuBLAS's time there: BENCHMARKS "Block-FP8 weights on the GPU"). The
+# warning now names the rows.
+_scaled_mm_refused: set[tuple[int, int, bool]] = set()
+
+
+def _refusal_key(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, bool]:
+    return (*w.shape, x.shape[0] % 16 == 0)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None,
@@ -200,14 +211,15 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Te
     from SCALED_MM_MIN_ROWS rows on CUDA where it takes the shape, else Triton; config: the Triton
     GEMM's tiles, which also keeps it Triton)."""
     if (config is None and x.is_cuda and x.shape[0] >= SCALED_MM_MIN_ROWS and scaled_mm_supports(x, w)
-            and tuple(w.shape) not in _scaled_mm_refused
+            and _refusal_key(x, w) not in _scaled_mm_refused
             and not torch.cuda.is_current_stream_capturing()):  # a refusal inside a capture would void it
         try:
             return fp8_linear_scaled_mm(x, w, s, bias)
-        except RuntimeError as err:  # this torch / cuBLAS build has no blockwise scaling
-            _scaled_mm_refused.add(tuple(w.shape))
-            log.warning("torch._scaled_mm refused a %s block-FP8 GEMM (%s): the Triton GEMM runs it",
-                        tuple(w.shape), str(err).splitlines()[0][:120])
+        except RuntimeError as err:  # this torch / cuBLAS build has no blockwise scaling for it
+            _scaled_mm_refused.add(_refusal_key(x, w))
+            log.warning("torch._scaled_mm refused a %s block-FP8 GEMM over %d rows (%s): the Triton GEMM runs "
+                        "it, and every GEMM of those weights whose rows are %s a multiple of 16", tuple(w.shape),
+                        x.shape[0], str(err).splitlines()[0][:120], "" if x.shape[0] % 16 == 0 else "not")
     xq, xs = per_token_group_quant(x)
     return fp8_gemm(xq, xs, w, s, x.dtype, bias, config)
 
