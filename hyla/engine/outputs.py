@@ -25,6 +25,19 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request went through the engine, in time.monotonic() seconds (vLLM's RequestMetrics
+    fields of the same names): arrival_time (added to the engine), first_scheduled_time (first
+    admitted into a step), first_token_time and last_token_time (its first and latest output
+    token). None for what has not happened (a request aborted while waiting)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
 class RequestOutput:
     """prompt_token_ids: the request's prompt ids, the engine's own list in every output of the
     request (read it; do not change it). prompt_logprobs: with SamplingParams.prompt_logprobs, one entry per prompt token: None for
@@ -33,7 +46,8 @@ class RequestOutput:
     max_tokens=0, once the request finished); prompt_token_ranks: with them, each prompt token's
     rank at its position (how many tokens are at least as likely, itself included: vLLM's rank,
     1 = the most likely; None for the first). num_cached_tokens: the prompt tokens a prefix-cache hit served when the
-    request started (0 without one)."""
+    request started (0 without one). metrics: the request's timestamps (RequestMetrics), on its
+    finished output only (None before)."""
 
     request_id: str
     prompt: str | None
@@ -44,3 +58,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ranks: list[int | None] | None = None
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

@@ -26,6 +26,8 @@ sequence back in its place; the victim of a preemption is the running sequence w
 
 from __future__ import annotations
 
+import time
+
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -242,6 +244,8 @@ class Scheduler:
         if self.slots_per_seq > 1:
             seq.spec_slots = [seq.slot] + [self.pools.slots.allocate() for _ in range(self.slots_per_seq - 1)]
         seq.status = Status.RUNNING
+        if seq.times.first_scheduled_time is None:  # a preempted request's return is not its first
+            seq.times.first_scheduled_time = time.monotonic()
         self.running.append(seq)
 
     def _plan_extras(self, batch: ScheduledBatch) -> ScheduledBatch:

@@ -10,12 +10,14 @@ prompt + output so far later.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import time
 
 import torch
 
 from hyla.engine.block_table import BlockTable
-from hyla.engine.outputs import CompletionOutput, RequestOutput
+from hyla.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.spec.acceptance import reaches_length, stop_ids, stopping_token
 
@@ -72,6 +74,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.num_preemptions = 0
+        self.times = RequestMetrics(arrival_time=time.monotonic())  # the scheduler and append_token fill it in
         self.suspect = False  # was in a failed batch: runs alone until it succeeds (LLMEngine.recover)
 
     # ---- token bookkeeping -------------------------------------------------------------------
@@ -123,6 +126,10 @@ class Sequence:
             if not accepted and self.error is None:
                 self.error = f"token {token} is not allowed by the request's grammar"
         self.output_token_ids.append(token)
+        now = time.monotonic()
+        if self.times.first_token_time is None:
+            self.times.first_token_time = now
+        self.times.last_token_time = now
         if self.guide_pending is not None:
             end = self.params.reasoning_end_token_ids
             if self.output_token_ids[-len(end):] == end:  # the grammar applies from the next token
@@ -233,4 +240,5 @@ class Sequence:
                              prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
                              prompt_token_ranks=(None if self.prompt_token_ranks is None
                                                  else list(self.prompt_token_ranks)),
-                             num_cached_tokens=self.num_cached_tokens)
+                             num_cached_tokens=self.num_cached_tokens,
+                             metrics=dataclasses.replace(self.times) if self.is_finished else None)

@@ -15,7 +15,12 @@ that dashboards and autoscalers written for a vLLM server read this one unchange
                 vllm:spec_decode_num_accepted_tokens_total
     histograms  vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds (and its older
                 name vllm:time_per_output_token_seconds: the same observations), one per engine
-                output after the first as vLLM observes it, vllm:e2e_request_latency_seconds
+                output after the first as vLLM observes it, vllm:e2e_request_latency_seconds, and
+                per finished request its phases from the engine's timestamps:
+                vllm:request_queue_time_seconds (added -> first scheduled),
+                vllm:request_prefill_time_seconds (-> first token),
+                vllm:request_decode_time_seconds (first -> last token),
+                vllm:request_inference_time_seconds (first scheduled -> last token)
 
 Engine counters and pool gauges are read from `LLMEngine.get_metrics()` at scrape time (a
 collector), so they can never drift from the engine; latency histograms and the finish reasons
@@ -172,6 +177,13 @@ class ServerMetrics:
                                         "vllm:inter_token_latency_seconds).", _ITL_BUCKETS)]
         self.vllm_e2e = vllm_histogram("vllm:e2e_request_latency_seconds",
                                        "Histogram of e2e request latency in seconds.", _E2E_BUCKETS)
+        # a finished request's phases from the engine's timestamps (RequestOutput.metrics), as vLLM splits them
+        self.vllm_phases = {
+            name: vllm_histogram(f"vllm:request_{name}_time_seconds", doc, _E2E_BUCKETS) for name, doc in (
+                ("queue", "Histogram of time spent in WAITING phase for request."),
+                ("prefill", "Histogram of time spent in PREFILL phase for request."),
+                ("decode", "Histogram of time spent in DECODE phase for request."),
+                ("inference", "Histogram of time spent in RUNNING phase for request."))}
         self._arrival: dict[str, float] = {}
         self._last: dict[str, tuple[float, int]] = {}
 
@@ -199,11 +211,23 @@ class ServerMetrics:
             self._arrival.pop(rid, None)
             if start is not None:
                 self.vllm_e2e.observe(now - start)
+            self._observe_phases(output.metrics)
             reason = output.outputs[0].finish_reason if output.outputs else None
             if not output.error and reason in self._finished:
                 self._finished[reason] += 1
         elif n:
             self._last[rid] = (now, n)
+
+    def _observe_phases(self, times) -> None:
+        """queue: added to the engine -> first scheduled; prefill: -> first token; decode: first ->
+        last token; inference: first scheduled -> last token (a phase not reached is not observed)."""
+        if times is None or times.first_scheduled_time is None:
+            return
+        self.vllm_phases["queue"].observe(times.first_scheduled_time - times.arrival_time)
+        if times.first_token_time is not None:
+            self.vllm_phases["prefill"].observe(times.first_token_time - times.first_scheduled_time)
+            self.vllm_phases["decode"].observe(times.last_token_time - times.first_token_time)
+            self.vllm_phases["inference"].observe(times.last_token_time - times.first_scheduled_time)
 
     def forget(self, request_id: str) -> None:
         """A request ended without a finished output (aborted): drop what was kept for it."""

@@ -81,6 +81,12 @@ def test_latency_histograms(scraped):
     assert 0 < steps <= 3 * 5  # one per engine output after the first (speculation emits several tokens)
     assert value(scraped, "vllm:time_per_output_token_seconds_count") == steps
     assert value(scraped, "vllm:e2e_request_latency_seconds_bucket", le="+Inf") == 4
+    # each finished request's phases, from the engine's timestamps
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert value(scraped, f"vllm:request_{phase}_time_seconds_count") == 4, phase
+    inference = value(scraped, "vllm:request_inference_time_seconds_sum")
+    parts = value(scraped, "vllm:request_prefill_time_seconds_sum") + value(scraped, "vllm:request_decode_time_seconds_sum")
+    assert inference == pytest.approx(parts) and inference > 0
 
 
 def test_spec_decode_names_only_with_speculation(model):
