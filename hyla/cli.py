@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
-def _non_negative_float(text: str) -> float:
-    """argparse type: a float >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+def finite_non_negative(unit: str):
+    """argparse type: a finite number >= 0 of `unit` (inf or nan would stall or void what waits
+    or is timed by it); `hyla bench serve` takes its times with it too."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {unit}, got {text!r}") from None
+        if not 0 <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be a finite number of {unit}, at least 0, got {text}")
+        return value
+    return parse
 
 
 def _demo(args) -> None:
@@ -249,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                        help="let a request send its own chat_template (a template is code the server runs)")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1", "glm45", "kimi_k2"],
                        help="split the model's reasoning (<think>...</think>) from the content (vLLM's names)")
-    serve.add_argument("--admission-wait-ms", type=_non_negative_float, default=None,
+    serve.add_argument("--admission-wait-ms", type=finite_non_negative("milliseconds"), default=None,
                        help="an idle engine about to start a step waits up to this long for generation requests "
                        "that arrived with its first one and are still being prepared (tokenised), so that a burst "
                        "shares one prefill step; a lone request never waits (0: off; default: 20 on CUDA, where a "

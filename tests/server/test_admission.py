@@ -170,3 +170,13 @@ def test_the_default_window_is_on_for_cuda_only():
 
     assert default_admission_wait(torch.device("cuda", 0)) == CUDA_WAIT_S > 0
     assert default_admission_wait(torch.device("cpu")) == 0.0
+
+
+@pytest.mark.parametrize("value", ["-1", "inf", "nan", "soon"])
+def test_admission_wait_ms_refuses_what_is_not_a_finite_time(value, capsys):
+    from hyla.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--admission-wait-ms", value])
+    err = capsys.readouterr().err
+    assert "argument --admission-wait-ms" in err and "milliseconds" in err

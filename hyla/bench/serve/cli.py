@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 
 from hyla.bench.serve.client import OpenAIClient
+from hyla.cli import finite_non_negative
 from hyla.bench.serve.datasets import DATASETS, Conversation, DatasetSpec, build_workload
 from hyla.bench.serve.load import (
     RAMP_UP_STRATEGIES, TOOL_LATENCY_DISTS, arrival_times, ramp_arrival_times, run_workload, tool_latencies, warm_up,
@@ -69,15 +70,7 @@ def _count(minimum: int):
     return parse
 
 
-def _milliseconds(text: str) -> float:
-    """A time in milliseconds: a finite number, at least 0 (inf or nan would stall or void the run)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number of milliseconds, at least 0, got {text}")
-    return value
+_milliseconds = finite_non_negative("milliseconds")
 
 
 def _rps(text: str) -> float:

@@ -143,6 +143,34 @@ def _ext_cols(x_row, window, o_p, pos, col, m_d, sx_l, P: tl.constexpr):
 
 
 @triton.jit
+def segment(i_s, D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2):
+    """(channels, first column of x / of the output, channel offset in its pool, pool channels) of
+    segment i_s of a packed conv launch (one conv of the layer's up to three)."""
+    z = i_s * 0  # "+ z" keeps every branch's ints tensors (Triton turns an int argument of 1 into a constexpr)
+    if i_s == 0:
+        return D0 + z, C0 + z, PC0 + z, DP0 + z
+    elif i_s == 1:
+        return D1 + z, C1 + z, PC1 + z, DP1 + z
+    else:
+        return D2 + z, C2 + z, PC2 + z, DP2 + z
+
+
+@triton.jit
+def segment_pointers(i_s, s0, s1, s2, w0, w1, w2, ONE_POOL: tl.constexpr):
+    """(pool, weight) of segment i_s: the first ones when every segment shares them (ONE_POOL)."""
+    state = s0
+    weight = w0
+    if not ONE_POOL:  # the segments' pools (and weights) differ: pick this one's pointers
+        if i_s == 1:
+            state = s1
+            weight = w1
+        elif i_s == 2:
+            state = s2
+            weight = w2
+    return state, weight
+
+
+@triton.jit
 def packed_conv_kernel(x, cols, y, idx, s0, s1, s2, w0, w1, w2, N, L, sx_n, sx_l,
                        D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2,
                        P: tl.constexpr, BP: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
@@ -151,32 +179,8 @@ def packed_conv_kernel(x, cols, y, idx, s0, s1, s2, w0, w1, w2, N, L, sx_n, sx_l
     i_n = tl.program_id(0)
     i_d = tl.program_id(1)
     i_s = tl.program_id(2)
-    # this segment's pool, weight, size, first column of x / of the output, channel offset in its pool
-    z = i_s * 0  # "+ z" keeps every branch's ints tensors (Triton turns an int argument of 1 into a constexpr)
-    state = s0
-    weight = w0
-    if i_s == 0:
-        D = D0 + z
-        c0 = C0 + z
-        pc = PC0 + z
-        dp = DP0 + z
-    elif i_s == 1:
-        D = D1 + z
-        c0 = C1 + z
-        pc = PC1 + z
-        dp = DP1 + z
-    else:
-        D = D2 + z
-        c0 = C2 + z
-        pc = PC2 + z
-        dp = DP2 + z
-    if not ONE_POOL:  # the segments' pools (and weights) differ: pick this one's pointers
-        if i_s == 1:
-            state = s1
-            weight = w1
-        elif i_s == 2:
-            state = s2
-            weight = w2
+    D, c0, pc, dp = segment(i_s, D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2)
+    state, weight = segment_pointers(i_s, s0, s1, s2, w0, w1, w2, ONE_POOL)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D
     if HAS_COLS:

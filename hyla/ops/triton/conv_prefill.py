@@ -21,6 +21,7 @@ import triton.language as tl
 
 from hyla.ops import utils
 from hyla.ops.triton import _interpreter
+from hyla.ops.triton.conv import segment, segment_pointers
 from hyla.ops.triton.norm import to_dtype
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
@@ -170,19 +171,6 @@ def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 @triton.jit
-def _segment(i_s, D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2):
-    """(channels, first column of x / of the output, channel offset in its pool, pool channels) of
-    segment i_s of a launch."""
-    z = i_s * 0  # "+ z" keeps every branch's ints tensors (Triton turns an int argument of 1 into a constexpr)
-    if i_s == 0:
-        return D0 + z, C0 + z, PC0 + z, DP0 + z
-    elif i_s == 1:
-        return D1 + z, C1 + z, PC1 + z, DP1 + z
-    else:
-        return D2 + z, C2 + z, PC2 + z, DP2 + z
-
-
-@triton.jit
 def _packed_prefill_kernel(x, s_x, cols, y, slots, ctx, seq_of, cu, s0, s1, s2, w0, w1, w2, T,
                            D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2,
                            W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SILU: tl.constexpr,
@@ -190,16 +178,8 @@ def _packed_prefill_kernel(x, s_x, cols, y, slots, ctx, seq_of, cu, s0, s1, s2, 
     i_t = tl.program_id(0)
     i_d = tl.program_id(1)
     i_s = tl.program_id(2)
-    D, c0, pc, dp = _segment(i_s, D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2)
-    state = s0
-    weight = w0
-    if not ONE_POOL:
-        if i_s == 1:
-            state = s1
-            weight = w1
-        elif i_s == 2:
-            state = s2
-            weight = w2
+    D, c0, pc, dp = segment(i_s, D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2)
+    state, weight = segment_pointers(i_s, s0, s1, s2, w0, w1, w2, ONE_POOL)
     o_t = i_t * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
     m_t = o_t < T
@@ -250,13 +230,8 @@ def _packed_windows_kernel(x, s_x, cols, slots, ctx, cu, seq, count, dest, s0, s
     e = tl.program_id(0)
     i_d = tl.program_id(1)
     i_s = tl.program_id(2)
-    D, c0, pc, dp = _segment(i_s, D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2)
-    state = s0
-    if not ONE_POOL:
-        if i_s == 1:
-            state = s1
-        elif i_s == 2:
-            state = s2
+    D, c0, pc, dp = segment(i_s, D0, D1, D2, C0, C1, C2, PC0, PC1, PC2, DP0, DP1, DP2)
+    state, _ = segment_pointers(i_s, s0, s1, s2, s0, s1, s2, ONE_POOL)
     if FINAL:
         n = e
         p = tl.load(cu + e + 1) - tl.load(cu + e)
