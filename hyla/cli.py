@@ -100,6 +100,10 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", metavar="N",
                    help="batch sizes of the decode CUDA graphs captured at startup (default 1 2 4 8 16 24 ... "
                         "max-num-seqs)")
+    p.add_argument("--prefill-graph-max-tokens", type=int, default=0, metavar="N",
+                   help="prefill steps of up to N tokens run their token-wise parts (projections, norms, "
+                        "MoE) as CUDA graphs captured at startup, the attention and recurrent cores eager "
+                        "(Kimi-Linear; default 0: off)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch a decode step before the previous one's tokens are read (with CUDA graphs; "
                         "same output)")
@@ -158,7 +162,8 @@ def _engine_config(args):
         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),  # a serve flag
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, checkpoint_dtype=args.checkpoint_dtype,
         host_cache_bytes=args.host_cache_bytes, async_scheduling=args.async_scheduling,
-        cuda_graph_sizes=args.cuda_graph_sizes, step_log=getattr(args, "step_log", None))
+        cuda_graph_sizes=args.cuda_graph_sizes, step_log=getattr(args, "step_log", None),
+        prefill_graph_max_tokens=args.prefill_graph_max_tokens)
 
 
 def _serve(args) -> None:

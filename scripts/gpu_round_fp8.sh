@@ -4,28 +4,35 @@
 # (decode vs its floor, one request through the engine at 1K and 8K prompts), Kimi-Linear-48B-A3B
 # online FP8 vs bf16 decode, and the 80B's 8-layer prefill in FP8 vs bf16. Full shapes need the
 # H200's memory; on a smaller card they run cut.
-# STAGE=tune runs the tests and the sweeps, STAGE=models the model runs (each fits one device call);
-# unset, both.
+# STAGE=tune runs the tests (TESTS=0 skips them), the sweeps and the 80B's 8-layer prefill (it
+# uses the tables just written); STAGE=models the other model runs (each stage fits one device
+# call; BF16=0 skips the 48B's bf16 decode row when another call of the same run has it); unset, both.
 . "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 T="timeout 200 python3 -m hyla.bench throughput"
 if [ "${STAGE:-tune}" = tune ]; then
+if [ "${TESTS:-1}" = 1 ]; then
 echo "== kernel tests"
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_kernels.py tests/gpu/test_fp8_model.py \
   tests/gpu/test_triton_kernels.py -k "fp8 or mxfp4" --tb=line 2>&1 | grep -E "ms|rel err|greedy|passed|failed|Error|^/" | tee $OUT/fp8_kernels.log
+fi
 DEV=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' _)
 if ls hyla/assets/kernel_configs/fused_moe/*device=${DEV},dtype=fp8_w8a8.json >/dev/null 2>&1 && [ -z "$SWEEP" ]; then
   echo "== FP8 fused-MoE tables for $DEV shipped (SWEEP=1 sweeps again)"
 else
   echo "== FP8 fused-MoE sweep (tables written in place, used by the runs below)"
   timeout 240 python3 -m hyla.bench moe --fp8 --sweep --write-configs hyla/assets/kernel_configs/fused_moe \
-    --tokens 1 16 64 256 8192 --repeat 20 2>&1 | grep -v "^# config" | tail -14 | tee $OUT/fp8_moe.log
+    --tokens 1 16 64 256 8192 --repeat ${REPEAT:-20} 2>&1 | grep -v "^# config" | tail -14 | tee $OUT/fp8_moe.log
 fi
 echo "== FP8 GEMM sweep (tables written in place, used by the runs below)"
-timeout 300 python3 -m hyla.bench fp8-gemm --write-configs hyla/assets/kernel_configs/fp8_gemm 2>&1 \
+timeout 300 python3 -m hyla.bench fp8-gemm --write-configs hyla/assets/kernel_configs/fp8_gemm ${GEMM_TOKENS:+--tokens $GEMM_TOKENS} --repeat ${REPEAT:-20} 2>&1 \
   | grep -v "^# config\|^# N=" | tail -80 | tee $OUT/fp8_gemm.log
 # the tables come back in a tar: names with = and , do not come back as files
 tar -cf $OUT/fp8_tables.tar hyla/assets/kernel_configs/fused_moe/*fp8_w8a8*.json hyla/assets/kernel_configs/fp8_gemm/*.json
+echo "== 80B 8 layers, prefill 8192: FP8 then bf16"
+for Q in "-q fp8" ""; do
+  $T --random-config qwen3-next-80b-a3b --layers 8 $Q --mode prefill --prefill-tokens 8192 2>&1 | tail -1
+done | tee $OUT/fp8_prefill80.log
 fi
 [ "${STAGE:-models}" = models ] || exit 0
 CUT=""; [ "$MEM" -lt 120000 ] && CUT="--layers 24"
@@ -37,10 +44,7 @@ python3 -m hyla.bench shape /tmp/q80 --random-config qwen3-next-80b-a3b $CUT >/d
 timeout 150 python3 scripts/long_context.py /tmp/q80 --lengths 1024 8192 --decode 128 --quantization fp8 2>&1 | grep -v Warn | tail -3 | tee $OUT/fp8_single80.log
 echo "== 48B decode: online FP8 then bf16"
 [ "$MEM" -lt 120000 ] && CUT="--layers 12"
-for Q in "-q fp8" ""; do
+QS=("-q fp8"); [ "${BF16:-1}" = 1 ] && QS+=("")
+for Q in "${QS[@]}"; do
   $T --random-config kimi-linear-48b-a3b $CUT $Q --mode decode --batch-sizes 1 64 --context-lens 512 --steps 30 2>&1 | tail -2
 done | tee $OUT/fp8_decode48.log
-echo "== 80B 8 layers, prefill 8192: FP8 then bf16"
-for Q in "-q fp8" ""; do
-  $T --random-config qwen3-next-80b-a3b --layers 8 $Q --mode prefill --prefill-tokens 8192 2>&1 | tail -1
-done | tee $OUT/fp8_prefill80.log

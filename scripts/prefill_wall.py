@@ -6,12 +6,15 @@ step is host-bound (the GPU waits on python launching kernels) and where it is d
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 8192 --rows 1 4 16
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 8192 --rows 16 --context 3072 --mla-groups on off
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 8192 --rows 16 --context 3072 --top 12
+    python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 256 549 1024 2048 --context 3072 --prefill-graphs off on
     py-spy record -f raw -o host.txt -- python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 --loop 20
 
 One step of --rows prompts (default one) through ModelRunner.execute (what the engine runs), random weights on the
 device; wall = median of 5 after a warm-up (hyla.bench.floor.median_ms); kernel = the summed GPU
 time of one call (torch.profiler, floor.kernel_times). --align-max-pairs times each value of the fused MoE's one-program alignment
-bound (hyla.ops.triton.fused_moe.ONE_PROGRAM_MAX_PAIRS) side by side in the same process.
+bound (hyla.ops.triton.fused_moe.ONE_PROGRAM_MAX_PAIRS) side by side in the same process;
+--prefill-graphs off on the eager step against the spans replayed as CUDA graphs
+(hyla.engine.prefill_graphs, buckets up to --graph-max-tokens, captured once before the table).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ def main() -> None:
     p.add_argument("--mla-groups", nargs="+", choices=["on", "off"], default=["on"],
                    help="MLA prefill with its prompts expanded in groups (on, hyla.layers.mla) or one by one "
                         "(off): both in one process, which host-bound A / Bs need")
+    p.add_argument("--prefill-graphs", nargs="+", choices=["off", "on"], default=["off"],
+                   help="prefill steps eager (off) or with their spans as CUDA graphs (on), side by side")
+    p.add_argument("--graph-max-tokens", type=int, default=2048, help="the prefill graphs' largest bucket")
     p.add_argument("--align-max-pairs", type=int, nargs="*", default=[], help="one-program alignment bounds to compare")
     p.add_argument("--quantization", "-q", choices=["fp8"], default=None, help="block-FP8 weights")
     p.add_argument("--top", type=int, default=0, help="after each row, the step's N costliest kernels")
@@ -55,14 +61,25 @@ def main() -> None:
     runner = make_runner(model, max(args.rows), max_context=16,
                          prefill_tokens=max(args.lengths) + (args.context + 32) * max(args.rows))
     bounds = args.align_max_pairs or [fused_moe.ONE_PROGRAM_MAX_PAIRS]
+    graphs = None
+    if "on" in args.prefill_graphs:
+        from hyla.engine.prefill_graphs import PrefillGraphs
+
+        start = time.perf_counter()
+        graphs = PrefillGraphs(model, args.graph_max_tokens)
+        n = graphs.capture_all()
+        torch.cuda.synchronize()
+        print(f"# prefill graphs: {n} captured for buckets {graphs.buckets} in {time.perf_counter() - start:.1f} s")
     print(f"# {args.random_config}, {args.layers} layers, {args.quantization or 'bf16'}, "
           f"{torch.cuda.get_device_name()}: one prompt per prefill step")
     grouped = mla.expansion_groups
     print(f"# each prompt after {args.context} cached tokens")
-    print("| tokens | prompts | align max pairs | MLA groups | wall ms | kernel ms | wall / kernel | tokens/s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for T, rows, bound, groups in ((T, r, b, g) for T in args.lengths for r in args.rows for b in bounds
-                                   for g in args.mla_groups):
+    print("| tokens | prompts | align max pairs | MLA groups | prefill graphs | wall ms | kernel ms | wall / kernel "
+          "| tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for T, rows, bound, groups, pg in ((T, r, b, g, pg) for T in args.lengths for r in args.rows for b in bounds
+                                       for g in args.mla_groups for pg in args.prefill_graphs):
+        runner.prefill_graphs = graphs if pg == "on" else None
         plan = split_plan(T, rows, model.config.vocab_size, args.context)
         fused_moe.ONE_PROGRAM_MAX_PAIRS = bound
         mla.expansion_groups = grouped if groups == "on" else (lambda seqs, *_: [[s] for s in seqs])
@@ -70,7 +87,7 @@ def main() -> None:
         wall = median_ms(run, 5)  # after one untimed call; CUDA events span the host's launching too
         kernels = kernel_times(run)
         kern = sum(k[0] for k in kernels) / 1e3
-        print(f"| {T} | {rows} | {bound} | {groups} | {wall:.2f} | {kern:.2f} | {wall / kern:.2f}x | "
+        print(f"| {T} | {rows} | {bound} | {groups} | {pg} | {wall:.2f} | {kern:.2f} | {wall / kern:.2f}x | "
               f"{T / wall * 1e3:,.0f} |")
         if args.top:
             print("# " + describe_kernels(kernels, args.top))

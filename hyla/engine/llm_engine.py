@@ -105,6 +105,8 @@ class LLMEngine:
             warm_up_kernels(self.model, max_num_batched_tokens=config.max_num_batched_tokens,
                             page_size=config.page_size, state_dtype=config.state_dtype,
                             kv_cache_dtype=config.kv_cache_dtype, checkpoints=config.enable_prefix_caching)
+        # the prefill spans' graphs: captured before the pools are sized from the memory left
+        prefill_graphs = self._prefill_graphs() if config.prefill_graph_max_tokens else None
         graph_sizes = config.cuda_graph_sizes or batch_buckets(config.max_num_seqs)
         # speculative decoding decodes through verify graphs: its decode graphs stay lazy
         capture = self.workers is None and spec_cfg is None and use_cuda_graphs(self.model, config.enforce_eager)
@@ -136,7 +138,8 @@ class LLMEngine:
                                     config.enforce_eager, kv_cache_dtype=config.kv_cache_dtype)
         else:
             self.runner = ModelRunner(self.model, num_slots, num_pages, config.page_size, config.state_dtype,
-                                      enforce_eager=config.enforce_eager, cuda_graph_sizes=graph_sizes)
+                                      enforce_eager=config.enforce_eager, cuda_graph_sizes=graph_sizes,
+                                      prefill_graphs=prefill_graphs)
             if capture:
                 self._capture_graphs()
         if tiers != TierSizes():
@@ -184,6 +187,27 @@ class LLMEngine:
         self.overlap = DecodeOverlap(self.runner, self.scheduler, self.max_model_len) if (
             overlapped and self.spec is None) else None
         self._drained: list[RequestOutput] = []  # outputs of a step collected outside `step` (drain)
+
+    def _prefill_graphs(self):
+        """PrefillGraphs for prefill steps up to prefill_graph_max_tokens (capped by
+        max_num_batched_tokens), captured now (hyla.engine.prefill_graphs)."""
+        from hyla.engine.prefill_graphs import PrefillGraphs
+        from hyla.models.prefill_program import supports
+
+        if not supports(self.model):
+            raise ValueError(f"prefill_graph_max_tokens: {type(self.model).__name__} does not run its prefill "
+                             "steps in spans (Kimi-Linear does); leave it 0")
+        limit = min(self.config.prefill_graph_max_tokens, self.config.max_num_batched_tokens)
+        start = time.perf_counter()
+        free = torch.cuda.mem_get_info(self.model.device)[0] if self.model.device.type == "cuda" else 0
+        graphs = PrefillGraphs(self.model, limit)
+        n = graphs.capture_all()
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+            log.info("prefill graphs: %d span graphs captured for steps of up to %d tokens (buckets %s) in %.1f s, "
+                     "%.2f GiB", n, limit, graphs.buckets, time.perf_counter() - start,
+                     (free - torch.cuda.mem_get_info(self.model.device)[0]) / 2**30)
+        return graphs
 
     def _capture_graphs(self) -> None:
         """Capture the decode CUDA graphs now, not mid-serving (their memory was profiled before

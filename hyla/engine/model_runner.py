@@ -25,10 +25,12 @@ from hyla.engine.step_plan import StepPlan, StepResult
 class ModelRunner:
     def __init__(self, model, num_slots: int, num_pages: int, page_size: int, state_dtype: torch.dtype,
                  enforce_eager: bool = False, kv_cache_dtype: str | None = None,
-                 cuda_graph_sizes: list[int] | None = None):
+                 cuda_graph_sizes: list[int] | None = None, prefill_graphs=None):
         """kv_cache_dtype: how the attention pages are stored ("auto", "fp8": hyla.ops.kv_fp8);
         None = the model's own (model.kv_cache_dtype). cuda_graph_sizes: the decode graphs'
-        batch-size buckets (default: 1, 2, 4, 8, 16, 24, ... up to num_slots)."""
+        batch-size buckets (default: 1, 2, 4, 8, 16, 24, ... up to num_slots). prefill_graphs: a
+        hyla.engine.prefill_graphs.PrefillGraphs of this model: the prefill steps it can take run
+        through it."""
         self.model = model
         self.device = model.device
         self.page_size = page_size
@@ -39,6 +41,7 @@ class ModelRunner:
                                           state_dtype=state_dtype, **kv)
         sizes = sorted({min(b, num_slots) for b in cuda_graph_sizes}) if cuda_graph_sizes else None  # <= requests
         self.graphs = CUDAGraphRunner(model, self.cache, max_batch=num_slots, batch_sizes=sizes) if graphs else None
+        self.prefill_graphs = prefill_graphs
         self.tiers: CacheTiers | None = None  # the prefix cache's int8 / host tiers (attach_tiers)
         self.execute_time = DeviceTimer(self.device)  # the device time of `execute` calls
 
@@ -79,7 +82,13 @@ class ModelRunner:
         batch = ForwardBatch.build(seq_lens=plan.seq_lens, context_lens=plan.context_lens,
                                    block_tables=plan.block_tables, state_slots=plan.state_slots,
                                    checkpoints=plan.checkpoints, device=self.device)
-        hidden = self.model.forward_batch(to_device_long(plan.token_ids, self.device), batch, self.cache)
+        ids = to_device_long(plan.token_ids, self.device)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            hidden = self.prefill_graphs.run(ids, batch, self.cache)  # a static buffer's rows
+            if return_hidden:
+                hidden = hidden.clone()
+        else:
+            hidden = self.model.forward_batch(ids, batch, self.cache)
         starts = batch.cu_seqlens_list[:-1]  # host values: no sync before the logits
         index = [start + r for start, rows in zip(starts, plan.logit_rows) for r in rows]
         if not index:

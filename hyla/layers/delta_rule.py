@@ -34,6 +34,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 from hyla.contract import ForwardBatch, LinearLayerCache
@@ -173,6 +174,12 @@ class PackedConvInput:
             out.append(xs[..., c0:c0 + d])
             c0 += d
         return out
+
+
+# A pytree node (its x the one tensor; sizes and channels fixed by the layer), so that a prefill
+# step's step_pre tensors can be kept in static buffers (hyla.engine.prefill_graphs).
+pytree.register_pytree_node(PackedConvInput, lambda p: ([p.x], (p.sizes, p.channels)),
+                            lambda xs, ctx: PackedConvInput(xs[0], *ctx))
 
 
 def _conv_inputs(pre) -> list[torch.Tensor]:
@@ -360,11 +367,41 @@ class ShortConvDeltaRule(nn.Module):
 
     def _prefill(self, x: torch.Tensor, batch: ForwardBatch, cache: LinearLayerCache) -> torch.Tensor:
         """Any mix of lengths: the varlen chunk path, states gathered from and scattered to the pool."""
+        pre = self.step_pre(x)
+        return self.step_post(self.step_core(pre, batch, cache), pre)
+
+    # -- a prefill step in three parts (hyla.models.prefill_program) ----------------------------
+
+    def step_pre(self, x: torch.Tensor):
+        """x [T_total, hidden] -> (pre-conv inputs, aux) as `project` gives them, every tensor
+        [T_total, ...]: the token-wise part of a prefill step (no pool, no batch)."""
+        pre, aux = self.project(x[None])
+        if isinstance(pre, PackedConvInput):
+            pre = PackedConvInput(pre.x[0], pre.sizes, pre.channels)
+        else:
+            pre = [t[0] for t in pre]
+        return pre, tuple(None if a is None else a[0] for a in aux)
+
+    def step_core_like(self, pre) -> torch.Tensor:
+        """An empty tensor shaped as step_core's output for `pre` (the delta rule's o
+        [T_total, HV, V] in the model dtype): what a caller sizes a buffer for."""
+        T = _conv_inputs(pre[0])[0].shape[0]
+        v = self.heads([t[None, :1] for t in _conv_inputs(pre[0])])[2]  # [1, 1, HV, V]
+        return v.new_empty(T, *v.shape[2:])
+
+    def step_core(self, pre, batch: ForwardBatch, cache: LinearLayerCache) -> torch.Tensor:
+        """step_pre's tensors -> the delta rule's output o [T_total, HV, V]: the convs (windows
+        read from and written to the pools, checkpoints), the gates, the varlen chunk (states
+        read from and written to the pool at batch.state_slots, checkpoint states)."""
+        conv_in, aux = pre
         slots, cu = batch.state_slots, batch.cu_seqlens
         resume = batch.has_context()  # [N]: sequences without context start from zeros
         positions = checkpoint_positions(batch)
-        xs = x[None]  # [1, T_total, hidden], sequences packed along T
-        pre, aux = self.project(xs)
+        aux = tuple(None if a is None else a[None] for a in aux)  # [1, T_total, ...], sequences packed along T
+        if isinstance(conv_in, PackedConvInput):
+            pre = PackedConvInput(conv_in.x[None], conv_in.sizes, conv_in.channels)
+        else:
+            pre = [t[None] for t in conv_in]
         if isinstance(pre, PackedConvInput):  # every conv in one op, its windows read and written in the pools
             ys = dispatch.causal_conv1d_prefill_packed(
                 pre.x, cache.conv, [c.weight for c in self.convs()], pre.sizes, activation="silu", state_indices=slots,
@@ -374,14 +411,19 @@ class ShortConvDeltaRule(nn.Module):
             ys = self._prefill_convs(_conv_inputs(pre), batch, cache, positions)
         q, k, v = self.heads(ys)  # [1, T_total, H, K], v [1, T_total, HV, V]
         g, beta = self.gates(aux)
-        work = work_dtype(x)
+        work = work_dtype(q)
         s0 = torch.where(resume[:, None, None, None], cache.state.index_select(0, slots).to(work), 0)
         out = self._chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_positions=positions)
         cache.state.index_copy_(0, slots, out[1].to(cache.state.dtype))
         if positions is not None:  # one write for all of them (checkpoint slots are distinct)
             cache.state.index_copy_(0, _checkpoint_slots(batch), _joined(out[2]).to(cache.state.dtype))
-        return self.output(out[0], aux)[0]
+        return out[0][0]
+
+    def step_post(self, o: torch.Tensor, pre) -> torch.Tensor:
+        """step_core's o [T_total, HV, V] and step_pre's tensors -> the layer output [T_total, hidden]."""
+        aux = tuple(None if a is None else a[None] for a in pre[1])
+        return self.output(o[None], aux)[0]
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -23,5 +23,7 @@ class GatedMLAAttention(MLAAttention):
                          **kwargs)
         self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False)
 
+    output_reads_input = True  # the gate reads x (MLAAttention.step_pre carries it)
+
     def output(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(attn * torch.sigmoid(self.g_proj(x)))

@@ -166,8 +166,33 @@ class MLAAttention(nn.Module):
         pages (hyla.ops.paged_mla_decode); otherwise sequences with one new token batched
         (absorbed), the others expanded in groups (prefix_attention.expansion_groups: one page
         gather and one up-projection a group), causal flash attention per sequence."""
-        page_size = cache.kv.shape[1]
+        pre = self.step_pre(x)
+        return self.step_post(self.step_core(pre, batch, cache), pre)
+
+    # -- an engine step in three parts (hyla.models.prefill_program runs a prefill step so) ------
+
+    # Whether `output` reads the layer input x (an output-gated variant's): step_pre then carries x.
+    output_reads_input = False
+
+    def step_pre(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T_total, hidden] -> (q_proj(x) or q_a_proj(x), kv_a_proj_with_mqa(x)[, x]): the
+        token-wise part of a step (no pool, no batch)."""
         q_in, kv = self._project(x)  # one GEMM once packed
+        return (q_in, kv, x) if self.output_reads_input else (q_in, kv)
+
+    def step_core_like(self, pre) -> torch.Tensor:
+        """An empty tensor shaped as step_core's output: [T_total, H * v_dim] in the model dtype."""
+        return pre[0].new_empty(pre[0].shape[0], self.num_heads * self.v_dim)
+
+    def step_post(self, attn: torch.Tensor, pre) -> torch.Tensor:
+        """step_core's attention output [T_total, H * v_dim] -> the layer output [T_total, hidden]."""
+        return self.output(attn, pre[2] if self.output_reads_input else None)
+
+    def step_core(self, pre, batch: ForwardBatch, cache: MLALayerCache) -> torch.Tensor:
+        """step_pre's tensors -> the attention output [T_total, H * v_dim]: the new latents
+        written to their pages, the queries, the attention (forward_batch's docstring)."""
+        q_in, kv = pre[0], pre[1]
+        page_size = cache.kv.shape[1]
         w = batch.uniform_width
         batch.check_written_pages(page_size)
         dispatch.write_latents(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cache.kv, batch.block_tables,
@@ -175,8 +200,8 @@ class MLAAttention(nn.Module):
         q = self._query_from(q_in)  # [T_total, H, D]
         if w is not None:  # no host -> device copies (CUDA-graph safe)
             # each query attends up to its own position: `positions` is that list already
-            return self.output(self._absorbed(q, cache.kv, batch.block_tables, batch.positions, cache.kv_scale), x)
-        out = x.new_empty(x.shape[0], self.num_heads * self.v_dim)
+            return self._absorbed(q, cache.kv, batch.block_tables, batch.positions, cache.kv_scale)
+        out = q.new_empty(q.shape[0], self.num_heads * self.v_dim)
         rows, seqs = batch.single_token_rows()
         if rows.numel():
             out[rows] = self._absorbed(q[rows], cache.kv, batch.block_tables[seqs], batch.positions[rows],
@@ -200,7 +225,7 @@ class MLAAttention(nn.Module):
             o = attend_packed(q.index_select(0, q_rows), k[0].transpose(0, 1), v[0].transpose(0, 1), q_bounds,
                               k_bounds, host_bounds, self.scaling)  # [T_group, H, v_dim or wider]
             out.index_copy_(0, q_rows, o[..., :self.v_dim].flatten(-2))
-        return self.output(out, x)
+        return out
 
     def _bytes_per_position(self, q: torch.Tensor) -> int:
         """What expanding one position builds: the up-projection's output, the concatenated key

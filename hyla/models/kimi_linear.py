@@ -99,6 +99,8 @@ class KimiLinearModel(nn.Module):
 
 
 class KimiLinearForCausalLM(HybridForCausalLM):
+    piecewise_prefill = True  # prefill steps as spans and cores (hyla.models.prefill_program)
+
     def __init__(self, config: KimiLinearConfig):
         super().__init__()
         self.config = config

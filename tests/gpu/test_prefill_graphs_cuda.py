@@ -1,0 +1,65 @@
+"""Prefill steps with their spans replayed as CUDA graphs (hyla.engine.prefill_graphs) on CUDA
+(skipped without): captured graphs against model.forward_batch, in fp32 (the same kernels over
+more rows: a GEMM's tiles may change with the row count, so a few fp32 ulps) and in bf16 with
+online block-FP8 weights (the FP8 GEMM's tile table is keyed by rows: bf16 rounding), pools
+included, with every static buffer refilled with NaN between steps; then greedy tokens through
+the engine, fp32, with and without it."""
+
+import copy
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from hyla import LLM, SamplingParams  # noqa: E402
+from hyla.bench.random_models import random_checkpoint, random_model  # noqa: E402
+from hyla.engine.prefill_graphs import PrefillGraphs  # noqa: E402
+from tests.models.test_prefill_program import _run, _steps  # noqa: E402
+from tests.oracles.paged import ToyPool  # noqa: E402
+
+
+def _garbage(graphs: PrefillGraphs) -> None:
+    state = graphs.state
+    bufs = [state.ids_buffer, state.residual_buffer, state.hidden_buffer, *state.core_buffers]
+    bufs += [b for _, leaves, _ in state.layer_layout for b in leaves if b is not None]
+    for b in bufs:
+        b.fill_(10**9) if b.dtype == torch.long else b.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("dtype,quantization,tol", [(torch.float32, None, 1e-4), (torch.bfloat16, "fp8", 3e-2)])
+def test_captured_spans_equal_forward_batch(dtype, quantization, tol):
+    model = random_model("tiny-kimi-moe", dtype=dtype, device="cuda", quantization=quantization)
+    graphs = PrefillGraphs(model, 64, buckets=[16, 48, 64])
+    assert graphs.capture_all() == 3 * graphs.program.num_spans
+
+    def forward(ids, batch, cache):
+        _garbage(graphs)
+        return graphs.run(ids, batch, cache)
+
+    ref_pool = ToyPool(model, num_slots=10, num_pages=64, page_size=4)
+    pool = copy.deepcopy(ref_pool)
+    for (chunks, ck), (chunks2, ck2) in zip(_steps(ref_pool), _steps(pool)):
+        want = _run(ref_pool, chunks, ck, model.forward_batch)
+        got = _run(pool, chunks2, ck2, forward)
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        print(f"  {dtype} {quantization or ''}: hidden rel err {err:.2e}")
+        assert err <= tol
+        for la, lb in zip(pool.cache.layers, ref_pool.cache.layers):
+            for ta, tb in zip(la.tensors(), lb.tensors()):
+                assert ((ta.float() - tb.float()).norm() / tb.float().norm().clamp_min(1e-30)).item() <= tol
+
+
+def test_engine_greedy_tokens_with_prefill_graphs(tmp_path):
+    path = str(random_checkpoint(tmp_path, "tiny-kimi-moe"))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (37, 9, 100, 1)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="float32", max_model_len=160, max_num_batched_tokens=64, enable_prefix_caching=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, prefill_graph_max_tokens=64, **kw)
+    assert llm.engine.runner.prefill_graphs.graphs  # captured at startup
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
