@@ -103,7 +103,7 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--prefill-graph-max-tokens", type=int, default=0, metavar="N",
                    help="prefill steps of up to N tokens run their token-wise parts (projections, norms, "
                         "MoE) as CUDA graphs captured at startup, the attention and recurrent cores eager "
-                        "(Kimi-Linear; default 0: off)")
+                        "(Kimi-Linear, Qwen3-Next, Qwen3.5; default 0: off)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch a decode step before the previous one's tokens are read (with CUDA graphs; "
                         "same output)")

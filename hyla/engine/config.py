@@ -118,7 +118,7 @@ class EngineConfig:
     prefill_graph_max_tokens: prefill steps of up to this many tokens run their token-wise spans
     (projections, norms, FFN / MoE) as CUDA graphs per token bucket, captured at startup, with the
     convs, chunks and attention eager between them (hyla.engine.prefill_graphs; models whose
-    class sets `piecewise_prefill`: Kimi-Linear); 0 = every prefill step eager. On the CPU the
+    class sets `piecewise_prefill`: Kimi-Linear, Qwen3-Next, Qwen3.5); 0 = every prefill step eager. On the CPU the
     spans run over the same padded buffers without graphs (what the tests check).
     kernel_warmup: on CUDA with one device, run the prefill-shaped steps a server meets once at
     startup, so that Triton compiles their kernels before the first request rather than while

@@ -196,7 +196,7 @@ class LLMEngine:
 
         if not supports(self.model):
             raise ValueError(f"prefill_graph_max_tokens: {type(self.model).__name__} does not run its prefill "
-                             "steps in spans (Kimi-Linear does); leave it 0")
+                             "steps in spans (Kimi-Linear, Qwen3-Next and Qwen3.5 do); leave it 0")
         limit = min(self.config.prefill_graph_max_tokens, self.config.max_num_batched_tokens)
         start = time.perf_counter()
         free = torch.cuda.mem_get_info(self.model.device)[0] if self.model.device.type == "cuda" else 0

@@ -144,10 +144,10 @@ class GatedAttention(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: [..., T, hidden] -> q [..., T, H, D], gate [..., T, H, D], k, v [..., T, Hkv, D]:
         views of the projections' outputs (one GEMM once packed), not normed or rotated."""
-        if self._packed is not None:
-            q_out, k_out, v_out = self._packed(x)  # one GEMM
-        else:
-            q_out, k_out, v_out = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self._split(*self.step_pre(x))
+
+    def _split(self, q_out: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The projections' outputs -> q, gate [..., T, H, D], k, v [..., T, Hkv, D] (views)."""
         q, gate = q_out.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
         k = k_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v_out.unflatten(-1, (self.num_kv_heads, self.head_dim))
@@ -157,13 +157,17 @@ class GatedAttention(nn.Module):
         """x: [..., T, hidden]; positions: [..., T] -> q [..., T, H, D], k, v [..., T, Hkv, D]
         (q, k normed and rotated), gate [..., T, H * D]. batch: the engine step's, whose RoPE
         tables every attention layer of the step shares (computed once)."""
-        q, gate, k, v = self._project(x)
-        rope = self.rotary
+        return self._qkv_from(self._project(x), positions, batch)
+
+    def _qkv_from(self, split: tuple[torch.Tensor, ...], positions: torch.Tensor, batch: ForwardBatch | None):
+        """qkv's work after the projections (split: _split's q, gate, k, v)."""
+        q, gate, k, v = split
+        rope, dtype = self.rotary, q.dtype
         if batch is None:
-            cos, sin = rope.cos_sin(positions, x.dtype)
+            cos, sin = rope.cos_sin(positions, dtype)
         else:
-            cos, sin = batch.shared(("rope", rope.head_dim, rope.rotary_dim, rope.theta, x.dtype),
-                                    lambda b: rope.cos_sin(b.positions, x.dtype), per_token=True)
+            cos, sin = batch.shared(("rope", rope.head_dim, rope.rotary_dim, rope.theta, dtype),
+                                    lambda b: rope.cos_sin(b.positions, dtype), per_token=True)
         qk = rope(torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2), cos, sin)  # one rotation for both
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=-2)
         return q, k, v, gate.flatten(-2)
@@ -193,11 +197,35 @@ class GatedAttention(nn.Module):
         and verify batches with equal new-token counts all at once over their page windows;
         otherwise sequences with one new token batched, the others one by one with a causal mask
         offset by their context length."""
+        pre = self.step_pre(x)
+        return self.step_post(self.step_core(pre, batch, cache), pre)
+
+    # -- an engine step in three parts (hyla.models.prefill_program runs a prefill step so) ------
+
+    def step_pre(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T_total, hidden] -> (q_proj(x), k_proj(x), v_proj(x)): the token-wise part of a step
+        (no pool, no batch; views of one GEMM's output once packed)."""
+        if self._packed is not None:
+            return tuple(self._packed(x))
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def step_core_like(self, pre) -> torch.Tensor:
+        """An empty tensor shaped as step_core's output: [T_total, H * D] in the model dtype."""
+        return pre[0].new_empty(pre[0].shape[0], self.num_heads * self.head_dim)
+
+    def step_post(self, gated: torch.Tensor, pre) -> torch.Tensor:
+        """step_core's gated attention output [T_total, H * D] -> o_proj of it [T_total, hidden]."""
+        return self.o_proj(gated)
+
+    def step_core(self, pre, batch: ForwardBatch, cache: KVLayerCache) -> torch.Tensor:
+        """step_pre's projections -> the attention output times sigmoid(gate) [T_total, H * D]: q and
+        k normed and rotated, k and v written to their pages, the attention (forward_batch's
+        docstring)."""
         w = batch.uniform_width
         fp8 = cache.k_scale is not None
-        if w is not None and dispatch.gated_attention_kernels(x, cache.k, fp8):
-            return self._fused_step(x, batch, cache, w)
-        q, k, v, gate = self.qkv(x, batch.positions, batch)  # [T_total, H | Hkv, D]
+        if w is not None and dispatch.gated_attention_kernels(pre[0], cache.k, fp8):
+            return self._fused_step(pre, batch, cache, w)
+        q, k, v, gate = self._qkv_from(self._split(*pre), batch.positions, batch)  # [T_total, H | Hkv, D]
         page_size = cache.k.shape[1]
         rows = batch.kv_slot_mapping(page_size)
         if fp8:
@@ -210,8 +238,8 @@ class GatedAttention(nn.Module):
             cache.v.view(-1, self.num_kv_heads, self.head_dim)[rows] = v.to(cache.v.dtype)
         if w is not None:  # no host -> device copies (CUDA-graph safe)
             out = self._windowed(q.unflatten(0, (batch.num_seqs, w)), cache, *batch.query_window(page_size))
-            return self.o_proj(out.flatten(0, 1).to(x.dtype) * torch.sigmoid(gate))
-        out = x.new_empty(x.shape[0], self.num_heads * self.head_dim)
+            return out.flatten(0, 1).to(gate.dtype) * torch.sigmoid(gate)
+        out = gate.new_empty(gate.shape[0], self.num_heads * self.head_dim)
         idx, _ = batch.single_token_rows()
         if idx.numel():
             out[idx] = self._windowed(q[idx][:, None], cache, *batch.decode_window(batch.single_token_seqs(), page_size)
@@ -227,22 +255,21 @@ class GatedAttention(nn.Module):
                 ks, vs = (kv_fp8.dequantize_rows(t, sc[pages].flatten(0, 1)[:total], (self.head_dim,), q.dtype)
                           for t, sc in ((ks, cache.k_scale), (vs, cache.v_scale)))
             out[cu[n]:cu[n + 1]] = self._attend(q[None, cu[n]:cu[n + 1]], ks[None], vs[None])[0]
-        return self.o_proj(out * torch.sigmoid(gate))
+        return out * torch.sigmoid(gate)
 
-    def _fused_step(self, x: torch.Tensor, batch: ForwardBatch, cache: KVLayerCache, w: int) -> torch.Tensor:
-        """forward_batch for W new tokens per sequence on the Triton path (hyla.ops.paged_attention):
+    def _fused_step(self, pre, batch: ForwardBatch, cache: KVLayerCache, w: int) -> torch.Tensor:
+        """step_core for W new tokens per sequence on the Triton path (hyla.ops.paged_attention):
         one launch normalises and rotates q and k and writes k, v into the pages, one (two past
         512 keys) attends over each sequence's pages and applies the gate; no per-step tables,
-        masks or gathered windows. x: [S * W, hidden] -> [S * W, hidden]."""
-        q, gate, k, v = self._project(x)
+        masks or gathered windows. pre: step_pre's projections of S * W tokens -> [S * W, H * D]."""
+        q, gate, k, v = self._split(*pre)
         batch.check_written_pages(cache.k.shape[1])
         # FP8 pages: the same two ops with the pages' scales (None otherwise)
         q = dispatch.qk_norm_rope_write(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                        self.rotary.inv_freq(x.device), batch.positions, cache.k, cache.v,
+                                        self.rotary.inv_freq(q.device), batch.positions, cache.k, cache.v,
                                         batch.block_tables, w, cache.k_scale, cache.v_scale)
-        out = dispatch.paged_window_attention(q, cache.k, cache.v, batch.block_tables, batch.context_lens,
-                                              self.scaling, gate, cache.k_scale, cache.v_scale)
-        return self.o_proj(out)
+        return dispatch.paged_window_attention(q, cache.k, cache.v, batch.block_tables, batch.context_lens,
+                                               self.scaling, gate, cache.k_scale, cache.v_scale)
 
     def _windowed(self, q: torch.Tensor, cache: KVLayerCache, rows: torch.Tensor, masked: torch.Tensor,
                   unread: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,10 @@ class Qwen3NextDecoderLayer(nn.Module):
     def token_mixer(self) -> nn.Module:
         return self.linear_attn if self.is_linear else self.self_attn
 
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP or sparse MoE (hyla.models.prefill_program's name for it)."""
+        return self.mlp(x)
+
     def forward(self, h: torch.Tensor, batch: ForwardBatch | None = None,
                 cache: LayerCache | None = None) -> torch.Tensor:
         x = self.input_layernorm(h)
@@ -102,6 +106,7 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
+    piecewise_prefill = True  # prefill steps as spans and cores (hyla.models.prefill_program); Qwen3.5 too
     # Checkpoint tensors the model does not build (the MTP head), skipped by the loader.
     ignored_checkpoint_prefixes = ("mtp.",)
     base_model_cls = Qwen3NextModel  # what `self.model` is (a subclass per family)

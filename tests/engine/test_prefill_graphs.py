@@ -1,4 +1,4 @@
-"""`prefill_graph_max_tokens` through the engine (hyla.engine.prefill_graphs): prefill steps of up
+"""`prefill_graph_max_tokens` through the engine (Kimi-Linear; Qwen3-Next's gated attention too) (hyla.engine.prefill_graphs): prefill steps of up
 to N tokens run their spans over padded static buffers (CUDA graphs on a GPU; the same buffers
 without graphs here). In fp64, where padding and bucketing move nothing but the last bits, greedy
 tokens equal the eager engine's: plain, chunked prompts, the prefix cache (checkpoints written
@@ -32,10 +32,12 @@ def _tokens(llm, prompts, n=10):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_greedy_tokens_equal_the_eager_engine(kimi):
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen3-next-moe"])
+def test_greedy_tokens_equal_the_eager_engine(kimi, tmp_path_factory, name):
+    path = kimi if name == "tiny" else str(random_checkpoint(tmp_path_factory.mktemp("pgq"), name))
     prompts = _prompts((37, 9, 100, 1))  # 100: two chunks of 64 and 36
-    want = _tokens(LLM(kimi, **KW), prompts)
-    llm = LLM(kimi, prefill_graph_max_tokens=64, **KW)
+    want = _tokens(LLM(path, **KW), prompts)
+    llm = LLM(path, prefill_graph_max_tokens=64, **KW)
     assert llm.engine.runner.prefill_graphs.buckets == [16, 24, 32, 48, 64]
     assert _tokens(llm, prompts) == want
 
@@ -70,6 +72,6 @@ def test_refusals(kimi, tmp_path_factory):
         EngineConfig(model=kimi, prefill_graph_max_tokens=64, enforce_eager=True)
     with pytest.raises(ValueError, match="prefill_graph_max_tokens must be"):
         EngineConfig(model=kimi, prefill_graph_max_tokens=-1)
-    qwen = str(random_checkpoint(tmp_path_factory.mktemp("pgq"), "tiny-qwen3-next-moe"))
+    glm = str(random_checkpoint(tmp_path_factory.mktemp("pgg"), "tiny-glm5-next"))
     with pytest.raises(ValueError, match="does not run its prefill steps in spans"):
-        LLM(qwen, prefill_graph_max_tokens=64, **KW)
+        LLM(glm, prefill_graph_max_tokens=64, **KW)

@@ -29,9 +29,11 @@ def _garbage(graphs: PrefillGraphs) -> None:
         b.fill_(10**9) if b.dtype == torch.long else b.fill_(float("nan"))
 
 
-@pytest.mark.parametrize("dtype,quantization,tol", [(torch.float32, None, 1e-4), (torch.bfloat16, "fp8", 3e-2)])
-def test_captured_spans_equal_forward_batch(dtype, quantization, tol):
-    model = random_model("tiny-kimi-moe", dtype=dtype, device="cuda", quantization=quantization)
+@pytest.mark.parametrize("name,dtype,quantization,tol", [
+    ("tiny-kimi-moe", torch.float32, None, 1e-4), ("tiny-kimi-moe", torch.bfloat16, "fp8", 3e-2),
+    ("tiny-qwen3-next-moe", torch.float32, None, 1e-4), ("tiny-qwen3-next-moe", torch.bfloat16, "fp8", 3e-2)])
+def test_captured_spans_equal_forward_batch(name, dtype, quantization, tol):
+    model = random_model(name, dtype=dtype, device="cuda", quantization=quantization)
     graphs = PrefillGraphs(model, 64, buckets=[16, 48, 64])
     assert graphs.capture_all() == 3 * graphs.program.num_spans
 
@@ -45,7 +47,7 @@ def test_captured_spans_equal_forward_batch(dtype, quantization, tol):
         want = _run(ref_pool, chunks, ck, model.forward_batch)
         got = _run(pool, chunks2, ck2, forward)
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-        print(f"  {dtype} {quantization or ''}: hidden rel err {err:.2e}")
+        print(f"  {name} {dtype} {quantization or ''}: hidden rel err {err:.2e}")
         assert err <= tol
         for la, lb in zip(pool.cache.layers, ref_pool.cache.layers):
             for ta, tb in zip(la.tensors(), lb.tensors()):
