@@ -100,10 +100,11 @@ def _add_engine_args(p: argparse.ArgumentParser, prefix_cache_default: bool) -> 
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", metavar="N",
                    help="batch sizes of the decode CUDA graphs captured at startup (default 1 2 4 8 16 24 ... "
                         "max-num-seqs)")
-    p.add_argument("--prefill-graph-max-tokens", type=int, default=0, metavar="N",
+    p.add_argument("--prefill-graph-max-tokens", type=int, default=None, metavar="N",
                    help="prefill steps of up to N tokens run their token-wise parts (projections, norms, "
                         "MoE) as CUDA graphs captured at startup, the attention and recurrent cores eager "
-                        "(Kimi-Linear, Qwen3-Next, Qwen3.5; default 0: off)")
+                        "(Kimi-Linear, Qwen3-Next, Qwen3.5; default 2048 where decode runs in CUDA graphs, "
+                        "0: off)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch a decode step before the previous one's tokens are read (with CUDA graphs; "
                         "same output)")

@@ -118,7 +118,9 @@ class EngineConfig:
     prefill_graph_max_tokens: prefill steps of up to this many tokens run their token-wise spans
     (projections, norms, FFN / MoE) as CUDA graphs per token bucket, captured at startup, with the
     convs, chunks and attention eager between them (hyla.engine.prefill_graphs; models whose
-    class sets `piecewise_prefill`: Kimi-Linear, Qwen3-Next, Qwen3.5); 0 = every prefill step eager. On the CPU the
+    class sets `piecewise_prefill`: Kimi-Linear, Qwen3-Next, Qwen3.5); 0 = every prefill step
+    eager; None = PREFILL_GRAPH_DEFAULT_TOKENS where the decode steps run in CUDA graphs (one CUDA
+    device, no enforce_eager) and the model opts in, else 0. Given explicitly on the CPU, the
     spans run over the same padded buffers without graphs (what the tests check).
     kernel_warmup: on CUDA with one device, run the prefill-shaped steps a server meets once at
     startup, so that Triton compiles their kernels before the first request rather than while
@@ -159,7 +161,7 @@ class EngineConfig:
     backend: str | None = None  # "auto" / "torch" / "triton": the ops' backend (None: HYLA_BACKEND's, else auto)
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read (hyla.engine.overlap)
     cuda_graph_sizes: list[int] | None = None  # decode graphs' batch sizes (None: 1, 2, 4, 8, 16, ... max_num_seqs)
-    prefill_graph_max_tokens: int = 0  # prefill steps up to this many tokens: spans as CUDA graphs (0: off)
+    prefill_graph_max_tokens: int | None = None  # prefill steps up to N tokens: spans as CUDA graphs (0: off; None: auto)
     kernel_warmup: bool = True  # on CUDA, one device: prefill-shaped steps compile their kernels before serving
     step_log: str | None = None  # a JSON-lines trace of every engine step (hyla.engine.step_log)
     model_limit: int = field(init=False, default=0)  # the checkpoint's max_position_embeddings (or 2^20)
@@ -177,7 +179,7 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         g = self.prefill_graph_max_tokens
-        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 0):
             raise ValueError(f"prefill_graph_max_tokens must be an integer >= 0, got {g!r}")
         if g and self.enforce_eager:
             raise ValueError("prefill_graph_max_tokens asks for CUDA graphs, which enforce_eager turns off")

@@ -42,6 +42,12 @@ from hyla.parallel.errors import TensorParallelError
 
 log = logging.getLogger("hyla.engine")
 
+# prefill_graph_max_tokens's default on CUDA: the steps up to 2,048 tokens, which launching bounds
+# (48B shape, 12 layers, FP8, one H100: 1,024 tokens 26.9 -> 18.4 ms, 256 tokens 26.8 -> 13.2 ms,
+# a returning turn of 549 after 3,072 cached 24.6 -> 17.4 ms; 2,048 tokens 28.5 -> 24.0 ms;
+# BENCHMARKS.md "Prefill steps: host or device")
+PREFILL_GRAPH_DEFAULT_TOKENS = 2048
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer=None):
@@ -106,7 +112,7 @@ class LLMEngine:
                             page_size=config.page_size, state_dtype=config.state_dtype,
                             kv_cache_dtype=config.kv_cache_dtype, checkpoints=config.enable_prefix_caching)
         # the prefill spans' graphs: captured before the pools are sized from the memory left
-        prefill_graphs = self._prefill_graphs() if config.prefill_graph_max_tokens else None
+        prefill_graphs = self._prefill_graphs()
         graph_sizes = config.cuda_graph_sizes or batch_buckets(config.max_num_seqs)
         # speculative decoding decodes through verify graphs: its decode graphs stay lazy
         capture = self.workers is None and spec_cfg is None and use_cuda_graphs(self.model, config.enforce_eager)
@@ -189,24 +195,35 @@ class LLMEngine:
         self._drained: list[RequestOutput] = []  # outputs of a step collected outside `step` (drain)
 
     def _prefill_graphs(self):
-        """PrefillGraphs for prefill steps up to prefill_graph_max_tokens (capped by
-        max_num_batched_tokens), captured now (hyla.engine.prefill_graphs)."""
+        """PrefillGraphs for prefill steps up to prefill_graph_max_tokens (None: the default where
+        decode steps run in graphs; capped by max_num_batched_tokens), captured now, before the
+        pools are sized from what is left (hyla.engine.prefill_graphs); None when off."""
         from hyla.engine.prefill_graphs import PrefillGraphs
         from hyla.models.prefill_program import supports
 
+        config, device = self.config, self.model.device
+        wanted = config.prefill_graph_max_tokens
+        if wanted is None:  # auto: where decode runs in graphs, for the models that opt in
+            graphed = self.workers is None and use_cuda_graphs(self.model, config.enforce_eager)
+            wanted = PREFILL_GRAPH_DEFAULT_TOKENS if graphed and supports(self.model) else 0
+        if not wanted:
+            return None
         if not supports(self.model):
             raise ValueError(f"prefill_graph_max_tokens: {type(self.model).__name__} does not run its prefill "
                              "steps in spans (Kimi-Linear, Qwen3-Next and Qwen3.5 do); leave it 0")
-        limit = min(self.config.prefill_graph_max_tokens, self.config.max_num_batched_tokens)
+        limit = min(wanted, config.max_num_batched_tokens)
         start = time.perf_counter()
-        free = torch.cuda.mem_get_info(self.model.device)[0] if self.model.device.type == "cuda" else 0
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(device)[0]
         graphs = PrefillGraphs(self.model, limit)
         n = graphs.capture_all()
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-            log.info("prefill graphs: %d span graphs captured for steps of up to %d tokens (buckets %s) in %.1f s, "
-                     "%.2f GiB", n, limit, graphs.buckets, time.perf_counter() - start,
-                     (free - torch.cuda.mem_get_info(self.model.device)[0]) / 2**30)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()  # the captures' warm-up blocks: not the graphs'
+            log.info("prefill graphs: %d span graphs for steps of up to %d tokens (buckets %s) captured in %.1f s, "
+                     "%.2f GiB with their buffers", n, limit, graphs.buckets, time.perf_counter() - start,
+                     (free - torch.cuda.mem_get_info(device)[0]) / 2**30)
         return graphs
 
     def _capture_graphs(self) -> None:

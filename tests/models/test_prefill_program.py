@@ -29,7 +29,7 @@ def _steps(pool: ToyPool):
 
 def _run(pool: ToyPool, chunks, checkpoints, forward):
     batch = pool.batch(chunks, checkpoints)
-    ids = torch.tensor([t for _, ts in chunks for t in ts], dtype=torch.long)
+    ids = torch.tensor([t for _, ts in chunks for t in ts], dtype=torch.long, device=pool.device)
     with torch.no_grad():
         hidden = forward(ids, batch, pool.cache).clone()
     for rid, ts in chunks:
@@ -114,9 +114,9 @@ def test_buckets_and_refusals(tmp_path):
     assert token_buckets(8) == [8]
     with pytest.raises(ValueError, match="max_tokens"):
         token_buckets(0)
-    from tests.oracles.glm5_next_checkpoint import build_glm5_next_checkpoint
+    from hyla.bench.random_models import random_model
 
-    model = load_model(build_glm5_next_checkpoint(tmp_path))
+    model = random_model("tiny-glm5-next")
     assert not supports(model)
     with pytest.raises(ValueError, match="does not run its prefill steps in spans"):
         PrefillProgram(model)
