@@ -7,6 +7,7 @@ step is host-bound (the GPU waits on python launching kernels) and where it is d
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 8192 --rows 16 --context 3072 --mla-groups on off
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 8192 --rows 16 --context 3072 --top 12
     python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 256 549 1024 2048 --context 3072 --prefill-graphs off on
+    python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 --decode-rows 0 24 --decode-context 1280 --top 12
     py-spy record -f raw -o host.txt -- python scripts/prefill_wall.py --layers 12 -q fp8 --lengths 1024 --loop 20
 
 One step of --rows prompts (default one) through ModelRunner.execute (what the engine runs), random weights on the
@@ -43,6 +44,9 @@ def main() -> None:
                    "(a step of several sequences, as a burst of requests makes)")
     p.add_argument("--context", type=int, default=0, help="each prompt resumes after this many cached tokens "
                    "(a returning turn on a prefix-cache hit)")
+    p.add_argument("--decode-rows", type=int, nargs="+", default=[0], help="one-token rows of running requests "
+                   "in the same step (a chunked-prefill step mixes them in), each after --decode-context tokens")
+    p.add_argument("--decode-context", type=int, default=1280)
     p.add_argument("--mla-groups", nargs="+", choices=["on", "off"], default=["on"],
                    help="MLA prefill with its prompts expanded in groups (on, hyla.layers.mla) or one by one "
                         "(off): both in one process, which host-bound A / Bs need")
@@ -58,8 +62,10 @@ def main() -> None:
     model = random_model(args.random_config, dtype=torch.bfloat16, device="cuda", layers=args.layers,
                          quantization=args.quantization)
     # pages for the longest step: its tokens plus each prompt's context and last partial pages
-    runner = make_runner(model, max(args.rows), max_context=16,
-                         prefill_tokens=max(args.lengths) + (args.context + 32) * max(args.rows))
+    decode = max(args.decode_rows)
+    runner = make_runner(model, max(args.rows) + decode, max_context=16,
+                         prefill_tokens=max(args.lengths) + (args.context + 32) * max(args.rows)
+                         + (args.decode_context + 32) * decode)
     bounds = args.align_max_pairs or [fused_moe.ONE_PROGRAM_MAX_PAIRS]
     graphs = None
     if "on" in args.prefill_graphs:
@@ -74,20 +80,21 @@ def main() -> None:
           f"{torch.cuda.get_device_name()}: one prompt per prefill step")
     grouped = mla.expansion_groups
     print(f"# each prompt after {args.context} cached tokens")
-    print("| tokens | prompts | align max pairs | MLA groups | prefill graphs | wall ms | kernel ms | wall / kernel "
-          "| tokens/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for T, rows, bound, groups, pg in ((T, r, b, g, pg) for T in args.lengths for r in args.rows for b in bounds
-                                       for g in args.mla_groups for pg in args.prefill_graphs):
+    print("| tokens | prompts | decode rows | align max pairs | MLA groups | prefill graphs | wall ms | kernel ms "
+          "| wall / kernel | tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for T, rows, dec, bound, groups, pg in ((T, r, d, b, g, pg) for T in args.lengths for r in args.rows
+                                            for d in args.decode_rows for b in bounds for g in args.mla_groups
+                                            for pg in args.prefill_graphs):
         runner.prefill_graphs = graphs if pg == "on" else None
-        plan = split_plan(T, rows, model.config.vocab_size, args.context)
+        plan = split_plan(T, rows, model.config.vocab_size, args.context, dec, args.decode_context)
         fused_moe.ONE_PROGRAM_MAX_PAIRS = bound
         mla.expansion_groups = grouped if groups == "on" else (lambda seqs, *_: [[s] for s in seqs])
         run = lambda: runner.execute(plan)  # noqa: E731
         wall = median_ms(run, 5)  # after one untimed call; CUDA events span the host's launching too
         kernels = kernel_times(run)
         kern = sum(k[0] for k in kernels) / 1e3
-        print(f"| {T} | {rows} | {bound} | {groups} | {pg} | {wall:.2f} | {kern:.2f} | {wall / kern:.2f}x | "
+        print(f"| {T} | {rows} | {dec} | {bound} | {groups} | {pg} | {wall:.2f} | {kern:.2f} | {wall / kern:.2f}x | "
               f"{T / wall * 1e3:,.0f} |")
         if args.top:
             print("# " + describe_kernels(kernels, args.top))
@@ -100,12 +107,15 @@ def main() -> None:
         print(f"# looped {steps} steps in {args.loop:.0f} s")
 
 
-def split_plan(tokens: int, rows: int, vocab: int, context: int = 0) -> StepPlan:
+def split_plan(tokens: int, rows: int, vocab: int, context: int = 0, decode_rows: int = 0,
+               decode_context: int = 0) -> StepPlan:
     """A prefill step of `tokens` new tokens over `rows` prompts (lengths differing by at most
     one), each after `context` cached tokens (random pages and state), in its own state slot and
-    pages, every prompt's last row sampled (the warm-up's rows_plan)."""
+    pages, every prompt's last row sampled (the warm-up's rows_plan); then `decode_rows` one-token
+    rows after `decode_context` tokens each."""
     lens = [tokens // rows + (i < tokens % rows) for i in range(rows)]
-    return rows_plan([(n, context, 0) for n in lens], vocab, PAGE, random.Random(0))
+    return rows_plan([(n, context, 0) for n in lens] + [(1, decode_context, 0)] * decode_rows, vocab, PAGE,
+                     random.Random(0))
 
 if __name__ == "__main__":
     main()

@@ -34,17 +34,19 @@ log = logging.getLogger("hyla.engine")
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """16, 24, 32, 48, 64, 96, ... (powers of two and their halfway points: a step pads by at most
-    a third) up to and including max_tokens."""
+    """16, 24, 32, 48, 64, 96, 128, 192 (powers of two and their halfway points), then every
+    multiple of 128 from 256 and of 256 from 2,048, up to and including max_tokens. A served
+    prefill chunk is often a round size plus a few decode rows (1,024 + 8): with the halfway
+    points alone that padded to 1,536 rows, and the padded rows' MoE work cost 2.4 ms of a 12-layer
+    step's 24.5 (docs/perf-log/2026-12-06-h100-prefill-graphs.md); now it pads to 1,152."""
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    out, b = [], 16
+    out = [b for b in (16, 24, 32, 48, 64, 96, 128, 192) if b < max_tokens]
+    b = 256
     while b < max_tokens:
         out.append(b)
-        if b + b // 2 < max_tokens:
-            out.append(b + b // 2)
-        b *= 2
-    return sorted(set(out + [max_tokens]))
+        b += 128 if b < 2048 else 256
+    return out + [max_tokens]
 
 
 class StaticSpanState(SpanState):

@@ -111,6 +111,8 @@ def test_qwen_families(qwen3_next_checkpoint, family, tmp_path):
 def test_buckets_and_refusals(tmp_path):
     assert token_buckets(64) == [16, 24, 32, 48, 64]
     assert token_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
+    assert token_buckets(1200) == [16, 24, 32, 48, 64, 96, 128, 192, *range(256, 1200, 128), 1200]
+    assert token_buckets(2560)[-4:] == [1920, 2048, 2304, 2560]
     assert token_buckets(8) == [8]
     with pytest.raises(ValueError, match="max_tokens"):
         token_buckets(0)
