@@ -82,18 +82,13 @@ class StaticSpanState(SpanState):
                 self.core_buffers.append(shared[key][1])
             self.layer_layout.append((spec, *shared[key]))
         program.span(len(program.layers), probe)
-        self.residual_buffer = torch.zeros_like(probe.residual)
+        self.residual_buffer = torch.zeros_like(probe.residual())
         self.hidden_buffer = torch.zeros_like(probe.hidden)
 
     # -- SpanState ------------------------------------------------------------------------------
 
-    @property
     def ids(self) -> torch.Tensor:
         return self.ids_buffer[:self.rows]
-
-    @ids.setter
-    def ids(self, value) -> None:  # SpanState.__init__ sets it; the buffer is ours
-        pass
 
     def set_pre(self, i: int, pre) -> None:
         _, bufs, _ = self.layer_layout[i]
@@ -112,13 +107,8 @@ class StaticSpanState(SpanState):
     def core(self, i: int) -> torch.Tensor:
         return self.layer_layout[i][2][:self.rows]
 
-    @property
     def residual(self) -> torch.Tensor:
         return self.residual_buffer[:self.rows]
-
-    @residual.setter
-    def residual(self, value) -> None:  # SpanState.__init__ sets it; the buffer is ours
-        pass
 
     def set_residual(self, h: torch.Tensor) -> None:
         self.residual_buffer[:self.rows].copy_(h)

@@ -59,11 +59,14 @@ class SpanState:
     subclass keeps them in static buffers."""
 
     def __init__(self, ids: torch.Tensor | None = None):
-        self.ids = ids
+        self._ids = ids
         self._pre: dict[int, object] = {}
         self._core: dict[int, torch.Tensor] = {}
-        self.residual: torch.Tensor | None = None
+        self._residual: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
+
+    def ids(self) -> torch.Tensor:
+        return self._ids
 
     def set_pre(self, i: int, pre) -> None:
         self._pre[i] = pre
@@ -78,8 +81,11 @@ class SpanState:
     def core(self, i: int) -> torch.Tensor:
         return self._core[i]
 
+    def residual(self) -> torch.Tensor:
+        return self._residual
+
     def set_residual(self, h: torch.Tensor) -> None:
-        self.residual = h
+        self._residual = h
 
     def set_hidden(self, hidden: torch.Tensor) -> None:
         self.hidden = hidden
@@ -106,12 +112,12 @@ class PrefillProgram:
         residual, or (the last span) the final hidden states."""
         layers = self.layers
         if i == 0:
-            h = self.model.model.embed_tokens(state.ids)
+            h = self.model.model.embed_tokens(state.ids())
             x, h = layers[0].input_layernorm.add_forward(h, None)
         else:
             prev = layers[i - 1]
             a = prev.token_mixer.step_post(state.core(i - 1), state.pre(i - 1))
-            x, h = prev.post_attention_layernorm.add_forward(a, state.residual)
+            x, h = prev.post_attention_layernorm.add_forward(a, state.residual())
             f = prev.ffn(x)
             if i == len(layers):
                 state.set_hidden(self.model.model.norm.add_forward(f, h)[0])
