@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import signal
 import statistics
 
 
@@ -28,6 +29,7 @@ def _bucket(n: int, edges: tuple[int, ...]) -> str:
 
 
 def main() -> None:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the table quietly, not with a traceback
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("log")
     ap.add_argument("--since-ms", type=float, default=0.0)

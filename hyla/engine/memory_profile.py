@@ -143,7 +143,7 @@ def device_pool_budget(device: torch.device, utilization: float, step_bytes: int
     budget = int(utilization * total) - held - step_bytes - reserved_bytes
     allocated = torch.cuda.memory_allocated(device)
     log.info("memory: gpu_memory_utilization %.2f of %.1f GiB = %.1f GiB; in use %.1f GiB (%.1f GiB of tensors: "
-             "weights; the rest the CUDA context, other processes, unreleasable fragments); worst-case step and "
+             "weights, and the prefill graphs' buffers and pool when captured; the rest the CUDA context, other processes, unreleasable fragments); worst-case step and "
              "decode graphs %.2f GiB; weights loaded later %.2f GiB; pools %.1f GiB",
              utilization, total / GiB, utilization * total / GiB, held / GiB, allocated / GiB, step_bytes / GiB,
              reserved_bytes / GiB, max(budget, 0) / GiB)

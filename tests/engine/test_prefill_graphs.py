@@ -67,6 +67,13 @@ def test_preemption(kimi):
     assert llm.get_metrics()["num_preemptions"] > 0
 
 
+def test_default_is_off_on_the_cpu(kimi):
+    """The default (None) turns them on only where decode runs in CUDA graphs."""
+    assert EngineConfig(model=kimi).prefill_graph_max_tokens is None
+    assert LLM(kimi, **KW).engine.runner.prefill_graphs is None
+    assert LLM(kimi, prefill_graph_max_tokens=0, **KW).engine.runner.prefill_graphs is None
+
+
 def test_refusals(kimi, tmp_path_factory):
     with pytest.raises(ValueError, match="enforce_eager"):
         EngineConfig(model=kimi, prefill_graph_max_tokens=64, enforce_eager=True)
