@@ -202,3 +202,16 @@ def test_sampling_with_mtp_drafts_keeps_the_target_distribution(tmp_path):
     # The power to reject a wrong rule: taking the head's draft as the second token fails the test.
     naive = torch.bincount(torch.tensor(list(first_drafts.values())), minlength=8).double()
     assert _chi2_pvalue(naive, second) < 1e-6
+
+
+def test_mtp_with_prefill_graphs_equals_plain_greedy(ckpt, plain):
+    """Prefill steps through the padded static spans (hyla.engine.prefill_graphs; on the CPU without
+    graphs): the head reads the prefill's hidden states, which the runner copies out of the static
+    buffer before the next step overwrites it."""
+    cfg = {"method": "mtp", "num_speculative_tokens": 2, "rollback": "slots"}
+    llm = LLM(str(ckpt), dtype="float64", speculative_config=cfg, enable_prefix_caching=True, max_num_seqs=3,
+              prefill_graph_max_tokens=32)
+    assert llm.engine.runner.prefill_graphs is not None
+    outs = llm.generate(PROMPTS + PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain + plain[:1]
+    assert llm.get_metrics()["spec_num_accepted_tokens"] > 0

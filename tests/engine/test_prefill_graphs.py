@@ -40,6 +40,8 @@ def test_greedy_tokens_equal_the_eager_engine(kimi, tmp_path_factory, name):
     llm = LLM(path, prefill_graph_max_tokens=64, **KW)
     assert llm.engine.runner.prefill_graphs.buckets == [16, 24, 32, 48, 64]
     assert _tokens(llm, prompts) == want
+    # up to 24 tokens: the 64-token chunks run eagerly, the shorter steps through the spans
+    assert _tokens(LLM(path, prefill_graph_max_tokens=24, **KW), prompts) == want
 
 
 def test_prefix_cache_and_speculation(kimi):
