@@ -398,17 +398,13 @@ class ShortConvDeltaRule(nn.Module):
         resume = batch.has_context()  # [N]: sequences without context start from zeros
         positions = checkpoint_positions(batch)
         aux = tuple(None if a is None else a[None] for a in aux)  # [1, T_total, ...], sequences packed along T
-        if isinstance(conv_in, PackedConvInput):
-            pre = PackedConvInput(conv_in.x[None], conv_in.sizes, conv_in.channels)
-        else:
-            pre = [t[None] for t in conv_in]
-        if isinstance(pre, PackedConvInput):  # every conv in one op, its windows read and written in the pools
+        if isinstance(conv_in, PackedConvInput):  # every conv in one op, its windows read and written in the pools
             ys = dispatch.causal_conv1d_prefill_packed(
-                pre.x, cache.conv, [c.weight for c in self.convs()], pre.sizes, activation="silu", state_indices=slots,
-                has_context=resume, cu_seqlens=cu, channels=pre.channels,
+                conv_in.x[None], cache.conv, [c.weight for c in self.convs()], conv_in.sizes, activation="silu",
+                state_indices=slots, has_context=resume, cu_seqlens=cu, channels=conv_in.channels,
                 checkpoints=None if positions is None else _checkpoint_table(batch))
         else:
-            ys = self._prefill_convs(_conv_inputs(pre), batch, cache, positions)
+            ys = self._prefill_convs([t[None] for t in conv_in], batch, cache, positions)
         q, k, v = self.heads(ys)  # [1, T_total, H, K], v [1, T_total, HV, V]
         g, beta = self.gates(aux)
         work = work_dtype(q)

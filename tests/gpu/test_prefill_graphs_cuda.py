@@ -5,8 +5,6 @@ online block-FP8 weights (the FP8 GEMM's tile table is keyed by rows: bf16 round
 included, with every static buffer refilled with NaN between steps; then greedy tokens through
 the engine, fp32, with and without it."""
 
-import copy
-
 import pytest
 import torch
 
@@ -17,16 +15,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from hyla import LLM, SamplingParams  # noqa: E402
 from hyla.bench.random_models import random_checkpoint, random_model  # noqa: E402
 from hyla.engine.prefill_graphs import PrefillGraphs  # noqa: E402
-from tests.models.test_prefill_program import _run, _steps  # noqa: E402
-from tests.oracles.paged import ToyPool  # noqa: E402
-
-
-def _garbage(graphs: PrefillGraphs) -> None:
-    state = graphs.state
-    bufs = [state.ids_buffer, state.residual_buffer, state.hidden_buffer, *state.core_buffers]
-    bufs += [b for _, leaves, _ in state.layer_layout for b in leaves if b is not None]
-    for b in bufs:
-        b.fill_(10**9) if b.dtype == torch.long else b.fill_(float("nan"))
+from tests.models.test_prefill_program import pool_pairs, step_pairs, with_garbage  # noqa: E402
 
 
 @pytest.mark.parametrize("name,dtype,quantization,tol", [
@@ -36,22 +25,12 @@ def test_captured_spans_equal_forward_batch(name, dtype, quantization, tol):
     model = random_model(name, dtype=dtype, device="cuda", quantization=quantization)
     graphs = PrefillGraphs(model, 64, buckets=[16, 48, 64])
     assert graphs.capture_all() == 3 * graphs.program.num_spans
-
-    def forward(ids, batch, cache):
-        _garbage(graphs)
-        return graphs.run(ids, batch, cache)
-
-    ref_pool = ToyPool(model, num_slots=10, num_pages=64, page_size=4)
-    pool = copy.deepcopy(ref_pool)
-    for (chunks, ck), (chunks2, ck2) in zip(_steps(ref_pool), _steps(pool)):
-        want = _run(ref_pool, chunks, ck, model.forward_batch)
-        got = _run(pool, chunks2, ck2, forward)
+    for got, want, pool, ref_pool in step_pairs(model, with_garbage(graphs)):
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         print(f"  {name} {dtype} {quantization or ''}: hidden rel err {err:.2e}")
         assert err <= tol
-        for la, lb in zip(pool.cache.layers, ref_pool.cache.layers):
-            for ta, tb in zip(la.tensors(), lb.tensors()):
-                assert ((ta.float() - tb.float()).norm() / tb.float().norm().clamp_min(1e-30)).item() <= tol
+        for ta, tb in pool_pairs(pool, ref_pool):
+            assert ((ta.float() - tb.float()).norm() / tb.float().norm().clamp_min(1e-30)).item() <= tol
 
 
 def test_engine_greedy_tokens_with_prefill_graphs(tmp_path):

@@ -37,26 +37,46 @@ def _run(pool: ToyPool, chunks, checkpoints, forward):
     return hidden
 
 
-def _same_pools(a: ToyPool, b: ToyPool) -> None:
-    for la, lb in zip(a.cache.layers, b.cache.layers):
-        for ta, tb in zip(la.tensors(), lb.tensors()):
-            assert torch.equal(ta, tb)
-
-
-def _compare(model, forward, exact: bool):
+def step_pairs(model, forward):
+    """Run _steps through model.forward_batch on one pool and through `forward` on a copy of it ->
+    per step (got, want, the copy's pool, the reference pool)."""
     ref_pool = ToyPool(model, num_slots=10, num_pages=64, page_size=4)
     pool = copy.deepcopy(ref_pool)
     for (chunks, ck), (chunks2, ck2) in zip(_steps(ref_pool), _steps(pool)):
         want = _run(ref_pool, chunks, ck, model.forward_batch)
-        got = _run(pool, chunks2, ck2, forward)
+        yield _run(pool, chunks2, ck2, forward), want, pool, ref_pool
+
+
+def pool_pairs(a: ToyPool, b: ToyPool):
+    """Every pool tensor of a beside b's."""
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        yield from zip(la.tensors(), lb.tensors())
+
+
+def with_garbage(graphs: PrefillGraphs):
+    """graphs.run, with every static buffer refilled with garbage first (NaN, ids past any
+    vocabulary): a step must not read what an earlier one left."""
+    state = graphs.state
+
+    def forward(ids, batch, cache):
+        bufs = [state.ids_buffer, state.residual_buffer, state.hidden_buffer, *state.core_buffers]
+        bufs += [b for _, leaves, _ in state.layer_layout for b in leaves if b is not None]
+        for b in bufs:
+            b.fill_(10**9) if b.dtype == torch.long else b.fill_(float("nan"))
+        return graphs.run(ids, batch, cache)
+
+    return forward
+
+
+def _compare(model, forward, exact: bool):
+    for got, want, pool, ref_pool in step_pairs(model, forward):
         if exact:
             assert torch.equal(got, want)
+            assert all(torch.equal(ta, tb) for ta, tb in pool_pairs(pool, ref_pool))
         else:
             # the padded spans multiply more rows: a GEMM's blocking may change with the row count
             # (fp32: the same sums in another order, a few ulps each, carried through the layers)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        if exact:
-            _same_pools(pool, ref_pool)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -73,24 +93,10 @@ def test_padded_static_spans_equal_forward_batch(kimi_checkpoint, variant):
     must not read any of it."""
     model = load_model(kimi_checkpoint(variant))
     graphs = PrefillGraphs(model, 64, buckets=[16, 48, 64])
-    state = graphs.state
-
-    def forward(ids, batch, cache):
-        bufs = [state.ids_buffer, state.residual_buffer, state.hidden_buffer, *state.core_buffers]
-        bufs += [b for _, leaves, _ in state.layer_layout for b in leaves if b is not None]
-        for b in bufs:
-            b.fill_(10**9) if b.dtype == torch.long else b.fill_(float("nan"))
-        return graphs.run(ids, batch, cache)
-
-    ref_pool = ToyPool(model, num_slots=10, num_pages=64, page_size=4)
-    pool = copy.deepcopy(ref_pool)
-    for (chunks, ck), (chunks2, ck2) in zip(_steps(ref_pool), _steps(pool)):
-        want = _run(ref_pool, chunks, ck, model.forward_batch)
-        got = _run(pool, chunks2, ck2, forward)
+    for got, want, pool, ref_pool in step_pairs(model, with_garbage(graphs)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        for la, lb in zip(pool.cache.layers, ref_pool.cache.layers):
-            for ta, tb in zip(la.tensors(), lb.tensors()):
-                torch.testing.assert_close(ta, tb, rtol=1e-5, atol=1e-5)
+        for ta, tb in pool_pairs(pool, ref_pool):
+            torch.testing.assert_close(ta, tb, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
