@@ -407,11 +407,11 @@ class ShortConvDeltaRule(nn.Module):
             ys = self._prefill_convs([t[None] for t in conv_in], batch, cache, positions)
         q, k, v = self.heads(ys)  # [1, T_total, H, K], v [1, T_total, HV, V]
         g, beta = self.gates(aux)
-        work = work_dtype(q)
-        s0 = torch.where(resume[:, None, None, None], cache.state.index_select(0, slots).to(work), 0)
-        out = self._chunk(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+        # the chunk op reads each start state from the pool and writes the final one back in place
+        # (no gathered copy of the states: they are 2 MB a sequence and layer on the 48B shape)
+        out = self._chunk(q, k, v, g, beta, initial_state=cache.state, ssm_state_indices=slots,
+                          has_initial_state=resume, output_final_state=True,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu, checkpoint_positions=positions)
-        cache.state.index_copy_(0, slots, out[1].to(cache.state.dtype))
         if positions is not None:  # one write for all of them (checkpoint slots are distinct)
             cache.state.index_copy_(0, _checkpoint_slots(batch), _joined(out[2]).to(cache.state.dtype))
         return out[0][0]

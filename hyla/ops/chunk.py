@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyla.ops.utils import check_checkpoints, check_inputs, expand_heads, fused_preprocessing, work_dtype
+from hyla.ops.utils import (check_checkpoints, check_chunk_pool, check_inputs, expand_heads, fused_preprocessing,
+                            work_dtype)
 
 SUB_BLOCK = 16
 
@@ -274,11 +275,13 @@ def _state_at(S0, k, u, G, n, c, r, gate):
 
 def _chunk(q, k, v, g, beta, *, gate, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
            cu_seqlens, chunk_size, checkpoint_positions, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-           use_beta_sigmoid_in_kernel):
+           use_beta_sigmoid_in_kernel, ssm_state_indices, has_initial_state):
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > SUB_BLOCK and chunk_size % SUB_BLOCK):
         raise ValueError(f"`chunk_size` must be <= {SUB_BLOCK} or a multiple of {SUB_BLOCK}, got {chunk_size}")
-    check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                 check_gate_sign=not use_gate_in_kernel)
+    pooled = ssm_state_indices is not None
+    n = check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                     check_gate_sign=not use_gate_in_kernel, state_is_pool=pooled)
+    check_chunk_pool(initial_state, ssm_state_indices, has_initial_state, n)
     B, T, H, K = q.shape
     HV = v.shape[2]
     dt = work_dtype(q)
@@ -293,13 +296,21 @@ def _chunk(q, k, v, g, beta, *, gate, scale, initial_state, output_final_state, 
     ckpts = None if checkpoint_positions is None else check_checkpoints(checkpoint_positions, packing.lengths)
     if initial_state is None:
         S0 = q.new_zeros(packing.N, HV, K, v.shape[-1])
+    elif pooled:
+        S0 = initial_state.index_select(0, ssm_state_indices.long()).to(dt)
+        if has_initial_state is not None:
+            S0 = torch.where(has_initial_state[:, None, None, None], S0, 0)
     else:
         S0 = initial_state.to(dt)
     pad = packing.pad
     o, S, ck = _chunk_forward(pad(q), pad(k), pad(v.to(dt)), None if g is None else pad(g.to(dt)),
                               pad(beta.to(dt)), scale, S0, packing, gate, ckpts)
     o = packing.unpad(o, T).to(v.dtype)
-    final = S if output_final_state else None
+    if pooled:  # the slots are distinct: as pool[idx] = S
+        initial_state.index_copy_(0, ssm_state_indices.long(), S.to(initial_state.dtype))
+        final = initial_state
+    else:
+        final = S if output_final_state else None
     return (o, final) if ckpts is None else (o, final, ck)
 
 
@@ -310,44 +321,52 @@ _DOC_ARGS = """
     third element is returned: a list with one [len(p_n), HV, K, V] tensor per sequence holding the
     state after exactly p tokens of that sequence, in the order given.
     Returns (o [B, T, HV, V] in v.dtype, final_state [N, HV, K, V] fp32 (fp64 for fp64 inputs) or None).
+    State pool (the recurrent ops' contract, without padding rows): with `ssm_state_indices` [N]
+    (distinct slots >= 0), `initial_state` is a pool [num_slots, HV, K, V] (contiguous or K-last);
+    sequence n starts from slot idx[n] (from zeros where `has_initial_state` [N] bool is False)
+    and its final state is written back to that slot in place, whatever `output_final_state`
+    says; final_state is then the pool itself.
 """
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
               use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
-              use_beta_sigmoid_in_kernel=False):
+              use_beta_sigmoid_in_kernel=False, ssm_state_indices=None, has_initial_state=None):
     """Chunkwise KDA. g: [B, T, HV, K] per-channel log-decay (<= 0), or the raw gate input when
     `use_gate_in_kernel` (then g = kda_gate(g, A_log, dt_bias, lower_bound))."""
     return _chunk(q, k, v, g, beta, gate="kda", scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                   cu_seqlens=cu_seqlens, chunk_size=chunk_size, checkpoint_positions=checkpoint_positions,
                   use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-                  lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+                  lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                  ssm_state_indices=ssm_state_indices, has_initial_state=has_initial_state)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64,
                            checkpoint_positions=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                           use_beta_sigmoid_in_kernel=False):
+                           use_beta_sigmoid_in_kernel=False, ssm_state_indices=None, has_initial_state=None):
     """Chunkwise Gated DeltaNet. g: [B, T, HV] log-decay per head (<= 0), or the raw gate input
     when `use_gate_in_kernel` (then g = gdn_gate(g, A_log, dt_bias))."""
     return _chunk(q, k, v, g, beta, gate="gdn", scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                   cu_seqlens=cu_seqlens, chunk_size=chunk_size, checkpoint_positions=checkpoint_positions,
                   use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=None,
-                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, ssm_state_indices=ssm_state_indices,
+                  has_initial_state=has_initial_state)
 
 
 def chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None, output_final_state=False,
                      use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, checkpoint_positions=None,
-                     use_beta_sigmoid_in_kernel=False):
+                     use_beta_sigmoid_in_kernel=False, ssm_state_indices=None, has_initial_state=None):
     """Chunkwise DeltaNet (no decay)."""
     return _chunk(q, k, v, None, beta, gate=None, scale=scale, initial_state=initial_state,
                   output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                   cu_seqlens=cu_seqlens, chunk_size=chunk_size, checkpoint_positions=checkpoint_positions,
                   use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None,
-                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, ssm_state_indices=ssm_state_indices,
+                  has_initial_state=has_initial_state)
 
 
 for _f in (chunk_kda, chunk_gated_delta_rule, chunk_delta_rule):

@@ -74,11 +74,46 @@ def any_index_at_least(indices: torch.Tensor, limit: int) -> bool:
     values an engine step recorded when it built the tensor (no device sync: an eager step synced
     once per check and layer before), else from the device, and False while a CUDA graph is being
     captured (a capture cannot sync). A 2-D tensor's recorded values are nested lists."""
+    return _any_index(indices, lambda i: i >= limit, lambda t: t >= limit)
+
+
+def any_index_negative(indices: torch.Tensor) -> bool:
+    """Whether an index is < 0 (read as any_index_at_least reads them)."""
+    return _any_index(indices, lambda i: i < 0, lambda t: t < 0)
+
+
+def _any_index(indices: torch.Tensor, on_host, on_device) -> bool:
     known = known_host_values(indices)
     if known is not None:
         rows = (v if isinstance(v, (list, tuple)) else (v,) for v in known)
-        return any(i >= limit for row in rows for i in row)
-    return not is_capturing(indices) and bool((indices >= limit).any())
+        return any(on_host(i) for row in rows for i in row)
+    return not is_capturing(indices) and bool(on_device(indices).any())
+
+
+def check_chunk_pool(initial_state: torch.Tensor | None, ssm_state_indices: torch.Tensor | None,
+                     has_initial_state: torch.Tensor | None, n: int) -> None:
+    """The chunk ops' pool arguments: `ssm_state_indices` [N] int32 / int64 slots of the pool
+    `initial_state` [num_slots, HV, K, V] (each >= 0 and inside it), `has_initial_state` [N] bool
+    (only with a pool). Shapes of the pool itself are check_inputs'."""
+    if ssm_state_indices is None:
+        if has_initial_state is not None:
+            raise ValueError("`has_initial_state` needs `ssm_state_indices` (it masks the pool's slots)")
+        return
+    if initial_state is None:
+        raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool [num_slots, HV, K, V])")
+    if not isinstance(ssm_state_indices, torch.Tensor) or ssm_state_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError("`ssm_state_indices` must be an int32/int64 tensor")
+    if ssm_state_indices.shape != (n,):
+        raise ValueError(f"`ssm_state_indices` must be [N] with N={n} for the chunk ops, "
+                         f"got {tuple(ssm_state_indices.shape)}")
+    if ssm_state_indices.device != initial_state.device:
+        raise ValueError("`ssm_state_indices` must be on the pool's device")
+    if n and (any_index_at_least(ssm_state_indices, initial_state.shape[0]) or any_index_negative(ssm_state_indices)):
+        raise ValueError(f"`ssm_state_indices` must lie in [0, {initial_state.shape[0]}) (the pool's slots)")
+    if has_initial_state is not None:
+        if (not isinstance(has_initial_state, torch.Tensor) or has_initial_state.dtype != torch.bool
+                or has_initial_state.shape != (n,) or has_initial_state.device != initial_state.device):
+            raise ValueError(f"`has_initial_state` must be a bool tensor [N] with N={n} on the pool's device")
 
 
 def cached_on(t: torch.Tensor, name: str, build):

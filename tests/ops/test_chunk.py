@@ -15,6 +15,7 @@ from hyla.ops import (
     naive_recurrent_gated_delta_rule,
     naive_recurrent_kda,
 )
+from hyla.contract import as_k_last
 from tests.ops.helpers import make_inputs, rel_err
 
 EXACT = 1e-10  # fp64: both paths are exact algebra; only rounding separates them
@@ -79,6 +80,38 @@ def test_varlen_equals_per_sequence_loop(gate):
         if b > a:
             assert rel_err(o[:, a:b], o_n) < EXACT
         assert rel_err(s[n : n + 1], s_n) < EXACT
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn", "none"])
+@pytest.mark.parametrize("k_last", [False, True])
+def test_state_pool_in_place_equals_gathered_states(gate, k_last):
+    """With ssm_state_indices the pool is read and written in place: sequence n starts from its
+    slot (zeros where has_initial_state is False) and its final state lands there; other slots
+    are untouched; the outputs are those of the gathered call, bit for bit."""
+    chunk, _ = OPS[gate]
+    lens = [65, 1, 130, 3]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    q, k, v, g, beta, _ = make_inputs(1, sum(lens), 2, 12, 10, gate=gate, seed=23)
+    pool = torch.randn(7, 2, 12, 10, dtype=torch.float64)
+    if k_last:
+        pool = as_k_last(pool)
+    slots = torch.tensor([5, 0, 3, 6])
+    resume = torch.tensor([True, False, True, True])
+    start = torch.where(resume[:, None, None, None], pool[slots], 0).contiguous()  # the layout the op gathers
+    before = pool.clone()
+    o_ref, s_ref, c_ref = call(chunk, q, k, v, g, beta, initial_state=start, output_final_state=True,
+                               cu_seqlens=cu, checkpoint_positions=[[64], [], [1, 130], [2]])
+    o, s, c = call(chunk, q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots, has_initial_state=resume,
+                   cu_seqlens=cu, checkpoint_positions=[[64], [], [1, 130], [2]])
+    assert s is pool and torch.equal(o, o_ref) and torch.equal(pool[slots], s_ref)
+    assert all(torch.equal(a, b) for a, b in zip(c, c_ref))
+    others = [i for i in range(7) if i not in slots.tolist()]
+    assert torch.equal(pool[others], before[others])
+    # without has_initial_state every sequence resumes from its slot
+    pool2 = before.clone()
+    call(chunk, q, k, v, g, beta, initial_state=pool2, ssm_state_indices=slots, cu_seqlens=cu)
+    s_all = call(chunk, q, k, v, g, beta, initial_state=before[slots].contiguous(), output_final_state=True, cu_seqlens=cu)[1]
+    assert torch.equal(pool2[slots], s_all)
 
 
 @pytest.mark.parametrize("split", [1, 40, 64, 99])
@@ -264,6 +297,22 @@ class TestValidation:
             self.run(checkpoint_positions=[[11]])
         with pytest.raises(ValueError, match="checkpoint_positions"):
             self.run(checkpoint_positions=[[1], [2]])
+
+    def test_state_pool_arguments(self):
+        pool = torch.zeros(3, 2, 4, 3, dtype=torch.float64)
+        with pytest.raises(ValueError, match="needs `initial_state`"):
+            self.run(ssm_state_indices=torch.tensor([0]))
+        with pytest.raises(ValueError, match="int32/int64"):
+            self.run(initial_state=pool, ssm_state_indices=torch.tensor([0.0]))
+        with pytest.raises(ValueError, match=r"\[N\] with N=1"):
+            self.run(initial_state=pool, ssm_state_indices=torch.tensor([0, 1]))
+        for bad in (3, -1):
+            with pytest.raises(ValueError, match=r"lie in \[0, 3\)"):
+                self.run(initial_state=pool, ssm_state_indices=torch.tensor([bad]))
+        with pytest.raises(ValueError, match="`has_initial_state` must"):
+            self.run(initial_state=pool, ssm_state_indices=torch.tensor([1]), has_initial_state=torch.tensor([1]))
+        with pytest.raises(ValueError, match="`has_initial_state` needs"):
+            self.run(initial_state=self.h0, has_initial_state=torch.tensor([True]))
 
     def test_chunk_size(self):
         with pytest.raises(ValueError, match="chunk_size"):

@@ -96,6 +96,34 @@ def test_chunk_varlen_with_checkpoints_at_odd_positions(gate):
     _check(c[2][3], s[2], "checkpoint at the end")
 
 
+@pytest.mark.parametrize("gate,wu_in_scan", [("kda", True), ("kda", False), ("gdn", True), ("none", False)])
+@pytest.mark.parametrize("k_last", [False, True])
+def test_chunk_state_pool_in_place(gate, wu_in_scan, k_last):
+    """The scan reads each start state from its pool slot (zeros where has_initial_state is False)
+    and writes the final state back in place, K-last or V-contiguous: bit for bit the states and
+    outputs of the gathered call, the other slots untouched."""
+    from hyla.ops.triton.chunk import chunk_fwd
+
+    lens = [65, 1, 130]
+    cu = torch.tensor([0, 65, 66, 196], device=DEV)
+    q, k, v, g, beta, _ = make_inputs(1, sum(lens), 2, 32, 32, gate=gate, seed=29)
+    args = _f32(q, k, v, g, beta)
+    kw = dict(gate=None if gate == "none" else gate, cu_seqlens=cu, wu_in_scan=wu_in_scan,
+              checkpoint_positions=[[64], [], [1, 129]])
+    pool = torch.randn(5, 2, 32, 32, device=DEV)
+    if k_last:
+        pool = as_k_last(pool)
+    slots = torch.tensor([4, 0, 2], device=DEV)
+    resume = torch.tensor([True, False, True], device=DEV)
+    before = pool.clone()
+    o_ref, s_ref, c_ref = chunk_fwd(*args, initial_state=torch.where(resume[:, None, None, None], pool[slots], 0),
+                                    output_final_state=True, **kw)
+    o, s, c = chunk_fwd(*args, initial_state=pool, ssm_state_indices=slots, has_initial_state=resume, **kw)
+    assert s is pool and torch.equal(o, o_ref) and torch.equal(pool[slots], s_ref)
+    assert all(torch.equal(a, b) for a, b in zip(c, c_ref))
+    assert torch.equal(pool[[1, 3]], before[[1, 3]])
+
+
 def test_chunk_no_checkpoints_requested_returns_empty_lists():
     fast, _ = _chunk_pair("kda")
     q, k, v, g, beta, _ = make_inputs(1, 20, 2, 32, 32, seed=3)

@@ -40,11 +40,11 @@ from hyla.ops.triton.chunk_intra import chunk_factors_kernel, chunk_gram_kernel
 from hyla.ops.triton.chunk_scan import chunk_checkpoint_rows_kernel, chunk_scan_kernel, chunk_scan_rows_kernel
 from hyla.ops.triton.gate import gdn_gate_beta, kda_gate_beta
 from hyla.ops.triton.params import gate_params, num_sms
-from hyla.ops.triton.recurrent import recurrent_fwd
+from hyla.ops.triton.recurrent import pool_is_k_last, recurrent_fwd
 from hyla.ops import chunk as _reference
 from hyla.ops import utils
 from hyla.ops.transfer import stage_long
-from hyla.ops.utils import check_checkpoints, check_inputs
+from hyla.ops.utils import check_checkpoints, check_chunk_pool, check_inputs
 
 _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
@@ -271,7 +271,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
               use_beta_sigmoid_in_kernel=False, intra_warps=4, slice_k=32, scan_block_v=None, scan_warps=None,
               factor_slice=None, factor_warps=4, scan_stages=None, scan_narrowest=32,
               precompute_gate=None, low_precision_inverse=None, gram_maxnreg=None, factor_maxnreg=None,
-              wu_in_scan=None):
+              wu_in_scan=None, ssm_state_indices=None, has_initial_state=None):
     """The shared forward of chunk_kda (gate="kda"), chunk_gated_delta_rule ("gdn") and
     chunk_delta_rule (None). The arguments after use_beta_sigmoid_in_kernel are launch parameters
     (the defaults: the H200's fastest, BENCHMARKS.md "Chunk prefill vs fla"): warps and channel-slice
@@ -295,8 +295,11 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
     checkpoints then come from the token recurrence, _checkpoints_by_recurrence)."""
     if not isinstance(chunk_size, int) or chunk_size < 1 or (chunk_size > 16 and chunk_size % 16):
         raise ValueError(f"`chunk_size` must be <= 16 or a multiple of 16, got {chunk_size}")
-    check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                 check_gate_sign=False)
+    pooled = ssm_state_indices is not None
+    n_seq = check_inputs(q, k, v, g, beta, gate=gate, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                         check_gate_sign=False, state_is_pool=pooled)
+    check_chunk_pool(initial_state, ssm_state_indices, has_initial_state, n_seq)
+    klast = pooled and pool_is_k_last(initial_state)
     if beta is None:
         raise ValueError("`beta` is required")
     if q.dtype == torch.float64 or v.dtype == torch.float64:
@@ -422,11 +425,20 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             )
 
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
-    final = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
-    h0 = initial_state.contiguous() if initial_state is not None else None
+    if pooled:  # the pool in place: each sequence's start and final state are its slot
+        h0 = final = initial_state
+        idx = ssm_state_indices
+        mask_h0 = has_initial_state is not None
+        has_init = has_initial_state if mask_h0 else idx
+    else:
+        final = torch.empty(N, HV, K, V, device=dev, dtype=torch.float32) if output_final_state else None
+        h0 = initial_state.contiguous() if initial_state is not None else None
+        idx = has_init = gam
+        mask_h0 = False
     BV = scan_block_v or _scan_block(N * HV, BVF, dev, scan_narrowest)
     stages = scan_stages or _scan_stages(st, BK, BV, wu_in_scan, li_low.dtype if NCH else st, per_channel)
     launch = dict(HAS_H0=h0 is not None, STORE_HT=final is not None, HAS_CKPT=has_ck, PREC=prec,
+                  POOL=pooled, KLAST=klast, MASK_H0=mask_h0,
                   num_warps=scan_warps or (4 if BV <= 64 else 8), num_stages=stages)
     if N and wu_in_scan:
         # with a per-channel gate the scan reads the decayed tiles (one per value head) for q and k
@@ -434,7 +446,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
         chunk_scan_rows_kernel[(triton.cdiv(V, BV), N * HV)](
             sq_, sk_, skd, vc, li_low if NCH else gam, aqk, row_factors if NCH else gam, gam,
             h0 if h0 is not None else gam, final if final is not None else gam, o,
-            cu, chunk_off, ck_slot, ck_start,
+            cu, chunk_off, ck_slot, ck_start, idx, has_init,
             H=s_heads, HV=HV, K=K, V=V, BK=BK, BV=BV, PER_CHANNEL=per_channel, **launch,
         )
         if has_ck and per_channel:
@@ -456,7 +468,7 @@ def chunk_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, output_
             w, u, qg, kg, aqk, gam,
             h0 if h0 is not None else gam, final if final is not None else gam, o,
             cu, chunk_off,
-            ck_ptr, kr, dr, ck_out,
+            ck_ptr, kr, dr, ck_out, idx, has_init,
             HV=HV, K=K, V=V, BK=BK, BVF=BVF, BV=BV, **launch,
         )
     if ckpts is None:

@@ -20,8 +20,28 @@ import triton
 import triton.language as tl
 
 from hyla.ops.triton.chunk_intra import _chunk_start
+from hyla.ops.triton.recurrent_step import state_offsets
 
 BT = tl.constexpr(64)
+
+
+@triton.jit
+def _state_tile(state_idx, has_init, i_n, i_hv, o_k, o_v, m_kv, HV: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, POOL: tl.constexpr, KLAST: tl.constexpr, MASK_H0: tl.constexpr):
+    """(element offsets [BK, BV] of this program's tile of sequence i_n's start and final state,
+    the start state's load mask). Without POOL the states are rows n of [N, HV, K, V] tensors
+    (contiguous); with POOL both are slot state_idx[n] of one pool, read and written in place,
+    V-contiguous or K-last (KLAST), and with MASK_H0 the start state is read only where
+    has_init[n] (else zeros: a sequence without context)."""
+    if POOL:
+        row = tl.load(state_idx + i_n).to(tl.int64)
+        off = (row * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, KLAST)
+    else:
+        off = (i_n.to(tl.int64) * HV + i_hv) * K * V + state_offsets(o_k, o_v, K, V, False)
+    m_h0 = m_kv
+    if MASK_H0:
+        m_h0 = m_kv & (tl.load(has_init + i_n) != 0)
+    return off, m_h0
 
 
 @triton.jit
@@ -30,9 +50,11 @@ def chunk_scan_kernel(
     h0, ht, o,
     cu_seqlens, chunk_off,
     ck_ptr, kr, dr, ck_out,
+    state_idx, has_init,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
     BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_CKPT: tl.constexpr, PREC: tl.constexpr,
+    POOL: tl.constexpr, KLAST: tl.constexpr, MASK_H0: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
@@ -47,11 +69,11 @@ def chunk_scan_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    state_off = (i_n.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    state_off, m_h0 = _state_tile(state_idx, has_init, i_n, i_hv, o_k, o_v, m_kv, HV, K, V, POOL, KLAST, MASK_H0)
 
     b_s = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
     if HAS_H0:
-        b_s += tl.load(h0 + state_off, mask=m_kv, other=0.0).to(tl.float32)
+        b_s += tl.load(h0 + state_off, mask=m_h0, other=0.0).to(tl.float32)
 
     for cid in range(c_lo, c_hi):
         head = tl.cast(cid, tl.int64) * HV + i_hv
@@ -102,10 +124,11 @@ def chunk_scan_rows_kernel(
     h0, ht, o,
     cu_seqlens, chunk_off,
     ck_slot, ck_start,
+    state_idx, has_init,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, HAS_CKPT: tl.constexpr, PREC: tl.constexpr,
-    PER_CHANNEL: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, POOL: tl.constexpr, KLAST: tl.constexpr, MASK_H0: tl.constexpr,
 ):
     """chunk_scan_kernel without pass 1's factor tiles. With one decay per token, w, u, qg and kg
     are the inputs with their rows scaled (the row scales rq, rk, rw, b of chunk_gram_kernel's
@@ -144,12 +167,12 @@ def chunk_scan_rows_kernel(
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    state_off = (i_n.to(tl.int64) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    state_off, m_h0 = _state_tile(state_idx, has_init, i_n, i_hv, o_k, o_v, m_kv, HV, K, V, POOL, KLAST, MASK_H0)
     mm = aqk.dtype.element_ty  # the matmul operand dtype (bf16 / fp16, or fp32)
 
     b_s = tl.zeros([BK, BV], dtype=tl.float32)  # [BK, BV]
     if HAS_H0:
-        b_s += tl.load(h0 + state_off, mask=m_kv, other=0.0).to(tl.float32)
+        b_s += tl.load(h0 + state_off, mask=m_h0, other=0.0).to(tl.float32)
 
     for cid in range(c_lo, c_hi):
         head = tl.cast(cid, tl.int64) * HV + i_hv

@@ -201,7 +201,7 @@ def _klast_decode_launch(BK: int, tiles_per_sm: float, channel_gate_in_kernel: b
     return (False, *_KLAST_DECODE_TILE, 0)
 
 
-def _pool_is_k_last(pool: torch.Tensor) -> bool:
+def pool_is_k_last(pool: torch.Tensor) -> bool:
     """The state pool's layout: False for a contiguous [num_slots, HV, K, V] (fla's), True for
     K-last, the transposed view of a contiguous [num_slots, HV, V, K]. Any other strides are an
     error: the pool is updated in place, so it cannot be made contiguous here."""
@@ -274,7 +274,7 @@ def recurrent_fwd(q, k, v, g, beta, *, gate, scale=None, initial_state=None, out
     gc = qc if g is None else g.contiguous()
     o = torch.empty(B, T, HV, V, device=dev, dtype=v.dtype)
     spec = pooled and ssm_state_indices.ndim == 2
-    klast = pooled and _pool_is_k_last(initial_state)
+    klast = pooled and pool_is_k_last(initial_state)
     if pooled:
         h0 = ht = initial_state
         idx = ssm_state_indices.contiguous()
