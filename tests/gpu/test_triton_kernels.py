@@ -97,6 +97,29 @@ def test_chunk_low_precision_inverse_full_size(gate):
     check("final state", s, s_ref)
 
 
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_chunk_state_pool_in_place_full_size(gate):
+    """The engine's prefill call at the released head layout (32 heads, K = V = 128, bf16, a K-last
+    fp32 pool, prompts and one-token decode rows mixed): reading and writing the pool's slots in
+    place gives bit for bit the outputs and states of the gathered call."""
+    fast, _ = FNS[gate]
+    lens = [1024, 1, 1, 549, 1]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], device=DEV)
+    q, k, v, g, beta, _ = inputs(1, sum(lens), 32, 128, gate=gate, seed=31)
+    pool = as_k_last(torch.randn(40, 32, 128, 128, device=DEV))
+    slots = torch.tensor([7, 30, 2, 11, 39], device=DEV)
+    resume = torch.tensor([False, True, True, True, True], device=DEV)
+    kw = dict(cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    before = pool.clone()
+    start = torch.where(resume[:, None, None, None], pool.index_select(0, slots), 0)
+    o_ref, s_ref = fast(q, k, v, g, beta, initial_state=start, output_final_state=True, **kw)
+    o, s = fast(q, k, v, g, beta, initial_state=pool, ssm_state_indices=slots, has_initial_state=resume, **kw)
+    others = torch.ones(40, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    assert s is pool and torch.equal(o, o_ref) and torch.equal(pool[slots], s_ref)
+    assert torch.equal(pool[others], before[others])
+
+
 VARLEN_LENS = [1000, 1, 7191]
 
 
