@@ -96,20 +96,20 @@ def test_chunk_varlen_with_checkpoints_at_odd_positions(gate):
     _check(c[2][3], s[2], "checkpoint at the end")
 
 
-@pytest.mark.parametrize("gate,wu_in_scan", [("kda", True), ("kda", False), ("gdn", True), ("none", False)])
-@pytest.mark.parametrize("k_last", [False, True])
+@pytest.mark.parametrize("gate,wu_in_scan,k_last", [("kda", True, True), ("kda", False, False), ("gdn", True, False),
+                                                     ("none", False, True)])
 def test_chunk_state_pool_in_place(gate, wu_in_scan, k_last):
     """The scan reads each start state from its pool slot (zeros where has_initial_state is False)
     and writes the final state back in place, K-last or V-contiguous: bit for bit the states and
     outputs of the gathered call, the other slots untouched."""
     from hyla.ops.triton.chunk import chunk_fwd
 
-    lens = [65, 1, 130]
-    cu = torch.tensor([0, 65, 66, 196], device=DEV)
+    lens = [65, 1, 70]
+    cu = torch.tensor([0, 65, 66, 136], device=DEV)
     q, k, v, g, beta, _ = make_inputs(1, sum(lens), 2, 32, 32, gate=gate, seed=29)
     args = _f32(q, k, v, g, beta)
     kw = dict(gate=None if gate == "none" else gate, cu_seqlens=cu, wu_in_scan=wu_in_scan,
-              checkpoint_positions=[[64], [], [1, 129]])
+              checkpoint_positions=[[64], [], [1, 69]])
     pool = torch.randn(5, 2, 32, 32, device=DEV)
     if k_last:
         pool = as_k_last(pool)
@@ -475,11 +475,13 @@ def _on_device(kw):
     return {**kw, "A_log": kw["A_log"].float().to(DEV), "dt_bias": kw["dt_bias"].float().to(DEV)}
 
 
-@pytest.mark.parametrize("K,block_v,stages,layout", [
-    (32, None, None, "kv"), (32, 32, None, "kv"), (256, None, None, "kv"), (160, 32, None, "kv"), (32, 16, 3, "kv"),
-    (256, 16, 0, "kv"), (32, None, None, "klast"), (160, 32, None, "klast"), (256, 16, 0, "klast"),
-    (32, 16, 3, "klast")])
-@pytest.mark.parametrize("variant", ["kda", "kda_v1", "gdn", "gdn_v1"])
+# each launch form with one gate variant, the variants in turn (each two or three times): the loop
+# forms and layouts are gate-independent code, the gates the same token_step in every form
+@pytest.mark.parametrize("variant,K,block_v,stages,layout", [
+    ("kda", 32, None, None, "kv"), ("kda_v1", 32, 32, None, "kv"), ("gdn", 256, None, None, "kv"),
+    ("gdn_v1", 160, 32, None, "kv"), ("kda", 32, 16, 3, "kv"), ("kda_v1", 256, 16, 0, "kv"),
+    ("gdn", 32, None, None, "klast"), ("gdn_v1", 160, 32, None, "klast"), ("kda", 256, 16, 0, "klast"),
+    ("gdn_v1", 32, 16, 3, "klast")])
 def test_persistent_decode_equals_torch(variant, K, block_v, stages, layout):
     """The persistent decode kernel with few programs (each walks several tiles), padding rows
     and value blocks narrower than V = 48 (the last one ragged): K = 32 takes the one-tile
