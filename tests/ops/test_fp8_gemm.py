@@ -297,6 +297,16 @@ def test_every_fp8_sweep_configuration_runs_and_agrees():
                                    msg=lambda m: f"{config}: {m}")
 
 
+def test_untuned_tiles_up_to_64_rows_accumulate_in_fp32():
+    """Without a tuned table, up to 64 rows run tiles of at most 32 rows: Triton runs FP8 tiles of
+    64 rows and more as Hopper's wgmma, whose FP8 accumulator keeps fewer bits than fp32 within a
+    128-deep block. With 64-row tiles from 17 rows (7451dfa) the tiny FP8 checkpoints on an H100 left
+    the CPU's W8A8 definition by 5e-2 instead of 5e-7 (docs/perf-log/2026-12-06-h100-pool-scan.md)."""
+    mod, _ = triton_module("fp8_gemm")
+    for m in range(1, 65):
+        assert mod.gemm_config(m, 2048)["BM"] <= 32, m
+
+
 def test_every_gemm_sweep_configuration_computes_the_reference():
     """hyla bench fp8-gemm's configurations (hyla.bench.fp8_gemm.GEMM_SWEEP) each run the block-FP8
     GEMM to the reference (partial row, column and K blocks)."""
