@@ -22,7 +22,7 @@ if ls hyla/assets/kernel_configs/fused_moe/*device=${DEV},dtype=fp8_w8a8.json >/
 else
   echo "== FP8 fused-MoE sweep (tables written in place, used by the runs below)"
   timeout 240 python3 -m hyla.bench moe --fp8 --sweep --write-configs hyla/assets/kernel_configs/fused_moe \
-    --tokens 1 16 64 256 8192 --repeat ${REPEAT:-20} 2>&1 | grep -v "^# config" | tail -14 | tee $OUT/fp8_moe.log
+    --tokens ${MOE_TOKENS:-1 16 64 256 1024 8192} --repeat ${REPEAT:-20} 2>&1 | grep -v "^# config" | tail -14 | tee $OUT/fp8_moe.log
 fi
 echo "== FP8 GEMM sweep (tables written in place, used by the runs below)"
 timeout 300 python3 -m hyla.bench fp8-gemm --write-configs hyla/assets/kernel_configs/fp8_gemm ${GEMM_TOKENS:+--tokens $GEMM_TOKENS} --repeat ${REPEAT:-20} 2>&1 \

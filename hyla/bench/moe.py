@@ -1,7 +1,7 @@
 """One MoE block of the released shapes on the GPU: Triton fused MoE vs grouped GEMMs vs the floor.
 
     python -m hyla.bench moe [--shapes kimi-linear-48b-a3b qwen3-next-80b-a3b]
-                             [--tokens 1 16 64 256 8192] [--sweep] [--repeat 50] [--fp8] [--mxfp4]
+                             [--tokens 1 16 64 256 1024 8192] [--sweep] [--repeat 50] [--fp8] [--mxfp4]
 
 Per shape and token count (random bf16 weights built on the device, random hidden states, the
 family's own router: sigmoid noaux_tc for Kimi, softmax top-k for Qwen3-Next):
@@ -151,7 +151,7 @@ def _sweep(run, repeat: int, configs: list[dict] = SWEEP, downs: list[dict] = DO
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="hyla bench moe", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=sorted(SHAPES))
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 8192])
     p.add_argument("--repeat", type=int, default=50)
     p.add_argument("--sweep", action="store_true", help="also time the Triton block configurations in SWEEP, "
                    "then second-GEMM overrides (DOWN_SWEEP) on the best")
