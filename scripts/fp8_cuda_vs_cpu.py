@@ -9,6 +9,7 @@ check, for one tree of hyla at a time (a bisection across .revs/ trees).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -22,8 +23,10 @@ def main() -> None:
     args = p.parse_args()
     if args.build:
         sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/, after the tree's hyla
-        from tests.models.test_fp8 import FAMILIES, write_fp8
+        from tests.models.test_fp8 import FAMILIES, IDS, write_fp8
 
+        args.build.mkdir(parents=True, exist_ok=True)
+        (args.build / "ids.json").write_text(json.dumps(IDS.tolist()))  # the test's prompts, for --compare
         for family, (build, skip) in FAMILIES.items():
             src, dst, deq = (args.build / f"{family}-{kind}" for kind in ("src", "fp8", "deq"))
             build(src)
@@ -32,7 +35,7 @@ def main() -> None:
         import hyla
         from hyla.models import load_model
 
-        ids = torch.tensor([[1, 17, 42, 99, 3, 250, 7, 8, 64, 11, 200], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])
+        ids = torch.tensor(json.loads((args.compare / "ids.json").read_text()))
         for family in ("kimi", "qwen3_next"):
             dst = args.compare / f"{family}-fp8"
             with torch.no_grad():

@@ -297,7 +297,8 @@ def _chunk(q, k, v, g, beta, *, gate, scale, initial_state, output_final_state, 
     if initial_state is None:
         S0 = q.new_zeros(packing.N, HV, K, v.shape[-1])
     elif pooled:
-        S0 = initial_state.index_select(0, ssm_state_indices.long()).to(dt)
+        slots = ssm_state_indices.long()
+        S0 = initial_state.index_select(0, slots).to(dt)
         if has_initial_state is not None:
             S0 = torch.where(has_initial_state[:, None, None, None], S0, 0)
     else:
@@ -307,7 +308,7 @@ def _chunk(q, k, v, g, beta, *, gate, scale, initial_state, output_final_state, 
                               pad(beta.to(dt)), scale, S0, packing, gate, ckpts)
     o = packing.unpad(o, T).to(v.dtype)
     if pooled:  # the slots are distinct: as pool[idx] = S
-        initial_state.index_copy_(0, ssm_state_indices.long(), S.to(initial_state.dtype))
+        initial_state.index_copy_(0, slots, S.to(initial_state.dtype))
         final = initial_state
     else:
         final = S if output_final_state else None

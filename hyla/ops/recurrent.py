@@ -26,10 +26,7 @@ from hyla.ops.utils import check_inputs, expand_heads, fused_preprocessing, work
 
 
 def _check_pool_args(ssm_state_indices, num_accepted_tokens, initial_state, n, lengths):
-    if initial_state is None:
-        raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool [num_slots, HV, K, V])")
-    if not isinstance(ssm_state_indices, torch.Tensor) or ssm_state_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError("`ssm_state_indices` must be an int32/int64 tensor")
+    utils.check_slot_indices(ssm_state_indices, initial_state)
     if ssm_state_indices.ndim not in (1, 2) or ssm_state_indices.shape[0] != n:
         raise ValueError(f"`ssm_state_indices` must be [N] or [N, 1+num_spec] with N={n}, "
                          f"got {tuple(ssm_state_indices.shape)}")

@@ -77,9 +77,9 @@ def any_index_at_least(indices: torch.Tensor, limit: int) -> bool:
     return _any_index(indices, lambda i: i >= limit, lambda t: t >= limit)
 
 
-def any_index_negative(indices: torch.Tensor) -> bool:
-    """Whether an index is < 0 (read as any_index_at_least reads them)."""
-    return _any_index(indices, lambda i: i < 0, lambda t: t < 0)
+def any_index_outside(indices: torch.Tensor, limit: int) -> bool:
+    """Whether an index is < 0 or >= limit (read as any_index_at_least reads them)."""
+    return _any_index(indices, lambda i: i < 0 or i >= limit, lambda t: (t < 0) | (t >= limit))
 
 
 def _any_index(indices: torch.Tensor, on_host, on_device) -> bool:
@@ -88,6 +88,15 @@ def _any_index(indices: torch.Tensor, on_host, on_device) -> bool:
         rows = (v if isinstance(v, (list, tuple)) else (v,) for v in known)
         return any(on_host(i) for row in rows for i in row)
     return not is_capturing(indices) and bool(on_device(indices).any())
+
+
+def check_slot_indices(ssm_state_indices, initial_state: torch.Tensor | None) -> None:
+    """What every op over a state pool requires of its slot indices: a pool to index
+    (`initial_state`) and an int32 / int64 tensor (shapes and values are each op's)."""
+    if initial_state is None:
+        raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool [num_slots, HV, K, V])")
+    if not isinstance(ssm_state_indices, torch.Tensor) or ssm_state_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError("`ssm_state_indices` must be an int32/int64 tensor")
 
 
 def check_chunk_pool(initial_state: torch.Tensor | None, ssm_state_indices: torch.Tensor | None,
@@ -99,16 +108,13 @@ def check_chunk_pool(initial_state: torch.Tensor | None, ssm_state_indices: torc
         if has_initial_state is not None:
             raise ValueError("`has_initial_state` needs `ssm_state_indices` (it masks the pool's slots)")
         return
-    if initial_state is None:
-        raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool [num_slots, HV, K, V])")
-    if not isinstance(ssm_state_indices, torch.Tensor) or ssm_state_indices.dtype not in (torch.int32, torch.int64):
-        raise ValueError("`ssm_state_indices` must be an int32/int64 tensor")
+    check_slot_indices(ssm_state_indices, initial_state)
     if ssm_state_indices.shape != (n,):
         raise ValueError(f"`ssm_state_indices` must be [N] with N={n} for the chunk ops, "
                          f"got {tuple(ssm_state_indices.shape)}")
     if ssm_state_indices.device != initial_state.device:
         raise ValueError("`ssm_state_indices` must be on the pool's device")
-    if n and (any_index_at_least(ssm_state_indices, initial_state.shape[0]) or any_index_negative(ssm_state_indices)):
+    if n and any_index_outside(ssm_state_indices, initial_state.shape[0]):
         raise ValueError(f"`ssm_state_indices` must lie in [0, {initial_state.shape[0]}) (the pool's slots)")
     if has_initial_state is not None:
         if (not isinstance(has_initial_state, torch.Tensor) or has_initial_state.dtype != torch.bool

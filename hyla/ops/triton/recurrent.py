@@ -126,10 +126,7 @@ def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _check_pool_shapes(idx, n_acc, pool, n):
     """The torch path's pool checks (hyla.ops.recurrent._check_pool_args) minus the ones that read
     values (slot < num_slots, 1 <= num_accepted <= width): those would synchronise the device."""
-    if pool is None:
-        raise ValueError("`ssm_state_indices` needs `initial_state` (the state pool [num_slots, HV, K, V])")
-    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError("`ssm_state_indices` must be an int32/int64 tensor")
+    utils.check_slot_indices(idx, pool)
     if idx.ndim not in (1, 2) or idx.shape[0] != n:
         raise ValueError(f"`ssm_state_indices` must be [N] or [N, 1+num_spec] with N={n}, got {tuple(idx.shape)}")
     if idx.ndim == 2:
