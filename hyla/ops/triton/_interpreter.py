@@ -1,14 +1,30 @@
-"""Compatibility shim for Triton's CPU interpreter (TRITON_INTERPRET=1), used by CI.
+"""Compatibility and speed shim for Triton's CPU interpreter (TRITON_INTERPRET=1), used by CI.
 
-The interpreter turns a scalar tensor into a Python int with `int(ndarray)`; its scalars are
-1-element 1-D arrays, which NumPy >= 2.4 refuses to convert that way. Our kernels loop over
-bounds loaded from memory (`for c in range(tl.load(lo), tl.load(hi))`), which goes through that
-conversion. This re-registers the conversion with `.reshape(-1)[0]`. Applied only while
-interpreting and only if the interpreter still has the hook it replaces.
+Two changes, applied only while interpreting and only if the interpreter still has the hooks they
+replace:
+
+- The interpreter turns a scalar tensor into a Python int with `int(ndarray)`; its scalars are
+  1-element 1-D arrays, which NumPy >= 2.4 refuses to convert that way. Our kernels loop over
+  bounds loaded from memory (`for c in range(tl.load(lo), tl.load(hi))`), which goes through that
+  conversion. This re-registers the conversion with `.reshape(-1)[0]`.
+- Every call of a @triton.jit helper inside an interpreted kernel re-patches `triton.language`
+  (`_patch_lang`: a walk over every member of the language modules its function's globals name),
+  once per helper call and program: about a third of an interpreted launch's time. The patch a
+  launch applies stays in place until the launch ends, so a helper whose language modules the
+  launch has already patched needs nothing; a helper naming a module not yet patched in this
+  launch (the standard library's functions name `triton.language.core`) patches it as before.
+  The launch's own patch and its restore are unchanged.
+- `tl.associative_scan` with a combine function other than a sum or product runs element by
+  element in the interpreter (one Python call of the combine function per element: half of the
+  KDA chunk tests' time, for the sub-block segmented cumsum). It runs here as a Hillis-Steele scan
+  instead: log2(n) calls of the combine function on whole shifted blocks, which a combine function
+  (elementwise, associative, as Triton requires) computes the same way; floating-point sums come
+  out in a tree order, as on the GPU, instead of the interpreter's left-to-right one.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 
 _applied = False
@@ -21,15 +37,82 @@ def apply() -> None:
     _applied = True
     try:
         import numpy as np
+        import triton.language as tl
         import triton.runtime.interpreter as interp
     except ImportError:  # pragma: no cover
         return
     original = getattr(interp, "_patch_lang_tensor", None)
-    if original is None:  # pragma: no cover - a Triton without the hook
+    if original is not None:
+
+        def patched(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+        interp._patch_lang_tensor = patched
+
+    scan_ops = getattr(interp, "ScanOps", None)
+    if scan_ops is not None and hasattr(scan_ops, "generic_scan"):
+        scan_ops.generic_scan = _doubling_scan
+
+    patch_lang = getattr(interp, "_patch_lang", None)
+    executor = getattr(interp, "GridExecutor", None)
+    scope_type = getattr(interp, "_LangPatchScope", None)
+    if patch_lang is None or executor is None or scope_type is None:  # pragma: no cover - another Triton
         return
+    launch = executor.__call__
+    patched_in_launch: set[int] = set()  # ids of the language modules the running launch has patched
+    langs_of: dict[object, frozenset[int]] = {}
 
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    def languages(fn) -> frozenset[int]:
+        if fn not in langs_of:
+            langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                     if inspect.ismodule(v) and (v is tl or v is tl.core))
+        return langs_of[fn]
 
-    interp._patch_lang_tensor = patched
+    def patch_lang_once(fn):
+        langs = languages(fn)
+        if langs and langs <= patched_in_launch:
+            return scope_type()  # nothing changed, nothing to restore
+        scope = patch_lang(fn)
+        patched_in_launch.update(langs)
+        return scope
+
+    def run_launch(self, *args, **kwargs):
+        patched_in_launch.clear()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched_in_launch.clear()
+
+    interp._patch_lang = patch_lang_once
+    executor.__call__ = run_launch
+
+
+def _doubling_scan(self, inputs):
+    """ScanOps.generic_scan's contract (`inputs`: a tuple of block tensors of one shape; returns a
+    list of tensors, the inclusive scan of each along self.axis under self.combine_fn) computed in
+    ceil(log2(n)) steps: at step d every position i >= d combines position i - d's running value
+    with its own."""
+    import numpy as np
+
+    axis = self.axis
+    values = [np.array(t.handle.data) for t in inputs]
+    dtypes = [t.dtype for t in inputs]
+    n = values[0].shape[axis]
+    d = 1
+    while d < n:
+        # position i's partner i - d; the first d positions (no partner) combine with themselves
+        # (Triton blocks keep power-of-two shapes) and keep their values
+        partner = np.concatenate([np.arange(d), np.arange(n - d)])
+        earlier = [self.to_tensor(np.take(v, partner, axis=axis), dt) for v, dt in zip(values, dtypes)]
+        later = [self.to_tensor(v, dt) for v, dt in zip(values, dtypes)]
+        out = self.combine_fn.fn(*earlier, *later)
+        out = out if isinstance(out, tuple) else (out,)
+        tail = [slice(None)] * values[0].ndim
+        tail[axis] = slice(d, n)
+        tail = tuple(tail)
+        values = [v.copy() for v in values]
+        for v, o in zip(values, out):
+            v[tail] = np.broadcast_to(o.handle.data if hasattr(o, "handle") else o, v.shape)[tail]
+        d *= 2
+    return [self.to_tensor(v, dt) for v, dt in zip(values, dtypes)]
