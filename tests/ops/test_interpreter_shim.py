@@ -111,3 +111,11 @@ def test_helpers_using_the_standard_library_in_every_program_and_launch():
         torch.testing.assert_close(s, x.sum(1), rtol=1e-6, atol=1e-6)
         assert torch.equal(m, x.max(1).values)
         torch.testing.assert_close(c, x.cumsum(1), rtol=1e-6, atol=1e-6)
+
+
+def test_tuple_type_names_read_as_triton_formats_them():
+    types, fields = [tl.float32, tl.pointer_type(tl.int32)], ["a", ""]
+    t = tl.core.tuple_type(types, fields)
+    assert t.name == str(t) == "[a:fp32,:pointer<int32>]"
+    assert tl.core.tuple_type([tl.int1]).name == "[:int1]"
+    assert t == tl.core.tuple_type(list(types), list(fields)) and t != tl.core.tuple_type(types)

@@ -22,6 +22,9 @@ replace:
   out in a tree order, as on the GPU, instead of the interpreter's left-to-right one.
 - The interpreter maps a Triton dtype to its NumPy storage dtype by building a 19-entry dict at
   every call (hundreds of thousands of calls a test file); the map is built once here.
+- Every interpreted operation builds `tl.tuple` values whose `tuple_type` formats its display name
+  at construction (millions of strings a test file, almost never read); the name is formatted when
+  first read instead, the same string.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def apply() -> None:
     np_dtype = getattr(interp, "_get_np_dtype", None)
     if np_dtype is not None:
         interp._get_np_dtype = _cached_np_dtype(np_dtype, tl)
+
+    _lazy_tuple_type_names(tl.core)
 
     scan_ops = getattr(interp, "ScanOps", None)
     if scan_ops is not None and hasattr(scan_ops, "generic_scan"):
@@ -144,3 +149,28 @@ def _cached_np_dtype(np_dtype, tl):
             return known[tt_dtype]
 
     return get
+
+
+def _lazy_tuple_type_names(core) -> None:
+    """tuple_type(types, fields) without formatting `name` until it is read (then kept)."""
+    cls = getattr(core, "tuple_type", None)
+    if cls is None or "name" in cls.__dict__:  # pragma: no cover - another Triton, or done
+        return
+    code = cls.__init__.__code__
+    if code.co_varnames[:code.co_argcount] != ("self", "types", "fields") or "name" not in code.co_names:
+        return  # pragma: no cover - a constructor other than the one replaced here
+
+    def __init__(self, types, fields=None):
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def name(self):
+        if "_name" not in self.__dict__:
+            self._name = "[" + ",".join(f"{k}:{v}" for k, v in zip(self.fields, self.types)) + "]"
+        return self._name
+
+    def set_name(self, value):
+        self._name = value
+
+    cls.__init__ = __init__
+    cls.name = property(name, set_name)
