@@ -1,7 +1,7 @@
 """Compatibility and speed shim for Triton's CPU interpreter (TRITON_INTERPRET=1), used by CI.
 
-Two changes, applied only while interpreting and only if the interpreter still has the hooks they
-replace:
+The changes below apply only while interpreting, each only if the interpreter still has the hook it
+replaces; none changes what a kernel computes (the scan's floating-point order aside, see there):
 
 - The interpreter turns a scalar tensor into a Python int with `int(ndarray)`; its scalars are
   1-element 1-D arrays, which NumPy >= 2.4 refuses to convert that way. Our kernels loop over
@@ -9,7 +9,7 @@ replace:
   conversion. This re-registers the conversion with `.reshape(-1)[0]`.
 - Every call of a @triton.jit helper inside an interpreted kernel re-patches `triton.language`
   (`_patch_lang`: a walk over every member of the language modules its function's globals name),
-  once per helper call and program: about a third of an interpreted launch's time. The patch a
+  once per helper call and program (about a tenth of the KDA chunk tests' time). The patch a
   launch applies stays in place until the launch ends, so a helper whose language modules the
   launch has already patched needs nothing; a helper naming a module not yet patched in this
   launch (the standard library's functions name `triton.language.core`) patches it as before.
