@@ -122,8 +122,7 @@ def _doubling_scan(self, inputs):
         tail = [slice(None)] * values[0].ndim
         tail[axis] = slice(d, n)
         tail = tuple(tail)
-        values = [v.copy() for v in values]
-        for v, o in zip(values, out):
+        for v, o in zip(values, out):  # earlier / later are copies (take, astype): safe to write in place
             v[tail] = np.broadcast_to(o.handle.data if hasattr(o, "handle") else o, v.shape)[tail]
         d *= 2
     return [self.to_tensor(v, dt) for v, dt in zip(values, dtypes)]
@@ -142,11 +141,9 @@ def _cached_np_dtype(np_dtype, tl):
             tt_dtype = tt_dtype.element_ty
         if isinstance(tt_dtype, tl.pointer_type):
             return pointer
-        try:
-            return known[tt_dtype]
-        except KeyError:
+        if tt_dtype not in known:
             known[tt_dtype] = np_dtype(tt_dtype)
-            return known[tt_dtype]
+        return known[tt_dtype]
 
     return get
 
