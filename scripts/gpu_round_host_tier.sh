@@ -7,6 +7,9 @@
 #   HOSTS: the host-tier sizes to run (default "0 64GiB")
 #   TREE: a tree whose hyla/ serves instead of the working tree's (an A/B against .revs/NAME; read by
 #         gpu_round_env.sh)
+#   AGENT_FLAGS: more `hyla bench serve` flags for the trace (e.g. "--agent-range-ratio 0.5": turns of
+#         varied lengths, so that sessions drift out of step as real ones do)
+#   SERVE_FLAGS: more `hyla serve` flags
 #   WARMUP=0: skip the warm-up server. By default a first server runs a short trace of other
 #   sessions (another seed) unmeasured: a fresh machine's first server compiles Triton kernels
 #   while it serves (90 s of its agent run on an H100: docs/perf-log/2026-12-06-h100-host-tier-
@@ -19,11 +22,11 @@ serve() {  # serve() HOST LOG: the 48B server with a host tier of HOST bytes, re
   # a step log (hyla.engine.step_log) where the tree has one: a TREE from before it has no flag
   STEPS=""; [ -z "$TREE" ] && STEPS="--step-log $OUT/steps-host-$1.jsonl"
   python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 \
-      --max-num-seqs 16 --max-model-len 16384 --memory-budget 4GiB --host-cache-bytes $1 $STEPS > $2 2>&1 &
+      --max-num-seqs 16 --max-model-len 16384 --memory-budget 4GiB --host-cache-bytes $1 $STEPS $SERVE_FLAGS > $2 2>&1 &
   SP=$!
   wait_ready $SP $2 || exit 1
 }
-AGENT="--dataset-name agent --turns 6 --tool-output-len 1024 --question-len 32 --output-len 64 --max-concurrency 16 --temperature 0 --ignore-eos"
+AGENT="--dataset-name agent --turns 6 --tool-output-len 1024 --question-len 32 --output-len 64 --max-concurrency 16 --temperature 0 --ignore-eos $AGENT_FLAGS"
 if [ "${WARMUP:-1}" != 0 ]; then  # 16 other sessions (another seed), unmeasured
   serve 64GiB $OUT/serve-warmup.log
   timeout 200 python3 -m hyla.bench serve --port 8000 --tokenizer /tmp/k48 --disable-tqdm --seed 7 --num-sessions 16 \

@@ -193,6 +193,23 @@ def test_agent_sessions_number_their_requests_in_send_order(fake):
     assert turns[0] == turns[1] < turns[2] == turns[3] < turns[4] == turns[5]
 
 
+def test_agent_range_ratio_varies_each_turns_lengths_within_its_bounds(fake):
+    """Reply lengths (max_tokens) and the turns' new messages vary within the ratio; ratio 0 keeps
+    every turn the same; the result records it."""
+    flags = ("--dataset-name", "agent", "--num-sessions", "6", "--turns", "4", "--tool-output-len", "40",
+             "--question-len", "10", "--output-len", "20", "--max-concurrency", "4")
+    equal = bench(fake, *flags)
+    varied = bench(fake, *flags, "--agent-range-ratio", "0.5")
+    assert equal["agent_range_ratio"] == 0 and varied["agent_range_ratio"] == 0.5
+    bodies = [body for _, body in fake.posts()]
+    replies = [b.get("max_completion_tokens", b.get("max_tokens")) for b in bodies]
+    news = [len(b["messages"][-1]["content"].split()) for b in bodies]  # words: one a token
+    n = len(equal["ttfts"])
+    assert set(replies[:n]) == {20} and set(news[:n]) == {50}
+    assert all(10 <= m <= 30 for m in replies[n:]) and len(set(replies[n:])) > 3
+    assert all(25 <= m <= 75 for m in news[n:]) and len(set(news[n:])) > 6
+
+
 # ---- --tool-latency-ms, --tool-latency-dist ------------------------------------------------------
 
 AGENT = ("--dataset-name", "agent", "--num-sessions", "2", "--turns", "3", "--tool-output-len", "4",
@@ -392,6 +409,9 @@ def test_result_filename():
     (["--tool-latency-ms", "50"], "--tool-latency-ms is the pause between an agent session's turns; the random "
      "dataset sends one request per conversation"),
     (["--dataset-name", "prefix", "--tool-latency-ms", "0.5"], "the prefix dataset sends one request"),
+    (["--dataset-name", "agent", "--agent-range-ratio", "1"], "--agent-range-ratio must be in [0, 1), got 1.0"),
+    (["--dataset-name", "agent", "--agent-range-ratio", "-0.1"], "--agent-range-ratio must be in [0, 1)"),
+    (["--agent-range-ratio", "0.5"], "--agent-range-ratio sets the agent dataset's turn lengths, not the random"),
 ])
 def test_flag_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

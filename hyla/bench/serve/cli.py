@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--tool-output-len", type=_count(1), default=256, help="agent: tokens of each tool output")
     data.add_argument("--question-len", type=_count(1), default=32, help="agent: tokens of each new question")
     data.add_argument("--agent-output-len", type=_count(1), default=64, help="agent: max tokens of each reply")
+    data.add_argument("--agent-range-ratio", type=float, default=0.0,
+                      help="agent: each turn's tool output, question and reply lengths drawn uniformly within "
+                      "this ratio of their flags' (as --random-range-ratio; 0: equal turns, so sessions that "
+                      "start together stay in step)")
     data.add_argument("--tool-latency-ms", type=_milliseconds, default=0.0, metavar="MEAN",
                       help="agent: mean pause in ms before each turn after a session's first, as if a tool ran "
                       "between the reply and the next turn (in the duration, in no request's TTFT or E2EL; "
@@ -208,6 +212,11 @@ def resolve_args(args: argparse.Namespace) -> None:
     _check_ramp(args)
     if not 0.0 <= args.random_range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if not 0.0 <= args.agent_range_ratio < 1.0:
+        raise ValueError(f"--agent-range-ratio must be in [0, 1), got {args.agent_range_ratio}")
+    if args.agent_range_ratio and args.dataset_name != "agent":
+        raise ValueError(f"--agent-range-ratio sets the agent dataset's turn lengths, not the "
+                         f"{args.dataset_name} dataset's (use --random-range-ratio for random prompts)")
     if args.dataset_name == "sharegpt" and args.dataset_path is None:
         raise ValueError("--dataset-name sharegpt needs --dataset-path (a ShareGPT JSON file)")
     if args.dataset_name != "sharegpt" and args.dataset_path is not None:
@@ -308,7 +317,7 @@ def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
         prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
         prefix_output_len=args.prefix_output_len, num_sessions=args.num_sessions, turns=args.turns,
         tool_output_len=args.tool_output_len, question_len=args.question_len,
-        agent_output_len=args.agent_output_len)
+        agent_output_len=args.agent_output_len, agent_range_ratio=args.agent_range_ratio)
 
 
 def served_model(http: httpx.Client, base_url: str) -> tuple[str, str | None]:
@@ -423,6 +432,7 @@ def run(args: argparse.Namespace) -> dict:
             else f"rate {args.request_rate}")
     tools = (f", tool latency {args.tool_latency_dist} {args.tool_latency_ms:g} ms between turns"
              if args.tool_latency_ms else "")
+    tools += f", turn lengths within {args.agent_range_ratio:g} of their flags'" if args.agent_range_ratio else ""
     print(f"model {args.request_model} at {args.base_url}{args.endpoint}; dataset {args.dataset_name}; "
           f"tokenizer {tokenizer.name if tokenizer else 'none (token ids or words)'}; "
           f"{sum(len(c.requests) for c in conversations)} requests, {rate}, "
@@ -437,6 +447,7 @@ def run(args: argparse.Namespace) -> dict:
               "model_id": model_id, "tokenizer_id": tokenizer.name if tokenizer else None,
               "num_prompts": len(outputs), "dataset_name": args.dataset_name,
               "tool_latency_ms": args.tool_latency_ms, "tool_latency_dist": args.tool_latency_dist,
+              "agent_range_ratio": args.agent_range_ratio,
               **args.metadata_pairs,
               "request_rate": rate_value(args.request_rate), "burstiness": rate_value(args.burstiness),
               "ramp_up_strategy": ramp[0], "ramp_up_start_rps": ramp[1], "ramp_up_end_rps": ramp[2],

@@ -91,6 +91,7 @@ class DatasetSpec:
     tool_output_len: int = 256
     question_len: int = 32
     agent_output_len: int = 64
+    agent_range_ratio: float = 0.0
 
 
 def random_requests(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Generator) -> list[SampleRequest]:
@@ -194,15 +195,28 @@ def prefix_requests(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Genera
 
 
 def agent_sessions(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Generator) -> list[Conversation]:
+    """num_sessions conversations of `turns` requests: each turn is a tool output and a new
+    question after the conversation so far (the client sends the history). With
+    agent_range_ratio r each turn's tool output, question and reply lengths are drawn uniformly
+    from [n(1 - r), n(1 + r)] around their flags' n (r = 0: every turn the same sizes, so
+    sessions that start together stay in step)."""
+    r = spec.agent_range_ratio
+    if not 0.0 <= r < 1.0:
+        raise ValueError(f"--agent-range-ratio must be in [0, 1), got {r}")
+
+    def length(n: int) -> int:
+        return int(rng.integers(max(1, math.floor(n * (1 - r))), math.ceil(n * (1 + r)) + 1)) if r else n
+
     sessions = []
     for _ in range(spec.num_sessions):
         turns, history_len = [], 0
         for _ in range(spec.turns):
-            tool, tool_len = maker.render(maker.random_ids(rng, spec.tool_output_len), rng)
-            question, question_len = maker.render(maker.random_ids(rng, spec.question_len), rng)
+            tool, tool_len = maker.render(maker.random_ids(rng, length(spec.tool_output_len)), rng)
+            question, question_len = maker.render(maker.random_ids(rng, length(spec.question_len)), rng)
+            output_len = length(spec.agent_output_len)
             turn_len = tool_len + question_len
-            turns.append(SampleRequest(maker.join(tool, question), history_len + turn_len, spec.agent_output_len))
-            history_len += turn_len + spec.agent_output_len
+            turns.append(SampleRequest(maker.join(tool, question), history_len + turn_len, output_len))
+            history_len += turn_len + output_len
         sessions.append(Conversation(tuple(turns)))
     return sessions
 
