@@ -3,7 +3,8 @@
 # the tiny Kimi-Linear shape (random weights) under a 6 MiB pool budget (16 state slots, 1032 KV
 # pages: 8 sessions' checkpoints beside 8 running requests), 48 agent sessions x 4 turns, served
 # with the host tier off and at 256 MiB. Prints each run's hit rate, TTFT of returning turns and
-# throughput, and the tier counters of /metrics. About 3 minutes on two cores.
+# throughput, and the tier counters of /metrics. About 3 minutes on two cores. AGENT_FLAGS: more
+# `hyla bench serve` flags (e.g. "--agent-range-ratio 0.5").
 set -u
 cd "$(dirname "$0")/.."
 . scripts/wait_ready.sh
@@ -17,7 +18,7 @@ for HOST in 0 256MiB; do
   grep -E "pools:|host tier" "$OUT/serve-$HOST.log" | cut -c1-200
   OMP_NUM_THREADS=1 $PY -m hyla.bench serve --port $PORT --tokenizer "$OUT/tiny" --disable-tqdm \
       --label agent-host-$HOST --dataset-name agent --num-sessions 48 --turns 4 --tool-output-len 192 \
-      --question-len 32 --output-len 32 --max-concurrency 8 --temperature 0 --ignore-eos 2>&1 \
+      --question-len 32 --output-len 32 --max-concurrency 8 --temperature 0 --ignore-eos ${AGENT_FLAGS:-} 2>&1 \
       | grep -E "Output token throughput|Mean TTFT|Failed|hit rate"
   echo "<- host tier $HOST; /metrics:"
   curl -s localhost:$PORT/metrics | grep -E "^hyla_prefix_cache_(host|device)_hit|^hyla_prefix_cache_bytes" | tr '\n' ' '; echo
