@@ -94,14 +94,19 @@ class DatasetSpec:
     agent_range_ratio: float = 0.0
 
 
+def length_bounds(n: int, ratio: float, least: int = 1) -> tuple[int, int]:
+    """The inclusive range [floor(n(1 - ratio)), ceil(n(1 + ratio))] lengths are drawn from around
+    n, as vLLM's --random-range-ratio, neither end below `least`."""
+    return max(least, math.floor(n * (1 - ratio))), max(least, math.ceil(n * (1 + ratio)))
+
+
 def random_requests(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Generator) -> list[SampleRequest]:
     r = spec.random_range_ratio
     if not 0.0 <= r < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {r}")
     real_input_len = max(0, spec.random_input_len - num_special_tokens(maker.tokenizer))
-    input_low, input_high = math.floor(real_input_len * (1 - r)), math.ceil(real_input_len * (1 + r))
-    output_low = max(1, math.floor(spec.random_output_len * (1 - r)))
-    output_high = max(1, math.ceil(spec.random_output_len * (1 + r)))
+    input_low, input_high = length_bounds(real_input_len, r, least=0)
+    output_low, output_high = length_bounds(spec.random_output_len, r)
     if spec.random_prefix_len + input_low < 1:
         raise ValueError(f"--random-input-len {spec.random_input_len} with --random-range-ratio {r} and "
                          f"--random-prefix-len {spec.random_prefix_len} can make an empty prompt")
@@ -205,7 +210,10 @@ def agent_sessions(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Generat
         raise ValueError(f"--agent-range-ratio must be in [0, 1), got {r}")
 
     def length(n: int) -> int:
-        return int(rng.integers(max(1, math.floor(n * (1 - r))), math.ceil(n * (1 + r)) + 1)) if r else n
+        if not r:
+            return n
+        low, high = length_bounds(n, r)
+        return int(rng.integers(low, high + 1))
 
     sessions = []
     for _ in range(spec.num_sessions):
