@@ -32,7 +32,7 @@ import numpy as np
 
 from hyla.bench.serve.client import OpenAIClient
 from hyla.cli import finite_non_negative
-from hyla.bench.serve.datasets import DATASETS, Conversation, DatasetSpec, build_workload
+from hyla.bench.serve.datasets import DATASETS, Conversation, DatasetSpec, build_workload, check_range_ratio
 from hyla.bench.serve.load import (
     RAMP_UP_STRATEGIES, TOOL_LATENCY_DISTS, arrival_times, ramp_arrival_times, run_workload, tool_latencies, warm_up,
 )
@@ -210,10 +210,8 @@ def resolve_args(args: argparse.Namespace) -> None:
     if not args.burstiness > 0:
         raise ValueError(f"--burstiness must be positive, got {args.burstiness}")
     _check_ramp(args)
-    if not 0.0 <= args.random_range_ratio < 1.0:
-        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
-    if not 0.0 <= args.agent_range_ratio < 1.0:
-        raise ValueError(f"--agent-range-ratio must be in [0, 1), got {args.agent_range_ratio}")
+    check_range_ratio("--random-range-ratio", args.random_range_ratio)
+    check_range_ratio("--agent-range-ratio", args.agent_range_ratio)
     if args.agent_range_ratio and args.dataset_name != "agent":
         raise ValueError(f"--agent-range-ratio sets the agent dataset's turn lengths, not the "
                          f"{args.dataset_name} dataset's (use --random-range-ratio for random prompts)")

@@ -94,6 +94,12 @@ class DatasetSpec:
     agent_range_ratio: float = 0.0
 
 
+def check_range_ratio(flag: str, ratio: float) -> None:
+    """A length range ratio (--random-range-ratio, --agent-range-ratio) must lie in [0, 1)."""
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"{flag} must be in [0, 1), got {ratio}")
+
+
 def length_bounds(n: int, ratio: float, least: int = 1) -> tuple[int, int]:
     """The inclusive range [floor(n(1 - ratio)), ceil(n(1 + ratio))] lengths are drawn from around
     n, as vLLM's --random-range-ratio, neither end below `least`."""
@@ -102,8 +108,7 @@ def length_bounds(n: int, ratio: float, least: int = 1) -> tuple[int, int]:
 
 def random_requests(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Generator) -> list[SampleRequest]:
     r = spec.random_range_ratio
-    if not 0.0 <= r < 1.0:
-        raise ValueError(f"--random-range-ratio must be in [0, 1), got {r}")
+    check_range_ratio("--random-range-ratio", r)
     real_input_len = max(0, spec.random_input_len - num_special_tokens(maker.tokenizer))
     input_low, input_high = length_bounds(real_input_len, r, least=0)
     output_low, output_high = length_bounds(spec.random_output_len, r)
@@ -206,11 +211,10 @@ def agent_sessions(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Generat
     from [n(1 - r), n(1 + r)] around their flags' n (r = 0: every turn the same sizes, so
     sessions that start together stay in step)."""
     r = spec.agent_range_ratio
-    if not 0.0 <= r < 1.0:
-        raise ValueError(f"--agent-range-ratio must be in [0, 1), got {r}")
+    check_range_ratio("--agent-range-ratio", r)
 
     def length(n: int) -> int:
-        if not r:
+        if not r:  # no draw: the seeded traces of r = 0 stay those of the runs before the flag
             return n
         low, high = length_bounds(n, r)
         return int(rng.integers(low, high + 1))
