@@ -409,6 +409,7 @@ def test_result_filename():
     (["--tool-latency-ms", "50"], "--tool-latency-ms is the pause between an agent session's turns; the random "
      "dataset sends one request per conversation"),
     (["--dataset-name", "prefix", "--tool-latency-ms", "0.5"], "the prefix dataset sends one request"),
+    (["--random-range-ratio", "1.5"], "--random-range-ratio must be in [0, 1), got 1.5"),
     (["--dataset-name", "agent", "--agent-range-ratio", "1"], "--agent-range-ratio must be in [0, 1), got 1.0"),
     (["--dataset-name", "agent", "--agent-range-ratio", "-0.1"], "--agent-range-ratio must be in [0, 1)"),
     (["--agent-range-ratio", "0.5"], "--agent-range-ratio sets the agent dataset's turn lengths, not the random"),
