@@ -1,20 +1,68 @@
-"""Activations that carry their block-FP8 form (hyla.ops.fp8_activation): the lookup serves exactly
-the carried tensor and its contiguous aligned views, and misses after an in-place change; a
-consumer that quantised lets the next consumer of the same tensor reuse it. Triton's interpreter
+"""Producer-side FP8 activation quantisation (hyla.ops.fp8_activation): the Triton producers (the
+RMSNorm kernel in all its styles, KDA's low-rank gated output norm, the SwiGLU activation) asked for
+fp8_output write codes and scales bit for bit per_token_group_quant of their own output, and leave
+that output unchanged; the lookup serves exactly the carried tensor and its contiguous aligned
+views, and misses after an in-place change; the FP8 GEMM and the fused MoE compute the same bits
+from a carried form without launching the quantiser, and a consumer that quantised lets the next
+consumer of the same tensor reuse it.
+
+Fresh random bf16 inputs at awkward sizes (rows 1, 3, 17, 33; D = 128, 256, 2304 = 18 x 128: every
+row count and every D, not the product), with an all-zero group (the scale's 1e-10 floor) and the
+kernels' outputs pre-filled with NaN (an unwritten code or scale shows). Triton's interpreter
 without a GPU.
 """
 
 import pytest
 import torch
 
-from hyla.ops import fp8_activation
+from hyla.ops import dispatch, fp8_activation
 from hyla.ops.fp8 import block_quantize, per_token_group_quant, quantize_gate_up
 from tests.ops.helpers import use_backend
+from tests.ops.test_fused_decode import fill_empties_with_nan
 from tests.ops.triton_env import triton_module
+
+SIZES = [(1, 2304), (3, 128), (17, 256), (33, 2304)]  # (rows, D)
 
 
 def _randn(*shape, seed, scale=1.0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+
+
+def _norm_input(R, D, seed):
+    x = _randn(R, D, seed=seed, scale=3.0)
+    x[0, :128] = 0.0  # a zero group in every producer's output: the scale takes the amax floor
+    return x
+
+
+def _producers(R, D, seed):
+    """name -> f(fp8_output) -> the producer's output, for rows of D elements."""
+    norm = triton_module("norm")[0]
+    gated_act = triton_module("gated_act")[0]
+    x, res, w = _norm_input(R, D, seed), _randn(R, D, seed=seed + 1), _randn(D, seed=seed + 2)
+    res[0, :128] = 0.0
+    gate = _randn(R, 2 * D, seed=seed + 3, scale=2.0)[:, D:]  # a column view of a wider projection
+    gu = _randn(R, 2 * D, seed=seed + 4, scale=3.0)
+    gu[0, :128] = 0.0
+    H, r = 2, 24
+    xh = torch.stack([x, _norm_input(R, D, seed + 5)], dim=1)[:, None]  # [R, 1, H, D]
+    g_in, w_up = _randn(R, 1, r, seed=seed + 6), _randn(H * D, r, seed=seed + 7, scale=r ** -0.5)
+    return {
+        "rounded": lambda f: norm.rms_norm_rounded(x, w, 1e-5, f),
+        "rounded_fp32_weight": lambda f: norm.rms_norm_rounded(x, w.float(), 1e-5, f),  # an fp32 output
+        "zero_centred": lambda f: norm.rms_norm_zero_centred(x, w, 1e-6, f),
+        "add_rounded": lambda f: norm.add_rms_norm(x, res, w, 1e-6, False, f)[0],
+        "add_zero_centred": lambda f: norm.add_rms_norm(x, res, w, 1e-6, True, f)[0],
+        "gated_sigmoid": lambda f: norm.gated_rms_norm(x, gate, w, 1e-5, "sigmoid", f),
+        "gated_silu": lambda f: norm.gated_rms_norm(x, gate, None, 1e-5, "silu", f),
+        "silu_gated": lambda f: norm.silu_gated_rms_norm(x, gate, w, 1e-6, f),
+        "lowrank_gated": lambda f: norm.lowrank_gated_rms_norm(xh, g_in, w_up, w, 1e-5, "sigmoid", f),
+        "silu_mul": lambda f: gated_act.silu_mul(gu[:, :D], gu[:, D:], f),
+    }
+
+
+PRODUCERS = [
+    "rounded", "rounded_fp32_weight", "zero_centred", "add_rounded", "add_zero_centred", "gated_sigmoid",
+    "gated_silu", "silu_gated", "lowrank_gated", "silu_mul"]
 
 
 def assert_is_group_quant(y: torch.Tensor, carried) -> None:
@@ -24,6 +72,42 @@ def assert_is_group_quant(y: torch.Tensor, carried) -> None:
     rq, rs = per_token_group_quant(y.reshape(-1, y.shape[-1]))
     assert torch.equal(s, rs), f"scales differ: {int((s != rs).sum())} of {s.numel()}"
     assert torch.equal(q.float(), rq.float()), f"codes differ: {int((q.float() != rq.float()).sum())}"
+
+
+@pytest.mark.parametrize("R, D", SIZES)
+@pytest.mark.parametrize("producer", PRODUCERS)
+def test_producers_write_the_quantisers_bits(monkeypatch, producer, R, D):
+    run = _producers(R, D, seed=R * 10 + D)[producer]
+    plain = run(False)
+    assert fp8_activation.lookup(plain) is None
+    fill_empties_with_nan(monkeypatch)
+    y = run(True)
+    assert torch.equal(y, plain)  # the output itself unchanged
+    assert_is_group_quant(y, fp8_activation.lookup(y.reshape(-1, D)))
+
+
+def test_rows_of_partial_groups_carry_nothing():
+    """D = 200 (not whole groups of 128): fp8_output is ignored, the output is the plain one."""
+    run = _producers(3, 200, seed=1)
+    for name in ("rounded", "gated_silu", "silu_mul"):
+        y = run[name](True)
+        assert torch.equal(y, run[name](False)) and fp8_activation.lookup(y) is None, name
+
+
+def test_only_the_triton_path_emits(monkeypatch):
+    """hyla.ops.dispatch passes fp8_output to the kernels; the torch path ignores it."""
+    triton_module("norm")
+    x, w = _norm_input(3, 256, seed=2), _randn(256, seed=3)
+    g, u = _randn(3, 256, seed=4), _randn(3, 256, seed=5)
+    use_backend(monkeypatch, "torch")
+    assert fp8_activation.lookup(dispatch.rms_norm_rounded(x, w, 1e-6, fp8_output=True)) is None
+    assert fp8_activation.lookup(dispatch.silu_mul(g, u, fp8_output=True)) is None
+    use_backend(monkeypatch, "triton")
+    y = dispatch.rms_norm_rounded(x, w, 1e-6, fp8_output=True)
+    assert_is_group_quant(y, fp8_activation.lookup(y))
+    y = dispatch.silu_mul(g, u, fp8_output=True)
+    assert_is_group_quant(y, fp8_activation.lookup(y))
+    assert fp8_activation.lookup(dispatch.rms_norm_rounded(x, w, 1e-6)) is None  # off by default
 
 
 def _carrier(shape, seed=0):
@@ -111,6 +195,23 @@ def _experts(E, H, I, seed=2):
     gen = torch.Generator().manual_seed(seed)
     return (*quantize_gate_up(torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5),
             *block_quantize(torch.randn(E, H, I, generator=gen) / I ** 0.5))
+
+
+def test_consumers_compute_the_same_bits_from_a_carried_form(quantiser_calls):
+    """fp8_gemm.fp8_linear and fused_moe_fp8 on a producer's output: bit for bit the result on a
+    copy of it (quantised by the launch), without that launch."""
+    gemm, _ = triton_module("fp8_gemm")
+    moe, _ = triton_module("fused_moe_fp8")
+    norm, _ = triton_module("norm")
+    R, H, I, E, k = 5, 256, 128, 4, 2
+    y = norm.rms_norm_rounded(_norm_input(R, H, seed=3), _randn(H, seed=4), 1e-6, fp8_output=True)
+    w, s = block_quantize(torch.randn(200, H, generator=torch.Generator().manual_seed(5)) / H ** 0.5)
+    experts = _experts(E, H, I)
+    gen = torch.Generator().manual_seed(6)
+    ids, weights = torch.rand(R, E, generator=gen).topk(k, dim=-1).indices, torch.rand(R, k, generator=gen)
+    assert torch.equal(gemm.fp8_linear(y, w, s), gemm.fp8_linear(y.clone(), w, s))
+    assert torch.equal(moe.fused_moe_fp8(y, *experts, weights, ids), moe.fused_moe_fp8(y.clone(), *experts, weights, ids))
+    assert quantiser_calls == [(R, H), (R, H)]  # the copies only
 
 
 def test_a_second_consumer_reuses_the_first_ones_quantisation(monkeypatch, quantiser_calls):

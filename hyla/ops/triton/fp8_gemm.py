@@ -14,8 +14,8 @@ scheme vLLM uses (`per_token_group_quant_fp8` then `w8a8_block_fp8_matmul`):
    once to x's dtype. The weight scale is gathered per output column (row block n // 128), so BN
    need not divide 128 and partial edge blocks need no special case.
 
-An activation whose producer kernel already wrote its codes and scales carries them
-(hyla.ops.fp8_activation):
+An activation whose producer kernel already wrote its codes and scales (an RMSNorm, a gated output
+norm, the SwiGLU activation, with `store_group_quant`) carries them (hyla.ops.fp8_activation):
 `activation_fp8` serves them instead of the first launch, and otherwise attaches what that launch
 wrote for the tensor's next consumer.
 
@@ -50,6 +50,7 @@ log = logging.getLogger("hyla.ops")
 BLOCK = 128  # hyla.ops.fp8.BLOCK
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 ACT_EPS = 1e-10  # hyla.ops.fp8.ACT_EPS
+GROUP_EPS = tl.constexpr(ACT_EPS)  # the same, for the producers' in-kernel quantisation
 
 
 @triton.jit
@@ -72,6 +73,24 @@ def quantize_rows(v, EPS):
     amax = tl.maximum(tl.max(tl.abs(v), axis=1), EPS)
     s = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
     return e4m3_round(tl.math.div_rn(v, s[:, None])), s
+
+
+@triton.jit
+def store_group_quant(q, s, v, rows, row_ok, col0, row_len, R: tl.constexpr, C: tl.constexpr):
+    """A producer kernel's per_token_group_quant of the tile it stores: v [R, C] fp32, the values of
+    rows `rows` [R] (int64; row_ok [R]: the real ones) and columns col0 .. col0 + C - 1 (col0 and C
+    multiples of 128) of a contiguous [*, row_len] activation, row_len a multiple of 128 (no group
+    straddles two rows or the edge). Writes the e4m3 codes to q [*, row_len] and one fp32 scale per
+    (row, group of 128 columns) to s [*, row_len / 128]: each group by `quantize_rows`, so bit for
+    bit what `_group_quant_kernel` writes for those values. Columns past row_len count as 0."""
+    cols = col0 + tl.arange(0, C)
+    m = row_ok[:, None] & (cols < row_len)[None, :]
+    groups = tl.reshape(tl.where(m, v, 0.0), [R * (C // 128), 128])  # row-major: one group per row
+    codes, scale = quantize_rows(groups, GROUP_EPS)
+    tl.store(q + rows[:, None] * row_len + cols[None, :], tl.reshape(codes, [R, C]).to(q.dtype.element_ty), mask=m)
+    g = col0 // 128 + tl.arange(0, C // 128)
+    tl.store(s + rows[:, None] * (row_len // 128) + g[None, :], tl.reshape(scale, [R, C // 128]),
+             mask=row_ok[:, None] & (g < row_len // 128)[None, :])
 
 
 @triton.jit
