@@ -108,6 +108,11 @@ def test_only_the_triton_path_emits(monkeypatch):
     y = dispatch.silu_mul(g, u, fp8_output=True)
     assert_is_group_quant(y, fp8_activation.lookup(y))
     assert fp8_activation.lookup(dispatch.rms_norm_rounded(x, w, 1e-6)) is None  # off by default
+    w_up = _randn(256, 8, seed=6, scale=8 ** -0.5)
+    for tokens in (3, dispatch.LOWRANK_GATE_MAX_ROWS + 1):  # the one kernel; the up-projection's GEMM, then the norm
+        o, g_in = _randn(1, tokens, 2, 128, seed=7), _randn(1, tokens, 8, seed=8)
+        y = dispatch.lowrank_gated_rms_norm(o, g_in, w_up, w[:128], 1e-6, fp8_output=True).flatten(-2)
+        assert_is_group_quant(y, fp8_activation.lookup(y))
 
 
 def _carrier(shape, seed=0):
@@ -210,7 +215,8 @@ def test_consumers_compute_the_same_bits_from_a_carried_form(quantiser_calls):
     gen = torch.Generator().manual_seed(6)
     ids, weights = torch.rand(R, E, generator=gen).topk(k, dim=-1).indices, torch.rand(R, k, generator=gen)
     assert torch.equal(gemm.fp8_linear(y, w, s), gemm.fp8_linear(y.clone(), w, s))
-    assert torch.equal(moe.fused_moe_fp8(y, *experts, weights, ids), moe.fused_moe_fp8(y.clone(), *experts, weights, ids))
+    assert torch.equal(moe.fused_moe_fp8(y, *experts, weights, ids),
+                       moe.fused_moe_fp8(y.clone(), *experts, weights, ids))
     assert quantiser_calls == [(R, H), (R, H)]  # the copies only
 
 
