@@ -221,10 +221,11 @@ def test_consumers_compute_the_same_bits_from_a_carried_form(quantiser_calls):
 
 
 def test_a_second_consumer_reuses_the_first_ones_quantisation(monkeypatch, quantiser_calls):
-    """A tensor no producer quantised (hidden 200 here: no whole groups, or an unmarked norm) is
-    quantised by its first FP8 consumer and reused by the next (the shared expert after the routed
-    experts; parts run one by one); a change in place sends it through the quantiser again. Through
-    hyla.ops.fp8 as the modules call it: the 3-D input's lookup passes its reshape."""
+    """A tensor no producer quantised (an unmarked norm's output) is quantised by its first FP8
+    consumer and reused by the next (the shared expert after the routed experts; parts run one by
+    one), bit for bit; a change in place sends it through the quantiser again, and so is every use
+    of rows that are no whole groups (K = 200). Through hyla.ops.fp8 as the modules call it: the 3-D
+    input's lookup passes its reshape."""
     from hyla.ops.fp8 import fp8_linear, fp8_moe_experts
 
     triton_module("fp8_gemm")
@@ -243,3 +244,15 @@ def test_a_second_consumer_reuses_the_first_ones_quantisation(monkeypatch, quant
     x.add_(1.0)
     fp8_linear(x, w1, s1)
     assert quantiser_calls == [(T, H)]
+    x200, (w200, s200) = _randn(T, 200, seed=9), block_quantize(torch.randn(72, 200, generator=gen))
+    fp8_linear(x200, w200, s200)
+    fp8_linear(x200, w200, s200)
+    assert quantiser_calls == [(T, H), (T, 200), (T, 200)]
+
+
+def test_a_form_must_match_its_tensor():
+    y, q, s = fp8_activation.producer_buffers(2, 256, torch.bfloat16, torch.device("cpu"), fp8=True)
+    with pytest.raises(ValueError, match="e4m3 codes of its 512 elements"):
+        fp8_activation.carry_produced(y, q[:1], s)
+    with pytest.raises(ValueError, match="fp32 group scales"):
+        fp8_activation.carry_produced(y, q, s.double())
