@@ -3,7 +3,8 @@ one): the CPU tests run these kernels in Triton's interpreter only.
 
 - Every producer (the RMSNorm kernel's styles, KDA's low-rank gated norm, the SwiGLU activation)
   asked for fp8_output writes codes and scales bit for bit the CUDA quantiser's of its own output,
-  and the output itself is unchanged.
+  and the output itself is unchanged (head-wise gated rows up to GATED_FP8_MAX_D; wider ones write
+  none: hyla.ops.triton.norm's docstring says why).
 - The tiny FP8 models of tests/models/test_fp8_producers.py on CUDA: logits with the producers
   marked equal the unmarked model's bit for bit, eager; and greedy tokens through `LLM` (CUDA
   graphs, inference mode: the path a served model takes) equal with and without the marks.
@@ -57,6 +58,9 @@ def test_producers_write_the_quantisers_bits_on_cuda(producer, R, D):
     y = run(True)
     assert torch.equal(y, plain)
     carried = fp8_activation.lookup(y.reshape(-1, D))
+    if producer in ("gated_sigmoid", "silu_gated", "lowrank_gated") and D > norm.GATED_FP8_MAX_D:
+        assert carried is None  # wide head-wise rows leave the quantisation to the consumer
+        return
     assert carried is not None
     q, s = carried
     rq, rs = fp8_gemm.per_token_group_quant(y.reshape(-1, D))

@@ -60,6 +60,7 @@ def _producers(R, D, seed):
     }
 
 
+HEAD_WISE = {"gated_sigmoid", "gated_silu", "silu_gated", "lowrank_gated"}  # emit up to GATED_FP8_MAX_D
 PRODUCERS = [
     "rounded", "rounded_fp32_weight", "zero_centred", "add_rounded", "add_zero_centred", "gated_sigmoid",
     "gated_silu", "silu_gated", "lowrank_gated", "silu_mul"]
@@ -83,6 +84,9 @@ def test_producers_write_the_quantisers_bits(monkeypatch, producer, R, D):
     fill_empties_with_nan(monkeypatch)
     y = run(True)
     assert torch.equal(y, plain)  # the output itself unchanged
+    if producer in HEAD_WISE and D > triton_module("norm")[0].GATED_FP8_MAX_D:
+        assert fp8_activation.lookup(y.reshape(-1, D)) is None  # wide head-wise rows leave it to the consumer
+        return
     assert_is_group_quant(y, fp8_activation.lookup(y.reshape(-1, D)))
 
 

@@ -20,6 +20,11 @@ ignored): the kernel also quantises the rows it stores, per group of 128 columns
 (hyla.ops.triton.fp8_gemm.store_group_quant: its bf16 / fp32 output re-read as fp32, so the codes
 and scales are bit for bit per_token_group_quant(y)), and the result carries them
 (hyla.ops.fp8_activation) to the FP8 GEMMs, which then launch no quantiser of their own.
+The head-wise gated output norms (sigmoid- and SiLU-gated, and the low-rank one) emit only for rows
+of at most GATED_FP8_MAX_D: the released families' head dims (128, 256), where the compiled kernels
+were checked bit for bit on CUDA. On an H100 a 2,048-wide sigmoid-gated row with the FP8 store
+compiled to another reduction order (one bit of the output moved) and a 2,304-wide low-rank one
+did not finish compiling: wider head-wise rows leave the quantisation to the consumer.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 ROUNDED, ZERO_CENTRED, GATED, SILU_ROUNDED = 0, 1, 2, 3  # the STYLE constexpr
 ACT_SIGMOID, ACT_SILU = 0, 1  # the ACT constexpr (GATED)
 MAX_D = 16384
+GATED_FP8_MAX_D = 256  # widest head-wise gated row that writes its FP8 form (module docstring)
 
 
 @triton.jit
@@ -244,7 +250,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | N
     x's order (its leading dims may be split differently, strides arbitrary)."""
     act = ACT_SIGMOID if activation == "sigmoid" else ACT_SILU
     return _launch(x, None if weight is None else weight.contiguous(), eps, GATED, gate=gate, act=act,
-                   fp8_output=fp8_output)
+                   fp8_output=fp8_output and x.shape[-1] <= GATED_FP8_MAX_D)
 
 
 def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -252,7 +258,7 @@ def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
     """The Triton version of hyla.ops.norm.silu_gated_rms_norm (gate as in gated_rms_norm)."""
     mid = torch.promote_types(weight.dtype, x.dtype)
     return _launch(x, weight.contiguous(), eps, SILU_ROUNDED, gate=gate, round_mid=mid != torch.float32,
-                   fp8_output=fp8_output)
+                   fp8_output=fp8_output and x.shape[-1] <= GATED_FP8_MAX_D)
 
 
 def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tensor, weight: torch.Tensor | None,
@@ -269,7 +275,8 @@ def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tens
     if g2.stride(-1) != 1:
         g2 = g2.contiguous()
     w_up = w_up if w_up.stride(-1) == 1 else w_up.contiguous()
-    y, y_q, y_s = fp8_activation.producer_buffers(B * T * H, D, x.dtype, x.device, fp8_output)  # (token, head) rows
+    y, y_q, y_s = fp8_activation.producer_buffers(B * T * H, D, x.dtype, x.device,  # (token, head) rows
+                                                  fp8_output and D <= GATED_FP8_MAX_D)
     r = g2.shape[1]
     if B * T and H and D:
         lowrank_gated_norm_kernel[(B * T, H)](
