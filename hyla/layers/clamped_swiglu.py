@@ -27,7 +27,8 @@ def _activation(limit: float | None) -> GatedActivation:
 
 
 class ClampedMLP(MLP):
-    """x: [..., hidden] -> [..., hidden]; tensor names gate_proj, up_proj, down_proj."""
+    """x: [..., hidden] -> [..., hidden]; tensor names gate_proj, up_proj, down_proj. MLP's
+    `fp8_output` does nothing here: the clamped activation has no kernel that writes FP8."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, limit: float | None):
         super().__init__(hidden_size, intermediate_size)

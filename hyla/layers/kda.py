@@ -105,7 +105,7 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         w_up = _plain_weight(up)
         if w_up is not None and o.dim() == 4:
             y = dispatch.lowrank_gated_rms_norm(o, g_in, w_up, self.o_norm.weight, self.o_norm.eps,
-                                                self.o_norm.activation)
+                                                self.o_norm.activation, self.o_norm.fp8_output)
             return self.o_proj(y.flatten(-2))
         gate = g_in if up is None else up(g_in)
         y = self.o_norm(o, gate.unflatten(-1, (self.num_heads, self.head_dim)))

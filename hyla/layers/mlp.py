@@ -3,7 +3,10 @@
 `prepare_for_inference()` packs gate_proj and up_proj into one weight
 (hyla.layers.delta_rule.PackedLinears; state_dict unchanged): one GEMM instead of two per step.
 The activation silu(gate) * up is hyla.ops.dispatch.silu_mul: one Triton launch on CUDA reading
-the packed output's column views in place, torch's `F.silu(gate) * up` elsewhere.
+the packed output's column views in place, torch's `F.silu(gate) * up` elsewhere. `fp8_output`
+(False unless hyla.models.fp8_loading.mark_fp8_producers sets it, for a block-FP8 down_proj): that
+launch also writes the activation's block-FP8 form, which down_proj's GEMM reads instead of
+quantising it (hyla.ops.fp8_activation).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self._packed = None
+        self.fp8_output = False  # the activation's block-FP8 form for down_proj (module docstring)
 
     def prepare_for_inference(self) -> None:
         """Pack gate_proj and up_proj into one weight (one GEMM per step); state_dict unchanged."""
@@ -37,5 +41,5 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down_proj(dispatch.silu_mul(gate, up))
+        return self.down_proj(dispatch.silu_mul(gate, up, self.fp8_output))
 

@@ -10,6 +10,11 @@ Each module computes through hyla.ops.dispatch: one fused Triton launch on CUDA 
 (hyla.ops.triton.norm), the torch reference of hyla.ops.norm otherwise (the same ops as
 transformers, bit-equal to it). RMSNorm / ZeroCentredRMSNorm also have `add_forward(x, residual)`
 -> (norm(residual + x), residual + x): the pre-norm block's residual add fused into the norm.
+
+`fp8_output` (every module here; False unless hyla.models.fp8_loading.mark_fp8_producers sets it,
+when the module's output feeds block-FP8 weights): on the Triton path the norm's kernel also writes
+its output's block-FP8 form, which the FP8 GEMMs read instead of quantising it again
+(hyla.ops.fp8_activation). The output itself is unchanged.
 """
 
 from __future__ import annotations
@@ -27,14 +32,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fp8_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # fp32 normalisation (fp64 stays fp64 for exactness tests), rounded before the weight
-        return dispatch.rms_norm_rounded(x, self.weight, self.eps)
+        return dispatch.rms_norm_rounded(x, self.weight, self.eps, self.fp8_output)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(residual + x), residual + x); residual None: (self(x), x)."""
-        return dispatch.add_rms_norm(x, residual, self.weight, self.eps, zero_centred=False)
+        return dispatch.add_rms_norm(x, residual, self.weight, self.eps, zero_centred=False,
+                                     fp8_output=self.fp8_output)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -52,10 +59,12 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.activation = activation
+        self.fp8_output = False
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """gate: x's shape, or (Triton path) a view with x's rows in order."""
-        return dispatch.gated_rms_norm(x, gate, self.weight, eps=self.eps, activation=self.activation)
+        return dispatch.gated_rms_norm(x, gate, self.weight, eps=self.eps, activation=self.activation,
+                                       fp8_output=self.fp8_output)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, activation={self.activation}"
@@ -72,13 +81,15 @@ class ZeroCentredRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.fp8_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dispatch.rms_norm_zero_centred(x, self.weight, self.eps)
+        return dispatch.rms_norm_zero_centred(x, self.weight, self.eps, self.fp8_output)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(residual + x), residual + x); residual None: (self(x), x)."""
-        return dispatch.add_rms_norm(x, residual, self.weight, self.eps, zero_centred=True)
+        return dispatch.add_rms_norm(x, residual, self.weight, self.eps, zero_centred=True,
+                                     fp8_output=self.fp8_output)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -98,11 +109,12 @@ class SiLUGatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fp8_output = False
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """gate: x's shape, or (Triton path) a view with x's rows in order (see
         hyla.ops.dispatch.silu_gated_rms_norm)."""
-        return dispatch.silu_gated_rms_norm(x, gate, self.weight, self.eps)
+        return dispatch.silu_gated_rms_norm(x, gate, self.weight, self.eps, self.fp8_output)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

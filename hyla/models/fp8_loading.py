@@ -28,6 +28,11 @@ blocks) before any weight memory exists, then shows the names and tensors the mo
 `Fp8Shard` wraps a tensor-parallel plan (hyla.parallel.tensor.ShardPlan): a scale tensor is
 cut along with its weight, block for block, which needs the weight's cut to fall on multiples of
 128 (ValueError otherwise).
+
+`mark_fp8_producers` (hyla.models.loader runs it on every model it returns) asks the kernels that
+produce the FP8 modules' inputs (norms, gated output norms, the MLP activation) to also write those
+inputs' block-FP8 form, so that the FP8 GEMMs launch no activation quantiser of their own
+(hyla.ops.fp8_activation).
 """
 
 from __future__ import annotations
@@ -54,6 +59,15 @@ MODES = ("auto", "fp8", "dequantized")
 RAW_WEIGHT_MODULES = re.compile(r"(^|\.)(kv_b_proj|fc|\w+_res_proj)$")
 _FP8_NAMES = ("F8_E4M3",)
 _SCALE_DTYPES = ("F32", "BF16", "F16")
+
+
+# Who feeds whom, the producer -> consumer pairs `mark_fp8_producers` follows: inside one module,
+# the sub-module named first passes its output to the one named second ("" is the module itself:
+# an MLP's activation feeds its down_proj). Every family names these alike: the decoder layers'
+# pre-norms feed the token mixer and the MLP / MoE, KDA's o_norm its o_proj, GDN's norm its out_proj.
+FP8_FEEDS = (("input_layernorm", "token_mixer"), ("post_attention_layernorm", "mlp"),
+             ("post_attention_layernorm", "block_sparse_moe"), ("o_norm", "o_proj"), ("norm", "out_proj"),
+             ("", "down_proj"))
 
 
 def check_fp8_weights(mode: str) -> str:
@@ -148,6 +162,26 @@ def convert_model(model: nn.Module, plan: LoadPlan, checkpoint_names) -> None:
                 plan.fp8_targets.update({f"{name}.gate_up_proj", f"{name}.down_proj"})
                 if plan.modules:
                     model.set_submodule(name, Fp8StackedExperts.like(module))
+
+
+def _holds_fp8(module: nn.Module) -> bool:
+    return any(isinstance(m, (Fp8Linear, Fp8StackedExperts)) for m in module.modules())
+
+
+def mark_fp8_producers(model: nn.Module) -> None:
+    """Set `fp8_output` on every producer (a module with that attribute: hyla.layers.norm's norms,
+    hyla.layers.mlp.MLP) whose output feeds a module holding FP8 weights (an Fp8Linear or
+    Fp8StackedExperts in it), along FP8_FEEDS; its Triton kernel then also writes the block-FP8
+    form those weights' GEMMs read (hyla.ops.fp8_activation). A consumer holding several modules
+    (a token mixer) counts as FP8 when any of them is: an unneeded form costs a write in a launch
+    that runs anyway, a missing one a launch. Nothing changes for a model without FP8 weights or
+    off the Triton path."""
+    for parent in model.modules():
+        for producer_name, consumer_name in FP8_FEEDS:
+            producer = getattr(parent, producer_name, None) if producer_name else parent
+            consumer = getattr(parent, consumer_name, None)
+            if hasattr(producer, "fp8_output") and isinstance(consumer, nn.Module) and _holds_fp8(consumer):
+                producer.fp8_output = True
 
 
 class _Slice:

@@ -41,7 +41,8 @@ from hyla.models.hub import resolve_model
 from hyla.models.memory import FP32_TENSORS
 from hyla.models.fp8 import SCALE_SUFFIX as FP8_SCALE
 from hyla.models.fp8 import check_quantization, quantization_config_of
-from hyla.models.fp8_loading import Fp8Shard, LoadPlan, check_fp8_weights, convert_model, fp8_modules_on, init_random_fp8_
+from hyla.models.fp8_loading import (Fp8Shard, LoadPlan, check_fp8_weights, convert_model, fp8_modules_on,
+                                     init_random_fp8_, mark_fp8_producers)
 from hyla.models.random_init import init_random_
 
 # model_type -> ("module:ConfigClass", "module:ModelClass"). A new family adds a line here and its
@@ -335,4 +336,5 @@ def load_model(path, dtype=None, device=None, shard=None, random_weights: bool =
     _fill(model, files, plan, shard, view, packed_experts)
     model.eval().requires_grad_(False)
     model.prepare_for_inference()
+    mark_fp8_producers(model)  # after prepare: it may turn experts into FP8 ones (Kimi K3's MXFP4)
     return model

@@ -162,6 +162,9 @@ paged_mla_decode = _dispatched(_torch_mla.paged_mla_decode, "paged_mla_decode", 
 
 
 # -- fused decode norms and gates (hyla.ops.triton.norm / gate; torch: hyla.ops.norm / gate) ------
+# fp8_output (the norms here and silu_mul below): on the Triton path the kernel also writes its
+# output's block-FP8 form for the FP8 GEMMs it feeds (hyla.ops.fp8_activation); the torch path
+# ignores it (its consumers quantise, as before).
 
 _LOW = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_NORM_D = 16384
@@ -181,26 +184,28 @@ def _norm_triton(x, weight, *others) -> bool:
             and (weight is None or weight.shape == (x.shape[-1],)))
 
 
-def rms_norm_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm_rounded(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                     fp8_output: bool = False) -> torch.Tensor:
     """hyla.ops.norm.rms_norm_rounded (Kimi's RMSNorm), one Triton launch on CUDA."""
     if _norm_triton(x, weight):
-        return _triton.rms_norm_rounded(x, weight, eps)
+        return _triton.rms_norm_rounded(x, weight, eps, fp8_output)
     return _torch_norm.rms_norm_rounded(x, weight, eps)
 
 
-def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm_zero_centred(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                          fp8_output: bool = False) -> torch.Tensor:
     """hyla.ops.norm.rms_norm_zero_centred (Qwen3-Next's RMSNorm), one Triton launch on CUDA."""
     if _norm_triton(x, weight):
-        return _triton.rms_norm_zero_centred(x, weight, eps)
+        return _triton.rms_norm_zero_centred(x, weight, eps, fp8_output)
     return _torch_norm.rms_norm_zero_centred(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float = 1e-6,
-                 zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 zero_centred: bool = False, fp8_output: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """hyla.ops.norm.add_rms_norm -> (norm(residual + x), residual + x), one Triton launch on CUDA."""
     if _norm_triton(x, weight, residual) and (residual is None or (residual.shape == x.shape
                                                                   and residual.dtype == x.dtype)):
-        return _triton.add_rms_norm(x, residual, weight, eps, zero_centred)
+        return _triton.add_rms_norm(x, residual, weight, eps, zero_centred, fp8_output)
     return _torch_norm.add_rms_norm(x, residual, weight, eps, zero_centred)
 
 
@@ -209,34 +214,35 @@ def _gate_ok(x, gate) -> bool:
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6,
-                   activation: str = "sigmoid") -> torch.Tensor:
+                   activation: str = "sigmoid", fp8_output: bool = False) -> torch.Tensor:
     """hyla.ops.norm.gated_rms_norm, one Triton launch on CUDA. On that path gate may also be a
     view with x's rows in order but other leading dims (read in place); torch reshapes it."""
     if _norm_triton(x, weight, gate) and _gate_ok(x, gate) and activation in ("sigmoid", "silu", "swish"):
-        return _triton.gated_rms_norm(x, gate, weight, eps, activation)
+        return _triton.gated_rms_norm(x, gate, weight, eps, activation, fp8_output)
     return _torch_norm.gated_rms_norm(x, gate.reshape(x.shape), weight, eps, activation)
 
 
 def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tensor, weight: torch.Tensor | None,
-                           eps: float = 1e-6, activation: str = "sigmoid") -> torch.Tensor:
+                           eps: float = 1e-6, activation: str = "sigmoid", fp8_output: bool = False) -> torch.Tensor:
     """hyla.ops.norm.lowrank_gated_rms_norm (the gate from g_in @ w_up^T): one launch on CUDA up to
     LOWRANK_GATE_MAX_ROWS token rows, else the up-projection's GEMM and `gated_rms_norm`."""
     ok = (isinstance(x, torch.Tensor) and x.dim() == 4 and isinstance(g_in, torch.Tensor) and g_in.dim() == 3
           and isinstance(w_up, torch.Tensor) and w_up.dim() == 2 and g_in.shape[:2] == x.shape[:2]
           and w_up.shape == (x.shape[2] * x.shape[3], g_in.shape[2]) and activation in ("sigmoid", "silu", "swish"))
     if ok and x.shape[0] * x.shape[1] <= LOWRANK_GATE_MAX_ROWS and _norm_triton(x, weight, g_in, w_up):
-        return _triton.lowrank_gated_rms_norm(x, g_in, w_up, weight, eps, activation)
+        return _triton.lowrank_gated_rms_norm(x, g_in, w_up, weight, eps, activation, fp8_output)
     if not ok:  # the reference names what is wrong
         return _torch_norm.lowrank_gated_rms_norm(x, g_in, w_up, weight, eps, activation)
     gate = torch.nn.functional.linear(g_in, w_up).unflatten(-1, x.shape[-2:])
-    return gated_rms_norm(x, gate, weight, eps, activation)
+    return gated_rms_norm(x, gate, weight, eps, activation, fp8_output)
 
 
-def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                        fp8_output: bool = False) -> torch.Tensor:
     """hyla.ops.norm.silu_gated_rms_norm (GDN's output norm), one Triton launch on CUDA; gate as in
     gated_rms_norm."""
     if _norm_triton(x, weight, gate) and _gate_ok(x, gate):
-        return _triton.silu_gated_rms_norm(x, gate, weight, eps)
+        return _triton.silu_gated_rms_norm(x, gate, weight, eps, fp8_output)
     return _torch_norm.silu_gated_rms_norm(x, gate.reshape(x.shape), weight, eps)
 
 
@@ -334,15 +340,15 @@ def paged_window_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torc
 # -- the SwiGLU activation of a dense MLP / shared expert (hyla.ops.triton.gated_act; torch: hyla.ops.gated_act) --
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, fp8_output: bool = False) -> torch.Tensor:
     """hyla.ops.gated_act silu(gate) * up, one Triton launch on CUDA. gate, up: [..., I] of one
     shape and dtype, unit column stride and any row stride (the column views of a packed gate / up
     GEMM output are read in place); anything else, and the CPU / fp64 / grad cases, take torch's
-    `F.silu(gate) * up` (the gated_act SILU reference) unchanged."""
+    `F.silu(gate) * up` (the gated_act SILU reference) unchanged. fp8_output: as for the norms."""
     if (_elementwise_triton(gate, (gate, up)) and isinstance(up, torch.Tensor) and up.shape == gate.shape
             and up.dtype == gate.dtype and gate.dim() >= 1
             and (gate.shape[-1] == 1 or (gate.stride(-1) == 1 and up.stride(-1) == 1))):
-        return _triton.silu_mul(gate, up)
+        return _triton.silu_mul(gate, up, fp8_output)
     return _torch_gated_act.SILU(gate, up)
 
 

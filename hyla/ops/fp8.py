@@ -125,7 +125,9 @@ def fp8_linear_torch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (bf16 / fp16 / fp32), w [N, K] e4m3, s [ceil(N/128), ceil(K/128)] fp32, bias [N]
-    | None -> [..., N] in x.dtype: W8A8 with dynamic 1 x 128 activation scales. Triton on CUDA,
+    | None -> [..., N] in x.dtype: W8A8 with dynamic 1 x 128 activation scales. Triton on CUDA
+    (x's codes and scales read from x when its producer wrote them: hyla.ops.fp8_activation; the
+    reshape below is a view of a contiguous x, which the lookup sees through),
     `fp8_linear_torch` elsewhere."""
     from hyla.ops import dispatch
 

@@ -370,7 +370,7 @@ def test_a_cublas_refusal_keeps_to_its_row_alignment(monkeypatch):
         return "cublas"
 
     monkeypatch.setattr(g, "fp8_linear_scaled_mm", scaled_mm)
-    monkeypatch.setattr(g, "per_token_group_quant", lambda x: (x, None))
+    monkeypatch.setattr(g, "activation_fp8", lambda x: (x, None))
     monkeypatch.setattr(g, "fp8_gemm", lambda xq, xs, w, s, dtype, bias, config: calls.append(("triton", xq.shape[0]))
                         or "triton")
     monkeypatch.setattr(g, "_scaled_mm_refused", set())

@@ -83,9 +83,9 @@ def test_dispatch_routes_to_the_kernel(monkeypatch):
     calls = []
     kernel = mod.silu_mul
 
-    def counted(g, u):
+    def counted(g, u, fp8_output=False):
         calls.append(g.shape)
-        return kernel(g, u)
+        return kernel(g, u, fp8_output)
 
     monkeypatch.setattr(mod, "silu_mul", counted)
     gate, up = _packed(3, 40, torch.bfloat16, dev, seed=1)

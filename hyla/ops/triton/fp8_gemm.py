@@ -14,6 +14,11 @@ scheme vLLM uses (`per_token_group_quant_fp8` then `w8a8_block_fp8_matmul`):
    once to x's dtype. The weight scale is gathered per output column (row block n // 128), so BN
    need not divide 128 and partial edge blocks need no special case.
 
+An activation whose producer kernel already wrote its codes and scales (an RMSNorm, a gated output
+norm, the SwiGLU activation, with `store_group_quant`) carries them (hyla.ops.fp8_activation):
+`activation_fp8` serves them instead of the first launch, and otherwise attaches what that launch
+wrote for the tensor's next consumer.
+
 The e4m3 rounding is done in fp32 arithmetic (`e4m3_round`: the round-to-nearest-even of a
 value onto e4m3's grid, by adding and subtracting 1.5 * 2^23 ulps), and the division by the scale
 is the correctly rounded `div_rn`: then every code is bit for bit torch's `x / s` cast to e4m3
@@ -34,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hyla.ops import fp8_activation
 from hyla.ops.triton import _interpreter
 from hyla.ops.triton.kernel_tables import tuned_gemm_config
 from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
@@ -44,6 +50,7 @@ log = logging.getLogger("hyla.ops")
 BLOCK = 128  # hyla.ops.fp8.BLOCK
 FP8_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 ACT_EPS = 1e-10  # hyla.ops.fp8.ACT_EPS
+GROUP_EPS = tl.constexpr(ACT_EPS)  # the same, for the producers' in-kernel quantisation
 
 
 @triton.jit
@@ -66,6 +73,24 @@ def quantize_rows(v, EPS):
     amax = tl.maximum(tl.max(tl.abs(v), axis=1), EPS)
     s = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
     return e4m3_round(tl.math.div_rn(v, s[:, None])), s
+
+
+@triton.jit
+def store_group_quant(q, s, v, rows, row_ok, col0, row_len, R: tl.constexpr, C: tl.constexpr):
+    """A producer kernel's per_token_group_quant of the tile it stores: v [R, C] fp32, the values of
+    rows `rows` [R] (int64; row_ok [R]: the real ones) and columns col0 .. col0 + C - 1 (col0 and C
+    multiples of 128) of a contiguous [*, row_len] activation, row_len a multiple of 128 (no group
+    straddles two rows or the edge). Writes the e4m3 codes to q [*, row_len] and one fp32 scale per
+    (row, group of 128 columns) to s [*, row_len / 128]: each group by `quantize_rows`, so bit for
+    bit what `_group_quant_kernel` writes for those values. Columns past row_len count as 0."""
+    cols = col0 + tl.arange(0, C)
+    m = row_ok[:, None] & (cols < row_len)[None, :]
+    groups = tl.reshape(tl.where(m, v, 0.0), [R * (C // 128), 128])  # row-major: one group per row
+    codes, scale = quantize_rows(groups, GROUP_EPS)
+    tl.store(q + rows[:, None] * row_len + cols[None, :], tl.reshape(codes, [R, C]).to(q.dtype.element_ty), mask=m)
+    g = col0 // 128 + tl.arange(0, C // 128)
+    tl.store(s + rows[:, None] * (row_len // 128) + g[None, :], tl.reshape(scale, [R, C // 128]),
+             mask=row_ok[:, None] & (g < row_len // 128)[None, :])
 
 
 @triton.jit
@@ -97,6 +122,18 @@ def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     BM = 16 if M <= 256 else 64
     _group_quant_kernel[(triton.cdiv(M, BM), groups)](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), ACT_EPS,
                                                        BM=BM, G=BLOCK, num_warps=4, **pdl_launch(x.device))
+    return q, s
+
+
+def activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dim contiguous) -> (q [M, K] e4m3, s [M, ceil(K/128)] fp32) for an FP8 GEMM:
+    the form x carries when its producer wrote one (hyla.ops.fp8_activation), else
+    `per_token_group_quant(x)`, attached to x for its next consumer. The same bits either way."""
+    carried = fp8_activation.lookup(x)
+    if carried is not None:
+        return carried
+    q, s = per_token_group_quant(x)
+    fp8_activation.carry_quantized(x, q, s)
     return q, s
 
 
@@ -207,9 +244,9 @@ def _refusal_key(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int, bool]:
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None = None,
                config: dict | None = None) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x.dtype: quantise x per token group, then the block-FP8 GEMM (cuBLAS
-    from SCALED_MM_MIN_ROWS rows on CUDA where it takes the shape, else Triton; config: the Triton
-    GEMM's tiles, which also keeps it Triton)."""
+    """x [M, K] -> [M, N] in x.dtype: quantise x per token group (or take the form it carries:
+    `activation_fp8`), then the block-FP8 GEMM (cuBLAS from SCALED_MM_MIN_ROWS rows on CUDA where
+    it takes the shape, else Triton; config: the Triton GEMM's tiles, which also keeps it Triton)."""
     if (config is None and x.is_cuda and x.shape[0] >= SCALED_MM_MIN_ROWS and scaled_mm_supports(x, w)
             and _refusal_key(x, w) not in _scaled_mm_refused
             and not torch.cuda.is_current_stream_capturing()):  # a refusal inside a capture would void it
@@ -220,7 +257,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, bias: torch.Te
             log.warning("torch._scaled_mm refused a %s block-FP8 GEMM over %d rows (%s): the Triton GEMM runs "
                         "it, and every GEMM of those weights whose rows are %s a multiple of 16", tuple(w.shape),
                         x.shape[0], str(err).splitlines()[0][:120], "" if x.shape[0] % 16 == 0 else "not")
-    xq, xs = per_token_group_quant(x)
+    xq, xs = activation_fp8(x)
     return fp8_gemm(xq, xs, w, s, x.dtype, bias, config)
 
 
@@ -233,11 +270,11 @@ def scaled_mm_supports(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def fp8_linear_scaled_mm(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] bf16 -> [M, N] bf16 through torch._scaled_mm: the activations quantised by
-    `per_token_group_quant` (scales passed outer-dim-major, [M, K/128] with stride (1, M), as
-    cuBLAS reads 1 x 128 scales), the weight as its column-major transpose [K, N] with the
-    transposed 128 x 128 scales [K/128, N/128]."""
+    """x [M, K] bf16 -> [M, N] bf16 through torch._scaled_mm: the activations as `activation_fp8`
+    gives them (scales passed outer-dim-major, [M, K/128] with stride (1, M), as cuBLAS reads
+    1 x 128 scales), the weight as its column-major transpose [K, N] with the transposed
+    128 x 128 scales [K/128, N/128]."""
     check_weight(w, s)
-    xq, xs = per_token_group_quant(x)
+    xq, xs = activation_fp8(x)
     out = torch._scaled_mm(xq, w.t(), scale_a=xs.t().contiguous().t(), scale_b=s.t(), out_dtype=x.dtype)
     return out if bias is None else out + bias.to(out.dtype)

@@ -11,7 +11,8 @@ the definition of the arithmetic:
     w2  [E, H, I]  e4m3, s2  [E, ceil(H/128), ceil(I/128)]  fp32
 
 1. x [M, H] is quantised once per token group (hyla.ops.triton.fp8_gemm.per_token_group_quant):
-   xq [M, H] e4m3, xs [M, ceil(H/128)].
+   xq [M, H] e4m3, xs [M, ceil(H/128)]; or not at all when x carries that form (its producer wrote
+   it, or an earlier consumer of x did: hyla.ops.triton.fp8_gemm.activation_fp8).
 2. `_gate_up_kernel`: a block of BM pairs (rows gathered from xq by token) times BN = 128 gate and
    up rows of its expert; each K step is one 128-column group, so acc += dot(a, w) * s_a[row] *
    s_w[column's block] in fp32. The epilogue computes act(gate, up) in fp32 and quantises it
@@ -37,7 +38,7 @@ import triton.language as tl
 from hyla.ops.fp8_checks import check_fp8_experts
 from hyla.ops.gated_act import SILU, GatedActivation
 from hyla.ops.triton import _interpreter
-from hyla.ops.triton.fp8_gemm import ACT_EPS, BLOCK, per_token_group_quant, quantize_rows
+from hyla.ops.triton.fp8_gemm import ACT_EPS, BLOCK, activation_fp8, quantize_rows
 from hyla.ops.triton.fused_moe import _ACT, _block_ids, _block_rows, _gated, row_blocks, split_config, sum_slots
 from hyla.ops.triton import kernel_tables
 from hyla.ops.triton.kernel_tables import CONFIG_DIR
@@ -173,7 +174,7 @@ def fused_moe_fp8(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: tor
     if BN != BLOCK or BK != BLOCK or dBK != BLOCK:
         raise ValueError(f"the FP8 fused MoE needs BK = 128 and the gate/up BN = 128 (one activation group), "
                          f"got BN={BN}, BK={BK}, down BK={dBK}")
-    xq, xs = per_token_group_quant(x)
+    xq, xs = activation_fp8(x)
     blocks = row_blocks(ids, E, BM)
     sorted_pairs, block_expert, nb = blocks.sorted_pairs, blocks.block_expert, blocks.count
     ni = triton.cdiv(I, BLOCK)
