@@ -20,17 +20,14 @@ Safety: a lookup serves the form only to a contiguous view covering exactly the 
 (same data_ptr, element count, dtype and device) whose version counter has not moved since the
 attach (an in-place change misses). A miss quantises as before. Inference tensors keep no version
 counter, so they carry nothing: a producer's output from `producer_buffers` is a normal tensor,
-also under torch.inference_mode. A CUDA graph checks no version counter when it replays, so who
-attached decides what a capture may use:
+also under torch.inference_mode.
 
-- a producer (`carry_produced`) attaches codes that the launch writing the values writes too,
-  into its own fresh output, which nothing writes afterwards: every replay that rewrites the
-  values rewrites the codes, so the form is served anywhere, also while capturing;
-- a consumer that had to quantise its input (`carry_quantized`) lets the next consumer of the same
-  tensor reuse the result (the shared expert after the routed experts, unpacked projections run
-  one after another), but only outside a capture, and never serves it inside one: that input may
-  be a static buffer (the prefill graphs' span state) whose replays refill it while a graph would
-  read the codes quantised when it was captured.
+Only producers attach (`carry_produced`): the launch that writes the values writes the codes, into
+its own fresh output, so whatever rewrites that memory later (a CUDA-graph replay of the same
+launch) rewrites both, and the form is served anywhere, also while a graph is captured. A consumer
+that had to quantise its input keeps the result to itself: that input may be memory a graph replay
+or a Triton kernel rewrites without moving the version counter (the prefill graphs' static span
+buffers, which the eager cores read between replays), where a kept form would go stale.
 """
 
 from __future__ import annotations
@@ -40,9 +37,8 @@ from typing import NamedTuple
 import torch
 
 from hyla.ops.fp8_checks import BLOCK, FP8_DTYPE
-from hyla.ops.utils import is_capturing
 
-__all__ = ["producer_buffers", "carry_produced", "carry_quantized", "lookup"]
+__all__ = ["producer_buffers", "carry_produced", "lookup"]
 
 _ATTR = "_hyla_fp8"  # the attribute on the producer's (base) tensor
 
@@ -55,7 +51,6 @@ class _Form(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     version: int  # its version counter at the attach
-    by_producer: bool  # codes written by the launch that wrote the values (served while capturing)
 
 
 def _owner(t: torch.Tensor) -> torch.Tensor:
@@ -87,19 +82,11 @@ def carry_produced(y: torch.Tensor, q: torch.Tensor | None, s: torch.Tensor | No
     """y (a view of `producer_buffers`' y), carrying the codes and scales q, s the same launch wrote
     (nothing when they are None) -> y."""
     if q is not None:
-        _attach(y, q, s, by_producer=True)
+        _attach(y, q, s)
     return y
 
 
-def carry_quantized(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
-    """Let x carry (q, s) = per_token_group_quant(x [M, K]) that a consumer computed, for x's next
-    consumer; nothing when x cannot carry (not contiguous, K not a multiple of 128, an inference
-    tensor) or a CUDA graph is being captured (see the module docstring)."""
-    if not is_capturing(x):
-        _attach(x, q, s, by_producer=False)
-
-
-def _attach(t: torch.Tensor, q: torch.Tensor, s: torch.Tensor, by_producer: bool) -> None:
+def _attach(t: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
     """Record (q, s), t's block-FP8 form (q: t's elements as e4m3 codes, s one fp32 scale per 128
     of them, both contiguous, in per_token_group_quant's layout), on t's owner for `lookup`."""
     if not _may_carry(t):
@@ -110,22 +97,19 @@ def _attach(t: torch.Tensor, q: torch.Tensor, s: torch.Tensor, by_producer: bool
         raise ValueError(f"an FP8 form of a {tuple(t.shape)} tensor needs e4m3 codes of its {n} elements and "
                          f"{n // BLOCK} fp32 group scales on {t.device}, got {tuple(q.shape)} {q.dtype}, "
                          f"{tuple(s.shape)} {s.dtype}")
-    setattr(_owner(t), _ATTR, _Form(q.view(-1), s.view(-1), t.data_ptr(), n, t.dtype, t.device, t._version,
-                                    by_producer))
+    setattr(_owner(t), _ATTR, _Form(q.view(-1), s.view(-1), t.data_ptr(), n, t.dtype, t.device, t._version))
 
 
 def lookup(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The attached FP8 form of x [..., K] as the 2-D input a consumer sees: (q [M, K] e4m3,
     s [M, K / 128] fp32) with M = x.numel() / K, bit for bit per_token_group_quant(x.reshape(M, K));
     None when x carries none, is not a contiguous view of exactly the attached tensor, or changed
-    in place since (and, while a CUDA graph is captured, for a form a consumer attached)."""
+    in place since."""
     if not _may_carry(x):
         return None
     form = getattr(_owner(x), _ATTR, None)
     if (form is None or x.data_ptr() != form.data_ptr or x.numel() != form.numel or x.dtype != form.dtype
             or x.device != form.device or x._version != form.version):
-        return None
-    if not form.by_producer and is_capturing(x):
         return None
     K = x.shape[-1]
     return form.q.view(-1, K), form.s.view(-1, K // BLOCK)

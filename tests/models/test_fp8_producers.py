@@ -54,11 +54,11 @@ FAMILIES = {
     "kimi": (_kimi_config, ["lm_head", "f_b_proj", "g_b_proj"], {
         "model.layers.0.input_layernorm", "model.layers.0.self_attn.o_norm", "model.layers.0.post_attention_layernorm",
         "model.layers.0.mlp", "model.layers.1.input_layernorm", "model.layers.1.self_attn.o_norm",
-        "model.layers.1.post_attention_layernorm", "model.layers.1.block_sparse_moe.shared_experts"}, 8),
+        "model.layers.1.post_attention_layernorm", "model.layers.1.block_sparse_moe.shared_experts"}, 9),
     "qwen3_next": (_qwen3_next_config, ["lm_head"], {
         "model.layers.0.input_layernorm", "model.layers.0.linear_attn.norm", "model.layers.0.post_attention_layernorm",
         "model.layers.0.mlp", "model.layers.1.input_layernorm", "model.layers.1.linear_attn.norm",
-        "model.layers.1.post_attention_layernorm", "model.layers.1.mlp.shared_expert"}, 8),
+        "model.layers.1.post_attention_layernorm", "model.layers.1.mlp.shared_expert"}, 10),
 }
 
 
@@ -80,9 +80,8 @@ def fp8_config_dir(tmp_path_factory):
 @pytest.mark.parametrize("family", ["kimi", "qwen3_next"])
 def test_marked_producers_replace_every_quantiser_launch(fp8_config_dir, family, monkeypatch):
     """Every FP8 GEMM and fused MoE input of these layers comes from a marked producer: no
-    quantiser launch; unmarked, one per input that no earlier consumer quantised (the shared
-    expert's gate/up reuses the routed experts' quantisation of the same tensor). Bit for bit the
-    same logits either way."""
+    quantiser launch; unmarked, one per FP8 input (the routed experts and the shared expert's
+    gate/up each quantise the same tensor). Bit for bit the same logits either way."""
     gemm, _ = triton_module("fp8_gemm")
     _, _, marked, unmarked_launches = FAMILIES[family]
     model = load_model(fp8_config_dir(family), random_weights=True, fp8_weights="fp8", dtype=torch.bfloat16)

@@ -3,8 +3,8 @@ RMSNorm kernel in all its styles, KDA's low-rank gated output norm, the SwiGLU a
 fp8_output write codes and scales bit for bit per_token_group_quant of their own output, and leave
 that output unchanged; the lookup serves exactly the carried tensor and its contiguous aligned
 views, and misses after an in-place change; the FP8 GEMM and the fused MoE compute the same bits
-from a carried form without launching the quantiser, and a consumer that quantised lets the next
-consumer of the same tensor reuse it.
+from a carried form without launching the quantiser, and a consumer that quantised keeps nothing on
+its input.
 
 Fresh random bf16 inputs at awkward sizes (rows 1, 3, 17, 33; D = 128, 256, 2304 = 18 x 128: every
 row count and every D, not the product), with an all-zero group (the scale's 1e-10 floor) and the
@@ -157,32 +157,12 @@ def test_lookup_misses_changed_or_misaligned_views():
     assert fp8_activation.lookup(z) is None
 
 
-def test_inference_mode_outputs_carry_and_inference_tensors_do_not():
+def test_inference_mode_outputs_carry():
     """Inference tensors keep no version counter: a producer's output is a normal tensor also
-    under inference_mode, and an inference tensor a consumer quantised carries nothing."""
+    under inference_mode, and carries its form."""
     with torch.inference_mode():
         y = _carrier((2, 256))
         assert not y.is_inference() and fp8_activation.lookup(y) is not None
-        x = _randn(2, 256, seed=1).clone()
-        assert x.is_inference()
-        fp8_activation.carry_quantized(x, *per_token_group_quant(x))
-        assert fp8_activation.lookup(x) is None
-
-
-def test_only_producer_forms_cross_a_graph_capture(monkeypatch):
-    """While a CUDA graph is captured a consumer attaches nothing and a form a consumer attached
-    before is not served (its input may be a static buffer that replays refill); a producer's
-    form (written by the launch that writes the values) is served."""
-    produced = _carrier((2, 256))
-    x = _randn(2, 256, seed=1)
-    fp8_activation.carry_quantized(x, *per_token_group_quant(x))
-    assert fp8_activation.lookup(x) is not None
-    monkeypatch.setattr(fp8_activation, "is_capturing", lambda t: True)
-    assert fp8_activation.lookup(x) is None and fp8_activation.lookup(produced) is not None
-    other = _randn(2, 256, seed=2)
-    fp8_activation.carry_quantized(other, *per_token_group_quant(other))
-    monkeypatch.setattr(fp8_activation, "is_capturing", lambda t: False)
-    assert fp8_activation.lookup(other) is None and fp8_activation.lookup(x) is not None
 
 
 @pytest.fixture
@@ -224,12 +204,11 @@ def test_consumers_compute_the_same_bits_from_a_carried_form(quantiser_calls):
     assert quantiser_calls == [(R, H), (R, H)]  # the copies only
 
 
-def test_a_second_consumer_reuses_the_first_ones_quantisation(monkeypatch, quantiser_calls):
-    """A tensor no producer quantised (an unmarked norm's output) is quantised by its first FP8
-    consumer and reused by the next (the shared expert after the routed experts; parts run one by
-    one), bit for bit; a change in place sends it through the quantiser again, and so is every use
-    of rows that are no whole groups (K = 200). Through hyla.ops.fp8 as the modules call it: the 3-D
-    input's lookup passes its reshape."""
+def test_a_consumer_keeps_its_own_quantisation_to_itself(monkeypatch, quantiser_calls):
+    """A tensor no producer quantised (an unmarked norm's output) is quantised by each FP8 consumer
+    and carries nothing afterwards: its memory may be rewritten without a version change (a graph
+    replay into the prefill graphs' static buffers, a Triton kernel's store), where a kept form
+    would go stale. Through hyla.ops.fp8 as the modules call it (a 3-D input)."""
     from hyla.ops.fp8 import fp8_linear, fp8_moe_experts
 
     triton_module("fp8_gemm")
@@ -239,19 +218,11 @@ def test_a_second_consumer_reuses_the_first_ones_quantisation(monkeypatch, quant
     gen = torch.Generator().manual_seed(8)
     (w1, s1), (w2, s2) = (block_quantize(torch.randn(n, H, generator=gen) / H ** 0.5) for n in (72, 300))
     ids, weights = torch.rand(T, E, generator=gen).topk(k, dim=-1).indices, torch.rand(T, k, generator=gen)
-    first = fp8_moe_experts(x.view(T, H), *_experts(E, H, I), weights, ids)
-    second, third = fp8_linear(x, w1, s1), fp8_linear(x, w2, s2)
-    assert quantiser_calls == [(T, H)]
-    assert torch.equal(second, fp8_linear(x.clone(), w1, s1)) and torch.equal(third, fp8_linear(x.clone(), w2, s2))
-    assert torch.equal(first, fp8_moe_experts(x.clone().view(T, H), *_experts(E, H, I), weights, ids))
-    quantiser_calls.clear()
-    x.add_(1.0)
+    fp8_moe_experts(x.view(T, H), *_experts(E, H, I), weights, ids)
     fp8_linear(x, w1, s1)
-    assert quantiser_calls == [(T, H)]
-    x200, (w200, s200) = _randn(T, 200, seed=9), block_quantize(torch.randn(72, 200, generator=gen))
-    fp8_linear(x200, w200, s200)
-    fp8_linear(x200, w200, s200)
-    assert quantiser_calls == [(T, H), (T, 200), (T, 200)]
+    fp8_linear(x, w2, s2)
+    assert quantiser_calls == [(T, H)] * 3
+    assert fp8_activation.lookup(x) is None and fp8_activation.lookup(x.view(T, H)) is None
 
 
 def test_a_form_must_match_its_tensor():

@@ -16,8 +16,7 @@ scheme vLLM uses (`per_token_group_quant_fp8` then `w8a8_block_fp8_matmul`):
 
 An activation whose producer kernel already wrote its codes and scales (an RMSNorm, a gated output
 norm, the SwiGLU activation, with `store_group_quant`) carries them (hyla.ops.fp8_activation):
-`activation_fp8` serves them instead of the first launch, and otherwise attaches what that launch
-wrote for the tensor's next consumer.
+`activation_fp8` serves them instead of the first launch.
 
 The e4m3 rounding is done in fp32 arithmetic (`e4m3_round`: the round-to-nearest-even of a
 value onto e4m3's grid, by adding and subtracting 1.5 * 2^23 ulps), and the division by the scale
@@ -128,13 +127,9 @@ def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def activation_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (last dim contiguous) -> (q [M, K] e4m3, s [M, ceil(K/128)] fp32) for an FP8 GEMM:
     the form x carries when its producer wrote one (hyla.ops.fp8_activation), else
-    `per_token_group_quant(x)`, attached to x for its next consumer. The same bits either way."""
+    `per_token_group_quant(x)`. The same bits either way."""
     carried = fp8_activation.lookup(x)
-    if carried is not None:
-        return carried
-    q, s = per_token_group_quant(x)
-    fp8_activation.carry_quantized(x, q, s)
-    return q, s
+    return carried if carried is not None else per_token_group_quant(x)
 
 
 @triton.jit

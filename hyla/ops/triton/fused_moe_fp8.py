@@ -12,7 +12,7 @@ the definition of the arithmetic:
 
 1. x [M, H] is quantised once per token group (hyla.ops.triton.fp8_gemm.per_token_group_quant):
    xq [M, H] e4m3, xs [M, ceil(H/128)]; or not at all when x carries that form (its producer wrote
-   it, or an earlier consumer of x did: hyla.ops.triton.fp8_gemm.activation_fp8).
+   it: hyla.ops.triton.fp8_gemm.activation_fp8).
 2. `_gate_up_kernel`: a block of BM pairs (rows gathered from xq by token) times BN = 128 gate and
    up rows of its expert; each K step is one 128-column group, so acc += dot(a, w) * s_a[row] *
    s_w[column's block] in fp32. The epilogue computes act(gate, up) in fp32 and quantises it
