@@ -21,6 +21,7 @@ import torch
 from hyla.models import load_model
 from tests.models.test_fp8 import GOOD
 from tests.ops.helpers import use_backend
+from tests.ops.test_fp8_activation import quantiser_calls  # noqa: F401 (fixture)
 from tests.ops.triton_env import triton_module
 
 IDS = torch.tensor([[1, 17]])
@@ -77,8 +78,15 @@ def fp8_config_dir(tmp_path_factory):
     return make
 
 
+def unmark(model) -> None:
+    """Every producer back to writing its output alone (as a model with no FP8 weights)."""
+    for m in model.modules():
+        if hasattr(m, "fp8_output"):
+            m.fp8_output = False
+
+
 @pytest.mark.parametrize("family", ["kimi", "qwen3_next"])
-def test_marked_producers_replace_every_quantiser_launch(fp8_config_dir, family, monkeypatch):
+def test_marked_producers_replace_every_quantiser_launch(fp8_config_dir, family, monkeypatch, quantiser_calls):
     """Every FP8 GEMM and fused MoE input of these layers comes from a marked producer: no
     quantiser launch; unmarked, one per FP8 input (the routed experts and the shared expert's
     gate/up each quantise the same tensor). Bit for bit the same logits either way."""
@@ -90,17 +98,12 @@ def test_marked_producers_replace_every_quantiser_launch(fp8_config_dir, family,
     # 128-column GEMM tiles: the interpreter runs one program at a time, and the default tiles for
     # a few rows (16 columns) made the GEMMs most of this test's time; tiles change no bit here
     monkeypatch.setattr(gemm, "gemm_config", lambda M, N: dict(BM=16, BN=128, GM=1, num_warps=4, num_stages=1))
-    launches = []
-    inner = gemm.per_token_group_quant
-    monkeypatch.setattr(gemm, "per_token_group_quant", lambda x: launches.append(tuple(x.shape)) or inner(x))
     with torch.no_grad():
         got = model(IDS)
-        assert launches == []
-        for m in model.modules():
-            if hasattr(m, "fp8_output"):
-                m.fp8_output = False
+        assert quantiser_calls == []
+        unmark(model)
         want = model(IDS)
-    assert len(launches) == unmarked_launches, launches
+    assert len(quantiser_calls) == unmarked_launches, quantiser_calls
     assert torch.equal(got, want)
 
 

@@ -9,7 +9,7 @@ its input.
 Fresh random bf16 inputs at awkward sizes (rows 1, 3, 17, 33; D = 128, 256, 2304 = 18 x 128: every
 row count and every D, not the product), with an all-zero group (the scale's 1e-10 floor) and the
 kernels' outputs pre-filled with NaN (an unwritten code or scale shows). Triton's interpreter
-without a GPU.
+without a GPU; compiled on one, where the rows of 2,048 are added.
 """
 
 import pytest
@@ -24,8 +24,13 @@ from tests.ops.triton_env import triton_module
 SIZES = [(1, 2304), (3, 128), (17, 256), (33, 2304)]  # (rows, D)
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the Triton kernels' (triton_env)
+if DEVICE.type == "cuda":  # a compiled kernel's layout depends on the row width: also the Qwen3-Next hidden size
+    SIZES.append((64, 2048))
+
+
 def _randn(*shape, seed, scale=1.0):
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16().to(DEVICE)
 
 
 def _norm_input(R, D, seed):
@@ -123,7 +128,7 @@ def _carrier(shape, seed=0):
     """A tensor of `shape` (rows of whole groups) carrying its FP8 form as a producer's output does."""
     cols = shape[-1]
     rows = torch.Size(shape).numel() // cols
-    y, q, s = fp8_activation.producer_buffers(rows, cols, torch.bfloat16, torch.device("cpu"), fp8=True)
+    y, q, s = fp8_activation.producer_buffers(rows, cols, torch.bfloat16, DEVICE, fp8=True)
     y.copy_(_randn(rows, cols, seed=seed))
     rq, rs = per_token_group_quant(y)
     q.copy_(rq)
@@ -182,8 +187,8 @@ def quantiser_calls(monkeypatch):
 
 def _experts(E, H, I, seed=2):
     gen = torch.Generator().manual_seed(seed)
-    return (*quantize_gate_up(torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5),
-            *block_quantize(torch.randn(E, H, I, generator=gen) / I ** 0.5))
+    return tuple(t.to(DEVICE) for t in (*quantize_gate_up(torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5),
+                                        *block_quantize(torch.randn(E, H, I, generator=gen) / I ** 0.5)))
 
 
 def test_consumers_compute_the_same_bits_from_a_carried_form(quantiser_calls):
@@ -194,10 +199,12 @@ def test_consumers_compute_the_same_bits_from_a_carried_form(quantiser_calls):
     norm, _ = triton_module("norm")
     R, H, I, E, k = 5, 256, 128, 4, 2
     y = norm.rms_norm_rounded(_norm_input(R, H, seed=3), _randn(H, seed=4), 1e-6, fp8_output=True)
-    w, s = block_quantize(torch.randn(200, H, generator=torch.Generator().manual_seed(5)) / H ** 0.5)
+    gen = torch.Generator().manual_seed(5)
+    w, s = (t.to(DEVICE) for t in block_quantize(torch.randn(200, H, generator=gen) / H ** 0.5))
     experts = _experts(E, H, I)
     gen = torch.Generator().manual_seed(6)
-    ids, weights = torch.rand(R, E, generator=gen).topk(k, dim=-1).indices, torch.rand(R, k, generator=gen)
+    ids, weights = (t.to(DEVICE) for t in (torch.rand(R, E, generator=gen).topk(k, dim=-1).indices,
+                                           torch.rand(R, k, generator=gen)))
     assert torch.equal(gemm.fp8_linear(y, w, s), gemm.fp8_linear(y.clone(), w, s))
     assert torch.equal(moe.fused_moe_fp8(y, *experts, weights, ids),
                        moe.fused_moe_fp8(y.clone(), *experts, weights, ids))
@@ -216,8 +223,10 @@ def test_a_consumer_keeps_its_own_quantisation_to_itself(monkeypatch, quantiser_
     B, T, H, I, E, k = 1, 3, 256, 128, 4, 2
     x = _randn(B, T, H, seed=7)
     gen = torch.Generator().manual_seed(8)
-    (w1, s1), (w2, s2) = (block_quantize(torch.randn(n, H, generator=gen) / H ** 0.5) for n in (72, 300))
-    ids, weights = torch.rand(T, E, generator=gen).topk(k, dim=-1).indices, torch.rand(T, k, generator=gen)
+    (w1, s1), (w2, s2) = ([t.to(DEVICE) for t in block_quantize(torch.randn(n, H, generator=gen) / H ** 0.5)]
+                          for n in (72, 300))
+    ids, weights = (t.to(DEVICE) for t in (torch.rand(T, E, generator=gen).topk(k, dim=-1).indices,
+                                           torch.rand(T, k, generator=gen)))
     fp8_moe_experts(x.view(T, H), *_experts(E, H, I), weights, ids)
     fp8_linear(x, w1, s1)
     fp8_linear(x, w2, s2)
@@ -226,7 +235,7 @@ def test_a_consumer_keeps_its_own_quantisation_to_itself(monkeypatch, quantiser_
 
 
 def test_a_form_must_match_its_tensor():
-    y, q, s = fp8_activation.producer_buffers(2, 256, torch.bfloat16, torch.device("cpu"), fp8=True)
+    y, q, s = fp8_activation.producer_buffers(2, 256, torch.bfloat16, DEVICE, fp8=True)
     with pytest.raises(ValueError, match="e4m3 codes of its 512 elements"):
         fp8_activation.carry_produced(y, q[:1], s)
     with pytest.raises(ValueError, match="fp32 group scales"):

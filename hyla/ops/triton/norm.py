@@ -47,6 +47,11 @@ MAX_D = 16384
 GATED_FP8_MAX_D = 256  # widest head-wise gated row that writes its FP8 form (module docstring)
 
 
+def _head_wise_fp8(fp8_output: bool, D: int) -> bool:
+    """Whether a head-wise gated norm of D-wide rows writes its FP8 form when asked (module docstring)."""
+    return fp8_output and D <= GATED_FP8_MAX_D
+
+
 @triton.jit
 def round_bf16(x):
     """fp32 -> fp32 holding x rounded to bf16, to nearest even (finite x). Done in integer
@@ -250,7 +255,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | N
     x's order (its leading dims may be split differently, strides arbitrary)."""
     act = ACT_SIGMOID if activation == "sigmoid" else ACT_SILU
     return _launch(x, None if weight is None else weight.contiguous(), eps, GATED, gate=gate, act=act,
-                   fp8_output=fp8_output and x.shape[-1] <= GATED_FP8_MAX_D)
+                   fp8_output=_head_wise_fp8(fp8_output, x.shape[-1]))
 
 
 def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -258,7 +263,7 @@ def silu_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
     """The Triton version of hyla.ops.norm.silu_gated_rms_norm (gate as in gated_rms_norm)."""
     mid = torch.promote_types(weight.dtype, x.dtype)
     return _launch(x, weight.contiguous(), eps, SILU_ROUNDED, gate=gate, round_mid=mid != torch.float32,
-                   fp8_output=fp8_output and x.shape[-1] <= GATED_FP8_MAX_D)
+                   fp8_output=_head_wise_fp8(fp8_output, x.shape[-1]))
 
 
 def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tensor, weight: torch.Tensor | None,
@@ -276,7 +281,7 @@ def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tens
         g2 = g2.contiguous()
     w_up = w_up if w_up.stride(-1) == 1 else w_up.contiguous()
     y, y_q, y_s = fp8_activation.producer_buffers(B * T * H, D, x.dtype, x.device,  # (token, head) rows
-                                                  fp8_output and D <= GATED_FP8_MAX_D)
+                                                  _head_wise_fp8(fp8_output, D))
     r = g2.shape[1]
     if B * T and H and D:
         lowrank_gated_norm_kernel[(B * T, H)](
