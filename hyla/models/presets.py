@@ -23,6 +23,11 @@ Shapes (`RANDOM_CONFIGS`):
   shared expert 512 (sigmoid-gated), norm_topk_prob; every layer MoE; vocab 151936. All equal
   transformers 5.24's Qwen3NextConfig defaults except rope_theta (default 1e4) and
   intermediate_size (5120 vs 5632, unused: no dense layer).
+- `qwen3-next-80b-a3b-fp8`: the same shape as Qwen's FP8 release holds it (QWEN3_NEXT_FP8_RELEASE:
+  block-FP8 projections and experts; the output head, router, shared-expert gate and GDN's
+  in_proj_ba in bf16). Its random weights are drawn by the loader, FP8 where the config says, as
+  `load_format="dummy"` serves it; `quantization="fp8"` on `qwen3-next-80b-a3b` instead quantises
+  every projection but the head (in_proj_ba then packs into the FP8 GEMM with in_proj_qkvz).
 - `glm-5.3-flash`: GLM-5.3-Flash (`glm5_next`, GLM_5_3_FLASH:
   transformers 5.24's Glm5NextTextConfig defaults, the released sizes).
 - `qwen3.5-35b-a3b`: Qwen/Qwen3.5-35B-A3B's text model in the causal-LM layout
@@ -92,6 +97,18 @@ QWEN3_NEXT_80B = {
     "vocab_size": 151936,
 }
 
+# The quantization_config of Qwen's FP8 release of that model (Qwen3-Next-80B-A3B-Instruct-FP8):
+# fine-grained e4m3 in 128 x 128 blocks with dynamic activation scales, every projection and
+# expert FP8 except the output head, the router, the shared expert's one-row sigmoid gate and
+# GDN's in_proj_ba (b and a, 2 x 32 rows), which the release keeps in bf16 (serving stacks build
+# the last two as unquantised linears and split in_proj_ba from the FP8 in_proj_qkvz). Names as
+# suffixes (hyla.models.fp8.skipped), the release lists them per layer.
+QWEN3_NEXT_FP8_RELEASE = {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+    "modules_to_not_convert": ["lm_head", "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_ba"],
+}
+QWEN3_NEXT_80B_FP8 = {**QWEN3_NEXT_80B, "quantization_config": QWEN3_NEXT_FP8_RELEASE}
+
 # Qwen/Qwen3.5-35B-A3B's text_config, in the causal-LM layout (see the module docstring).
 QWEN3_5_35B = {
     "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "dtype": "bfloat16",
@@ -146,6 +163,7 @@ RANDOM_CONFIGS = {
     "1b": (None, 0.02),
     "kimi-linear-48b-a3b": (KIMI_LINEAR_48B, 0.02),
     "qwen3-next-80b-a3b": (QWEN3_NEXT_80B, 0.02),
+    "qwen3-next-80b-a3b-fp8": (QWEN3_NEXT_80B_FP8, 0.02),
     "qwen3.5-35b-a3b": (QWEN3_5_35B, 0.02),
     "glm-5.3-flash": (GLM_5_3_FLASH, 0.02),
     "tiny-kimi-moe": (_TINY_KIMI_MOE, 0.1),
@@ -197,11 +215,12 @@ def random_model(name: str, dtype=torch.float32, device="cpu", seed: int = 0, la
                  quantization: str | None = None, fp8_weights: str = "auto"):
     """Shape `name` (cut to `layers`) with random weights, built on `device` in `dtype` except the
     tensors the loader keeps in fp32. Eval mode, no gradients, prepare_for_inference() done.
-    quantization "fp8": block-FP8 weights drawn on the device by the loader (load_format "dummy"'s
-    path; `seed` is not used there), fp8_weights as load_model's."""
+    quantization "fp8", or a shape whose config carries a quantization_config (a release's FP8
+    layout): block-FP8 weights drawn on the device by the loader (load_format "dummy"'s path;
+    `seed` is not used there), fp8_weights as load_model's."""
     from hyla.models.loader import family_classes, load_model
 
-    if quantization is not None:
+    if quantization is not None or "quantization_config" in random_config_dict(name):
         import json
         import tempfile
         from pathlib import Path

@@ -305,6 +305,31 @@ def test_dummy_fp8_weights(checkpoints):
     assert torch.isfinite(model(IDS)).all()
 
 
+def test_release_layout_preset_draws_qwens_fp8_layout(monkeypatch):
+    """`qwen3-next-80b-a3b-fp8` is the 80B shape as Qwen's FP8 release holds it: random_model draws
+    it through the loader, FP8 where QWEN3_NEXT_FP8_RELEASE says (checked on the tiny MoE shape
+    with the same quantization_config: the 80B is too big for a CPU test)."""
+    from hyla.layers.gdn import GatedDeltaNet
+    from hyla.models import presets
+
+    assert presets.random_config_dict("qwen3-next-80b-a3b-fp8") == {
+        **presets.random_config_dict("qwen3-next-80b-a3b"), "quantization_config": presets.QWEN3_NEXT_FP8_RELEASE}
+    assert presets.random_config_dict("qwen3-next-80b-a3b-fp8", layers=4)["quantization_config"] \
+        == presets.QWEN3_NEXT_FP8_RELEASE
+    tiny = {**presets.RANDOM_CONFIGS["tiny-qwen3-next-moe"][0], "quantization_config": presets.QWEN3_NEXT_FP8_RELEASE}
+    monkeypatch.setitem(presets.RANDOM_CONFIGS, "tiny-release-fp8", (tiny, 0.1))
+    model = presets.random_model("tiny-release-fp8", **FP8)
+    names = _fp8_module_names(model)
+    gdn = [n for n, m in model.named_modules() if isinstance(m, GatedDeltaNet)]
+    assert gdn and all(f"{n}.in_proj_qkvz" in names and f"{n}.out_proj" in names for n in gdn)
+    assert not any(n.endswith(("in_proj_ba", "shared_expert_gate", "lm_head")) for n in names)
+    assert type(model.get_submodule(f"{gdn[0]}.in_proj_ba")) is torch.nn.Linear
+    assert any(isinstance(m, Fp8StackedExperts) for m in model.modules())
+    assert torch.isfinite(model(IDS)).all()
+    plain = presets.random_model("tiny-qwen3-next-moe")  # no quantization_config: no loader, no FP8
+    assert not _fp8_module_names(plain)
+
+
 # -- tensor parallel -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
