@@ -3,9 +3,9 @@
 # the FP8 accuracy tests (the tiny released-layout checkpoints on CUDA against the CPU's W8A8
 # definition, and the GEMM kernel against its reference), then the rows the open issues miss on
 # this card: on an H200 the whole 48B shape in bf16 (decode at batch 1 / 64 / 256 against its
-# memory floor, one 8,192-token prefill against its compute floor) and the whole 80B shape in FP8
-# as Qwen's release lays it out (`qwen3-next-80b-a3b-fp8`)
-# (decode at batch 1 / 64 against its floor, one request's tokens/s through the engine); on a smaller card the 48B
+# memory floor, one 8,192-token prefill against its compute floor) and the whole 80B shape in FP8,
+# laid out as Qwen's release (`qwen3-next-80b-a3b-fp8`): decode at batch 1 / 64 against its floor,
+# one request's tokens/s through the engine; on a smaller card the 48B
 # shape's first 12 layers in FP8 (decode at batch 1 / 64) and where the 80B shape's 4-layer cut's
 # batch-1 FP8 decode step goes (kernels in launch order: $OUT/k1fp8.txt).
 . "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
