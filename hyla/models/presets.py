@@ -220,17 +220,18 @@ def random_model(name: str, dtype=torch.float32, device="cpu", seed: int = 0, la
     `seed` is not used there), fp8_weights as load_model's."""
     from hyla.models.loader import family_classes, load_model
 
-    if quantization is not None or "quantization_config" in random_config_dict(name):
+    d = random_config_dict(name, layers)
+    if quantization is not None or "quantization_config" in d:
         import json
         import tempfile
         from pathlib import Path
 
         with tempfile.TemporaryDirectory() as tmp:
-            (Path(tmp) / "config.json").write_text(json.dumps(random_config_dict(name, layers)))
+            (Path(tmp) / "config.json").write_text(json.dumps(d))
             return load_model(tmp, dtype=dtype, device=device, random_weights=True, quantization=quantization,
                               fp8_weights=fp8_weights)
-    config = model_config(name, layers)
-    model_cls = family_classes(config.model_type)[1]
+    config_cls, model_cls = family_classes(d["model_type"])
+    config = config_cls.from_hf_dict(d)
     with torch.device("meta"):
         model = model_cls(config)
     model.to(dtype)
