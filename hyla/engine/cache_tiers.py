@@ -29,13 +29,16 @@ per run of consecutive host pages. A page is a few KB per layer, and one copy pe
 (over a million copies in an agent run) made the copies' launches the bottleneck: the H100 host
 tier round measured 3.6 GB/s of restores and a third of the run outside the model.
 
-Every copy runs on the current (compute) stream, in plan order, before the step's forward; on
-CUDA the host copies are asynchronous from pinned memory, so the host thread never waits for
-them. A restored request runs in the step that planned its restore: its copy (tens of MB of state
-and pages, a few ms over PCIe) costs that step less than a whole step of waiting (a step of
-chunked prefill takes tens to hundreds of ms). Measured against restores on a side stream with
-the request one step later: returning turns' TTFT 502 vs 607 ms, output 494 vs 424 tok/s
-(BENCHMARKS.md "Prefix cache tiers").
+Every transfer is planned on the current (compute) stream, in plan order, before the step's
+forward. Copies to the host go through hyla.engine.host_offload: on CUDA a source is copied into a
+device buffer there and the buffer to pinned memory on a side stream, overlapped with the forward
+(a restore that reads a host entry first waits for those copies). Copies from the host run on the
+compute stream, asynchronous from pinned memory, so the host thread never waits for them. A
+restored request runs in the step that planned its restore: its copy (tens of MB of state and
+pages, a few ms over PCIe) costs that step less than a whole step of waiting (a step of chunked
+prefill takes tens to hundreds of ms). Measured against restores on a side stream with the request
+one step later: returning turns' TTFT 502 vs 607 ms, output 494 vs 424 tok/s (BENCHMARKS.md
+"Prefix cache tiers").
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import torch
 from hyla.contract.cache import HybridCache
 from hyla.engine.checkpoint_codec import dequantize_rows, quantize_rows, rows_of
 from hyla.engine.device_timer import DeviceTimer
+from hyla.engine.host_offload import STAGING_BYTES, DeviceToHost
 from hyla.ops.transfer import to_device_long
 
 CHECKPOINT_DTYPES = ("auto", "int8")  # EngineConfig.checkpoint_dtype / --checkpoint-dtype
@@ -118,7 +122,7 @@ class CacheTiers:
     """The int8 store and the host store of one runner's cache (one rank's shard), and the code
     that runs a transfer plan against them and the running pools."""
 
-    def __init__(self, cache: HybridCache, sizes: TierSizes):
+    def __init__(self, cache: HybridCache, sizes: TierSizes, staging_bytes: int | None = None):
         self.cache = cache
         self.sizes = sizes
         self.device = device = self._device()
@@ -133,6 +137,8 @@ class CacheTiers:
                            for t in self.page_tensors] if sizes.host_pages else None
         self._stats = {"bytes_to_host": 0, "bytes_from_host": 0}
         self.restore_time = DeviceTimer(device)  # the host -> device copies' device time
+        staging = STAGING_BYTES if staging_bytes is None else staging_bytes  # read here: tests set it
+        self.to_host = DeviceToHost(device, staging if sizes.host_pages or sizes.host_checkpoints else 0)
 
     @property
     def stats(self) -> dict:
@@ -158,9 +164,11 @@ class CacheTiers:
 
     # ---- the transfers -------------------------------------------------------------------
     def apply(self, plan: list[tuple]) -> None:
-        """Run a transfer plan in order on the current stream (see the module docstring)."""
+        """Run a transfer plan in order on the current stream, its copies to the host started on
+        their side stream at the end (see the module docstring)."""
         for op, *args in _page_batches(plan):
             getattr(self, "_" + op)(*args)
+        self.to_host.flush()
 
     def _copy_slot(self, src: int, dst: int) -> None:
         self.cache.copy_slot(src, dst)
@@ -169,7 +177,7 @@ class CacheTiers:
         self.cache.copy_page_rows(src, dst, rows)
 
     def _pack(self, slot: int, entry: int) -> None:
-        _pack_into(self.cache, slot, self.int8, entry)
+        _pack_into(self.cache, slot, self.int8, entry, _device_copy)
 
     def _unpack(self, entry: int, slot: int) -> None:
         _unpack_from(self.int8, entry, self.cache, slot)
@@ -177,20 +185,21 @@ class CacheTiers:
     def _ckpt_out(self, tier: str, src: int, host: int) -> None:
         if tier == "int8":  # the int8 entry's bytes
             for h, d in zip(self.host_checkpoints.tensors(), self.int8.tensors()):
-                h[host].copy_(d[src], non_blocking=True)
+                self.to_host.copy(h[host], d[src])
                 self._stats["bytes_to_host"] += d[src].numel() * d.element_size()
             return
         if self.int8 is not None:  # a slot, packed on its way to the int8 host store
-            _pack_into(self.cache, src, self.host_checkpoints, host)
+            _pack_into(self.cache, src, self.host_checkpoints, host, self.to_host.copy)
             self._stats["bytes_to_host"] += sum(t[host].numel() * t.element_size()
                                                for t in self.host_checkpoints.tensors())
             return
         slot_tensors = [t for layer in self.cache.linear_layers for t in layer.tensors()]
         for h, t in zip(self.host_checkpoints.tensors(), slot_tensors):
-            h[host].copy_(_memory_order(t[src]), non_blocking=True)
+            self.to_host.copy(h[host], _memory_order(t[src]))
             self._stats["bytes_to_host"] += t[src].numel() * t.element_size()
 
     def _ckpt_in(self, host: int, slot: int) -> None:
+        self.to_host.fence()  # the entry may have been written on the side stream
         with self.restore_time.measure():
             if self.int8 is not None:
                 device = self.device
@@ -215,9 +224,9 @@ class CacheTiers:
         idx = to_device_long(pages, self.device)  # through pinned memory, no stall
         for h, t in zip(self.host_pages, self.page_tensors):
             h, t = _indexable(h), _indexable(t)
-            staged = t.index_select(0, idx)  # [n, ...] the pages in host order
+            staged = t.index_select(0, idx)  # [n, ...] the pages in host order: the buffer itself
             for a, b in _runs(hosts):
-                h[hosts[a]:hosts[a] + b - a].copy_(staged[a:b], non_blocking=True)
+                self.to_host.copy(h[hosts[a]:hosts[a] + b - a], staged[a:b], owned=True)
             self._stats["bytes_to_host"] += staged.numel() * staged.element_size()
 
     def _page_in(self, pairs: list[tuple[int, int]]) -> None:
@@ -225,6 +234,7 @@ class CacheTiers:
         hit: the request writes those positions before anything reads them (attention is causal),
         as it would in a fresh page."""
         hosts, pages = _by_destination(pairs, host=0)
+        self.to_host.fence()  # the entries may have been written on the side stream
         with self.restore_time.measure():
             idx = to_device_long(pages, self.device)  # through pinned memory, no stall
             for h, t in zip(self.host_pages, self.page_tensors):
@@ -276,14 +286,20 @@ def _runs(sorted_indices: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _pack_into(cache: HybridCache, slot: int, store: _Int8Store, entry: int) -> None:
+def _device_copy(dst: torch.Tensor, src: torch.Tensor, owned: bool = False) -> None:
+    dst.copy_(src)
+
+
+def _pack_into(cache: HybridCache, slot: int, store: _Int8Store, entry: int, copy) -> None:
+    """Slot `slot` of `cache` quantised into `store`'s entry through copy(dst, src, owned) (the
+    device store's plain copy, or DeviceToHost.copy into the host's)."""
     for (q, scale, convs), layer in zip(store.layers, cache.linear_layers):
         state, *conv = layer.tensors()
         q_rows, s_rows = quantize_rows(rows_of(state[slot]))
-        q[entry].copy_(q_rows, non_blocking=True)  # the store may be the host's
-        scale[entry].copy_(s_rows, non_blocking=True)
+        copy(q[entry], q_rows, owned=True)
+        copy(scale[entry], s_rows, owned=True)
         for c_store, c in zip(convs, conv):
-            c_store[entry].copy_(_memory_order(c[slot]), non_blocking=True)
+            copy(c_store[entry], _memory_order(c[slot]))
 
 
 def _unpack_from(store: _Int8Store, entry: int, cache: HybridCache, slot: int) -> None:

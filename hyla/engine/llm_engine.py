@@ -17,6 +17,7 @@ import time
 import torch
 
 from hyla.engine.cache_tiers import TierSizes, int8_entry_bytes
+from hyla.engine.host_offload import STAGING_BYTES
 from hyla.engine.config import EngineConfig
 from hyla.engine.generation_config import read_generation_config, token_ids
 from hyla.engine.kernel_warmup import warm_up_kernels
@@ -105,6 +106,8 @@ class LLMEngine:
             dtype=self.model.dtype, device=self.model.device, enforce_eager=config.enforce_eager)
         extra_kv = drafter.kv_bytes_per_token(self.model) if drafter is not None else 0
         later = drafter.bind_weight_bytes(self.model) if drafter is not None else 0  # loaded by bind
+        if config.enable_prefix_caching and config.host_cache_bytes and self.model.device.type == "cuda":
+            later += STAGING_BYTES  # buffers of the copies in flight to the host tier (host_offload)
         if budget is not None and config.memory_budget is None:  # measured free memory, before bind
             budget = max(0, budget - later)
         if config.kernel_warmup and self.model.device.type == "cuda" and self.workers is None:

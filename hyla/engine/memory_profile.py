@@ -8,7 +8,8 @@
              - the peak of a profiled worst-case step (activations, logits, the sampler's buffers)
              - the decode CUDA graphs captured at startup (profiled the same way: their pool,
                logits buffer and per-graph cost)
-             - weights loaded after the pools (an MTP head: `reserved_bytes`)
+             - `reserved_bytes`: weights loaded after the pools (an MTP head) and the buffers of
+               copies in flight to a host tier (hyla.engine.host_offload.STAGING_BYTES)
 
 The worst-case step is measured, not estimated: one sequence of max_num_batched_tokens tokens
 through the model with throwaway pools of one slot, with logits for max_num_seqs rows and the
@@ -144,7 +145,7 @@ def device_pool_budget(device: torch.device, utilization: float, step_bytes: int
     allocated = torch.cuda.memory_allocated(device)
     log.info("memory: gpu_memory_utilization %.2f of %.1f GiB = %.1f GiB; in use %.1f GiB (%.1f GiB of tensors: "
              "weights, and the prefill graphs' buffers and pool when captured; the rest the CUDA context, other processes, unreleasable fragments); worst-case step and "
-             "decode graphs %.2f GiB; weights loaded later %.2f GiB; pools %.1f GiB",
+             "decode graphs %.2f GiB; reserved (weights loaded later, host-tier buffers) %.2f GiB; pools %.1f GiB",
              utilization, total / GiB, utilization * total / GiB, held / GiB, allocated / GiB, step_bytes / GiB,
              reserved_bytes / GiB, max(budget, 0) / GiB)
     if budget <= 0:
