@@ -82,12 +82,10 @@ def test_tp2_host_tier_and_int8_checkpoints(ckpt, first, reference):
     """The prefix cache's host tier and int8 checkpoints under tensor parallelism: every rank
     moves its own shard of the same entries. The budget keeps 2 slots for checkpoints beside the
     running requests (the int8 tier takes them but 1) and 12 pages: the second turn's hits come
-    back from the host, their requests starting one step after the restore as on CUDA. int8 restores
-may move a logprob by more than LOGPROB_TOL, so tokens only."""
+    back from the host. int8 restores may move a logprob by more than LOGPROB_TOL, so tokens only."""
     slot, token = rank_bytes(ckpt, 2)
     llm = _tp(ckpt, enable_prefix_caching=True, max_num_seqs=2, max_model_len=128,
               memory_budget=4 * slot + 12 * 16 * token, host_cache_bytes=40 * slot, checkpoint_dtype="int8")
-    llm.engine.prefix_cache.defer_host_restores = True  # as on CUDA: restored requests start a step later
     try:
         got = generate(llm, first, [r[0] for r in reference])
         m = llm.get_metrics()
