@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 
 import httpx
 import numpy as np
@@ -143,8 +144,9 @@ def test_prefix_dataset_hits_the_prefix_cache(server):
 
 def test_agent_sessions_run_their_turns_in_order_and_hit_the_cache(server):
     r = run(server, "--dataset-name", "agent", "--num-sessions", "2", "--turns", "3", "--tool-output-len", "20",
-            "--question-len", "6", "--output-len", "4")
+            "--question-len", "6", "--output-len", "4", "--agent-system-len", "24", "--agent-session-prefix-len", "8")
     assert r["backend"] == "openai-chat" and (r["num_prompts"], r["completed"]) == (6, 6)
+    assert min(r["input_lens"]) >= 24 + 8 + 20 + 6  # the server counted every turn's system message
     for session in range(2):
         turns = range(3 * session, 3 * session + 3)
         for a, b in itertools.pairwise(turns):  # each turn sent after the previous reply, with it as history
@@ -268,6 +270,7 @@ def test_unreachable_server_fails_every_request():
     (["--dataset-name", "agent", "--num-sessions", "2", "--turns", "2", "--num-prompts", "5"], "--num-prompts"),
     (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "--endpoint"),
     (["--header", "novalue"], "KEY=VALUE"),
+    (["--dataset-name", "agent", "--agent-system-len", "-1"], "--agent-system-len"),
     (["--dataset-name", "nope"], "--dataset-name"),
     (["--model", "default", "--dataset-name", "sharegpt", "--dataset-path", "/nonexistent/sg.json"], "/nonexistent"),
     (["--model", "default", "--dataset-name", "prefix", "--num-prefixes", "9", "--num-prompts", "3"], "--num-prefixes"),
@@ -349,6 +352,18 @@ def test_prefix_and_agent_structure(tokenizer):
     assert [len(s.requests) for s in sessions] == [4, 4, 4]
     lens = [r.prompt_len for r in sessions[0].requests]
     assert all(b > a + 5 for a, b in itertools.pairwise(lens))
+    assert all(r.system is None for s in sessions for r in s.requests)
+    # a system message of 12 shared tokens + 6 of each session's (vLLM multi-turn's two prefixes)
+    prefixed = build_workload(DatasetSpec(name="agent", num_sessions=3, turns=4, tool_output_len=10, question_len=3,
+                                          agent_output_len=5, agent_system_len=12, agent_session_prefix_len=6),
+                              tokenizer, chat=True)
+    systems = [s.requests[0].system for s in prefixed]
+    assert all(r.system == system for s, system in zip(prefixed, systems) for r in s.requests)
+    assert len(set(systems)) == 3 and len(tokenizer.encode(systems[0], add_special_tokens=False)) == 18
+    shared = os.path.commonprefix(systems)
+    assert len(tokenizer.encode(shared, add_special_tokens=False)) >= 11  # the shared 12 (a boundary may merge)
+    first = prefixed[0].requests[0]  # its length counts the system message's
+    assert first.prompt_len == 18 + len(tokenizer.encode(first.prompt, add_special_tokens=False))
     with pytest.raises(ValueError, match="chat"):
         build_workload(DatasetSpec(name="agent"), tokenizer, chat=False)
 

@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="agent: each turn's tool output, question and reply lengths drawn uniformly within "
                       "this ratio of their flags' (as --random-range-ratio; 0: equal turns, so sessions that "
                       "start together stay in step)")
+    data.add_argument("--agent-system-len", type=_count(0), default=0,
+                      help="agent: tokens of the system message every session shares (instructions, tool "
+                      "definitions; vLLM multi-turn's common_prefix_num_tokens)")
+    data.add_argument("--agent-session-prefix-len", type=_count(0), default=0,
+                      help="agent: tokens of each session's own system text after the shared one (its task; "
+                      "vLLM multi-turn's prefix_num_tokens), within --agent-range-ratio")
     data.add_argument("--tool-latency-ms", type=_milliseconds, default=0.0, metavar="MEAN",
                       help="agent: mean pause in ms before each turn after a session's first, as if a tool ran "
                       "between the reply and the next turn (in the duration, in no request's TTFT or E2EL; "
@@ -315,7 +321,8 @@ def dataset_spec(args: argparse.Namespace) -> DatasetSpec:
         prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes,
         prefix_output_len=args.prefix_output_len, num_sessions=args.num_sessions, turns=args.turns,
         tool_output_len=args.tool_output_len, question_len=args.question_len,
-        agent_output_len=args.agent_output_len, agent_range_ratio=args.agent_range_ratio)
+        agent_output_len=args.agent_output_len, agent_range_ratio=args.agent_range_ratio,
+        agent_system_len=args.agent_system_len, agent_session_prefix_len=args.agent_session_prefix_len)
 
 
 def served_model(http: httpx.Client, base_url: str) -> tuple[str, str | None]:

@@ -18,7 +18,11 @@
   prefix_repetition, with exactly --num-prompts requests).
 - agent: --num-sessions sessions of --turns chat turns; each turn's user message is a tool output
   (--tool-output-len tokens) and a new question (--question-len), sent after the previous turns
-  and the model's replies to them, so the prefix cache can serve each session's history.
+  and the model's replies to them, so the prefix cache can serve each session's history. Every
+  request of a session carries the same system message: --agent-system-len tokens shared by all
+  sessions (an agent's instructions and tool definitions), then --agent-session-prefix-len tokens
+  of the session's own (its task and context): the two prefixes of vLLM's multi-turn benchmark
+  (common_prefix_num_tokens, prefix_num_tokens).
 
 Lengths are in the tokenizer's tokens when there is one (tokens.fit_text makes the texts exact),
 else see tokens.PromptMaker.
@@ -92,6 +96,8 @@ class DatasetSpec:
     question_len: int = 32
     agent_output_len: int = 64
     agent_range_ratio: float = 0.0
+    agent_system_len: int = 0
+    agent_session_prefix_len: int = 0
 
 
 def check_range_ratio(flag: str, ratio: float) -> None:
@@ -206,10 +212,11 @@ def prefix_requests(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Genera
 
 def agent_sessions(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Generator) -> list[Conversation]:
     """num_sessions conversations of `turns` requests: each turn is a tool output and a new
-    question after the conversation so far (the client sends the history). With
-    agent_range_ratio r each turn's tool output, question and reply lengths are drawn uniformly
-    from [n(1 - r), n(1 + r)] around their flags' n (r = 0: every turn the same sizes, so
-    sessions that start together stay in step)."""
+    question after the conversation so far (the client sends the history), under the session's
+    system message (the shared agent_system_len tokens, then agent_session_prefix_len of its own;
+    none when both are 0). With agent_range_ratio r each session prefix's and each turn's tool
+    output, question and reply lengths are drawn uniformly from [n(1 - r), n(1 + r)] around their
+    flags' n (r = 0: every turn the same sizes, so sessions that start together stay in step)."""
     r = spec.agent_range_ratio
     check_range_ratio("--agent-range-ratio", r)
 
@@ -219,15 +226,19 @@ def agent_sessions(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Generat
         low, high = length_bounds(n, r)
         return int(rng.integers(low, high + 1))
 
+    shared, shared_len = maker.render(maker.random_ids(rng, spec.agent_system_len), rng)
     sessions = []
     for _ in range(spec.num_sessions):
-        turns, history_len = [], 0
+        own, own_len = (maker.render(maker.random_ids(rng, length(spec.agent_session_prefix_len)), rng)
+                        if spec.agent_session_prefix_len else (shared[:0], 0))
+        system = maker.join(shared, own) if shared_len + own_len else None
+        turns, history_len = [], shared_len + own_len
         for _ in range(spec.turns):
             tool, tool_len = maker.render(maker.random_ids(rng, length(spec.tool_output_len)), rng)
             question, question_len = maker.render(maker.random_ids(rng, length(spec.question_len)), rng)
             output_len = length(spec.agent_output_len)
             turn_len = tool_len + question_len
-            turns.append(SampleRequest(maker.join(tool, question), history_len + turn_len, output_len))
+            turns.append(SampleRequest(maker.join(tool, question), history_len + turn_len, output_len, system=system))
             history_len += turn_len + output_len
         sessions.append(Conversation(tuple(turns)))
     return sessions
