@@ -7,11 +7,12 @@
 # at batch 1 / 64 and its prefill of 1,024 and 8,192 tokens (bf16 on a card of >= 120 GB, else its
 # first 12 layers in FP8, whose MoE tables are the FP8 ones: then only the sweep is new).
 #   TOKENS: the sweep's token counts (default "1 16 64 256 1024 2048 4096 8192")
+#   SHAPES: the shapes swept (default both: kimi-linear-48b-a3b qwen3-next-80b-a3b)
 . "$(dirname "$0")/gpu_round_env.sh"  # repo root, $OUT, wheels, PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "rev $(git rev-parse --short HEAD 2>/dev/null || cat REV)"
 echo "== bf16 fused-MoE sweep"
-timeout 330 python3 -m hyla.bench moe --sweep --write-configs hyla/assets/kernel_configs/fused_moe \
+timeout 330 python3 -m hyla.bench moe --sweep --write-configs hyla/assets/kernel_configs/fused_moe ${SHAPES:+--shapes $SHAPES} \
   --tokens ${TOKENS:-1 16 64 256 1024 2048 4096 8192} --repeat ${REPEAT:-20} 2>&1 | grep -v "^# config" | tail -20 | tee $OUT/moe_sweep.log
 tar -cf $OUT/moe_tables.tar hyla/assets/kernel_configs/fused_moe/*.json
 CUT="--layers 12 -q fp8"; [ "$MEM" -ge 120000 ] && CUT=""
