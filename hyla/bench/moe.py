@@ -19,8 +19,9 @@ family's own router: sigmoid noaux_tc for Kimi, softmax top-k for Qwen3-Next):
 `--fp8`: the routed experts block-quantised (hyla.ops.fp8: e4m3, 128 x 128 scales) and the
 block-FP8 fused MoE (hyla.ops.triton.fused_moe_fp8) timed beside the bf16 kernel on the same
 routing, against its own floor (the touched experts at one byte a weight plus their scales);
-with `--sweep` its configurations are FP8_SWEEP (BK and the gate/up BN fixed at the 128-column
-block) and `--write-configs` writes the "fp8_w8a8" tables the FP8 kernel reads.
+with `--sweep` its configurations are `fp8_sweep`'s (FP8_SWEEP, BK and the gate/up BN fixed at the
+128-column block; up to FP8_SPLIT_K_TOKENS tokens also split-K, KSPLIT 1, 2, 4, 8) and
+`--write-configs` writes the "fp8_w8a8" tables the FP8 kernel reads, KSPLIT included.
 
 `--mxfp4`: the routed experts drawn in MXFP4 (Kimi K3's released format; K3's own shape is not
 public, so the chosen shapes stand in): the packed kernel (hyla.ops.triton.fused_moe_mxfp4), the
@@ -71,6 +72,24 @@ FP8_SWEEP = [dict(BM=bm, BN=128, BK=128, GM=gm, num_warps=w, num_stages=st, down
              for bm, gm, w, st, dn in ((16, 1, 4, 3, 64), (16, 1, 4, 4, 128), (16, 1, 4, 2, 32), (32, 1, 4, 3, 64),
                                        (32, 1, 4, 4, 128), (64, 8, 4, 3, 128), (64, 8, 8, 3, 128), (64, 8, 4, 4, 256),
                                        (128, 8, 8, 3, 128), (128, 8, 8, 2, 256), (128, 16, 8, 3, 64))]
+# Split-K of the FP8 gate/up GEMM (hyla.ops.triton.fused_moe_fp8, KSPLIT): swept up to this many
+# tokens, on the entries of small row blocks (decode sizes, where a few programs per expert block
+# stream all of H and K is the dimension that can spread over more SMs)
+FP8_SPLIT_K_TOKENS = 64
+FP8_KSPLITS = (1, 2, 4, 8)
+
+
+def fp8_sweep(tokens: int, hidden: int) -> list[dict]:
+    """The FP8 configurations to time for `tokens` tokens of hidden size `hidden`: FP8_SWEEP, and up
+    to FP8_SPLIT_K_TOKENS tokens its entries of BM <= 32 once per KSPLIT of FP8_KSPLITS (1 written
+    out, so a table says it) that ceil(hidden / 128) K groups allow."""
+    if tokens > FP8_SPLIT_K_TOKENS:
+        return list(FP8_SWEEP)
+    ksplits = [s for s in FP8_KSPLITS if s <= -(-hidden // 128)]  # a share holds at least one K group
+    configs = []
+    for cfg in FP8_SWEEP:
+        configs += [dict(cfg, KSPLIT=s) for s in ksplits] if cfg["BM"] <= 32 else [cfg]
+    return configs
 
 
 def build_block(shape: dict, device, dtype=torch.bfloat16, seed: int = 0):
@@ -159,7 +178,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="with --sweep: write the fastest configuration per shape and token count into DIR "
                         "(hyla.ops.triton.kernel_tables' file per shape and device)")
     p.add_argument("--fp8", action="store_true", help="also the block-FP8 fused MoE on the experts quantised; "
-                   "with --sweep its configurations (FP8_SWEEP) are the ones swept and written")
+                   "with --sweep its configurations (fp8_sweep: FP8_SWEEP, split-K at small token counts) "
+                   "are the ones swept and written")
     p.add_argument("--mxfp4", action="store_true", help="also experts drawn in MXFP4 (as Kimi K3 releases them): "
                    "the packed kernel, the same weights converted to block FP8 at load (exact), and bf16 on them")
     args = p.parse_args(argv)
@@ -203,7 +223,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 sweep, best_cfg = {}, None
                 if args.sweep and q is not None:
                     sweep, best_cfg = _sweep(lambda cfg: fused_moe_fp8(x, *q, weights, ids, config=cfg),
-                                             args.repeat, FP8_SWEEP, [])
+                                             args.repeat, fp8_sweep(m, shape["hidden"]), [])
                     tuned[(name, m)] = best_cfg
                 elif args.sweep:
                     sweep, best_cfg = _sweep(lambda cfg: fused_moe(x, w13, w2, weights, ids, config=cfg),

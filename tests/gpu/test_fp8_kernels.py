@@ -79,10 +79,9 @@ def test_fp8_gemm_full_size(name, M):
     assert err <= TOL
 
 
-@pytest.mark.parametrize("M", TOKENS)
-def test_fused_moe_fp8_full_size(M):
-    from hyla.ops.triton.fused_moe import fused_moe
-
+def _moe_inputs(M: int):
+    """The 80B's routed experts in block FP8 and M tokens' routing -> (x, w13, s13, w2, s2, weights,
+    ids, the experts in bf16 (w13, w2))."""
     E, H, I, k = 513, 2048, 512, 11  # 512 routed + the stacked shared expert; top-10 + the shared slot
     gen = torch.Generator(device=DEV).manual_seed(1)
     w13_bf16 = (torch.randn(E, 2 * I, H, device=DEV, generator=gen) / H ** 0.5).to(torch.bfloat16)
@@ -93,6 +92,14 @@ def test_fused_moe_fp8_full_size(M):
     routed = torch.rand(M, E - 1, device=DEV, generator=gen).topk(k - 1, dim=-1).indices
     ids = torch.cat([routed, torch.full((M, 1), E - 1, device=DEV)], 1)
     weights = torch.rand(M, k, device=DEV, generator=gen)
+    return x, w13, s13, w2, s2, weights, ids, (w13_bf16, w2_bf16)
+
+
+@pytest.mark.parametrize("M", TOKENS)
+def test_fused_moe_fp8_full_size(M):
+    from hyla.ops.triton.fused_moe import fused_moe
+
+    x, w13, s13, w2, s2, weights, ids, (w13_bf16, w2_bf16) = _moe_inputs(M)
     got = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids)
     ref = fp8_moe_experts_torch(x, w13, s13, w2, s2, weights, ids)
     err = rel(got, ref)
@@ -100,3 +107,21 @@ def test_fused_moe_fp8_full_size(M):
     t16 = ms(lambda: fused_moe(x, w13_bf16, w2_bf16, weights, ids))
     print(f"  fused MoE M={M}: fp8 rel err {err:.1e}, {t8:.4f} ms; bf16 {t16:.4f} ms")
     assert err <= TOL
+
+
+@pytest.mark.parametrize("M", (1, 64))
+def test_fused_moe_fp8_split_k_full_size(M):
+    """The gate/up GEMM split K ways (KSPLIT: 1 to all 16 of H's groups) on decode-sized blocks:
+    each to the definition, and to KSPLIT = 1 (the same products summed in another order, which
+    moves scales by an ulp and codes of h by one step at most); prints each one's time."""
+    x, w13, s13, w2, s2, weights, ids, _ = _moe_inputs(M)
+    ref = fp8_moe_experts_torch(x, w13, s13, w2, s2, weights, ids)
+    blocks = dict(BM=16, BN=128, BK=128, GM=1, num_warps=4, num_stages=3, down=dict(BN=64))
+    single = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=blocks)
+    line = f"  fused MoE M={M} split-K:"
+    for ksplit in (1, 2, 4, 8, 16):
+        config = dict(blocks, KSPLIT=ksplit)
+        got = fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=config)
+        assert rel(got, ref) <= TOL and rel(got, single) <= TOL, ksplit
+        line += f" {ksplit}: {ms(lambda: fused_moe_fp8(x, w13, s13, w2, s2, weights, ids, config=config)):.4f} ms;"
+    print(line)

@@ -143,6 +143,98 @@ def test_fused_moe_kernel_matches_the_reference(M, H, I, E, k, used, act):
     torch.testing.assert_close(out, ref, rtol=0, atol=(1e-4 + 16 * mma_rel(dev)) * ref.abs().max().item())
 
 
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's keyword arguments, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(kwargs)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+# A decode-sized block configuration without KSPLIT: the single-pass gate/up GEMM as before split-K.
+_DECODE_BLOCKS = dict(BM=16, BN=128, BK=128, GM=1, num_warps=4, num_stages=3, down=dict(BN=64))
+
+
+@pytest.mark.parametrize("M, k, E", [(1, 3, 6), (3, 2, 5), (17, 4, 6)])
+@pytest.mark.parametrize("act", [GatedActivation(), GatedActivation("situ", beta=4.0, linear_beta=25.0)],
+                         ids=["silu", "situ"])
+def test_split_k_gate_up_matches_the_reference_and_the_single_pass(monkeypatch, M, k, E, act):
+    """KSPLIT = s > 1: s programs per tile each sum a share of H's K groups, `_split_k_finish_kernel`
+    adds the shares and quantises h. H = 520 (5 groups, the last partial), I = 200 (two groups of
+    h, the second partial); s = 2, 3 (uneven shares) and 5 (one group each).
+
+    Each is within the reference's tolerance of the definition. Against KSPLIT = 1 the gate / up
+    sums are the same fp32 products (the same tiles, the same dots) added in another association,
+    so they differ by a few fp32 ulps; an e4m3 code of h moves only when such a sum lies that close
+    to a rounding boundary, by one step, which moves an output by that h value times a w2 weight:
+    the file's 1e-4 of the output scale (the same flip the reference tolerance covers); a group's
+    scale (amax / 448) moving an ulp with its amax moves outputs by ~1e-7 of their scale. With one
+    group per share the finish kernel adds the group sums in the single pass's order, from 0.0: in
+    the interpreter (no fused multiply-adds, which a GPU's single pass may use) bit for bit.
+    KSPLIT = 1 is bit for bit the configuration without the key and launches no finish kernel."""
+    mod, dev = triton_module("fused_moe_fp8")
+    H, I = 520, 200
+    gen = torch.Generator().manual_seed(7 + M)
+    x = torch.randn(M, H, generator=gen)
+    w13, s13, w2, s2 = _experts(E, H, I, seed=M)
+    ids = torch.rand(M, E, generator=gen).topk(k, dim=-1).indices
+    weights = torch.rand(M, k, generator=gen)
+    ref = fp8_moe_experts_torch(x, w13, s13, w2, s2, weights, ids, act)
+    on = [t.to(dev) for t in (x, w13, s13, w2, s2, weights, ids)]
+    finish = _LaunchSpy(mod._split_k_finish_kernel)
+    monkeypatch.setattr(mod, "_split_k_finish_kernel", finish)
+
+    def run(**split):
+        return mod.fused_moe_fp8(*on, config=dict(_DECODE_BLOCKS, **split), activation=act).cpu()
+
+    single = run()
+    assert torch.equal(run(KSPLIT=1), single) and finish.launches == []
+    ref_tol = (1e-4 + 16 * mma_rel(dev)) * ref.abs().max().item()
+    for s in (2, 3, 5):
+        out = run(KSPLIT=s)
+        assert [launch["KSPLIT"] for launch in finish.launches] == [s]  # the split path ran, s shares
+        finish.launches.clear()
+        torch.testing.assert_close(out, ref, rtol=0, atol=ref_tol, msg=lambda m: f"KSPLIT={s}: {m}")
+        torch.testing.assert_close(out, single, rtol=0, atol=1e-4 * single.abs().max().item(),
+                                   msg=lambda m: f"KSPLIT={s} vs 1: {m}")
+        if s == 5 and dev == "cpu":
+            assert torch.equal(out, single)
+
+
+def test_split_k_is_checked():
+    """KSPLIT is an int from 1 to ceil(H / 128) (each share holds a K group), and only the gate/up
+    GEMM's: the "down" overrides may not set it."""
+    mod, dev = triton_module("fused_moe_fp8")
+    gen = torch.Generator().manual_seed(8)
+    M, H, I, E, k = 2, 300, 72, 4, 2  # 3 K groups
+    x = torch.randn(M, H, generator=gen)
+    ids = torch.rand(M, E, generator=gen).topk(k, dim=-1).indices
+    on = [t.to(dev) for t in (x, *_experts(E, H, I), torch.rand(M, k, generator=gen), ids)]
+    for bad in (0, 4, -1, 2.0, "2", True):
+        with pytest.raises(ValueError, match="KSPLIT must be an int from 1 to the 3 K groups"):
+            mod.fused_moe_fp8(*on, config=dict(_DECODE_BLOCKS, KSPLIT=bad))
+    with pytest.raises(ValueError, match="\"down\" blocks cannot set KSPLIT"):
+        mod.fused_moe_fp8(*on, config=dict(_DECODE_BLOCKS, KSPLIT=2, down=dict(BN=64, KSPLIT=2)))
+    assert mod.split_k(dict(_DECODE_BLOCKS, KSPLIT=3), 3) == (3, _DECODE_BLOCKS)  # no KSPLIT left to launch with
+    assert mod.split_k(_DECODE_BLOCKS, 3) == (1, _DECODE_BLOCKS)
+
+
+def test_the_heuristic_splits_k_at_decode_sizes_only():
+    """Up to one pair per expert the untuned configuration splits the gate/up GEMM's K (4 shares,
+    fewer when H has fewer groups); from there on it keeps the single pass."""
+    mod, _ = triton_module("fused_moe_fp8")
+    assert mod._config(10, 512, 16)["KSPLIT"] == 4  # the 80B at one token
+    assert mod._config(512, 512, 16)["KSPLIT"] == 4
+    assert mod._config(3, 6, 2)["KSPLIT"] == 2  # H of two groups
+    for pairs in (513, 8192, 65536):
+        assert "KSPLIT" not in mod._config(pairs, 512, 16)
+
+
 def test_fp8_linear_module():
     lin = torch.nn.Linear(200, 300, bias=True)
     f = quantized_like(lin)
@@ -278,23 +370,65 @@ def test_power_of_two_scales_carry_mxfp4_values_exactly():
 
 
 def test_every_fp8_sweep_configuration_runs_and_agrees():
-    """hyla bench moe --fp8 --sweep's configurations (hyla.bench.moe.FP8_SWEEP) are ones the FP8
-    fused MoE takes (BK and the gate/up BN at the 128 block) and each computes the reference."""
-    from hyla.bench.moe import FP8_SWEEP
+    """hyla bench moe --fp8 --sweep's configurations (hyla.bench.moe.fp8_sweep: FP8_SWEEP, and at
+    decode sizes its small-row ones split-K with the KSPLITs H's K groups allow) are ones the FP8
+    fused MoE takes (BK and the gate/up BN at the 128 block) and each computes the reference (H =
+    130: KSPLIT 1 and 2; the released shapes' 16 and 18 groups take 4 and 8 as well)."""
+    from hyla.bench.moe import FP8_KSPLITS, FP8_SWEEP, fp8_sweep
 
     mod, dev = triton_module("fused_moe_fp8")
     gen = torch.Generator().manual_seed(5)
     M, H, I, E, k = 7, 130, 72, 4, 2
+    sweep = fp8_sweep(M, H)
+    assert {cfg.get("KSPLIT", 1) for cfg in sweep} == {1, 2}  # 2 K groups: no share without one
+    assert fp8_sweep(4096, H) == FP8_SWEEP  # prefill sizes: the single pass only
+    for hidden in (2048, 2304):
+        assert {cfg.get("KSPLIT", 1) for cfg in fp8_sweep(1, hidden)} == set(FP8_KSPLITS)
+        for cfg in fp8_sweep(64, hidden):
+            mod.split_k(cfg, -(-hidden // 128))  # valid there
     x = torch.randn(M, H, generator=gen)
     w13, s13, w2, s2 = _experts(E, H, I)
     ids = torch.rand(M, E, generator=gen).topk(k, dim=-1).indices
     weights = torch.rand(M, k, generator=gen)
     ref = fp8_moe_experts_torch(x, w13, s13, w2, s2, weights, ids)
     on = [t.to(dev) for t in (x, w13, s13, w2, s2, weights, ids)]
-    for config in FP8_SWEEP:
+    for config in sweep:
         out = mod.fused_moe_fp8(*on, config=config).cpu()
         torch.testing.assert_close(out, ref, rtol=0, atol=(1e-4 + 16 * mma_rel(dev)) * ref.abs().max().item(),
                                    msg=lambda m: f"{config}: {m}")
+
+
+def test_a_split_k_table_entry_round_trips(tmp_path, monkeypatch):
+    """A split-K configuration of the sweep written into an "fp8_w8a8" table (kernel_tables.
+    write_configs, as hyla bench moe --fp8 --sweep --write-configs does) comes back from the FP8
+    kernel's tuned_config as written, and fused_moe_fp8 splits the gate/up GEMM by its KSPLIT (the
+    down GEMM never sees it) to the reference."""
+    from hyla.bench.moe import fp8_sweep
+    from hyla.ops.triton import kernel_tables as kt
+
+    mod, dev = triton_module("fused_moe_fp8")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Fake GPU 3")
+    monkeypatch.setattr(kt, "_device_name", functools.cache(kt._device_name.__wrapped__))
+    M, H, I, E, k = 3, 300, 72, 4, 2
+    entry = next(cfg for cfg in fp8_sweep(M, H) if cfg.get("KSPLIT") == 2)
+    kt.write_configs(tmp_path / kt.config_file_name(E, I, H, "Fake GPU 3", "fp8_w8a8"), {M: entry})
+    tuned = mod.tuned_config(M, E, I, H, torch.device("cuda"), tmp_path)
+    assert tuned == entry
+
+    monkeypatch.setattr(mod, "tuned_config", lambda *_: dict(tuned))  # on the CPU no table applies
+    finish, down = _LaunchSpy(mod._split_k_finish_kernel), _LaunchSpy(mod._down_kernel)
+    monkeypatch.setattr(mod, "_split_k_finish_kernel", finish)
+    monkeypatch.setattr(mod, "_down_kernel", down)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(M, H, generator=gen)
+    w13, s13, w2, s2 = _experts(E, H, I)
+    ids = torch.rand(M, E, generator=gen).topk(k, dim=-1).indices
+    weights = torch.rand(M, k, generator=gen)
+    ref = fp8_moe_experts_torch(x, w13, s13, w2, s2, weights, ids)
+    out = mod.fused_moe_fp8(*[t.to(dev) for t in (x, w13, s13, w2, s2, weights, ids)]).cpu()
+    assert [launch["KSPLIT"] for launch in finish.launches] == [2]
+    assert "KSPLIT" not in down.launches[0]  # the interpreter would take an unknown launch option silently
+    torch.testing.assert_close(out, ref, rtol=0, atol=(1e-4 + 16 * mma_rel(dev)) * ref.abs().max().item())
 
 
 def test_untuned_tiles_up_to_64_rows_accumulate_in_fp32():

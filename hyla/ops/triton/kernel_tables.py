@@ -8,8 +8,10 @@ one JSON file per expert shape (the scheme vLLM uses for its fused-MoE kernel), 
 
 mapping token counts to a configuration: the keys of `_config` in hyla.ops.triton.fused_moe
 (BM, BN, BK, GM, num_warps, num_stages) plus an optional "down" dict whose keys override them
-for the second GEMM (BM is shared: both GEMMs read the same expert-aligned blocks). The files
-shipped with hyla live in hyla/assets/kernel_configs/fused_moe/.
+for the second GEMM (BM is shared: both GEMMs read the same expert-aligned blocks); the FP8
+kernel's tables (",dtype=fp8_w8a8") may also set KSPLIT, its gate/up GEMM's split-K
+(hyla.ops.triton.fused_moe_fp8). The files shipped with hyla live in
+hyla/assets/kernel_configs/fused_moe/.
 
 `hyla bench fp8-gemm --write-configs DIR` does the same for the block-FP8 GEMM of the dense
 projections (hyla.ops.triton.fp8_gemm), one file per weight shape [N, K] (vLLM's
