@@ -165,7 +165,8 @@ def test_silu_gated_rms_norm_reads_an_interleaved_gate_in_place(dtype, D, R):
         assert_ulps(hyla_triton.silu_gated_rms_norm(x, z, w, 1e-6), ref)
 
 
-@pytest.mark.parametrize("H,D,r,R", [(3, 24, 20, 1), (2, 40, 128, 3), (1, 128, 33, 2)])
+# r = 160: past the one-load rank (hyla.ops.triton.common.LOWRANK_ONE_LOAD_RANK), two masked steps
+@pytest.mark.parametrize("H,D,r,R", [(3, 24, 20, 1), (2, 40, 128, 3), (1, 128, 33, 2), (2, 72, 160, 2)])
 @pytest.mark.parametrize("activation", ["sigmoid", "silu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lowrank_gated_rms_norm_matches_the_linear_then_the_norm(H, D, r, R, activation, dtype):
@@ -210,7 +211,9 @@ def test_kda_gate_beta_matches_torch(H, K, R, lower_bound, dtype):
                                atol=1e-7)
 
 
-@pytest.mark.parametrize("H,K,r,R", [(3, 24, 20, 1), (2, 40, 128, 3), (1, 128, 33, 2)])
+# K = 40 / 72 / 128: a last row chunk (hyla.ops.triton.gate.LOWRANK_GATE_ROWS) part-filled or full;
+# r = 160: past the one-load rank, two masked steps
+@pytest.mark.parametrize("H,K,r,R", [(3, 24, 20, 1), (2, 40, 128, 3), (1, 128, 33, 2), (2, 72, 160, 2)])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kda_lowrank_gate_beta_matches_the_linear_then_the_gate(H, K, r, R, lower_bound, dtype):

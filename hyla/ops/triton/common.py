@@ -71,6 +71,11 @@ def head_gate_params(A_log, dt_bias, i_hv, o_k, K: tl.constexpr, GATE: tl.conste
     return a_log, bias
 
 
+# Up to this rank a head's slice of the up-projection is one load (BRK = r): a decode step's
+# programs then have all of their weight bytes in flight at once, not r / 32 dependent steps
+LOWRANK_ONE_LOAD_RANK = 128
+
+
 @triton.jit
 def head_up_projection(inp, n, in_s0, w_up, w_s0, rows, m_rows, r, BD: tl.constexpr, BRK: tl.constexpr):
     """One head's slice of a low-rank up-projection at one token: inp[n, :r] @ w_up[rows, :r]^T in

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from hyla.ops.triton import _interpreter
-from hyla.ops.triton.common import apply_gate, head_up_projection, sigmoid
+from hyla.ops.triton.common import LOWRANK_ONE_LOAD_RANK, apply_gate, head_up_projection, sigmoid
 from hyla.ops.triton.norm import to_dtype
 from hyla.ops.triton.params import token_rows
 from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
@@ -58,10 +58,13 @@ def gate_beta_kernel(f, b, A_log, dt_bias, g, beta, lower_bound,
 def lowrank_gate_beta_kernel(fa, w, b, A_log, dt_bias, g, beta, lower_bound, r, fa_s0, w_s0,
                              b_s0, b_s1, b_s2, B_R, HV, KD: tl.constexpr, BK: tl.constexpr, BRK: tl.constexpr,
                              GATE_FN: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+    """One (token, head, BK-row chunk of the head's KD gate rows) per program: a decode step's few
+    tokens still spread over many programs, each reading its BK x r slice of w_up in one load."""
     dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # head
-    o_k = tl.arange(0, BK)
+    c = tl.program_id(2)  # row chunk
+    o_k = c * BK + tl.arange(0, BK)
     m_k = o_k < KD
     rows = (j * KD + o_k).to(tl.int64)
     acc = head_up_projection(fa, n, fa_s0, w, w_s0, rows, m_k, r, BK, BRK)
@@ -72,8 +75,13 @@ def lowrank_gate_beta_kernel(fa, w, b, A_log, dt_bias, g, beta, lower_bound, r, 
     else:
         bias = tl.zeros([BK], tl.float32)
     tl.store(g + (n * HV + j) * KD + o_k, apply_gate(x, a_log, bias, lower_bound, GATE_FN), mask=m_k)
-    bv = tl.load(b + n * b_s0 + (j // B_R) * b_s1 + (j % B_R) * b_s2).to(tl.float32)
-    tl.store(beta + n * HV + j, to_dtype(sigmoid(bv), beta.dtype.element_ty))
+    if c == 0:
+        bv = tl.load(b + n * b_s0 + (j // B_R) * b_s1 + (j % B_R) * b_s2).to(tl.float32)
+        tl.store(beta + n * HV + j, to_dtype(sigmoid(bv), beta.dtype.element_ty))
+
+
+# A decode step's low-rank gate (one token: 32 heads) as 32 x 4 programs of 32 gate rows each
+LOWRANK_GATE_ROWS = 32
 
 
 def _head_levels(t: torch.Tensor, lead: int):
@@ -133,10 +141,11 @@ def kda_lowrank_gate_beta(fa: torch.Tensor, w_up: torch.Tensor, b: torch.Tensor,
     w_up = w_up if w_up.stride(-1) == 1 else w_up.contiguous()
     g, beta, (b, b_s0, b_s1, b_s2, b_r), a_log, dtb, has_bias = _gate_args(B, T, H, K, b, A_log, dt_bias, fa.device)
     if B * T and H:
-        lowrank_gate_beta_kernel[(B * T, H)](
+        bk = min(LOWRANK_GATE_ROWS, triton.next_power_of_2(K))
+        lowrank_gate_beta_kernel[(B * T, H, triton.cdiv(K, bk))](
             fa, w_up, b, a_log, dtb, g, beta, float(lower_bound or 0.0), r, fa_s0,
-            w_up.stride(0), b_s0, b_s1, b_s2, b_r, H, KD=K, BK=triton.next_power_of_2(K),
-            BRK=min(32, triton.next_power_of_2(r)), GATE_FN=1 if lower_bound is None else 2,
+            w_up.stride(0), b_s0, b_s1, b_s2, b_r, H, KD=K, BK=bk,
+            BRK=min(LOWRANK_ONE_LOAD_RANK, triton.next_power_of_2(r)), GATE_FN=1 if lower_bound is None else 2,
             HAS_BIAS=has_bias, num_warps=4, **pdl_launch(fa.device))
     return g, beta
 

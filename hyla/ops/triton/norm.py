@@ -35,7 +35,7 @@ import triton.language as tl
 
 from hyla.ops import fp8_activation
 from hyla.ops.triton import _interpreter
-from hyla.ops.triton.common import head_up_projection
+from hyla.ops.triton.common import LOWRANK_ONE_LOAD_RANK, head_up_projection
 from hyla.ops.triton.fp8_gemm import store_group_quant
 from hyla.ops.triton.pdl import dependent_launch_prologue, pdl_launch
 
@@ -287,7 +287,7 @@ def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tens
         lowrank_gated_norm_kernel[(B * T, H)](
             x, g2, w_up, weight.contiguous() if weight is not None else x, y, y if y_q is None else y_q,
             y if y_s is None else y_s, r, H, float(eps), x.stride(0), x.stride(1), g2.stride(0), w_up.stride(0), D=D,
-            BD=triton.next_power_of_2(D), BRK=min(32, triton.next_power_of_2(r)),
+            BD=triton.next_power_of_2(D), BRK=min(LOWRANK_ONE_LOAD_RANK, triton.next_power_of_2(r)),
             ACT=ACT_SIGMOID if activation == "sigmoid" else ACT_SILU, HAS_W=weight is not None, FP8=y_q is not None,
-            num_warps=4, **pdl_launch(x.device))
+            num_warps=8, **pdl_launch(x.device))
     return fp8_activation.carry_produced(y.view(B, T, H, D), y_q, y_s)
