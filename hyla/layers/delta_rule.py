@@ -6,6 +6,8 @@ strength beta, run the delta rule, and map its output back to the hidden size. T
 in the projections, the gate and the output, which subclasses provide as hooks:
 
     project(x [..., hidden]) -> (pre-conv inputs [..., D_i], one per conv, or a PackedConvInput; aux)
+    project_prefill(x)       -> project's outputs for a prefill step (step_pre), their layout the
+                                same at any row count (default: project)
     convs()                  -> the depthwise nn.Conv1d of each pre-conv input, same order
     heads(ys)                -> q, k [..., H, K], v [..., HV, V] from the SiLU(conv) outputs
                                 (one per conv, or one per output part of a PackedConvInput)
@@ -13,8 +15,9 @@ in the projections, the gate and the output, which subclasses provide as hooks:
     output(o [..., HV, V], aux) -> [..., hidden]
     _chunk / _recurrent     -> the chunk op and the pool-indexed recurrent op
 
-`aux` is whatever `project` computed that the gates and output need (KDA: x itself; GDN: the
-z gate and the a / b projections of the fused in_proj), so no projection runs twice.
+`aux` is whatever `project` computed that the gates and output need (KDA: the low-rank gate
+inputs and b; GDN: the z gate and the b / a projections, or x where its gate kernel projects b and
+a itself), so no projection runs twice: a tuple of tensors (or None) with the token dims of x.
 
 This class then runs them over whole sequences (`forward`) and over one engine step
 (`forward_batch`: varlen chunk prefill with state and conv-window checkpoints, pool-indexed
@@ -141,13 +144,28 @@ class MixedPackedLinears:
         """(self, None) while each kind's pack holds (the parts still its views), else None."""
         return (self, None) if all(pack.weight() is not None for _, pack in self.groups) else None
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x: [..., in] -> each projection's output (one GEMM per kind, or the parts one by one)."""
+    def plain_parts(self) -> list[nn.Module]:
+        """The parts kept in the model dtype (their own GEMM), in the parts' order."""
+        return [self.linears[i] for i in self.groups[1][0]]
+
+    def __call__(self, x: torch.Tensor, skip_plain: bool = False) -> list[torch.Tensor | None]:
+        """x: [..., in] -> each projection's output (one GEMM per kind, or the parts one by one).
+        skip_plain: the model-dtype parts' GEMM is not run and their outputs are None (a consumer
+        computes them itself: GDN's gate kernel, b and a at a decode step)."""
         out: list[torch.Tensor | None] = [None] * len(self.linears)
-        for idx, pack in self.groups:
+        for idx, pack in self.groups[:1] if skip_plain else self.groups:
             for i, y in zip(idx, pack(x)):
                 out[i] = y
         return out
+
+
+def plain_weight(module: nn.Module | None) -> torch.Tensor | None:
+    """The weight of a bias-free plain nn.Linear (a projection a fused gate kernel reads itself:
+    KDA's low-rank up-projections, GDN's b and a); None for anything else (an FP8 module keeps its
+    own forward)."""
+    if type(module) is nn.Linear and module.bias is None:
+        return module.weight
+    return None
 
 
 def _adjacent(ts) -> bool:
@@ -197,6 +215,11 @@ class ShortConvDeltaRule(nn.Module):
 
     def project(self, x: torch.Tensor):
         raise NotImplementedError
+
+    def project_prefill(self, x: torch.Tensor):
+        """`project` for a prefill step's token-wise part: what it returns must be laid out alike at
+        every row count (hyla.engine.prefill_graphs lays out buffers for it once)."""
+        return self.project(x)
 
     def convs(self) -> tuple[nn.Conv1d, ...]:
         raise NotImplementedError
@@ -375,7 +398,7 @@ class ShortConvDeltaRule(nn.Module):
     def step_pre(self, x: torch.Tensor):
         """x [T_total, hidden] -> (pre-conv inputs, aux) as `project` gives them, every tensor
         [T_total, ...]: the token-wise part of a prefill step (no pool, no batch)."""
-        pre, aux = self.project(x[None])
+        pre, aux = self.project_prefill(x[None])
         if isinstance(pre, PackedConvInput):
             pre = PackedConvInput(pre.x[0], pre.sizes, pre.channels)
         else:

@@ -28,6 +28,12 @@ official parameters become views of it). The head interleaving is then undone wi
 the decode conv reads q ++ k ++ v through a column map and writes q, k, v as separate contiguous
 tensors, the gate kernel reads b / a as strided views, and the output norm reads z in place.
 
+A checkpoint may keep in_proj_ba in the model dtype beside an FP8 in_proj_qkvz (Qwen's FP8
+release: its modules_to_not_convert): the two then run as a GEMM each (MixedPackedLinears). At a
+decode step (few token rows, on the Triton path: dispatch.gdn_projected_gate_in_kernel) b and a
+are not projected at all: the gate kernel computes them from x and in_proj_ba's rows
+(dispatch.gdn_projected_gate_beta), one launch for the GEMV and the gate.
+
 Qwen3_5GatedDeltaNet: the same layer with Qwen3.5's four separate, non-interleaved projections
 (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a); only the projection hooks differ.
 """
@@ -37,7 +43,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyla.layers.delta_rule import PackedConvInput, PackedLinears, ShortConvDeltaRule
+from hyla.layers.delta_rule import (MixedPackedLinears, PackedConvInput, PackedLinears, ShortConvDeltaRule,
+                                    plain_weight)
 from hyla.layers.norm import SiLUGatedRMSNorm
 from hyla.ops import chunk_gated_delta_rule, dispatch  # dispatched: Triton on CUDA
 
@@ -96,32 +103,72 @@ class GatedDeltaNet(ShortConvDeltaRule):
         """Value heads per key head (r)."""
         return self.num_v_heads // self.num_k_heads
 
+    # -- b and a inside the gate kernel ------------------------------------------------------------
+
+    def ba_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(w_b, w_a), each [H, r, hidden]: the rows of in_proj_ba's weight holding the b and the a of
+        value head h * r + i (views), when in_proj_ba runs as a GEMM of its own (see
+        `_own_gemm_weights`); None otherwise."""
+        ws = self._own_gemm_weights([self.in_proj_ba])
+        if ws is None:
+            return None
+        w_b, w_a = ws[0].unflatten(0, (self.num_k_heads, 2 * self.group)).split(self.group, dim=1)
+        return w_b, w_a
+
+    def _own_gemm_weights(self, linears: list[nn.Module]) -> list[torch.Tensor] | None:
+        """The weights of the b / a projections `linears` when they are bias-free nn.Linears in the
+        model dtype packed apart from the FP8 projections (MixedPackedLinears' model-dtype GEMM,
+        nothing else in it), so that leaving them to the gate kernel saves that GEMM; else None."""
+        packed = self._packed
+        if not (isinstance(packed, MixedPackedLinears) and packed.weight() is not None
+                and packed.plain_parts() == linears):
+            return None
+        ws = [plain_weight(lin) for lin in linears]
+        return None if any(w is None for w in ws) else ws
+
+    def _ba_in_gate_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the gate kernel projects this step's b and a from x (a decode step: few token rows
+        on the Triton path), so that `project` leaves them out."""
+        weights = self.ba_weights()
+        return weights is not None and dispatch.gdn_projected_gate_in_kernel(x, *weights, self.A_log, self.dt_bias)
+
     # -- ShortConvDeltaRule hooks ----------------------------------------------------------------
 
     def convs(self) -> tuple[nn.Conv1d]:
         return (self.conv1d,)
 
     def project(self, x: torch.Tensor):
-        """x: [..., hidden] -> (q ++ k ++ v pre-conv [..., 2*H*K + HV*V], (z [..., HV, V], b, a)),
+        """x: [..., hidden] -> (q ++ k ++ v pre-conv, (z, b, a, None)) as `_project` gives them, or
+        (z, None, None, x) at a decode step whose gate kernel projects b and a (`_ba_in_gate_kernel`)."""
+        return self._project(x, ba_in_gate=self._ba_in_gate_kernel(x))
+
+    def project_prefill(self, x: torch.Tensor):
+        """`_project` with b and a from their GEMM at any row count: a prefill step's tensors keep one
+        layout (ShortConvDeltaRule.project_prefill)."""
+        return self._project(x, ba_in_gate=False)
+
+    def _project(self, x: torch.Tensor, ba_in_gate: bool):
+        """x: [..., hidden] -> (q ++ k ++ v pre-conv [..., 2*H*K + HV*V], (z [..., HV, V], b, a, None)),
         undoing the head interleaving of the fused projections. Once packed (prepare_for_inference,
         no grad): one GEMM; q ++ k ++ v is a PackedConvInput reading its columns through
-        `conv_columns`; z is a view [..., H, r, V] and b, a views [..., H, r] (value head h * r + i)."""
+        `conv_columns`; z is a view [..., H, r, V] and b, a views [..., H, r] (value head h * r + i).
+        ba_in_gate: in_proj_ba's GEMM is not run, aux is (z, None, None, x) for the gate kernel."""
         H, K, V, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.group
         packed = self._packed is not None and self._packed.weight() is not None
         if packed:
-            qkvz_flat, ba_flat = self._packed(x)
+            qkvz_flat, ba_flat = self._packed(x, skip_plain=True) if ba_in_gate else self._packed(x)
         else:
             qkvz_flat, ba_flat = self.in_proj_qkvz(x), self.in_proj_ba(x)
         qkvz = qkvz_flat.unflatten(-1, (H, 2 * K + 2 * r * V))
         q, k, v, z = qkvz.split([K, K, r * V, r * V], dim=-1)  # per key head
-        b, a = ba_flat.unflatten(-1, (H, 2 * r)).split([r, r], dim=-1)
+        b, a = (None, None) if ba_in_gate else ba_flat.unflatten(-1, (H, 2 * r)).split([r, r], dim=-1)
         if packed:
             z = z.unflatten(-1, (r, V))  # [..., H, r, V]: rows in value-head order, read in place
             pre = PackedConvInput(qkvz_flat, [[self.key_dim, self.key_dim, self.value_dim]],
                                   self.conv_columns(x.device))
-            return pre, (z, b, a)
+            return pre, (z, b, a, x if ba_in_gate else None)
         mixed = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1)
-        return [mixed], (z.reshape(*z.shape[:-2], self.num_v_heads, V), b.flatten(-2), a.flatten(-2))
+        return [mixed], (z.reshape(*z.shape[:-2], self.num_v_heads, V), b.flatten(-2), a.flatten(-2), None)
 
     def heads(self, ys: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """ys: [SiLU(conv(q ++ k ++ v))], or its parts [q, k, v] -> q, k [..., H, K], v [..., HV, V]."""
@@ -131,8 +178,11 @@ class GatedDeltaNet(ShortConvDeltaRule):
                 v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
     def gates(self, aux) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> g [B, T, HV] fp32 log-decay (<= 0), beta [B, T, HV] = sigmoid(b) (one launch on CUDA)."""
-        _, b, a = aux
+        """aux: project's (z, b, a, None), or (z, None, None, x) -> g [B, T, HV] fp32 log-decay (<= 0),
+        beta [B, T, HV] = sigmoid(b) (one launch on CUDA; with x, b and a projected in it too)."""
+        _, b, a, x = aux
+        if x is not None:
+            return dispatch.gdn_projected_gate_beta(x, *self.ba_weights(), self.A_log, self.dt_bias)
         return dispatch.gdn_gate_beta(a, b, self.A_log, self.dt_bias)
 
     def output(self, o: torch.Tensor, aux) -> torch.Tensor:
@@ -159,7 +209,9 @@ class Qwen3_5GatedDeltaNet(GatedDeltaNet):
 
     Value head j reads key head j // r, as in Qwen3-Next. `prepare_for_inference()` packs the four
     into one weight; the conv then reads the first 2*H*K + HV*V columns of that GEMM's output in
-    place, and z, b, a are views of the columns after them."""
+    place, and z, b, a are views of the columns after them. A checkpoint keeping in_proj_b and
+    in_proj_a in the model dtype beside FP8 qkv and z leaves them to the gate kernel at a decode
+    step, as Qwen3-Next's in_proj_ba."""
 
     def make_projections(self, hidden_size: int) -> None:
         self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
@@ -174,13 +226,23 @@ class Qwen3_5GatedDeltaNet(GatedDeltaNet):
         """Pack the four projections into one weight (one GEMM per step); state_dict unchanged."""
         self._packed = PackedLinears(self._linears())
 
-    def project(self, x: torch.Tensor):
+    def ba_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(in_proj_b's weight, in_proj_a's), each [HV, hidden], when they run as a GEMM of their own
+        (see GatedDeltaNet._own_gemm_weights); None otherwise."""
+        ws = self._own_gemm_weights([self.in_proj_b, self.in_proj_a])
+        return None if ws is None else (ws[0], ws[1])
+
+    def _project(self, x: torch.Tensor, ba_in_gate: bool):
         """x: [..., hidden] -> (q ++ k ++ v pre-conv [..., 2*H*K + HV*V], (z [..., HV, V], b [..., HV],
-        a [..., HV])). Packed: one GEMM, every piece a view of its output (the conv reads q ++ k ++ v
-        in place as a PackedConvInput)."""
+        a [..., HV], None)). Packed: one GEMM, every piece a view of its output (the conv reads
+        q ++ k ++ v in place as a PackedConvInput). ba_in_gate: b and a are not projected, aux is
+        (z, None, None, x) for the gate kernel."""
         packed = self._packed is not None and self._packed.weight() is not None
-        qkv, z, b, a = self._packed(x) if packed else [lin(x) for lin in self._linears()]
-        aux = (z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), b, a)
+        if packed:
+            qkv, z, b, a = self._packed(x, skip_plain=True) if ba_in_gate else self._packed(x)
+        else:
+            qkv, z, b, a = [lin(x) for lin in self._linears()]
+        aux = (z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), b, a, x if ba_in_gate else None)
         if packed:
             return PackedConvInput(qkv, [[self.key_dim, self.key_dim, self.value_dim]]), aux
         return [qkv], aux

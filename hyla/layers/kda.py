@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyla.layers.delta_rule import PackedConvInput, PackedLinears, ShortConvDeltaRule
+from hyla.layers.delta_rule import PackedConvInput, PackedLinears, ShortConvDeltaRule, plain_weight
 from hyla.layers.norm import GatedRMSNorm
 from hyla.ops import chunk_kda, dispatch  # dispatched: Triton on CUDA
 
@@ -102,7 +102,7 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         """o: [..., H, V] core output, aux: project's (f_a(x), b(x), g_a(x) | g_proj(x)) -> [..., hidden]."""
         g_in = aux[2]
         up = None if self.full_rank_gate else self.g_b_proj
-        w_up = _plain_weight(up)
+        w_up = plain_weight(up)
         if w_up is not None and o.dim() == 4:
             y = dispatch.lowrank_gated_rms_norm(o, g_in, w_up, self.o_norm.weight, self.o_norm.eps,
                                                 self.o_norm.activation, self.o_norm.fp8_output)
@@ -135,7 +135,7 @@ class KimiDeltaAttention(ShortConvDeltaRule):
         fa, b = aux[0], aux[1]
         # One A_log per head: Kimi K3 stores head_dim values and uses the first num_heads.
         a_log = self.A_log.reshape(-1)[: self.num_heads]
-        w_up = _plain_weight(self.f_b_proj)
+        w_up = plain_weight(self.f_b_proj)
         if w_up is not None and fa.dim() == 3:
             return dispatch.kda_lowrank_gate_beta(fa, w_up, b, a_log, self.dt_bias, self.lower_bound)
         f = self.f_b_proj(fa).unflatten(-1, (self.num_heads, self.head_dim))
@@ -148,11 +148,3 @@ class KimiDeltaAttention(ShortConvDeltaRule):
 
     def _recurrent(self, *args, **kwargs):  # decode, verify and replay's commit
         return dispatch.fused_recurrent_kda(*args, **kwargs)
-
-
-def _plain_weight(module: nn.Module | None) -> torch.Tensor | None:
-    """The weight of a bias-free plain nn.Linear (a low-rank gate up-projection the fused gate
-    kernels read themselves); None for anything else (an FP8 module keeps its own forward)."""
-    if type(module) is nn.Linear and module.bias is None:
-        return module.weight
-    return None

@@ -42,16 +42,24 @@ __all__ = ["backend_for", "get_backend", "set_backend", "chunk_kda", "chunk_gate
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
            "lowrank_gated_rms_norm", "silu_gated_rms_norm", "kda_gate_beta", "kda_lowrank_gate_beta", "gdn_gate_beta",
-           "causal_conv1d_update_packed", "causal_conv1d_fn", "causal_conv1d_prefill_packed",
+           "gdn_projected_gate_in_kernel", "gdn_projected_gate_beta", "causal_conv1d_update_packed",
+           "causal_conv1d_fn", "causal_conv1d_prefill_packed",
            "write_latents", "paged_mla_decode", "gated_attention_kernels", "qk_norm_rope_write",
            "paged_window_attention", "silu_mul", "mtp_fc_input", "derive_step_rows"]
 
 BACKENDS = ("auto", "torch", "triton")
 _MAX_HEAD_DIM = 256
-# Token rows up to which KDA's low-rank gates (the forget gate, the output norm's gate) run with
-# their up-projection inside the gate's kernel (a decode step's batch); above, the up-projection
-# is a GEMM (tensor cores) and the gate a second launch.
+# Token rows up to which a gate's input projection runs inside the gate's kernel (a decode step's
+# batch): KDA's low-rank gates (the forget gate, the output norm's gate: their up-projection) and
+# GDN's b and a where a checkpoint keeps them apart from the FP8 GEMM. Above, the projection is a
+# GEMM (tensor cores) and the gate a second launch.
 LOWRANK_GATE_MAX_ROWS = 16
+
+
+def _projects_in_kernel(rows: int) -> bool:
+    """Whether a gate's input projection over `rows` token rows runs inside the gate's kernel: the
+    one row rule (LOWRANK_GATE_MAX_ROWS) of every fused projected gate."""
+    return rows <= LOWRANK_GATE_MAX_ROWS
 
 
 def _parse_backend(choice) -> str:
@@ -229,7 +237,7 @@ def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tens
     ok = (isinstance(x, torch.Tensor) and x.dim() == 4 and isinstance(g_in, torch.Tensor) and g_in.dim() == 3
           and isinstance(w_up, torch.Tensor) and w_up.dim() == 2 and g_in.shape[:2] == x.shape[:2]
           and w_up.shape == (x.shape[2] * x.shape[3], g_in.shape[2]) and activation in ("sigmoid", "silu", "swish"))
-    if ok and x.shape[0] * x.shape[1] <= LOWRANK_GATE_MAX_ROWS and _norm_triton(x, weight, g_in, w_up):
+    if ok and _projects_in_kernel(x.shape[0] * x.shape[1]) and _norm_triton(x, weight, g_in, w_up):
         return _triton.lowrank_gated_rms_norm(x, g_in, w_up, weight, eps, activation, fp8_output)
     if not ok:  # the reference names what is wrong
         return _torch_norm.lowrank_gated_rms_norm(x, g_in, w_up, weight, eps, activation)
@@ -269,7 +277,7 @@ def kda_lowrank_gate_beta(fa: torch.Tensor, w_up: torch.Tensor, b: torch.Tensor,
           and b.shape[:2] == fa.shape[:2] and w_up.shape[0] % max(b.shape[2], 1) == 0
           and isinstance(A_log, torch.Tensor) and A_log.numel() == b.shape[2]
           and (dt_bias is None or dt_bias.numel() == w_up.shape[0]))
-    if (ok and fa.shape[0] * fa.shape[1] <= LOWRANK_GATE_MAX_ROWS
+    if (ok and _projects_in_kernel(fa.shape[0] * fa.shape[1])
             and _elementwise_triton(fa, (fa, w_up, b, A_log, dt_bias))):
         if lower_bound is not None:
             check_lower_bound(lower_bound)
@@ -289,6 +297,32 @@ def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     if ok and _elementwise_triton(a, (a, b, A_log, dt_bias)):
         return _triton.gdn_gate_beta(a, b, A_log, dt_bias)
     return _torch_gate.gdn_gate_beta(a, b, A_log, dt_bias)
+
+
+def gdn_projected_gate_in_kernel(x: torch.Tensor, w_b: torch.Tensor, w_a: torch.Tensor, A_log: torch.Tensor,
+                                 dt_bias: torch.Tensor | None = None) -> bool:
+    """Whether gdn_projected_gate_beta with these arguments computes b and a inside the gate's
+    kernel (one launch): x [B, T, hidden] of at most LOWRANK_GATE_MAX_ROWS token rows (a decode
+    step), w_b and w_a [HV, hidden] or [H, r, hidden] in x's dtype, on the Triton path. A layer asks
+    before it leaves b and a out of its projections' GEMM (hyla.layers.gdn)."""
+    if not (isinstance(x, torch.Tensor) and x.dim() == 3 and isinstance(w_b, torch.Tensor)
+            and isinstance(w_a, torch.Tensor) and isinstance(A_log, torch.Tensor)):
+        return False
+    hv = w_b.shape[:-1].numel()
+    return (_projects_in_kernel(x.shape[0] * x.shape[1]) and w_b.dim() in (2, 3) and w_a.dim() in (2, 3)
+            and w_b.shape[-1] == w_a.shape[-1] == x.shape[-1] and w_a.shape[:-1].numel() == hv
+            and w_b.dtype == w_a.dtype == x.dtype and A_log.numel() == hv
+            and (dt_bias is None or dt_bias.numel() == hv) and _elementwise_triton(x, (x, w_b, w_a, A_log, dt_bias)))
+
+
+def gdn_projected_gate_beta(x: torch.Tensor, w_b: torch.Tensor, w_a: torch.Tensor, A_log: torch.Tensor,
+                            dt_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """hyla.ops.gate.gdn_projected_gate_beta (b = x @ w_b^T, a = x @ w_a^T, then the gate) -> (g fp32
+    [B, T, HV], beta [B, T, HV]): one launch on CUDA where gdn_projected_gate_in_kernel says so,
+    else the reference (the two linears, then the gate)."""
+    if gdn_projected_gate_in_kernel(x, w_b, w_a, A_log, dt_bias):
+        return _triton.gdn_projected_gate_beta(x, w_b, w_a, A_log, dt_bias)
+    return _torch_gate.gdn_projected_gate_beta(x, w_b, w_a, A_log, dt_bias)
 
 
 # -- gated attention of a decode / verify step over paged KV (hyla.ops.triton.paged_attention) ------

@@ -12,6 +12,9 @@ The result is fp32 (fp64 when the main input is fp64, so exactness tests can sta
 
 kda_gate_beta / gdn_gate_beta also return the write strength beta = sigmoid(b) (in b's dtype):
 the pair a decode step needs, which hyla.ops.triton.gate computes in one launch.
+gdn_projected_gate_beta takes GDN's b and a as their projections of the layer input (a
+checkpoint keeping them in the model dtype beside FP8 projections: one kernel for the GEMV and
+the gate at a decode step).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch.nn.functional as F
 
 from hyla.ops.dtypes import check_lower_bound, check_up_projection, work_dtype
 
-__all__ = ["kda_gate", "gdn_gate", "kda_gate_beta", "gdn_gate_beta"]
+__all__ = ["kda_gate", "gdn_gate", "kda_gate_beta", "gdn_gate_beta", "gdn_projected_gate_beta"]
 
 
 def _per_head(name: str, t: torch.Tensor, n: int, shape: tuple[int, ...], dtype) -> torch.Tensor:
@@ -110,3 +113,32 @@ def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     if b.dim() == 4:
         b = b.flatten(-2)
     return gdn_gate(a, A_log, dt_bias), torch.sigmoid(b)
+
+
+def gdn_projected_gate_beta(x: torch.Tensor, w_b: torch.Tensor, w_a: torch.Tensor, A_log: torch.Tensor,
+                            dt_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gdn_gate_beta of b = x @ w_b^T and a = x @ w_a^T, each in the linear's output dtype (x's),
+    as the projections' own GEMM hands them to the gate.
+
+    x: [B, T, hidden]; w_b, w_a: [HV, hidden], or [H, r, hidden] row views (value head h * r + i:
+    the b and a rows of Qwen3-Next's head-interleaved in_proj_ba weight), in x's dtype.
+    Returns (g fp32 [B, T, HV], beta [B, T, HV] in x's dtype)."""
+    _check_value_head_weights("gdn_projected_gate_beta", x, w_b, w_a)
+    b = F.linear(x, w_b.flatten(0, -2))
+    a = F.linear(x, w_a.flatten(0, -2))
+    return gdn_gate_beta(a, b, A_log, dt_bias)
+
+
+def _check_value_head_weights(name: str, x: torch.Tensor, w_b: torch.Tensor, w_a: torch.Tensor) -> None:
+    """GDN's b and a projection arguments: x a floating-point [B, T, hidden], w_b and w_a
+    [HV, hidden] or [H, r, hidden] with as many value heads each; ValueError naming `name` otherwise."""
+    _check_input("x", x, 3, "[B, T, hidden]")
+    for w_name, w in (("w_b", w_b), ("w_a", w_a)):
+        if (not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dim() not in (2, 3)
+                or w.shape[-1] != x.shape[-1]):
+            got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(f"{name}: {w_name} must be a floating-point tensor [HV, {x.shape[-1]}] or "
+                             f"[H, r, {x.shape[-1]}], got {got}")
+    if w_b.shape[:-1].numel() != w_a.shape[:-1].numel():
+        raise ValueError(f"{name}: w_b and w_a must hold one row per value head each, got {tuple(w_b.shape)} "
+                         f"and {tuple(w_a.shape)}")

@@ -6,7 +6,9 @@ the one-launch short convs, gates and norms, and the residual adds fused into th
 - packed and unpacked layers give the same engine steps (fp64, torch path);
 - the decode step through the Triton kernels (TRITON_INTERPRET=1 on the CPU) matches the torch
   path (fp32, tolerance 1e-4 relative as tests/ops/test_triton.py);
-- the models' forward_layers (residual fused into the next norm) equals the layer-by-layer loop.
+- the models' forward_layers (residual fused into the next norm) equals the layer-by-layer loop;
+- a GDN whose b and a projections a checkpoint keeps in the model dtype beside FP8 projections
+  computes b and a inside its gate kernel at a decode step (not at a prefill step).
 """
 
 import copy
@@ -21,6 +23,8 @@ if not torch.cuda.is_available():
 from hyla.contract import ForwardBatch, GDNLayerCache, KDALayerCache, KVLayerCache, MLALayerCache
 from hyla.layers import GatedDeltaNet, KimiDeltaAttention
 from hyla.layers.attention import GatedAttention
+from hyla.layers.fp8_linear import quantized_like
+from hyla.layers.gdn import Qwen3_5GatedDeltaNet
 from hyla.layers.mla import MLAAttention
 from tests.ops.helpers import use_backend
 from tests.oracles.kimi_checkpoint import kimi_checkpoint  # noqa: F401  (session fixture)
@@ -47,8 +51,21 @@ def make_layer(kind, seed=0):
         "mla": lambda: MLAAttention(HIDDEN, 2, 16, 8, 4, 8),
         "mla_lora_bias": lambda: MLAAttention(HIDDEN, 2, 16, 8, 4, 8, q_lora_rank=12, bias=True),
         "attention": lambda: GatedAttention(HIDDEN, 4, 2, 8, partial_rotary_factor=0.5, bias=True),
+        "gdn_fp8_qkvz": lambda: GatedDeltaNet(HIDDEN, 2, 4, 8, 6, 4),
+        "qwen3_5_fp8_qkv_z": lambda: Qwen3_5GatedDeltaNet(HIDDEN, 2, 6, 8, 6, 4),
     }[kind]()
-    return _randomise(layer, seed)
+    layer = _randomise(layer, seed)
+    return _fp8_beside_model_dtype_ba(layer) if "fp8" in kind else layer
+
+
+def _fp8_beside_model_dtype_ba(layer):
+    """A GDN as an FP8 checkpoint keeping its b and a projections in the model dtype holds it (Qwen's
+    FP8 releases): its other input projections block-FP8, so that prepare_for_inference packs each
+    kind on its own (MixedPackedLinears)."""
+    for name in ("in_proj_qkvz", "in_proj_qkv", "in_proj_z"):
+        if hasattr(layer, name):
+            setattr(layer, name, quantized_like(getattr(layer, name)))
+    return layer
 
 
 def make_cache(layer, slots=5, pages=6, page_size=4, dtype=torch.float64, seed=1, device="cpu"):
@@ -152,7 +169,8 @@ def _triton_ready():
 
 
 @pytest.mark.skipif(not _triton_ready(), reason="needs triton, and CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("kind", ["kda", "kda_safe_full_rank", "gdn", "gdn_single", "attention", "mla"])
+@pytest.mark.parametrize("kind", ["kda", "kda_safe_full_rank", "gdn", "gdn_single", "attention", "mla", "gdn_fp8_qkvz",
+                                  "qwen3_5_fp8_qkv_z"])
 def test_triton_decode_step_matches_torch(kind, monkeypatch):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     layer = make_layer(kind).to(dev)
@@ -167,6 +185,60 @@ def test_triton_decode_step_matches_torch(kind, monkeypatch):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
     for a, b in zip(c_triton.tensors(), c_torch.tensors()):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not _triton_ready(), reason="needs triton, and CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kind", ["gdn_fp8_qkvz", "qwen3_5_fp8_qkv_z"])
+def test_gdn_decode_projects_b_and_a_in_the_gate_kernel(kind, monkeypatch):
+    """b and a kept in the model dtype beside FP8 projections: their GEMM runs at the prefill steps
+    only; a decode step leaves them to the gate kernel (dispatch.gdn_projected_gate_beta, one
+    launch), on the Triton path. On the torch path every step runs the GEMM, as before."""
+    from hyla.ops import triton as hyla_triton
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = make_layer(kind).to(dev)
+    layer.prepare_for_inference()
+    layer.requires_grad_(False)
+    assert layer.ba_weights() is not None
+    ba_storage = layer.ba_weights()[0].untyped_storage().data_ptr()
+    events = []
+    linear, kernel, forward_batch = torch.nn.functional.linear, hyla_triton.gdn_projected_gate_beta, layer.forward_batch
+
+    def spy_linear(x, weight, *args):
+        if weight.untyped_storage().data_ptr() == ba_storage:
+            events.append("b/a GEMM")
+        return linear(x, weight, *args)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy_linear)
+    monkeypatch.setattr(hyla_triton, "gdn_projected_gate_beta", lambda *a: events.append("gate kernel") or kernel(*a),
+                        raising=False)
+    monkeypatch.setattr(layer, "forward_batch",
+                        lambda x, batch, cache: events.append(batch.is_decode) or forward_batch(x, batch, cache))
+    for backend, decode in (("torch", "b/a GEMM"), ("triton" if dev == "cpu" else "auto", "gate kernel")):
+        use_backend(monkeypatch, backend)
+        events.clear()
+        run_steps(layer, make_cache(layer, dtype=torch.float32, device=dev), dtype=torch.float32)
+        assert events == [False, "b/a GEMM", True, decode, True, decode, False, "b/a GEMM"], backend
+
+
+@pytest.mark.skipif(not _triton_ready(), reason="needs triton, and CUDA or TRITON_INTERPRET=1")
+def test_gdn_prefill_tensors_keep_one_layout_at_every_row_count(monkeypatch):
+    """step_pre (a prefill step's token-wise part) of a GDN whose gate kernel projects b and a at a
+    decode step: b and a from their GEMM at 4 rows as at 40, so that the prefill graphs' buffers,
+    laid out once, fit every bucket."""
+    import torch.utils._pytree as pytree
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = make_layer("gdn_fp8_qkvz").to(dev)
+    layer.prepare_for_inference()
+    layer.requires_grad_(False)
+    use_backend(monkeypatch, "triton" if dev == "cpu" else "auto")
+    layouts = []
+    for rows in (4, 40):
+        leaves, spec = pytree.tree_flatten(layer.step_pre(torch.randn(rows, HIDDEN, device=dev)))
+        layouts.append((str(spec), [None if t is None else (t.shape[1:], t.dtype) for t in leaves]))
+    assert layouts[0] == layouts[1]
+    assert layer.project(torch.randn(1, 4, HIDDEN, device=dev))[1][1] is None  # a decode step's: b and a left out
 
 
 # -- residual adds fused across layers ----------------------------------------------------------

@@ -23,12 +23,16 @@ dequantised weights themselves and agree to 1e-5, which pins the weights, scales
 expert layout exactly.
 """
 
+import copy
 import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first `import triton` (the Triton decode test)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -305,7 +309,25 @@ def test_dummy_fp8_weights(checkpoints):
     assert torch.isfinite(model(IDS)).all()
 
 
-def test_release_layout_preset_draws_qwens_fp8_layout(monkeypatch):
+def _release_layout_model(family: str, tmp_path: Path, monkeypatch, device: str = "cpu"):
+    """A tiny model in the FP8 layout of Qwen's releases, b and a of every GDN kept in the model
+    dtype (fp32 here) beside its FP8 projections: Qwen3-Next's tiny MoE shape under
+    QWEN3_NEXT_FP8_RELEASE (in_proj_ba), or a Qwen3.5 checkpoint written with in_proj_b / in_proj_a
+    in modules_to_not_convert."""
+    from hyla.models import presets
+    from tests.oracles.qwen3_5_checkpoint import build_qwen3_5_checkpoint
+
+    if family == "qwen3_next":
+        tiny = {**presets.RANDOM_CONFIGS["tiny-qwen3-next-moe"][0],
+                "quantization_config": presets.QWEN3_NEXT_FP8_RELEASE}
+        monkeypatch.setitem(presets.RANDOM_CONFIGS, "tiny-release-fp8", (tiny, 0.1))
+        return presets.random_model("tiny-release-fp8", device=device, **FP8)
+    src, dst = build_qwen3_5_checkpoint(tmp_path / "src", "dense"), tmp_path / "fp8"
+    write_fp8(Path(src), dst, tmp_path / "deq", ("lm_head", "linear_attn.in_proj_b", "linear_attn.in_proj_a"))
+    return load_model(dst, device=device, **FP8)
+
+
+def test_release_layout_preset_draws_qwens_fp8_layout(tmp_path, monkeypatch):
     """`qwen3-next-80b-a3b-fp8` is the 80B shape as Qwen's FP8 release holds it: random_model draws
     it through the loader, FP8 where QWEN3_NEXT_FP8_RELEASE says (checked on the tiny MoE shape
     with the same quantization_config: the 80B is too big for a CPU test)."""
@@ -316,9 +338,7 @@ def test_release_layout_preset_draws_qwens_fp8_layout(monkeypatch):
         **presets.random_config_dict("qwen3-next-80b-a3b"), "quantization_config": presets.QWEN3_NEXT_FP8_RELEASE}
     assert presets.random_config_dict("qwen3-next-80b-a3b-fp8", layers=4)["quantization_config"] \
         == presets.QWEN3_NEXT_FP8_RELEASE
-    tiny = {**presets.RANDOM_CONFIGS["tiny-qwen3-next-moe"][0], "quantization_config": presets.QWEN3_NEXT_FP8_RELEASE}
-    monkeypatch.setitem(presets.RANDOM_CONFIGS, "tiny-release-fp8", (tiny, 0.1))
-    model = presets.random_model("tiny-release-fp8", **FP8)
+    model = _release_layout_model("qwen3_next", tmp_path, monkeypatch)
     names = _fp8_module_names(model)
     gdn = [n for n, m in model.named_modules() if isinstance(m, GatedDeltaNet)]
     assert gdn and all(f"{n}.in_proj_qkvz" in names and f"{n}.out_proj" in names for n in gdn)
@@ -328,6 +348,65 @@ def test_release_layout_preset_draws_qwens_fp8_layout(monkeypatch):
     assert torch.isfinite(model(IDS)).all()
     plain = presets.random_model("tiny-qwen3-next-moe")  # no quantization_config: no loader, no FP8
     assert not _fp8_module_names(plain)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_release_layout_decode_projects_b_and_a_in_the_gate_kernel(family, tmp_path, monkeypatch):
+    """Qwen's FP8 releases keep GDN's b and a projections in bf16 beside the FP8 ones. Under the
+    Triton ops (the interpreter on the CPU) a decode step computes b and a inside the gate kernel,
+    one launch a GDN layer and no GEMM over their weights; its greedy tokens and logits are those
+    of the same steps with b and a from their own GEMM (dispatch.gdn_projected_gate_in_kernel
+    switched off), within the fused decode tolerance of tests/layers/test_fused_layers.py."""
+    from hyla.layers.gdn import GatedDeltaNet
+    from hyla.ops import dispatch
+    from hyla.ops import triton as hyla_triton
+    from tests.oracles.paged import ToyPool
+    from tests.ops.helpers import use_backend
+
+    if not (torch.cuda.is_available() or hyla_triton.interpreting()):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1 set before triton is imported")
+    model = _release_layout_model(family, tmp_path, monkeypatch, "cuda" if torch.cuda.is_available() else "cpu")
+    gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    assert gdn and all(m.ba_weights() is not None for m in gdn)
+    ba_storages = {m.ba_weights()[0].untyped_storage().data_ptr() for m in gdn}
+    calls = {"b/a GEMM": 0, "gate kernel": 0}
+    linear, kernel = torch.nn.functional.linear, hyla_triton.gdn_projected_gate_beta
+
+    def spy_linear(x, weight, *args):
+        calls["b/a GEMM"] += weight.untyped_storage().data_ptr() in ba_storages
+        return linear(x, weight, *args)
+
+    def spy_kernel(*args):
+        calls["gate kernel"] += 1
+        return kernel(*args)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy_linear)
+    monkeypatch.setattr(hyla_triton, "gdn_projected_gate_beta", spy_kernel, raising=False)
+    prompts = [[5, 17, 42, 99, 3], [7, 8, 9]]
+    pool = ToyPool(model, num_slots=3, num_pages=16, page_size=4)
+    rids = [pool.add() for _ in prompts]
+    logits = pool.step(model, list(zip(rids, prompts)))  # the prefill (b and a from their GEMM)
+    first = [int(logits[len(prompts[0]) - 1].argmax()), int(logits[-1].argmax())]
+    use_backend(monkeypatch, "triton" if not torch.cuda.is_available() else "auto")
+    steps = 1  # one decode step: the interpreter runs every layer's kernels (seconds a step)
+
+    def decode(pool: ToyPool) -> tuple[list[list[int]], list[torch.Tensor]]:
+        tokens, out = [first], []
+        for _ in range(steps):
+            out.append(pool.step(model, list(zip(rids, [[t] for t in tokens[-1]]))))
+            tokens.append(out[-1].argmax(-1).tolist())
+        return tokens, out
+
+    calls.update({"b/a GEMM": 0, "gate kernel": 0})
+    fused_tokens, fused_logits = decode(copy.deepcopy(pool))
+    assert calls == {"b/a GEMM": 0, "gate kernel": steps * len(gdn)}
+    monkeypatch.setattr(dispatch, "gdn_projected_gate_in_kernel", lambda *args: False)
+    calls.update({"b/a GEMM": 0, "gate kernel": 0})
+    tokens, want = decode(pool)
+    assert calls == {"b/a GEMM": steps * len(gdn), "gate kernel": 0}
+    assert fused_tokens == tokens
+    for got, ref in zip(fused_logits, want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
 
 # -- tensor parallel -------------------------------------------------------------------------------

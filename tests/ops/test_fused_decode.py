@@ -297,6 +297,95 @@ def test_gdn_gate_beta_reads_interleaved_ba(H, r, R, dtype):
     assert torch.equal(beta2, beta)
 
 
+def _gdn_ba_weights(H, r, hidden, seed, dtype, layout):
+    """GDN's b and a weights as a layer holds them: "interleaved", the [H, r, hidden] row views of
+    Qwen3-Next's in_proj_ba weight [H * 2r, hidden] (b then a of each key head's r value heads);
+    "separate", Qwen3.5's in_proj_b / in_proj_a [HV, hidden]. Entries ~N(0, 1.5^2 / hidden), so
+    that b and a come out O(1)."""
+    w = _randn(2 * H * r, hidden, seed=seed, scale=1.5 * hidden ** -0.5, dtype=dtype)
+    if layout == "interleaved":
+        return w.unflatten(0, (H, 2 * r)).split(r, dim=1)
+    return w[:H * r], w[H * r:]
+
+
+@pytest.mark.parametrize("H,r,R,hidden", [(3, 1, 1, 200), (1, 3, 3, 72), (3, 2, 16, 200), (2, 3, 1, 2100),
+                                          (32, 1, 3, 200), (16, 2, 2, 100)])
+@pytest.mark.parametrize("layout", ["interleaved", "separate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_projected_gate_beta_matches_the_linears_then_the_gate(H, r, R, hidden, layout, dtype):
+    """A decode step's GDN gate with b = x @ w_b^T and a = x @ w_a^T inside the kernel, against the
+    two linears followed by the torch gate; x a column slice of a wider tensor (a row stride of
+    its own), hidden not a power of two (2100: more than one chunk of columns). fp32: the sums in
+    another order (a few ulps). bf16: b and a are rounded to bf16 as the linear's output, and a
+    sum order that differs in the last fp32 bits can round one of them one bf16 ulp the other way:
+    rtol 2e-2 on g, 2 ulps on beta."""
+    seed = H * r + R + hidden
+    x = _randn(R, 1, hidden + 7, seed=seed, dtype=dtype)[..., 3:3 + hidden]
+    w_b, w_a = _gdn_ba_weights(H, r, hidden, seed + 1, dtype, layout)
+    A_log = _randn(H * r, seed=seed + 2)
+    for dt_bias in (_randn(H * r, seed=seed + 3), None):
+        g, beta = hyla_triton.gdn_projected_gate_beta(x, w_b, w_a, A_log, dt_bias)
+        g_ref, beta_ref = torch_gate.gdn_projected_gate_beta(x, w_b, w_a, A_log, dt_bias)
+        assert g.shape == g_ref.shape == (R, 1, H * r) and g.dtype == torch.float32
+        assert not torch.isnan(g).any(), "unwritten (NaN) outputs"
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+        torch.testing.assert_close(g.cpu(), g_ref.cpu(), **tol)
+        assert_ulps(beta, beta_ref, ulps=2)
+
+
+def test_gdn_projected_gate_beta_reads_every_row_of_a_batch_of_sequences():
+    """x [B, T, hidden] with B > 1 and T > 1: rows b * T + t through one row stride."""
+    x = _randn(2, 3, 40, seed=41)
+    w_b, w_a = _gdn_ba_weights(2, 2, 40, 42, torch.float32, "interleaved")
+    A_log, dt_bias = _randn(4, seed=43), _randn(4, seed=44)
+    g, beta = hyla_triton.gdn_projected_gate_beta(x, w_b, w_a, A_log, dt_bias)
+    g_ref, beta_ref = torch_gate.gdn_projected_gate_beta(x, w_b, w_a, A_log, dt_bias)
+    torch.testing.assert_close(g.cpu(), g_ref.cpu(), rtol=1e-5, atol=1e-6)
+    assert_ulps(beta, beta_ref)
+
+
+def test_gdn_projected_gate_beta_dispatch_keeps_prefill_on_the_gemm(monkeypatch):
+    """hyla.ops.dispatch: a decode step's rows (<= LOWRANK_GATE_MAX_ROWS, the rule of KDA's low-rank
+    gates) take the one-launch kernel, more rows the reference; gdn_projected_gate_in_kernel says
+    which, and the torch backend never takes the kernel."""
+    from hyla.ops import dispatch
+    from tests.ops.helpers import use_backend
+
+    calls = []
+    real = hyla_triton.gdn_projected_gate_beta
+    monkeypatch.setattr(hyla_triton, "gdn_projected_gate_beta", lambda *a: calls.append(a[0].shape[0]) or real(*a),
+                        raising=False)
+    w_b, w_a = _gdn_ba_weights(2, 3, 48, 51, torch.float32, "interleaved")
+    A_log, dt_bias = _randn(6, seed=52), _randn(6, seed=53)
+    for backend in ("triton", "torch"):
+        use_backend(monkeypatch, backend)
+        for R in (2, dispatch.LOWRANK_GATE_MAX_ROWS, dispatch.LOWRANK_GATE_MAX_ROWS + 1):
+            x = _randn(R, 1, 48, seed=R)
+            assert dispatch.gdn_projected_gate_in_kernel(x, w_b, w_a, A_log, dt_bias) == (
+                backend == "triton" and R <= dispatch.LOWRANK_GATE_MAX_ROWS)
+            g, beta = dispatch.gdn_projected_gate_beta(x, w_b, w_a, A_log, dt_bias)
+            g_ref, beta_ref = torch_gate.gdn_projected_gate_beta(x, w_b, w_a, A_log, dt_bias)
+            torch.testing.assert_close(g.cpu(), g_ref.cpu(), rtol=1e-5, atol=1e-6)
+    assert calls == [2, dispatch.LOWRANK_GATE_MAX_ROWS]
+    assert not dispatch.gdn_projected_gate_in_kernel(x[:2], w_b.bfloat16(), w_a.bfloat16(), A_log, dt_bias)
+
+
+def test_gdn_projected_gate_beta_names_bad_arguments():
+    """Weights that do not fit x or each other are a ValueError naming them, through the dispatched
+    op (any backend) and the torch reference alike."""
+    from hyla.ops import dispatch
+
+    x, A_log = _randn(2, 1, 16, seed=1), _randn(4, seed=2)
+    w = _randn(4, 16, seed=3)
+    for op in (dispatch.gdn_projected_gate_beta, torch_gate.gdn_projected_gate_beta):
+        with pytest.raises(ValueError, match="w_a must be"):
+            op(x, w, _randn(4, 15, seed=4), A_log)
+        with pytest.raises(ValueError, match="one row per value head"):
+            op(x, w, _randn(2, 16, seed=4), A_log)
+        with pytest.raises(ValueError, match=r"\[B, T, hidden\]"):
+            op(x[0], w, w, A_log)
+
+
 @pytest.mark.parametrize("B,T", [(2, 3), (3, 1), (1, 4)])
 def test_gates_read_every_row_of_a_batch_of_sequences(B, T):
     """[B, T, ...] inputs with B > 1 and T > 1 (a full-sequence forward of several prompts): row

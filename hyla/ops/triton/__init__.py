@@ -16,7 +16,8 @@ import os
 __all__ = ["is_available", "interpreting", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule",
            "fused_recurrent_kda", "fused_recurrent_gated_delta_rule", "causal_conv1d_update",
            "causal_conv1d_verify", "rms_norm_rounded", "rms_norm_zero_centred", "add_rms_norm", "gated_rms_norm",
-           "lowrank_gated_rms_norm", "silu_gated_rms_norm", "kda_gate_beta", "kda_lowrank_gate_beta", "gdn_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
+           "lowrank_gated_rms_norm", "silu_gated_rms_norm", "kda_gate_beta", "kda_lowrank_gate_beta", "gdn_gate_beta",
+           "gdn_projected_gate_beta", "causal_conv1d_update_packed", "causal_conv1d_fn",
            "causal_conv1d_prefill_packed", "write_latents", "paged_mla_decode", "qk_norm_rope_write", "paged_window_attention",
            "silu_mul", "mtp_fc_input", "derive_step_rows"]
 
@@ -39,6 +40,7 @@ def __getattr__(name):
                "rms_norm_rounded": "norm", "rms_norm_zero_centred": "norm", "add_rms_norm": "norm",
                "gated_rms_norm": "norm", "lowrank_gated_rms_norm": "norm", "silu_gated_rms_norm": "norm",
                "kda_gate_beta": "gate", "kda_lowrank_gate_beta": "gate", "gdn_gate_beta": "gate",
+               "gdn_projected_gate_beta": "gate",
                "causal_conv1d_fn": "conv_prefill", "causal_conv1d_prefill_packed": "conv_prefill",
                "write_latents": "mla", "paged_mla_decode": "mla",
                "qk_norm_rope_write": "paged_attention", "paged_window_attention": "paged_attention",

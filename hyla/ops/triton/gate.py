@@ -14,6 +14,11 @@ A decode step's KDA gate can also take the forget gate's low-rank input fa [rows
 up-projection weight (f_b_proj, [H * K, r]) instead of f (`kda_lowrank_gate_beta`): one program per
 (token, head) computes its head's K values of f = fa @ w_up^T in fp32, rounds them to fa's dtype
 (the linear's output), and applies the gate: one launch where the GEMV and the gate were two.
+
+GDN's gate likewise takes x and the weights of b and a where a checkpoint keeps those projections
+in the model dtype apart from the FP8 GEMM of the others (`gdn_projected_gate_beta`): one program
+per (token, block of BH value heads) reads its token's x once, chunk by chunk, for the b and a
+rows of its heads (fp32 sums, rounded to x's dtype as the linear's output), and applies the gate.
 """
 
 from __future__ import annotations
@@ -82,6 +87,41 @@ def lowrank_gate_beta_kernel(fa, w, b, A_log, dt_bias, g, beta, lower_bound, r, 
 
 # A decode step's low-rank gate (one token: 32 heads) as 32 x 4 programs of 32 gate rows each
 LOWRANK_GATE_ROWS = 32
+
+
+@triton.jit
+def projected_gate_beta_kernel(x, w_b, w_a, A_log, dt_bias, g, beta, hidden, x_s0,
+                               wb_s1, wb_s2, WB_R, wa_s1, wa_s2, WA_R, HV,
+                               BH: tl.constexpr, BX: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+    dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BH + tl.arange(0, BH)  # value heads
+    m_j = j < HV
+    # row j of a weight seen as [H, r, hidden]: (j // r) * s1 + (j % r) * s2 (r = 1, s2 = 0 for [HV, hidden])
+    jl = j.to(tl.int64)
+    b_rows = (jl // WB_R) * wb_s1 + (jl % WB_R) * wb_s2
+    a_rows = (jl // WA_R) * wa_s1 + (jl % WA_R) * wa_s2
+    b_acc = tl.zeros([BH], tl.float32)
+    a_acc = tl.zeros([BH], tl.float32)
+    for c0 in range(0, hidden, BX):
+        o_c = c0 + tl.arange(0, BX)
+        m_c = o_c < hidden
+        xc = tl.load(x + n * x_s0 + o_c, mask=m_c, other=0.0).to(tl.float32)[None, :]  # [1, BX], for b and a
+        m = m_j[:, None] & m_c[None, :]
+        wb = tl.load(w_b + b_rows[:, None] + o_c[None, :], mask=m, other=0.0)
+        wa = tl.load(w_a + a_rows[:, None] + o_c[None, :], mask=m, other=0.0)
+        b_acc += tl.sum(wb.to(tl.float32) * xc, 1)
+        a_acc += tl.sum(wa.to(tl.float32) * xc, 1)
+    b_val = to_dtype(b_acc, x.dtype.element_ty).to(tl.float32)  # b and a as their linear's output
+    a_val = to_dtype(a_acc, x.dtype.element_ty).to(tl.float32)
+    a_log = tl.load(A_log + j, mask=m_j, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(dt_bias + j, mask=m_j, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BH], tl.float32)
+    g_val = apply_gate(a_val, a_log, bias, 0.0, 1)  # GATE_FN 1: -exp(A_log) * softplus(a + dt_bias)
+    tl.store(g + n * HV + j, g_val, mask=m_j)
+    tl.store(beta + n * HV + j, to_dtype(sigmoid(b_val), beta.dtype.element_ty), mask=m_j)
 
 
 def _head_levels(t: torch.Tensor, lead: int):
@@ -156,3 +196,41 @@ def gdn_gate_beta(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     hv = a.shape[2] if a.dim() == 3 else a.shape[2] * a.shape[3]
     g, beta = _launch(a, b, A_log, dt_bias, None, kd=1, hv=hv, x_levels=_head_levels(a, 2), gate_fn=1)
     return g[..., 0], beta
+
+
+# Value heads a program of gdn_projected_gate_beta projects, and the hidden columns it reads at a
+# time: a decode step of one token spreads over HV / 2 programs (16 at Qwen3-Next-80B's HV = 32),
+# each reading hidden 2,048 in one chunk.
+PROJECTED_GATE_HEADS = 2
+PROJECTED_GATE_COLUMNS = 2048
+
+
+def _value_head_rows(w: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """w [HV, hidden] or [H, r, hidden] -> (w with unit column stride, s1, s2, r): row j = h * r + i
+    starts at (j // r) * s1 + (j % r) * s2."""
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    if w.dim() == 2:
+        return w, w.stride(0), 0, 1
+    return w, w.stride(0), w.stride(1), w.shape[1]
+
+
+def gdn_projected_gate_beta(x: torch.Tensor, w_b: torch.Tensor, w_a: torch.Tensor, A_log: torch.Tensor,
+                            dt_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton version of hyla.ops.gate.gdn_projected_gate_beta. x: [B, T, hidden] (any row
+    stride); w_b, w_a: [HV, hidden] or [H, r, hidden] (any row strides, e.g. views of in_proj_ba's
+    head-interleaved rows), in x's dtype -> (g fp32 [B, T, HV], beta [B, T, HV] in x's dtype)."""
+    B, T, hidden = x.shape
+    hv = w_b.shape[:-1].numel()
+    x, x_s0 = token_rows(x if x.stride(-1) == 1 else x.contiguous())
+    w_b, wb_s1, wb_s2, wb_r = _value_head_rows(w_b)
+    w_a, wa_s1, wa_s2, wa_r = _value_head_rows(w_a)
+    a_log = A_log.reshape(-1)
+    dtb = dt_bias.reshape(-1) if dt_bias is not None else a_log  # A_log stands in for a missing dt_bias
+    g = torch.empty(B, T, hv, device=x.device, dtype=torch.float32)
+    beta = torch.empty(B, T, hv, device=x.device, dtype=x.dtype)
+    if B * T and hv:
+        projected_gate_beta_kernel[(B * T, triton.cdiv(hv, PROJECTED_GATE_HEADS))](
+            x, w_b, w_a, a_log, dtb, g, beta, hidden, x_s0, wb_s1, wb_s2, wb_r, wa_s1, wa_s2, wa_r, hv,
+            BH=PROJECTED_GATE_HEADS, BX=min(PROJECTED_GATE_COLUMNS, triton.next_power_of_2(hidden)),
+            HAS_BIAS=dt_bias is not None, num_warps=4, **pdl_launch(x.device))
+    return g, beta
