@@ -7,7 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 names=("$@")
+shopt -s nullglob
 [ ${#names[@]} -gt 0 ] || for p in docs/perf-log/pending/*.patch; do names+=("$(basename "$p" .patch)"); done
+[ ${#names[@]} -gt 0 ] || { echo "no patch waits in docs/perf-log/pending/"; exit 0; }
 for n in "${names[@]}"; do
   rm -rf ".revs/$n" && mkdir -p ".revs/$n"
   git archive HEAD -- hyla tests pyproject.toml ':!hyla/assets/default_model' ':!hyla/assets/mtp_model' | tar -x -C ".revs/$n"
