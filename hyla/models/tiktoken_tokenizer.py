@@ -38,6 +38,7 @@ import re
 
 import tiktoken
 
+from hyla.models.piece_cache import PieceCache
 from hyla.models.tokenizer_base import BaseTokenizer, IncrementalDecoder, _token_str
 
 # Kimi's pre-tokenizer regex (tokenization_kimi.py `pat_str`): runs of Han characters, words
@@ -182,6 +183,7 @@ class TiktokenTokenizer(BaseTokenizer):
         self._skipped = frozenset(i for i in map(self._id, self._skipped_names()) if i is not None)
         # Longest first: at one position the longest special-token string wins (transformers' trie).
         self._special_re = re.compile("|".join(map(re.escape, sorted(self.special_tokens, key=len, reverse=True))))
+        self.pieces = PieceCache()  # the pieces between special tokens of long prompts (hyla.models.piece_cache)
 
     def _skipped_names(self) -> list[str | None]:
         """The tokens skip_special_tokens drops: transformers' all_special_tokens (the named ones
@@ -210,13 +212,18 @@ class TiktokenTokenizer(BaseTokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) <= MAX_RUN_CHARS:  # nothing to cut: one call does it all in tiktoken
             ids = self.encoding.encode(text, allowed_special="all")
-        else:
-            ids, start = [], 0
+        else:  # the pieces between special tokens, each on its own as tiktoken does; earlier turns' cached
+            pieces, specials, start = [], [], 0
             for match in self._special_re.finditer(text):
-                ids += self._encode_ordinary(text[start:match.start()])
-                ids.append(self.special_tokens[match.group()])
+                pieces.append(text[start:match.start()])
+                specials.append(self.special_tokens[match.group()])
                 start = match.end()
-            ids += self._encode_ordinary(text[start:])
+            pieces.append(text[start:])
+            encoded = self.pieces.encode(pieces, lambda texts: [self._encode_ordinary(t) for t in texts])
+            ids = encoded[0]
+            for special, piece_ids in zip(specials, encoded[1:]):
+                ids.append(special)
+                ids += piece_ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         if add_special_tokens and self.add_eos_token and self.eos_token_id is not None:

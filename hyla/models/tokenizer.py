@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
+from hyla.models.piece_cache import PieceCache
 from hyla.models.tokenizer_base import BaseTokenizer, IncrementalDecoder, _chat_template, _read_json
 
 
@@ -46,6 +48,8 @@ class Tokenizer(BaseTokenizer):
     def __init__(self, tokenizer: _HFTokenizer, config: dict | None = None, chat_template: str | None = None):
         super().__init__(config, chat_template)
         self.tokenizer = tokenizer
+        self._splitter: _AddedTokenSplitter | None | bool = False  # False: not yet probed (_pieces)
+        self.pieces = PieceCache()
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.tokenizer.token_to_id(token)
@@ -57,11 +61,24 @@ class Tokenizer(BaseTokenizer):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) < LONG_TEXT_CHARS:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        splitter = self._pieces()
+        if splitter is not None and not add_special_tokens:  # a chat prompt: the pieces of earlier turns are cached
+            return splitter.encode(text, self.pieces, self._encode_many)
+        return self._encode_many([text], add_special_tokens)[0]
+
+    def _encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
         # `tokenizers` holds the GIL through `encode` and releases it through `encode_batch` (the
         # same ids). A server encodes prompts in its HTTP thread while the engine thread runs
         # host-bound prefill steps: a burst of 16 agent turns of ~3.6K tokens held the GIL for
         # ~40 ms of a lone prefill step (py-spy, BENCHMARKS "The 48B shape served").
-        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def _pieces(self) -> _AddedTokenSplitter | None:
+        """The splitter of long texts at added tokens, or None where this tokenizer's pieces are not
+        encoded independently (hyla.models.piece_cache); decided once."""
+        if self._splitter is False:
+            self._splitter = _AddedTokenSplitter.for_tokenizer(self.tokenizer)
+        return self._splitter
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -93,6 +110,60 @@ class Tokenizer(BaseTokenizer):
         if "ByteFallback" in kinds:
             return "BYTE_FALLBACK"
         return "RAW"
+
+
+class _AddedTokenSplitter:
+    """A text cut where `tokenizers` cuts it before encoding: at the added tokens that match the
+    raw text first, then, in the pieces between them, at those that match the normalised text
+    (tokenizers' AddedVocabulary; leftmost, the longest at a position). Built only where each piece
+    then encodes on its own (`for_tokenizer`)."""
+
+    PROBE = "ab c  d\n\te f\u00e9 "  # text around the added tokens in the probe: spaces, a newline, a tab, non-ASCII
+
+    def __init__(self, raw: list[str], normalized: list[str], ids: dict[str, int]):
+        self.patterns = [re.compile("(" + "|".join(map(re.escape, sorted(group, key=len, reverse=True))) + ")")
+                         for group in (raw, normalized) if group]
+        self.ids = ids
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: _HFTokenizer) -> _AddedTokenSplitter | None:
+        added = list(tokenizer.get_added_tokens_decoder().values())
+        if not added:
+            return None
+        has_normalizer = json.loads(tokenizer.to_str()).get("normalizer") is not None
+        if any(a.lstrip or a.rstrip or a.single_word or (a.normalized and has_normalizer) for a in added):
+            return None  # the tokens' matches then depend on the text around them
+        ids = {a.content: tokenizer.token_to_id(a.content) for a in added}
+        splitter = cls([a.content for a in added if not a.normalized], [a.content for a in added if a.normalized], ids)
+        return splitter if splitter._probe(tokenizer, sorted(ids)[:16]) else None
+
+    def _probe(self, tokenizer: _HFTokenizer, tokens: list[str]) -> bool:
+        """Whether texts cut at these tokens encode as the whole does (a pre-tokenizer that adds a
+        prefix space to the first piece only, say, would not)."""
+        text = self.PROBE
+        samples = [f"{t}{text}{t}{t}{text}" for t in tokens] + [text + "".join(tokens) + text + " " + text]
+        whole = [e.ids for e in tokenizer.encode_batch(samples, add_special_tokens=False)]
+        encode = lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]  # noqa: E731
+        return all(self.encode(s, None, encode) == w for s, w in zip(samples, whole))
+
+    def cut(self, text: str) -> list[str]:
+        """text -> [piece, added token, piece, ..., piece] (pieces may be empty)."""
+        parts = [text]
+        for pattern in self.patterns:
+            parts = [q for i, p in enumerate(parts) for q in ([p] if i % 2 else pattern.split(p))]
+        return parts
+
+    def encode(self, text: str, cache: PieceCache | None, encode_many) -> list[int]:
+        parts = self.cut(text)
+        pieces = [p for p in parts[0::2] if p]
+        encoded = iter(cache.encode(pieces, encode_many) if cache is not None else encode_many(pieces))
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids.append(self.ids[part])
+            elif part:
+                ids += next(encoded)
+        return ids
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model")

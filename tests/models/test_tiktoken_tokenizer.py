@@ -226,6 +226,20 @@ def test_long_text_is_encoded_in_the_released_pieces(tok, ref):
     assert tok.encode(big) == ref.encode(big[:400_000]) + ref.encode(big[400_000:]) != ref.encode(big)
 
 
+def test_a_growing_conversation_reuses_its_earlier_pieces(tok_dir, ref):
+    """Long prompts' pieces between special tokens are kept (hyla.models.piece_cache): the next
+    turn's prompt encodes only its new pieces, to the same ids as the whole text."""
+    tok = load_tokenizer(tok_dir)  # a cache of its own
+    history = "<|im_system|>system<|im_middle|>" + "You are a careful agent. 你好 " * 1200 + "<|im_end|>"
+    for turn in range(3):
+        history += f"<|im_user|>user<|im_middle|>{'tool output %d, ' % turn * 300} é<|im_end|>"
+        prompt = history + "<|im_assistant|>assistant<|im_middle|>"
+        assert len(prompt) > 25_000 and tok.encode(prompt, add_special_tokens=False) == ref.encode(
+            prompt, allowed_special="all")
+        history += "<|im_assistant|>assistant<|im_middle|>" + "an answer " * 50 + "<|im_end|>"
+    assert tok.pieces.hits >= 4 and tok.pieces.misses >= 4
+
+
 def test_add_bos_token_in_the_config_adds_bos(tok_dir, tmp_path):
     for name in ("tiktoken.model", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((tok_dir / name).read_bytes())
