@@ -28,6 +28,13 @@ cached() {  # the prefix and agent traces (greedy, outputs saved for the on / of
   [[ " ${CACHED:-prefix agent} " == *" agent "* ]] && { timeout 200 $B --label agent-$TAG --dataset-name agent \
       --num-sessions 16 --turns 6 --tool-output-len 512 --question-len 32 --output-len 64 --temperature 0 --ignore-eos \
       $AGENT_FLAGS --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- agent $TAG"; }
+  # agent-long (only when named in CACHED; needs SERVE_FLAGS="--max-model-len 32768"): sessions under
+  # an 8,000-token system message all share and 4,000 tokens of their own, 8 turns of ~1.1K new
+  # tokens spread by a tool's time: contexts of 13-22K tokens, as coding agents' are
+  [[ " ${CACHED:-prefix agent} " == *" agent-long "* ]] && { timeout 300 $B --label agent-long-$TAG --dataset-name agent \
+      --num-sessions 16 --turns 8 --agent-system-len 8000 --agent-session-prefix-len 4000 --tool-output-len 1024 \
+      --question-len 32 --output-len 64 --agent-range-ratio 0.5 --tool-latency-ms 500 --temperature 0 --ignore-eos \
+      $AGENT_FLAGS --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- agent-long $TAG"; }
 }
 # PART=random: the random rows (closed loop at each concurrency, then Poisson arrivals at RATE req/s)
 # alone; PART=cached: prefix and agent, cache on and off; unset: all
