@@ -168,6 +168,7 @@ def _engine_config(args):
 
 
 def _serve(args) -> None:
+    import gc
     import logging
     import os
 
@@ -184,6 +185,14 @@ def _serve(args) -> None:
                      chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
                      reasoning_parser=args.reasoning_parser, admission_wait=None if args.admission_wait_ms is None else args.admission_wait_ms / 1e3)
     logging.getLogger("hyla").info("serving %s on http://%s:%d", name, args.host, args.port)
+    # What startup made (the model's modules, torch's and the server's objects: ~300K with the
+    # bundled model) lives as long as the process, yet every full garbage collection would traverse
+    # it again, ~120 ms on one core, in whichever thread triggered it (the engine's, mid-step). The
+    # collector is told to leave it be, as vLLM does once its engine is up (BENCHMARKS.md "Serving
+    # host work on the CPU"). Only here: a process that builds several engines (tests, `LLM` in a
+    # notebook) relies on the collector to free the ones it dropped.
+    gc.collect()
+    gc.freeze()
     failure = []
     if engine.workers is not None:  # a dead tensor-parallel worker stops the server, exit code 1
         import signal

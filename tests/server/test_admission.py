@@ -180,3 +180,21 @@ def test_admission_wait_ms_refuses_what_is_not_a_finite_time(value, capsys):
         main(["serve", "--admission-wait-ms", value])
     err = capsys.readouterr().err
     assert "argument --admission-wait-ms" in err and "milliseconds" in err
+
+
+def test_serve_leaves_what_startup_made_to_the_collector_no_more(monkeypatch):
+    """`hyla serve` freezes the objects of startup before it serves (hyla.cli._serve): full
+    collections then do not traverse them. Checked where the server would start, then thawed."""
+    import gc
+
+    import hyla.server.shutdown as shutdown
+    from hyla.cli import main
+
+    seen = {}
+    monkeypatch.setattr(shutdown, "serve", lambda app, host, port, drain_s: seen.update(frozen=gc.get_freeze_count()))
+    before = gc.get_freeze_count()
+    try:
+        main(["serve", "--port", "1"])  # the bundled model
+    finally:
+        gc.unfreeze()
+    assert seen["frozen"] > before + 10_000  # the model's, torch's and the server's objects
