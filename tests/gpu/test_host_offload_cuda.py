@@ -58,10 +58,12 @@ def test_a_restore_after_the_fence_reads_what_the_side_stream_wrote():
         src = torch.randn_like(src)
 
 
-def test_engine_host_tier_side_stream_equals_compute_stream(tmp_path, monkeypatch):
+@pytest.mark.parametrize("checkpoint_dtype", ["auto", "int8"])  # int8: slots packed on their way to the host
+def test_engine_host_tier_side_stream_equals_compute_stream(tmp_path, monkeypatch, checkpoint_dtype):
     ckpt = build_kimi_checkpoint(tmp_path, "dense")
     kw = dict(dtype="float32", max_model_len=160, enable_prefix_caching=True, max_num_seqs=2,
-              memory_budget=budget(ckpt, pages=14, slots=4), host_cache_bytes=64 << 20, enforce_eager=True)
+              memory_budget=budget(ckpt, pages=14, slots=4), host_cache_bytes=64 << 20, enforce_eager=True,
+              checkpoint_dtype=checkpoint_dtype)
     side = LLM(str(ckpt), **kw)
     got, metrics = agent_trace(side, sessions=6, turns=3)
     assert metrics["pages_to_host"] > 0 and metrics["checkpoints_from_host"] > 0
