@@ -15,10 +15,9 @@ import time
 from hyla import LLM
 from hyla.engine.pools import Pools
 from hyla.engine.prefix_cache import PrefixCache
-from hyla.engine.sampling_params import SamplingParams
-from hyla.engine.sequence import Sequence
 from hyla.models.default import default_model_path
 from hyla.server import create_app
+from prefix_cache_host import file_request  # scripts/, on the path when run as a script
 
 
 def full_collection_ms(repeat: int = 3) -> float:
@@ -54,10 +53,7 @@ def file_tree(num_tokens: int, page: int = 16) -> PrefixCache:
     rng = random.Random(0)
     for i in range(0, num_tokens, 50_000):
         tokens = [rng.randrange(1, 150_000) for _ in range(min(50_000, num_tokens - i))]
-        s = Sequence(str(i), None, tokens, SamplingParams(max_tokens=1), 4, None)
-        s.block_table = pools.pages.allocate(-(-len(tokens) // page))
-        cache.insert(s, len(tokens), None)
-        pools.pages.release(s.block_table)
+        file_request(pools, cache, tokens, str(i), checkpoint=False)
     return cache
 
 if __name__ == "__main__":

@@ -21,10 +21,11 @@ def _seq(tokens: list[int], rid: str) -> Sequence:
     return Sequence(rid, None, list(tokens), SamplingParams(max_tokens=4), 4, None)
 
 
-def _file(pools: Pools, cache: PrefixCache, tokens: list[int], rid: str) -> float:
-    """Seconds of insert() for a finished request that ran `tokens`."""
+def file_request(pools: Pools, cache: PrefixCache, tokens: list[int], rid: str, checkpoint: bool = True) -> float:
+    """Seconds of insert() for a finished request that ran `tokens` (with its final state's slot
+    filed as a checkpoint, or only its pages). scripts/gc_pause.py files its trees with it too."""
     s = _seq(tokens, rid)
-    s.slot = pools.slots.allocate()
+    s.slot = pools.slots.allocate() if checkpoint else None
     s.block_table = pools.pages.allocate(-(-len(tokens) // pools.page_size))
     s.num_computed_tokens = len(tokens)
     began = time.perf_counter()
@@ -45,12 +46,12 @@ def main() -> None:
     pages = 3 * (args.tokens // args.page_size) + 64
     rows = {"insert, new": [], "insert, again + 500": [], "match + 500": []}
     warm = Pools(pages, 8, args.page_size)  # the process's first tree takes longer (allocation, the collector)
-    _file(warm, PrefixCache(warm), tokens, "warm")
+    file_request(warm, PrefixCache(warm), tokens, "warm")
     for _ in range(args.repeat):
         pools = Pools(pages, 8, args.page_size)
         cache = PrefixCache(pools)
-        rows["insert, new"].append(_file(pools, cache, tokens, "first"))
-        rows["insert, again + 500"].append(_file(pools, cache, tokens + [7] * 500, "second"))
+        rows["insert, new"].append(file_request(pools, cache, tokens, "first"))
+        rows["insert, again + 500"].append(file_request(pools, cache, tokens + [7] * 500, "second"))
         s = _seq(tokens + [5] * 500, "next")
         began = time.perf_counter()
         hit = cache.match(s)

@@ -144,10 +144,12 @@ class PrefixCache:
     def _has_device_child(node: Node) -> bool:
         return any(c.page is not None for c in node.child_nodes())
 
-    def _touch(self, node: Node) -> None:
-        """A new recency stamp: the node's heap entries are pushed again (the old ones go stale)."""
+    def _touch(self, node: Node, may_be_leaf: bool = True) -> None:
+        """A new recency stamp: the node's heap entries are pushed again (the old ones go stale).
+        may_be_leaf=False: the caller knows a device child of node, so it is filed as no leaf."""
         node.last_access = next(_clock)
-        self._file_node(node)
+        if may_be_leaf:
+            self._file_node(node)
         for r in node.checkpoints:
             self._file_checkpoint(node, r)
 
@@ -156,12 +158,7 @@ class PrefixCache:
         the device has a device child, so it is no leaf: its children need not be looked through
         (on a 60K-token path that look was a quarter of match's time)."""
         for node, successor in itertools.zip_longest(path, path[1:]):
-            if successor is None or successor.page is None:
-                self._touch(node)
-            else:
-                node.last_access = next(_clock)
-                for r in node.checkpoints:
-                    self._file_checkpoint(node, r)
+            self._touch(node, may_be_leaf=successor is None or successor.page is None)
 
     def _file_node(self, node: Node) -> None:
         """Push node on the heap of its tier's leaves when it is one."""

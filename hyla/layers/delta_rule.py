@@ -16,8 +16,9 @@ in the projections, the gate and the output, which subclasses provide as hooks:
     _chunk / _recurrent     -> the chunk op and the pool-indexed recurrent op
 
 `aux` is whatever `project` computed that the gates and output need (KDA: the low-rank gate
-inputs and b; GDN: the z gate and the b / a projections, or x where its gate kernel projects b and
-a itself), so no projection runs twice: a tuple of tensors (or None) with the token dims of x.
+inputs and b; GDN: the z gate and the b / a projections, or at a decode step (x, w_b, w_a) where
+its gate kernel projects b and a itself), so no projection runs twice: a tuple; what
+`project_prefill` returns holds tensors (or None) with the token dims of x (step_pre splits them).
 
 This class then runs them over whole sequences (`forward`) and over one engine step
 (`forward_batch`: varlen chunk prefill with state and conv-window checkpoints, pool-indexed

@@ -126,11 +126,13 @@ class GatedDeltaNet(ShortConvDeltaRule):
         ws = [plain_weight(lin) for lin in linears]
         return None if any(w is None for w in ws) else ws
 
-    def _ba_in_gate_kernel(self, x: torch.Tensor) -> bool:
-        """Whether the gate kernel projects this step's b and a from x (a decode step: few token rows
-        on the Triton path), so that `project` leaves them out."""
+    def _ba_in_gate_kernel(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(x, w_b, w_a) when the gate kernel projects this step's b and a from x (a decode step: few
+        token rows on the Triton path), so that `project` leaves them out; else None."""
         weights = self.ba_weights()
-        return weights is not None and dispatch.gdn_projected_gate_in_kernel(x, *weights, self.A_log, self.dt_bias)
+        if weights is None or not dispatch.gdn_projected_gate_in_kernel(x, *weights, self.A_log, self.dt_bias):
+            return None
+        return (x, *weights)
 
     # -- ShortConvDeltaRule hooks ----------------------------------------------------------------
 
@@ -139,34 +141,36 @@ class GatedDeltaNet(ShortConvDeltaRule):
 
     def project(self, x: torch.Tensor):
         """x: [..., hidden] -> (q ++ k ++ v pre-conv, (z, b, a, None)) as `_project` gives them, or
-        (z, None, None, x) at a decode step whose gate kernel projects b and a (`_ba_in_gate_kernel`)."""
-        return self._project(x, ba_in_gate=self._ba_in_gate_kernel(x))
+        (z, None, None, (x, w_b, w_a)) at a decode step whose gate kernel projects b and a
+        (`_ba_in_gate_kernel`)."""
+        return self._project(x, in_gate=self._ba_in_gate_kernel(x))
 
     def project_prefill(self, x: torch.Tensor):
         """`_project` with b and a from their GEMM at any row count: a prefill step's tensors keep one
         layout (ShortConvDeltaRule.project_prefill)."""
-        return self._project(x, ba_in_gate=False)
+        return self._project(x, in_gate=None)
 
-    def _project(self, x: torch.Tensor, ba_in_gate: bool):
+    def _project(self, x: torch.Tensor, in_gate: tuple | None):
         """x: [..., hidden] -> (q ++ k ++ v pre-conv [..., 2*H*K + HV*V], (z [..., HV, V], b, a, None)),
         undoing the head interleaving of the fused projections. Once packed (prepare_for_inference,
         no grad): one GEMM; q ++ k ++ v is a PackedConvInput reading its columns through
         `conv_columns`; z is a view [..., H, r, V] and b, a views [..., H, r] (value head h * r + i).
-        ba_in_gate: in_proj_ba's GEMM is not run, aux is (z, None, None, x) for the gate kernel."""
+        in_gate: `_ba_in_gate_kernel`'s (x, w_b, w_a): in_proj_ba's GEMM is not run, aux is
+        (z, None, None, in_gate) for the gate kernel."""
         H, K, V, r = self.num_k_heads, self.head_k_dim, self.head_v_dim, self.group
         packed = self._packed is not None and self._packed.weight() is not None
         if packed:
-            qkvz_flat, ba_flat = self._packed(x, skip_plain=True) if ba_in_gate else self._packed(x)
+            qkvz_flat, ba_flat = self._packed(x) if in_gate is None else self._packed(x, skip_plain=True)
         else:
             qkvz_flat, ba_flat = self.in_proj_qkvz(x), self.in_proj_ba(x)
         qkvz = qkvz_flat.unflatten(-1, (H, 2 * K + 2 * r * V))
         q, k, v, z = qkvz.split([K, K, r * V, r * V], dim=-1)  # per key head
-        b, a = (None, None) if ba_in_gate else ba_flat.unflatten(-1, (H, 2 * r)).split([r, r], dim=-1)
+        b, a = (None, None) if in_gate is not None else ba_flat.unflatten(-1, (H, 2 * r)).split([r, r], dim=-1)
         if packed:
             z = z.unflatten(-1, (r, V))  # [..., H, r, V]: rows in value-head order, read in place
             pre = PackedConvInput(qkvz_flat, [[self.key_dim, self.key_dim, self.value_dim]],
                                   self.conv_columns(x.device))
-            return pre, (z, b, a, x if ba_in_gate else None)
+            return pre, (z, b, a, in_gate)
         mixed = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2)], dim=-1)
         return [mixed], (z.reshape(*z.shape[:-2], self.num_v_heads, V), b.flatten(-2), a.flatten(-2), None)
 
@@ -178,11 +182,12 @@ class GatedDeltaNet(ShortConvDeltaRule):
                 v.unflatten(-1, (self.num_v_heads, self.head_v_dim)))
 
     def gates(self, aux) -> tuple[torch.Tensor, torch.Tensor]:
-        """aux: project's (z, b, a, None), or (z, None, None, x) -> g [B, T, HV] fp32 log-decay (<= 0),
-        beta [B, T, HV] = sigmoid(b) (one launch on CUDA; with x, b and a projected in it too)."""
-        _, b, a, x = aux
-        if x is not None:
-            return dispatch.gdn_projected_gate_beta(x, *self.ba_weights(), self.A_log, self.dt_bias)
+        """aux: project's (z, b, a, None), or (z, None, None, (x, w_b, w_a)) -> g [B, T, HV] fp32
+        log-decay (<= 0), beta [B, T, HV] = sigmoid(b) (one launch on CUDA; with x, b and a projected
+        in it too)."""
+        _, b, a, in_gate = aux
+        if in_gate is not None:
+            return dispatch.gdn_projected_gate_beta(*in_gate, self.A_log, self.dt_bias)
         return dispatch.gdn_gate_beta(a, b, self.A_log, self.dt_bias)
 
     def output(self, o: torch.Tensor, aux) -> torch.Tensor:
@@ -232,17 +237,17 @@ class Qwen3_5GatedDeltaNet(GatedDeltaNet):
         ws = self._own_gemm_weights([self.in_proj_b, self.in_proj_a])
         return None if ws is None else (ws[0], ws[1])
 
-    def _project(self, x: torch.Tensor, ba_in_gate: bool):
+    def _project(self, x: torch.Tensor, in_gate: tuple | None):
         """x: [..., hidden] -> (q ++ k ++ v pre-conv [..., 2*H*K + HV*V], (z [..., HV, V], b [..., HV],
         a [..., HV], None)). Packed: one GEMM, every piece a view of its output (the conv reads
-        q ++ k ++ v in place as a PackedConvInput). ba_in_gate: b and a are not projected, aux is
-        (z, None, None, x) for the gate kernel."""
+        q ++ k ++ v in place as a PackedConvInput). in_gate: (x, w_b, w_a), b and a are not
+        projected, aux is (z, None, None, in_gate) for the gate kernel."""
         packed = self._packed is not None and self._packed.weight() is not None
         if packed:
-            qkv, z, b, a = self._packed(x, skip_plain=True) if ba_in_gate else self._packed(x)
+            qkv, z, b, a = self._packed(x) if in_gate is None else self._packed(x, skip_plain=True)
         else:
             qkv, z, b, a = [lin(x) for lin in self._linears()]
-        aux = (z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), b, a, x if ba_in_gate else None)
+        aux = (z.unflatten(-1, (self.num_v_heads, self.head_v_dim)), b, a, in_gate)
         if packed:
             return PackedConvInput(qkv, [[self.key_dim, self.key_dim, self.value_dim]]), aux
         return [qkv], aux

@@ -22,7 +22,7 @@ from __future__ import annotations
 import array
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 MAX_CACHED_CHARS = 16 << 20  # characters of pieces kept (and ~1-4 bytes of ids per 4 of them)
 MIN_PIECE_CHARS = 64  # shorter pieces (a role name, a newline) are encoded each time: cheaper than a lookup's bookkeeping
@@ -38,9 +38,10 @@ class PieceCache:
         self._lock = threading.Lock()  # the server may encode on several threads
         self.hits = self.misses = 0
 
-    def encode(self, pieces: list[str], encode_many: Callable[[list[str]], list[list[int]]]) -> list[list[int]]:
+    def encode(self, pieces: list[str], encode_many: Callable[[list[str]], list[list[int]]]) -> list[Sequence[int]]:
         """The ids of each piece, in order: cached ones looked up, the others (and pieces under
-        MIN_PIECE_CHARS) encoded by one call of encode_many, the long ones kept."""
+        MIN_PIECE_CHARS) encoded by one call of encode_many, the long ones kept. Each piece's ids
+        are a sequence of ints the caller reads, not a list it may keep (a cached one is shared)."""
         found: list = [None] * len(pieces)
         with self._lock:
             for i, piece in enumerate(pieces):
@@ -63,4 +64,4 @@ class PieceCache:
             while self._chars > self.max_chars:
                 piece, _ = self._ids.popitem(last=False)
                 self._chars -= len(piece)
-        return [list(ids) for ids in found]
+        return found

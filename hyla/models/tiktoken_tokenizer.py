@@ -220,7 +220,7 @@ class TiktokenTokenizer(BaseTokenizer):
                 start = match.end()
             pieces.append(text[start:])
             encoded = self.pieces.encode(pieces, lambda texts: [self._encode_ordinary(t) for t in texts])
-            ids = encoded[0]
+            ids = list(encoded[0])  # a fresh list: the cache's own sequences are shared
             for special, piece_ids in zip(specials, encoded[1:]):
                 ids.append(special)
                 ids += piece_ids

@@ -77,7 +77,7 @@ class Tokenizer(BaseTokenizer):
         """The splitter of long texts at added tokens, or None where this tokenizer's pieces are not
         encoded independently (hyla.models.piece_cache); decided once."""
         if self._splitter is False:
-            self._splitter = _AddedTokenSplitter.for_tokenizer(self.tokenizer)
+            self._splitter = _AddedTokenSplitter.for_tokenizer(self.tokenizer, self._encode_many)
         return self._splitter
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
@@ -126,7 +126,8 @@ class _AddedTokenSplitter:
         self.ids = ids
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: _HFTokenizer) -> _AddedTokenSplitter | None:
+    def for_tokenizer(cls, tokenizer: _HFTokenizer, encode_many) -> _AddedTokenSplitter | None:
+        """encode_many(texts) -> each text's ids without special tokens added (Tokenizer._encode_many)."""
         added = list(tokenizer.get_added_tokens_decoder().values())
         if not added:
             return None
@@ -135,16 +136,14 @@ class _AddedTokenSplitter:
             return None  # the tokens' matches then depend on the text around them
         ids = {a.content: tokenizer.token_to_id(a.content) for a in added}
         splitter = cls([a.content for a in added if not a.normalized], [a.content for a in added if a.normalized], ids)
-        return splitter if splitter._probe(tokenizer, sorted(ids)[:16]) else None
+        return splitter if splitter._probe(sorted(ids)[:16], encode_many) else None
 
-    def _probe(self, tokenizer: _HFTokenizer, tokens: list[str]) -> bool:
+    def _probe(self, tokens: list[str], encode_many) -> bool:
         """Whether texts cut at these tokens encode as the whole does (a pre-tokenizer that adds a
         prefix space to the first piece only, say, would not)."""
         text = self.PROBE
         samples = [f"{t}{text}{t}{t}{text}" for t in tokens] + [text + "".join(tokens) + text + " " + text]
-        whole = [e.ids for e in tokenizer.encode_batch(samples, add_special_tokens=False)]
-        encode = lambda texts: [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]  # noqa: E731
-        return all(self.encode(s, None, encode) == w for s, w in zip(samples, whole))
+        return all(self.encode(s, None, encode_many) == w for s, w in zip(samples, encode_many(samples)))
 
     def cut(self, text: str) -> list[str]:
         """text -> [piece, added token, piece, ..., piece] (pieces may be empty)."""

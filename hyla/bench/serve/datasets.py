@@ -229,8 +229,8 @@ def agent_sessions(spec: DatasetSpec, maker: PromptMaker, rng: np.random.Generat
     shared, shared_len = maker.render(maker.random_ids(rng, spec.agent_system_len), rng)
     sessions = []
     for _ in range(spec.num_sessions):
-        own, own_len = (maker.render(maker.random_ids(rng, length(spec.agent_session_prefix_len)), rng)
-                        if spec.agent_session_prefix_len else (shared[:0], 0))
+        own, own_len = maker.render(maker.random_ids(rng, length(spec.agent_session_prefix_len))
+                                    if spec.agent_session_prefix_len else [], rng)  # no draw without one
         system = maker.join(shared, own) if shared_len + own_len else None
         turns, history_len = [], shared_len + own_len
         for _ in range(spec.turns):

@@ -196,7 +196,8 @@ def _down_kernel(hq, hs, w, ws, y, weights, sorted_pairs, block_expert, P, H, I,
 
 
 # Pairs per `_split_k_finish_kernel` program: a few, so that a decode step's handful of pairs still
-# spreads over several programs per group of h (untimed: to be set on the device).
+# spreads over several programs per group of h (as timed with split-K: BENCHMARKS.md "Block-FP8
+# weights on the GPU", the 80B release layout on an H100)
 FINISH_PAIRS = 4
 
 
@@ -209,8 +210,8 @@ def _config(pairs: int, num_experts: int, k_groups: int) -> dict:
         cfg = dict(BM=16, BN=BLOCK, BK=BLOCK, GM=1, num_warps=4, num_stages=3, down=dict(BN=64))
         if per_expert <= 1:
             # decode: a few programs per expert block, each streaming all of H (40 programs for the
-            # 80B at one token): split K so that more SMs read the weights. 4 is a placeholder, to be
-            # set by the device sweep (hyla bench moe --fp8 --sweep).
+            # 80B at one token): split K so that more SMs read the weights. A card's swept table sets
+            # it (`hyla bench moe --fp8 --sweep`; the H100's 80B table: 4 at one token, 2 at 16)
             cfg["KSPLIT"] = min(4, k_groups)
         return cfg
     if per_expert <= 64:
