@@ -35,10 +35,19 @@ class SoftmaxRouter(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=torch.float32))
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
-    def forward(self, x: torch.Tensor, shared_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """shared_logit [M]: one more slot per token, expert E with weight sigmoid(shared_logit)."""
+    def forward(self, x: torch.Tensor, shared_gate: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """shared_gate (the shared expert's gate, hidden -> 1): one more slot per token, expert E
+        with weight sigmoid(shared_gate(x)). A plain linear gate in x's dtype is computed by the
+        routing (hyla.ops.moe.softmax_topk_route's shared_gate), other modules (a quantised
+        linear) here."""
+        shared_logit = gate = None
+        if shared_gate is not None:
+            if type(shared_gate) is nn.Linear and shared_gate.bias is None and shared_gate.weight.dtype == x.dtype:
+                gate = (x, shared_gate.weight)
+            else:
+                shared_logit = shared_gate(x)[:, 0]
         return softmax_topk_route(router_logits(x, self.weight), self.top_k, self.norm_topk_prob,
-                                  shared_logit)
+                                  shared_logit, gate)
 
 
 class Qwen3NextSparseMoE(nn.Module):
@@ -63,7 +72,7 @@ class Qwen3NextSparseMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         if self.experts.shared_is_stacked():
-            weights, ids = self.gate(flat, self.shared_expert_gate(flat)[:, 0])
+            weights, ids = self.gate(flat, self.shared_expert_gate)
             return self.experts(flat, weights, ids, shared=True).view(shape)
         weights, ids = self.gate(flat)
         out = self.experts(flat, weights, ids)

@@ -132,13 +132,19 @@ def sigmoid_topk_route(logits: torch.Tensor, top_k: int, bias: torch.Tensor, num
 
 
 def softmax_topk_route(logits: torch.Tensor, top_k: int, renormalize: bool = True,
-                       shared_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       shared_logit: torch.Tensor | None = None,
+                       shared_gate: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing (Qwen3-Next). logits: [M, E] -> (weights [M, k], ids [M, k]):
     p = softmax(logits); the top-k by p, weighted by p (divided by their sum when renormalize).
-    shared_logit [M]: append slot k with expert id E and weight sigmoid(shared_logit)."""
+    shared_logit [M]: append slot k with expert id E and weight sigmoid(shared_logit).
+    shared_gate (x [M, H], w [1, H]): that logit as F.linear(x, w)[:, 0], which the routing kernel
+    computes itself where it runs (one launch fewer a layer)."""
     kernel = _route_kernel(logits, top_k, 1)
     if kernel is not None:
-        return kernel.route(logits, top_k, sigmoid=False, renormalize=renormalize, shared_logit=shared_logit)
+        return kernel.route(logits, top_k, sigmoid=False, renormalize=renormalize, shared_logit=shared_logit,
+                            shared_gate=shared_gate)
+    if shared_gate is not None:
+        shared_logit = F.linear(*shared_gate)[:, 0]
     weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)

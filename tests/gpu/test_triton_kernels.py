@@ -352,6 +352,23 @@ def test_decode_router_gemv_full_size(M):
         assert err <= 1e-5, f"E={E} H={H}: {err:.2e}"
 
 
+@pytest.mark.parametrize("M", [1, 4, 64])
+def test_routing_shared_gate_full_size(M):
+    """The routing kernel computing Qwen3-Next-80B's shared-gate logit (512 experts, top 10,
+    hidden 2048, bf16): the routed slots equal the kernel fed the gate linear's output, the shared
+    slot within one bf16 rounding of that logit (sigmoid' <= 1/4)."""
+    from hyla.ops.triton import moe_routing
+
+    gen = torch.Generator(device=DEV).manual_seed(40 + M)
+    logits = torch.randn(M, 512, generator=gen, device=DEV)
+    x = torch.randn(M, 2048, generator=gen, device=DEV).to(torch.bfloat16)
+    w = (torch.randn(1, 2048, generator=gen, device=DEV) * 0.02).to(torch.bfloat16)
+    got = moe_routing.route(logits, 10, sigmoid=False, shared_gate=(x, w))
+    want = moe_routing.route(logits, 10, sigmoid=False, shared_logit=F.linear(x, w)[:, 0])
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0][:, :10], want[0][:, :10])
+    torch.testing.assert_close(got[0][:, 10], want[0][:, 10], rtol=2 ** -8, atol=0)
+
+
 @pytest.mark.parametrize("act", ["silu", "clamped_silu", "situ"])
 def test_fused_moe_bf16_full_size(act):
     """The fused MoE at a prefill-sized batch of the Kimi-Linear-48B shape (8 of 256 experts,

@@ -234,6 +234,62 @@ def test_triton_routing_appends_the_shared_slot():
     assert (ids[:, 4].cpu() == 32).all() and (w[:, 4].cpu() == 1).all()
 
 
+def test_triton_routing_computes_the_shared_gate_logit():
+    """shared_gate (x, w): the routing kernel computes the gate's linear itself (x . w in fp32,
+    rounded to x's dtype as the linear layer's output is): the slot's weight is sigmoid of that
+    logit to within one rounding of it (the sum's order is the kernel's); the routed slots are
+    untouched. Bad gate arguments are named."""
+    _, dev = _triton()
+    from hyla.ops import moe as ops_moe
+    from hyla.ops.triton import moe_routing
+
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(3, 40, generator=gen)
+    x = torch.randn(3, 700, generator=gen).to(torch.float16)
+    w = (torch.randn(1, 700, generator=gen) * 0.05).to(torch.float16)
+    got_w, got_ids = moe_routing.route(logits.to(dev), 6, sigmoid=False, shared_gate=(x.to(dev), w.to(dev)))
+    gate_logit = torch.nn.functional.linear(x, w)[:, 0]  # fp16, the linear layer's output
+    want_w, want_ids = moe_routing.route(logits.to(dev), 6, sigmoid=False, shared_logit=gate_logit.to(dev))
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_w[:, :6], want_w[:, :6])
+    torch.testing.assert_close(got_w[:, 6].cpu(), gate_logit.float().sigmoid(), rtol=2 ** -10, atol=0)
+    # the torch path: the same linear, then the same routing
+    torch_w, torch_ids = ops_moe.softmax_topk_route(logits, 6, True, None, (x.float(), w.float()))
+    torch.testing.assert_close(torch_w[:, 6], torch.nn.functional.linear(x.float(), w.float())[:, 0].sigmoid())
+    with pytest.raises(ValueError, match="shared_gate"):
+        moe_routing.route(logits.to(dev), 6, sigmoid=False, shared_gate=(x.to(dev), w.float().to(dev)))
+    with pytest.raises(ValueError, match="shared_gate"):
+        moe_routing.route(logits.to(dev), 6, sigmoid=False, shared_gate=(x[:2].to(dev), w.to(dev)))
+
+
+def test_qwen_block_with_a_plain_shared_gate_routes_it_in_the_kernel(monkeypatch):
+    """With the shared expert stacked, Qwen3-Next's plain linear gate reaches the routing as (x,
+    weight) and the Triton routing computes its logit (no linear layer call): the block's output
+    equals the torch path's, where the gate runs as a linear layer (fp32: the same products in
+    another order)."""
+    _, dev = _triton()
+    from hyla.layers import Qwen3NextSparseMoE
+    from hyla.ops import dispatch
+
+    torch.manual_seed(9)
+    block = Qwen3NextSparseMoE(32, 16, 12, 3, 16).to(dev)
+    torch.nn.init.normal_(block.gate.weight, std=0.3)  # distinct logits (zeros tie every expert)
+    block.prepare_for_inference()
+    assert block.experts.shared_is_stacked()
+    x = torch.randn(2, 32, device=dev)
+    with torch.no_grad():
+        previous = dispatch.set_backend("torch")
+        try:
+            want = block(x)
+            dispatch.set_backend("triton")
+            calls = []
+            monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, t: calls.append(1) or torch.zeros(1))
+            got = block(x)
+        finally:
+            dispatch.set_backend(previous)
+    assert calls == []  # the gate's logit came from the routing kernel
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_triton_fused_moe_half_precision_within_rounding():
     """fp16 in, fp16 out (the interpreter's dots are wrong for bf16; tests/gpu checks bf16): h
     and the per-pair outputs are rounded to x's dtype once each (relative 2^-11 per rounding), the

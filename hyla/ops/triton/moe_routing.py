@@ -27,8 +27,8 @@ _interpreter.apply()  # no-op unless TRITON_INTERPRET=1
 
 
 @triton.jit
-def _routing_kernel(logits, bias, shared_logit, weights_out, ids_out, E, scale,
-                    K: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
+def _routing_kernel(logits, bias, shared_logit, gate_x, gate_w, weights_out, ids_out, E, H, s_gx, scale,
+                    K: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr, GATE_DOT: tl.constexpr, BH: tl.constexpr, KP: tl.constexpr, BE: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
                     SIGMOID: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
     dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     m = tl.program_id(0).to(tl.int64)
@@ -84,23 +84,45 @@ def _routing_kernel(logits, bias, shared_logit, weights_out, ids_out, E, scale,
     if SHARED:  # slot K: the shared expert, stacked as expert E
         sw = 1.0
         if GATED:
-            sw = 1.0 / (1.0 + tl.exp(-tl.load(shared_logit + m).to(tl.float32)))
+            if GATE_DOT:  # the gate's linear here: x[m] . w in fp32, rounded to x's dtype as its output
+                o_h = tl.arange(0, BH)
+                dot = tl.zeros((BH,), dtype=tl.float32)
+                for h0 in range(0, H, BH):
+                    m_h = (h0 + o_h) < H
+                    xa = tl.load(gate_x + m * s_gx + h0 + o_h, mask=m_h, other=0.0)
+                    dot += xa.to(tl.float32) * tl.load(gate_w + h0 + o_h, mask=m_h, other=0.0).to(tl.float32)
+                g = tl.sum(dot, 0).to(gate_x.dtype.element_ty).to(tl.float32)
+            else:
+                g = tl.load(shared_logit + m).to(tl.float32)
+            sw = 1.0 / (1.0 + tl.exp(-g))
         tl.store(weights_out + m * OUT + K, sw)
         tl.store(ids_out + m * OUT + K, m * 0 + E)  # int64, as m
 
 
 def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor | None = None,
           num_group: int = 1, topk_group: int = 1, renormalize: bool = True, scale: float = 1.0,
-          shared: bool = False, shared_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          shared: bool = False, shared_logit: torch.Tensor | None = None,
+          shared_gate: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [M, E] fp32 -> (weights [M, top_k] fp32, ids [M, top_k] int64). See the module
     docstring; `supports` says which arguments this kernel takes. shared (or a shared_logit
     [M]): one more slot per token, expert id E with weight 1 (or sigmoid(shared_logit)) — a
-    shared expert stacked after the routed ones."""
+    shared expert stacked after the routed ones. shared_gate (x [M, H], w [1, H], one dtype):
+    the shared_logit as the gate's linear layer computes it (x . w, rounded to x's dtype),
+    computed here: a decode step's launch of that one-row GEMV saved (Qwen3-Next's gated shared
+    expert)."""
     if not supports(logits.shape[-1], top_k, num_group):
         raise ValueError(f"routing kernel: unsupported E={logits.shape[-1]}, top_k={top_k}, groups={num_group}")
     logits = logits.float().contiguous()
     M, E = logits.shape
-    extra = int(shared or shared_logit is not None)
+    if shared_gate is not None:
+        gx, gw = shared_gate
+        if shared_logit is not None or gx.shape != (logits.shape[0], gw.numel()) or gw.dtype != gx.dtype:
+            raise ValueError(f"routing kernel: shared_gate needs x [M, H] and w [1, H] of one dtype (and no "
+                             f"shared_logit), got {tuple(gx.shape)} {gx.dtype} and {tuple(gw.shape)} {gw.dtype}")
+        if gx.stride(-1) != 1:
+            gx = gx.contiguous()
+        gw = gw.reshape(-1).contiguous()
+    extra = int(shared or shared_logit is not None or shared_gate is not None)
     weights = torch.empty(M, top_k + extra, dtype=torch.float32, device=logits.device)
     ids = torch.empty(M, top_k + extra, dtype=torch.int64, device=logits.device)
     if M == 0:
@@ -108,8 +130,11 @@ def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor
     BE = triton.next_power_of_2(E)
     G = num_group if num_group > 1 else 1
     gate = shared_logit.reshape(-1) if shared_logit is not None else logits
-    _routing_kernel[(M,)](logits, bias if bias is not None else logits, gate, weights, ids, E, float(scale),
-                          K=top_k, SHARED=extra, GATED=shared_logit is not None, KP=triton.next_power_of_2(top_k), BE=BE, G=G, TOPK_GROUP=topk_group, SIGMOID=sigmoid, RENORM=renormalize,
+    gx, gw = (gx, gw) if shared_gate is not None else (logits, logits)
+    H = gx.shape[1]
+    _routing_kernel[(M,)](logits, bias if bias is not None else logits, gate, gx, gw, weights, ids, E, H, gx.stride(0),
+                          float(scale), K=top_k, SHARED=extra, GATED=shared_logit is not None or shared_gate is not None, GATE_DOT=shared_gate is not None,
+                          BH=min(1024, triton.next_power_of_2(H)), KP=triton.next_power_of_2(top_k), BE=BE, G=G, TOPK_GROUP=topk_group, SIGMOID=sigmoid, RENORM=renormalize,
                           HAS_BIAS=bias is not None, num_warps=4 if BE <= 512 else 8, **pdl_launch(logits.device))
     return weights, ids
 
