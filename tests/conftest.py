@@ -6,6 +6,11 @@ in one process (for debugging; --pdb does too), `-n N` picks the count. Named fi
 in one process unless `-n` is given. The default lives here rather than in pyproject's addopts
 because `-p no:xdist` would reject an `-n` there.
 
+Every test starts from torch's global generator seeded from its own node id (`_seeded_draws`):
+the inputs a test draws without a generator of its own are fresh random values, but the same ones
+on every run, whichever worker runs the test and whatever ran there before it; a failure
+reproduces with the test alone.
+
 Each worker runs torch on one thread (and so do the processes the tests start: `hyla serve`, the
 tensor-parallel ranks, mp.spawn children, through OMP_NUM_THREADS): the workers already fill the
 cores, and the suite's tensors are tiny, so a second intra-op thread per process only adds
@@ -53,6 +58,16 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         config.option.numprocesses = workers
         if config.option.dist == "no":
             config.option.dist = DIST_MODE
+
+
+@pytest.fixture(autouse=True)
+def _seeded_draws(request: pytest.FixtureRequest) -> None:
+    """Seed torch's global generator from the test's node id (module docstring)."""
+    import zlib
+
+    import torch
+
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -46,9 +46,9 @@ def _f32(*xs):
     return [None if x is None else x.float().to(DEV) for x in xs]
 
 
-def _check(actual, expected, what):
+def _check(actual, expected, what, tol=TOL):
     err = rel_err(actual.cpu(), expected.cpu())
-    assert err <= TOL, f"{what}: relative error {err:.2e} > {TOL:.0e}"
+    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn", "none"])
@@ -160,7 +160,7 @@ def test_chunk_steep_decays_take_the_exact_diagonal_path():
     the factored diagonal would overflow; the kernel must switch to pairwise exponents."""
     fast, ref = _chunk_pair("kda")
     q, k, v, g, beta, h0 = make_inputs(1, 130, 2, 32, 32, seed=9)
-    steep = torch.rand(1, 130, 2, 32, dtype=torch.float64) < 0.3
+    steep = torch.rand(1, 130, 2, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(130)) < 0.3
     g = torch.where(steep, g * 60.0, g)
     g[:, 70:80] *= 200.0  # one sub-block with channels decaying by ~1e4
     o_ref, s_ref, c_ref = ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
@@ -407,17 +407,23 @@ def test_chunk_two_pass_gram_mixes_fast_and_steep_chunks():
 def test_chunk_steep_scalar_decays():
     """GDN decays of -30 .. -3000 per token on some tokens: the scalar-gate Gram assembles its
     pairwise exponents from sub-block pieces, so steep chunks stay exact (no overflow, no
-    cancellation between large cumulative sums)."""
+    cancellation between large cumulative sums).
+
+    What fp32 leaves: inside a sub-block the exponent of a pair is gl_i - gl_j (cumsums from the
+    sub-block's start), and after the four -3000 tokens both are near -12,000, where fp32's spacing
+    is 2^-10: the entries of the pairs after them carry up to ~1e-3 relative error (the torch path
+    sums in fp64). Over 12 draws of the steep pattern the output's relative error was 0.6-1.5e-4
+    (its worst token 1.2e-3), hence o's bound of 5e-4; the states stay within TOL."""
     fast, ref = _chunk_pair("gdn")
     q, k, v, g, beta, h0 = make_inputs(1, 150, 2, 32, 32, gate="gdn", seed=13)
-    steep = torch.rand(1, 150, 2, dtype=torch.float64) < 0.2
+    steep = torch.rand(1, 150, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(13)) < 0.2
     g = torch.where(steep, g * 100.0, g)
     g[:, 20:24] = -3000.0
     o_ref, s_ref, c_ref = ref(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                               checkpoint_positions=[[22, 150]])
     o, s, c = fast(*_f32(q, k, v, g, beta), initial_state=h0.float().to(DEV), output_final_state=True,
                    checkpoint_positions=[[22, 150]])
-    _check(o, o_ref, "o")
+    _check(o, o_ref, "o", tol=5e-4)
     _check(s, s_ref, "final state")
     _check(c[0], c_ref[0], "checkpoints")
 
