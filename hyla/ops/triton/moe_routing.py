@@ -130,11 +130,12 @@ def route(logits: torch.Tensor, top_k: int, *, sigmoid: bool, bias: torch.Tensor
     BE = triton.next_power_of_2(E)
     G = num_group if num_group > 1 else 1
     gate = shared_logit.reshape(-1) if shared_logit is not None else logits
-    gx, gw = (gx, gw) if shared_gate is not None else (logits, logits)
+    gx, gw = (gx, gw) if shared_gate is not None else (logits, logits)  # unread without the gate
     H = gx.shape[1]
+    BH = min(1024, triton.next_power_of_2(H)) if shared_gate is not None else 16  # no variant per E otherwise
     _routing_kernel[(M,)](logits, bias if bias is not None else logits, gate, gx, gw, weights, ids, E, H, gx.stride(0),
                           float(scale), K=top_k, SHARED=extra, GATED=shared_logit is not None or shared_gate is not None, GATE_DOT=shared_gate is not None,
-                          BH=min(1024, triton.next_power_of_2(H)), KP=triton.next_power_of_2(top_k), BE=BE, G=G, TOPK_GROUP=topk_group, SIGMOID=sigmoid, RENORM=renormalize,
+                          BH=BH, KP=triton.next_power_of_2(top_k), BE=BE, G=G, TOPK_GROUP=topk_group, SIGMOID=sigmoid, RENORM=renormalize,
                           HAS_BIAS=bias is not None, num_warps=4 if BE <= 512 else 8, **pdl_launch(logits.device))
     return weights, ids
 
