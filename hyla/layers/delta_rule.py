@@ -161,9 +161,9 @@ class MixedPackedLinears:
 
 
 def plain_weight(module: nn.Module | None) -> torch.Tensor | None:
-    """The weight of a bias-free plain nn.Linear (a projection a fused gate kernel reads itself:
-    KDA's low-rank up-projections, GDN's b and a); None for anything else (an FP8 module keeps its
-    own forward)."""
+    """The weight of a bias-free plain nn.Linear (a projection a fused kernel reads itself: KDA's
+    low-rank up-projections, GDN's b and a, Qwen3-Next's shared-expert gate in the routing kernel);
+    None for anything else (an FP8 module keeps its own forward)."""
     if type(module) is nn.Linear and module.bias is None:
         return module.weight
     return None

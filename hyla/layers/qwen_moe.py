@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyla.layers.delta_rule import plain_weight
 from hyla.layers.mlp import MLP
 from hyla.layers.moe import StackedExperts
 from hyla.ops.moe import softmax_topk_route
@@ -42,8 +43,9 @@ class SoftmaxRouter(nn.Module):
         linear) here."""
         shared_logit = gate = None
         if shared_gate is not None:
-            if type(shared_gate) is nn.Linear and shared_gate.bias is None and shared_gate.weight.dtype == x.dtype:
-                gate = (x, shared_gate.weight)
+            w = plain_weight(shared_gate)
+            if w is not None and w.dtype == x.dtype:
+                gate = (x, w)
             else:
                 shared_logit = shared_gate(x)[:, 0]
         return softmax_topk_route(router_logits(x, self.weight), self.top_k, self.norm_topk_prob,

@@ -50,15 +50,17 @@ __all__ = ["backend_for", "get_backend", "set_backend", "chunk_kda", "chunk_gate
 BACKENDS = ("auto", "torch", "triton")
 _MAX_HEAD_DIM = 256
 # Token rows up to which a gate's input projection runs inside the gate's kernel (a decode step's
-# batch): KDA's low-rank gates (the forget gate, the output norm's gate: their up-projection) and
-# GDN's b and a where a checkpoint keeps them apart from the FP8 GEMM. Above, the projection is a
-# GEMM (tensor cores) and the gate a second launch.
+# batch): KDA's low-rank gates (the forget gate, the output norm's gate: their up-projection),
+# GDN's b and a where a checkpoint keeps them apart from the FP8 GEMM, and Qwen3-Next's
+# shared-expert gate in the routing kernel (hyla.ops.moe.softmax_topk_route). Above, the projection
+# is a GEMM (tensor cores) and the gate a second launch.
 LOWRANK_GATE_MAX_ROWS = 16
 
 
-def _projects_in_kernel(rows: int) -> bool:
+def projects_in_kernel(rows: int) -> bool:
     """Whether a gate's input projection over `rows` token rows runs inside the gate's kernel: the
-    one row rule (LOWRANK_GATE_MAX_ROWS) of every fused projected gate."""
+    one row rule (LOWRANK_GATE_MAX_ROWS) of every fused projected gate (here and in
+    hyla.ops.moe)."""
     return rows <= LOWRANK_GATE_MAX_ROWS
 
 
@@ -237,7 +239,7 @@ def lowrank_gated_rms_norm(x: torch.Tensor, g_in: torch.Tensor, w_up: torch.Tens
     ok = (isinstance(x, torch.Tensor) and x.dim() == 4 and isinstance(g_in, torch.Tensor) and g_in.dim() == 3
           and isinstance(w_up, torch.Tensor) and w_up.dim() == 2 and g_in.shape[:2] == x.shape[:2]
           and w_up.shape == (x.shape[2] * x.shape[3], g_in.shape[2]) and activation in ("sigmoid", "silu", "swish"))
-    if ok and _projects_in_kernel(x.shape[0] * x.shape[1]) and _norm_triton(x, weight, g_in, w_up):
+    if ok and projects_in_kernel(x.shape[0] * x.shape[1]) and _norm_triton(x, weight, g_in, w_up):
         return _triton.lowrank_gated_rms_norm(x, g_in, w_up, weight, eps, activation, fp8_output)
     if not ok:  # the reference names what is wrong
         return _torch_norm.lowrank_gated_rms_norm(x, g_in, w_up, weight, eps, activation)
@@ -277,7 +279,7 @@ def kda_lowrank_gate_beta(fa: torch.Tensor, w_up: torch.Tensor, b: torch.Tensor,
           and b.shape[:2] == fa.shape[:2] and w_up.shape[0] % max(b.shape[2], 1) == 0
           and isinstance(A_log, torch.Tensor) and A_log.numel() == b.shape[2]
           and (dt_bias is None or dt_bias.numel() == w_up.shape[0]))
-    if (ok and _projects_in_kernel(fa.shape[0] * fa.shape[1])
+    if (ok and projects_in_kernel(fa.shape[0] * fa.shape[1])
             and _elementwise_triton(fa, (fa, w_up, b, A_log, dt_bias))):
         if lower_bound is not None:
             check_lower_bound(lower_bound)
@@ -309,7 +311,7 @@ def gdn_projected_gate_in_kernel(x: torch.Tensor, w_b: torch.Tensor, w_a: torch.
             and isinstance(w_a, torch.Tensor) and isinstance(A_log, torch.Tensor)):
         return False
     hv = w_b.shape[:-1].numel()
-    return (_projects_in_kernel(x.shape[0] * x.shape[1]) and w_b.dim() in (2, 3) and w_a.dim() in (2, 3)
+    return (projects_in_kernel(x.shape[0] * x.shape[1]) and w_b.dim() in (2, 3) and w_a.dim() in (2, 3)
             and w_b.shape[-1] == w_a.shape[-1] == x.shape[-1] and w_a.shape[:-1].numel() == hv
             and w_b.dtype == w_a.dtype == x.dtype and A_log.numel() == hv
             and (dt_bias is None or dt_bias.numel() == hv) and _elementwise_triton(x, (x, w_b, w_a, A_log, dt_bias)))

@@ -138,13 +138,16 @@ def softmax_topk_route(logits: torch.Tensor, top_k: int, renormalize: bool = Tru
     p = softmax(logits); the top-k by p, weighted by p (divided by their sum when renormalize).
     shared_logit [M]: append slot k with expert id E and weight sigmoid(shared_logit).
     shared_gate (x [M, H], w [1, H]): that logit as F.linear(x, w)[:, 0], which the routing kernel
-    computes itself where it runs (one launch fewer a layer)."""
+    computes itself at a decode step's rows (dispatch.projects_in_kernel: one launch fewer a
+    layer); elsewhere the linear runs here."""
+    from hyla.ops import dispatch
+
     kernel = _route_kernel(logits, top_k, 1)
+    if shared_gate is not None and (kernel is None or not dispatch.projects_in_kernel(logits.shape[0])):
+        shared_logit, shared_gate = F.linear(*shared_gate)[:, 0], None
     if kernel is not None:
         return kernel.route(logits, top_k, sigmoid=False, renormalize=renormalize, shared_logit=shared_logit,
                             shared_gate=shared_gate)
-    if shared_gate is not None:
-        shared_logit = F.linear(*shared_gate)[:, 0]
     weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)

@@ -263,9 +263,10 @@ def test_triton_routing_computes_the_shared_gate_logit():
 
 def test_qwen_block_with_a_plain_shared_gate_routes_it_in_the_kernel(monkeypatch):
     """With the shared expert stacked, Qwen3-Next's plain linear gate reaches the routing as (x,
-    weight) and the Triton routing computes its logit (no linear layer call): the block's output
-    equals the torch path's, where the gate runs as a linear layer (fp32: the same products in
-    another order)."""
+    weight) and, at a decode step's rows, the Triton routing computes its logit (no linear layer
+    call); a prefill's rows (past dispatch.LOWRANK_GATE_MAX_ROWS) hand the kernel the linear's
+    output instead. Both equal the torch path's output, where the gate runs as a linear layer
+    (fp32: the same products in another order)."""
     _, dev = _triton()
     from hyla.layers import Qwen3NextSparseMoE
     from hyla.ops import dispatch
@@ -275,19 +276,24 @@ def test_qwen_block_with_a_plain_shared_gate_routes_it_in_the_kernel(monkeypatch
     torch.nn.init.normal_(block.gate.weight, std=0.3)  # distinct logits (zeros tie every expert)
     block.prepare_for_inference()
     assert block.experts.shared_is_stacked()
-    x = torch.randn(2, 32, device=dev)
-    with torch.no_grad():
-        previous = dispatch.set_backend("torch")
-        try:
-            want = block(x)
-            dispatch.set_backend("triton")
-            calls = []
-            monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, t: calls.append(1) or torch.zeros(1))
-            got = block(x)
-        finally:
-            dispatch.set_backend(previous)
-    assert calls == []  # the gate's logit came from the routing kernel
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    from hyla.ops.triton import moe_routing
+
+    route = moe_routing.route
+    gates = []  # per routing call: whether the kernel got the gate's weights (True) or its logits
+    monkeypatch.setattr(moe_routing, "route", lambda *a, **k: gates.append(k["shared_gate"] is not None) or route(*a, **k))
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, t: pytest.fail("the gate ran as a linear layer"))
+    for rows in (2, dispatch.LOWRANK_GATE_MAX_ROWS + 1):
+        x = torch.randn(rows, 32, device=dev)
+        with torch.no_grad():
+            previous = dispatch.set_backend("torch")
+            try:
+                want = block(x)
+                dispatch.set_backend("triton")
+                got = block(x)
+            finally:
+                dispatch.set_backend(previous)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert gates == [True, False]  # the kernel's dot at a decode step's rows, the linear's logits past them
 
 
 def test_triton_fused_moe_half_precision_within_rounding():
