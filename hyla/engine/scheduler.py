@@ -30,6 +30,7 @@ import time
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hyla.engine.pools import Pools
@@ -101,6 +102,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # set by a server (hyla.server.async_engine): whether a request is on its way to `add`
+        # (arrived and still being prepared, or queued for the engine's loop); None: never
+        self.incoming: Callable[[], bool] | None = None
         self.num_preemptions = 0
         self.cache_query_tokens = 0
         self.cache_hit_tokens = 0
@@ -191,12 +195,19 @@ class Scheduler:
     def reserve_ahead(self, seqs: list[Sequence], num_tokens: int) -> list[tuple] | None:
         """For a step launched before this one's tokens are read (hyla.engine.overlap): whether
         the next step is certain to run `seqs` again, in this order (every running request, none
-        suspect, and no waiting request can be admitted: none waits, or max_num_seqs run), and
-        pages for each one's next num_tokens positions past its computed tokens. Those pages are
-        allocated now -> the prefix cache's copies the evictions planned (to run before the
-        launch: they read pages handed out here), or None (nothing reserved beyond what the
-        normal schedule would also hand out; the next step is scheduled as usual)."""
-        if ((self.waiting and len(self.running) < self.max_num_seqs) or len(self.running) != len(seqs)
+        suspect, and no waiting or incoming request can be admitted: none waits or is on its
+        way, or max_num_seqs run), and pages for each one's next num_tokens positions past its
+        computed tokens. Those pages are allocated now -> the prefix cache's copies the evictions
+        planned (to run before the launch: they read pages handed out here), or None (nothing
+        reserved beyond what the normal schedule would also hand out; the next step is scheduled
+        as usual).
+
+        An incoming request holds the launch back because a step queued ahead would delay its
+        prefill by a whole step: it could join only the step after that one (a decode step of
+        the 48B shape under load is ~12 ms; BENCHMARKS "Host tier")."""
+        admissible = len(self.running) < self.max_num_seqs
+        if ((admissible and (self.waiting or (self.incoming is not None and self.incoming())))
+                or len(self.running) != len(seqs)
                 or any(a is not b for a, b in zip(self.running, seqs)) or any(s.suspect for s in seqs)):
             return None
         for seq in seqs:

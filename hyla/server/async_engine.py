@@ -83,6 +83,8 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._stopping = False  # stop_all ran: every request is answered with a Shutdown
         self._thread: threading.Thread | None = None
+        # no engine step is launched ahead of the one running while a request is on its way
+        engine.scheduler.incoming = self._incoming
 
     def start(self) -> None:
         """Start the loop thread; again after a shutdown too (an app whose lifespan runs twice,
@@ -183,6 +185,11 @@ class AsyncEngine:
                 self._handle(self._commands.get_nowait())
         except queue.Empty:
             pass
+
+    def _incoming(self) -> bool:
+        """Whether a command waits for the loop (a request submitted, an abort) or an announced
+        request is still being prepared (any thread)."""
+        return not self._commands.empty() or (self.arrivals is not None and self.arrivals.pending() > 0)
 
     def _aborted(self, request_id: str) -> None:
         if self.on_abort is not None:

@@ -107,6 +107,21 @@ def test_abort_and_arrival_while_in_flight(monkeypatch):
     assert engine.pools.pages.num_free == engine.pools.pages.num_pages  # nothing leaked
 
 
+def test_an_incoming_request_holds_the_launch(monkeypatch):
+    """While a request is on its way (a server's Scheduler.incoming), no step is launched ahead:
+    the request's prefill joins the next step instead of the one after it. Output unchanged."""
+    p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = _run(_llm(monkeypatch, False), PROMPTS[:2], [p, p])
+    llm = _llm(monkeypatch, True)
+    on_its_way = [True]
+    llm.engine.scheduler.incoming = lambda: on_its_way[0]
+    assert _run(llm, PROMPTS[:2], [p, p]) == want
+    assert llm.engine.overlap.launched == 0
+    on_its_way[0] = False
+    assert _run(llm, PROMPTS[:2], [p, p]) == want
+    assert llm.engine.overlap.launched > 0
+
+
 def test_stop_strings_never_launch_ahead(monkeypatch):
     llm = _llm(monkeypatch, True)
     want = _run(_llm(monkeypatch, False), PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=12, stop=["zzz"]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -51,6 +52,7 @@ class StepRecorder:
     def __init__(self):
         self.requests: dict[str, list[int]] = {}
         self.steps: list[list[str]] = []
+        self.scheduler = SimpleNamespace(incoming=None)
 
     def add_request(self, rid, ids, params):
         self.requests[rid] = ids
@@ -135,6 +137,23 @@ def test_running_requests_never_wait_for_arrivals():
         assert stepped.wait(1.0)
     finally:
         loop_engine.shutdown()
+
+
+def test_the_scheduler_hears_of_incoming_requests():
+    """An announced request, or a command the loop has not handled yet, is incoming: the
+    scheduler then launches no step ahead (Scheduler.reserve_ahead); settled and handled, not."""
+    engine = StepRecorder()
+    arrivals = Arrivals()
+    loop_engine = AsyncEngine(engine, arrivals=arrivals)
+    incoming = engine.scheduler.incoming
+    assert not incoming()
+    arrival = arrivals.announce()
+    assert incoming()
+    arrivals.settle(arrival)
+    assert not incoming()
+    loop_engine.abort("nothing")  # queued for the loop (not started)
+    assert incoming()
+    assert not AsyncEngine(StepRecorder()).engine.scheduler.incoming()  # no arrivals registry: commands only
 
 
 def test_negative_wait_is_refused():
