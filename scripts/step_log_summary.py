@@ -8,8 +8,11 @@ batch size, and the share of the run each took.
 --bench-result (a `hyla bench serve --save-result --save-detailed` file of a run against the same
 server) takes each request's time to first token apart, joined on the server's request id: the
 span of the steps that computed its prompt (from the first one's start to the last one's end,
-how many steps, how many of them carried other prompts too) and the rest of its TTFT, which it
-spent waiting for steps that had begun before it could join, plus HTTP and tokenising.
+how many steps, how many of them carried other prompts too) and the rest of its TTFT. When the
+bench ran on the server's machine (the result's clock_origin_s and the log's origin line on one
+clock) the rest is split further: sent -> submitted to the engine (HTTP, the chat template,
+tokenising), submitted -> its first step began (waiting for the steps in flight), and its last
+step's end -> the first token at the client (delivery, detokenising, the stream).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def main() -> None:
     ap.add_argument("--bench-result", default=None, help="a saved detailed `hyla bench serve` result")
     args = ap.parse_args()
     with open(args.log, encoding="utf-8") as f:
-        steps = [s for s in map(json.loads, f) if s["t_ms"] >= args.since_ms]
+        lines = [line for line in map(json.loads, f) if line.get("t_ms", 0.0) >= args.since_ms or not _is_step(line)]
+    steps = [line for line in lines if _is_step(line)]
     if not steps:
         raise SystemExit("no steps in the log (after --since-ms)")
     span = steps[-1]["t_ms"] + steps[-1]["wall_ms"] - steps[0]["t_ms"]
@@ -59,38 +63,54 @@ def main() -> None:
         print(f"| {key[0]} | {key[1]} | {key[2]} | {len(walls)} | {statistics.mean(walls):.1f} | {p90:.1f} | "
               f"{sum(walls) / span:.1%} |")
     if args.bench_result:
-        print(ttft_parts(steps, args.bench_result))
+        print(ttft_parts(lines, args.bench_result))
 
 
-def ttft_parts(steps: list[dict], result_path: str) -> str:
-    """Mean TTFT of the bench's requests found in the log, and its parts (see the docstring), by turn."""
+def _is_step(line: dict) -> bool:
+    return line["kind"] not in ("origin", "arrival")
+
+
+def ttft_parts(lines: list[dict], result_path: str) -> str:
+    """Mean TTFT of the bench's requests found in the log (its lines), and its parts (see the
+    docstring), by turn."""
     with open(result_path, encoding="utf-8") as f:
         result = json.load(f)
     ids = result.get("response_ids")
     if not ids:
         raise SystemExit(f"{result_path}: no response_ids (save it with --save-detailed)")
     prefill_steps: dict[str, list[dict]] = collections.defaultdict(list)
-    for s in steps:
-        for rid, _, _ in s["prefill"]:
+    for s in lines:
+        for rid, _, _ in s.get("prefill", ()):
             prefill_steps[rid].append(s)
+    submitted = {line["request"]: line["t_ms"] for line in lines if line["kind"] == "arrival"}
+    origins = [line["perf_counter_s"] for line in lines if line["kind"] == "origin"]
+    # the bench's start times on the log's clock (ms), when both were kept on one clock
+    shift = ((result["clock_origin_s"] - origins[0]) * 1e3
+             if origins and result.get("clock_origin_s") is not None else None)
     rows: dict[int, list[tuple]] = collections.defaultdict(list)
-    for rid, ttft, turn in zip(ids, result["ttfts"], result.get("turns") or [0] * len(ids)):
+    for k, (rid, ttft, turn) in enumerate(zip(ids, result["ttfts"], result.get("turns") or [0] * len(ids))):
         own = prefill_steps.get(rid)
         if not own or not ttft:
             continue
-        span = own[-1]["t_ms"] + own[-1]["wall_ms"] - own[0]["t_ms"]
+        began, ended = own[0]["t_ms"], own[-1]["t_ms"] + own[-1]["wall_ms"]
         shared = sum(1 for s in own if len(s["prefill"]) > 1)
-        rows[turn].append((ttft * 1e3, span, len(own), shared))
+        row = [ttft * 1e3, ended - began, len(own), shared]
+        if shift is not None and rid in submitted:
+            sent = shift + result["start_times"][k] * 1e3
+            row += [submitted[rid] - sent, began - submitted[rid], sent + ttft * 1e3 - ended]
+        rows[turn].append(tuple(row))
     if not rows:
         raise SystemExit("no request of the result appears in the log (another server, or --since-ms)")
-    lines = ["| turn | requests | mean TTFT ms | its prefill steps' span ms | waiting and the rest ms | "
-             "prefill steps | of them shared |", "|---|---|---|---|---|---|---|"]
+    split = all(len(x) == 7 for r in rows.values() for x in r)
+    rest = ("to the engine ms | waiting ms | to the client ms" if split else "waiting and the rest ms")
+    out = [f"| turn | requests | mean TTFT ms | its prefill steps' span ms | {rest} | prefill steps | of them shared |",
+           "|---|---|---|---|---|---|---|" + ("---|---|" if split else "")]
     for turn in sorted(rows):
         r = rows[turn]
-        mean = [statistics.mean(x[i] for x in r) for i in range(4)]
-        lines.append(f"| {turn} | {len(r)} | {mean[0]:.1f} | {mean[1]:.1f} | {mean[0] - mean[1]:.1f} | "
-                     f"{mean[2]:.2f} | {mean[3]:.2f} |")
-    return "\n".join(lines)
+        mean = [statistics.mean(x[i] for x in r) for i in range(7 if split else 4)]
+        parts = (f"{mean[4]:.1f} | {mean[5]:.1f} | {mean[6]:.1f}" if split else f"{mean[0] - mean[1]:.1f}")
+        out.append(f"| {turn} | {len(r)} | {mean[0]:.1f} | {mean[1]:.1f} | {parts} | {mean[2]:.2f} | {mean[3]:.2f} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

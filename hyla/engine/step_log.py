@@ -15,8 +15,15 @@ Each line:
     prefill         [request id, tokens this step, tokens computed before it] per request still
                     computing its prompt (a chunk, a prefix-cache hit's remainder, a whole prompt)
                     or recomputing after a preemption
-A step the scheduler found nothing for writes no line. The file is line-buffered: a line is
-complete when its step is."""
+A step the scheduler found nothing for writes no line. Two other kinds of line:
+    {"kind": "origin", "perf_counter_s": T}    the first line: time.perf_counter() when the log
+                    was opened, t_ms's zero (on Linux a system-wide monotonic clock, so a client
+                    on the same machine can place its own times among the steps: `hyla bench
+                    serve` saves its clock_origin_s, scripts/step_log_summary.py joins them)
+    {"kind": "arrival", "t_ms": T, "request": ID}    when a server submitted the request to the
+                    engine (hyla.server.async_engine; its prompt prepared), written when the
+                    engine's loop took it in
+The file is line-buffered: a line is complete when its step is."""
 
 from __future__ import annotations
 
@@ -35,6 +42,14 @@ class StepLog:
             raise ValueError(f"step_log: cannot write {str(path)!r}: {err.strerror}") from None
         self._origin = time.perf_counter()
         self._pending: dict | None = None
+        self._write({"kind": "origin", "perf_counter_s": self._origin})
+
+    def _write(self, line: dict) -> None:
+        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def arrival(self, request_id: str, submitted: float) -> None:
+        """A server's request reached the engine; submitted: its time.perf_counter() then."""
+        self._write({"t_ms": round((submitted - self._origin) * 1e3, 3), "kind": "arrival", "request": request_id})
 
     def plan(self, kind: str, seqs, num_new_tokens=None) -> None:
         """What the step about to run carries (before it changes the requests): seqs and, for a
@@ -51,7 +66,7 @@ class StepLog:
         line = {"t_ms": round((began - self._origin) * 1e3, 3), "wall_ms": round((ended - began) * 1e3, 3)}
         line.update(self._pending)
         self._pending = None
-        self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self._write(line)
 
     def close(self) -> None:
         self._file.close()

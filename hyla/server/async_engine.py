@@ -108,7 +108,7 @@ class AsyncEngine:
         request) share one queue, told apart by RequestOutput.request_id."""
         out = out if out is not None else OutputQueue()
         self._streams[request_id] = (asyncio.get_running_loop(), out)
-        self._commands.put(("add", request_id, prompt_ids, params))
+        self._commands.put(("add", request_id, prompt_ids, params, time.perf_counter()))
         settle_current()  # after the put: the engine, if waiting for it, finds its command queued
         return out
 
@@ -145,7 +145,7 @@ class AsyncEngine:
     def _handle(self, command) -> None:
         kind = command[0]
         if kind == "add":
-            _, rid, ids, params = command
+            _, rid, ids, params, submitted = command
             if self._stopping:
                 self._deliver(rid, Shutdown(rid))
                 return
@@ -153,6 +153,9 @@ class AsyncEngine:
                 self.engine.add_request(rid, ids, params)
             except ValueError as e:
                 self._deliver(rid, RequestOutput(rid, None, ids, [], finished=True, error=str(e)))
+                return
+            if self.engine.step_log is not None:
+                self.engine.step_log.arrival(rid, submitted)
         elif kind == "abort":
             rid = command[1]
             self.engine.abort_request(rid)

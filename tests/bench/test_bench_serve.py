@@ -172,16 +172,22 @@ def test_the_step_log_takes_each_ttft_apart(server, step_log, tmp_path):
     assert result["response_ids"] == r["response_ids"]
     assert (result["tool_latency_ms"], result["tool_latency_dist"]) == (0.0, "exponential")  # the defaults
     assert all(isinstance(i, str) and i.startswith("chatcmpl-") for i in r["response_ids"])
-    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
-    logged = {rid for s in steps for rid, _, _ in s["prefill"]}
+    lines = [json.loads(line) for line in step_log.read_text().splitlines()]
+    logged = {rid for s in lines for rid, _, _ in s.get("prefill", ())}
     assert set(r["response_ids"]) <= logged
-    table = load_script("step_log_summary").ttft_parts(steps, str(saved)).splitlines()
+    assert set(r["response_ids"]) <= {line["request"] for line in lines if line["kind"] == "arrival"}
+    table = load_script("step_log_summary").ttft_parts(lines, str(saved)).splitlines()
+    assert "to the engine ms | waiting ms | to the client ms" in table[0]  # one machine: one clock
     rows = [line.split("|")[1:-1] for line in table[2:]]
     assert [(int(t), int(n)) for t, n, *_ in rows] == [(0, 2), (1, 2)]
     for turn, row in enumerate(rows):
         want = 1000 * np.mean([t for t, k in zip(r["ttfts"], r["turns"]) if k == turn])
-        assert float(row[2]) == pytest.approx(want, abs=0.1)
-        assert 0 < float(row[3]) <= float(row[2]) + 1  # its prefill steps lie inside its TTFT (1 ms of rounding)
+        ttft, span, to_engine, waiting, to_client = map(float, row[2:7])
+        assert ttft == pytest.approx(want, abs=0.1)
+        assert 0 < span <= ttft + 1  # its prefill steps lie inside its TTFT (1 ms of rounding)
+        # the parts, each in order on the shared clock (0.1 ms of rounding each), add up to the TTFT
+        assert min(to_engine, waiting, to_client) >= -0.1
+        assert to_engine + waiting + span + to_client == pytest.approx(ttft, abs=0.5)
 
 
 def test_sharegpt_dataset(server, tokenizer, tmp_path):

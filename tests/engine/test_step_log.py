@@ -16,7 +16,10 @@ from tests.oracles.kimi_checkpoint import build_kimi_checkpoint
 
 
 def _lines(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """The log's step lines (after its origin line)."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0]["kind"] == "origin" and lines[0]["perf_counter_s"] > 0
+    return [line for line in lines[1:] if line["kind"] != "arrival"]
 
 
 def _chunked_run(tmp_path):

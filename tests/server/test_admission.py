@@ -53,6 +53,7 @@ class StepRecorder:
         self.requests: dict[str, list[int]] = {}
         self.steps: list[list[str]] = []
         self.scheduler = SimpleNamespace(incoming=None)
+        self.step_log = None
 
     def add_request(self, rid, ids, params):
         self.requests[rid] = ids

@@ -377,7 +377,7 @@ def _pauses(args: argparse.Namespace, conversations: list[Conversation]) -> list
 
 async def _measure(args, conversations, sampling: dict) -> tuple[list, float, dict]:
     """Send the warm-ups, then the workload, over one connection pool; returns (outputs, duration,
-    prefix-cache and engine-time fields). The counters are read and the clock starts after the
+    prefix-cache and engine-time fields, the clock's origin). The counters are read and the clock starts after the
     warm-ups, so that nothing of them is counted."""
     from tqdm import tqdm
 
@@ -397,9 +397,10 @@ async def _measure(args, conversations, sampling: dict) -> tuple[list, float, di
         arrivals = _arrivals(args, len(conversations))
         pauses = _pauses(args, conversations)
         total = sum(len(c.requests) for c in conversations)
+        origin = time.perf_counter()
         with tqdm(total=total, disable=args.disable_tqdm, desc="requests") as bar:
             outputs, duration = await run_workload(client, conversations, arrivals, args.max_concurrency, bar,
-                                                   args.request_id_prefix, pauses)
+                                                   args.request_id_prefix, pauses, origin)
         after = await scrape(http, args.base_url, args.headers)
     from_usage = usage_prefix_cache(outputs)
     counters = prefix_cache_counters(before), prefix_cache_counters(after)
@@ -409,7 +410,9 @@ async def _measure(args, conversations, sampling: dict) -> tuple[list, float, di
         cache = prefix_cache_fields("metrics", counters[1][0] - counters[0][0], counters[1][1] - counters[0][1])
     else:
         cache = prefix_cache_fields(None, None, None)
-    return outputs, duration, {**cache, **engine_time(before, after, duration)}
+    # the start times' zero on time.perf_counter()'s clock (system-wide on Linux): a server's step
+    # log on the same machine has its own (hyla.engine.step_log), so that the two can be joined
+    return outputs, duration, {**cache, **engine_time(before, after, duration), "clock_origin_s": origin}
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -143,15 +143,17 @@ def _concurrency_limit(max_concurrency: int | None):
 
 async def run_workload(client: OpenAIClient, conversations: list[Conversation], arrivals: list[float],
                        max_concurrency: int | None, progress=None, request_id_prefix: str | None = None,
-                       pauses: list[list[float]] | None = None) -> tuple[list[RequestOutput], float]:
+                       pauses: list[list[float]] | None = None,
+                       origin: float | None = None) -> tuple[list[RequestOutput], float]:
     """Run every conversation; returns (the outputs in conversation order, then turn order;
     the benchmark's duration in seconds, from the start to the last reply). progress: a tqdm bar
     (or anything with update(n)) advanced once per request. request_id_prefix: the requests'
     x-request-id is it followed by their index in the order they are sent (None: no header).
     pauses: seconds to wait before each turn of each conversation (tool_latencies; None: none),
     after the previous reply and before the request is sent, so they count in the duration but in
-    no request's TTFT or E2E latency; a turn that is not sent (its predecessor failed) waits none."""
-    origin = time.perf_counter()
+    no request's TTFT or E2E latency; a turn that is not sent (its predecessor failed) waits none.
+    origin: the time.perf_counter() the start times count from (None: now)."""
+    origin = time.perf_counter() if origin is None else origin
     limit = _concurrency_limit(max_concurrency)
     sent = itertools.count()
     if pauses is None:
