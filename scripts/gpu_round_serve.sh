@@ -37,7 +37,8 @@ cached() {  # the prefix and agent traces (greedy, outputs saved for the on / of
       $AGENT_FLAGS --save-detailed 2>&1 | grep -E "throughput|Mean TTFT|Mean TPOT|Failed|hit" | tr '\n' ';'; echo " <- agent-long $TAG"; }
 }
 # PART=random: the random rows (closed loop at each concurrency, then Poisson arrivals at RATE req/s)
-# alone; PART=cached: prefix and agent, cache on and off; unset: all
+# alone; PART=cached: prefix and agent, cache on and off; unset: all. MLA=0 skips the MLA split
+# table at the end
 TAG=on; serve
 # unmeasured first (WARMUP=0 skips it): a fresh machine compiles Triton kernels while it serves
 # (scripts/triton_variants.py); other prompts (another seed), so that nothing measured hits them
@@ -56,15 +57,18 @@ done
 [ "${PART:-cached}" = cached ] && cached
 kill $SP; wait $SP 2>/dev/null
 python3 scripts/step_log_summary.py $OUT/steps-on.jsonl | head -14
-A=$(ls -t $OUT/agent-on-*.json 2>/dev/null | head -1)
-[ -n "$A" ] && python3 scripts/step_log_summary.py $OUT/steps-on.jsonl --bench-result $A | tail -8
+for A in $(ls -t $OUT/agent-on-*.json 2>/dev/null | head -1) $(ls -t $OUT/agent-long-on-*.json 2>/dev/null | head -1); do
+  echo "== TTFT parts, $(basename $A)"; python3 scripts/step_log_summary.py $OUT/steps-on.jsonl --bench-result $A | tail -9
+done
 grep -E "Error|Traceback|error" $OUT/serveon.log | head -5
 [ -n "$NO_OFF" ] || [ "${PART:-cached}" != cached ] && exit 0
 TAG=off; serve --no-enable-prefix-caching
 cached
 kill $SP; wait $SP 2>/dev/null
 python3 scripts/step_log_summary.py $OUT/steps-off.jsonl | head -14
-A=$(ls -t $OUT/agent-off-*.json 2>/dev/null | head -1)
-[ -n "$A" ] && python3 scripts/step_log_summary.py $OUT/steps-off.jsonl --bench-result $A | tail -8
+for A in $(ls -t $OUT/agent-off-*.json 2>/dev/null | head -1) $(ls -t $OUT/agent-long-off-*.json 2>/dev/null | head -1); do
+  echo "== TTFT parts, $(basename $A)"; python3 scripts/step_log_summary.py $OUT/steps-off.jsonl --bench-result $A | tail -9
+done
+[ "${MLA:-1}" = 0 ] && exit 0  # MLA=0: skip the MLA split table
 echo "== MLA splits"
 timeout 100 python3 scripts/mla_splits.py 2>&1 | tail -12
