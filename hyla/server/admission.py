@@ -9,8 +9,10 @@ one alone, and every other one would wait for that step to end (on the 48B shape
 generation request when it arrives (`ArrivalMiddleware`) and settles it when the request is
 submitted, or answered without being submitted; an engine that is about to start a step with only
 new requests waits up to its admission window for the announced ones still being prepared
-(`Arrivals.pending`). A lone request is never delayed: nothing else is announced. A decode step
-never waits: the engine only waits when it has nothing running.
+(`Arrivals.pending`). With requests running the engine never waits: its steps go on decoding, and
+the waiting requests are admitted once none is announced any more, at most the window after the
+first of them arrived (`Scheduler._holding_admission`), so that a burst shares one prefill step
+there too. A lone request is never delayed: nothing else is announced.
 """
 
 from __future__ import annotations

@@ -83,8 +83,10 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._stopping = False  # stop_all ran: every request is answered with a Shutdown
         self._thread: threading.Thread | None = None
-        # no engine step is launched ahead of the one running while a request is on its way
+        # while a request is on its way no engine step is launched ahead of the one running, and
+        # with requests running the waiting ones are admitted together with it (up to the window)
         engine.scheduler.incoming = self._incoming
+        engine.scheduler.admission_hold_s = admission_wait
 
     def start(self) -> None:
         """Start the loop thread; again after a shutdown too (an app whose lifespan runs twice,

@@ -161,3 +161,43 @@ def test_exports_are_skipped_when_no_slot_can_be_freed():
     a = seq(10, "a")
     sched.add(a)
     assert sched.schedule().exports == [[]] and a.pending_checkpoints == []
+
+
+def test_a_burst_is_admitted_together_while_others_decode():
+    """With requests running and another incoming (a server's Scheduler.incoming), a waiting
+    request is held back (the running ones decode) until none is incoming, then admitted with
+    the rest of its burst; never longer than admission_hold_s after its arrival, never when it
+    was preempted, never with the hold off or nothing running."""
+    pools = Pools(num_pages=32, num_slots=8, page_size=P)
+    sched = Scheduler(8, 100, pools)
+    on_its_way = [True]
+    sched.incoming = lambda: on_its_way[0]
+    sched.admission_hold_s = 60.0
+    running = seq(3, "running")
+    sched.add(running)
+    run(sched, sched.schedule())  # admitted alone: nothing ran yet (the idle case is the loop's wait)
+    first, second = seq(5, "first"), seq(6, "second")
+    sched.add(first)
+    batch = sched.schedule()
+    assert batch.seqs == [running] and list(sched.waiting) == [first]  # decoding goes on, first held
+    run(sched, batch)
+    sched.add(second)
+    on_its_way[0] = False
+    batch = sched.schedule()
+    assert batch.seqs == [running, first, second]  # the burst in one step
+    run(sched, batch)
+    # the window bounds the hold: an arrival older than admission_hold_s is admitted at once
+    on_its_way[0] = True
+    late = seq(4, "late")
+    sched.add(late)
+    late.times.arrival_time -= 61.0
+    assert sched.schedule().seqs[-1] is late
+    resumed = seq(4, "resumed")  # a preempted request goes back to running at once
+    sched.add(resumed)
+    resumed.num_preemptions = 1
+    assert sched.schedule().seqs[-1] is resumed
+    # off: no hold
+    sched.admission_hold_s = 0.0
+    other = seq(4, "other")
+    sched.add(other)
+    assert sched.schedule().seqs[-1] is other

@@ -155,6 +155,8 @@ def test_the_scheduler_hears_of_incoming_requests():
     loop_engine.abort("nothing")  # queued for the loop (not started)
     assert incoming()
     assert not AsyncEngine(StepRecorder()).engine.scheduler.incoming()  # no arrivals registry: commands only
+    assert engine.scheduler.admission_hold_s == 0.0  # the window holds new requests back as long as it waits
+    assert AsyncEngine(StepRecorder(), admission_wait=0.02).engine.scheduler.admission_hold_s == 0.02
 
 
 def test_negative_wait_is_refused():
