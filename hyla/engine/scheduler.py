@@ -221,7 +221,7 @@ class Scheduler:
 
         An incoming request holds the launch back because a step queued ahead would delay its
         prefill by a whole step: it could join only the step after that one (a decode step of
-        the 48B shape under load is ~12 ms; BENCHMARKS "Host tier")."""
+        the 48B shape under load is ~12 ms; docs/perf-log/2026-12-07-host-tier-ttft-parts.md)."""
         admissible = len(self.running) < self.max_num_seqs
         if ((admissible and (self.waiting or (self.incoming is not None and self.incoming())))
                 or len(self.running) != len(seqs)

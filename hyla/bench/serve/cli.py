@@ -377,8 +377,8 @@ def _pauses(args: argparse.Namespace, conversations: list[Conversation]) -> list
 
 async def _measure(args, conversations, sampling: dict) -> tuple[list, float, dict]:
     """Send the warm-ups, then the workload, over one connection pool; returns (outputs, duration,
-    prefix-cache and engine-time fields, the clock's origin). The counters are read and the clock starts after the
-    warm-ups, so that nothing of them is counted."""
+    prefix-cache and engine-time fields, the clock's origin). The counters are read and the clock
+    starts after the warm-ups, so that nothing of them is counted."""
     from tqdm import tqdm
 
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
