@@ -207,7 +207,7 @@ class Scheduler:
             return False
         first = self.waiting[0]
         return (first.num_preemptions == 0 and time.monotonic() - first.times.arrival_time < self.admission_hold_s
-                and len(self.running) < self.max_num_seqs and self.incoming())
+                and self.incoming())
 
     def reserve_ahead(self, seqs: list[Sequence], num_tokens: int) -> list[tuple] | None:
         """For a step launched before this one's tokens are read (hyla.engine.overlap): whether
