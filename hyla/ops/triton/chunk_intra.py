@@ -167,6 +167,22 @@ def _decays(b_g, GATE: tl.constexpr):
 
 
 @triton.jit
+def _spans_scalar(b_g):
+    """For one decay per token (b_g [64]): (inside [64, 64], rem [64]). inside[i, j] = the sum of
+    g_t over j < t <= i for i, j in one sub-block (elsewhere unused), rem[j] = the sum over the
+    later tokens of j's sub-block. Each is a running sum of same-sign terms per sub-block
+    ([4, 16, 16]); differences of cumsums (gl_i - gl_j, tot - gl_j) would lose ulp(|gl|) to
+    cancellation after a steep token (fp32's 2^-10 at -12,000)."""
+    t = tl.arange(0, BC)
+    g4 = tl.reshape(b_g, (4, BC))
+    terms = tl.where(t[None, :, None] > t[None, None, :], g4[:, :, None], 0.0)  # [4, 16(t), 16(j)]: g_t, t > j
+    inside3 = tl.cumsum(terms, axis=1)  # [4, 16(i), 16(j)]: sum over j < t <= i
+    rem = tl.reshape(tl.sum(terms, axis=1), (BT,))  # [64]
+    inside = tl.reshape(tl.broadcast_to(tl.reshape(inside3, (BT, 1, BC)), (BT, 4, BC)), (BT, BT))
+    return inside, rem
+
+
+@triton.jit
 def _chunk_cumsum(b_g, GATE: tl.constexpr):
     """Plain cumulative decay from the chunk start, G [64, GK], and the chunk total gc [GK].
     Used only when every channel's chunk total is >= -MAX_SPAN: then all |G| <= 140 and the
@@ -365,7 +381,11 @@ def _boundary_decays(b_g, GATE: tl.constexpr, FAST: tl.constexpr):
         gl, tot = _decays(b_g, GATE)
         p, s = _prefix_suffix(tot)
         eg = tl.exp(_rows(p) + gl)
-        e_end = tl.exp(_rows(s + tot) - gl)
+        if GATE == 1:
+            _, rem = _spans_scalar(b_g)
+            e_end = tl.exp(_rows(s) + rem[:, None])
+        else:
+            e_end = tl.exp(_rows(s + tot) - gl)
     return eg, e_end, tl.exp(gc)
 
 
@@ -424,13 +444,13 @@ def _gram_scalar(q, k, g, A_log, dt_bias, lower_bound, t0, eos, i_h, i_hv,
         gl = tl.sum(gl, axis=1)  # [64]
         tot = tl.sum(tot, axis=1)  # [4]
         blk = rows // BC
-        tot_j = tl.sum(tl.where((blk[:, None] == tl.arange(0, 4)[None, :]), tot[None, :], 0.0), axis=1)  # [64]
+        same = blk[:, None] == blk[None, :]
+        inside, rem = _spans_scalar(b_g)  # same sub-block: G_i - G_j; token j -> its sub-block's end
         between = tl.zeros([BT, BT], dtype=tl.float32)  # totals of the sub-blocks strictly between j's and i's
         for c in tl.static_range(4):
             t_c = tl.sum(tl.where(tl.arange(0, 4) == c, tot, 0.0), axis=0)
             between += tl.where((blk[None, :] < c) & (blk[:, None] > c), t_c, 0.0)
-        e = tl.where(blk[:, None] == blk[None, :], gl[:, None] - gl[None, :],
-                     gl[:, None] + between + (tot_j - gl)[None, :])
+        e = tl.where(same, inside, gl[:, None] + between + rem[None, :])
         dec = tl.where(lower, tl.exp(tl.minimum(e, EXP_CAP)), 0.0)
         total = tl.sum(tot, axis=0)
     else:
