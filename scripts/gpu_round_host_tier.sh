@@ -10,6 +10,12 @@
 #   AGENT_FLAGS: more `hyla bench serve` flags for the trace (e.g. "--agent-range-ratio 0.5": turns of
 #         varied lengths, so that sessions drift out of step as real ones do)
 #   SERVE_FLAGS: more `hyla serve` flags
+#   SWEEP=1: first sweep the bf16 fused-MoE table of this card for the 48B at the sizes of returning
+#         turns' prefill steps (256-4,096 tokens; `hyla bench moe --sweep`), written in place so that
+#         the servers use it, and brought back as $OUT/moe_tables.tar (on a card of >= 120 GB only:
+#         an H100 serves the FP8 experts, whose table is another). The H200's shipped table held only
+#         8,192 tokens: docs/perf-log/2026-12-07-host-tier-ttft-parts.md. Not with TREE (the sweep
+#         writes the working tree's tables)
 #   WARMUP=0: skip the warm-up server. By default a first server runs a short trace of other
 #   sessions (another seed) unmeasured: a fresh machine's first server compiles Triton kernels
 #   while it serves (90 s of its agent run on an H100: docs/perf-log/2026-12-06-h100-host-tier-
@@ -18,6 +24,12 @@
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m hyla.bench shape /tmp/k48 --random-config kimi-linear-48b-a3b >/dev/null || exit 1
 TAG=$(basename "${TREE:-main}")
+if [ "${SWEEP:-0}" = 1 ] && [ -z "$Q48" ]; then
+  timeout 240 python3 -m hyla.bench moe --sweep --write-configs hyla/assets/kernel_configs/fused_moe \
+      --shapes kimi-linear-48b-a3b --tokens ${SWEEP_TOKENS:-256 512 1024 2048 4096} --repeat 10 2>&1 \
+      | grep -v "^# config" > $OUT/moe_sweep.log; grep -E "M=[0-9]+: sweep" $OUT/moe_sweep.log | sed 's/ sweep .* -> best/ best/'
+  tar -cf $OUT/moe_tables.tar hyla/assets/kernel_configs/fused_moe/*.json
+fi
 serve() {  # serve() HOST LOG: the 48B server with a host tier of HOST bytes, ready on port 8000
   # a step log (hyla.engine.step_log) where the tree has one: a TREE from before it has no flag
   STEPS=""; [ -z "$TREE" ] && STEPS="--step-log $OUT/steps-host-$1.jsonl"
