@@ -54,5 +54,8 @@ for HOST in ${HOSTS:-0 64GiB}; do
   curl -s localhost:8000/metrics | grep -E "^hyla_prefix_cache_(host|device|bytes|restore)" | tr '\n' ';'; echo
   kill $SP; wait $SP 2>/dev/null
   A=$(ls -t $OUT/agent-host-$HOST-$TAG-*.json 2>/dev/null | head -1)
-  [ -z "$TREE" ] && [ -n "$A" ] && python3 scripts/step_log_summary.py $OUT/steps-host-$HOST.jsonl --bench-result $A | tail -9
+  if [ -z "$TREE" ] && [ -n "$A" ]; then
+    python3 scripts/step_log_summary.py $OUT/steps-host-$HOST.jsonl --bench-result $A > $OUT/summary-host-$HOST.txt
+    grep "^prefill steps:" $OUT/summary-host-$HOST.txt; tail -9 $OUT/summary-host-$HOST.txt
+  fi
 done

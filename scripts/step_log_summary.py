@@ -1,6 +1,7 @@
 """What a served run's engine steps cost, from `hyla serve --step-log PATH`: steps by kind, the
-prefill steps' wall time by how many prompts and tokens they carried, the decode-only steps' by
-batch size, and the share of the run each took.
+prefill steps' wall time by how many prompts and tokens they carried (and a line through it: a
+fixed part plus a cost per prompt token), the decode-only steps' by batch size, and the share of
+the run each took.
 
     python scripts/step_log_summary.py steps.jsonl [--since-ms T] [--bench-result RESULT.json]
 
@@ -62,8 +63,25 @@ def main() -> None:
         p90 = walls[min(len(walls) - 1, int(0.9 * len(walls)))]
         print(f"| {key[0]} | {key[1]} | {key[2]} | {len(walls)} | {statistics.mean(walls):.1f} | {p90:.1f} | "
               f"{sum(walls) / span:.1%} |")
+    fit = prefill_cost(steps)
+    if fit is not None:
+        print(f"prefill steps: {fit[0]:.1f} ms + {fit[1] * 1e3:.1f} us per prefill token (least squares over "
+              f"{fit[2]} steps)")
     if args.bench_result:
         print(ttft_parts(lines, args.bench_result))
+
+
+def prefill_cost(steps: list[dict]) -> tuple[float, float, int] | None:
+    """The least-squares line through the steps that carried prompt tokens: (fixed ms, ms per
+    prefill token, steps), or None without two distinct token counts."""
+    points = [(sum(n for _, n, _ in s["prefill"]), s["wall_ms"]) for s in steps if s["prefill"]]
+    if len({n for n, _ in points}) < 2:
+        return None
+    mean_n = statistics.fmean(n for n, _ in points)
+    mean_w = statistics.fmean(w for _, w in points)
+    slope = (sum((n - mean_n) * (w - mean_w) for n, w in points)
+             / sum((n - mean_n) ** 2 for n, _ in points))
+    return mean_w - slope * mean_n, slope, len(points)
 
 
 def _is_step(line: dict) -> bool:

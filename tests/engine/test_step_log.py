@@ -67,6 +67,31 @@ def test_the_summary_counts_every_step(tmp_path, monkeypatch, capsys):
     assert sum(int(r[4]) for r in rows) == n
 
 
+def test_the_summary_fits_a_fixed_part_and_a_cost_per_prompt_token(tmp_path, monkeypatch, capsys):
+    """Steps whose wall time is exactly 40 ms + 20 us per prompt token (prompts split over several
+    requests, decode steps between them) give back that line; one token count alone gives none."""
+    from tests.scripts import load_script
+
+    summary = load_script("step_log_summary")
+    steps, t = [], 0.0
+    for i, tokens in enumerate((700, 1100, 1900, 2600, 4096)):
+        parts = [tokens // 3, tokens // 3, tokens - 2 * (tokens // 3)]
+        wall = 40.0 + 0.02 * tokens
+        steps.append({"t_ms": t, "wall_ms": wall, "kind": "scheduled", "rows": 3 + i, "decode_rows": i,
+                      "prefill": [[f"r{i}-{j}", n, 0] for j, n in enumerate(parts)]})
+        steps.append({"t_ms": t + wall, "wall_ms": 12.0, "kind": "decode in flight", "rows": 3 + i,
+                      "decode_rows": 3 + i, "prefill": []})
+        t += wall + 12.0
+    fixed, per_token, n = summary.prefill_cost(steps)
+    assert (round(fixed, 6), round(per_token, 9), n) == (40.0, 0.02, 5)
+    assert summary.prefill_cost([steps[0], steps[1], dict(steps[0], t_ms=500.0)]) is None
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    monkeypatch.setattr("sys.argv", ["step_log_summary.py", str(log)])
+    summary.main()
+    assert "prefill steps: 40.0 ms + 20.0 us per prefill token (least squares over 5 steps" in capsys.readouterr().out
+
+
 def test_a_prefix_hit_shows_its_context(tmp_path):
     model = build_kimi_checkpoint(tmp_path, "moe")
     log = tmp_path / "steps.jsonl"
