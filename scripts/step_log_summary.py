@@ -50,7 +50,7 @@ def main() -> None:
     groups: dict[tuple, list[float]] = collections.defaultdict(list)
     for s in steps:
         if s["prefill"]:
-            tokens = sum(n for _, n, _ in s["prefill"])
+            tokens = _prefill_tokens(s)
             key = ("prefill", f"prompts {_bucket(len(s['prefill']), (1, 2, 5, 17))}",
                    f"tokens {_bucket(tokens, (1, 257, 1025, 4097, 8193))}")
         else:
@@ -74,14 +74,15 @@ def main() -> None:
 def prefill_cost(steps: list[dict]) -> tuple[float, float, int] | None:
     """The least-squares line through the steps that carried prompt tokens: (fixed ms, ms per
     prefill token, steps), or None without two distinct token counts."""
-    points = [(sum(n for _, n, _ in s["prefill"]), s["wall_ms"]) for s in steps if s["prefill"]]
+    points = [(_prefill_tokens(s), s["wall_ms"]) for s in steps if s["prefill"]]
     if len({n for n, _ in points}) < 2:
         return None
-    mean_n = statistics.fmean(n for n, _ in points)
-    mean_w = statistics.fmean(w for _, w in points)
-    slope = (sum((n - mean_n) * (w - mean_w) for n, w in points)
-             / sum((n - mean_n) ** 2 for n, _ in points))
-    return mean_w - slope * mean_n, slope, len(points)
+    slope, fixed = statistics.linear_regression([n for n, _ in points], [w for _, w in points])
+    return fixed, slope, len(points)
+
+
+def _prefill_tokens(step: dict) -> int:
+    return sum(n for _, n, _ in step["prefill"])
 
 
 def _is_step(line: dict) -> bool:
