@@ -1,12 +1,15 @@
 """Time the paged MLA decode kernel (hyla.ops.triton.mla) at Kimi-Linear-48B-A3B's layer shape
 (32 heads, kv_lora_rank 512 + rope 64, v 128, 16-token pages) over long contexts, for several
-sequence cuts (`split_tokens` tokens a slice, 4 to `--max-splits` slices; the default split_tokens
-of hyla.ops.triton.mla is 2048, and 1048576 keeps every context at 4 slices) and token tiles
-(`--block-n`, tokens a program reads per step; 32 by default):
-`python scripts/mla_splits.py [--contexts 512 4096 131072 1048576] [--batch 1 16] [--split-tokens ...]
-[--block-n 32 64]`. Each call is a CUDA-graph replay (the split and combine kernels alone, as in
-a decode step's graph; eager calls at short contexts time the launches instead). Prints ms per
-call, the floor (the latents read once / copy bandwidth) and the ratio."""
+cuts of the work, each a comma-separated list of paged_mla_decode's tile arguments (`--cuts
+split_tokens=2048 split_tokens=2048,block_h=32,num_warps=8,max_splits=256,combine=tiled`):
+split_tokens (tokens a slice, 4 to max_splits slices; 1048576 keeps every context at 4 slices),
+block_n (tokens a program reads per step), block_h (heads a program serves: the latents are read
+once per head block), num_warps, max_splits and combine ("loop" or "tiled"); an empty cut is the
+defaults. `python scripts/mla_splits.py [--contexts 512 4096 131072 1048576] [--batch 1 16]
+[--cuts ...]`. Each call is a CUDA-graph replay (the split and combine kernels alone, as in a
+decode step's graph; eager calls at short contexts time the launches instead). Prints ms per call,
+its ratio to the floor (the latents read once / copy bandwidth) and the two kernels' own times
+(split + combine us, from the profiler over one eager call), then the floor."""
 
 from __future__ import annotations
 
@@ -14,28 +17,34 @@ import argparse
 
 import torch
 
-from hyla.bench.floor import copy_bandwidth
+from hyla.bench.floor import copy_bandwidth, kernel_times
 from hyla.bench.moe import graph_ms
 from hyla.ops.triton.mla import paged_mla_decode
 
 H, R, ROPE, V, PS = 32, 512, 64, 128, 16
 
 
+def _cut(text: str) -> dict:
+    """'split_tokens=2048,combine=tiled' -> paged_mla_decode keyword arguments."""
+    cut = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        cut[key] = value if key == "combine" else int(value)
+    return cut
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 131072, 1048576])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--split-tokens", type=int, nargs="+", default=[1048576, 4096, 2048, 1024])
-    p.add_argument("--block-n", type=int, nargs="+", default=[32])
-    p.add_argument("--max-splits", type=int, default=64)
+    p.add_argument("--cuts", nargs="+", default=["", "split_tokens=4096", "split_tokens=1024"])
     p.add_argument("--repeat", type=int, default=20)
     a = p.parse_args()
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
-    cuts = [(s, bn) for bn in a.block_n for s in a.split_tokens]
-    print("batch | context | " + " | ".join(f"{s} tok/slice{f' n{bn}' if len(a.block_n) > 1 else ''} ms"
-                                           for s, bn in cuts) + " | floor ms")
+    cuts = [_cut(c) for c in a.cuts]
+    print("batch | context | " + " | ".join(f"{c or 'defaults'} ms" for c in a.cuts) + " | floor ms")
     w_uv = torch.randn(H, V, R, device=dev, dtype=torch.bfloat16) * 0.05
     for n in a.batch:
         for L in a.contexts:
@@ -47,11 +56,15 @@ def main() -> None:
             last = torch.full((n,), L - 1, device=dev, dtype=torch.long)
             q_lat = torch.randn(n, H, R, device=dev, dtype=torch.bfloat16)
             q_pe = torch.randn(n, H, ROPE, device=dev, dtype=torch.bfloat16)
-            times = [graph_ms(lambda s=s, bn=bn: paged_mla_decode(q_lat, q_pe, cache, tables, last, w_uv, 0.07,
-                                                                  split_tokens=s, max_splits=a.max_splits, block_n=bn),
-                              a.repeat) for s, bn in cuts]
             floor = n * L * (R + ROPE) * 2 / bw * 1e3
-            print(f"{n} | {L} | " + " | ".join(f"{t:.3f} ({t / floor:.1f}x)" for t in times) + f" | {floor:.3f}")
+            cells = []
+            for c in cuts:
+                call = lambda c=c: paged_mla_decode(q_lat, q_pe, cache, tables, last, w_uv, 0.07, **c)  # noqa: E731
+                t = graph_ms(call, a.repeat)
+                us = {name: time for time, _, name in kernel_times(call)}
+                split, combine = (sum(v for k, v in us.items() if part in k) for part in ("split", "combine"))
+                cells.append(f"{t:.3f} ({t / floor:.1f}x; {split:.0f} + {combine:.0f} us)")
+            print(f"{n} | {L} | " + " | ".join(cells) + f" | {floor:.3f}")
             del cache, tables
             torch.cuda.empty_cache()
 
