@@ -1,12 +1,11 @@
 """Time the paged MLA decode kernel (hyla.ops.triton.mla) at Kimi-Linear-48B-A3B's layer shape
 (32 heads, kv_lora_rank 512 + rope 64, v 128, 16-token pages) over long contexts, for several
-cuts of the work, each a comma-separated list of paged_mla_decode's tile arguments (`--cuts
-split_tokens=2048 split_tokens=2048,block_h=32,num_warps=8,max_splits=256,combine=tiled`):
-split_tokens (tokens a slice, 4 to max_splits slices; 1048576 keeps every context at 4 slices),
-block_n (tokens a program reads per step), block_h (heads a program serves: the latents are read
-once per head block), num_warps, max_splits and combine ("loop" or "tiled"); an empty cut is the
-defaults. `python scripts/mla_splits.py [--contexts 512 4096 131072 1048576] [--batch 1 16]
-[--cuts ...]`. Each call is a CUDA-graph replay (the split and combine kernels alone, as in a
+cuts of the work, each a comma-separated list of paged_mla_decode's tile arguments (`--cuts ""
+split_tokens=256 split_tokens=2048,max_splits=64,block_n=64`): split_tokens (tokens a slice,
+min_splits to max_splits slices; 1048576 keeps every context at 4 slices), block_n (tokens a
+program reads per step), block_h (heads a program serves: the latents are read once per head
+block), min_splits and max_splits; an empty cut is the defaults. `python scripts/mla_splits.py
+[--contexts 512 4096 131072 1048576] [--batch 1 16] [--cuts ...]`. Each call is a CUDA-graph replay (the split and combine kernels alone, as in a
 decode step's graph; eager calls at short contexts time the launches instead). Prints ms per call,
 its ratio to the floor (the latents read once / copy bandwidth) and the two kernels' own times
 (split + combine us, from the profiler over one eager call), then the floor."""
@@ -25,11 +24,11 @@ H, R, ROPE, V, PS = 32, 512, 64, 128, 16
 
 
 def _cut(text: str) -> dict:
-    """'split_tokens=2048,combine=tiled' -> paged_mla_decode keyword arguments."""
+    """'split_tokens=2048,max_splits=64' -> paged_mla_decode keyword arguments."""
     cut = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        cut[key] = value if key == "combine" else int(value)
+        cut[key] = int(value)
     return cut
 
 

@@ -68,8 +68,8 @@ def test_reference_matches_loop_fp64(S, W, H, r, rope, v, ps, lens):
     assert _rel(got, _loop(*args, scale=0.3)) < 1e-12
 
 
-SPLITS = [  # min_splits, split_tokens, max_splits: one slice; a fixed count; one per 16 tokens up to 5
-    (1, 1 << 20, 1), (4, 1 << 20, 7), (2, 16, 5)]
+SPLITS = [  # min_splits, split_tokens, max_splits: one slice; a fixed count; one per 16 tokens up to 5;
+    (1, 1 << 20, 1), (4, 1 << 20, 7), (2, 16, 5), (20, 1 << 20, 20)]  # 20: two steps of the combine, most empty
 
 
 @pytest.mark.parametrize("S,W,H,r,rope,v,ps,lens", CASES)

@@ -14,8 +14,14 @@ norm, cat and index_put.
    numbers do not depend on the batch size or the table width.
 2. `_combine_kernel`, grid (query blocks, H): rescales and sums the splits, divides by the
    softmax sum, rounds to the value dtype and multiplies by W_UV of its head (a dot per 128
-   latent columns), storing [N, H * v] ready for o_proj.
-The latents are read once per head block straight from the pages (no gathered copy).
+   latent columns), storing [N, H * v] ready for o_proj. The splits' maxima and sums are read
+   as one tile, their partials up to 16 splits a step ([16 queries, splits, latent columns]
+   tiles): a step per split read them one at a time, and with 64 slices at 128K that chain
+   was a third of the layer's time at batch 1 (BENCHMARKS.md "Long contexts: the 48B shape's
+   decode at 128K and a 1M prompt").
+The latents are read once per head block straight from the pages (no gathered copy). The 48B's
+32 heads are two blocks of 16: one block of 32 (8 warps) ran the split kernel 1.3-1.5x slower
+on an H100, the second block's reads of a slice being served by L2 (same section).
 
 FP8 latents (kv_scale given; hyla.ops.kv_fp8): the writer rounds each latent to its dtype, then
 quantises c and kpe with a scale each (hyla.ops.triton.kv_fp8: the torch writer's codes);
@@ -177,33 +183,34 @@ def _decode_split_kernel(q_lat, q_pe, cache, scales, tables, last, m_out, l_out,
 
 @triton.jit
 def _combine_kernel(m_in, l_in, acc_in, w_uv, out, N, H, V, R, s_wh, s_wv,
-                    BR: tl.constexpr, BV: tl.constexpr, RC: tl.constexpr, BQ: tl.constexpr,
-                    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                    BR: tl.constexpr, BV: tl.constexpr, RC: tl.constexpr, BQ: tl.constexpr, SB: tl.constexpr,
+                    SP: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     dependent_launch_prologue(PDL)  # first: hyla.ops.triton.pdl
     nb = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     n = (nb * BQ + tl.arange(0, BQ)).to(tl.int64)
     nm = n < N
     base = (n * H + h) * NUM_SPLITS  # [BQ]
-    m_all = tl.full((BQ,), float("-inf"), tl.float32)
-    for sp in range(NUM_SPLITS):
-        m_all = tl.maximum(m_all, tl.load(m_in + base + sp, mask=nm, other=0.0))
+    o_s = tl.arange(0, SP)
+    sm = nm[:, None] & (o_s[None, :] < NUM_SPLITS)
+    m_t = tl.load(m_in + base[:, None] + o_s[None, :], mask=sm, other=float("-inf"))
+    m_all = tl.max(m_t, axis=1)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # a query with nothing to attend to: zeros
-    denom = tl.zeros((BQ,), tl.float32)
-    for sp in range(NUM_SPLITS):
-        m_s = tl.load(m_in + base + sp, mask=nm, other=0.0)
-        denom += tl.load(l_in + base + sp, mask=nm, other=0.0) * tl.exp(m_s - m_all)
+    l_t = tl.load(l_in + base[:, None] + o_s[None, :], mask=sm, other=0.0)
+    denom = tl.sum(l_t * tl.exp(m_t - m_all[:, None]), axis=1)
     denom = tl.where(denom > 0, denom, 1.0)
     o_v = tl.arange(0, BV)
     res = tl.zeros((BQ, BV), tl.float32)
     for r0 in range(0, BR, RC):
         o_r = r0 + tl.arange(0, RC)
         part = tl.zeros((BQ, RC), tl.float32)
-        for sp in range(NUM_SPLITS):
-            f = tl.exp(tl.load(m_in + base + sp, mask=nm, other=0.0) - m_all)
-            used = nm & (tl.load(l_in + base + sp, mask=nm, other=0.0) > 0)
-            a = tl.load(acc_in + (base + sp)[:, None] * BR + o_r[None, :], mask=used[:, None], other=0.0)
-            part += a * f[:, None]
+        for s0 in range(0, NUM_SPLITS, SB):
+            idx = base[:, None] + s0 + tl.arange(0, SB)[None, :]  # [BQ, SB]
+            bm = nm[:, None] & (s0 + tl.arange(0, SB)[None, :] < NUM_SPLITS)
+            f = tl.exp(tl.load(m_in + idx, mask=bm, other=float("-inf")) - m_all[:, None])
+            used = bm & (tl.load(l_in + idx, mask=bm, other=0.0) > 0)  # an empty split's partial is unwritten
+            a = tl.load(acc_in + idx[:, :, None] * BR + o_r[None, None, :], mask=used[:, :, None], other=0.0)
+            part += tl.sum(a * f[:, :, None], axis=1)
         part = to_dtype(part / denom[:, None], w_uv.dtype.element_ty)  # o_lat in the value dtype
         wt = tl.load(w_uv + h * s_wh + o_v[None, :] * s_wv + o_r[:, None], mask=(o_v[None, :] < V) & (o_r[:, None] < R),
                      other=0.0)  # [RC, BV]
@@ -217,7 +224,7 @@ def _combine_kernel(m_in, l_in, acc_in, w_uv, out, N, H, V, R, s_wh, s_wv,
 
 def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                      last: torch.Tensor, w_uv: torch.Tensor, scale: float, block_h: int = 16,
-                     block_n: int = 32, min_splits: int = 4, split_tokens: int = 2048, max_splits: int = 64,
+                     block_n: int = 32, min_splits: int = 4, split_tokens: int = 2048, max_splits: int = 128,
                      min_split: int = 128, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton version of hyla.ops.mla.paged_mla_decode. block_h / block_n: tile sizes.
 
@@ -227,8 +234,10 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     replay (padded batch, every table column) gives the eager step's numbers bit for bit. Short
     contexts keep min_splits slices; long ones get one slice per split_tokens, so that a single
     sequence at 128K still spreads over the SMs (4 slices read one layer's latents at batch 1 and
-    128K in 2.37 ms, 2,048-token slices in 0.24 ms: BENCHMARKS.md "Long contexts: the 48B shape's
-    decode at 128K and a 1M prompt"). The grid and the partials' buffers [N, H, splits, R] hold
+    128K in 2.37 ms, 2,048-token slices in 0.24 ms), and up to 128 of them at 1M (64 of 16K tokens:
+    1.28 ms at batch 1, 128: 0.86 ms, batch 16 3% slower: BENCHMARKS.md "Long contexts: the 48B
+    shape's decode at 128K and a 1M prompt"). More, shorter slices at 2K-16K sped batch 1 up to
+    2x there but slowed batch 16-64 by up to 40%: the cut cannot follow the batch size. The grid and the partials' buffers [N, H, splits, R] hold
     the most slices a length in the table can need. kv_scale: FP8 latents' scales (hyla.ops.mla)."""
     _check_decode(q_lat, q_pe, cache, block_tables, last, w_uv)
     groups = _check_scale(cache, kv_scale, q_lat.shape[2])
@@ -266,7 +275,10 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         FP8=fp8, G=len(groups) if fp8 else 1, CT=ct, num_warps=4, num_stages=2, **pdl_launch(q_lat.device))
     out = torch.empty(N, H * V, device=dev, dtype=q_lat.dtype)
     BQ = 16
+    sp = triton.next_power_of_2(num_splits)
+    sb = min(sp, 16)  # splits a step of the combine reads: [BQ, sb, RC] fp32 tiles of 8,192 values
     _combine_kernel[(triton.cdiv(N, BQ), H)](
         m, l, acc, w_uv, out, N, H, V, R, w_uv.stride(0), w_uv.stride(1), BR=BR,
-        BV=max(16, triton.next_power_of_2(V)), RC=min(BR, 128), BQ=BQ, NUM_SPLITS=num_splits, IEEE=ieee, num_warps=4, **pdl_launch(m.device))
+        BV=max(16, triton.next_power_of_2(V)), RC=min(BR, 128, 512 // sb), BQ=BQ, SB=sb, SP=sp, NUM_SPLITS=num_splits,
+        IEEE=ieee, num_warps=4, **pdl_launch(m.device))
     return out
