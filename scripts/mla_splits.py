@@ -5,10 +5,12 @@ split_tokens=256 split_tokens=2048,max_splits=64,block_n=64`): split_tokens (tok
 min_splits to max_splits slices; 1048576 keeps every context at 4 slices), block_n (tokens a
 program reads per step), block_h (heads a program serves: the latents are read once per head
 block), min_splits and max_splits; an empty cut is the defaults. `python scripts/mla_splits.py
-[--contexts 512 4096 131072 1048576] [--batch 1 16] [--cuts ...]`. Each call is a CUDA-graph replay (the split and combine kernels alone, as in a
-decode step's graph; eager calls at short contexts time the launches instead). Prints ms per call,
-its ratio to the floor (the latents read once / copy bandwidth) and the two kernels' own times
-(split + combine us, from the profiler over one eager call), then the floor."""
+[--contexts 512 4096 131072 1048576] [--batch 1 16] [--cuts ...]`. Each call is a CUDA-graph
+replay (the split and combine kernels alone, as in a decode step's graph; eager calls at short
+contexts time the launches instead). Prints ms per call, its ratio to the floor (the latents read
+once / copy bandwidth) and the two kernels' own times (split + combine us, from the profiler over
+one eager call; with programmatic dependent launch the combine's includes its wait for the
+split), then the floor."""
 
 from __future__ import annotations
 

@@ -16,12 +16,12 @@ norm, cat and index_put.
    softmax sum, rounds to the value dtype and multiplies by W_UV of its head (a dot per 128
    latent columns), storing [N, H * v] ready for o_proj. The splits' maxima and sums are read
    as one tile, their partials up to 16 splits a step ([16 queries, splits, latent columns]
-   tiles): a step per split read them one at a time, and with 64 slices at 128K that chain
-   was a third of the layer's time at batch 1 (BENCHMARKS.md "Long contexts: the 48B shape's
-   decode at 128K and a 1M prompt").
+   tiles) rather than one split a step: one 48B layer at batch 1 and 128K (64 slices) 0.244 ->
+   0.221 ms on an H100 (BENCHMARKS.md "Long contexts: the 48B shape's decode at 128K and a 1M
+   prompt").
 The latents are read once per head block straight from the pages (no gathered copy). The 48B's
-32 heads are two blocks of 16: one block of 32 (8 warps) ran the split kernel 1.3-1.5x slower
-on an H100, the second block's reads of a slice being served by L2 (same section).
+32 heads are two blocks of 16: one block of 32 (8 warps), reading the latents once, ran the split
+kernel 1.3-1.5x slower on an H100 (same section).
 
 FP8 latents (kv_scale given; hyla.ops.kv_fp8): the writer rounds each latent to its dtype, then
 quantises c and kpe with a scale each (hyla.ops.triton.kv_fp8: the torch writer's codes);
@@ -237,8 +237,9 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     128K in 2.37 ms, 2,048-token slices in 0.24 ms), and up to 128 of them at 1M (64 of 16K tokens:
     1.28 ms at batch 1, 128: 0.86 ms, batch 16 3% slower: BENCHMARKS.md "Long contexts: the 48B
     shape's decode at 128K and a 1M prompt"). More, shorter slices at 2K-16K sped batch 1 up to
-    2x there but slowed batch 16-64 by up to 40%: the cut cannot follow the batch size. The grid and the partials' buffers [N, H, splits, R] hold
-    the most slices a length in the table can need. kv_scale: FP8 latents' scales (hyla.ops.mla)."""
+    2x there but slowed batch 16-64 by up to 40%: the cut cannot follow the batch size. The grid
+    and the partials' buffers [N, H, splits, R] hold the most slices a length in the table can
+    need. kv_scale: FP8 latents' scales (hyla.ops.mla)."""
     _check_decode(q_lat, q_pe, cache, block_tables, last, w_uv)
     groups = _check_scale(cache, kv_scale, q_lat.shape[2])
     N, H, R = q_lat.shape
