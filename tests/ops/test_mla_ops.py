@@ -58,6 +58,7 @@ CASES = [  # S, W, H, r, rope, v, page_size, lengths
     (2, 1, 3, 32, 16, 24, 4, [1, 13]),
     (3, 3, 5, 48, 0, 16, 8, [3, 20, 9]),   # NoPE, verify-shaped queries
     (1, 1, 17, 16, 16, 16, 16, [37]),      # 17 heads: two head blocks, the second nearly empty
+    (6, 3, 2, 16, 16, 16, 4, [5, 9, 3, 12, 7, 4]),  # 18 queries: two query blocks in the combine
 ]
 
 
