@@ -277,7 +277,7 @@ def paged_mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     out = torch.empty(N, H * V, device=dev, dtype=q_lat.dtype)
     BQ = 16
     sp = triton.next_power_of_2(num_splits)
-    sb = min(sp, 16)  # splits a step of the combine reads: [BQ, sb, RC] fp32 tiles of 8,192 values
+    sb = min(sp, 16)  # splits a step of the combine reads: [BQ, sb, RC] fp32 tiles of at most 8,192 values
     _combine_kernel[(triton.cdiv(N, BQ), H)](
         m, l, acc, w_uv, out, N, H, V, R, w_uv.stride(0), w_uv.stride(1), BR=BR,
         BV=max(16, triton.next_power_of_2(V)), RC=min(BR, 128, 512 // sb), BQ=BQ, SB=sb, SP=sp, NUM_SPLITS=num_splits,
