@@ -85,6 +85,12 @@ def _prefill_tokens(step: dict) -> int:
     return sum(n for _, n, _ in step["prefill"])
 
 
+def _response_id(engine_id: str) -> str:
+    """The response id an engine request id answers: the server adds "@" and a suffix to a
+    client's own id (hyla.server.prepare.request_ids)."""
+    return engine_id.rpartition("@")[0] or engine_id
+
+
 def _is_step(line: dict) -> bool:
     return line["kind"] not in ("origin", "arrival")
 
@@ -100,8 +106,8 @@ def ttft_parts(lines: list[dict], result_path: str) -> str:
     prefill_steps: dict[str, list[dict]] = collections.defaultdict(list)
     for s in lines:
         for rid, _, _ in s.get("prefill", ()):
-            prefill_steps[rid].append(s)
-    submitted = {line["request"]: line["t_ms"] for line in lines if line["kind"] == "arrival"}
+            prefill_steps[_response_id(rid)].append(s)
+    submitted = {_response_id(line["request"]): line["t_ms"] for line in lines if line["kind"] == "arrival"}
     origins = [line["perf_counter_s"] for line in lines if line["kind"] == "origin"]
     # the bench's start times on the log's clock (ms), when both were kept on one clock
     shift = ((result["clock_origin_s"] - origins[0]) * 1e3

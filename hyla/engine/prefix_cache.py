@@ -28,6 +28,10 @@ Contracts:
   lowest key first, see hyla.engine.eviction). Both come off lazy heaps: O(log n) per page or
   slot freed (plus re-pushing the few candidates a running request still references).
 
+Salts: a request whose params carry a cache_salt walks a tree of its own, under a root per salt
+(created by its first insert, dropped with its last node), so it hits only what requests with the
+same salt filed; unsalted requests share `root`. Eviction sees every tree's nodes alike.
+
 Tiers (hyla.engine.cache_tiers holds their tensors; this class their indices). A checkpoint is
 filed in the state slot it was exported into. When a slot is needed, the checkpoint with the
 lowest key leaves it: with checkpoint_dtype "int8" it is packed into an int8 entry (whose own
@@ -120,7 +124,9 @@ class PrefixCache:
         self.int8 = SlotPool(self.tiers.int8_entries) if self.tiers.int8_entries else None  # indices only
         self.host_pages = SlotPool(self.tiers.host_pages)
         self.host_checkpoints = SlotPool(self.tiers.host_checkpoints)
-        self.root = Node((), None, None)
+        self.root = Node((), None, None)  # the unsalted tree's
+        self._salted: dict[str, Node] = {}  # cache_salt -> the root of that salt's tree
+        self._salt_of: dict[Node, str] = {}  # the reverse, to drop a salt's root with its last node
         self.num_pages = 0  # nodes in the tree (device or host)
         self.num_checkpoints = 0
         self.inflation = 0.0  # the key of the last checkpoint evict_slot dropped (eviction.py)
@@ -160,9 +166,20 @@ class PrefixCache:
         for node, successor in itertools.zip_longest(path, path[1:]):
             self._touch(node, may_be_leaf=successor is None or successor.page is None)
 
+    def _root_of(self, seq, create: bool) -> Node | None:
+        """The root of the tree seq's salt selects (None: that salt has no tree and create is false)."""
+        salt = seq.params.cache_salt
+        if salt is None:
+            return self.root
+        root = self._salted.get(salt)
+        if root is None and create:
+            root = self._salted[salt] = Node((), None, None)
+            self._salt_of[root] = salt
+        return root
+
     def _file_node(self, node: Node) -> None:
         """Push node on the heap of its tier's leaves when it is one."""
-        if node is self.root:
+        if node.parent is None:  # a root
             return
         if node.page is not None:
             if not self._has_device_child(node):
@@ -183,12 +200,15 @@ class PrefixCache:
         return plan
 
     # ---- lookup --------------------------------------------------------------------------
-    def _walk(self, tokens):
+    def _walk(self, tokens, root: Node | None):
         """Yield (depth, matches) per page depth along the best-matching path, where matches is
         [(child, m)] for every child of the current node sharing m >= 1 leading tokens with
-        `tokens` at that depth, best first. A checkpoint may sit on any of them: siblings that
-        hold different continuations still share their first m tokens' KV."""
-        node, depth = self.root, 0
+        `tokens` at that depth, best first, in the tree under `root` (None: an empty tree). A
+        checkpoint may sit on any of them: siblings that hold different continuations still share
+        their first m tokens' KV."""
+        if root is None:
+            return
+        node, depth = root, 0
         while True:
             chunk = tuple(tokens[depth * self.page_size : (depth + 1) * self.page_size])
             if not chunk:
@@ -214,7 +234,7 @@ class PrefixCache:
         tokens = seq.token_ids
         limit = len(tokens) - 1
         path, hit, kv_match = [], None, 0
-        for depth, matches in self._walk(tokens):
+        for depth, matches in self._walk(tokens, self._root_of(seq, create=False)):
             path.append(matches[0][0])
             kv_match = depth * self.page_size + matches[0][1]
             for node, m in matches:
@@ -304,7 +324,7 @@ class PrefixCache:
         The tree takes over the slot (the caller must not release it). A host-resident node
         whose tokens seq's page holds in full comes back to the device on seq's page."""
         tokens = seq.token_ids
-        node, path = self.root, []
+        node, path = self._root_of(seq, create=True), []
         n_pages = -(-pos // self.page_size)
         for i in range(n_pages):
             chunk = tuple(tokens[i * self.page_size : min((i + 1) * self.page_size, pos)])
@@ -439,7 +459,10 @@ class PrefixCache:
             self.host_pages.release(leaf.host_page)
         self.num_pages -= 1
         unlink_leaf(leaf, self.root)
-        self._file_node(leaf.parent)  # it may have become a leaf of its tier
+        parent = leaf.parent
+        if parent in self._salt_of and not parent.children:  # a salt's last node
+            del self._salted[self._salt_of.pop(parent)]
+        self._file_node(parent)  # it may have become a leaf of its tier
 
     def _drop_subtree(self, node: Node) -> None:
         """Remove node and everything below it (its descendants are host nodes nobody locks)."""
@@ -477,8 +500,7 @@ class PrefixCache:
                 for r in [r for r, (tier, _) in leaf.checkpoints.items() if tier != HOST]:
                     self._demote_checkpoint(leaf, r)
                 self._file_node(leaf)
-                if leaf.parent is not self.root:
-                    self._file_node(leaf.parent)
+                self._file_node(leaf.parent)
             self.stats["pages_evicted"] += 1
             freed += 1
         for stamp, leaf in skipped:

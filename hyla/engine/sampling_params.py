@@ -77,6 +77,10 @@ class SamplingParams:
         token of such a sequence is masked whenever the output ends with the tokens before it.
     priority: the request's place in the waiting queue under the engine's "priority" scheduling
         policy (lower first, arrival order among equals); must be 0 under "fcfs" (vLLM's rule).
+    cache_salt: a non-empty string that keeps this request's prefix-cache entries apart (vLLM's
+        cache_salt): it hits only what requests with the same salt filed, and what it files only
+        they can hit; None shares the unsalted cache. A tenant's secret salt keeps another
+        tenant from learning its prompts from hit timings.
     """
 
     temperature: float = 1.0
@@ -102,6 +106,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0
+    cache_salt: str | None = None
     stop_strings: list[str] = field(init=False, repr=False)
     # bad_words as token sequences (resolve_bad_words); None until resolved or without bad_words
     bad_words_token_ids: list[list[int]] | None = field(init=False, repr=False, default=None)
@@ -184,6 +189,8 @@ class SamplingParams:
             self.bad_words = list(dict.fromkeys(words)) or None
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {self.cache_salt!r}")
 
     def resolve_bad_words(self, encode: Callable[[str], list[int]]) -> None:
         """Fill bad_words_token_ids from bad_words with `encode` (text -> ids, no special

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI, Request
@@ -39,7 +38,7 @@ from hyla.server.metrics import ServerMetrics
 from hyla.server.openapi import METRICS_RESPONSES, body_schema
 from hyla.server.prepare import check_model as _check_model
 from hyla.server.prepare import guided as _guided
-from hyla.server.prepare import prepare_chat
+from hyla.server.prepare import prepare_chat, request_ids
 from hyla.server.prepare import validate as _validate
 from hyla.server.protocol import CompletionRequest, Plan
 from hyla.server.reasoning_parsers import ReasoningParser, make_reasoning_parser
@@ -228,8 +227,8 @@ async def completions(request: Request):
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
     ids, plan = await _prepare(state, req, prompts, batched)
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": state.model_name}
+    rid, engine_id = request_ids(request, req, "cmpl")
+    head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name}
     tok = state.engine.tokenizer
     view = None
     if req.echo:  # the prompt's text (a token-id prompt's decoded, as vLLM does) in front of each choice
@@ -242,7 +241,7 @@ async def completions(request: Request):
     n_top = None if plan.strip_logprobs else plan.params[0].logprobs
     names = token_namer(tok, req.return_tokens_as_token_ids)  # what the logprobs name tokens with
     return await respond(request, state, req, ids, plan, head, lambda i: CompletionChoice(i, names, n_top),
-                         chunk_object="text_completion", view=view, prompt_logprobs_in_choices=True)
+                         chunk_object="text_completion", view=view, prompt_fields_in_choices=True, engine_id=engine_id)
 
 
 @router.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
@@ -252,7 +251,7 @@ async def chat(request: Request):
     req.apply_defaults(state.engine.generation_defaults.sampling)
     _check_model(state, req.model)
     run = await prepare_chat(state, req)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": state.model_name}
+    rid, engine_id = request_ids(request, req, "chatcmpl")
+    head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name}
     return await respond(request, state, req, run.ids, run.plan, head, run.make_choice,
-                         chunk_object="chat.completion.chunk")
+                         chunk_object="chat.completion.chunk", engine_id=engine_id)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hyla.engine.sampling_params import SamplingParams
 from hyla.server.errors import UnsupportedParameter
-from hyla.server.protocol import Plan, SamplingRequest, fan_out
+from hyla.server.protocol import Plan, SamplingRequest
 
 
 class _Strict(BaseModel):
@@ -121,6 +121,13 @@ class ChatCompletionRequest(SamplingRequest):
     documents: list[dict] | None = None  # for templates that render retrieved documents
     reasoning_effort: ReasoningEffort | None = None  # a template variable; "none" also sets enable_thinking false
     include_reasoning: bool = True  # with a --reasoning-parser: False drops the reasoning from the response
+    parallel_tool_calls: bool | None = None  # False: a choice returns only its first tool call
+
+    def echoed_text(self) -> str | None:
+        """What echo puts in front of the reply (vLLM's rule): the final message's text when it is
+        the assistant's, whose turn the reply continues; None otherwise or without echo."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else None
 
     def tool_mode(self) -> str | None:
         """None (no tools), "none", "auto", "required" or "named" (`forced_name`). With tools and
@@ -197,4 +204,4 @@ class ChatCompletionRequest(SamplingRequest):
         params = self.to_params()
         if keep_special_tokens and "skip_special_tokens" not in self.model_fields_set:
             params = dataclasses.replace(params, skip_special_tokens=False)
-        return Plan(fan_out(params, self.n), truncate_prompt_tokens=self.truncate_prompt_tokens)
+        return self.choose(params)

@@ -7,10 +7,14 @@ only what is new since the last one.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from hyla.engine.outputs import CompletionOutput, RequestOutput
 from hyla.server.logprobs import chat_logprobs, completion_logprobs
 from hyla.server.reasoning_parsers import RequestReasoning
+
+if TYPE_CHECKING:
+    from hyla.server.generate import ChoiceBuilder
 
 
 def echoed(out: RequestOutput, prompt_text: str) -> CompletionOutput:
@@ -115,3 +119,25 @@ class ChatChoice:
 
     def opening(self) -> dict:
         return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+
+
+class EchoedChat:
+    """A chat choice with vLLM's echo: `text` (the final input message's, the assistant's) in
+    front of the reply's content, streamed in the opening chunk."""
+
+    def __init__(self, inner: ChoiceBuilder, text: str):
+        self.inner, self.text = inner, text
+
+    def whole(self, c: CompletionOutput) -> dict:
+        choice = self.inner.whole(c)
+        message = choice["message"]
+        message["content"] = self.text + (message["content"] or "")
+        return choice
+
+    def delta(self, c: CompletionOutput) -> dict | None:
+        return self.inner.delta(c)
+
+    def opening(self) -> dict:
+        opening = self.inner.opening()
+        opening["delta"]["content"] = self.text + opening["delta"]["content"]
+        return opening

@@ -147,23 +147,31 @@ def sse(data) -> str:
 
 async def respond(request: Request, state, req, ids: list[int] | list[list[int]], plan: Plan, head: dict,
                   make_choice: Callable[[int], ChoiceBuilder], chunk_object: str, view: View | None = None,
-                  prompt_logprobs_in_choices: bool = False):
+                  prompt_fields_in_choices: bool = False, engine_id: str | None = None):
     """Run the plan on the prompt `ids` (or on each prompt of a batch) and answer: the whole
     response, or (req.stream) server-sent events: each choice's opening, one chunk per engine
     output (that choice's delta, with its index), the usage when stream_options.include_usage,
-    then `data: [DONE]`. view: how an output shows in its choice (None: as it is).
-    Prompt logprobs (when the params ask for them) go where vLLM puts them: in each choice
-    (completions, prompt_logprobs_in_choices) or in the whole response (chat); a stream has none."""
+    then `data: [DONE]`. view: how an output shows in its choice (None: as it is). engine_id:
+    the engine's id of the request's sequences (default: the response's id), unique among the
+    requests the engine runs.
+
+    What the prompt adds goes where vLLM puts it: in each choice (completions,
+    prompt_fields_in_choices) or in the whole response (chat): its logprobs when the params ask
+    for them (a stream has none) and, with req.return_token_ids, its token ids
+    (`prompt_token_ids`; streamed in a choice's first chunk, or chat's opening chunks), beside
+    each choice's generated ids (`token_ids`; streamed as each chunk's new ones)."""
     prompts, m = _prompts(ids), len(plan.params)
     n_prompt_top = plan.params[0].prompt_logprobs
     tok = state.engine.tokenizer
+    engine_id = engine_id or head["id"]
+    with_ids = req.return_token_ids
 
     def shown(k: int, out: RequestOutput) -> CompletionOutput:
         return view(k // m, out) if view is not None else out.outputs[0]
 
     if not req.stream:
         finals: dict[int, RequestOutput] = {}
-        async for k, out in outputs(request, state, head["id"], prompts, plan.params):
+        async for k, out in outputs(request, state, engine_id, prompts, plan.params):
             finals[k] = out
         if len(finals) < len(prompts) * m or not all(o.finished for o in finals.values()):
             raise APIError(499, "client closed the request")
@@ -178,29 +186,47 @@ async def respond(request: Request, state, req, ids: list[int] | list[list[int]]
                 if plan.strip_logprobs:
                     c = dataclasses.replace(c, logprobs=None)
                 choice = make_choice(p * keep + i).whole(c)
-                if prompt_logprobs_in_choices and n_prompt_top is not None:
+                if prompt_fields_in_choices and n_prompt_top is not None:
                     choice["prompt_logprobs"] = prompt_logprobs(tok, finals[k], n_prompt_top)
+                if with_ids:  # the generated ids alone (not echo's prompt in front: vLLM's rule)
+                    choice["token_ids"] = list(finals[k].outputs[0].token_ids)
+                    if prompt_fields_in_choices:
+                        choice["prompt_token_ids"] = list(prompts[p])
                 choices.append(choice)
         body = {**head, "choices": choices, "usage": usage(prompts, finals, m)}
-        if not prompt_logprobs_in_choices and n_prompt_top is not None:
+        if not prompt_fields_in_choices and n_prompt_top is not None:
             body["prompt_logprobs"] = prompt_logprobs(tok, finals[0], n_prompt_top)
+        if with_ids and not prompt_fields_in_choices:
+            body["prompt_token_ids"] = list(prompts[0])
         return body
     chunk_head = {**head, "object": chunk_object}
     options = req.stream_options  # vLLM's continuous_usage_stats: the usage so far in every chunk too
     continuous = options is not None and options.include_usage and options.continuous_usage_stats
     builders = [make_choice(k) for k in range(len(prompts) * m)]  # a stream has no best_of: choice k is sequence k
+    ids_sent = [0] * len(builders)  # with_ids: generated ids each choice has streamed
+    prompt_sent = [False] * len(builders)
 
     async def events():
         for b in builders:
             opening = b.opening()
             if opening is not None:
-                yield sse({**chunk_head, "choices": [opening]})
+                chunk = {**chunk_head, "choices": [opening]}
+                if with_ids and not prompt_fields_in_choices:
+                    chunk["prompt_token_ids"] = list(prompts[0])
+                yield sse(chunk)
         finals: dict[int, RequestOutput] = {}
         try:
-            async for k, out in outputs(request, state, head["id"], prompts, plan.params):
+            async for k, out in outputs(request, state, engine_id, prompts, plan.params):
                 finals[k] = out
                 c = builders[k].delta(shown(k, out))
                 if c is not None:
+                    if with_ids:
+                        new = out.outputs[0].token_ids
+                        c["token_ids"] = list(new[ids_sent[k]:])
+                        ids_sent[k] = len(new)
+                        if prompt_fields_in_choices and not prompt_sent[k]:
+                            c["prompt_token_ids"] = list(prompts[k // m])
+                            prompt_sent[k] = True
                     chunk = {**chunk_head, "choices": [c]}
                     yield sse({**chunk, "usage": usage(prompts, finals, m)} if continuous else chunk)
         except APIError as e:  # the status line is sent: an error event, then the end of the stream

@@ -15,20 +15,41 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fastapi import Request
+
 from hyla.server.chat_prompt import ChatPrompt, render_prompt
 from hyla.server.chat_protocol import ChatCompletionRequest
-from hyla.server.choices import ChatChoice
+from hyla.server.choices import ChatChoice, EchoedChat
 from hyla.server.errors import APIError, UnsupportedParameter, engine_error
 from hyla.server.generate import ChoiceBuilder
-from hyla.server.protocol import Plan
+from hyla.server.protocol import MAX_REQUEST_ID, REQUEST_ID, Plan, SamplingRequest
 from hyla.server.reasoning_parsers import RequestReasoning
 from hyla.server.structured import GuideError, GuideSpec
 from hyla.server.token_names import token_namer
-from hyla.server.tool_choices import NamedToolChoice, RequiredToolChoice, ToolChatChoice, forced_spec
+from hyla.server.tool_choices import (NamedToolChoice, RequiredToolChoice, SingleToolCall, ToolChatChoice,
+                                      forced_spec)
 from hyla.server.tool_parsers import make_parser
+
+
+def request_ids(request: Request, req: SamplingRequest, prefix: str) -> tuple[str, str]:
+    """(the response's id, the engine's id of its sequences): prefix, "-" and the client's id
+    (the X-Request-Id header, else the body's request_id: vLLM's rule), or a fresh uuid. A
+    client's id need not be unique among the requests running, so the engine's id adds a fresh
+    suffix after "@" to it (the engine refuses an id in use)."""
+    header = request.headers.get("x-request-id")
+    if header is not None and (len(header) > MAX_REQUEST_ID or not REQUEST_ID.fullmatch(header)):
+        raise APIError(400, f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID} printable ASCII characters "
+                       "without spaces", param="X-Request-Id")
+    client = header or req.request_id
+    if client is None:
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        return rid, rid
+    rid = f"{prefix}-{client}"
+    return rid, f"{rid}@{uuid.uuid4().hex[:12]}"
 
 
 def check_model(state, name: str | None) -> None:
@@ -146,13 +167,20 @@ async def prepare_chat(state, req: ChatCompletionRequest) -> ChatRun:
     tok = token_namer(state.engine.tokenizer, req.return_tokens_as_token_ids)  # names the logprobs' tokens
     parser = make_parser(state.tool_call_parser) if mode == "auto" else None
 
+    echo = req.echoed_text()
+    single_call = req.parallel_tool_calls is False
+
     def make_choice(i: int) -> ChoiceBuilder:
         if mode == "auto":
-            return ToolChatChoice(i, tok, n_top, parser, tools, reasoning)
-        if mode == "required":
-            return RequiredToolChoice(i, tok, n_top, reasoning)
-        if mode == "named":
-            return NamedToolChoice(i, tok, n_top, req.forced_name, reasoning)
-        return ChatChoice(i, tok, n_top, reasoning)
+            builder = ToolChatChoice(i, tok, n_top, parser, tools, reasoning)
+        elif mode == "required":
+            builder = RequiredToolChoice(i, tok, n_top, reasoning)
+        elif mode == "named":
+            builder = NamedToolChoice(i, tok, n_top, req.forced_name, reasoning)
+        else:
+            builder = ChatChoice(i, tok, n_top, reasoning)
+        if single_call:
+            builder = SingleToolCall(builder)
+        return EchoedChat(builder, echo) if echo is not None else builder
 
     return ChatRun(prompt, ids, plan, mode, tools, reasoning, make_choice)

@@ -1,12 +1,16 @@
 """OpenAI-compatible request bodies (pydantic) and their translation to SamplingParams.
 
-Unknown fields are accepted and ignored (clients send many), except those whose value would
-change the result in a way hyla does not implement: those are rejected with a 400 that names them.
+Every field OpenAI or vLLM defines is honoured or refused: those whose effect hyla does not
+implement (NOT_IMPLEMENTED, and values outside what it runs) get a 400 that names them. Fields that
+only label a request, with no effect on its answer, are accepted as such: user, metadata, store,
+service_tier, safety_identifier, prompt_cache_key, and OpenAI's prediction (predicted output only
+speeds up an answer that stays the same). Other unknown fields are ignored (clients send many).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,6 +22,9 @@ from hyla.server.structured_protocol import StructuredFields
 MAX_STOP = 16
 MAX_CHOICES = 16  # n and best_of: sequences one request may run
 MAX_PROMPTS = 256  # prompts one /v1/completions request may batch (vLLM has no bound)
+MAX_REQUEST_ID = 256  # characters of a client's request id (request_id, or the X-Request-Id header)
+REQUEST_ID = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces: it goes into ids, logs and headers
+MAX_CACHE_SALT = 1024
 _SEED_RANGE = 1 << 64  # torch seeds are -2^63..2^64-1
 
 
@@ -28,6 +35,25 @@ def child_seed(seed: int | None, i: int) -> int | None:
         return None
     s = seed + i
     return s - _SEED_RANGE if s >= _SEED_RANGE else s
+
+
+# Request fields defined by OpenAI or vLLM, not implemented here: a 400 naming the field rather than
+# silence when the client gave it a value (null, or an empty list or object, asks for nothing, except
+# for ASKS_WHEN_EMPTY: OpenAI's `web_search_options: {}` turns search on with its defaults)
+NOT_IMPLEMENTED = {
+    "functions": "functions (the deprecated form of tools) is not supported: send tools",
+    "function_call": "function_call (the deprecated form of tool_choice) is not supported: send tool_choice",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
+    "logits_processors": "logits_processors is not supported: hyla loads no code named by a request",
+    "prompt_embeds": "prompt_embeds is not supported: send text or token ids",
+    "kv_transfer_params": "kv_transfer_params is not supported: hyla has no disaggregated prefill",
+    "vllm_xargs": "vllm_xargs is not supported: no extension of this server reads them",
+    "audio": "audio output is not supported: this server answers in text",
+    "web_search_options": "web_search_options is not supported: this server does not search the web",
+    "verbosity": "verbosity is not supported: the model's answers follow the prompt alone",
+}
+ASKS_WHEN_EMPTY = ("audio", "web_search_options")
+GUIDED_BACKENDS = (None, "auto", "xgrammar")  # the structured-output backend hyla runs
 
 
 @dataclass
@@ -83,6 +109,10 @@ class SamplingRequest(StructuredFields):
     top_k: int = 0
     min_p: float = 0.0
     n: int = 1
+    best_of: int | None = None  # candidates to sample, of which the n best are returned (`choose`)
+    # completions: the prompt in front of each choice; chat (vLLM's): the final message's text in
+    # front of the reply when that message is the assistant's (hyla.server.choices.EchoedChat)
+    echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -107,13 +137,28 @@ class SamplingRequest(StructuredFields):
     length_penalty: float = 1.0  # beam search's: refused unless 1
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and the top-n at each
 
-    # accepted by OpenAI / vLLM, not implemented here: a 400 naming them rather than silence
-    _NOT_IMPLEMENTED = ("functions", "function_call", "guided_whitespace_pattern")
+    # vLLM's; its rule for the tokenizers hyla loads (`tokenizers`' fast ones, tiktoken): no effect
+    # either way (only a slow tokenizer puts spaces between special tokens), so both values hold
+    spaces_between_special_tokens: bool = True
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID,
+                                   pattern=f"^{REQUEST_ID.pattern}$")  # vLLM's: the response's id (hyla.server.prepare)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)  # vLLM's: see to_params
 
     def _reject_unimplemented(self) -> None:
-        for name in self._NOT_IMPLEMENTED:
-            if (self.model_extra or {}).get(name) is not None:
-                raise UnsupportedParameter(name, f"{name} is not supported")
+        extra = self.model_extra or {}
+        for name, message in NOT_IMPLEMENTED.items():
+            value = extra.get(name)
+            if value is not None and (name in ASKS_WHEN_EMPTY or value not in ([], {})):
+                raise UnsupportedParameter(name, message)
+        if extra.get("guided_decoding_backend") not in GUIDED_BACKENDS:
+            raise UnsupportedParameter("guided_decoding_backend", "guided_decoding_backend must be \"xgrammar\" "
+                                       "(or \"auto\"), the structured-output backend this server runs; got "
+                                       f"{extra['guided_decoding_backend']!r}")
+        modalities = extra.get("modalities")
+        if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
+            raise UnsupportedParameter("modalities", f'modalities must be ["text"] (this server answers in '
+                                       f"text), got {modalities!r}")
         if self.use_beam_search:
             raise UnsupportedParameter("use_beam_search", "use_beam_search is not supported: hyla has no beam "
                                        "search (sample n or best_of candidates instead)")
@@ -158,6 +203,23 @@ class SamplingRequest(StructuredFields):
         if self.stream and self.prompt_logprobs > 0:
             raise UnsupportedParameter("prompt_logprobs", "prompt_logprobs are not available when stream is true")
 
+    def choose(self, params: SamplingParams) -> Plan:
+        """n sequences of params; with best_of, best_of candidates of which the n with the
+        highest cumulative logprob are returned (ranking needs each token's logprob: asked for
+        internally and dropped from the answer when the client did not ask)."""
+        best_of = self.best_of if self.best_of is not None else self.n
+        if not self.n <= best_of <= MAX_CHOICES:
+            raise UnsupportedParameter("best_of", f"best_of must be in n..{MAX_CHOICES} (n={self.n}), got {best_of}")
+        if best_of == self.n:
+            return Plan(fan_out(params, self.n), truncate_prompt_tokens=self.truncate_prompt_tokens)
+        if self.stream:
+            raise UnsupportedParameter("best_of", "best_of > n cannot be streamed (the best are known only at the end)")
+        strip = params.logprobs is None
+        if strip:
+            params = dataclasses.replace(params, logprobs=0)
+        return Plan(fan_out(params, best_of), keep=self.n, strip_logprobs=strip,
+                    truncate_prompt_tokens=self.truncate_prompt_tokens)
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._reject_unimplemented()
         if max_tokens is not None and max_tokens < 1 and not (max_tokens == 0 and self._prefill_only()):
@@ -181,6 +243,7 @@ class SamplingRequest(StructuredFields):
                 min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
                 allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words, priority=self.priority,
+                cache_salt=self.cache_salt,
             )
         except ValueError as e:
             param = str(e).split(" ", 1)[0]
@@ -192,9 +255,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(...)
     max_tokens: int | None = 16  # 0 with echo: the prompt alone, nothing generated
     logprobs: int | None = None  # with echo, the prompt's tokens' too (the first one's null)
-    echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """(the prompts, whether the request sent a batch: a list of texts or of token-id lists,
@@ -223,19 +284,4 @@ class CompletionRequest(SamplingRequest):
         return self.sampling_params(self.max_tokens, self.logprobs)
 
     def plan(self) -> Plan:
-        """n sequences; with best_of, best_of candidates of which the n with the highest
-        cumulative logprob are returned (ranking needs each token's logprob: asked for
-        internally and dropped from the answer when the client did not ask)."""
-        params = self.to_params()
-        best_of = self.best_of if self.best_of is not None else self.n
-        if not self.n <= best_of <= MAX_CHOICES:
-            raise UnsupportedParameter("best_of", f"best_of must be in n..{MAX_CHOICES} (n={self.n}), got {best_of}")
-        if best_of == self.n:
-            return Plan(fan_out(params, self.n), truncate_prompt_tokens=self.truncate_prompt_tokens)
-        if self.stream:
-            raise UnsupportedParameter("best_of", "best_of > n cannot be streamed (the best are known only at the end)")
-        strip = params.logprobs is None
-        if strip:
-            params = dataclasses.replace(params, logprobs=0)
-        return Plan(fan_out(params, best_of), keep=self.n, strip_logprobs=strip,
-                    truncate_prompt_tokens=self.truncate_prompt_tokens)
+        return self.choose(self.to_params())

@@ -9,12 +9,16 @@ named: the function's arguments object; required: [{"name": ..., "parameters": {
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from hyla.engine.outputs import CompletionOutput
 from hyla.server.choices import ChatChoice
 from hyla.server.reasoning_parsers import RequestReasoning
 from hyla.server.structured import GuideSpec
 from hyla.server.tool_parsers import ToolCall, ToolParseError, marker_hold
+
+if TYPE_CHECKING:
+    from hyla.server.generate import ChoiceBuilder
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -177,3 +181,34 @@ class RequiredToolChoice(ChatChoice):
         if "tool_calls" in message:
             return {"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]}, reason
         return {"content": message["content"]}, reason
+
+
+class SingleToolCall:
+    """parallel_tool_calls false on chat: a choice returns its first tool call only (the rule
+    /v1/responses and /v1/messages follow, hyla.server.output_items), whole or streamed."""
+
+    def __init__(self, inner: ChoiceBuilder):
+        self.inner = inner
+
+    def whole(self, c: CompletionOutput) -> dict:
+        choice = self.inner.whole(c)
+        calls = choice["message"].get("tool_calls")
+        if calls:
+            choice["message"]["tool_calls"] = calls[:1]
+        return choice
+
+    def delta(self, c: CompletionOutput) -> dict | None:
+        choice = self.inner.delta(c)
+        if choice is None or "tool_calls" not in choice["delta"]:
+            return choice
+        first = [call for call in choice["delta"]["tool_calls"] if call["index"] == 0]
+        if first:
+            choice["delta"]["tool_calls"] = first
+        else:
+            del choice["delta"]["tool_calls"]
+            if not choice["delta"] and choice["finish_reason"] is None:
+                return None
+        return choice
+
+    def opening(self) -> dict:
+        return self.inner.opening()

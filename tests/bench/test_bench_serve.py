@@ -171,11 +171,16 @@ def test_the_step_log_takes_each_ttft_apart(server, step_log, tmp_path):
     result = json.loads(saved.read_text())
     assert result["response_ids"] == r["response_ids"]
     assert (result["tool_latency_ms"], result["tool_latency_dist"]) == (0.0, "exponential")  # the defaults
-    assert all(isinstance(i, str) and i.startswith("chatcmpl-") for i in r["response_ids"])
+    # the server names each response after the bench's x-request-id (vLLM's rule), and the
+    # engine's request after the response, "@" and a suffix of its own (a client's id need not be unique)
+    assert all(isinstance(i, str) and i.startswith("chatcmpl-bench-") for i in r["response_ids"])
     lines = [json.loads(line) for line in step_log.read_text().splitlines()]
-    logged = {rid for s in lines for rid, _, _ in s.get("prefill", ())}
-    assert set(r["response_ids"]) <= logged
-    assert set(r["response_ids"]) <= {line["request"] for line in lines if line["kind"] == "arrival"}
+
+    def answered(engine_ids):
+        return {e.rpartition("@")[0] for e in engine_ids}
+
+    assert set(r["response_ids"]) <= answered(rid for s in lines for rid, _, _ in s.get("prefill", ()))
+    assert set(r["response_ids"]) <= answered(line["request"] for line in lines if line["kind"] == "arrival")
     table = load_script("step_log_summary").ttft_parts(lines, str(saved)).splitlines()
     assert "to the engine ms | waiting ms | to the client ms" in table[0]  # one machine: one clock
     rows = [line.split("|")[1:-1] for line in table[2:]]
