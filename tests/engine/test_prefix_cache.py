@@ -151,3 +151,18 @@ def test_a_hit_pinning_the_room_it_needs_does_not_stall_an_idle_engine(ckpt):
         outs = engine.step()
     assert not engine.scheduler.has_unfinished(), "the request never started"
     assert outs[0].outputs[0].token_ids == probe.generate([second], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_cache_salt_keeps_tenants_apart_and_outputs_exact(ckpt, reference):
+    """A salted request hits only what requests of its salt filed (vLLM's cache_salt), and no
+    output changes: the same prompt under salts a, b, none, then a again."""
+    llm = LLM(str(ckpt), dtype="float64", max_model_len=1200, enable_prefix_caching=True)
+    prompt = rand(96, seed=41)
+    got = []
+    for salt in ("a", "b", None, "a"):
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, cache_salt=salt)
+        before = llm.get_metrics()["prefix_cache_hit_tokens"]
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == reference(prompt)
+        got.append(llm.get_metrics()["prefix_cache_hit_tokens"] - before)
+    assert got[:3] == [0, 0, 0] and got[3] == len(prompt) - 1  # a's retry: all but the last token

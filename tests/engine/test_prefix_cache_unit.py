@@ -143,3 +143,28 @@ def test_lazy_heap_drops_stale_entries_and_stays_small():
         heap.push(i, i % 10)
     assert len(heap) < 2100  # rebuilt from the valid entries as stale ones pile up
     assert heap.pop() == (4990, 0) and heap.peek() == (4991, 1)
+
+
+def salted(tokens, salt, rid="r"):
+    return Sequence(rid, None, list(tokens), SamplingParams(max_tokens=4, cache_salt=salt), 4, None)
+
+
+def test_a_salt_hits_only_what_its_own_requests_filed_and_its_tree_goes_with_its_last_node():
+    memory, cache = setup(num_pages=8)
+    s = salted(range(10), "tenant-a", "filed")
+    s.slot = memory.slots.allocate()
+    s.block_table = memory.pages.allocate(3)
+    cache.insert(s, 10, s.slot)
+    memory.pages.release(s.block_table)
+    prompt = list(range(10)) + [99]
+    assert cache.match(seq(prompt)) is None  # unsalted: another tree
+    other = salted(prompt, "tenant-b")
+    assert cache.match(other) is None and other.num_computed_tokens == 0
+    assert "tenant-b" not in cache._salted  # a lookup plants no tree
+    same = salted(prompt, "tenant-a")
+    hit = cache.match(same)
+    assert hit is not None and hit.num_tokens == 10
+    cache.unmatch(same, hit)
+    assert cache.evict_pages(8) and cache.num_pages == 0
+    assert cache._salted == {} and cache._salt_of == {}  # nothing left of the salt's tree
+    assert memory.pages.num_free == 8
