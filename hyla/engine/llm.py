@@ -3,9 +3,12 @@
     llm = LLM(model=path)          # or a bundled model's name ("default", "qwen3.5-mtp"), or a
                                    # Hugging Face Hub id ("org/name", revision=...): hyla.models.hub
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=32))
+    outs = llm.generate([{"prompt_token_ids": [1, 2, 3], "cache_salt": "tenant-a"}])  # vLLM's prompt dicts
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from tqdm import tqdm
 
@@ -36,10 +39,11 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of strings, one token-id list or a list of them.
-        sampling_params: one for all, or one per prompt; None = get_default_sampling_params(). Returns outputs in prompt order.
-        Every prompt is validated before any work is done (ValueError names the bad one)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """prompts: a string, a list of strings, one token-id list or a list of them, or vLLM's
+        prompt dicts (`prompt_dict`), one or a list. sampling_params: one for all, or one per
+        prompt; None = get_default_sampling_params(). Returns outputs in prompt order. Every
+        prompt is validated before any work is done (ValueError names the bad one)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:  # the checkpoint's generation_config.json defaults, as vLLM
@@ -48,8 +52,13 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         encoded = []  # tokenised once: add_request takes the ids
+        params = list(params)
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
+                if isinstance(prompt, dict):
+                    prompt, salt = prompt_dict(prompt)
+                    if salt is not None:
+                        params[i] = p = dataclasses.replace(p, cache_salt=salt)
                 text, token_ids = self.engine.encode(prompt)
                 self.engine.validate(token_ids, p)
             except ValueError as e:
@@ -83,3 +92,22 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (also done at interpreter exit)."""
         self.engine.shutdown()
+
+
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def prompt_dict(prompt: dict) -> tuple[str | list[int], str | None]:
+    """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}, either with an
+    optional "cache_salt" (SamplingParams.cache_salt) -> (the prompt, the salt). Other keys
+    (multimodal data, prompt embeddings, ...) are a ValueError naming them."""
+    unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
+    if unknown:
+        raise ValueError(f"prompt dict keys {unknown} are not supported (it takes {', '.join(PROMPT_DICT_KEYS)})")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError('a prompt dict has exactly one of "prompt" (text) and "prompt_token_ids"')
+    if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+        raise ValueError('a prompt dict\'s "prompt" must be a string (token ids go in "prompt_token_ids")')
+    if "prompt_token_ids" in prompt and not isinstance(prompt["prompt_token_ids"], (list, tuple)):
+        raise ValueError('a prompt dict\'s "prompt_token_ids" must be a list of token ids')
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("cache_salt")

@@ -166,3 +166,27 @@ def test_cache_salt_keeps_tenants_apart_and_outputs_exact(ckpt, reference):
         assert out.outputs[0].token_ids == reference(prompt)
         got.append(llm.get_metrics()["prefix_cache_hit_tokens"] - before)
     assert got[:3] == [0, 0, 0] and got[3] == len(prompt) - 1  # a's retry: all but the last token
+
+
+def test_vllm_prompt_dicts_carry_their_cache_salt(ckpt, reference):
+    """LLM.generate takes vLLM's TokensPrompt / TextPrompt dicts; a dict's cache_salt salts that
+    prompt alone. Bad dicts are a ValueError naming the prompt and the key."""
+    llm = LLM(str(ckpt), dtype="float64", max_model_len=1200, enable_prefix_caching=True)
+    prompt = rand(80, seed=43)
+    hits_of = []
+    for request in ({"prompt_token_ids": prompt, "cache_salt": "a"}, {"prompt_token_ids": prompt},
+                    {"prompt_token_ids": prompt, "cache_salt": "a"}):
+        before = llm.get_metrics()["prefix_cache_hit_tokens"]
+        assert llm.generate(request, SP, use_tqdm=False)[0].outputs[0].token_ids == reference(prompt)
+        hits_of.append(llm.get_metrics()["prefix_cache_hit_tokens"] - before)
+    assert hits_of == [0, 0, len(prompt) - 1]
+    text = llm.generate([{"prompt": "hello world"}], SP, use_tqdm=False)[0]
+    assert text.prompt_token_ids == llm.tokenizer.encode("hello world")
+    for bad, match in [({"prompt_token_ids": prompt, "multi_modal_data": {}}, "multi_modal_data"),
+                       ({"prompt": "a", "prompt_token_ids": prompt}, "exactly one"), ({}, "exactly one"),
+                       ({"prompt": [1, 2]}, "must be a string"), ({"prompt_token_ids": prompt, "cache_salt": ""},
+                                                                  "cache_salt")]:
+        with pytest.raises(ValueError, match=match) as err:
+            llm.generate([[5, 6, 7], bad], SP, use_tqdm=False)
+        assert str(err.value).startswith("prompt 1:")
+    assert not llm.engine.has_unfinished_requests()
