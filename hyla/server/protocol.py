@@ -141,9 +141,10 @@ class SamplingRequest(StructuredFields):
     # either way (only a slow tokenizer puts spaces between special tokens), so both values hold
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
-    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID,
-                                   pattern=f"^{REQUEST_ID.pattern}$")  # vLLM's: the response's id (hyla.server.prepare)
-    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)  # vLLM's: see to_params
+    # vLLM's: the response's id is named after it (hyla.server.prepare.request_ids)
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID, pattern=f"^{REQUEST_ID.pattern}$")
+    # vLLM's: a prefix-cache tree of the salt's own (SamplingParams.cache_salt)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT)
 
     def _reject_unimplemented(self) -> None:
         extra = self.model_extra or {}
