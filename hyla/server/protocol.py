@@ -229,6 +229,9 @@ class SamplingRequest(StructuredFields):
         self._check_prompt_logprobs()
         if self.stream_options is not None and self.stream_options.given() and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options is only allowed when stream is true")
+        if self.stream_options is not None and (self.stream_options.model_extra or {}).get("include_obfuscation"):
+            raise UnsupportedParameter("stream_options.include_obfuscation", "stream obfuscation is not supported "
+                                       "(send include_obfuscation false or leave it out)")
         if not 1 <= self.n <= MAX_CHOICES:
             raise UnsupportedParameter("n", f"n must be in 1..{MAX_CHOICES}, got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

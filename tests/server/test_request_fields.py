@@ -61,6 +61,13 @@ def test_fields_that_ask_for_nothing_or_only_label_the_request_are_accepted(http
     assert post(http, "/v1/chat/completions", **fields)["choices"][0]["message"] == plain
 
 
+def test_stream_obfuscation_is_refused_as_on_the_responses_route(http):
+    err = post(http, "/v1/chat/completions", 400, stream=True, stream_options={"include_obfuscation": True})["error"]
+    assert err["param"] == "stream_options.include_obfuscation"
+    chunks = events(http, "/v1/chat/completions", stream_options={"include_obfuscation": False, "include_usage": True})
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
 def test_a_modalities_list_of_objects_is_a_400_not_a_500(http):
     assert post(http, "/v1/chat/completions", 400, modalities=["text", {"x": 1}])["error"]["param"] == "modalities"
 
