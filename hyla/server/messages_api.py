@@ -217,7 +217,7 @@ class MessagesBody(BaseModel):
             raise UnsupportedParameter("thinking.budget_tokens", "thinking.budget_tokens must be less than max_tokens")
         return {"enable_thinking": True, "thinking": True}
 
-    def chat_body(self, state, max_tokens: int | None = None) -> tuple[dict, bool]:
+    def chat_body(self, state, max_tokens: int | None = None) -> dict:
         """-> (the ChatCompletionRequest body this request runs as, with only the fields it sets,
         so that generation_config.json's defaults apply to the others; whether at most one tool
         call is returned)."""
@@ -232,6 +232,8 @@ class MessagesBody(BaseModel):
         choice, single_call = self.chat_tool_choice(tools is not None)
         if choice is not None:
             body["tool_choice"] = choice
+        if single_call:  # the chat route's rule (hyla.server.tool_choices.SingleToolCall)
+            body["parallel_tool_calls"] = False
         extra = self.model_extra or {}
         kwargs = {**(extra.get("chat_template_kwargs") or {}), **self.thinking_kwargs(state, max_tokens)}
         if kwargs:
@@ -241,7 +243,7 @@ class MessagesBody(BaseModel):
             body["reasoning_effort"] = config.effort
         if config is not None and config.format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"schema": config.format.schema_}}
-        return body, single_call
+        return body
 
 
 class MessagesRequest(MessagesBody):
@@ -255,8 +257,8 @@ class MessagesRequest(MessagesBody):
     stream: bool | None = None
     metadata: dict | None = None
 
-    def chat_body(self, state, max_tokens: int | None = None) -> tuple[dict, bool]:
-        body, single_call = super().chat_body(state, self.max_tokens)
+    def chat_body(self, state, max_tokens: int | None = None) -> dict:
+        body = super().chat_body(state, self.max_tokens)
         body["max_tokens"] = self.max_tokens
         if self.stop_sequences:
             body["stop"] = self.stop_sequences
@@ -268,7 +270,7 @@ class MessagesRequest(MessagesBody):
             body["user"] = user
         extra = self.model_extra or {}
         body.update({name: extra[name] for name in _CHAT_EXTRAS if extra.get(name) is not None})
-        return body, single_call
+        return body
 
 
 # ---- messages -> chat messages ----------------------------------------------------------------
@@ -411,43 +413,43 @@ router = APIRouter()
 
 
 async def _chat_request(request: Request, model: type[MessagesBody]):
-    """The body parsed and translated -> (state, body, chat request with defaults, single_call)."""
+    """The body parsed and translated -> (state, body, chat request with defaults)."""
     state = request.app.state.server
     req = parse(model, await read_json(request, state.max_body_bytes))
     check_model(state, req.model)
     try:
-        chat_body, single_call = req.chat_body(state)
+        chat_body = req.chat_body(state)
     except UnsupportedParameter as e:
         raise APIError(400, str(e), param=e.param) from None
     chat_req = parse(ChatCompletionRequest, chat_body)
     chat_req.apply_defaults(state.engine.generation_defaults.sampling)
-    return state, req, chat_req, single_call
+    return state, req, chat_req
 
 
 @router.post("/v1/messages", openapi_extra=body_schema(MessagesRequest))
 async def create_message(request: Request):
     try:
-        state, req, chat_req, single_call = await _chat_request(request, MessagesRequest)
+        state, req, chat_req = await _chat_request(request, MessagesRequest)
         run = await prepare_chat(state, chat_req)
         head = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": state.model_name}
         if not req.stream:
-            result = await whole_items(request, state, run, head["id"], single_call)
+            result = await whole_items(request, state, run, head["id"])
             stop_reason, stop_sequence = _stop(result)
             return {**head, "content": [_block(item) for item in result.items], "stop_reason": stop_reason,
                     "stop_sequence": stop_sequence, "usage": {**_input_usage(result),
                                                               "output_tokens": result.completion_tokens}}
     except APIError as e:
         return error_response(e.status, _error_message(e))
-    return StreamingResponse(_events(request, state, run, head, single_call), media_type="text/event-stream")
+    return StreamingResponse(_events(request, state, run, head), media_type="text/event-stream")
 
 
-async def _events(request: Request, state, run, head: dict, single_call: bool):
+async def _events(request: Request, state, run, head: dict):
     usage = {"input_tokens": len(run.ids), "output_tokens": 0}
     yield _sse("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
                                              "usage": usage}})
     result = None
     try:
-        async for event in stream_items(request, state, run, head["id"], single_call):
+        async for event in stream_items(request, state, run, head["id"]):
             if isinstance(event, ItemsResult):
                 result = event
             else:
@@ -481,7 +483,7 @@ async def count_tokens(request: Request):
     """The prompt's token count: the system prompt, messages and tools rendered with the chat
     template, as /v1/messages would run them."""
     try:
-        state, _, chat_req, _ = await _chat_request(request, MessagesBody)
+        state, _, chat_req = await _chat_request(request, MessagesBody)
         try:
             chat_req.tool_mode()
         except UnsupportedParameter as e:

@@ -10,8 +10,8 @@ tool_calls with an index). An item is a run of one kind: a stream opens an item 
 another kind arrives, which closes the one before, so the items come out in the order the
 builders give them: the reasoning, then the text, then each tool call.
 
-single_call (parallel_tool_calls false, disable_parallel_tool_use true): only the first tool call
-is returned.
+parallel_tool_calls false / disable_parallel_tool_use true reach the chat request, whose builders
+then give the first tool call only (hyla.server.tool_choices.SingleToolCall).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class ItemEvent:
     text: str = ""
 
 
-def message_items(message: dict, single_call: bool = False) -> list[OutputItem]:
+def message_items(message: dict) -> list[OutputItem]:
     """A whole chat message ({"reasoning", "content", "tool_calls"}) -> its items. Empty reasoning
     and empty content give no item (a stream would not open one either)."""
     items = []
@@ -58,8 +58,7 @@ def message_items(message: dict, single_call: bool = False) -> list[OutputItem]:
         items.append(OutputItem("reasoning", message["reasoning"]))
     if message.get("content"):
         items.append(OutputItem("text", message["content"]))
-    calls = message.get("tool_calls") or []
-    for call in calls[:1] if single_call else calls:
+    for call in message.get("tool_calls") or []:
         function = call["function"]
         items.append(OutputItem("tool_call", function["arguments"], function["name"], call["id"]))
     return items
@@ -68,8 +67,7 @@ def message_items(message: dict, single_call: bool = False) -> list[OutputItem]:
 class ItemStream:
     """Chat stream deltas -> item events. `items` holds every item so far (the open one last)."""
 
-    def __init__(self, single_call: bool = False):
-        self.single_call = single_call
+    def __init__(self):
         self.items: list[OutputItem] = []
         self.open = False  # whether the last item is still being written
         self.calls: dict[int, OutputItem] = {}  # a tool call's index in the chat stream -> its item
@@ -83,8 +81,6 @@ class ItemStream:
             events += self._write("text", delta["content"])
         for call in delta.get("tool_calls") or []:
             k = call["index"]
-            if self.single_call and k > 0:
-                continue
             function = call.get("function") or {}
             if k not in self.calls:
                 self.calls[k] = OutputItem("tool_call", "", function.get("name"), call.get("id"))
@@ -160,7 +156,7 @@ def _result(state, run: ChatRun, final: RequestOutput, items: list[OutputItem], 
                        _reasoning_tokens(state, run, c, items))
 
 
-async def whole_items(request: Request, state, run: ChatRun, rid: str, single_call: bool = False) -> ItemsResult:
+async def whole_items(request: Request, state, run: ChatRun, rid: str) -> ItemsResult:
     """Run the request's one sequence to its end -> its items. A client gone before the end is a 499."""
     final = None
     async for _, out in outputs(request, state, rid, run.ids, run.plan.params):
@@ -168,18 +164,17 @@ async def whole_items(request: Request, state, run: ChatRun, rid: str, single_ca
     if final is None or not final.finished:
         raise APIError(499, "client closed the request")
     choice = run.make_choice(0).whole(final.outputs[0])
-    items = message_items(choice["message"], single_call)
+    items = message_items(choice["message"])
     if items and choice["finish_reason"] == "length":
         items[-1].complete = False
     return _result(state, run, final, items, choice["finish_reason"])
 
 
-async def stream_items(request: Request, state, run: ChatRun, rid: str,
-                       single_call: bool = False) -> AsyncIterator[ItemEvent | ItemsResult]:
+async def stream_items(request: Request, state, run: ChatRun, rid: str) -> AsyncIterator[ItemEvent | ItemsResult]:
     """Run the request's one sequence: its item events as the output grows, then its ItemsResult.
     An engine failure raises APIError (the route turns it into its stream's error event)."""
     builder = run.make_choice(0)
-    stream = ItemStream(single_call)
+    stream = ItemStream()
     final, finish_reason = None, None
     async for _, out in outputs(request, state, rid, run.ids, run.plan.params):
         final = out

@@ -225,6 +225,8 @@ class ResponsesRequest(BaseModel):
         choice = self.chat_tool_choice(tools is not None)
         if choice is not None:
             body["tool_choice"] = choice
+        if self.parallel_tool_calls is False:  # the chat route's rule (hyla.server.tool_choices.SingleToolCall)
+            body["parallel_tool_calls"] = False
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                             ("top_p", self.top_p), ("user", self.user)):
             if value is not None:
@@ -489,7 +491,6 @@ async def create_response(request: Request):
     except APIError as e:
         raise _renamed(e) from None
     turn = _Turn(state, req, chat_req)
-    single_call = req.parallel_tool_calls is False
     keep = req.store is not False
 
     def finish(response: dict) -> dict:
@@ -498,14 +499,14 @@ async def create_response(request: Request):
         return response
 
     if not req.stream:
-        result = await whole_items(request, state, run, turn.id, single_call)
+        result = await whole_items(request, state, run, turn.id)
         output = [render_item(item, _item_id(item.kind), _item_status(item)) for item in result.items]
         return finish(turn.response(_status(result), output, result))
-    return StreamingResponse(_events(request, state, run, turn, single_call, finish),
+    return StreamingResponse(_events(request, state, run, turn, finish),
                              media_type="text/event-stream")
 
 
-async def _events(request: Request, state, run, turn: _Turn, single_call: bool, finish):
+async def _events(request: Request, state, run, turn: _Turn, finish):
     numbers = itertools.count()
 
     def sse(kind: str, **fields) -> str:
@@ -517,7 +518,7 @@ async def _events(request: Request, state, run, turn: _Turn, single_call: bool, 
     ids: list[str] = []
     result: ItemsResult | None = None
     try:
-        async for event in stream_items(request, state, run, turn.id, single_call):
+        async for event in stream_items(request, state, run, turn.id):
             if isinstance(event, ItemsResult):
                 result = event
                 continue
