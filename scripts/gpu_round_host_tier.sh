@@ -31,8 +31,8 @@ if [ "${SWEEP:-0}" = 1 ] && [ -z "$Q48" ]; then
   tar -cf $OUT/moe_tables.tar hyla/assets/kernel_configs/fused_moe/*.json
 fi
 serve() {  # serve() HOST LOG: the 48B server with a host tier of HOST bytes, ready on port 8000
-  # a step log (hyla.engine.step_log) where the tree has one: a TREE from before it has no flag
-  STEPS=""; [ -z "$TREE" ] && STEPS="--step-log $OUT/steps-host-$1.jsonl"
+  # a step log (hyla.engine.step_log) where the serving tree has one: a TREE from before it has no flag
+  STEPS=""; [ -f "${TREE:-.}/hyla/engine/step_log.py" ] && STEPS="--step-log $OUT/steps-host-$1-$TAG.jsonl"
   python3 -m hyla serve /tmp/k48 --load-format dummy $Q48 --port 8000 \
       --max-num-seqs 16 --max-model-len 16384 --memory-budget 4GiB --host-cache-bytes $1 $STEPS $SERVE_FLAGS > $2 2>&1 &
   SP=$!
@@ -54,8 +54,8 @@ for HOST in ${HOSTS:-0 64GiB}; do
   curl -s localhost:8000/metrics | grep -E "^hyla_prefix_cache_(host|device|bytes|restore)" | tr '\n' ';'; echo
   kill $SP; wait $SP 2>/dev/null
   A=$(ls -t $OUT/agent-host-$HOST-$TAG-*.json 2>/dev/null | head -1)
-  if [ -z "$TREE" ] && [ -n "$A" ]; then
-    python3 scripts/step_log_summary.py $OUT/steps-host-$HOST.jsonl --bench-result $A > $OUT/summary-host-$HOST.txt
-    grep "^prefill steps:" $OUT/summary-host-$HOST.txt; tail -9 $OUT/summary-host-$HOST.txt
+  if [ -f $OUT/steps-host-$HOST-$TAG.jsonl ] && [ -n "$A" ]; then
+    python3 scripts/step_log_summary.py $OUT/steps-host-$HOST-$TAG.jsonl --bench-result $A > $OUT/summary-host-$HOST-$TAG.txt
+    grep "^prefill steps:" $OUT/summary-host-$HOST-$TAG.txt; tail -9 $OUT/summary-host-$HOST-$TAG.txt
   fi
 done
