@@ -218,9 +218,9 @@ class MessagesBody(BaseModel):
         return {"enable_thinking": True, "thinking": True}
 
     def chat_body(self, state, max_tokens: int | None = None) -> dict:
-        """-> (the ChatCompletionRequest body this request runs as, with only the fields it sets,
-        so that generation_config.json's defaults apply to the others; whether at most one tool
-        call is returned)."""
+        """The ChatCompletionRequest body this request runs as, with only the fields it sets, so
+        that generation_config.json's defaults apply to the others (disable_parallel_tool_use
+        becomes parallel_tool_calls false)."""
         self.refuse_unsupported()
         messages = chat_messages(self.system, self.messages)
         body: dict[str, Any] = {"messages": messages}

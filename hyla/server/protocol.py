@@ -86,6 +86,14 @@ def fan_out(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=child_seed(params.seed, i)) for i in range(n)]
 
 
+def refuse_stream_obfuscation(options: dict) -> None:
+    """OpenAI's stream_options.include_obfuscation (random padding in each event) is not
+    implemented: true is a 400 on every route that streams (false or absent asks for nothing)."""
+    if options.get("include_obfuscation"):
+        raise UnsupportedParameter("stream_options.include_obfuscation", "stream obfuscation is not supported "
+                                   "(send include_obfuscation false or leave it out)")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
@@ -229,9 +237,8 @@ class SamplingRequest(StructuredFields):
         self._check_prompt_logprobs()
         if self.stream_options is not None and self.stream_options.given() and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options is only allowed when stream is true")
-        if self.stream_options is not None and (self.stream_options.model_extra or {}).get("include_obfuscation"):
-            raise UnsupportedParameter("stream_options.include_obfuscation", "stream obfuscation is not supported "
-                                       "(send include_obfuscation false or leave it out)")
+        if self.stream_options is not None:
+            refuse_stream_obfuscation(self.stream_options.model_extra or {})
         if not 1 <= self.n <= MAX_CHOICES:
             raise UnsupportedParameter("n", f"n must be in 1..{MAX_CHOICES}, got {self.n}")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

@@ -55,6 +55,7 @@ from hyla.server.errors import APIError, UnsupportedParameter, parse, read_json
 from hyla.server.openapi import body_schema
 from hyla.server.output_items import ItemEvent, ItemsResult, OutputItem, stream_items, whole_items
 from hyla.server.prepare import check_model, prepare_chat
+from hyla.server.protocol import refuse_stream_obfuscation
 
 MAX_STORED_RESPONSES = 512  # responses kept for GET and previous_response_id (least recently used dropped)
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds
@@ -160,8 +161,7 @@ class ResponsesRequest(BaseModel):
         if self.stream_options is not None:
             if not self.stream:
                 raise UnsupportedParameter("stream_options", "stream_options is only allowed when stream is true")
-            if self.stream_options.get("include_obfuscation"):
-                raise UnsupportedParameter("stream_options.include_obfuscation", "stream obfuscation is not supported")
+            refuse_stream_obfuscation(self.stream_options)
         if self.text is not None and self.text.verbosity is not None:
             raise UnsupportedParameter("text.verbosity", "text.verbosity is not supported")
         r = self.reasoning

@@ -277,6 +277,7 @@ def test_a_chain_of_responses(serve):
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
     ({"metadata": {"k": "v" * 600}}, "metadata"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 1000}, "input"),  # the prompt and max_output_tokens pass max_model_len
